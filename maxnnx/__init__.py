@@ -1,0 +1,29 @@
+"""maxnnx: pre-train, fine-tune and serve open LLM families in JAX with flax.nnx.
+
+Quick tour::
+
+  import maxnnx
+  from flax import nnx
+
+  cfg = maxnnx.get_preset('tiny')
+  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))       # a plain nnx.Module
+  model = maxnnx.from_pretrained('path/to/hf_checkpoint')  # or load Hugging Face weights
+  out = maxnnx.generate(model, [[1, 2, 3]], max_new_tokens=20)
+  maxnnx.save_pretrained(model, 'exported/')               # loadable by transformers
+"""
+
+from maxnnx.checkpoint.safetensors import SafetensorsError
+from maxnnx.config import ConfigError, ModelConfig, RopeConfig
+from maxnnx.inference.generate import GenerationResult, generate
+from maxnnx.models.hf import PretrainedError
+from maxnnx.models.pretrained import config_from_pretrained, from_pretrained, save_pretrained
+from maxnnx.models.transformer import Transformer
+from maxnnx.presets import get_preset, list_presets
+
+__version__ = '0.1.0'
+
+__all__ = [
+    'ConfigError', 'GenerationResult', 'ModelConfig', 'PretrainedError', 'RopeConfig',
+    'SafetensorsError', 'Transformer', 'config_from_pretrained', 'from_pretrained', 'generate',
+    'get_preset', 'list_presets', 'save_pretrained',
+]

@@ -1,0 +1,372 @@
+"""Typed, validated configuration for maxnnx models.
+
+Configs are frozen dataclasses. Every field is type-checked on construction, and
+``from_dict`` rejects unknown keys with the nearest valid name, so a typo in a
+YAML file or a ``key=value`` override fails at once instead of being ignored.
+
+Two classes matter to users:
+
+* :class:`RopeConfig`: how rotary position embeddings are computed.
+* :class:`ModelConfig`: the architecture of a decoder-only transformer, plus the
+  numeric settings (param and compute dtypes) and the layer-stack layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+
+class ConfigError(ValueError):
+  """A configuration value is missing, unknown or of the wrong type."""
+
+
+_DTYPES = ('float32', 'bfloat16', 'float16', 'float64')
+
+
+def _nearest(name: str, choices) -> str:
+  match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+  return f" Did you mean '{match[0]}'?" if match else ''
+
+
+def _check_type(value: Any, annotation: Any) -> bool:
+  """True if ``value`` conforms to the (resolved) type ``annotation``."""
+  origin = typing.get_origin(annotation)
+  if annotation is Any:
+    return True
+  if origin is Literal:
+    return value in typing.get_args(annotation)
+  if origin in (typing.Union, types.UnionType):
+    return any(_check_type(value, a) for a in typing.get_args(annotation))
+  if annotation is type(None):
+    return value is None
+  if origin is tuple:
+    args = typing.get_args(annotation)
+    if not isinstance(value, tuple):
+      return False
+    if len(args) == 2 and args[1] is Ellipsis:
+      return all(_check_type(v, args[0]) for v in value)
+    return len(args) == len(value) and all(_check_type(v, a) for v, a in zip(value, args))
+  if annotation is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if annotation is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if isinstance(annotation, type):
+    return isinstance(value, annotation)
+  return True
+
+
+def _describe(annotation: Any) -> str:
+  origin = typing.get_origin(annotation)
+  if origin is Literal:
+    return 'one of ' + ', '.join(repr(a) for a in typing.get_args(annotation))
+  if origin in (typing.Union, types.UnionType):
+    return ' or '.join(_describe(a) for a in typing.get_args(annotation))
+  if annotation is type(None):
+    return 'None'
+  return getattr(annotation, '__name__', str(annotation))
+
+
+class _Validated:
+  """Mixin: type-check every field after construction; build from dicts."""
+
+  def __post_init__(self):
+    hints = typing.get_type_hints(type(self))
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, list):  # lists from YAML/JSON become tuples
+        value = tuple(value)
+        object.__setattr__(self, field.name, value)
+      if not _check_type(value, hints[field.name]):
+        raise ConfigError(
+            f'{type(self).__name__}.{field.name} = {value!r} is invalid: '
+            f'expected {_describe(hints[field.name])}.')
+    self._validate()
+
+  def _validate(self):
+    """Cross-field checks; subclasses override."""
+
+  @classmethod
+  def from_dict(cls, data: dict[str, Any]):
+    """Build from a plain dict, recursing into nested config fields.
+
+    Raises:
+      ConfigError: on an unknown key (naming the nearest valid one) or a bad value.
+    """
+    if isinstance(data, cls):
+      return data
+    if not isinstance(data, dict):
+      raise ConfigError(f'{cls.__name__} expects a dict, got {type(data).__name__}.')
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+      if key not in names:
+        raise ConfigError(
+            f"Unknown {cls.__name__} field '{key}'.{_nearest(key, names)}")
+      nested = _nested_config_type(hints[key])
+      if nested is not None and isinstance(value, dict):
+        value = nested.from_dict(value)
+      kwargs[key] = value
+    return cls(**kwargs)
+
+  def to_dict(self) -> dict[str, Any]:
+    """A plain, JSON-serialisable dict (nested configs become dicts)."""
+    return dataclasses.asdict(self)
+
+  def replace(self, **changes):
+    """A copy with ``changes`` applied (validated like ``from_dict``)."""
+    data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    for key in changes:
+      if key not in data:
+        raise ConfigError(
+            f"Unknown {type(self).__name__} field '{key}'.{_nearest(key, data)}")
+    data.update(changes)
+    return type(self).from_dict(data)
+
+
+def _nested_config_type(annotation):
+  for a in (annotation, *typing.get_args(annotation)):
+    if isinstance(a, type) and issubclass(a, _Validated):
+      return a
+  return None
+
+
+RopeScaling = Literal['none', 'linear', 'llama3', 'yarn', 'longrope']
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig(_Validated):
+  """Rotary position embedding settings.
+
+  Attributes:
+    theta: base of the geometric frequency progression (``rope_theta``).
+    scaling: context-extension method: ``none``, ``linear`` (positions divided
+      by ``factor``), ``llama3`` (Llama 3.1 band-wise scaling), ``yarn`` or
+      ``longrope`` (Phi-3).
+    factor: scaling factor for ``linear``, ``llama3``, ``yarn`` and ``longrope``;
+      ``None`` means ``max_position_embeddings / original_max_position_embeddings``
+      for ``yarn`` and ``longrope``, and is an error for ``linear``/``llama3``.
+    original_max_position_embeddings: context length the model was pre-trained
+      with; ``llama3``, ``yarn`` and ``longrope`` use it.
+    low_freq_factor: ``llama3`` only: wavelengths above
+      ``original_max_position_embeddings / low_freq_factor`` are fully scaled.
+    high_freq_factor: ``llama3`` only: wavelengths below
+      ``original_max_position_embeddings / high_freq_factor`` are untouched.
+    beta_fast: ``yarn`` only: rotations at which interpolation starts.
+    beta_slow: ``yarn`` only: rotations at which interpolation ends.
+    mscale: ``yarn`` only: the DeepSeek-style attention-scale numerator.
+    mscale_all_dim: ``yarn`` only: the DeepSeek-style attention-scale denominator.
+    truncate: ``yarn`` only: round the correction range to whole dimensions.
+    attention_factor: multiplier applied to cos/sin (``yarn``, ``longrope``);
+      ``None`` derives it from ``factor`` as the method defines.
+    short_factor: ``longrope`` only: per-frequency divisors used while the
+      sequence fits ``original_max_position_embeddings``.
+    long_factor: ``longrope`` only: per-frequency divisors beyond it.
+    partial_rotary_factor: fraction of ``head_dim`` that is rotated (the rest
+      passes through unchanged), e.g. 0.5 for half-rotary models.
+  """
+
+  theta: float = 10_000.0
+  scaling: RopeScaling = 'none'
+  factor: float | None = None
+  original_max_position_embeddings: int | None = None
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  truncate: bool = True
+  attention_factor: float | None = None
+  short_factor: tuple[float, ...] | None = None
+  long_factor: tuple[float, ...] | None = None
+  partial_rotary_factor: float = 1.0
+
+  def _validate(self):
+    if self.theta <= 0:
+      raise ConfigError(f'RopeConfig.theta must be > 0, got {self.theta}.')
+    if not 0 < self.partial_rotary_factor <= 1:
+      raise ConfigError('RopeConfig.partial_rotary_factor must be in (0, 1], '
+                        f'got {self.partial_rotary_factor}.')
+    needs_original = ('llama3', 'longrope')
+    if self.scaling in needs_original and self.original_max_position_embeddings is None:
+      raise ConfigError(f"RopeConfig.scaling='{self.scaling}' needs "
+                        'original_max_position_embeddings.')
+    if self.scaling in ('linear', 'llama3') and self.factor is None:
+      raise ConfigError(f"RopeConfig.scaling='{self.scaling}' needs factor.")
+    if self.scaling == 'longrope' and (self.short_factor is None or self.long_factor is None):
+      raise ConfigError("RopeConfig.scaling='longrope' needs short_factor and long_factor.")
+
+
+LayerType = Literal['full', 'sliding']
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(_Validated):
+  """Architecture and numerics of a decoder-only transformer.
+
+  One config covers every dense family; a family is a choice of these fields
+  (see ``maxnnx.presets``) plus its Hugging Face mapping.
+
+  Attributes:
+    family: model family, used for Hugging Face export (``llama``, ``gemma2``…).
+    vocab_size: number of token ids.
+    d_model: width of the residual stream (``hidden_size``).
+    num_layers: number of decoder blocks.
+    num_heads: query heads.
+    num_kv_heads: key/value heads (``num_heads`` for MHA, 1 for MQA, else GQA).
+    head_dim: per-head width; ``None`` means ``d_model // num_heads``.
+    mlp_dim: hidden width of the MLP (``intermediate_size``).
+    max_position_embeddings: longest context the model supports.
+    norm_type: ``rms`` (RMSNorm) or ``layer`` (LayerNorm).
+    norm_eps: epsilon added to the variance in every norm.
+    norm_scale_offset: norms multiply by ``offset + w``; Gemma uses 1.0.
+    pre_norm: normalise the input of each attention/MLP sub-block.
+    post_norm: normalise the output of each attention/MLP sub-block before the
+      residual add (Gemma 2/3 use both, OLMo 2 only this one).
+    qkv_bias: bias on the query/key/value projections (Qwen2).
+    out_bias: bias on the attention output projection.
+    qk_norm: ``none``; ``head`` (RMSNorm over ``head_dim`` of each head, Qwen3,
+      Gemma3) or ``projection`` (over all heads of q and of k, OLMo 2).
+    query_scale: multiplier of q·k; ``None`` means ``head_dim ** -0.5``
+      (Gemma 2/3 use ``query_pre_attn_scalar ** -0.5``).
+    attn_logit_softcap: ``cap * tanh(scores / cap)`` before the softmax.
+    sliding_window: keys at most this many positions back (query included) are
+      visible in sliding layers.
+    layer_types: ``full`` or ``sliding`` per layer; ``None`` means all sliding
+      when ``sliding_window`` is set, else all full.
+    rope: rotary embedding of full-attention layers (and of all layers unless
+      ``local_rope`` is set).
+    local_rope: rotary embedding of sliding layers when it differs (Gemma 3).
+    mlp_activation: ``silu``, ``gelu_tanh``, ``gelu`` or ``relu``.
+    mlp_gated: gated MLP (SwiGLU/GeGLU) rather than a plain two-layer MLP.
+    mlp_bias: biases in the MLP projections.
+    tie_word_embeddings: the output projection reuses the input embedding.
+    scale_embeddings: multiply embeddings by ``sqrt(d_model)`` (Gemma).
+    final_logit_softcap: ``cap * tanh(logits / cap)`` on the output logits.
+    param_dtype: dtype parameters are stored in.
+    dtype: dtype activations and matmuls are computed in.
+    logits_dtype: dtype of the returned logits.
+    scan_layers: hold the layer stack as one scanned module (fast compile for
+      deep models) instead of a list of modules (easy to inspect and edit).
+    attention_impl: attention kernel strategy by name (``xla`` always exists).
+    initializer_range: std of the normal init of the embedding table.
+    bos_token_id: beginning-of-sequence id of the model's tokenizer, if any.
+    eos_token_id: end-of-sequence id(s); ``generate`` stops at them by default.
+    pad_token_id: padding id, if the tokenizer has one.
+  """
+
+  family: str = 'llama'
+  vocab_size: int = 32_000
+  d_model: int = 4096
+  num_layers: int = 32
+  num_heads: int = 32
+  num_kv_heads: int = 32
+  head_dim: int | None = None
+  mlp_dim: int = 11_008
+  max_position_embeddings: int = 4096
+  norm_type: Literal['rms', 'layer'] = 'rms'
+  norm_eps: float = 1e-6
+  norm_scale_offset: float = 0.0
+  pre_norm: bool = True
+  post_norm: bool = False
+  qkv_bias: bool = False
+  out_bias: bool = False
+  qk_norm: Literal['none', 'head', 'projection'] = 'none'
+  query_scale: float | None = None
+  attn_logit_softcap: float | None = None
+  sliding_window: int | None = None
+  layer_types: tuple[LayerType, ...] | None = None
+  rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+  local_rope: RopeConfig | None = None
+  mlp_activation: Literal['silu', 'gelu_tanh', 'gelu', 'relu'] = 'silu'
+  mlp_gated: bool = True
+  mlp_bias: bool = False
+  tie_word_embeddings: bool = False
+  scale_embeddings: bool = False
+  final_logit_softcap: float | None = None
+  param_dtype: Literal[_DTYPES] = 'float32'
+  dtype: Literal[_DTYPES] = 'float32'
+  logits_dtype: Literal[_DTYPES] = 'float32'
+  scan_layers: bool = False
+  attention_impl: str = 'xla'
+  initializer_range: float = 0.02
+  bos_token_id: int | None = None
+  eos_token_id: int | tuple[int, ...] | None = None
+  pad_token_id: int | None = None
+
+  def _validate(self):
+    positive = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'mlp_dim',
+                'max_position_embeddings')
+    for name in positive:
+      if getattr(self, name) <= 0:
+        raise ConfigError(f'ModelConfig.{name} must be > 0, got {getattr(self, name)}.')
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+          f'ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads '
+          f'({self.num_kv_heads}).')
+    if self.head_dim is None and self.d_model % self.num_heads:
+      raise ConfigError(f'ModelConfig.d_model ({self.d_model}) is not divisible by num_heads '
+                        f'({self.num_heads}); set head_dim explicitly.')
+    if self.layer_types is not None:
+      if len(self.layer_types) != self.num_layers:
+        raise ConfigError(f'ModelConfig.layer_types has {len(self.layer_types)} entries but '
+                          f'num_layers is {self.num_layers}.')
+      if 'sliding' in self.layer_types and self.sliding_window is None:
+        raise ConfigError("ModelConfig.layer_types has 'sliding' layers but sliding_window "
+                          'is None; set sliding_window.')
+    if self.sliding_window is not None and self.sliding_window <= 0:
+      raise ConfigError(f'ModelConfig.sliding_window must be > 0, got {self.sliding_window}.')
+    if self.rope.partial_rotary_factor * self.resolved_head_dim % 2:
+      raise ConfigError('ModelConfig: the rotated part of head_dim '
+                        f'({self.rope.partial_rotary_factor} * {self.resolved_head_dim}) '
+                        'must be even.')
+
+  @property
+  def resolved_head_dim(self) -> int:
+    """``head_dim`` with its default (``d_model // num_heads``) applied."""
+    return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+  @property
+  def resolved_layer_types(self) -> tuple[LayerType, ...]:
+    """The attention type of every layer."""
+    if self.layer_types is not None:
+      return self.layer_types
+    return (('sliding' if self.sliding_window else 'full'),) * self.num_layers
+
+  @property
+  def resolved_query_scale(self) -> float:
+    """The multiplier applied to q·k before the softmax."""
+    return self.query_scale if self.query_scale is not None else self.resolved_head_dim**-0.5
+
+  def jnp_dtype(self, which: Literal['dtype', 'param_dtype', 'logits_dtype'] = 'dtype'):
+    """The ``jnp`` dtype of ``dtype``, ``param_dtype`` or ``logits_dtype``."""
+    return jnp.dtype(getattr(self, which))
+
+  def num_params(self) -> int:
+    """Exact parameter count of the model this config builds."""
+    d, hd, h, kv = self.d_model, self.resolved_head_dim, self.num_heads, self.num_kv_heads
+    attn = d * hd * (h + 2 * kv) + h * hd * d
+    attn += hd * (h + 2 * kv) * self.qkv_bias + d * self.out_bias
+    attn += {'none': 0, 'head': 2 * hd, 'projection': hd * (h + kv)}[self.qk_norm]
+    mlp = d * self.mlp_dim * (3 if self.mlp_gated else 2)
+    mlp += (self.mlp_dim * (2 if self.mlp_gated else 1) + d) * self.mlp_bias
+    norm = d * (2 if self.norm_type == 'layer' else 1)
+    norms = norm * 2 * (int(self.pre_norm) + int(self.post_norm))
+    per_layer = attn + mlp + norms
+    embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+    return self.num_layers * per_layer + embed + norm
+
+
+def resolve_dtype(name: str):
+  """``jnp.dtype`` for a dtype name, with an error naming the valid ones."""
+  if name not in _DTYPES:
+    raise ConfigError(f"Unknown dtype '{name}'.{_nearest(name, _DTYPES)} "
+                      f'Valid: {", ".join(_DTYPES)}.')
+  return jnp.dtype(name)

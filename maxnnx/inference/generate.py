@@ -1,0 +1,190 @@
+"""``generate``: prefill a batch of prompts, then decode inside one jitted loop.
+
+Prompts of different lengths are left-padded; padding gets segment id 0 (never
+attended to) and every row's positions start at 0 at its first real token, so a
+row's continuation does not depend on the other rows. The KV cache lives in
+``nnx.Cache`` variables of a working copy of the model (the caller's model is
+not modified). Decoding runs as a ``jax.lax.while_loop`` with no host sync per
+token and stops early once every row has produced an end-of-sequence id.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maxnnx.inference.sampling import sample_next_token
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+  """Generated continuations.
+
+  Attributes:
+    tokens: ``[B, max_new_tokens]`` generated ids; after a row's end-of-sequence
+      id (kept) the row holds ``pad_id``.
+    lengths: ``[B]`` number of generated tokens per row, EOS included.
+  """
+
+  tokens: np.ndarray
+  lengths: np.ndarray
+
+  def as_lists(self) -> list[list[int]]:
+    """Each row's generated ids, without padding."""
+    return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+
+def _left_pad(prompts, prompt_lengths, pad_id: int):
+  if prompt_lengths is None and isinstance(prompts, (list, tuple)):
+    rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+  else:
+    array = np.asarray(prompts)
+    if array.ndim != 2:
+      raise ValueError(f'prompt_ids must be [batch, length] or a list of sequences, got shape '
+                       f'{array.shape}.')
+    lengths = (np.full(array.shape[0], array.shape[1]) if prompt_lengths is None
+               else np.asarray(prompt_lengths))
+    if lengths.shape != (array.shape[0],) or lengths.min() < 1 or lengths.max() > array.shape[1]:
+      raise ValueError(f'prompt_lengths must give 1..{array.shape[1]} for each of the '
+                       f'{array.shape[0]} rows, got {lengths.tolist()}.')
+    rows = [array[i, :n] for i, n in enumerate(lengths)]
+  if not rows or min(len(r) for r in rows) == 0:
+    raise ValueError('Every prompt needs at least one token.')
+  width = max(len(r) for r in rows)
+  ids = np.full((len(rows), width), pad_id, np.int32)
+  segments = np.zeros((len(rows), width), np.int32)
+  positions = np.zeros((len(rows), width), np.int32)
+  for i, row in enumerate(rows):
+    ids[i, width - len(row):] = row
+    segments[i, width - len(row):] = 1
+    positions[i, width - len(row):] = np.arange(len(row))
+  return ids, segments, positions, np.array([len(r) for r in rows], np.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _prefill(graphdef, params, cache, ids, segments, positions):
+  model = nnx.merge(graphdef, params, cache)
+  logits = model(ids, segment_ids=segments, positions=positions, decode=True)
+  return logits[:, -1], nnx.state(model, nnx.Cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(8,))
+def _decode(graphdef, end_step, temperature, top_k, top_p, params, tokens, done, cache, logits,
+            start_step, next_positions, eos_ids, pad_id, key):
+  """Sample tokens ``start_step..end_step-1``, feeding each back through the cache."""
+  batch = logits.shape[0]
+
+  def cond(carry):
+    step, _, done, *_ = carry
+    return (step < end_step) & ~jnp.all(done)
+
+  def body(carry):
+    step, tokens, done, cache, logits, key = carry
+    key, sample_key = jax.random.split(key)
+    token = sample_next_token(logits, sample_key, temperature=temperature, top_k=top_k,
+                              top_p=top_p)
+    token = jnp.where(done, pad_id, token)
+    tokens = tokens.at[:, step].set(token)
+    done = done | jnp.isin(token, eos_ids)
+    model = nnx.merge(graphdef, params, cache)
+    new_logits = model(token[:, None], segment_ids=jnp.ones((batch, 1), jnp.int32),
+                       positions=(next_positions + step)[:, None], decode=True)
+    return step + 1, tokens, done, nnx.state(model, nnx.Cache), new_logits[:, -1], key
+
+  carry = (start_step, tokens, done, cache, logits, key)
+  _, tokens, done, cache, logits, key = jax.lax.while_loop(cond, body, carry)
+  return tokens, done, cache, logits, key
+
+
+def _longrope_switch_step(model, prompt_width: int, max_new_tokens: int) -> int | None:
+  """Decode step after which a LongRoPE model's cache must be recomputed.
+
+  LongRoPE rotates with its short factors while every position fits the
+  original context and with its long factors after; keys cached before the
+  switch carry the short rotation. As the Phi-3 reference implementation does,
+  the whole sequence is re-encoded once the first position past the original
+  context has been fed.
+  """
+  thresholds = [r.long_threshold for r in (model.rotary, model.local_rotary)
+                if r.long_inv_freq is not None]
+  if not thresholds or prompt_width > min(thresholds):
+    return None
+  steps = min(thresholds) - prompt_width + 1
+  return steps if steps < max_new_tokens else None
+
+
+def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_tokens: int, *,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             eos_ids: Sequence[int] | int | None | str = 'config', pad_id: int = 0, seed: int = 0,
+             prompt_lengths: Sequence[int] | None = None) -> GenerationResult:
+  """Continue each prompt by up to ``max_new_tokens`` tokens.
+
+  Args:
+    model: a :class:`~maxnnx.Transformer` (not modified).
+    prompt_ids: a list of token-id sequences (any lengths), or a ``[B, T]``
+      array whose rows are full prompts, or right-padded rows with
+      ``prompt_lengths``.
+    max_new_tokens: tokens to generate per row at most.
+    temperature: 0 for greedy decoding, else the sampling temperature.
+    top_k: sample only among the ``top_k`` most likely tokens.
+    top_p: sample only from the smallest set of tokens with probability ``>= top_p``.
+    eos_ids: id(s) that end a row; generation stops when every row has ended.
+      ``'config'`` (default) uses ``model.config.eos_token_id``; ``None`` never stops.
+    pad_id: id written after a row has ended (and used to pad prompts).
+    seed: seed of the sampling key (same seed, same samples).
+    prompt_lengths: real length of each row of an array ``prompt_ids``.
+
+  Returns:
+    A :class:`GenerationResult` with ``tokens [B, max_new_tokens]`` and ``lengths``.
+  """
+  if max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}.')
+  if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (
+      top_k is not None and top_k < 1):
+    raise ValueError('Need temperature >= 0, 1 <= top_k and 0 < top_p <= 1; got '
+                     f'temperature={temperature}, top_k={top_k}, top_p={top_p}.')
+  ids, segments, positions, lengths = _left_pad(prompt_ids, prompt_lengths, pad_id)
+  vocab = model.config.vocab_size
+  if ids.min() < 0 or ids.max() >= vocab:
+    raise ValueError(f'prompt_ids contain ids outside [0, {vocab}); check the tokenizer '
+                     'matches the model.')
+  if isinstance(eos_ids, str):
+    if eos_ids != 'config':
+      raise ValueError(f"eos_ids must be ids, None or 'config', got {eos_ids!r}.")
+    eos_ids = model.config.eos_token_id
+  eos = np.asarray([] if eos_ids is None else np.atleast_1d(eos_ids), np.int32)
+  batch, width = ids.shape
+  work = nnx.merge(*nnx.split(model))  # a working copy: the cache is not added to `model`
+  work.init_cache(batch, width + max_new_tokens)
+  graphdef, params, cache = nnx.split(work, nnx.Param, nnx.Cache)
+  logits, cache = _prefill(graphdef, params, cache, ids, segments, positions)
+  tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
+  done = jnp.zeros((batch,), bool)
+  decode = functools.partial(_decode, graphdef)
+  sampling = (float(temperature), top_k, top_p)
+  extra = (jnp.asarray(lengths), jnp.asarray(eos), pad_id)
+  key = jax.random.key(seed)
+  switch = _longrope_switch_step(work, width, max_new_tokens)
+  if switch is None:
+    tokens, *_ = decode(max_new_tokens, *sampling, params, tokens, done, cache, logits, 0,
+                        *extra, key)
+  else:
+    tokens, done, cache, _, key = decode(switch, *sampling, params, tokens, done, cache, logits,
+                                         0, *extra, key)
+    # Re-encode prompt + generated tokens with fresh keys, then continue.
+    new = np.asarray(tokens[:, :switch])
+    cache = jax.tree.map(jnp.zeros_like, cache)
+    logits, cache = _prefill(
+        graphdef, params, cache, np.concatenate([ids, new], 1),
+        np.concatenate([segments, np.ones_like(new)], 1),
+        np.concatenate([positions, lengths[:, None] + np.arange(switch)], 1))
+    tokens, *_ = decode(max_new_tokens, *sampling, params, tokens, done, cache, logits, switch,
+                        *extra, key)
+  tokens = np.asarray(tokens)
+  ended = np.isin(tokens, eos)
+  out_lengths = np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, max_new_tokens)
+  return GenerationResult(tokens, out_lengths.astype(np.int32))

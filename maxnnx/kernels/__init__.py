@@ -1,0 +1,12 @@
+"""Swappable compute kernels, chosen by name in the model config."""
+
+from maxnnx.kernels.attention import (
+                                      ATTENTION_IMPLEMENTATIONS,
+                                      AttentionKernel,
+                                      XlaAttention,
+                                      get_attention_kernel,
+                                      register_attention_kernel,
+)
+
+__all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionKernel', 'XlaAttention', 'get_attention_kernel',
+           'register_attention_kernel']

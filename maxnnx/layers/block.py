@@ -1,0 +1,42 @@
+"""One decoder block: attention and MLP sub-blocks with pre- and/or post-norms."""
+
+import jax
+from flax import nnx
+
+from maxnnx.config import ModelConfig
+from maxnnx.layers.attention import Attention
+from maxnnx.layers.masks import AttentionMask
+from maxnnx.layers.mlp import MLP
+from maxnnx.layers.norm_factory import make_norm
+
+
+class DecoderBlock(nnx.Module):
+  """``x + post(attn(pre(x)))`` then ``x + post(mlp(pre(x)))``.
+
+  ``cfg.pre_norm`` and ``cfg.post_norm`` choose which norms exist: Llama-style
+  blocks have only pre-norms, Gemma 2/3 both, OLMo 2 only post-norms.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def norm(enabled):
+      return make_norm(cfg, rngs=rngs) if enabled else None
+
+    self.attn_pre_norm = norm(cfg.pre_norm)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.attn_post_norm = norm(cfg.post_norm)
+    self.mlp_pre_norm = norm(cfg.pre_norm)
+    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp_post_norm = norm(cfg.post_norm)
+
+  def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask, *,
+               sliding_window=None, cache_index=None) -> jax.Array:
+    h = self.attn_pre_norm(x_BTD) if self.attn_pre_norm is not None else x_BTD
+    h = self.attn(h, cos_sin, mask, sliding_window=sliding_window, cache_index=cache_index)
+    if self.attn_post_norm is not None:
+      h = self.attn_post_norm(h)
+    x_BTD = x_BTD + h
+    h = self.mlp_pre_norm(x_BTD) if self.mlp_pre_norm is not None else x_BTD
+    h = self.mlp(h)
+    if self.mlp_post_norm is not None:
+      h = self.mlp_post_norm(h)
+    return x_BTD + h

@@ -1,0 +1,56 @@
+"""Which keys each query may see, described by segment ids and positions."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+  """Segment ids and positions of the queries and of the keys.
+
+  A key is visible to a query when both are in the same segment, the key's
+  segment is not 0 (padding or an empty cache slot), the key's position is not
+  after the query's (causal), and, in sliding layers, the key is fewer than
+  ``sliding_window`` positions back. The same rule covers plain causal
+  training, packed documents (segments 1, 2, 3… with positions restarting),
+  left-padded batches and KV-cache decoding, and lets an attention kernel use
+  segment ids directly instead of a dense mask.
+
+  Attributes:
+    q_segment_ids: ``[B, T]`` int32.
+    q_positions: ``[B, T]`` int32.
+    kv_segment_ids: ``[B, S]`` int32.
+    kv_positions: ``[B, S]`` int32.
+  """
+
+  q_segment_ids: jax.Array
+  q_positions: jax.Array
+  kv_segment_ids: jax.Array
+  kv_positions: jax.Array
+
+  @classmethod
+  def causal(cls, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> 'AttentionMask':
+    """Self-attention of a (possibly packed) sequence over itself."""
+    return cls(segment_ids_BT, positions_BT, segment_ids_BT, positions_BT)
+
+  def dense(self, sliding_window: int | jax.Array | None = None) -> jax.Array:
+    """Boolean mask ``[B, T, S]``; ``True`` where attention is allowed.
+
+    ``sliding_window`` may be a traced integer (scanned layers of mixed types).
+    """
+    q_seg, kv_seg = self.q_segment_ids[:, :, None], self.kv_segment_ids[:, None, :]
+    q_pos, kv_pos = self.q_positions[:, :, None], self.kv_positions[:, None, :]
+    allowed = (q_seg == kv_seg) & (kv_seg != 0) & (kv_pos <= q_pos)
+    if sliding_window is not None:
+      allowed &= q_pos - kv_pos < sliding_window
+    return allowed
+
+
+def default_segments_and_positions(ids_BT: jax.Array):
+  """Segment ids (all 1) and positions (0..T-1) of unpacked, unpadded input."""
+  batch, length = ids_BT.shape
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  return jnp.ones((batch, length), jnp.int32), positions

@@ -1,0 +1,42 @@
+"""Feed-forward blocks: gated (SwiGLU, GeGLU) or plain two-layer MLPs."""
+
+import jax
+from flax import nnx
+
+from maxnnx.config import ModelConfig
+from maxnnx.layers.linear import DenseGeneral
+
+ACTIVATIONS = {
+    'silu': jax.nn.silu,
+    'gelu_tanh': lambda x: jax.nn.gelu(x, approximate=True),
+    'gelu': lambda x: jax.nn.gelu(x, approximate=False),
+    'relu': jax.nn.relu,
+}
+
+
+class MLP(nnx.Module):
+  """``down(act(gate(x)) * up(x))`` when gated, else ``down(act(up(x)))``.
+
+  Attributes:
+    gate_proj: ``[d_model] -> [mlp]`` (gated only).
+    up_proj: ``[d_model] -> [mlp]``.
+    down_proj: ``[mlp] -> [d_model]``.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, m = cfg.d_model, cfg.mlp_dim
+    dense = dict(use_bias=cfg.mlp_bias, dtype=cfg.jnp_dtype(),
+                 param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
+    self.gate_proj = (DenseGeneral((d,), (m,), axes=('embed', 'mlp'), **dense)
+                      if cfg.mlp_gated else None)
+    self.up_proj = DenseGeneral((d,), (m,), axes=('embed', 'mlp'), **dense)
+    self.down_proj = DenseGeneral((m,), (d,), axes=('mlp', 'embed'), **dense)
+    self.activation = cfg.mlp_activation
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    act = ACTIVATIONS[self.activation]
+    if self.gate_proj is not None:
+      h_BTF = act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD)
+    else:
+      h_BTF = act(self.up_proj(x_BTD))
+    return self.down_proj(h_BTF)

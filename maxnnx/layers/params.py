@@ -1,0 +1,23 @@
+"""Creating parameters that carry logical sharding names."""
+
+from collections.abc import Callable, Sequence
+
+import jax
+from flax import nnx
+
+Initializer = Callable[[jax.Array, Sequence[int], jax.typing.DTypeLike], jax.Array]
+
+
+def logical_param(init: Initializer, key: jax.Array, shape: Sequence[int], dtype,
+                  names: Sequence[str]) -> nnx.Param:
+  """An ``nnx.Param`` whose ``out_sharding`` metadata holds logical axis names.
+
+  The names (``embed``, ``heads``, ``mlp``…) say what each dimension is; the
+  sharding module maps them onto mesh axes. Eager sharding is off so a model can
+  be built with or without a mesh; placement happens when the state is jitted
+  with explicit output shardings.
+  """
+  shape = tuple(shape)
+  if len(names) != len(shape):
+    raise ValueError(f'{len(names)} axis names {tuple(names)} for a {len(shape)}-d shape {shape}.')
+  return nnx.Param(init(key, shape, dtype), out_sharding=tuple(names), eager_sharding=False)

@@ -1,0 +1,12 @@
+"""Model families: one shared :class:`Transformer`, one small module per family."""
+
+from maxnnx.models.pretrained import (
+                                      FAMILIES,
+                                      config_from_pretrained,
+                                      from_pretrained,
+                                      save_pretrained,
+)
+from maxnnx.models.transformer import Transformer
+
+__all__ = ['FAMILIES', 'Transformer', 'config_from_pretrained', 'from_pretrained',
+           'save_pretrained']

@@ -1,0 +1,54 @@
+"""Phi-3: Llama with fused qkv and gate/up projections, LongRoPE and partial rotary."""
+
+import numpy as np
+
+from maxnnx.config import ModelConfig
+from maxnnx.models.hf import Family, HFConfig, TensorDict, common_to_hf
+
+
+def config_from_hf(hf: HFConfig) -> ModelConfig:
+  return ModelConfig(family='phi3', **hf.common_fields(), sliding_window=hf.get('sliding_window'))
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+  out = common_to_hf(cfg, 'phi3', 'Phi3ForCausalLM')
+  out['sliding_window'] = cfg.sliding_window
+  if cfg.rope.original_max_position_embeddings is not None:
+    out['original_max_position_embeddings'] = cfg.rope.original_max_position_embeddings
+  return out
+
+
+def _splits(cfg: ModelConfig) -> dict[str, tuple[list[str], list[int]]]:
+  hd = cfg.resolved_head_dim
+  q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+  return {'self_attn.qkv_proj': (['self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj'],
+                                 [q, q + kv]),
+          'mlp.gate_up_proj': (['mlp.gate_proj', 'mlp.up_proj'], [cfg.mlp_dim])}
+
+
+def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
+  """Split ``qkv_proj`` (rows q, k, v) and ``gate_up_proj`` (rows gate, up)."""
+  out = dict(tensors)
+  for i in range(cfg.num_layers):
+    for fused, (parts, cuts) in _splits(cfg).items():
+      name = f'model.layers.{i}.{fused}.weight'
+      if name in out:
+        source, array = out.pop(name)
+        for part, piece in zip(parts, np.split(array, cuts, axis=0)):
+          out[f'model.layers.{i}.{part}.weight'] = (source, piece)
+  return out
+
+
+def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """Inverse of :func:`unfuse`, for export."""
+  out = dict(tensors)
+  for i in range(cfg.num_layers):
+    for fused, (parts, _) in _splits(cfg).items():
+      pieces = [out.pop(f'model.layers.{i}.{part}.weight') for part in parts]
+      out[f'model.layers.{i}.{fused}.weight'] = np.concatenate(pieces, axis=0)
+  return out
+
+
+FAMILY = Family('phi3', ('phi3',), 'Phi3ForCausalLM', config_from_hf, config_to_hf,
+                defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 4096},
+                unfuse=unfuse, fuse=fuse)

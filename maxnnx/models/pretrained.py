@@ -1,0 +1,216 @@
+"""``from_pretrained`` / ``save_pretrained``: Hugging Face directories <-> maxnnx models.
+
+Loading reads ``config.json`` (either the transformers-5 ``rope_parameters``
+layout or the older ``rope_theta`` + ``rope_scaling`` one), builds the model's
+abstract shape without allocating, validates every safetensors file, maps and
+checks every tensor, and only then materialises parameters: a missing, extra,
+mis-shaped or truncated tensor is one error naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maxnnx.checkpoint.safetensors import SafetensorsError, read_safetensors_dir, write_sharded
+from maxnnx.config import ConfigError, ModelConfig
+from maxnnx.layers.linear import DenseGeneral
+from maxnnx.models import gemma, gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
+from maxnnx.models.hf import IGNORED_HF_TENSORS, Family, HFConfig, PretrainedError, load_config_json
+from maxnnx.models.transformer import Transformer
+
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma.FAMILY,
+                        gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY, olmo2.FAMILY)}
+
+
+def family_for_model_type(model_type: str, path: str = 'config.json') -> Family:
+  """The :class:`Family` that loads ``model_type``."""
+  for family in FAMILIES.values():
+    if model_type in family.model_types:
+      return family
+  known = sorted(t for f in FAMILIES.values() for t in f.model_types)
+  raise PretrainedError(f"{path}: model_type '{model_type}' is not supported. "
+                        f'Supported: {", ".join(known)}.')
+
+
+def config_from_pretrained(directory: str, **overrides: Any) -> ModelConfig:
+  """The :class:`ModelConfig` of a Hugging Face directory (no weights read).
+
+  ``overrides`` replace config fields, e.g. ``dtype='bfloat16'``, ``scan_layers=True``.
+  """
+  data, path = load_config_json(directory)
+  family = family_for_model_type(data['model_type'], path)
+  try:
+    cfg = family.config_from_hf(HFConfig(data, path, family.defaults))
+    return cfg.replace(**overrides) if overrides else cfg
+  except ConfigError as e:
+    raise PretrainedError(f'{path}: {e}') from None
+
+
+def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: str | None = None,
+                    scan_layers: bool | None = None, **overrides: Any) -> Transformer:
+  """Load a local Hugging Face checkpoint directory as a :class:`Transformer`.
+
+  Args:
+    directory: holds ``config.json`` and ``*.safetensors`` (one file, or shards
+      with ``model.safetensors.index.json``). Tokenizer files are not needed,
+      and pickle checkpoints (``*.bin``) are never read.
+    dtype: compute dtype (default: the config's, ``float32``).
+    param_dtype: dtype parameters are stored in (default ``float32``).
+    scan_layers: build the layer stack scanned (default: unscanned).
+    **overrides: any other :class:`ModelConfig` field.
+
+  Raises:
+    PretrainedError: unsupported ``model_type``, a missing file, or a tensor
+      that is missing, unexpected or of the wrong shape (named with its file).
+    SafetensorsError: a truncated or corrupt safetensors file.
+  """
+  for key, value in (('dtype', dtype), ('param_dtype', param_dtype), ('scan_layers', scan_layers)):
+    if value is not None:
+      overrides[key] = value
+  cfg = config_from_pretrained(directory, **overrides)
+  family = FAMILIES[cfg.family]
+  tensors = read_safetensors_dir(directory)
+  if family.unfuse is not None:
+    tensors = family.unfuse(tensors, cfg)
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  n_in = _kernel_input_dims(abstract)
+  values = {}
+  used = set()
+  for path, shape in _unscanned_param_shapes(abstract_state, cfg).items():
+    name = family.hf_name(path)
+    if name not in tensors:
+      raise PretrainedError(f"{directory}: tensor '{name}' is missing (needed for "
+                            f"{'.'.join(map(str, path))} of a {cfg.family} model).")
+    source, array = tensors[name]
+    used.add(name)
+    kernel_n_in = n_in[_module_key(path)] if path[-1] == 'kernel' else None
+    values[path] = _hf_to_ours(array, shape, kernel_n_in, name, source)
+  unexpected = sorted(n for n in tensors if n not in used and not IGNORED_HF_TENSORS.match(n)
+                      and not (cfg.tie_word_embeddings and n == 'lm_head.weight'))
+  if unexpected:
+    shown = ', '.join(unexpected[:5]) + (' …' if len(unexpected) > 5 else '')
+    raise PretrainedError(f'{directory}: {len(unexpected)} tensor(s) that a {cfg.family} model '
+                          f'with this config.json does not have: {shown}.')
+  param_dtype = cfg.jnp_dtype('param_dtype')
+  state = _to_model_layout(values, abstract_state, cfg, lambda a: jnp.asarray(a, param_dtype))
+  return nnx.merge(graphdef, state)
+
+
+def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int = 5 * 1024**3
+                    ) -> list[str]:
+  """Write ``model`` as a Hugging Face directory that transformers loads.
+
+  Writes ``config.json`` (transformers-5 layout) and ``model.safetensors`` (or
+  shards plus an index) in the parameters' dtype. Existing files of the same
+  names are replaced atomically, each only once its new version is complete.
+  Returns the written file names.
+  """
+  cfg = model.config
+  family = FAMILIES.get(cfg.family)
+  if family is None:
+    raise PretrainedError(f"ModelConfig.family '{cfg.family}' has no Hugging Face mapping; "
+                          f'known: {", ".join(sorted(FAMILIES))}.')
+  hf_config = family.config_to_hf(cfg)
+  n_in = _kernel_input_dims(model)
+  tensors = {}
+  state = nnx.state(model, nnx.Param)
+  for path, array in _unscanned_param_values(state, cfg).items():
+    kernel_n_in = n_in[_module_key(path)] if path[-1] == 'kernel' else None
+    tensors[family.hf_name(path)] = _ours_to_hf(np.asarray(array), kernel_n_in, path[-1])
+  if family.fuse is not None:
+    tensors = family.fuse(tensors, cfg)
+  os.makedirs(directory, exist_ok=True)
+  files = write_sharded(directory, tensors, max_shard_bytes)
+  tmp = os.path.join(directory, 'config.json.tmp')
+  with open(tmp, 'w') as f:
+    json.dump(hf_config, f, indent=2)
+  os.replace(tmp, os.path.join(directory, 'config.json'))
+  return ['config.json', *files]
+
+
+# -- tensor layout ------------------------------------------------------------------------------
+
+
+def _module_key(path: tuple) -> tuple:
+  """Module path without layer indices or the leaf name (same for every layer)."""
+  return tuple(p for p in path[:-1] if not isinstance(p, int))
+
+
+def _kernel_input_dims(model) -> dict[tuple, int]:
+  """How many leading kernel dims are inputs, per DenseGeneral module."""
+  return {tuple(p for p in path if not isinstance(p, int)): len(node.in_shape)
+          for path, node in nnx.iter_graph(model) if isinstance(node, DenseGeneral)}
+
+
+def _hf_to_ours(array: np.ndarray, shape: tuple, n_in: int | None, name: str,
+                source: str) -> np.ndarray:
+  if n_in is not None:  # HF Linear weight [out, in] -> kernel [in..., out...]
+    expected = (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
+    if array.shape != expected:
+      raise PretrainedError(f"{source}: tensor '{name}' has shape {array.shape}, the config "
+                            f'implies {expected}.')
+    return np.asarray(array).T.reshape(shape)
+  if int(np.prod(array.shape)) != int(np.prod(shape)) or (array.ndim == 2 and array.shape != shape):
+    raise PretrainedError(f"{source}: tensor '{name}' has shape {array.shape}, the config "
+                          f'implies {shape}.')
+  return np.asarray(array).reshape(shape)
+
+
+def _ours_to_hf(array: np.ndarray, n_in: int | None, leaf: str) -> np.ndarray:
+  """Kernels become ``[out, in]`` matrices, the embedding table stays
+  ``[vocab, d]``, and every other tensor (biases, norm scales) is flat."""
+  if n_in is not None:
+    rows = int(np.prod(array.shape[:n_in]))
+    return np.ascontiguousarray(array.reshape(rows, -1).T)
+  return array if leaf == 'embedding' else array.reshape(-1)
+
+
+def _unscanned_param_shapes(abstract_state, cfg: ModelConfig) -> dict[tuple, tuple]:
+  """Shape of every parameter, with stacked layers listed per layer index."""
+  shapes = {}
+  for path, var in nnx.to_flat_state(abstract_state):
+    if not isinstance(var, nnx.Param):
+      continue
+    if cfg.scan_layers and path[0] == 'layers':
+      for i in range(cfg.num_layers):
+        shapes[(path[0], i, *path[1:])] = tuple(var.shape[1:])
+    else:
+      shapes[tuple(path)] = tuple(var.shape)
+  return shapes
+
+
+def _unscanned_param_values(state, cfg: ModelConfig) -> dict[tuple, np.ndarray]:
+  values = {}
+  for path, var in nnx.to_flat_state(state):
+    array = np.asarray(jax.device_get(var[...]))
+    if cfg.scan_layers and path[0] == 'layers':
+      for i in range(cfg.num_layers):
+        values[(path[0], i, *path[1:])] = array[i]
+    else:
+      values[tuple(path)] = array
+  return values
+
+
+def _to_model_layout(values: dict[tuple, np.ndarray], abstract_state, cfg: ModelConfig, convert):
+  """Fill ``abstract_state`` from per-layer ``values`` (stacking if scanned)."""
+  flat = []
+  for path, var in nnx.to_flat_state(abstract_state):
+    if cfg.scan_layers and path[0] == 'layers':
+      array = np.stack([values[(path[0], i, *path[1:])] for i in range(cfg.num_layers)])
+    else:
+      array = values[tuple(path)]
+    flat.append((path, var.replace(convert(array))))
+  return nnx.from_flat_state(flat)
+
+
+__all__ = ['FAMILIES', 'PretrainedError', 'SafetensorsError', 'config_from_pretrained',
+           'from_pretrained', 'save_pretrained']

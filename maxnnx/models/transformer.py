@@ -1,0 +1,196 @@
+"""The decoder-only transformer shared by every dense family.
+
+``Transformer(cfg, rngs=...)`` is embed -> N x DecoderBlock -> norm -> logits.
+Families differ only in their :class:`ModelConfig` and Hugging Face mapping.
+
+The layer stack is either an ``nnx.List`` of blocks (``scan_layers=False``: easy
+to index, inspect and edit in a notebook) or one block whose parameters carry a
+leading ``layers`` axis, run with ``jax.lax.scan`` (``scan_layers=True``: one
+compiled block however deep the model). Both give identical outputs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maxnnx.config import ModelConfig
+from maxnnx.layers.block import DecoderBlock
+from maxnnx.layers.embedding import Embed
+from maxnnx.layers.linear import DenseGeneral
+from maxnnx.layers.masks import AttentionMask, default_segments_and_positions
+from maxnnx.layers.norm_factory import make_norm
+from maxnnx.layers.rope import RotaryEmbedding
+
+_NO_WINDOW = np.iinfo(np.int32).max
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderBlock:
+  """One DecoderBlock whose every variable has a leading ``layers`` axis."""
+
+  @nnx.split_rngs(splits=cfg.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+  def create(rngs):
+    return DecoderBlock(cfg, rngs=rngs)
+
+  return create(rngs)
+
+
+class Transformer(nnx.Module):
+  """A decoder-only language model built from a :class:`ModelConfig`.
+
+  Call it on token ids ``[B, T]`` to get logits ``[B, T, vocab]``. Optional
+  ``segment_ids``/``positions`` describe packed or padded batches (see
+  :class:`~maxnnx.layers.masks.AttentionMask`). After :meth:`init_cache`,
+  ``decode=True`` runs incrementally against the KV cache.
+
+  Attributes:
+    config: the model's :class:`ModelConfig`.
+    embed: token embedding (also the output projection when tied).
+    layers: ``nnx.List`` of :class:`DecoderBlock`, or one stacked block.
+    final_norm: norm before the output projection.
+    lm_head: untied output projection ``[d_model] -> [vocab]`` or ``None``.
+  """
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    dtype, param_dtype = config.jnp_dtype(), config.jnp_dtype('param_dtype')
+    self.embed = Embed(config.vocab_size, config.d_model, init_std=config.initializer_range,
+                       dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    if config.scan_layers:
+      self.layers = _stacked_blocks(config, rngs)
+    else:
+      self.layers = nnx.List([DecoderBlock(config, rngs=rngs) for _ in range(config.num_layers)])
+    self.final_norm = make_norm(config, rngs=rngs)
+    self.lm_head = (None if config.tie_word_embeddings else
+                    DenseGeneral((config.d_model,), (config.vocab_size,), axes=('embed', 'vocab'),
+                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+    head_dim = config.resolved_head_dim
+    self.rotary = RotaryEmbedding.from_config(config.rope, head_dim,
+                                              config.max_position_embeddings)
+    self.local_rotary = (RotaryEmbedding.from_config(config.local_rope, head_dim,
+                                                     config.max_position_embeddings)
+                         if config.local_rope is not None else self.rotary)
+    self.cache_segment_ids = nnx.data(None)
+    self.cache_positions = nnx.data(None)
+    self.cache_index = nnx.data(None)
+
+  # -- KV cache ---------------------------------------------------------------
+
+  def init_cache(self, batch: int, max_length: int, dtype=None) -> None:
+    """Allocate an empty KV cache of ``max_length`` slots for ``batch`` rows."""
+    dtype = dtype or self.config.jnp_dtype()
+    if self.config.scan_layers:
+      stacked = nnx.vmap(lambda block: block.attn.init_cache(batch, max_length, dtype),
+                         in_axes=0, out_axes=0)
+      stacked(self.layers)
+    else:
+      for block in self.layers:
+        block.attn.init_cache(batch, max_length, dtype)
+    self.cache_segment_ids = nnx.Cache(jnp.zeros((batch, max_length), jnp.int32))
+    self.cache_positions = nnx.Cache(jnp.zeros((batch, max_length), jnp.int32))
+    self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+
+  # -- forward ----------------------------------------------------------------
+
+  def __call__(self, input_ids_BT: jax.Array, *, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
+    """Logits ``[B, T, vocab]`` (in ``config.logits_dtype``).
+
+    Args:
+      input_ids_BT: int token ids ``[B, T]`` in ``[0, vocab_size)``.
+      segment_ids: ``[B, T]`` document ids for packed input (0 = padding);
+        default all ones.
+      positions: ``[B, T]`` position of each token within its document;
+        default ``0..T-1``.
+      decode: append to the KV cache (see :meth:`init_cache`) and attend over it.
+    """
+    cfg = self.config
+    _check_token_ids(input_ids_BT, cfg.vocab_size)
+    default_segments, default_positions = default_segments_and_positions(input_ids_BT)
+    segment_ids = default_segments if segment_ids is None else segment_ids.astype(jnp.int32)
+    positions = default_positions if positions is None else positions.astype(jnp.int32)
+
+    cache_index = None
+    if decode:
+      if self.cache_index is None:
+        raise ValueError('decode=True needs a KV cache: call model.init_cache(batch, max_length).')
+      cache_index = self.cache_index[...]
+      start = (0, cache_index)
+      self.cache_segment_ids[...] = jax.lax.dynamic_update_slice(
+          self.cache_segment_ids[...], segment_ids, start)
+      self.cache_positions[...] = jax.lax.dynamic_update_slice(
+          self.cache_positions[...], positions, start)
+      self.cache_index[...] = cache_index + input_ids_BT.shape[1]
+      mask = AttentionMask(segment_ids, positions, self.cache_segment_ids[...],
+                           self.cache_positions[...])
+    else:
+      mask = AttentionMask.causal(segment_ids, positions)
+
+    x_BTD = self.embed(input_ids_BT)
+    if cfg.scale_embeddings:
+      x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, x_BTD.dtype)
+    cos_sin = {'full': self.rotary.cos_sin(positions)}
+    cos_sin['sliding'] = (self.local_rotary.cos_sin(positions)
+                          if self.local_rotary is not self.rotary else cos_sin['full'])
+    if cfg.scan_layers:
+      x_BTD = self._scan_layers(x_BTD, cos_sin, mask, cache_index)
+    else:
+      for block, layer_type in zip(self.layers, cfg.resolved_layer_types):
+        window = cfg.sliding_window if layer_type == 'sliding' else None
+        x_BTD = block(x_BTD, cos_sin[layer_type], mask, sliding_window=window,
+                      cache_index=cache_index)
+    x_BTD = self.final_norm(x_BTD)
+    return self._logits(x_BTD)
+
+  def _scan_layers(self, x_BTD, cos_sin, mask, cache_index):
+    cfg = self.config
+    layer_types = cfg.resolved_layer_types
+    is_sliding_L = jnp.asarray([t == 'sliding' for t in layer_types])
+    mixed = len(set(layer_types)) > 1
+    static_window = cfg.sliding_window if layer_types[0] == 'sliding' else None
+    graphdef, state = nnx.split(self.layers)
+
+    def body(x, xs):
+      layer_state, is_sliding = xs
+      block = nnx.merge(graphdef, layer_state)
+      if mixed:
+        window = jnp.where(is_sliding, cfg.sliding_window, _NO_WINDOW)
+        layer_cos_sin = jax.tree.map(lambda s, f: jnp.where(is_sliding, s, f),
+                                     cos_sin['sliding'], cos_sin['full'])
+      else:
+        window, layer_cos_sin = static_window, cos_sin[layer_types[0]]
+      x = block(x, layer_cos_sin, mask, sliding_window=window, cache_index=cache_index)
+      return x, nnx.state(block, nnx.Cache)
+
+    x_BTD, cache_state = jax.lax.scan(body, x_BTD, (state, is_sliding_L))
+    if cache_index is not None:
+      nnx.update(self.layers, cache_state)
+    return x_BTD
+
+  def _logits(self, x_BTD):
+    cfg = self.config
+    if self.lm_head is None:
+      logits = self.embed.attend(x_BTD)
+    else:
+      logits = self.lm_head(x_BTD)
+    logits = logits.astype(cfg.jnp_dtype('logits_dtype'))
+    if cfg.final_logit_softcap is not None:
+      cap = cfg.final_logit_softcap
+      logits = cap * jnp.tanh(logits / cap)
+    return logits
+
+
+def _check_token_ids(ids, vocab_size: int) -> None:
+  """Reject bad ids eagerly when they are concrete (no host sync under jit)."""
+  if ids.ndim != 2:
+    raise ValueError(f'input_ids must be [batch, length], got shape {ids.shape}.')
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f'input_ids must be integers, got dtype {ids.dtype}.')
+  if isinstance(ids, jax.core.Tracer):
+    return
+  ids = np.asarray(ids)
+  if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    raise ValueError(f'input_ids contain {bad.size} id(s) outside [0, {vocab_size}), e.g. '
+                     f'{int(bad.flat[0])}; check the tokenizer matches the model (vocab_size).')

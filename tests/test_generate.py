@@ -1,0 +1,129 @@
+"""generate(): KV-cache decoding against cache-free references, batching, stopping, sampling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import maxnnx
+from maxnnx.inference.sampling import sample_next_token
+
+
+def _model(**overrides):
+  cfg = maxnnx.ModelConfig(vocab_size=97, d_model=48, num_layers=3, num_heads=4, num_kv_heads=2,
+                           mlp_dim=96, max_position_embeddings=128, initializer_range=1.0,
+                           **overrides)
+  return maxnnx.Transformer(cfg, rngs=nnx.Rngs(3))
+
+
+def _argmax_loop(model, prompt, steps):
+  """Greedy decoding without a cache: the whole sequence re-run every step."""
+  seq = np.asarray(prompt, np.int32)[None]
+  for _ in range(steps):
+    nxt = np.asarray(model(seq))[:, -1].argmax(-1)
+    seq = np.concatenate([seq, nxt[:, None].astype(np.int32)], 1)
+  return seq[0, len(prompt):]
+
+
+@pytest.mark.parametrize('overrides', [
+    {}, {'scan_layers': True},
+    {'sliding_window': 5, 'layer_types': ('sliding', 'full', 'sliding')},
+], ids=['list', 'scan', 'sliding'])
+def test_greedy_equals_cache_free_argmax(overrides):
+  """Greedy generation with the KV cache equals re-running the full sequence."""
+  model = _model(**overrides)
+  prompt = np.random.default_rng(0).integers(0, 97, 7).tolist()
+  result = maxnnx.generate(model, [prompt], max_new_tokens=10, eos_ids=None)
+  np.testing.assert_array_equal(result.tokens[0], _argmax_loop(model, prompt, 10))
+
+
+def test_rows_of_different_lengths_are_independent():
+  """A left-padded batch gives each row what it would get alone."""
+  model = _model()
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, 97, n).tolist() for n in (3, 9, 6)]
+  batched = maxnnx.generate(model, prompts, max_new_tokens=6, eos_ids=None)
+  for row, prompt in zip(batched.tokens, prompts):
+    alone = maxnnx.generate(model, [prompt], max_new_tokens=6, eos_ids=None)
+    np.testing.assert_array_equal(row, alone.tokens[0])
+
+
+def test_right_padded_array_with_lengths():
+  """An array of right-padded prompts plus prompt_lengths equals the list form."""
+  model = _model()
+  prompts = [[5, 6, 7, 8], [9, 10]]
+  array = np.array([[5, 6, 7, 8], [9, 10, 0, 0]])
+  a = maxnnx.generate(model, array, max_new_tokens=5, prompt_lengths=[4, 2], eos_ids=None)
+  b = maxnnx.generate(model, prompts, max_new_tokens=5, eos_ids=None)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_stops_at_eos_and_pads_after():
+  """Each row stops at its first EOS id; what follows is pad_id."""
+  model = _model()
+  prompt = [1, 2, 3]
+  free = maxnnx.generate(model, [prompt], max_new_tokens=8, eos_ids=None).tokens[0]
+  eos = int(free[3])
+  first = int(np.argmax(free == eos))
+  result = maxnnx.generate(model, [prompt], max_new_tokens=8, eos_ids=[eos], pad_id=-1)
+  assert result.lengths[0] == first + 1
+  np.testing.assert_array_equal(result.tokens[0, :first + 1], free[:first + 1])
+  assert (result.tokens[0, first + 1:] == -1).all()
+  assert result.as_lists()[0] == free[:first + 1].tolist()
+
+
+def test_eos_defaults_to_the_config():
+  """Without eos_ids, the model config's eos_token_id stops generation."""
+  model = _model()
+  free = maxnnx.generate(model, [[4, 5]], max_new_tokens=6, eos_ids=None).tokens[0]
+  stopping = _model(eos_token_id=int(free[1]))
+  result = maxnnx.generate(stopping, [[4, 5]], max_new_tokens=6)
+  assert result.lengths[0] == int(np.argmax(free == free[1])) + 1
+
+
+def test_sampling_is_seeded():
+  """The same seed gives the same samples; another seed gives others."""
+  model = _model()
+  kwargs = dict(max_new_tokens=12, temperature=1.0, eos_ids=None)
+  a = maxnnx.generate(model, [[1, 2]], seed=0, **kwargs).tokens
+  b = maxnnx.generate(model, [[1, 2]], seed=0, **kwargs).tokens
+  c = maxnnx.generate(model, [[1, 2]], seed=1, **kwargs).tokens
+  np.testing.assert_array_equal(a, b)
+  assert (a != c).any()
+
+
+def test_top_k_and_top_p_restrict_the_support():
+  """top-k samples only the k best tokens; top-p only the smallest set reaching p."""
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  keys = jax.random.split(jax.random.key(0), 400)
+
+  def sample(keys, **kwargs):
+    return jax.vmap(lambda k: sample_next_token(logits, k, temperature=1.0, **kwargs)[0])(keys)
+
+  assert set(np.asarray(sample(keys, top_k=2)).tolist()) == {0, 1}
+  assert set(np.asarray(sample(keys, top_p=0.75)).tolist()) == {0, 1}
+  assert set(np.asarray(sample(keys, top_p=0.85)).tolist()) == {0, 1, 2}
+  assert set(np.asarray(sample(keys, top_p=0.01)).tolist()) == {0}
+  counts = np.bincount(np.asarray(sample(keys)), minlength=4) / 400
+  np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.07)
+
+
+def test_generate_leaves_the_model_without_a_cache():
+  """generate works on a copy: the caller's model gets no cache variables."""
+  model = _model()
+  maxnnx.generate(model, [[1, 2, 3]], max_new_tokens=3)
+  assert not nnx.state(model, nnx.Cache)
+
+
+@pytest.mark.parametrize('bad, message', [
+    (dict(prompt_ids=[[1, 200]]), r'outside \[0, 97\)'),
+    (dict(prompt_ids=[[]]), 'at least one token'),
+    (dict(max_new_tokens=0), 'max_new_tokens'),
+    (dict(top_p=1.5), 'top_p'),
+])
+def test_bad_arguments(bad, message):
+  """Bad prompts or sampling settings get a clear error before any compute."""
+  kwargs = dict(prompt_ids=[[1, 2]], max_new_tokens=3) | bad
+  with pytest.raises(ValueError, match=message):
+    maxnnx.generate(_model(), **kwargs)

@@ -1,0 +1,152 @@
+"""Tests for maxnnx.presets: names, validity, parameter counts, overrides, tiny forward."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxnnx.config import ConfigError, ModelConfig
+from maxnnx.models import FAMILIES, Transformer
+from maxnnx.models.hf import HFConfig
+from maxnnx.presets import PRESETS, get_preset, list_presets
+
+EXPECTED_NAMES = {
+    'tiny', 'llama2-7b', 'llama2-13b', 'llama2-70b', 'llama3-8b', 'llama3-70b', 'llama3.1-8b',
+    'llama3.1-70b', 'llama3.1-405b', 'llama3.3-70b', 'mistral-7b', 'gemma-2b', 'gemma-7b',
+    'gemma2-2b', 'gemma2-9b', 'gemma2-27b', 'gemma3-1b', 'gemma3-4b', 'gemma3-12b', 'gemma3-27b',
+    'qwen2.5-0.5b', 'qwen2.5-1.5b', 'qwen2.5-3b', 'qwen2.5-7b', 'qwen2.5-14b', 'qwen2.5-32b',
+    'qwen2.5-72b', 'qwen3-0.6b', 'qwen3-1.7b', 'qwen3-4b', 'qwen3-8b', 'qwen3-14b', 'qwen3-32b',
+    'phi3-mini', 'olmo2-7b'}
+
+# Total parameter counts published by the model authors (model cards, papers and
+# the Hub's safetensors metadata), in billions: an independent check of the
+# presets' shapes and of ModelConfig.num_params().
+PUBLISHED_BILLIONS = {
+    'llama2-7b': 6.74,
+    'llama2-13b': 13.0,
+    'llama3-8b': 8.03,
+    'llama3-70b': 70.55,
+    'llama3.1-405b': 405.9,
+    'mistral-7b': 7.24,
+    'gemma-2b': 2.51,
+    'gemma-7b': 8.54,
+    'gemma2-2b': 2.61,
+    'gemma2-9b': 9.24,
+    'gemma2-27b': 27.2,
+    'qwen2.5-7b': 7.62,
+    'qwen2.5-72b': 72.7,
+    'qwen3-8b': 8.19,
+    'qwen3-32b': 32.8,
+    'phi3-mini': 3.82,
+    'olmo2-7b': 7.30,
+}
+
+
+def _abstract(cfg: ModelConfig):
+  return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def _param_count(model) -> int:
+  return sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_list_presets_has_every_name():
+  assert set(list_presets()) == EXPECTED_NAMES
+  assert list_presets() == sorted(PRESETS)
+
+
+@pytest.mark.parametrize('name', sorted(EXPECTED_NAMES))
+def test_preset_builds_and_validates(name):
+  cfg = get_preset(name)
+  assert isinstance(cfg, ModelConfig)
+  assert cfg.family in FAMILIES
+  assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+  assert PRESETS[name].__doc__, f'{name} has no docstring'
+
+
+@pytest.mark.parametrize('name', sorted(EXPECTED_NAMES))
+def test_preset_survives_hugging_face_config_round_trip(name):
+  cfg = get_preset(name)
+  family = FAMILIES[cfg.family]
+  back = family.config_from_hf(HFConfig(family.config_to_hf(cfg), name, family.defaults))
+  # Exported configs always spell head_dim out; ours may leave it implied.
+  assert back == cfg.replace(head_dim=cfg.resolved_head_dim)
+
+
+@pytest.mark.parametrize('name,billions', sorted(PUBLISHED_BILLIONS.items()))
+def test_num_params_matches_published_total(name, billions):
+  count = get_preset(name).num_params()
+  assert count == pytest.approx(billions * 1e9, rel=5e-3)
+
+
+def test_architecture_details():
+  assert get_preset('llama3.1-8b').rope.scaling == 'llama3'
+  assert get_preset('llama3-8b').rope.scaling == 'none'
+  assert get_preset('gemma2-9b').layer_types[:2] == ('sliding', 'full')
+  gemma3 = get_preset('gemma3-27b')
+  assert [i for i, t in enumerate(gemma3.layer_types) if t == 'full'][:2] == [5, 11]
+  assert gemma3.rope.factor == 8.0 and gemma3.local_rope.theta == 10_000.0
+  assert get_preset('gemma3-1b').rope.scaling == 'none'
+  tied = {n for n in EXPECTED_NAMES if get_preset(n).tie_word_embeddings}
+  assert {'qwen2.5-0.5b', 'qwen2.5-1.5b', 'qwen2.5-3b', 'qwen3-0.6b', 'qwen3-1.7b',
+          'qwen3-4b'} <= tied
+  assert not tied & {'qwen2.5-7b', 'qwen3-8b', 'llama3-8b', 'tiny'}
+
+
+# One preset per architectural feature counted by num_params(): GQA + untied
+# (tiny), sandwich norms (gemma2), per-head q/k norms (gemma3, qwen3), q/k/v
+# biases + tied embeddings (qwen2.5), post-norms + projection q/k norms (olmo2).
+@pytest.mark.parametrize('name', ['tiny', 'gemma2-2b', 'gemma3-1b', 'qwen2.5-0.5b', 'qwen3-0.6b',
+                                  'olmo2-7b'])
+def test_num_params_equals_abstract_model_size(name):
+  cfg = get_preset(name, scan_layers=True)
+  assert _param_count(_abstract(cfg)) == cfg.num_params()
+
+
+def test_scanned_and_unscanned_models_have_the_same_parameters():
+  unscanned = _abstract(get_preset('gemma3-1b', scan_layers=False))
+  scanned = _abstract(get_preset('gemma3-1b', scan_layers=True))
+  assert _param_count(unscanned) == _param_count(scanned) == get_preset('gemma3-1b').num_params()
+  assert len(unscanned.layers) == 26
+  assert scanned.layers.attn.q_proj.kernel.shape[0] == 26
+
+
+def test_70b_abstract_model_is_fast_and_allocates_nothing():
+  cfg = get_preset('llama3-70b', scan_layers=True, param_dtype='bfloat16')
+  start = time.perf_counter()
+  model = _abstract(cfg)
+  assert time.perf_counter() - start < 5.0
+  leaves = jax.tree.leaves(nnx.state(model))
+  assert leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+  assert _param_count(model) == cfg.num_params()
+
+
+def test_unknown_preset_names_nearest():
+  with pytest.raises(ConfigError, match="'llama3.1-8b'"):
+    get_preset('llama-3.1-8b')
+  with pytest.raises(ConfigError, match="'gemma2-9b'"):
+    get_preset('gemma2_9b')
+
+
+def test_overrides():
+  cfg = get_preset('tiny', dtype='bfloat16', scan_layers=True)
+  assert cfg.dtype == 'bfloat16' and cfg.scan_layers
+  assert cfg.replace(dtype='float32', scan_layers=False) == get_preset('tiny')
+  with pytest.raises(ConfigError, match="'dtype'"):
+    get_preset('tiny', dtpye='bfloat16')
+  with pytest.raises(ConfigError, match='num_kv_heads'):
+    get_preset('tiny', num_kv_heads=3)
+
+
+def test_tiny_forward_pass():
+  cfg = get_preset('tiny')
+  assert (cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.resolved_head_dim) == (512, 128, 4, 32)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  ids = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+  logits = nnx.jit(lambda m, x: m(x))(model, ids)
+  assert logits.shape == (2, 16, 512)
+  assert logits.dtype == jnp.float32
+  assert np.isfinite(np.asarray(logits)).all()
