@@ -1,0 +1,117 @@
+"""Plain-text corpora: a sentencepiece tokenizer and random training windows.
+
+The simplest real input path: tokenize a UTF-8 text file once, then draw
+``[batch, seq_len + 1]`` windows from the token stream with a seeded generator
+(the same seed gives the same batches). Inputs are the first ``seq_len`` ids of
+a window, targets the last ``seq_len``.
+"""
+
+import os
+
+import numpy as np
+import sentencepiece as spm
+
+DEFAULT_CORPUS = os.path.join(os.path.dirname(__file__), 'corpus', 'tinyshakespeare.txt')
+
+
+def read_text(path: str) -> str:
+  """The text of a UTF-8 file, with clear errors for missing, empty or binary files."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{path}: no such text file.')
+  with open(path, 'rb') as f:
+    raw = f.read()
+  try:
+    text = raw.decode('utf-8')
+  except UnicodeDecodeError as e:
+    line = raw[:e.start].count(b'\n') + 1
+    raise ValueError(f'{path}: not UTF-8 (byte {e.start}, line {line}).') from None
+  if not text.strip():
+    raise ValueError(f'{path}: the file is empty.')
+  return text
+
+
+def train_sentencepiece(text_path: str, model_prefix: str, vocab_size: int) -> str:
+  """Train a BPE sentencepiece model on ``text_path``; returns the ``.model`` path.
+
+  Byte fallback keeps every input encodable; ids 0-3 are pad, bos, eos and unk.
+  """
+  read_text(text_path)  # validate before sentencepiece sees it
+  try:
+    _train(text_path, model_prefix, vocab_size)
+  except RuntimeError as e:
+    if 'Vocabulary size is smaller than required' in str(e):
+      raise ValueError(f'vocab_size={vocab_size} is too small for {text_path}: it needs room '
+                       f'for 256 byte pieces plus every character ({e}).') from None
+    raise
+  return model_prefix + '.model'
+
+
+def _train(text_path: str, model_prefix: str, vocab_size: int) -> None:
+  spm.SentencePieceTrainer.train(
+      input=text_path, model_prefix=model_prefix, vocab_size=vocab_size, model_type='bpe',
+      character_coverage=1.0, byte_fallback=True, bos_id=1, eos_id=2, pad_id=0, unk_id=3,
+      hard_vocab_limit=False, num_threads=2, minloglevel=2, split_digits=True,
+      # Keep the text exactly (line breaks and spacing matter in verse and code).
+      normalization_rule_name='identity', remove_extra_whitespaces=False,
+      user_defined_symbols=['\n'], allow_whitespace_only_pieces=True,
+      max_sentence_length=1 << 16)
+
+
+class SentencePieceTokenizer:
+  """A sentencepiece ``.model`` file: ``encode(text) -> ids``, ``decode(ids) -> text``."""
+
+  def __init__(self, model_path: str):
+    if not os.path.isfile(model_path):
+      raise FileNotFoundError(f'{model_path}: no such sentencepiece model.')
+    self.path = model_path
+    self.processor = spm.SentencePieceProcessor(model_file=model_path)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.processor.get_piece_size()
+
+  @property
+  def bos_id(self) -> int:
+    return self.processor.bos_id()
+
+  @property
+  def eos_id(self) -> int:
+    return self.processor.eos_id()
+
+  def encode(self, text: str) -> list[int]:
+    return self.processor.encode(text)
+
+  def decode(self, ids) -> str:
+    return self.processor.decode([int(i) for i in ids])
+
+
+class TokenWindows:
+  """Seeded random ``[batch, seq_len + 1]`` windows of a token stream.
+
+  The last ``eval_fraction`` of the stream is held out for :meth:`eval_batches`.
+  """
+
+  def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int = 0,
+               eval_fraction: float = 0.05):
+    tokens = np.asarray(tokens, np.int32)
+    split = int(len(tokens) * (1 - eval_fraction))
+    self.train, self.eval = tokens[:split], tokens[split:]
+    if len(self.train) <= seq_len + 1 or len(self.eval) <= seq_len + 1:
+      raise ValueError(f'The corpus has {len(tokens)} tokens: too few for seq_len={seq_len} '
+                       f'with a {eval_fraction:.0%} held-out split. Use a shorter seq_len.')
+    self.seq_len, self.batch_size = seq_len, batch_size
+    self.rng = np.random.default_rng(seed)
+
+  def _windows(self, stream, starts):
+    return np.stack([stream[s:s + self.seq_len + 1] for s in starts])
+
+  def next(self) -> np.ndarray:
+    """The next training batch ``[batch, seq_len + 1]``."""
+    starts = self.rng.integers(0, len(self.train) - self.seq_len - 1, self.batch_size)
+    return self._windows(self.train, starts)
+
+  def eval_batches(self, num_batches: int) -> list[np.ndarray]:
+    """Fixed, evenly spaced held-out batches (the same on every call)."""
+    count = num_batches * self.batch_size
+    starts = np.linspace(0, len(self.eval) - self.seq_len - 1, count).astype(int)
+    return [self._windows(self.eval, starts[i::num_batches]) for i in range(num_batches)]

@@ -1,0 +1,122 @@
+"""Trainer, data windows and the train/generate CLI on the shipped corpus."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import maxnnx
+from maxnnx import cli
+from maxnnx.data import TokenWindows
+from maxnnx.data.text import read_text
+from maxnnx.train import Trainer, default_optimizer
+from maxnnx.train.trainer import _decay_mask
+
+
+def _tiny(vocab=64):
+  cfg = maxnnx.get_preset('tiny', vocab_size=vocab, num_layers=2, d_model=64, mlp_dim=128)
+  return maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def test_loss_falls_on_a_learnable_stream():
+  """A periodic token stream is learned: loss drops far below its starting value."""
+  tokens = np.tile(np.arange(16), 400)
+  data = TokenWindows(tokens, seq_len=32, batch_size=8, seed=0)
+  trainer = Trainer(_tiny(), default_optimizer(1e-2, 60), data)
+  history = trainer.fit(60)
+  assert history[-1]['loss'] < 0.3 * history[0]['loss']
+  assert trainer.evaluate() < 0.3 * history[0]['loss']
+  assert [m['step'] for m in history] == list(range(1, 61))
+
+
+def test_step_by_hand_updates_the_model_in_place():
+  """trainer.step changes trainer.model's parameters (the notebook workflow)."""
+  tokens = np.random.default_rng(0).integers(0, 64, 5000)
+  trainer = Trainer(_tiny(), default_optimizer(1e-3, 10), TokenWindows(tokens, 16, 4))
+  before = np.asarray(trainer.model.embed.embedding[...]).copy()
+  trainer.step()  # the warmup starts at learning rate 0
+  metrics = trainer.step()
+  assert set(metrics) >= {'step', 'loss', 'grad_norm', 'tokens_per_s'}
+  assert not np.array_equal(before, np.asarray(trainer.model.embed.embedding[...]))
+
+
+def test_weight_decay_only_on_kernels():
+  """Decay mask: kernels yes; norms, biases and embeddings no."""
+  state = nnx.state(_tiny(), nnx.Param)
+  leaves = jax.tree.leaves_with_path(_decay_mask(state))
+  assert sum(decayed for _, decayed in leaves) == 2 * 7 + 1  # 7 kernels per layer + lm_head
+  for path, decayed in leaves:
+    assert decayed == any(getattr(k, 'key', None) == 'kernel' for k in path), path
+
+
+def test_nan_loss_aborts_with_the_step():
+  """A non-finite loss stops training and names the step."""
+  tokens = np.random.default_rng(0).integers(0, 64, 5000)
+  trainer = Trainer(_tiny(), default_optimizer(1e-3, 10), TokenWindows(tokens, 16, 4))
+  emb = trainer.model.embed.embedding
+  emb[...] = emb[...].at[0].set(np.nan)
+  batch = np.zeros((4, 17), np.int32)
+  with pytest.raises(FloatingPointError, match='step 1'):
+    trainer.step(batch)
+
+
+def test_windows_are_seeded_and_held_out():
+  """Same seed, same batches; eval batches come from the held-out tail only."""
+  tokens = np.arange(10_000)
+  a, b = TokenWindows(tokens, 8, 4, seed=3), TokenWindows(tokens, 8, 4, seed=3)
+  np.testing.assert_array_equal(a.next(), b.next())
+  assert a.eval_batches(2)[0].min() >= 9_500
+  with pytest.raises(ValueError, match='too few'):
+    TokenWindows(np.arange(20), 64, 2)
+
+
+@pytest.mark.parametrize('content, message', [
+    (b'', 'empty'), (b'hello \xff world', 'not UTF-8'),
+])
+def test_bad_text_files(tmp_path, content, message):
+  """Empty and non-UTF-8 corpora are refused with the file named."""
+  path = tmp_path / 'corpus.txt'
+  path.write_bytes(content)
+  with pytest.raises(ValueError, match=message):
+    read_text(str(path))
+  with pytest.raises(FileNotFoundError):
+    read_text(str(tmp_path / 'missing.txt'))
+
+
+def test_cli_rejects_unknown_keys_with_a_suggestion(capsys):
+  """An unknown key is an error naming the nearest valid one."""
+  assert cli.main(['train', 'stesp=3']) == 2
+  assert "Did you mean 'steps'" in capsys.readouterr().err
+  assert cli.main(['train', 'steps=three']) == 2
+  assert cli.main(['train', '--help']) == 0
+  assert 'global_batch_size' in capsys.readouterr().out
+
+
+def test_cli_train_then_generate(tmp_path, capsys):
+  """The default run, shortened: trains on the shipped corpus, writes its outputs,
+  and the written model generates text."""
+  out = str(tmp_path / 'run')
+  args = ['train', f'output_dir={out}', 'steps=40', 'global_batch_size=4', 'seq_len=32',
+          'eval_every=20', 'log_every=20', 'sample_tokens=10']
+  assert cli.main(args) == 0
+  for name in ('tokenizer.model', 'metrics.jsonl', 'loss.png', 'final/config.json',
+               'final/model.safetensors'):
+    assert os.path.exists(os.path.join(out, name)), name
+  lines = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
+  assert len(lines) == 40 and lines[-1]['loss'] < lines[0]['loss'] - 1.0
+  assert 'Sample:' in capsys.readouterr().out
+  assert cli.main(['generate', f'output_dir={out}', 'prompt=KING:', 'max_new_tokens=8']) == 0
+  assert capsys.readouterr().out.startswith('KING:')
+  assert jax.devices()[0].platform == 'cpu'
+
+
+def test_tokenizer_round_trips_text_exactly(tmp_path):
+  """The trained tokenizer keeps line breaks and spacing, and covers unseen bytes."""
+  from maxnnx.data import DEFAULT_CORPUS, SentencePieceTokenizer, train_sentencepiece
+  tok = SentencePieceTokenizer(train_sentencepiece(DEFAULT_CORPUS, str(tmp_path / 'sp'), 512))
+  text = 'ROMEO:\nWhat,  ho!\n\nJULIET:\n\tAy me. ☃'
+  assert tok.decode(tok.encode(text)) == text
+  assert max(tok.encode(text)) < tok.vocab_size
