@@ -194,7 +194,7 @@ class RopeConfig(_Validated):
     if not 0 < self.partial_rotary_factor <= 1:
       raise ConfigError('RopeConfig.partial_rotary_factor must be in (0, 1], '
                         f'got {self.partial_rotary_factor}.')
-    needs_original = ('llama3', 'longrope')
+    needs_original = ('llama3', 'yarn', 'longrope')
     if self.scaling in needs_original and self.original_max_position_embeddings is None:
       raise ConfigError(f"RopeConfig.scaling='{self.scaling}' needs "
                         'original_max_position_embeddings.')

@@ -7,6 +7,7 @@ from maxnnx.kernels.attention import (
                                       get_attention_kernel,
                                       register_attention_kernel,
 )
+from maxnnx.kernels.masks import AttentionMask
 
-__all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionKernel', 'XlaAttention', 'get_attention_kernel',
-           'register_attention_kernel']
+__all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionKernel', 'AttentionMask', 'XlaAttention',
+           'get_attention_kernel', 'register_attention_kernel']

@@ -1,7 +1,7 @@
 """Attention kernels behind one interface, registered by name.
 
 A kernel takes projected, rotated ``q``/``k``/``v`` and an
-:class:`~maxnnx.layers.masks.AttentionMask` and returns the attention output.
+:class:`~maxnnx.kernels.masks.AttentionMask` and returns the attention output.
 ``xla`` (plain einsum + softmax) supports every feature and runs everywhere;
 other strategies register themselves under their own names.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from maxnnx.layers.masks import AttentionMask
+from maxnnx.kernels.masks import AttentionMask
 
 
 @dataclasses.dataclass(frozen=True)

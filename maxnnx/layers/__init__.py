@@ -1,10 +1,10 @@
 """Shared flax.nnx layers. No layer knows which model family uses it."""
 
+from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.attention import Attention
 from maxnnx.layers.block import DecoderBlock
 from maxnnx.layers.embedding import Embed
 from maxnnx.layers.linear import DenseGeneral
-from maxnnx.layers.masks import AttentionMask
 from maxnnx.layers.mlp import MLP
 from maxnnx.layers.norms import LayerNorm, RMSNorm
 from maxnnx.layers.rope import RotaryEmbedding

@@ -6,8 +6,8 @@ from flax import nnx
 
 from maxnnx.config import ModelConfig
 from maxnnx.kernels.attention import get_attention_kernel
+from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.linear import DenseGeneral
-from maxnnx.layers.masks import AttentionMask
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.rope import apply_rope
 

@@ -4,8 +4,8 @@ import jax
 from flax import nnx
 
 from maxnnx.config import ModelConfig
+from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.attention import Attention
-from maxnnx.layers.masks import AttentionMask
 from maxnnx.layers.mlp import MLP
 from maxnnx.layers.norm_factory import make_norm
 

@@ -15,10 +15,10 @@ import numpy as np
 from flax import nnx
 
 from maxnnx.config import ModelConfig
+from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions
 from maxnnx.layers.block import DecoderBlock
 from maxnnx.layers.embedding import Embed
 from maxnnx.layers.linear import DenseGeneral
-from maxnnx.layers.masks import AttentionMask, default_segments_and_positions
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.rope import RotaryEmbedding
 
@@ -41,7 +41,7 @@ class Transformer(nnx.Module):
 
   Call it on token ids ``[B, T]`` to get logits ``[B, T, vocab]``. Optional
   ``segment_ids``/``positions`` describe packed or padded batches (see
-  :class:`~maxnnx.layers.masks.AttentionMask`). After :meth:`init_cache`,
+  :class:`~maxnnx.kernels.masks.AttentionMask`). After :meth:`init_cache`,
   ``decode=True`` runs incrementally against the KV cache.
 
   Attributes:
@@ -102,29 +102,37 @@ class Transformer(nnx.Module):
       segment_ids: ``[B, T]`` document ids for packed input (0 = padding);
         default all ones.
       positions: ``[B, T]`` position of each token within its document;
-        default ``0..T-1``.
+        default ``0..T-1``, or, when decoding, the next ``T`` cache slots (pass
+        positions explicitly for left-padded batches).
       decode: append to the KV cache (see :meth:`init_cache`) and attend over it.
     """
     cfg = self.config
     _check_token_ids(input_ids_BT, cfg.vocab_size)
     default_segments, default_positions = default_segments_and_positions(input_ids_BT)
     segment_ids = default_segments if segment_ids is None else segment_ids.astype(jnp.int32)
-    positions = default_positions if positions is None else positions.astype(jnp.int32)
+    positions = None if positions is None else positions.astype(jnp.int32)
 
     cache_index = None
     if decode:
       if self.cache_index is None:
         raise ValueError('decode=True needs a KV cache: call model.init_cache(batch, max_length).')
       cache_index = self.cache_index[...]
+      length, capacity = input_ids_BT.shape[1], self.cache_positions.shape[1]
+      if not isinstance(cache_index, jax.core.Tracer) and int(cache_index) + length > capacity:
+        raise ValueError(f'The KV cache holds {capacity} tokens (init_cache max_length) and '
+                         f'{int(cache_index)} are used; {length} more do not fit.')
+      if positions is None:
+        positions = default_positions + cache_index
       start = (0, cache_index)
       self.cache_segment_ids[...] = jax.lax.dynamic_update_slice(
           self.cache_segment_ids[...], segment_ids, start)
       self.cache_positions[...] = jax.lax.dynamic_update_slice(
           self.cache_positions[...], positions, start)
-      self.cache_index[...] = cache_index + input_ids_BT.shape[1]
+      self.cache_index[...] = cache_index + length
       mask = AttentionMask(segment_ids, positions, self.cache_segment_ids[...],
                            self.cache_positions[...])
     else:
+      positions = default_positions if positions is None else positions
       mask = AttentionMask.causal(segment_ids, positions)
 
     x_BTD = self.embed(input_ids_BT)

@@ -1,0 +1,250 @@
+"""ModelConfig / RopeConfig: typo and type errors, cross-field checks, round trips."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from maxnnx.config import ConfigError, ModelConfig, RopeConfig, resolve_dtype
+
+TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
+            max_position_embeddings=128)
+
+
+def _tiny(**overrides):
+  return ModelConfig.from_dict({**TINY, **overrides})
+
+
+# -- unknown fields --------------------------------------------------------------
+
+
+def test_unknown_field_suggests_nearest():
+  """A typo'd key is rejected, naming the key and the nearest valid field."""
+  with pytest.raises(ConfigError) as info:
+    ModelConfig.from_dict({**TINY, 'num_head': 4})
+  assert "'num_head'" in str(info.value) and "'num_heads'" in str(info.value)
+
+
+def test_unknown_field_without_close_match():
+  """A key with no close match is still rejected by name."""
+  with pytest.raises(ConfigError, match="'zzzz'"):
+    ModelConfig.from_dict({'zzzz': 1})
+
+
+def test_unknown_nested_rope_field():
+  """Typos inside the nested rope dict are caught too, with a suggestion."""
+  with pytest.raises(ConfigError) as info:
+    ModelConfig.from_dict({**TINY, 'rope': {'thetta': 1e4}})
+  assert "'thetta'" in str(info.value) and "'theta'" in str(info.value)
+
+
+def test_config_error_is_value_error():
+  """ConfigError subclasses ValueError so generic handlers catch it."""
+  assert issubclass(ConfigError, ValueError)
+
+
+# -- types -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('field,value', [
+    ('d_model', '64'),
+    ('scan_layers', 1),
+    ('num_layers', 2.0),
+    ('num_heads', True),
+    ('norm_type', 'batch'),
+    ('dtype', 'float8'),
+    ('layer_types', ('full', 'global')),
+])
+def test_wrong_type_names_field(field, value):
+  """A value of the wrong type (bools are not ints, ints not bools) names the field."""
+  with pytest.raises(ConfigError, match=field):
+    ModelConfig.from_dict({**TINY, field: value})
+
+
+def test_int_accepted_for_float_field():
+  """An int where a float is expected (theta=10000) is fine."""
+  assert RopeConfig(theta=10_000).theta == 10_000
+
+
+def test_optional_fields_accept_none():
+  """Optional fields take None."""
+  cfg = _tiny(head_dim=None, query_scale=None, sliding_window=None)
+  assert cfg.resolved_head_dim == 8
+
+
+def test_non_dict_rejected():
+  """from_dict of a non-dict is a ConfigError."""
+  with pytest.raises(ConfigError, match='dict'):
+    ModelConfig.from_dict([1, 2])
+
+
+# -- cross-field checks -------------------------------------------------------------
+
+
+def test_heads_must_divide_by_kv_heads():
+  """num_heads % num_kv_heads != 0 is rejected naming both."""
+  with pytest.raises(ConfigError, match='num_kv_heads'):
+    _tiny(num_heads=4, num_kv_heads=3)
+
+
+def test_layer_types_length_must_match():
+  """layer_types needs one entry per layer."""
+  with pytest.raises(ConfigError, match='layer_types'):
+    _tiny(layer_types=('full',), num_layers=2)
+
+
+def test_sliding_layers_need_window():
+  """'sliding' layer_types without sliding_window is rejected."""
+  with pytest.raises(ConfigError, match='sliding_window'):
+    _tiny(layer_types=('sliding', 'full'))
+
+
+def test_nonpositive_window_rejected():
+  """sliding_window must be positive."""
+  with pytest.raises(ConfigError, match='sliding_window'):
+    _tiny(sliding_window=0)
+
+
+def test_nonpositive_sizes_rejected():
+  """Sizes such as d_model must be > 0."""
+  with pytest.raises(ConfigError, match='d_model'):
+    _tiny(d_model=0)
+
+
+def test_head_dim_must_divide_unless_explicit():
+  """d_model % num_heads != 0 needs an explicit head_dim."""
+  with pytest.raises(ConfigError, match='head_dim'):
+    _tiny(d_model=30)
+  assert _tiny(d_model=30, head_dim=8).resolved_head_dim == 8
+
+
+def test_rotated_dims_must_be_even():
+  """The rotated part of head_dim must be even."""
+  with pytest.raises(ConfigError, match='even'):
+    _tiny(head_dim=6, rope={'partial_rotary_factor': 0.5})
+
+
+def test_longrope_needs_factors():
+  """scaling='longrope' without short/long factors is rejected."""
+  with pytest.raises(ConfigError, match='short_factor'):
+    RopeConfig(scaling='longrope', original_max_position_embeddings=32)
+  with pytest.raises(ConfigError, match='long_factor'):
+    RopeConfig(scaling='longrope', original_max_position_embeddings=32, short_factor=(1.0,))
+
+
+@pytest.mark.parametrize('scaling', ['llama3', 'longrope'])
+def test_scaling_needs_original_context(scaling):
+  """llama3 and longrope need original_max_position_embeddings."""
+  with pytest.raises(ConfigError, match='original_max_position_embeddings'):
+    RopeConfig(scaling=scaling, factor=8.0, short_factor=(1.0,), long_factor=(1.0,))
+
+
+@pytest.mark.parametrize('scaling', ['linear', 'llama3'])
+def test_scaling_needs_factor(scaling):
+  """linear and llama3 need an explicit factor."""
+  with pytest.raises(ConfigError, match='factor'):
+    RopeConfig(scaling=scaling, original_max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize('bad', [{'theta': 0.0}, {'partial_rotary_factor': 0.0},
+                                 {'partial_rotary_factor': 1.5}])
+def test_rope_value_ranges(bad):
+  """theta must be positive and partial_rotary_factor in (0, 1]."""
+  with pytest.raises(ConfigError, match=next(iter(bad))):
+    RopeConfig(**bad)
+
+
+# -- replace / round trips ---------------------------------------------------------
+
+
+def test_replace_changes_one_field():
+  """replace returns a modified copy and leaves the original alone."""
+  cfg = _tiny()
+  new = cfg.replace(num_layers=3, scan_layers=True)
+  assert (new.num_layers, new.scan_layers) == (3, True)
+  assert (cfg.num_layers, cfg.scan_layers) == (2, False)
+  assert new.d_model == cfg.d_model
+
+
+def test_replace_validates():
+  """replace runs type and cross-field checks and catches typos."""
+  cfg = _tiny()
+  with pytest.raises(ConfigError, match='num_kv_heads'):
+    cfg.replace(num_kv_heads=3)
+  with pytest.raises(ConfigError, match='d_model'):
+    cfg.replace(d_model='32')
+  with pytest.raises(ConfigError, match="'num_layers'"):
+    cfg.replace(num_layer=3)
+
+
+def test_replace_accepts_nested_dict():
+  """replace(rope={...}) builds a RopeConfig from the dict."""
+  cfg = _tiny().replace(rope={'theta': 500_000.0})
+  assert isinstance(cfg.rope, RopeConfig) and cfg.rope.theta == 500_000.0
+
+
+def _rich():
+  return _tiny(sliding_window=4, layer_types=['sliding', 'full'], post_norm=True,
+               rope={'scaling': 'longrope', 'original_max_position_embeddings': 64,
+                     'short_factor': [1.0, 1.5, 2.0, 2.5], 'long_factor': [3.0, 4.0, 5.0, 6.0]},
+               local_rope={'theta': 10_000.0}, attn_logit_softcap=50.0)
+
+
+def test_lists_become_tuples():
+  """Lists (from YAML/JSON) become tuples, also in nested configs."""
+  cfg = _rich()
+  assert cfg.layer_types == ('sliding', 'full')
+  assert cfg.rope.short_factor == (1.0, 1.5, 2.0, 2.5)
+  assert isinstance(cfg.rope.long_factor, tuple)
+  hash(cfg)  # frozen and hashable
+
+
+def test_to_dict_from_dict_round_trip():
+  """from_dict(to_dict(cfg)) == cfg, nested RopeConfigs included."""
+  cfg = _rich()
+  data = cfg.to_dict()
+  assert isinstance(data['rope'], dict) and isinstance(data['local_rope'], dict)
+  assert data['rope']['scaling'] == 'longrope'
+  assert ModelConfig.from_dict(data) == cfg
+
+
+def test_json_round_trip():
+  """A config survives JSON (tuples become lists and come back as tuples)."""
+  cfg = _rich()
+  assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_from_dict_passes_config_instances_through():
+  """from_dict accepts an instance (and nested instances) unchanged."""
+  cfg = _tiny()
+  assert ModelConfig.from_dict(cfg) is cfg
+  assert _tiny(rope=RopeConfig(theta=5.0)).rope.theta == 5.0
+
+
+def test_configs_are_frozen():
+  """Fields cannot be assigned after construction."""
+  cfg = _tiny()
+  with pytest.raises(AttributeError):
+    cfg.d_model = 64
+
+
+# -- derived values -------------------------------------------------------------------
+
+
+def test_resolved_defaults():
+  """head_dim, layer types and query scale have documented defaults."""
+  cfg = _tiny()
+  assert cfg.resolved_head_dim == 8
+  assert cfg.resolved_layer_types == ('full', 'full')
+  assert cfg.resolved_query_scale == pytest.approx(8**-0.5)
+  assert _tiny(sliding_window=4).resolved_layer_types == ('sliding', 'sliding')
+  assert _tiny(query_scale=0.25).resolved_query_scale == 0.25
+
+
+def test_dtypes():
+  """dtype names resolve to jnp dtypes; unknown names suggest the nearest."""
+  cfg = _tiny(dtype='bfloat16')
+  assert cfg.jnp_dtype() == jnp.bfloat16 and cfg.jnp_dtype('param_dtype') == jnp.float32
+  assert resolve_dtype('float16') == jnp.float16
+  with pytest.raises(ConfigError, match="'bfloat16'"):
+    resolve_dtype('bfloat61')
