@@ -15,8 +15,7 @@ import sys
 import numpy as np
 
 TRAIN_KEYS = {
-    'model': ('tiny', 'preset name (see maxnnx.list_presets()) or a local Hugging Face '
-                      'checkpoint directory to start from'),
+    'model': ('tiny', 'preset name to train from scratch (see maxnnx.list_presets())'),
     'data': ('', 'UTF-8 text file to train on (default: the shipped Shakespeare corpus)'),
     'output_dir': ('runs/tiny-shakespeare', 'where tokenizer, metrics, plot and model go'),
     'steps': (600, 'optimizer steps'),
@@ -104,23 +103,22 @@ def train(options: dict) -> dict:
   corpus = options['data'] or DEFAULT_CORPUS
   text = read_text(corpus)
   if os.path.isdir(options['model']):
-    model = maxnnx.from_pretrained(options['model'], dtype=options['dtype'])
-    cfg = model.config
-  else:
-    cfg = maxnnx.get_preset(options['model'], dtype=options['dtype'])
-    model = None
-  tok_path = os.path.join(out, 'tokenizer.model')
-  if not os.path.exists(tok_path):
-    print(f'Training a {cfg.vocab_size}-token sentencepiece BPE tokenizer on {corpus} ...')
-    train_sentencepiece(corpus, os.path.join(out, 'tokenizer'), cfg.vocab_size)
+    # A pretrained checkpoint needs its own tokenizer; reading Hugging Face tokenizer
+    # files is not supported yet, and a tokenizer trained here would scramble its ids.
+    raise UsageError(f"model={options['model']} is a directory: fine-tuning a Hugging Face "
+                     'checkpoint from the CLI needs its tokenizer, which is not supported yet. '
+                     'Use a preset name, or maxnnx.from_pretrained + Trainer from Python.')
+  cfg = maxnnx.get_preset(options['model'], dtype=options['dtype'])
+  # Retrained on every run (under a second): a cached tokenizer could belong to another corpus.
+  print(f'Training a {cfg.vocab_size}-token sentencepiece BPE tokenizer on {corpus} ...')
+  tok_path = train_sentencepiece(corpus, os.path.join(out, 'tokenizer'), cfg.vocab_size)
   tokenizer = SentencePieceTokenizer(tok_path)
   if tokenizer.vocab_size > cfg.vocab_size:
-    raise UsageError(f'{tok_path} has {tokenizer.vocab_size} tokens but the model only '
-                     f'{cfg.vocab_size}; remove it or pick another output_dir.')
+    raise UsageError(f'The tokenizer has {tokenizer.vocab_size} tokens but model '
+                     f"{options['model']} only {cfg.vocab_size}.")
   tokens = np.asarray(tokenizer.encode(text), np.int32)
   cfg = cfg.replace(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
-  if model is None:
-    model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(options['seed']))
+  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(options['seed']))
   data = TokenWindows(tokens, options['seq_len'], options['global_batch_size'],
                       seed=options['seed'])
   warmup = None if options['warmup_steps'] < 0 else options['warmup_steps']
@@ -185,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     options = parse_overrides(rest, COMMANDS[command])
     {'train': train, 'generate': generate}[command](options)
-  except UsageError as e:
+  except (ValueError, FileNotFoundError) as e:  # UsageError, ConfigError, bad data files
     print(f'error: {e}', file=sys.stderr)
     return 2
   return 0
