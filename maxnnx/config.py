@@ -256,6 +256,8 @@ class ModelConfig(_Validated):
     scan_layers: hold the layer stack as one scanned module (fast compile for
       deep models) instead of a list of modules (easy to inspect and edit).
     attention_impl: attention kernel strategy by name (``xla`` always exists).
+    ragged_dot_impl: grouped-matmul strategy of MoE layers by name (``lax``
+      and the ``dense`` reference always exist).
     initializer_range: std of the normal init of the embedding table.
     bos_token_id: beginning-of-sequence id of the model's tokenizer, if any.
     eos_token_id: end-of-sequence id(s); ``generate`` stops at them by default.
@@ -296,6 +298,7 @@ class ModelConfig(_Validated):
   logits_dtype: Literal[_DTYPES] = 'float32'
   scan_layers: bool = False
   attention_impl: str = 'xla'
+  ragged_dot_impl: str = 'lax'
   initializer_range: float = 0.02
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
@@ -370,3 +373,64 @@ def resolve_dtype(name: str):
     raise ConfigError(f"Unknown dtype '{name}'.{_nearest(name, _DTYPES)} "
                       f'Valid: {", ".join(_DTYPES)}.')
   return jnp.dtype(name)
+
+
+MESH_AXES = ('stage', 'data', 'fsdp', 'expert', 'context', 'tensor')
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(_Validated):
+  """How devices are arranged into named parallelism axes.
+
+  Each size is the number of devices along that axis within a slice (fast
+  interconnect); ``dcn_*`` sizes multiply them across slices or hosts (slow
+  interconnect). ``-1`` (at most one per group) takes whatever devices are left.
+
+  Attributes:
+    data: data parallelism (replicated params, split batch).
+    fsdp: fully sharded data parallelism (params and optimizer state split,
+      gathered per layer; batch split).
+    tensor: tensor (model) parallelism over heads and MLP width.
+    expert: expert parallelism for MoE layers (batch split elsewhere).
+    context: context (sequence) parallelism for long sequences.
+    stage: pipeline stages (scanned layer stack split into consecutive stages).
+    dcn_data, dcn_fsdp, dcn_tensor, dcn_expert, dcn_context, dcn_stage: the
+      same axes across slices/hosts.
+    sequence_parallel: shard the residual stream between blocks along the
+      sequence over ``tensor`` (norms run on a slice of the tokens).
+    context_load_balance: reorder tokens so every ``context`` shard gets an
+      equal share of causal-attention work.
+    pipeline_microbatches: microbatches per step when ``stage > 1``; ``None``
+      means one per stage.
+    rules: extra ``(logical name, mesh axes)`` pairs that override the
+      defaults in :data:`maxnnx.sharding.DEFAULT_RULES`.
+  """
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+  expert: int = 1
+  context: int = 1
+  stage: int = 1
+  dcn_data: int = 1
+  dcn_fsdp: int = 1
+  dcn_tensor: int = 1
+  dcn_expert: int = 1
+  dcn_context: int = 1
+  dcn_stage: int = 1
+  sequence_parallel: bool = False
+  context_load_balance: bool = True
+  pipeline_microbatches: int | None = None
+  rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
+
+  def _validate(self):
+    for group in ('', 'dcn_'):
+      sizes = [getattr(self, group + a) for a in MESH_AXES]
+      if any(s == 0 or s < -1 for s in sizes):
+        raise ConfigError(f'MeshConfig {group}sizes must be positive or -1, got '
+                          f'{dict(zip(MESH_AXES, sizes))}.')
+      if sizes.count(-1) > 1:
+        raise ConfigError(f'At most one {group}mesh axis may be -1, got '
+                          f'{dict(zip(MESH_AXES, sizes))}.')
+    if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
+      raise ConfigError('MeshConfig.pipeline_microbatches must be >= 1.')

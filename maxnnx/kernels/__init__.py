@@ -8,6 +8,13 @@ from maxnnx.kernels.attention import (
                                       register_attention_kernel,
 )
 from maxnnx.kernels.masks import AttentionMask
+from maxnnx.kernels.ragged_dot import (
+                                       RAGGED_DOT_IMPLEMENTATIONS,
+                                       RaggedDotKernel,
+                                       get_ragged_dot_kernel,
+                                       register_ragged_dot_kernel,
+)
 
 __all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionKernel', 'AttentionMask', 'XlaAttention',
-           'get_attention_kernel', 'register_attention_kernel']
+           'RAGGED_DOT_IMPLEMENTATIONS', 'RaggedDotKernel', 'get_attention_kernel',
+           'get_ragged_dot_kernel', 'register_attention_kernel', 'register_ragged_dot_kernel']

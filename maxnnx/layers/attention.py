@@ -10,6 +10,12 @@ from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.rope import apply_rope
+from maxnnx.sharding import constrain
+
+Q_AXES = ('activation_batch', 'activation_length', 'activation_heads', None)
+# Keys/values are gathered along the sequence under context parallelism.
+KV_AXES = ('activation_batch', 'activation_kv_length', 'activation_kv_heads', None)
+OUT_AXES = ('activation_batch', 'activation_length', 'activation_embed')
 
 
 class Attention(nnx.Module):
@@ -81,6 +87,9 @@ class Attention(nnx.Module):
           self.cache_v[...], v_BTKH.astype(self.cache_v.dtype), start)
       k_BTKH = self.cache_k[...].astype(q_BTNH.dtype)
       v_BTKH = self.cache_v[...].astype(q_BTNH.dtype)
+    q_BTNH = constrain(q_BTNH, Q_AXES)
+    k_BTKH, v_BTKH = constrain(k_BTKH, KV_AXES), constrain(v_BTKH, KV_AXES)
     out_BTNH = self.kernel(q_BTNH, k_BTKH, v_BTKH, mask, scale=self.scale, softcap=self.softcap,
                            sliding_window=sliding_window)
-    return self.o_proj(out_BTNH)
+    out_BTNH = constrain(out_BTNH, Q_AXES)
+    return constrain(self.o_proj(out_BTNH), OUT_AXES)

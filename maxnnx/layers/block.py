@@ -8,6 +8,9 @@ from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.attention import Attention
 from maxnnx.layers.mlp import MLP
 from maxnnx.layers.norm_factory import make_norm
+from maxnnx.sharding import constrain
+
+RESIDUAL_AXES = ('activation_batch', 'activation_norm_length', 'activation_embed')
 
 
 class DecoderBlock(nnx.Module):
@@ -30,6 +33,7 @@ class DecoderBlock(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask, *,
                sliding_window=None, cache_index=None) -> jax.Array:
+    x_BTD = constrain(x_BTD, RESIDUAL_AXES)
     h = self.attn_pre_norm(x_BTD) if self.attn_pre_norm is not None else x_BTD
     h = self.attn(h, cos_sin, mask, sliding_window=sliding_window, cache_index=cache_index)
     if self.attn_post_norm is not None:
@@ -39,4 +43,4 @@ class DecoderBlock(nnx.Module):
     h = self.mlp(h)
     if self.mlp_post_norm is not None:
       h = self.mlp_post_norm(h)
-    return x_BTD + h
+    return constrain(x_BTD + h, RESIDUAL_AXES)

@@ -5,6 +5,9 @@ from flax import nnx
 
 from maxnnx.config import ModelConfig
 from maxnnx.layers.linear import DenseGeneral
+from maxnnx.sharding import constrain
+
+HIDDEN_AXES = ('activation_batch', 'activation_length', 'activation_mlp')
 
 ACTIVATIONS = {
     'silu': jax.nn.silu,
@@ -39,4 +42,5 @@ class MLP(nnx.Module):
       h_BTF = act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD)
     else:
       h_BTF = act(self.up_proj(x_BTD))
+    h_BTF = constrain(h_BTF, HIDDEN_AXES)
     return self.down_proj(h_BTF)

@@ -16,11 +16,12 @@ from flax import nnx
 
 from maxnnx.config import ModelConfig
 from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions
-from maxnnx.layers.block import DecoderBlock
+from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock
 from maxnnx.layers.embedding import Embed
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.rope import RotaryEmbedding
+from maxnnx.sharding import constrain
 
 _NO_WINDOW = np.iinfo(np.int32).max
 
@@ -135,7 +136,7 @@ class Transformer(nnx.Module):
       positions = default_positions if positions is None else positions
       mask = AttentionMask.causal(segment_ids, positions)
 
-    x_BTD = self.embed(input_ids_BT)
+    x_BTD = constrain(self.embed(input_ids_BT), RESIDUAL_AXES)
     if cfg.scale_embeddings:
       x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, x_BTD.dtype)
     cos_sin = {'full': self.rotary.cos_sin(positions)}
@@ -182,7 +183,8 @@ class Transformer(nnx.Module):
       logits = self.embed.attend(x_BTD)
     else:
       logits = self.lm_head(x_BTD)
-    logits = logits.astype(cfg.jnp_dtype('logits_dtype'))
+    logits = constrain(logits.astype(cfg.jnp_dtype('logits_dtype')),
+                       ('activation_batch', 'activation_length', 'activation_vocab'))
     if cfg.final_logit_softcap is not None:
       cap = cfg.final_logit_softcap
       logits = cap * jnp.tanh(logits / cap)
