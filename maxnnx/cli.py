@@ -1,34 +1,53 @@
-"""Command line: ``maxnnx train [key=value ...]`` and ``maxnnx generate [key=value ...]``.
+"""Command line: ``maxnnx train [config.yml] [key=value ...]`` and friends.
 
 With no arguments ``maxnnx train`` trains the ``tiny`` preset on the shipped
-Shakespeare corpus: it trains a sentencepiece tokenizer on the corpus (cached
-in the output directory), runs the optimizer while printing loss and tokens/s,
-writes ``metrics.jsonl``, ``loss.png`` and the trained model in Hugging Face
-format (``final/``), and ends by printing a generated sample.
+Shakespeare corpus: it trains a sentencepiece tokenizer on the corpus, runs the
+optimizer with a progress bar (loss, tokens/s, MFU), writes ``metrics.jsonl``,
+``loss.png`` and the trained model in Hugging Face format (``final/``), and
+ends by printing a generated sample.
+
+Every :class:`~maxnnx.train.TrainConfig` field is a key (``steps=``,
+``learning_rate=``…), mesh sizes are ``mesh.data=``, ``mesh.fsdp=``…, and a YAML
+file given first supplies defaults that ``key=value`` arguments override.
+``maxnnx train --help`` lists every key with its documentation.
+
+Other commands: ``generate`` (continue a prompt from a trained run) and
+``compile`` (lower and compile the train step for the mesh, report per-device
+memory, and fail fast when it cannot fit, without allocating any weights).
 """
 
+from __future__ import annotations
+
+import dataclasses
 import difflib
 import json
 import os
+import re
 import sys
+import typing
 
 import numpy as np
 
-TRAIN_KEYS = {
-    'model': ('tiny', 'preset name to train from scratch (see maxnnx.list_presets())'),
-    'data': ('', 'UTF-8 text file to train on (default: the shipped Shakespeare corpus)'),
+from maxnnx.config import MeshConfig
+
+# Keys of the run itself (the TrainConfig and MeshConfig fields are added below).
+RUN_KEYS = {
+    'model': ('tiny', 'preset name (see maxnnx.list_presets()) or a local Hugging Face '
+              'checkpoint directory to start from'),
+    'data': ('', "training text: a UTF-8 file, 'synthetic' (random tokens), or empty for the "
+             'shipped Shakespeare corpus'),
     'output_dir': ('runs/tiny-shakespeare', 'where tokenizer, metrics, plot and model go'),
-    'steps': (600, 'optimizer steps'),
-    'global_batch_size': (16, 'sequences per step'),
-    'seq_len': (128, 'tokens per sequence'),
-    'learning_rate': (3e-3, 'peak learning rate (linear warmup, cosine decay)'),
-    'warmup_steps': (-1, 'warmup steps (-1: 5% of steps)'),
-    'weight_decay': (0.1, 'AdamW decoupled weight decay on matmul kernels'),
-    'seed': (0, 'seed of init and data order'),
-    'dtype': ('float32', 'compute dtype: float32 or bfloat16'),
-    'eval_every': (100, 'evaluate held-out loss every N steps (0: only at the end)'),
-    'log_every': (25, 'print a progress line every N steps'),
+    'dtype': ('float32', 'compute dtype: float32 or bfloat16 (parameters stay float32)'),
+    'scan_layers': (False, 'run the layer stack as one scanned block (needed for mesh.stage)'),
+    'remat_policy': ('', 'activation rematerialisation: none, minimal, save_dot_except_mlp, '
+                     'save_qkv_proj, save_out_proj, full (empty: the model default)'),
+    'attention_impl': ('', 'attention kernel strategy (empty: the model default)'),
+    'checkpoint_every': (0, 'save a checkpoint every N steps (0 = off)'),
     'sample_tokens': (120, 'tokens of the sample printed at the end (0: none)'),
+}
+TRAIN_OVERRIDES = {  # defaults of the default run that differ from TrainConfig's
+    'steps': 600, 'global_batch_size': 16, 'seq_len': 128, 'learning_rate': 3e-3,
+    'log_every': 25, 'eval_every': 100,
 }
 GENERATE_KEYS = {
     'output_dir': ('runs/tiny-shakespeare', 'a directory written by maxnnx train'),
@@ -38,43 +57,150 @@ GENERATE_KEYS = {
     'top_p': (0.95, 'nucleus sampling mass'),
     'seed': (0, 'sampling seed'),
 }
-COMMANDS = {'train': TRAIN_KEYS, 'generate': GENERATE_KEYS}
 
 
 class UsageError(ValueError):
   """A bad command line: unknown command or key, or a value of the wrong type."""
 
 
+def _attribute_docs(cls) -> dict[str, str]:
+  """``{field: doc}`` from the ``Attributes:`` section of a class docstring."""
+  docs, current = {}, None
+  text = (cls.__doc__ or '').split('Attributes:', 1)[-1]
+  for line in text.splitlines():
+    match = re.match(r'\s{4}([\w, ]+):\s*(.*)', line)
+    if match and not line.startswith(' ' * 6):
+      names = [n.strip() for n in match.group(1).split(',')]
+      current = names
+      for name in names:
+        docs[name] = match.group(2)
+    elif current and line.strip():
+      for name in current:
+        docs[name] += ' ' + line.strip()
+  return docs
+
+
+def _config_keys(cls, prefix: str = '', skip=()) -> dict[str, tuple[typing.Any, str, typing.Any]]:
+  """``{key: (default, doc, type)}`` for the fields of a config dataclass."""
+  hints = typing.get_type_hints(cls)
+  docs = _attribute_docs(cls)
+  keys = {}
+  for field in dataclasses.fields(cls):
+    if field.name in skip:
+      continue
+    default = (field.default if field.default is not dataclasses.MISSING
+               else field.default_factory())
+    keys[prefix + field.name] = (default, docs.get(field.name, ''), hints[field.name])
+  return keys
+
+
+def train_keys() -> dict[str, tuple]:
+  """Every key ``maxnnx train`` accepts: ``{key: (default, doc, type)}``."""
+  from maxnnx.train.config import TrainConfig  # noqa: PLC0415
+  keys = {k: (d, doc, type(d)) for k, (d, doc) in RUN_KEYS.items()}
+  for key, (default, doc, kind) in _config_keys(TrainConfig, skip=('mesh',)).items():
+    keys[key] = (TRAIN_OVERRIDES.get(key, default), doc, kind)
+  keys.update(_config_keys(MeshConfig, 'mesh.', skip=('rules',)))
+  return keys
+
+
+def _generate_keys() -> dict[str, tuple]:
+  return {k: (d, doc, type(d)) for k, (d, doc) in GENERATE_KEYS.items()}
+
+
+COMMANDS = ('train', 'generate', 'compile')
+
+
+def _convert(key: str, raw: typing.Any, kind: typing.Any) -> typing.Any:
+  """Parse ``raw`` (a string from the command line, or a YAML value) as ``kind``."""
+  if not isinstance(raw, str):
+    return raw
+  lowered = raw.strip().lower()
+  args = [a for a in typing.get_args(kind) if a is not type(None)]
+  if lowered in ('none', 'null') and type(None) in typing.get_args(kind):
+    return None
+  if typing.get_origin(kind) is typing.Literal:
+    return raw
+  candidates = args or [kind]
+  for candidate in candidates:
+    try:
+      if candidate is bool:
+        if lowered in ('true', '1', 'yes', 'on'):
+          return True
+        if lowered in ('false', '0', 'no', 'off'):
+          return False
+        continue
+      if candidate is int:
+        value = float(raw)
+        if value.is_integer():
+          return int(value)
+        continue
+      if candidate is float:
+        return float(raw)
+      if candidate is str:
+        return raw
+    except ValueError:
+      continue
+  expected = ' or '.join(getattr(c, '__name__', str(c)) for c in candidates)
+  raise UsageError(f'{key}={raw!r}: expected {expected}.')
+
+
 def parse_overrides(args: list[str], keys: dict) -> dict:
-  """``key=value`` strings -> typed values, defaults filled in."""
-  values = {k: default for k, (default, _) in keys.items()}
+  """``[config.yml] key=value ...`` -> typed values, defaults filled in.
+
+  Raises:
+    UsageError: on an unknown key (naming the nearest one) or a malformed value.
+  """
+  values = {k: spec[0] for k, spec in keys.items()}
+  pairs: list[tuple[str, typing.Any]] = []
   for arg in args:
+    if '=' not in arg and arg.endswith(('.yml', '.yaml')):
+      pairs.extend(_read_yaml(arg))
+      continue
     if '=' not in arg:
       raise UsageError(f"Expected key=value, got '{arg}'. Run with --help for the keys.")
-    key, raw = arg.split('=', 1)
+    pairs.append(tuple(arg.split('=', 1)))
+  for key, raw in pairs:
     if key not in keys:
       near = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
       hint = f" Did you mean '{near[0]}'?" if near else ''
       raise UsageError(f"Unknown key '{key}'.{hint} Run with --help for the keys.")
-    kind = type(keys[key][0])
-    try:
-      values[key] = kind(float(raw)) if kind is int and '.' not in raw else kind(raw)
-    except ValueError:
-      raise UsageError(f"{key}={raw!r}: expected {kind.__name__}.") from None
+    values[key] = _convert(key, raw, keys[key][2])
   return values
 
 
+def _read_yaml(path: str) -> list[tuple[str, typing.Any]]:
+  import yaml  # noqa: PLC0415
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{path}: no such config file.')
+  with open(path) as f:
+    data = yaml.safe_load(f) or {}
+  if not isinstance(data, dict):
+    raise UsageError(f'{path} must hold a mapping of key: value.')
+  pairs = []
+  for key, value in data.items():
+    if key == 'mesh' and isinstance(value, dict):
+      pairs.extend((f'mesh.{k}', v) for k, v in value.items())
+    else:
+      pairs.append((key, value))
+  return pairs
+
+
 def _usage(command: str) -> str:
-  lines = [f'usage: maxnnx {command} [key=value ...]', '']
-  for key, (default, doc) in COMMANDS[command].items():
-    lines.append(f'  {key:<18} {doc} (default: {default!r})')
+  keys = train_keys() if command in ('train', 'compile') else _generate_keys()
+  head = {'train': 'maxnnx train [config.yml] [key=value ...]',
+          'compile': 'maxnnx compile [config.yml] [key=value ...]  (same keys as train)',
+          'generate': 'maxnnx generate [key=value ...]'}[command]
+  lines = [f'usage: {head}', '']
+  for key, (default, doc, _) in keys.items():
+    lines.append(f'  {key:<26} {doc} (default: {default!r})')
   return '\n'.join(lines)
 
 
 def _plot_loss(history: list[dict], path: str) -> None:
-  import matplotlib
+  import matplotlib  # noqa: PLC0415
   matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # noqa: PLC0415
   fig, ax = plt.subplots(figsize=(6, 3.5))
   ax.plot([m['step'] for m in history], [m['loss'] for m in history], label='train')
   evals = [m for m in history if 'eval_loss' in m]
@@ -89,64 +215,114 @@ def _plot_loss(history: list[dict], path: str) -> None:
   plt.close(fig)
 
 
-def train(options: dict) -> dict:
-  """Run ``maxnnx train`` with parsed ``options``; returns a summary dict."""
-  from flax import nnx
+def _split_options(options: dict):
+  """``(run options, TrainConfig)`` from the flat key=value dict."""
+  from maxnnx.train.config import TrainConfig  # noqa: PLC0415
+  run = {k: options[k] for k in RUN_KEYS}
+  mesh = MeshConfig.from_dict({k[5:]: v for k, v in options.items() if k.startswith('mesh.')})
+  fields = {k: v for k, v in options.items() if k not in RUN_KEYS and not k.startswith('mesh.')}
+  return run, TrainConfig.from_dict({**fields, 'mesh': mesh})
 
-  import maxnnx
-  from maxnnx.data import DEFAULT_CORPUS, SentencePieceTokenizer, TokenWindows, train_sentencepiece
-  from maxnnx.data.text import read_text
-  from maxnnx.train import Trainer, default_optimizer
 
-  out = options['output_dir']
-  os.makedirs(out, exist_ok=True)
-  corpus = options['data'] or DEFAULT_CORPUS
-  text = read_text(corpus)
-  if os.path.isdir(options['model']):
-    # A pretrained checkpoint needs its own tokenizer; reading Hugging Face tokenizer
-    # files is not supported yet, and a tokenizer trained here would scramble its ids.
-    raise UsageError(f"model={options['model']} is a directory: fine-tuning a Hugging Face "
-                     'checkpoint from the CLI needs its tokenizer, which is not supported yet. '
-                     'Use a preset name, or maxnnx.from_pretrained + Trainer from Python.')
-  cfg = maxnnx.get_preset(options['model'], dtype=options['dtype'])
+def _model_and_tokenizer(run: dict, out: str, corpus: str | None):
+  """The model to train (a ModelConfig or loaded model) and its tokenizer (or None)."""
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.data import SentencePieceTokenizer, train_sentencepiece  # noqa: PLC0415
+  overrides = {'dtype': run['dtype'], 'scan_layers': run['scan_layers']}
+  if run['remat_policy']:
+    overrides['remat_policy'] = run['remat_policy']
+  if run['attention_impl']:
+    overrides['attention_impl'] = run['attention_impl']
+  if os.path.isdir(run['model']):
+    model = maxnnx.from_pretrained(run['model'], **overrides)
+    tokenizer = None
+    if corpus is not None:
+      tokenizer = _checkpoint_tokenizer(run['model'])
+    return model, tokenizer
+  cfg = maxnnx.get_preset(run['model'], **overrides)
+  if corpus is None:
+    return cfg, None
   # Retrained on every run (under a second): a cached tokenizer could belong to another corpus.
   print(f'Training a {cfg.vocab_size}-token sentencepiece BPE tokenizer on {corpus} ...')
-  tok_path = train_sentencepiece(corpus, os.path.join(out, 'tokenizer'), cfg.vocab_size)
-  tokenizer = SentencePieceTokenizer(tok_path)
+  tokenizer = SentencePieceTokenizer(
+      train_sentencepiece(corpus, os.path.join(out, 'tokenizer'), cfg.vocab_size))
   if tokenizer.vocab_size > cfg.vocab_size:
     raise UsageError(f'The tokenizer has {tokenizer.vocab_size} tokens but model '
-                     f"{options['model']} only {cfg.vocab_size}.")
-  tokens = np.asarray(tokenizer.encode(text), np.int32)
-  cfg = cfg.replace(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
-  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(options['seed']))
-  data = TokenWindows(tokens, options['seq_len'], options['global_batch_size'],
-                      seed=options['seed'])
-  warmup = None if options['warmup_steps'] < 0 else options['warmup_steps']
-  optimizer = default_optimizer(options['learning_rate'], options['steps'], warmup_steps=warmup,
-                                weight_decay=options['weight_decay'])
-  trainer = Trainer(model, optimizer, data)
-  print(f"Training {options['model']} ({cfg.num_params():,} parameters) on {len(tokens):,} "
-        f"tokens for {options['steps']} steps of {options['global_batch_size']} x "
-        f"{options['seq_len']} tokens.")
-  history = trainer.fit(options['steps'], eval_every=options['eval_every'] or options['steps'],
-                        log_every=options['log_every'])
-  with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
-    for metrics in history:
-      f.write(json.dumps(metrics) + '\n')
+                     f"{run['model']} only {cfg.vocab_size}.")
+  return cfg.replace(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id), tokenizer
+
+
+def _checkpoint_tokenizer(model_dir: str):
+  """The tokenizer stored with a Hugging Face checkpoint."""
+  try:
+    from maxnnx.data import load_tokenizer  # noqa: PLC0415
+  except ImportError:
+    load_tokenizer = None
+  if load_tokenizer is None:
+    raise UsageError(f'model={model_dir}: training a checkpoint on text needs its tokenizer, '
+                     'which this version cannot read; use data=synthetic.')
+  return load_tokenizer(model_dir)
+
+
+def _build_trainer(options: dict, *, need_data: bool = True):
+  from maxnnx.data import DEFAULT_CORPUS, TokenWindows  # noqa: PLC0415
+  from maxnnx.data.text import read_text  # noqa: PLC0415
+  from maxnnx.train import Trainer  # noqa: PLC0415
+
+  run, train_config = _split_options(options)
+  out = run['output_dir']
+  os.makedirs(out, exist_ok=True)
+  synthetic = run['data'] == 'synthetic' or not need_data
+  corpus = None if synthetic else (run['data'] or DEFAULT_CORPUS)
+  text = read_text(corpus) if corpus else None
+  model, tokenizer = _model_and_tokenizer(run, out, corpus)
+  data = None
+  if corpus is not None:
+    tokens = np.asarray(tokenizer.encode(text), np.int32)
+    data = TokenWindows(tokens, train_config.seq_len, train_config.global_batch_size,
+                        seed=train_config.seed)
+  trainer = Trainer(model, train_config, data=data)
+  return trainer, run, tokenizer, (len(tokens) if corpus else 0)
+
+
+def train(options: dict) -> dict:
+  """Run ``maxnnx train`` with parsed ``options``; returns a summary dict."""
+  import maxnnx  # noqa: PLC0415
+
+  trainer, run, tokenizer, num_tokens = _build_trainer(options)
+  cfg, out = trainer.config, run['output_dir']
+  source = f'{num_tokens:,} tokens' if num_tokens else 'synthetic tokens'
+  print(f"Training {run['model']} ({trainer.model_config.num_params():,} parameters) on "
+        f'{source} for {cfg.steps} steps of {cfg.global_batch_size} x {cfg.seq_len} tokens; '
+        f'mesh {dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}.')
+  if cfg.metrics_jsonl is None:
+    trainer.config = cfg = dataclasses.replace(cfg, metrics_jsonl=os.path.join(out,
+                                                                               'metrics.jsonl'))
+    if os.path.exists(cfg.metrics_jsonl):
+      os.remove(cfg.metrics_jsonl)  # a fresh run; resuming is the checkpoint's job
+  history = trainer.fit()
+  trainer.close()
   _plot_loss(history, os.path.join(out, 'loss.png'))
   maxnnx.save_pretrained(trainer.model, os.path.join(out, 'final'))
   with open(os.path.join(out, 'train_options.json'), 'w') as f:
-    json.dump(options, f, indent=2)
-  print(f"Wrote {out}/: tokenizer.model, metrics.jsonl, loss.png, final/ (Hugging Face format).")
-  if options['sample_tokens']:
-    print('\nSample:\n' + _sample(trainer.model, tokenizer, 'ROMEO:', options['sample_tokens'],
-                                  0.8, 0.95, options['seed']))
+    json.dump(options, f, indent=2, default=str)
+  print(f'Wrote {out}/: metrics.jsonl, loss.png, final/ (Hugging Face format)'
+        + (', tokenizer.model' if tokenizer is not None else '') + '.')
+  if run['sample_tokens'] and tokenizer is not None:
+    print('\nSample:\n' + _sample(trainer.model, tokenizer, 'ROMEO:', run['sample_tokens'],
+                                  0.8, 0.95, cfg.seed))
   return {'first_loss': history[0]['loss'], 'last_loss': history[-1]['loss'],
           'eval_loss': history[-1].get('eval_loss')}
 
 
+def compile_step(options: dict) -> dict:
+  """Run ``maxnnx compile``: AOT-compile the train step and report memory."""
+  trainer, _, _, _ = _build_trainer(options, need_data=False)
+  return trainer.compile()
+
+
 def _sample(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed) -> str:
-  import maxnnx
+  import maxnnx  # noqa: PLC0415
   ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
   result = maxnnx.generate(model, [ids], max_new_tokens, temperature=temperature, top_p=top_p,
                            eos_ids=[tokenizer.eos_id], seed=seed)
@@ -155,8 +331,8 @@ def _sample(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed) 
 
 def generate(options: dict) -> str:
   """Run ``maxnnx generate``: continue ``prompt`` with the model in ``output_dir``."""
-  import maxnnx
-  from maxnnx.data import SentencePieceTokenizer
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.data import SentencePieceTokenizer  # noqa: PLC0415
   out = options['output_dir']
   model_dir, tok_path = os.path.join(out, 'final'), os.path.join(out, 'tokenizer.model')
   for path in (model_dir, tok_path):
@@ -171,21 +347,24 @@ def generate(options: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   """Entry point of ``maxnnx`` / ``python -m maxnnx``."""
+  from maxnnx.train import TrainingError  # noqa: PLC0415
+
   argv = sys.argv[1:] if argv is None else argv
-  command = argv[0] if argv and not argv[0].startswith('-') else 'train'
+  command = argv[0] if argv and not argv[0].startswith('-') and '=' not in argv[0] and not \
+      argv[0].endswith(('.yml', '.yaml')) else 'train'
   rest = argv[1:] if argv and argv[0] == command else argv
   if command not in COMMANDS:
-    print(f"Unknown command '{command}'; use one of: {', '.join(COMMANDS)}.", file=sys.stderr)
+    print(f"error: unknown command '{command}'; use one of: {', '.join(COMMANDS)}.",
+          file=sys.stderr)
     return 2
   if any(a in ('-h', '--help') for a in rest):
     print(_usage(command))
     return 0
   try:
-    options = parse_overrides(rest, COMMANDS[command])
-    {'train': train, 'generate': generate}[command](options)
-  except (ValueError, FileNotFoundError) as e:  # UsageError, ConfigError, bad data files
+    keys = _generate_keys() if command == 'generate' else train_keys()
+    options = parse_overrides(rest, keys)
+    {'train': train, 'generate': generate, 'compile': compile_step}[command](options)
+  except (ValueError, FileNotFoundError, TrainingError) as e:  # UsageError, ConfigError…
     print(f'error: {e}', file=sys.stderr)
     return 2
   return 0
-
-

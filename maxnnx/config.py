@@ -258,6 +258,12 @@ class ModelConfig(_Validated):
     attention_impl: attention kernel strategy by name (``xla`` always exists).
     ragged_dot_impl: grouped-matmul strategy of MoE layers by name (``lax``
       and the ``dense`` reference always exist).
+    remat_policy: what each block keeps for the backward pass (the rest is
+      recomputed): ``none`` keeps everything; ``minimal`` keeps matmul outputs
+      without batch dims; ``save_dot_except_mlp`` keeps the attention
+      projections and outputs; ``save_qkv_proj`` / ``save_out_proj`` /
+      ``save_attention_out`` keep only those; ``full`` keeps nothing but the
+      block inputs.
     initializer_range: std of the normal init of the embedding table.
     bos_token_id: beginning-of-sequence id of the model's tokenizer, if any.
     eos_token_id: end-of-sequence id(s); ``generate`` stops at them by default.
@@ -299,6 +305,8 @@ class ModelConfig(_Validated):
   scan_layers: bool = False
   attention_impl: str = 'xla'
   ragged_dot_impl: str = 'lax'
+  remat_policy: Literal['none', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj',
+                        'save_out_proj', 'save_attention_out', 'full'] = 'none'
   initializer_range: float = 0.02
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None

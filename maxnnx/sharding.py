@@ -69,6 +69,8 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
 
 _CURRENT_RULES: contextvars.ContextVar[dict[str, MeshAxes] | None] = contextvars.ContextVar(
     'maxnnx_logical_rules', default=None)
+_PIPELINE_MICROBATCHES: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    'maxnnx_pipeline_microbatches', default=None)
 
 
 def logical_rules(mesh_config: MeshConfig | None = None) -> dict[str, MeshAxes]:
@@ -117,19 +119,26 @@ def make_mesh(mesh_config: MeshConfig | None = None, devices: Sequence | None = 
 
   Axes are ordered slowest to fastest-varying, so ``tensor`` (most
   communication) lands on the nearest devices. Axes are ``AxisType.Auto``:
-  the compiler propagates shardings from the constraints we place.
+  the compiler propagates shardings from the constraints we place. A mesh with
+  fixed sizes smaller than the device count uses the first devices (e.g.
+  ``MeshConfig(data=1)`` runs on one device).
   """
   mesh_config = mesh_config or MeshConfig()
   devices = list(jax.devices() if devices is None else devices)
+  # Process-major order: devices of one host sit together on the fast axes.
+  devices.sort(key=lambda d: (d.process_index, d.id))
+  sizes = [getattr(mesh_config, g + a) for g in ('', 'dcn_') for a in MESH_AXES]
+  wanted = math.prod(sizes)
+  if -1 not in sizes and wanted < len(devices):
+    logger.info('Mesh needs %d of %d devices; using the first %d.', wanted, len(devices), wanted)
+    devices = devices[:wanted]
   ici, dcn = mesh_shape(mesh_config, len(devices))
   shape = tuple(ici[a] * dcn[a] for a in MESH_AXES)
-  if math.prod(dcn.values()) > 1 and len(devices) > 1 and hasattr(devices[0], 'slice_index'):
+  if math.prod(dcn.values()) > 1 and hasattr(devices[0], 'slice_index'):
     from jax.experimental import mesh_utils  # noqa: PLC0415 (multi-slice TPU only)
     array = mesh_utils.create_hybrid_device_mesh(
         tuple(ici[a] for a in MESH_AXES), tuple(dcn[a] for a in MESH_AXES), devices)
   else:
-    # Process-major order: devices of one host sit together on the fast axes.
-    devices.sort(key=lambda d: (d.process_index, d.id))
     array = np.asarray(devices, dtype=object).reshape(shape)
   return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
@@ -169,14 +178,27 @@ def spec_for(names: Sequence[str | None], rules: dict[str, MeshAxes] | None = No
 
 
 @contextlib.contextmanager
-def use_mesh(mesh: Mesh, rules: dict[str, MeshAxes] | None = None):
-  """Make ``mesh`` current (``jax.set_mesh``) and ``rules`` the logical rules."""
+def use_mesh(mesh: Mesh, rules: dict[str, MeshAxes] | None = None, *,
+             pipeline_microbatches: int | None = None):
+  """Make ``mesh`` current (``jax.set_mesh``) and ``rules`` the logical rules.
+
+  ``pipeline_microbatches`` is how many micro-batches a pipelined layer stack
+  (mesh axis ``stage`` > 1) splits each batch into (default: one per stage).
+  """
   token = _CURRENT_RULES.set(dict(DEFAULT_RULES) if rules is None else dict(rules))
+  pipeline_token = _PIPELINE_MICROBATCHES.set(pipeline_microbatches)
   try:
     with jax.set_mesh(mesh):
       yield mesh
   finally:
     _CURRENT_RULES.reset(token)
+    _PIPELINE_MICROBATCHES.reset(pipeline_token)
+
+
+def pipeline_microbatches() -> int:
+  """Micro-batches per step of a pipelined stack under the current mesh."""
+  stages = mesh_axis_size('stage')
+  return _PIPELINE_MICROBATCHES.get() or stages
 
 
 def current_rules() -> dict[str, MeshAxes] | None:
@@ -215,6 +237,8 @@ def _names_of(variable) -> tuple | None:
 def state_shardings(state, mesh: Mesh, rules: dict[str, MeshAxes] | None = None):
   """``NamedSharding`` for every array in an nnx ``State`` (or tree of Variables).
 
+  The result has the structure of ``state`` (each Variable holding its
+  sharding), so it can be passed to ``jax.jit`` and ``jax.device_put``.
   Variables without logical names (RNG counters, step counts) are replicated.
   """
   rules = dict(DEFAULT_RULES) if rules is None else rules
@@ -227,7 +251,8 @@ def state_shardings(state, mesh: Mesh, rules: dict[str, MeshAxes] | None = None)
       spec = P()
     else:
       spec = spec_for(names, rules, mesh, shape)
-    return NamedSharding(mesh, spec)
+    named = NamedSharding(mesh, spec)
+    return x.replace(value=named) if isinstance(x, nnx.Variable) else named
 
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

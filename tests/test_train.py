@@ -10,10 +10,11 @@ from flax import nnx
 
 import maxnnx
 from maxnnx import cli
+from maxnnx.config import MeshConfig
 from maxnnx.data import TokenWindows
 from maxnnx.data.text import read_text
-from maxnnx.train import Trainer, default_optimizer
-from maxnnx.train.trainer import _decay_mask
+from maxnnx.train import TrainConfig, Trainer, TrainingError
+from maxnnx.train.optimizers import decay_mask, param_metadata
 
 
 def _tiny(vocab=64):
@@ -21,46 +22,64 @@ def _tiny(vocab=64):
   return maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
 
 
+def _config(steps, lr, batch=8, seq_len=32, **kw):
+  return TrainConfig(steps=steps, learning_rate=lr, global_batch_size=batch, seq_len=seq_len,
+                     mesh=MeshConfig(data=1), **kw)
+
+
 def test_loss_falls_on_a_learnable_stream():
   """A periodic token stream is learned: loss drops far below its starting value."""
   tokens = np.tile(np.arange(16), 400)
   data = TokenWindows(tokens, seq_len=32, batch_size=8, seed=0)
-  trainer = Trainer(_tiny(), default_optimizer(1e-2, 60), data)
-  history = trainer.fit(60)
+  trainer = Trainer(_tiny(), _config(60, 1e-2, log_every=7), data=data)
+  history = trainer.fit(log=lambda line: None)
   assert history[-1]['loss'] < 0.3 * history[0]['loss']
   assert trainer.evaluate() < 0.3 * history[0]['loss']
   assert [m['step'] for m in history] == list(range(1, 61))
+  assert {'lr', 'grad_norm', 'tokens_per_s', 'tflops_per_device', 'mfu'} <= set(history[-1])
 
 
 def test_step_by_hand_updates_the_model_in_place():
-  """trainer.step changes trainer.model's parameters (the notebook workflow)."""
+  """trainer.step changes trainer.model's parameters (the notebook workflow), and edits
+  made to trainer.model between steps are trained on."""
   tokens = np.random.default_rng(0).integers(0, 64, 5000)
-  trainer = Trainer(_tiny(), default_optimizer(1e-3, 10), TokenWindows(tokens, 16, 4))
-  before = np.asarray(trainer.model.embed.embedding[...]).copy()
+  trainer = Trainer(_tiny(), _config(10, 1e-3, batch=4, seq_len=16),
+                    data=TokenWindows(tokens, 16, 4))
+  model = trainer.model
+  before = np.asarray(model.embed.embedding[...]).copy()
   trainer.step()  # the warmup starts at learning rate 0
   metrics = trainer.step()
   assert set(metrics) >= {'step', 'loss', 'grad_norm', 'tokens_per_s'}
-  assert not np.array_equal(before, np.asarray(trainer.model.embed.embedding[...]))
+  after = np.asarray(model.embed.embedding[...])  # the same object sees the new values
+  assert not np.array_equal(before, after)
+  model.final_norm.scale[...] = model.final_norm.scale[...] * 0  # logits become 0
+  assert abs(trainer.step()['loss'] - np.log(64)) < 1e-4
 
 
 def test_weight_decay_only_on_kernels():
   """Decay mask: kernels yes; norms, biases and embeddings no."""
-  state = nnx.state(_tiny(), nnx.Param)
-  leaves = jax.tree.leaves_with_path(_decay_mask(state))
-  assert sum(decayed for _, decayed in leaves) == 2 * 7 + 1  # 7 kernels per layer + lm_head
+  model = _tiny()
+  table = param_metadata(model)
+  mask = decay_mask(table)(nnx.state(model, nnx.Param))
+  leaves = jax.tree.leaves_with_path(mask)
+  assert sum(leaves_decayed for _, leaves_decayed in leaves) == 2 * 7 + 1  # 7 per layer + head
   for path, decayed in leaves:
     assert decayed == any(getattr(k, 'key', None) == 'kernel' for k in path), path
 
 
 def test_nan_loss_aborts_with_the_step():
-  """A non-finite loss stops training and names the step."""
+  """A non-finite loss stops training, names the step and metric, and skips that update."""
   tokens = np.random.default_rng(0).integers(0, 64, 5000)
-  trainer = Trainer(_tiny(), default_optimizer(1e-3, 10), TokenWindows(tokens, 16, 4))
+  trainer = Trainer(_tiny(), _config(10, 1e-3, batch=4, seq_len=16),
+                    data=TokenWindows(tokens, 16, 4))
+  trainer.step()
   emb = trainer.model.embed.embedding
   emb[...] = emb[...].at[0].set(np.nan)
+  kernel = np.asarray(trainer.model.final_norm.scale[...]).copy()
   batch = np.zeros((4, 17), np.int32)
-  with pytest.raises(FloatingPointError, match='step 1'):
+  with pytest.raises(TrainingError, match='Non-finite loss at step 2'):
     trainer.step(batch)
+  np.testing.assert_array_equal(kernel, np.asarray(trainer.model.final_norm.scale[...]))
 
 
 def test_windows_are_seeded_and_held_out():
@@ -118,7 +137,7 @@ def test_cli_reports_bad_inputs_without_a_traceback(tmp_path, capsys):
   empty.write_text('')
   cases = [(['train', 'model=llama3-9b'], "Did you mean 'llama3-8b'"),
            (['train', f'data={empty}', f'output_dir={tmp_path}'], 'empty'),
-           (['train', f'model={tmp_path}', f'output_dir={tmp_path}'], 'is a directory'),
+           (['train', f'model={tmp_path}', f'output_dir={tmp_path}'], 'config.json'),
            (['generate', f'output_dir={tmp_path}/none'], 'is missing')]
   for args, message in cases:
     assert cli.main(args) == 2

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from maxnnx.config import ModelConfig
 from maxnnx.kernels.attention import get_attention_kernel
@@ -87,9 +88,10 @@ class Attention(nnx.Module):
           self.cache_v[...], v_BTKH.astype(self.cache_v.dtype), start)
       k_BTKH = self.cache_k[...].astype(q_BTNH.dtype)
       v_BTKH = self.cache_v[...].astype(q_BTNH.dtype)
-    q_BTNH = constrain(q_BTNH, Q_AXES)
-    k_BTKH, v_BTKH = constrain(k_BTKH, KV_AXES), constrain(v_BTKH, KV_AXES)
+    q_BTNH = checkpoint_name(constrain(q_BTNH, Q_AXES), 'query_proj')
+    k_BTKH = checkpoint_name(constrain(k_BTKH, KV_AXES), 'key_proj')
+    v_BTKH = checkpoint_name(constrain(v_BTKH, KV_AXES), 'value_proj')
     out_BTNH = self.kernel(q_BTNH, k_BTKH, v_BTKH, mask, scale=self.scale, softcap=self.softcap,
                            sliding_window=sliding_window)
-    out_BTNH = constrain(out_BTNH, Q_AXES)
-    return constrain(self.o_proj(out_BTNH), OUT_AXES)
+    out_BTNH = checkpoint_name(constrain(out_BTNH, Q_AXES), 'attention_out')
+    return checkpoint_name(constrain(self.o_proj(out_BTNH), OUT_AXES), 'out_proj')

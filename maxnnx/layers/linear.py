@@ -35,7 +35,7 @@ class DenseGeneral(nnx.Module):
     fan_in = math.prod(self.in_shape)
     init = nnx.initializers.normal(stddev=fan_in**-0.5)
     self.kernel = logical_param(init, rngs.params(), self.in_shape + self.out_shape,
-                                param_dtype, axes)
+                                param_dtype, axes, contract_ndim=len(self.in_shape))
     self.bias = (logical_param(nnx.initializers.zeros, rngs.params(), self.out_shape,
                                param_dtype, axes[len(self.in_shape):]) if use_bias else None)
 

@@ -2,6 +2,7 @@
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from maxnnx.config import ModelConfig
 from maxnnx.layers.linear import DenseGeneral
@@ -42,5 +43,5 @@ class MLP(nnx.Module):
       h_BTF = act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD)
     else:
       h_BTF = act(self.up_proj(x_BTD))
-    h_BTF = constrain(h_BTF, HIDDEN_AXES)
-    return self.down_proj(h_BTF)
+    h_BTF = checkpoint_name(constrain(h_BTF, HIDDEN_AXES), 'mlp_hidden')
+    return checkpoint_name(self.down_proj(h_BTF), 'mlp_out')

@@ -9,15 +9,17 @@ Initializer = Callable[[jax.Array, Sequence[int], jax.typing.DTypeLike], jax.Arr
 
 
 def logical_param(init: Initializer, key: jax.Array, shape: Sequence[int], dtype,
-                  names: Sequence[str]) -> nnx.Param:
+                  names: Sequence[str], **metadata) -> nnx.Param:
   """An ``nnx.Param`` whose ``out_sharding`` metadata holds logical axis names.
 
   The names (``embed``, ``heads``, ``mlp``…) say what each dimension is; the
   sharding module maps them onto mesh axes. Eager sharding is off so a model can
   be built with or without a mesh; placement happens when the state is jitted
-  with explicit output shardings.
+  with explicit output shardings. Extra ``metadata`` (e.g. ``contract_ndim``,
+  how many leading dims a kernel contracts, used by Muon) is kept on the Param.
   """
   shape = tuple(shape)
   if len(names) != len(shape):
     raise ValueError(f'{len(names)} axis names {tuple(names)} for a {len(shape)}-d shape {shape}.')
-  return nnx.Param(init(key, shape, dtype), out_sharding=tuple(names), eager_sharding=False)
+  return nnx.Param(init(key, shape, dtype), out_sharding=tuple(names), eager_sharding=False,
+                   **metadata)

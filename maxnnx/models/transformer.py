@@ -20,8 +20,9 @@ from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock
 from maxnnx.layers.embedding import Embed
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
+from maxnnx.layers.remat import remat
 from maxnnx.layers.rope import RotaryEmbedding
-from maxnnx.sharding import constrain
+from maxnnx.sharding import constrain, mesh_axis_size, pipeline_microbatches
 
 _NO_WINDOW = np.iinfo(np.int32).max
 
@@ -139,26 +140,47 @@ class Transformer(nnx.Module):
     x_BTD = constrain(self.embed(input_ids_BT), RESIDUAL_AXES)
     if cfg.scale_embeddings:
       x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, x_BTD.dtype)
-    cos_sin = {'full': self.rotary.cos_sin(positions)}
-    cos_sin['sliding'] = (self.local_rotary.cos_sin(positions)
-                          if self.local_rotary is not self.rotary else cos_sin['full'])
-    if cfg.scan_layers:
-      x_BTD = self._scan_layers(x_BTD, cos_sin, mask, cache_index)
+    stages = mesh_axis_size('stage')
+    if stages > 1:
+      if not cfg.scan_layers or cache_index is not None:
+        raise ValueError('Pipeline parallelism (mesh stage > 1) needs scan_layers=True and '
+                         'runs training/scoring only, not KV-cache decoding.')
+      x_BTD = self._pipeline_layers(x_BTD, segment_ids, positions, stages)
     else:
-      for block, layer_type in zip(self.layers, cfg.resolved_layer_types):
-        window = cfg.sliding_window if layer_type == 'sliding' else None
-        x_BTD = block(x_BTD, cos_sin[layer_type], mask, sliding_window=window,
-                      cache_index=cache_index)
+      cos_sin = self._cos_sin(positions)
+      if cfg.scan_layers:
+        x_BTD = self._scan_layers(x_BTD, cos_sin, mask, cache_index)
+      else:
+        for block, layer_type in zip(self.layers, cfg.resolved_layer_types):
+          window = cfg.sliding_window if layer_type == 'sliding' else None
+          x_BTD = self._apply_block(block, x_BTD, cos_sin[layer_type], mask, window, cache_index)
     x_BTD = self.final_norm(x_BTD)
     return self._logits(x_BTD)
 
-  def _scan_layers(self, x_BTD, cos_sin, mask, cache_index):
+  def _cos_sin(self, positions_BT):
+    cos_sin = {'full': self.rotary.cos_sin(positions_BT)}
+    cos_sin['sliding'] = (self.local_rotary.cos_sin(positions_BT)
+                          if self.local_rotary is not self.rotary else cos_sin['full'])
+    return cos_sin
+
+  def _apply_block(self, block, x_BTD, cos_sin, mask, window, cache_index):
+    """One block, rematerialised per ``config.remat_policy`` when training."""
+    if cache_index is not None or self.config.remat_policy == 'none':
+      return block(x_BTD, cos_sin, mask, sliding_window=window, cache_index=cache_index)
+    graphdef, state = nnx.split(block)
+
+    def run(state, x, cos_sin, mask, window):
+      return nnx.merge(graphdef, state)(x, cos_sin, mask, sliding_window=window)
+
+    return remat(run, self.config.remat_policy)(state, x_BTD, cos_sin, mask, window)
+
+  def _layer_scan(self, layers, x_BTD, cos_sin, mask, cache_index, is_sliding_L):
+    """Run stacked ``layers`` (leading axis = layers) over ``x`` with ``lax.scan``."""
     cfg = self.config
     layer_types = cfg.resolved_layer_types
-    is_sliding_L = jnp.asarray([t == 'sliding' for t in layer_types])
     mixed = len(set(layer_types)) > 1
     static_window = cfg.sliding_window if layer_types[0] == 'sliding' else None
-    graphdef, state = nnx.split(self.layers)
+    graphdef, state = nnx.split(layers)
 
     def body(x, xs):
       layer_state, is_sliding = xs
@@ -169,13 +191,70 @@ class Transformer(nnx.Module):
                                      cos_sin['sliding'], cos_sin['full'])
       else:
         window, layer_cos_sin = static_window, cos_sin[layer_types[0]]
-      x = block(x, layer_cos_sin, mask, sliding_window=window, cache_index=cache_index)
+      x = self._apply_block(block, x, layer_cos_sin, mask, window, cache_index)
       return x, nnx.state(block, nnx.Cache)
 
     x_BTD, cache_state = jax.lax.scan(body, x_BTD, (state, is_sliding_L))
+    return x_BTD, cache_state
+
+  def _scan_layers(self, x_BTD, cos_sin, mask, cache_index):
+    is_sliding_L = jnp.asarray([t == 'sliding' for t in self.config.resolved_layer_types])
+    x_BTD, cache_state = self._layer_scan(self.layers, x_BTD, cos_sin, mask, cache_index,
+                                          is_sliding_L)
     if cache_index is not None:
       nnx.update(self.layers, cache_state)
     return x_BTD
+
+  def _pipeline_layers(self, x_BTD, segment_ids_BT, positions_BT, stages: int):
+    """GPipe over the ``stage`` mesh axis: same numbers as :meth:`_scan_layers`.
+
+    The stacked layers are split into ``stages`` consecutive groups, one per
+    stage device group; the batch into ``M`` micro-batches. At iteration ``i``
+    stage ``s`` runs its layers on micro-batch ``i - s``, then every stage
+    hands its output to the next (a collective permute), so after
+    ``M + stages - 1`` iterations every micro-batch has passed every layer.
+    """
+    cfg = self.config
+    num_layers, (batch, length, width) = cfg.num_layers, x_BTD.shape
+    micro = pipeline_microbatches()
+    if num_layers % stages or batch % micro:
+      raise ValueError(f'Pipeline: num_layers ({num_layers}) must be divisible by the stages '
+                       f'({stages}) and the batch ({batch}) by the micro-batches ({micro}).')
+    per_stage = num_layers // stages
+    graphdef, state = nnx.split(self.layers)
+    stage_axes = ('activation_stage',)
+    state_S = jax.tree.map(lambda a: a.reshape(stages, per_stage, *a.shape[1:]), state)
+    is_sliding_SL = jnp.asarray([t == 'sliding' for t in cfg.resolved_layer_types]
+                                ).reshape(stages, per_stage)
+    x_M = x_BTD.reshape(micro, batch // micro, length, width)
+    seg_M = segment_ids_BT.reshape(micro, batch // micro, length)
+    pos_M = positions_BT.reshape(micro, batch // micro, length)
+
+    def run_stage(stage_state, is_sliding_L, x, seg, pos):
+      layers = nnx.merge(graphdef, stage_state)
+      mask = AttentionMask.causal(seg, pos)
+      x, _ = self._layer_scan(layers, x, self._cos_sin(pos), mask, None, is_sliding_L)
+      return x
+
+    run_stages = jax.vmap(run_stage, spmd_axis_name='stage')
+    buffer_axes = stage_axes + RESIDUAL_AXES
+
+    def iteration(carry, i):
+      buffer, outputs = carry
+      micro_index_S = jnp.clip(i - jnp.arange(stages), 0, micro - 1)
+      buffer = buffer.at[0].set(x_M[jnp.minimum(i, micro - 1)])
+      out = run_stages(state_S, is_sliding_SL, constrain(buffer, buffer_axes),
+                       seg_M[micro_index_S], pos_M[micro_index_S])
+      out = constrain(out, buffer_axes)
+      done = i - (stages - 1)
+      updated = jax.lax.dynamic_update_index_in_dim(outputs, out[-1], jnp.maximum(done, 0), 0)
+      outputs = jnp.where(done >= 0, updated, outputs)
+      return (jnp.roll(out, 1, axis=0), outputs), None
+
+    buffer = jnp.zeros((stages, batch // micro, length, width), x_BTD.dtype)
+    (_, outputs), _ = jax.lax.scan(iteration, (buffer, jnp.zeros_like(x_M)),
+                                   jnp.arange(micro + stages - 1))
+    return outputs.reshape(batch, length, width)
 
   def _logits(self, x_BTD):
     cfg = self.config

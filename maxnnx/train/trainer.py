@@ -1,123 +1,616 @@
-"""A small, single-device ``Trainer``: one jitted step, a history, evaluation.
+"""``Trainer``: model, optimizer, mesh and data in one object a notebook can drive.
 
-This is the first brick of the training stack: it drives any maxnnx model
-with an optax optimizer through ``nnx.Optimizer`` and keeps per-step metrics in
-``history`` for plotting. Call :meth:`Trainer.fit` or step it by hand with
-:meth:`Trainer.step` and look at ``trainer.model`` in between.
+::
+
+  trainer = Trainer('tiny', TrainConfig(steps=200, mesh=MeshConfig(fsdp=-1)), data=batches)
+  trainer.compile()          # lower + compile for the mesh; prints per-device memory
+  trainer.fit()              # or trainer.step() by hand, looking at trainer.model in between
+  trainer.history            # one dict of metrics per step
+
+The train step is one ``jax.jit`` over the split nnx state of ``(model,
+optimizer)`` with explicit input/output shardings and donated buffers. Inside
+the loop nothing waits for the device except when metrics are fetched every
+``log_every`` steps; per-step metrics stay on the device until then.
 """
 
+from __future__ import annotations
+
+import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from maxnnx import sharding
+from maxnnx.config import ModelConfig
+from maxnnx.train import flops as flops_lib
+from maxnnx.train.config import TrainConfig
+from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
+from maxnnx.train.optimizers import make_optimizer, make_schedule
+
+logger = logging.getLogger(__name__)
+
+BATCH_KEYS = ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')
+BATCH_AXES = ('activation_batch', 'activation_length')
+
+
+class TrainingError(RuntimeError):
+  """Training cannot go on: a non-finite metric, or a config that cannot fit."""
+
+
+# -- batches -------------------------------------------------------------------
+
+def as_batch(batch: Any) -> dict[str, np.ndarray]:
+  """A training batch as the dict the step takes (see :data:`BATCH_KEYS`).
+
+  Accepts the dict itself (``segment_ids``, ``positions`` and ``loss_mask`` are
+  optional) or a ``[batch, seq_len + 1]`` array of token windows.
+  """
+  if not isinstance(batch, dict):
+    windows = np.asarray(batch)
+    if windows.ndim != 2 or windows.shape[1] < 2:
+      raise ValueError(f'A token-window batch must be [batch, seq_len + 1], got {windows.shape}.')
+    batch = {'inputs': windows[:, :-1], 'targets': windows[:, 1:]}
+  missing = {'inputs', 'targets'} - set(batch)
+  if missing:
+    raise ValueError(f'Batch is missing {sorted(missing)}; it has {sorted(batch)}.')
+  inputs = np.asarray(batch['inputs'], np.int32)
+  if inputs.ndim != 2:
+    raise ValueError(f"Batch 'inputs' must be [batch, seq_len], got {inputs.shape}.")
+  b, t = inputs.shape
+  out = {
+      'inputs': inputs,
+      'targets': np.asarray(batch['targets'], np.int32),
+      'segment_ids': np.asarray(batch.get('segment_ids', np.ones((b, t))), np.int32),
+      'positions': np.asarray(batch.get('positions', np.broadcast_to(np.arange(t), (b, t))),
+                              np.int32),
+      'loss_mask': np.asarray(batch.get('loss_mask', np.ones((b, t))), np.float32),
+  }
+  for key, value in out.items():
+    if value.shape != (b, t):
+      raise ValueError(f"Batch '{key}' has shape {value.shape}, expected {(b, t)} like 'inputs'.")
+  return out
+
+
+def synthetic_batches(vocab_size: int, batch_size: int, seq_len: int,
+                      seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
+  """Endless batches of uniformly random tokens (for benchmarks and dry runs)."""
+  rng = np.random.default_rng(seed)
+  while True:
+    windows = rng.integers(0, vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
+    yield as_batch(windows)
+
+
+def _next_batch(data) -> Any:
+  if hasattr(data, 'next') and not hasattr(data, '__next__'):
+    return data.next()  # TokenWindows-style sources
+  return next(data)
+
+
+def context_permutation(seq_len: int, shards: int) -> np.ndarray:
+  """Token order that balances causal attention over ``shards`` context shards.
+
+  The sequence is cut into ``2 * shards`` chunks and shard ``i`` gets chunks
+  ``i`` and ``2 * shards - 1 - i``: one early (cheap) and one late (expensive)
+  chunk each. Positions travel with the tokens, so the model's masks and rotary
+  embeddings are unchanged.
+  """
+  if seq_len % (2 * shards):
+    return np.arange(seq_len)
+  chunks = np.arange(seq_len).reshape(2 * shards, -1)
+  order = [c for i in range(shards) for c in (chunks[i], chunks[2 * shards - 1 - i])]
+  return np.concatenate(order)
+
+
+# -- loss ------------------------------------------------------------------------
+
+def masked_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array
+                         ) -> tuple[jax.Array, jax.Array]:
+  """``(sum of cross-entropy over masked tokens, sum of logsumexp^2 over them)`` in f32."""
+  logits = logits_BTV.astype(jnp.float32)
+  lse_BT = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+  return jnp.sum((lse_BT - target_logit) * mask_BT), jnp.sum(lse_BT**2 * mask_BT)
 
 
 def cross_entropy_loss(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
   """Mean next-token cross-entropy, computed in float32."""
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32),
-                                                           targets_BT)
-  return losses.mean()
+  total, _ = masked_cross_entropy(logits_BTV, targets_BT, jnp.ones(targets_BT.shape))
+  return total / targets_BT.size
 
 
-def _decay_mask(params):
-  """Weight decay on matmul kernels only: not on norms, biases or embeddings."""
-  # Paths end in the Variable's value attribute, so look for 'kernel' anywhere in them.
-  return jax.tree.map_with_path(
-      lambda path, _: any(getattr(k, 'key', None) == 'kernel' for k in path), params)
-
-
-def default_optimizer(learning_rate: float, steps: int, *, warmup_steps: int | None = None,
-                      weight_decay: float = 0.1, clip_norm: float = 1.0
-                      ) -> optax.GradientTransformation:
-  """AdamW (decoupled decay on kernels only) with linear warmup + cosine decay and
-  global-norm clipping."""
-  warmup = warmup_steps if warmup_steps is not None else max(1, steps // 20)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1),
-                                                end_value=learning_rate / 10)
-  return optax.chain(optax.clip_by_global_norm(clip_norm),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay,
-                                 mask=_decay_mask))
-
-
-@nnx.jit
-def _train_step(model, optimizer, batch_BT1):
-  def loss_fn(model):
-    return cross_entropy_loss(model(batch_BT1[:, :-1]), batch_BT1[:, 1:])
-
-  loss, grads = nnx.value_and_grad(loss_fn)(model)
-  optimizer.update(model, grads)
-  return loss, optax.global_norm(grads)
-
-
-@nnx.jit
-def _eval_step(model, batch_BT1):
-  return cross_entropy_loss(model(batch_BT1[:, :-1]), batch_BT1[:, 1:])
-
+# -- the trainer -------------------------------------------------------------------
 
 class Trainer:
-  """Owns a model, its optimizer and a batch source.
+  """Trains a maxnnx model on a device mesh.
 
   Args:
-    model: any maxnnx model (``Transformer``).
-    optimizer: an optax transformation (see :func:`default_optimizer`).
-    data: an object with ``next() -> [batch, seq_len + 1]`` token windows and
-      ``eval_batches(n)`` (e.g. :class:`~maxnnx.data.TokenWindows`).
-    eval_batches: held-out batches per :meth:`evaluate`.
-    callbacks: functions called as ``callback(trainer, metrics)`` after every step.
+    model: a model instance (e.g. ``maxnnx.Transformer`` or one from
+      ``from_pretrained``), a :class:`ModelConfig`, or a preset name. Configs and
+      names are initialised directly in their sharded layout, never on one device.
+    config: the :class:`TrainConfig` (steps, batch, optimizer, mesh, logging…).
+    data: training batches: an iterator of batch dicts (see :func:`as_batch`),
+      or an object with ``next()`` returning ``[batch, seq_len + 1]`` token
+      windows. ``None`` uses random tokens. In a multi-host run each process
+      gives its own rows (``global_batch_size / process_count`` of them).
+    eval_data: held-out batches: an iterable of batches, or an object with
+      ``eval_batches(n)`` (``data`` is asked for that when this is ``None``).
+    optimizer: an optax transformation overriding the one ``config`` describes.
+    mesh: a ``jax.sharding.Mesh`` overriding the one ``config.mesh`` describes.
+    callbacks: functions ``callback(trainer, metrics)`` called for every step
+      once its metrics reach the host.
 
   Attributes:
-    history: one dict of metrics per step (``step``, ``loss``, ``grad_norm``,
-      ``tokens_per_s``, and ``eval_loss`` where evaluated).
+    history: one metrics dict per step (``step``, ``loss``, ``lr``,
+      ``grad_norm``, ``tokens_per_s``, ``tflops_per_device``, ``mfu``, and
+      ``eval_loss`` where evaluated).
+    mesh: the device mesh; ``rules`` the logical-axis rules in use.
+    model_config: the model's :class:`ModelConfig`.
   """
 
-  def __init__(self, model, optimizer: optax.GradientTransformation, data, *,
-               eval_batches: int = 4, callbacks: tuple[Callable, ...] = ()):
-    self.model = model
-    self.optimizer = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
-    self.data = data
-    self.eval_batch_count = eval_batches
+  def __init__(self, model: nnx.Module | ModelConfig | str, config: TrainConfig | None = None,
+               *, data=None, eval_data=None,
+               optimizer: optax.GradientTransformation | None = None,
+               mesh: Mesh | None = None, callbacks: Iterable[Callable] = ()):
+    self.config = config = config or TrainConfig()
+    self.mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
+    self.rules = sharding.logical_rules(config.mesh)
+    self.schedule = make_schedule(config)
     self.callbacks = list(callbacks)
     self.history: list[dict] = []
+    self._pending: list[tuple[int, Any]] = []
+    self._compiled = None
+    self._eval_compiled = None
+    self._writers: list = []
+
+    if isinstance(model, str):
+      from maxnnx.presets import get_preset  # noqa: PLC0415 (presets import models)
+      model = get_preset(model)
+    concrete = None
+    if isinstance(model, ModelConfig):
+      self.model_config = model
+      abstract_model = nnx.eval_shape(lambda: _new_model(model, config.seed))
+    else:
+      self.model_config = model.config
+      concrete = abstract_model = model
+    self.tx = optimizer if optimizer is not None else make_optimizer(config, abstract_model)
+    build = self._builder(self.model_config) if concrete is None else None
+
+    # Built outside the mesh context: flax would read logical names as mesh axes there.
+    if True:
+      if concrete is not None:
+        optimizer_obj = nnx.Optimizer(concrete, self.tx, wrt=nnx.Param)
+        self._graphdef, state = nnx.split((concrete, optimizer_obj))
+        self._state_shardings = sharding.state_shardings(state, self.mesh, self.rules)
+        self._abstract_state = _abstract_tree(state, self._state_shardings)
+        self._state = jax.device_put(state, self._state_shardings)
+      else:
+        abstract = nnx.eval_shape(build)
+        self._graphdef, abstract_state = nnx.split(abstract)
+        self._state_shardings = sharding.state_shardings(abstract_state, self.mesh, self.rules)
+        self._abstract_state = _abstract_tree(abstract_state, self._state_shardings)
+        self._build = build
+        self._state = None  # materialised on first use, after compile() had its say
+    self._objects = None
+    self._extra = None
+    self._batch_sharding = NamedSharding(
+        self.mesh, sharding.spec_for(BATCH_AXES, self.rules, self.mesh,
+                                     (config.global_batch_size, config.seq_len)))
+    self.data = data if data is not None else synthetic_batches(
+        self.model_config.vocab_size, self._local_batch_size(), config.seq_len, config.seed)
+    self.eval_data = eval_data
+    self.flops_per_token = flops_lib.training_flops_per_token(self.model_config, config.seq_len)
+    self.peak_flops, self.peak_source = (
+        (config.peak_tflops * 1e12, 'TrainConfig.peak_tflops') if config.peak_tflops
+        else flops_lib.peak_flops_per_device(self.mesh.devices.flat[0], self.model_config.dtype))
+
+  # -- construction helpers ------------------------------------------------------
+
+  def _builder(self, model_config: ModelConfig) -> Callable:
+    seed, tx = self.config.seed, self.tx
+
+    def build():
+      model = _new_model(model_config, seed)
+      return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    return build
+
+  def _context(self):
+    return sharding.use_mesh(self.mesh, self.rules,
+                             pipeline_microbatches=self.config.mesh.pipeline_microbatches)
+
+  def _local_batch_size(self) -> int:
+    return self.config.global_batch_size // jax.process_count()
+
+  def _materialise(self) -> None:
+    if self._state is None:
+      init = jax.jit(lambda: nnx.state(self._build()), out_shardings=self._state_shardings)
+      self._state = init()
+    if self._extra is None:
+      replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+      self._extra = jax.device_put({'loss_ema': jnp.zeros((), jnp.float32),
+                                    'first_bad_step': jnp.zeros((), jnp.int32),
+                                    'bad_metric': jnp.zeros((), jnp.int32)}, replicated)
+
+  # -- the live objects ---------------------------------------------------------------
+
+  @property
+  def model(self) -> nnx.Module:
+    """The model, with the current (sharded) parameters; edit it freely between steps."""
+    return self._live()[0]
+
+  @property
+  def optimizer(self) -> nnx.Optimizer:
+    """The ``nnx.Optimizer`` (its ``step`` and optimizer state)."""
+    return self._live()[1]
+
+  def _live(self):
+    self._materialise()
+    if self._objects is None:
+      self._objects = nnx.merge(self._graphdef, self._state)
+    return self._objects
+
+  def _sync_from_objects(self) -> None:
+    """Take back edits a user made to ``trainer.model`` between steps."""
+    if self._objects is not None:
+      self._state = jax.device_put(nnx.state(self._objects), self._state_shardings)
+
+  def _sync_to_objects(self) -> None:
+    """Point the live model/optimizer (if a user holds them) at the new state."""
+    if self._objects is not None:
+      nnx.update(self._objects, self._state)
 
   @property
   def step_count(self) -> int:
-    return len(self.history)
+    """Optimizer steps taken so far."""
+    return len(self.history) + len(self._pending)
 
-  def step(self, batch_BT1=None) -> dict:
-    """One optimizer step on ``batch`` (default: the next batch of ``data``)."""
-    batch = np.asarray(self.data.next() if batch_BT1 is None else batch_BT1)
+  # -- the compiled step ------------------------------------------------------------------
+
+  def _train_step(self, state, extra, batch):
+    cfg = self.config
+    model, optimizer = nnx.merge(self._graphdef, state)
+    step = optimizer.step[...]
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    total_tokens = jnp.maximum(batch['loss_mask'].sum(), 1.0)
+
+    def loss_fn(params, micro):
+      m = nnx.merge(graphdef, params, rest)
+      logits = m(micro['inputs'], segment_ids=micro['segment_ids'],
+                 positions=micro['positions'])
+      ce_sum, z_sum = masked_cross_entropy(logits, micro['targets'], micro['loss_mask'])
+      return (ce_sum + cfg.z_loss * z_sum) / total_tokens, (ce_sum, z_sum)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if cfg.grad_accum_steps == 1:
+      (_, (ce_sum, z_sum)), grads = grad_fn(params, batch)
+    else:
+      micro_batches = jax.tree.map(
+          lambda x: x.reshape(cfg.grad_accum_steps, -1, *x.shape[1:]), batch)
+
+      def accumulate(carry, micro):
+        grads_acc, ce_acc, z_acc = carry
+        (_, (ce, z)), g = grad_fn(params, micro)
+        return (jax.tree.map(jnp.add, grads_acc, g), ce_acc + ce, z_acc + z), None
+
+      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+      (grads, ce_sum, z_sum), _ = jax.lax.scan(
+          accumulate, (zeros, jnp.zeros(()), jnp.zeros(())), micro_batches)
+      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+    loss = ce_sum / total_tokens
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    ok = finite
+    if cfg.skip_spike_factor is not None:
+      spike = (step > 10) & (loss > cfg.skip_spike_factor * extra['loss_ema'])
+      ok = ok & ~spike
+    old_state = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))  # fresh Variables
+    optimizer.update(model, grads)
+    new_state = nnx.state((model, optimizer))
+    new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
+    ema = jnp.where(step == 0, loss, 0.9 * extra['loss_ema'] + 0.1 * loss)
+    first_bad = jnp.where((extra['first_bad_step'] == 0) & ~finite, step + 1,
+                          extra['first_bad_step'])
+    bad_metric = jnp.where((extra['first_bad_step'] == 0) & ~finite,
+                           jnp.where(jnp.isfinite(loss), 2, 1), extra['bad_metric'])
+    extra = {'loss_ema': jnp.where(ok, ema, extra['loss_ema']), 'first_bad_step': first_bad,
+             'bad_metric': bad_metric}
+    metrics = {'loss': loss, 'z_loss': z_sum / total_tokens, 'grad_norm': grad_norm,
+               'lr': self.schedule(step), 'skipped': ~ok}
+    return new_state, extra, metrics
+
+  def _abstract_batch(self) -> dict:
+    shape = (self.config.global_batch_size, self.config.seq_len)
+    dtypes = {'inputs': jnp.int32, 'targets': jnp.int32, 'segment_ids': jnp.int32,
+              'positions': jnp.int32, 'loss_mask': jnp.float32}
+    return {k: jax.ShapeDtypeStruct(shape, dtypes[k], sharding=self._batch_sharding)
+            for k in BATCH_KEYS}
+
+  def compile(self, *, verbose: bool = True) -> dict:
+    """Lower and compile the train step for the mesh without running it.
+
+    Nothing is allocated: parameters and optimizer state are abstract here.
+    Returns a memory report (bytes per device) and raises :class:`TrainingError`
+    when the step needs more memory per device than the limit
+    (``TrainConfig.memory_limit_gib`` or the device's own).
+    """
     start = time.perf_counter()
-    loss, grad_norm = _train_step(self.model, self.optimizer, batch)
-    loss = float(loss)  # the one host sync per step: the metrics are logged every step
-    elapsed = time.perf_counter() - start
-    if not np.isfinite(loss):
-      raise FloatingPointError(f'Loss became {loss} at step {self.step_count + 1}.')
-    metrics = {'step': self.step_count + 1, 'loss': loss, 'grad_norm': float(grad_norm),
-               'tokens_per_s': batch[:, :-1].size / elapsed}
-    self.history.append(metrics)
-    for callback in self.callbacks:
-      callback(self, metrics)
-    return metrics
+    with self._context():
+      jitted = jax.jit(self._train_step,
+                       in_shardings=(self._state_shardings, _replicated_like(self.mesh),
+                                     self._batch_sharding),
+                       out_shardings=(self._state_shardings, _replicated_like(self.mesh), None),
+                       donate_argnums=(0, 1))
+      extra = {'loss_ema': jax.ShapeDtypeStruct((), jnp.float32),
+               'first_bad_step': jax.ShapeDtypeStruct((), jnp.int32),
+               'bad_metric': jax.ShapeDtypeStruct((), jnp.int32)}
+      lowered = jitted.lower(self._abstract_state, extra, self._abstract_batch())
+      compiled = lowered.compile()
+    report = memory_report(compiled, self.mesh, self.config.memory_limit_gib)
+    report['compile_seconds'] = time.perf_counter() - start
+    self.memory = report
+    if verbose:
+      print(format_memory_report(report))
+    if report['limit_bytes'] and report['peak_bytes'] > report['limit_bytes']:
+      over = report['peak_bytes'] - report['limit_bytes']
+      raise TrainingError(
+          f"The train step needs {_gib(report['peak_bytes'])} per device but "
+          f"{_gib(report['limit_bytes'])} is available ({report['limit_source']}): over by "
+          f'{_gib(over)}. Shard further (mesh.fsdp, mesh.tensor), lower global_batch_size or '
+          'seq_len, use grad_accum_steps or remat_policy=full.')
+    self._compiled = compiled
+    return report
 
-  def evaluate(self) -> float:
-    """Mean loss over the held-out batches."""
-    losses = [float(_eval_step(self.model, b))
-              for b in self.data.eval_batches(self.eval_batch_count)]
-    return float(np.mean(losses))
+  # -- stepping ---------------------------------------------------------------------------
 
-  def fit(self, steps: int, *, eval_every: int = 0, log_every: int = 0,
-          log: Callable[[str], None] = print) -> list[dict]:
-    """Run ``steps`` steps; evaluate every ``eval_every`` and print every ``log_every``."""
-    for i in range(1, steps + 1):
-      metrics = self.step()
-      if eval_every and (i % eval_every == 0 or i == steps):
-        metrics['eval_loss'] = self.evaluate()
-      if log_every and (i % log_every == 0 or i == 1 or i == steps):
-        extra = f"  eval {metrics['eval_loss']:.3f}" if 'eval_loss' in metrics else ''
-        log(f"step {metrics['step']:>5}/{steps}  loss {metrics['loss']:.3f}{extra}  "
-            f"grad_norm {metrics['grad_norm']:.2f}  {metrics['tokens_per_s']:,.0f} tok/s")
+  def _place(self, batch: dict) -> dict:
+    cfg = self.config
+    local = as_batch(batch)
+    rows, length = local['inputs'].shape
+    if rows != self._local_batch_size() or length != cfg.seq_len:
+      raise ValueError(f'Batch is {rows} x {length} tokens but this process expects '
+                       f'{self._local_batch_size()} x {cfg.seq_len} (global_batch_size '
+                       f'{cfg.global_batch_size} over {jax.process_count()} process(es), '
+                       f'seq_len {cfg.seq_len}).')
+    bad = (local['inputs'] < 0) | (local['inputs'] >= self.model_config.vocab_size)
+    bad |= (local['targets'] < 0) | (local['targets'] >= self.model_config.vocab_size)
+    if bad.any():
+      raise ValueError(f'Batch has token ids outside [0, {self.model_config.vocab_size}); '
+                       'check the tokenizer matches the model (vocab_size).')
+    context = dict(self.mesh.shape).get('context', 1)
+    if context > 1 and cfg.mesh.context_load_balance:
+      order = context_permutation(length, context)
+      local = {k: v[:, order] for k, v in local.items()}
+    return {k: jax.make_array_from_process_local_data(self._batch_sharding, v)
+            for k, v in local.items()}
+
+  def step(self, batch=None) -> dict | None:
+    """One optimizer step on ``batch`` (default: the next batch of ``data``).
+
+    Returns the step's metrics when they are fetched this step (every
+    ``log_every`` steps and when stepping by hand with ``fetch``), else ``None``.
+    """
+    return self._step(batch, fetch=True)
+
+  def _step(self, batch, fetch: bool) -> dict | None:
+    if self._compiled is None:
+      self.compile(verbose=False)
+    self._sync_from_objects()
+    self._materialise()
+    placed = self._place(_next_batch(self.data) if batch is None else batch)
+    if not self._pending:
+      self._window_start = time.perf_counter()
+    self._state, self._extra, metrics = self._compiled(self._state, self._extra, placed)
+    self._sync_to_objects()
+    self._pending.append((self.step_count + 1, metrics))
+    return self.flush_metrics() if fetch else None
+
+  def flush_metrics(self) -> dict | None:
+    """Bring pending per-step metrics to the host; returns the latest step's."""
+    self._emit(self._fetch())
+    return self.history[-1] if self.history else None
+
+  def _emit(self, records: list[dict]) -> None:
+    for record in records:
+      for writer in self._writers:
+        _write(writer, record)
+      for callback in self.callbacks:
+        callback(self, record)
+
+  def _fetch(self) -> list[dict]:
+    if not self._pending:
+      return []
+    pending, self._pending = self._pending, []
+    fetched = jax.device_get([m for _, m in pending])
+    elapsed = time.perf_counter() - self._window_start
+    self._check_finite()
+    cfg = self.config
+    tokens_per_step = cfg.global_batch_size * cfg.seq_len
+    tokens_per_s = tokens_per_step * len(pending) / elapsed
+    tflops = self.flops_per_token * tokens_per_s / self.mesh.size / 1e12
+    for (step, _), values in zip(pending, fetched):
+      record = {'step': step, **{k: float(v) for k, v in values.items()},
+                'tokens_per_s': tokens_per_s, 'tflops_per_device': tflops,
+                'mfu': tflops * 1e12 / self.peak_flops}
+      record['skipped'] = bool(values['skipped'])
+      self.history.append(record)
+    return self.history[-len(pending):]
+
+  def _check_finite(self) -> None:
+    first_bad = int(self._extra['first_bad_step'])
+    if first_bad:
+      metric = {1: 'loss', 2: 'grad_norm'}[int(self._extra['bad_metric'])]
+      raise TrainingError(f'Non-finite {metric} at step {first_bad}; that update was skipped, '
+                          'so the parameters are those of the step before. Lower the learning '
+                          'rate, enable clip_norm, or check the data.')
+
+  def evaluate(self, num_batches: int | None = None) -> float:
+    """Mean held-out cross-entropy per token over ``num_batches`` batches."""
+    num_batches = num_batches or self.config.eval_batches
+    source = self.eval_data if self.eval_data is not None else self.data
+    if hasattr(source, 'eval_batches'):
+      batches = source.eval_batches(num_batches)
+    else:
+      iterator = iter(source)
+      batches = [next(iterator) for _ in range(num_batches)]
+    self._sync_from_objects()
+    self._materialise()
+    if self._eval_compiled is None:
+      def eval_step(state, batch):
+        model, _ = nnx.merge(self._graphdef, state)
+        logits = model(batch['inputs'], segment_ids=batch['segment_ids'],
+                       positions=batch['positions'])
+        total, _ = masked_cross_entropy(logits, batch['targets'], batch['loss_mask'])
+        return total, batch['loss_mask'].sum()
+
+      with self._context():
+        self._eval_compiled = jax.jit(eval_step).lower(
+            self._abstract_state, self._abstract_batch()).compile()
+    totals = [self._eval_compiled(self._state, self._place(b)) for b in batches]
+    total, count = map(sum, zip(*jax.device_get(totals)))
+    return float(total / max(count, 1.0))
+
+  def fit(self, steps: int | None = None, *, log: Callable[[str], None] | None = None
+          ) -> list[dict]:
+    """Train for ``steps`` (default ``config.steps``) more steps; returns ``history``.
+
+    Prints a progress bar (or lines) with loss, tokens/s and MFU every
+    ``log_every`` steps, evaluates every ``eval_every`` steps, and writes
+    ``metrics_jsonl`` / ``tensorboard_dir`` when set.
+    """
+    cfg = self.config
+    steps = cfg.steps if steps is None else steps
+    if self._compiled is None:
+      self.compile(verbose=log is None)
+    self._open_writers()
+    bar = ProgressBar(self.step_count + steps)
+    try:
+      for i in range(1, steps + 1):
+        last = i == steps
+        self._step(None, fetch=False)
+        evaluate = cfg.eval_every and (self.step_count % cfg.eval_every == 0 or last)
+        record = None
+        if evaluate or last or self.step_count % cfg.log_every == 0:
+          records = self._fetch()
+          record = records[-1]
+          if evaluate:
+            record['eval_loss'] = self.evaluate()
+          self._emit(records)
+        if record is not None:
+          if log is None:
+            bar.update(record)
+          else:
+            log(format_metrics(record, bar.total))
+    finally:
+      if isinstance(self._writers, list):
+        for writer in self._writers:
+          if isinstance(writer, TensorBoardWriter):
+            writer.flush()
     return self.history
+
+  def _open_writers(self) -> None:
+    if self._writers:
+      return
+    if self.config.metrics_jsonl and jax.process_index() == 0:
+      self._writers.append(JsonlWriter(self.config.metrics_jsonl))
+    if self.config.tensorboard_dir and jax.process_index() == 0:
+      self._writers.append(TensorBoardWriter(self.config.tensorboard_dir))
+
+  def close(self) -> None:
+    """Close metric files."""
+    for writer in self._writers:
+      writer.close()
+    self._writers = []
+
+  # -- inspection ---------------------------------------------------------------------------
+
+  def describe_sharding(self) -> str:
+    """A table of every parameter's shape and how it is laid out on the mesh."""
+    rows = sharding.describe_sharding(self.model, self.mesh, self.rules)
+    width = max(len(path) for path, _, _ in rows)
+    lines = [f"mesh {dict(self.mesh.shape)}"]
+    lines += [f'{path:<{width}}  {str(shape):<22} {spec}' for path, shape, spec in rows]
+    return '\n'.join(lines)
+
+
+def _write(writer, record: dict) -> None:
+  if isinstance(writer, JsonlWriter):
+    writer.write(record)
+  else:
+    writer.scalars(record['step'], {k: v for k, v in record.items() if k != 'step'})
+
+
+def _abstract_tree(state, shardings):
+  """``state`` with every array replaced by a sharded ``ShapeDtypeStruct``."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      state, shardings)
+
+
+def _new_model(model_config: ModelConfig, seed: int) -> nnx.Module:
+  from maxnnx.models.transformer import Transformer  # noqa: PLC0415 (train sits above models)
+  return Transformer(model_config, rngs=nnx.Rngs(seed))
+
+
+def _replicated_like(mesh: Mesh):
+  return NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _gib(n: float) -> str:
+  return f'{n / 2**30:.2f} GiB'
+
+
+def device_memory_limit(device, override_gib: float | None = None) -> tuple[int | None, str]:
+  """Bytes of memory one device may use, and where that number came from."""
+  if override_gib is not None:
+    return int(override_gib * 2**30), 'TrainConfig.memory_limit_gib'
+  stats = None
+  try:
+    stats = device.memory_stats()
+  except Exception:  # noqa: BLE001 (backends without memory stats)
+    stats = None
+  if stats and stats.get('bytes_limit'):
+    return int(stats['bytes_limit']), f'{device.device_kind} memory'
+  if device.platform == 'cpu':
+    try:
+      total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    except (ValueError, OSError):
+      return None, 'unknown'
+    local = max(len(jax.local_devices()), 1)
+    return total // local, f'host RAM / {local} local devices'
+  return None, 'unknown'
+
+
+def memory_report(compiled, mesh: Mesh, override_gib: float | None = None) -> dict:
+  """Per-device bytes of a compiled step: arguments, outputs, temporaries, peak."""
+  analysis = compiled.memory_analysis()
+  args = getattr(analysis, 'argument_size_in_bytes', 0)
+  outs = getattr(analysis, 'output_size_in_bytes', 0)
+  alias = getattr(analysis, 'alias_size_in_bytes', 0)
+  temp = getattr(analysis, 'temp_size_in_bytes', 0)
+  code = getattr(analysis, 'generated_code_size_in_bytes', 0)
+  peak = args + outs - alias + temp
+  limit, source = device_memory_limit(mesh.devices.flat[0], override_gib)
+  return {'argument_bytes': args, 'output_bytes': outs, 'alias_bytes': alias,
+          'temp_bytes': temp, 'code_bytes': code, 'peak_bytes': peak, 'limit_bytes': limit,
+          'limit_source': source, 'devices': mesh.size}
+
+
+def format_memory_report(report: dict) -> str:
+  """A short human-readable memory report."""
+  limit = (f"{_gib(report['limit_bytes'])} ({report['limit_source']})"
+           if report['limit_bytes'] else 'unknown')
+  return (f"compiled train step in {report.get('compile_seconds', 0):.1f}s; per device: "
+          f"arguments {_gib(report['argument_bytes'])}, temporaries {_gib(report['temp_bytes'])}, "
+          f"peak {_gib(report['peak_bytes'])} of {limit}")
+
+
+__all__ = ['BATCH_KEYS', 'Trainer', 'TrainingError', 'as_batch', 'context_permutation',
+           'cross_entropy_loss', 'masked_cross_entropy', 'synthetic_batches']

@@ -1,0 +1,105 @@
+"""``TrainConfig``: everything about a training run that is not the model."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from maxnnx.config import ConfigError, MeshConfig, _Validated
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(_Validated):
+  """Optimizer, schedule, batch, precision, parallelism and logging of a run.
+
+  Attributes:
+    steps: optimizer steps (also the length of the learning-rate schedule).
+    global_batch_size: sequences per optimizer step, over all devices and hosts.
+    seq_len: tokens per sequence.
+    grad_accum_steps: split each step's batch into this many micro-batches and
+      sum their gradients; the update equals one step on the whole batch.
+    seed: seed of parameter init (when the Trainer builds the model) and dropout.
+    optimizer: ``adamw``, ``sgd``, ``adafactor`` or ``muon``.
+    learning_rate: peak learning rate.
+    schedule: ``cosine`` (warmup then cosine), ``wsd`` (warmup, stable, decay)
+      or ``constant`` (warmup then flat).
+    warmup_steps: linear warmup from 0; ``None`` means 5% of ``steps``.
+    decay_fraction: ``wsd`` only: the last fraction of steps that decays.
+    decay_shape: ``wsd`` only: ``linear`` or ``cosine`` decay.
+    final_lr_fraction: the learning rate at the end, as a fraction of the peak.
+    weight_decay: decoupled weight decay (AdamW, Muon), applied to matmul
+      kernels only unless ``decay_all`` is set.
+    decay_all: also decay norms, biases and embeddings.
+    b1, b2, eps: Adam moments and epsilon (AdamW, the Adam part of Muon).
+    momentum: SGD momentum (0 = plain SGD).
+    clip_norm: clip gradients to this global norm (``None``: no clipping).
+    z_loss: weight of ``logsumexp(logits)^2`` added to the loss (PaLM).
+    skip_spike_factor: skip the update when the loss exceeds this many times
+      its running average (``None``: never skip).
+    quantization: ``none``, ``int8`` or ``fp8`` quantized training (qwix QAT).
+    log_every: fetch metrics to the host and log every N steps (the only host
+      sync in the loop).
+    eval_every: evaluate every N steps (0: never during ``fit``).
+    eval_batches: held-out batches per evaluation.
+    metrics_jsonl: write one JSON object per step to this file.
+    tensorboard_dir: write TensorBoard event files here.
+    peak_tflops: per-device peak used for MFU; ``None`` picks a default by
+      device kind (measured with a matmul on CPU).
+    memory_limit_gib: per-device memory for the ahead-of-time fit check;
+      ``None`` reads it from the device (host RAM split over devices on CPU).
+    mesh: device mesh and parallelism (:class:`~maxnnx.config.MeshConfig`).
+  """
+
+  steps: int = 100
+  global_batch_size: int = 8
+  seq_len: int = 128
+  grad_accum_steps: int = 1
+  seed: int = 0
+  optimizer: Literal['adamw', 'sgd', 'adafactor', 'muon'] = 'adamw'
+  learning_rate: float = 3e-4
+  schedule: Literal['cosine', 'wsd', 'constant'] = 'cosine'
+  warmup_steps: int | None = None
+  decay_fraction: float = 0.2
+  decay_shape: Literal['linear', 'cosine'] = 'linear'
+  final_lr_fraction: float = 0.1
+  weight_decay: float = 0.1
+  decay_all: bool = False
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  momentum: float = 0.9
+  clip_norm: float | None = 1.0
+  z_loss: float = 0.0
+  skip_spike_factor: float | None = None
+  quantization: Literal['none', 'int8', 'fp8'] = 'none'
+  log_every: int = 10
+  eval_every: int = 0
+  eval_batches: int = 4
+  metrics_jsonl: str | None = None
+  tensorboard_dir: str | None = None
+  peak_tflops: float | None = None
+  memory_limit_gib: float | None = None
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+  def _validate(self):
+    for name in ('steps', 'global_batch_size', 'seq_len', 'grad_accum_steps', 'log_every',
+                 'eval_batches'):
+      if getattr(self, name) < 1:
+        raise ConfigError(f'TrainConfig.{name} must be >= 1, got {getattr(self, name)}.')
+    if self.global_batch_size % self.grad_accum_steps:
+      raise ConfigError(f'TrainConfig.global_batch_size ({self.global_batch_size}) must be a '
+                        f'multiple of grad_accum_steps ({self.grad_accum_steps}).')
+    if self.learning_rate < 0:
+      raise ConfigError(f'TrainConfig.learning_rate must be >= 0, got {self.learning_rate}.')
+    if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+      raise ConfigError(f'TrainConfig.warmup_steps must be in [0, steps={self.steps}], got '
+                        f'{self.warmup_steps}.')
+    if not 0 <= self.decay_fraction <= 1:
+      raise ConfigError('TrainConfig.decay_fraction must be in [0, 1].')
+    if self.skip_spike_factor is not None and self.skip_spike_factor <= 1:
+      raise ConfigError('TrainConfig.skip_spike_factor must be > 1 (or None to never skip).')
+
+  @property
+  def resolved_warmup_steps(self) -> int:
+    """``warmup_steps`` with its default (5% of ``steps``, at least 1) applied."""
+    return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)

@@ -1,0 +1,103 @@
+"""FLOPs per training token and per-device peak throughput, for TFLOP/s and MFU.
+
+The count follows the convention MaxText reports with: matmul FLOPs only (2 per
+multiply-add), training = 3 x forward (forward + two backward matmuls),
+attention scores and values counted over the keys each query actually sees
+(so causal attention is halved and sliding windows are capped), and for MoE
+only the experts a token is routed to (plus shared experts).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+from maxnnx.config import ModelConfig
+
+# Dense bf16 peak FLOP/s per device, by a substring of ``device.device_kind``.
+PEAK_FLOPS_BY_KIND = (
+    ('H100', 989e12), ('H200', 989e12), ('H800', 989e12), ('H20', 148e12),
+    ('B200', 2250e12), ('B100', 1750e12), ('GB200', 2500e12),
+    ('A100', 312e12), ('A800', 312e12), ('L40S', 362e12), ('L4', 121e12), ('A10', 125e12),
+    ('TPU v6 lite', 918e12), ('TPU v6', 918e12), ('TPU v5p', 459e12),
+    ('TPU v5 lite', 197e12), ('TPU v5e', 197e12), ('TPU v4', 275e12), ('TPU v3', 123e12),
+)
+
+
+def mean_keys_per_query(seq_len: int, window: int | None) -> float:
+  """Average number of keys a causal query attends to (capped by ``window``)."""
+  if window is None or window >= seq_len:
+    return (seq_len + 1) / 2
+  # Queries 0..window-1 see 1..window keys; the rest see ``window``.
+  head = window * (window + 1) / 2
+  return (head + (seq_len - window) * window) / seq_len
+
+
+def _mlp_flops(cfg: ModelConfig, width: int) -> int:
+  return 2 * cfg.d_model * width * (3 if cfg.mlp_gated else 2)
+
+
+def _layer_is_moe(cfg: ModelConfig, layer: int) -> bool:
+  experts = getattr(cfg, 'num_experts', 0) or 0
+  if experts <= 1:
+    return False
+  if layer < (getattr(cfg, 'first_k_dense_layers', 0) or 0):
+    return False
+  step = getattr(cfg, 'moe_layer_step', 1) or 1
+  return (layer + 1) % step == 0 if step > 1 else True
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Forward-pass matmul FLOPs per token of a ``seq_len``-token causal sequence."""
+  d, hd, h, kv = cfg.d_model, cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
+  total = 2 * d * cfg.vocab_size  # output projection (the embedding lookup is free)
+  for layer, kind in enumerate(cfg.resolved_layer_types):
+    total += 2 * d * hd * (h + 2 * kv) + 2 * h * hd * d  # q, k, v, o projections
+    window = cfg.sliding_window if kind == 'sliding' else None
+    total += 4 * h * hd * mean_keys_per_query(seq_len, window)  # q.k and p.v
+    if _layer_is_moe(cfg, layer):
+      routed = getattr(cfg, 'num_experts_per_tok', 1)
+      width = getattr(cfg, 'moe_mlp_dim', None) or cfg.mlp_dim
+      shared = getattr(cfg, 'num_shared_experts', 0) or 0
+      total += 2 * d * cfg.num_experts  # router
+      total += (routed + shared) * _mlp_flops(cfg, width)
+    else:
+      total += _mlp_flops(cfg, cfg.mlp_dim)
+  return float(total)
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Forward + backward FLOPs per trained token (3 x forward)."""
+  return 3.0 * forward_flops_per_token(cfg, seq_len)
+
+
+@functools.lru_cache(maxsize=8)
+def measured_matmul_flops(dtype_name: str = 'float32', size: int = 1024,
+                          seconds: float = 0.3) -> float:
+  """FLOP/s of a square matmul on the default device, in ``dtype`` (f32 accumulation)."""
+  dtype = jnp.dtype(dtype_name)
+  a = jnp.ones((size, size), dtype)
+  f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+  f(a, a).block_until_ready()
+  runs, start = 0, time.perf_counter()
+  while time.perf_counter() - start < seconds:
+    f(a, a).block_until_ready()
+    runs += 1
+  return 2 * size**3 * runs / (time.perf_counter() - start)
+
+
+def peak_flops_per_device(device=None, dtype_name: str = 'bfloat16') -> tuple[float, str]:
+  """``(peak FLOP/s, where it came from)`` for ``device`` (default: the first one).
+
+  Accelerators use their published dense bf16 peak; CPUs (and unknown kinds)
+  a matmul measured now, in ``dtype_name``.
+  """
+  device = device or jax.devices()[0]
+  kind = getattr(device, 'device_kind', '') or ''
+  for key, flops in PEAK_FLOPS_BY_KIND:
+    if key.lower() in kind.lower():
+      return flops, f'{kind} dense bf16 peak'
+  return measured_matmul_flops(dtype_name), f'measured {dtype_name} matmul on {kind or "cpu"}'

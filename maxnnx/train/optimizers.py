@@ -1,0 +1,144 @@
+"""Optimizers and learning-rate schedules built from a :class:`TrainConfig`.
+
+Everything here is plain optax; the Trainer wraps the result in
+``nnx.Optimizer``. Masks and Muon's matrix shapes are read from each
+parameter's metadata (its logical axis names and, for dense kernels,
+``contract_ndim``), so they follow the model rather than name patterns.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+from maxnnx.train.config import TrainConfig
+
+# Leading kernel axes that index independent matrices rather than being part of one.
+_BATCH_AXES = ('layers', 'expert', 'stage')
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _key(path) -> tuple:
+  """A tree path as a tuple of names, ignoring the Variable's own attribute."""
+  out = []
+  for entry in path:
+    if isinstance(entry, jax.tree_util.DictKey):
+      out.append(str(entry.key))
+    elif isinstance(entry, jax.tree_util.SequenceKey):
+      out.append(str(entry.idx))
+    elif isinstance(entry, jax.tree_util.GetAttrKey) and entry.name not in ('value', 'raw_value'):
+      out.append(entry.name)
+  return tuple(out)
+
+
+def param_metadata(model: nnx.Module) -> dict[tuple, dict]:
+  """``{path: metadata}`` of every ``nnx.Param`` of ``model`` (works on abstract models)."""
+  params = nnx.state(model, nnx.Param)
+  table = {}
+  for path, var in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]:
+    table[_key(path)] = {**var.get_metadata(), 'ndim': len(var.shape)}
+  return table
+
+
+def is_matmul_kernel(metadata: dict) -> bool:
+  """True for dense and expert kernels, the weights decay applies to by default.
+
+  Dense kernels carry ``contract_ndim`` metadata; expert weights carry an
+  ``expert`` axis. Norm scales, biases and embedding tables are not kernels.
+  """
+  if metadata.get('contract_ndim') is not None:
+    return True
+  names = tuple(metadata.get('out_sharding') or ())
+  return 'expert' in names and len(names) >= 3
+
+
+def _map_params(fn, table: dict, tree):
+  """``fn(metadata)`` at every parameter of ``tree`` (Variables or plain arrays)."""
+  def one(path, _):
+    key = _key(path)
+    if key not in table:
+      raise KeyError(f'No parameter metadata for {"/".join(key)}.')
+    return fn(table[key])
+  return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_var)
+
+
+def decay_mask(table: dict, decay_all: bool = False):
+  """A mask function (``True`` = decayed) for optax, from :func:`param_metadata`."""
+  return lambda tree: _map_params(lambda m: decay_all or is_matmul_kernel(m), table, tree)
+
+
+def muon_dimension_numbers(table: dict):
+  """Muon's matrix view of each kernel (``None``: optimise it with Adam instead).
+
+  Leading ``layers``/``expert`` axes are batch axes; the next ``contract_ndim``
+  axes are the input of the matmul and the rest its output. Embeddings, the
+  output head, norms and biases go to Adam, as Muon prescribes.
+  """
+  def one(meta):
+    contract = meta.get('contract_ndim')
+    names = tuple(meta.get('out_sharding') or ())
+    if contract is None or 'vocab' in names or len(names) != meta['ndim']:
+      return None
+    lead = 0
+    while lead < len(names) and names[lead] in _BATCH_AXES:
+      lead += 1
+    reduction = tuple(range(lead, lead + contract))
+    output = tuple(range(lead + contract, meta['ndim']))
+    if not output:
+      return None
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=reduction, output_axis=output)
+
+  return lambda tree: _map_params(one, table, tree)
+
+
+def make_schedule(cfg: TrainConfig) -> optax.Schedule:
+  """The learning rate at each step: warmup, then cosine, WSD or constant."""
+  peak, steps, warmup = cfg.learning_rate, cfg.steps, cfg.resolved_warmup_steps
+  end = peak * cfg.final_lr_fraction
+  warm = optax.linear_schedule(0.0, peak, warmup) if warmup else optax.constant_schedule(peak)
+  if cfg.schedule == 'constant':
+    return optax.join_schedules([warm, optax.constant_schedule(peak)], [warmup])
+  if cfg.schedule == 'cosine':
+    rest = max(steps - warmup, 1)
+    return optax.join_schedules([warm, optax.cosine_decay_schedule(peak, rest, end / peak if peak
+                                                                    else 0.0)], [warmup])
+  decay = max(int(round(steps * cfg.decay_fraction)), 1)
+  stable = max(steps - warmup - decay, 0)
+  if cfg.decay_shape == 'linear':
+    tail = optax.linear_schedule(peak, end, decay)
+  else:
+    tail = optax.cosine_decay_schedule(peak, decay, end / peak if peak else 0.0)
+  return optax.join_schedules([warm, optax.constant_schedule(peak), tail],
+                              [warmup, warmup + stable])
+
+
+def make_optimizer(cfg: TrainConfig, model: nnx.Module) -> optax.GradientTransformation:
+  """The optax transformation ``cfg`` asks for, with clipping in front.
+
+  ``model`` (concrete or abstract) provides each parameter's metadata for the
+  weight-decay mask and Muon's matrix shapes.
+  """
+  lr = make_schedule(cfg)
+  table = param_metadata(model)
+  mask = decay_mask(table, cfg.decay_all)
+  if cfg.optimizer == 'adamw':
+    tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                     mask=mask)
+  elif cfg.optimizer == 'sgd':
+    tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay, mask),
+                     optax.sgd(lr, momentum=cfg.momentum or None))
+  elif cfg.optimizer == 'adafactor':
+    tx = optax.adafactor(lr, weight_decay_rate=cfg.weight_decay or None,
+                         weight_decay_mask=mask, multiply_by_parameter_scale=False)
+  else:  # muon
+    tx = optax.contrib.muon(lr, weight_decay=cfg.weight_decay, weight_decay_mask=mask,
+                            adam_b1=cfg.b1, adam_b2=cfg.b2, eps=cfg.eps,
+                            adam_weight_decay=cfg.weight_decay,
+                            muon_weight_dimension_numbers=muon_dimension_numbers(table))
+  if cfg.clip_norm is not None:
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+  return tx
