@@ -258,6 +258,9 @@ class ModelConfig(_Validated):
     attention_impl: attention kernel strategy by name (``xla`` always exists).
     ragged_dot_impl: grouped-matmul strategy of MoE layers by name (``lax``
       and the ``dense`` reference always exist).
+    kernel_on_unsupported: what a kernel strategy does with a call it declares
+      it cannot serve: ``fallback`` (compute it with ``xla``/``lax`` and log a
+      warning once) or ``error`` (raise).
     initializer_range: std of the normal init of the embedding table.
     bos_token_id: beginning-of-sequence id of the model's tokenizer, if any.
     eos_token_id: end-of-sequence id(s); ``generate`` stops at them by default.
@@ -299,6 +302,7 @@ class ModelConfig(_Validated):
   scan_layers: bool = False
   attention_impl: str = 'xla'
   ragged_dot_impl: str = 'lax'
+  kernel_on_unsupported: Literal['fallback', 'error'] = 'fallback'
   initializer_range: float = 0.02
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None

@@ -16,6 +16,7 @@ from maxnnx.kernels.capabilities import (
   ALL_PLATFORMS,
   FLOAT_DTYPES,
   AttentionCapabilities,
+  import_tokamax,
   log_once,
   tokamax_missing,
   warn_once,
@@ -66,8 +67,7 @@ class TokamaxAttention(AttentionKernel):
   def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, *, scale, softcap, sliding_window, sinks_N):
     """Try each implementation; log the ones that refuse; raise if all refuse."""
     del sinks_N  # refused by the capability check
-    import tokamax
-
+    tokamax = import_tokamax()
     allowed_B1TS = mask.dense(sliding_window)[:, None]
     errors = []
     for impl in self.implementations:

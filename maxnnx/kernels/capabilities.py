@@ -76,6 +76,22 @@ def tokamax_missing() -> str | None:
   return None
 
 
+def import_tokamax():
+  """Import tokamax, first marking absl flags parsed (at their defaults) if nobody parsed them.
+
+  tokamax reads its options through absl flags and, when they are unparsed,
+  parses ``sys.argv``, which fails under any program with its own arguments
+  (pytest, the maxnnx CLI). An absl app has parsed them already.
+  """
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  import tokamax
+
+  return tokamax
+
+
 def _window_kind(sliding_window) -> Literal['none', 'static', 'traced']:
   if sliding_window is None:
     return 'none'

@@ -21,6 +21,7 @@ from maxnnx.kernels.capabilities import (
   RaggedDotCapabilities,
   RaggedDotRequest,
   check_policy,
+  import_tokamax,
   log_once,
   refuse,
   tokamax_missing,
@@ -166,8 +167,7 @@ class TokamaxRaggedDot(RaggedDotKernel):
 
   def compute(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
     """Try each implementation; log the ones that refuse; raise if all refuse."""
-    import tokamax
-
+    tokamax = import_tokamax()
     errors = []
     for impl in self.implementations:
       try:
