@@ -146,3 +146,12 @@ def test_names_policies_and_declarations():
   for name, factory in RAGGED_DOT_IMPLEMENTATIONS.items():
     kernel = factory()
     assert kernel.name == name and isinstance(kernel.capabilities, RaggedDotCapabilities)
+
+
+def test_kernels_check_script_runs_here():
+  """The GPU check script imports and runs on CPU: everything is ok or refused, nothing fails."""
+  kernels_check = pytest.importorskip('benchmarks.kernels_check')
+  rows = kernels_check.check_ragged_dot(quick=True)
+  assert {row[0] for row in rows} == set(RAGGED_DOT_IMPLEMENTATIONS)
+  assert {row[3] for row in rows} <= {'ok', 'refused'}
+  assert all(row[3] == 'ok' for row in rows if row[0] in ('lax', 'dense', 'tokamax_xla'))
