@@ -264,6 +264,9 @@ class ModelConfig(_Validated):
       projections and outputs; ``save_qkv_proj`` / ``save_out_proj`` /
       ``save_attention_out`` keep only those; ``full`` keeps nothing but the
       block inputs.
+    kernel_on_unsupported: what a kernel strategy does with a call it declares
+      it cannot serve: ``fallback`` (compute it with ``xla``/``lax`` and log a
+      warning once) or ``error`` (raise).
     initializer_range: std of the normal init of the embedding table.
     bos_token_id: beginning-of-sequence id of the model's tokenizer, if any.
     eos_token_id: end-of-sequence id(s); ``generate`` stops at them by default.
@@ -307,6 +310,7 @@ class ModelConfig(_Validated):
   ragged_dot_impl: str = 'lax'
   remat_policy: Literal['none', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj',
                         'save_out_proj', 'save_attention_out', 'full'] = 'none'
+  kernel_on_unsupported: Literal['fallback', 'error'] = 'fallback'
   initializer_range: float = 0.02
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None

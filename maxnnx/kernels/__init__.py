@@ -1,20 +1,41 @@
-"""Swappable compute kernels, chosen by name in the model config."""
+"""Swappable compute kernels, chosen by name in the model config.
+
+Importing this package registers every built-in strategy. Each declares its
+capabilities; see :mod:`maxnnx.kernels.capabilities` for the fallback policy.
+"""
 
 from maxnnx.kernels.attention import (
-                                      ATTENTION_IMPLEMENTATIONS,
-                                      AttentionKernel,
-                                      XlaAttention,
-                                      get_attention_kernel,
-                                      register_attention_kernel,
+  ATTENTION_IMPLEMENTATIONS,
+  AttentionKernel,
+  XlaAttention,
+  get_attention_kernel,
+  register_attention_kernel,
+)
+from maxnnx.kernels.attention_jax_nn import JaxNnAttention
+from maxnnx.kernels.attention_pallas import PallasFlashAttention
+from maxnnx.kernels.attention_tokamax import TokamaxAttention
+from maxnnx.kernels.capabilities import (
+  AttentionCapabilities,
+  AttentionRequest,
+  KernelUnsupportedError,
+  RaggedDotCapabilities,
+  RaggedDotRequest,
 )
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.ragged_dot import (
-                                       RAGGED_DOT_IMPLEMENTATIONS,
-                                       RaggedDotKernel,
-                                       get_ragged_dot_kernel,
-                                       register_ragged_dot_kernel,
+  RAGGED_DOT_IMPLEMENTATIONS,
+  DenseRaggedDot,
+  LaxRaggedDot,
+  RaggedDotKernel,
+  TokamaxRaggedDot,
+  get_ragged_dot_kernel,
+  register_ragged_dot_kernel,
 )
 
-__all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionKernel', 'AttentionMask', 'XlaAttention',
-           'RAGGED_DOT_IMPLEMENTATIONS', 'RaggedDotKernel', 'get_attention_kernel',
-           'get_ragged_dot_kernel', 'register_attention_kernel', 'register_ragged_dot_kernel']
+__all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionCapabilities', 'AttentionKernel',
+           'AttentionMask', 'AttentionRequest', 'DenseRaggedDot', 'JaxNnAttention',
+           'KernelUnsupportedError', 'LaxRaggedDot', 'PallasFlashAttention',
+           'RAGGED_DOT_IMPLEMENTATIONS', 'RaggedDotCapabilities', 'RaggedDotKernel',
+           'RaggedDotRequest', 'TokamaxAttention', 'TokamaxRaggedDot', 'XlaAttention',
+           'get_attention_kernel', 'get_ragged_dot_kernel', 'register_attention_kernel',
+           'register_ragged_dot_kernel']

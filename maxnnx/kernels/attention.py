@@ -2,8 +2,12 @@
 
 A kernel takes projected, rotated ``q``/``k``/``v`` and an
 :class:`~maxnnx.kernels.masks.AttentionMask` and returns the attention output.
-``xla`` (plain einsum + softmax) supports every feature and runs everywhere;
-other strategies register themselves under their own names.
+``xla`` (plain einsum + softmax) supports every feature and runs everywhere; it
+is the reference and the fallback. Other strategies declare what they support
+(:class:`~maxnnx.kernels.capabilities.AttentionCapabilities`) and register
+themselves under their own names; a call they cannot serve is refused or sent
+to ``xla`` as their ``on_unsupported`` policy says (see
+:mod:`maxnnx.kernels.capabilities`).
 """
 
 import dataclasses
@@ -12,25 +16,76 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from maxnnx.kernels.capabilities import (
+  ALL_PLATFORMS,
+  FLOAT_DTYPES,
+  AttentionCapabilities,
+  AttentionRequest,
+  check_policy,
+  refuse,
+)
 from maxnnx.kernels.masks import AttentionMask
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionKernel:
-  """Base class of attention strategies; instances are stateless and hashable."""
+  """Base class of attention strategies; instances are stateless and hashable.
+
+  A strategy declares :attr:`capabilities` and implements :meth:`attend`;
+  ``__call__`` checks each call against the capabilities first and applies the
+  ``on_unsupported`` policy (``fallback`` to ``xla`` with a warning logged once,
+  or ``error``) when the strategy cannot serve it.
+
+  Attributes:
+    name: the registered name.
+    on_unsupported: ``fallback`` or ``error``.
+  """
 
   name: str = 'base'
+  on_unsupported: str = 'fallback'
+
+  def __post_init__(self):
+    check_policy(self.on_unsupported)
+
+  @property
+  def capabilities(self) -> AttentionCapabilities:
+    """What this strategy supports."""
+    raise TypeError(f'{type(self).__name__} must declare its capabilities.')
+
+  def unsupported_reasons(self, request: AttentionRequest) -> list[str]:
+    """Why this strategy cannot serve ``request`` (empty when it can).
+
+    Strategies with extra limits (shapes, optional packages) extend this.
+    """
+    return self.capabilities.missing(request)
 
   def __call__(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                mask: AttentionMask, *, scale: float, softcap: float | None,
                sliding_window: int | jax.Array | None,
                sinks_N: jax.Array | None = None) -> jax.Array:
-    """Attention output ``[B, T, heads, head_dim]``.
+    """Attention output ``[B, T, heads, v_head_dim]``.
 
     ``sinks_N`` (GPT-OSS) is one learned logit per query head that joins every
-    softmax as an extra, value-less key.
+    softmax as an extra, value-less key. Query rows that see no key at all
+    (padding) have unspecified output.
     """
-    raise NotImplementedError
+    kwargs = dict(scale=scale, softcap=softcap, sliding_window=sliding_window, sinks_N=sinks_N)
+    request = AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, softcap=softcap,
+                                  sliding_window=sliding_window, sinks_N=sinks_N)
+    reasons = self.unsupported_reasons(request)
+    if not reasons:
+      try:
+        return self.attend(q_BTNH, k_BSKH, v_BSKH, mask, **kwargs)
+      except NotImplementedError as e:
+        reasons = [f'the backend raised NotImplementedError: {e}']
+    refuse('attention', self.name, reasons, self.on_unsupported, 'xla')
+    return XlaAttention().attend(q_BTNH, k_BSKH, v_BSKH, mask, **kwargs)
+
+  def attend(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+             mask: AttentionMask, *, scale: float, softcap: float | None,
+             sliding_window: int | jax.Array | None, sinks_N: jax.Array | None) -> jax.Array:
+    """Compute attention for a call already checked against the capabilities."""
+    raise TypeError(f'{type(self).__name__} must implement attend().')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +93,24 @@ class XlaAttention(AttentionKernel):
   """Reference attention: scores in float32, dense boolean mask, softmax.
 
   Supports grouped heads (GQA/MQA), soft-capping, sliding windows (also traced
-  per-layer windows), attention sinks and any segment/position mask.
+  per-layer windows), attention sinks, a ``v`` head size different from the
+  ``q``/``k`` one, and any segment/position mask. Query rows that see no key
+  get the mean of all values.
   """
 
   name: str = 'xla'
 
-  def __call__(self, q_BTNH, k_BSKH, v_BSKH, mask, *, scale, softcap, sliding_window,
-               sinks_N=None):
+  @property
+  def capabilities(self) -> AttentionCapabilities:
+    """Everything, everywhere."""
+    return AttentionCapabilities(
+        platforms=ALL_PLATFORMS, dtypes=FLOAT_DTYPES, gqa=True, masking='positions',
+        decode=True, sliding_window=True, traced_window=True, softcap=True, sinks=True,
+        distinct_v_head_dim=True)
+
+  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, *, scale, softcap, sliding_window,
+             sinks_N=None):
+    """Einsum scores, mask, softmax (with sinks), einsum values."""
     batch, length, num_heads, head_dim = q_BTNH.shape
     num_kv_heads = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -62,7 +128,7 @@ class XlaAttention(AttentionKernel):
       probs = jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
     probs = probs.astype(v_BSKH.dtype)
     out = jnp.einsum('bkgts,bskh->btkgh', probs, v_BSKH)
-    return out.reshape(batch, length, num_heads, head_dim)
+    return out.reshape(batch, length, num_heads, v_BSKH.shape[-1])
 
 
 ATTENTION_IMPLEMENTATIONS: dict[str, Callable[[], AttentionKernel]] = {'xla': XlaAttention}
@@ -73,9 +139,16 @@ def register_attention_kernel(name: str, factory: Callable[[], AttentionKernel])
   ATTENTION_IMPLEMENTATIONS[name] = factory
 
 
-def get_attention_kernel(name: str) -> AttentionKernel:
-  """The kernel registered as ``name``; a clear error lists the known ones."""
+def get_attention_kernel(name: str, *, on_unsupported: str | None = None) -> AttentionKernel:
+  """The kernel registered as ``name``; a clear error lists the known ones.
+
+  ``on_unsupported`` (``fallback`` or ``error``) overrides the strategy's policy.
+  """
   if name not in ATTENTION_IMPLEMENTATIONS:
     known = ', '.join(sorted(ATTENTION_IMPLEMENTATIONS))
     raise ValueError(f"Unknown attention_impl '{name}'. Known implementations: {known}.")
-  return ATTENTION_IMPLEMENTATIONS[name]()
+  kernel = ATTENTION_IMPLEMENTATIONS[name]()
+  if on_unsupported is not None:
+    check_policy(on_unsupported)
+    kernel = dataclasses.replace(kernel, on_unsupported=on_unsupported)
+  return kernel

@@ -2,7 +2,11 @@
 
 Tokens sorted by expert form ``lhs [M, K]``; ``group_sizes [G]`` says how many
 consecutive rows belong to each expert; expert ``g`` multiplies its rows by
-``rhs[g] [K, N]``. Every strategy computes the same ``[M, N]`` result.
+``rhs[g] [K, N]``. Every strategy computes the same ``[M, N]`` result (rows past
+the last group are zeros). Strategies declare what they support
+(:class:`~maxnnx.kernels.capabilities.RaggedDotCapabilities`); a call they
+cannot serve is refused or computed with ``lax`` as their ``on_unsupported``
+policy says (see :mod:`maxnnx.kernels.capabilities`).
 """
 
 import dataclasses
@@ -11,16 +15,71 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from maxnnx.kernels.capabilities import (
+  ALL_PLATFORMS,
+  FLOAT_DTYPES,
+  RaggedDotCapabilities,
+  RaggedDotRequest,
+  check_policy,
+  import_tokamax,
+  log_once,
+  refuse,
+  tokamax_missing,
+  warn_once,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class RaggedDotKernel:
-  """Base class of ragged-dot strategies; instances are stateless and hashable."""
+  """Base class of ragged-dot strategies; instances are stateless and hashable.
+
+  A strategy declares :attr:`capabilities` and implements :meth:`compute`;
+  ``__call__`` checks each call first and applies the ``on_unsupported``
+  policy (``fallback`` to ``lax`` with a warning logged once, or ``error``).
+
+  Attributes:
+    name: the registered name.
+    on_unsupported: ``fallback`` or ``error``.
+  """
 
   name: str = 'base'
+  on_unsupported: str = 'fallback'
+
+  def __post_init__(self):
+    check_policy(self.on_unsupported)
+
+  @property
+  def capabilities(self) -> RaggedDotCapabilities:
+    """What this strategy supports."""
+    raise TypeError(f'{type(self).__name__} must declare its capabilities.')
+
+  def unsupported_reasons(self, request: RaggedDotRequest) -> list[str]:
+    """Why this strategy cannot serve ``request`` (empty when it can)."""
+    return self.capabilities.missing(request)
 
   def __call__(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
                preferred_element_type=None) -> jax.Array:
-    raise NotImplementedError
+    """``[M, N]``: row ``m`` of group ``g`` times ``rhs_GKN[g]``."""
+    request = RaggedDotRequest.of(lhs_MK, rhs_GKN, preferred_element_type=preferred_element_type)
+    reasons = self.unsupported_reasons(request)
+    if not reasons:
+      try:
+        return self.compute(lhs_MK, rhs_GKN, group_sizes_G,
+                            preferred_element_type=preferred_element_type)
+      except NotImplementedError as e:
+        reasons = [f'the backend raised NotImplementedError: {e}']
+    refuse('ragged_dot', self.name, reasons, self.on_unsupported, 'lax')
+    return LaxRaggedDot().compute(lhs_MK, rhs_GKN, group_sizes_G,
+                                  preferred_element_type=preferred_element_type)
+
+  def compute(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
+              preferred_element_type) -> jax.Array:
+    """Compute a call already checked against the capabilities."""
+    raise TypeError(f'{type(self).__name__} must implement compute().')
+
+
+_EVERYTHING = RaggedDotCapabilities(platforms=ALL_PLATFORMS, dtypes=FLOAT_DTYPES,
+                                    mixed_dtypes=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +88,13 @@ class LaxRaggedDot(RaggedDotKernel):
 
   name: str = 'lax'
 
-  def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+  @property
+  def capabilities(self) -> RaggedDotCapabilities:
+    """Every float dtype on every platform."""
+    return _EVERYTHING
+
+  def compute(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+    """One ``jax.lax.ragged_dot``."""
     return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32),
                               preferred_element_type=preferred_element_type)
 
@@ -43,7 +108,13 @@ class DenseRaggedDot(RaggedDotKernel):
 
   name: str = 'dense'
 
-  def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+  @property
+  def capabilities(self) -> RaggedDotCapabilities:
+    """Every float dtype on every platform."""
+    return _EVERYTHING
+
+  def compute(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+    """Einsum over all experts, select each row's own."""
     rows = jnp.arange(lhs_MK.shape[0])
     ends_G = jnp.cumsum(group_sizes_G)
     group_M = jnp.searchsorted(ends_G, rows, side='right')  # == G for rows past the last group
@@ -53,8 +124,80 @@ class DenseRaggedDot(RaggedDotKernel):
     return jnp.einsum('gmn,gm->mn', all_GMN, onehot_GM.astype(all_GMN.dtype))
 
 
+#: Platforms of each tokamax ragged-dot implementation.
+TOKAMAX_RAGGED_DOT_PLATFORMS = {'mosaic': ('gpu', 'tpu'), 'triton': ('gpu',),
+                                'xla': ALL_PLATFORMS}
+#: The order ``tokamax`` tries them in (tokamax's own default order).
+TOKAMAX_RAGGED_DOT_DEFAULT_ORDER = ('mosaic', 'triton', 'xla')
+
+
+@dataclasses.dataclass(frozen=True)
+class TokamaxRaggedDot(RaggedDotKernel):
+  """``tokamax.ragged_dot`` over ``implementations``, first that runs wins.
+
+  Implementations that cannot run are logged once (a warning on
+  ``maxnnx.kernels``), so a drop to XLA is visible. tokamax is imported on
+  first use.
+
+  Attributes:
+    implementations: tokamax implementation names, tried in order.
+  """
+
+  name: str = 'tokamax'
+  implementations: tuple[str, ...] = TOKAMAX_RAGGED_DOT_DEFAULT_ORDER
+
+  def __post_init__(self):
+    super().__post_init__()
+    unknown = [i for i in self.implementations if i not in TOKAMAX_RAGGED_DOT_PLATFORMS]
+    if unknown or not self.implementations:
+      raise ValueError(f'TokamaxRaggedDot.implementations must be a non-empty tuple of '
+                       f'{tuple(TOKAMAX_RAGGED_DOT_PLATFORMS)}, got {self.implementations}.')
+
+  @property
+  def capabilities(self) -> RaggedDotCapabilities:
+    """Float dtypes, same dtype on both sides; platforms of its implementations."""
+    platforms = tuple(p for p in ALL_PLATFORMS
+                      if any(p in TOKAMAX_RAGGED_DOT_PLATFORMS[i] for i in self.implementations))
+    return RaggedDotCapabilities(platforms=platforms, dtypes=FLOAT_DTYPES, mixed_dtypes=False)
+
+  def unsupported_reasons(self, request):
+    """The declared limits, and tokamax being importable."""
+    missing = tokamax_missing()
+    return self.capabilities.missing(request) + ([missing] if missing else [])
+
+  def compute(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+    """Try each implementation; log the ones that refuse; raise if all refuse."""
+    tokamax = import_tokamax()
+    errors = []
+    for impl in self.implementations:
+      try:
+        out = tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32),
+                                 preferred_element_type=preferred_element_type,
+                                 implementation=impl)
+      except NotImplementedError as e:
+        errors.append(f'{impl}: {e}')
+        continue
+      except ValueError as e:  # tokamax was built without this implementation
+        if 'Unknown implementation' not in str(e):
+          raise
+        errors.append(f'{impl}: {e}')
+        continue
+      if errors:
+        warn_once(('ragged_dot', self.name, impl, tuple(errors)),
+                  f"ragged_dot_impl '{self.name}': tokamax implementation(s) could not run "
+                  f"({'; '.join(errors)}); using tokamax '{impl}'.")
+      else:
+        log_once(('ragged_dot', self.name, impl), f"ragged_dot_impl '{self.name}' runs "
+                 f"tokamax implementation '{impl}'.")
+      return out
+    raise NotImplementedError(f"no tokamax implementation could run ({'; '.join(errors)})")
+
+
 RAGGED_DOT_IMPLEMENTATIONS: dict[str, Callable[[], RaggedDotKernel]] = {
-    'lax': LaxRaggedDot, 'dense': DenseRaggedDot}
+    'lax': LaxRaggedDot, 'dense': DenseRaggedDot, 'tokamax': TokamaxRaggedDot}
+for _impl in TOKAMAX_RAGGED_DOT_PLATFORMS:
+  RAGGED_DOT_IMPLEMENTATIONS[f'tokamax_{_impl}'] = (
+      lambda impl=_impl: TokamaxRaggedDot(name=f'tokamax_{impl}', implementations=(impl,)))
 
 
 def register_ragged_dot_kernel(name: str, factory: Callable[[], RaggedDotKernel]) -> None:
@@ -62,9 +205,16 @@ def register_ragged_dot_kernel(name: str, factory: Callable[[], RaggedDotKernel]
   RAGGED_DOT_IMPLEMENTATIONS[name] = factory
 
 
-def get_ragged_dot_kernel(name: str) -> RaggedDotKernel:
-  """The ragged-dot strategy registered as ``name``; a clear error lists the known ones."""
+def get_ragged_dot_kernel(name: str, *, on_unsupported: str | None = None) -> RaggedDotKernel:
+  """The ragged-dot strategy registered as ``name``; a clear error lists the known ones.
+
+  ``on_unsupported`` (``fallback`` or ``error``) overrides the strategy's policy.
+  """
   if name not in RAGGED_DOT_IMPLEMENTATIONS:
     known = ', '.join(sorted(RAGGED_DOT_IMPLEMENTATIONS))
     raise ValueError(f"Unknown ragged_dot_impl '{name}'. Known implementations: {known}.")
-  return RAGGED_DOT_IMPLEMENTATIONS[name]()
+  kernel = RAGGED_DOT_IMPLEMENTATIONS[name]()
+  if on_unsupported is not None:
+    check_policy(on_unsupported)
+    kernel = dataclasses.replace(kernel, on_unsupported=on_unsupported)
+  return kernel

@@ -51,7 +51,8 @@ class Attention(nnx.Module):
       self.k_norm = make_norm(cfg, (kv, hd), ('kv_heads', 'head_dim'), rngs=rngs)
     else:
       self.q_norm = self.k_norm = None
-    self.kernel = get_attention_kernel(cfg.attention_impl)
+    self.kernel = get_attention_kernel(cfg.attention_impl,
+                                       on_unsupported=cfg.kernel_on_unsupported)
     self.scale = cfg.resolved_query_scale
     self.softcap = cfg.attn_logit_softcap
     self.cache_k = nnx.data(None)

@@ -1,0 +1,272 @@
+"""What a kernel strategy can do, what a call asks of it, and what happens when they differ.
+
+Every strategy declares its abilities once (:class:`AttentionCapabilities`,
+:class:`RaggedDotCapabilities`). Each call is summarised, at trace time and from
+static facts only (shapes, dtypes, platform, which options are set), as a
+request; the strategy compares the two before it runs. When it cannot serve the
+request, its ``on_unsupported`` policy decides:
+
+* ``'fallback'`` (the default): compute with the reference strategy (``xla``
+  for attention, ``lax`` for ragged dot) and log a ``logging`` warning on the
+  ``maxnnx.kernels`` logger, once per strategy and reason;
+* ``'error'``: raise :class:`KernelUnsupportedError`, naming every reason.
+
+A backend that raises ``NotImplementedError`` while tracing (cuDNN refusing a
+shape, a Triton kernel on CPU) is treated the same way. Errors that appear only
+when XLA compiles cannot be caught here and surface as they are.
+"""
+
+import dataclasses
+import logging
+from typing import Literal
+
+import jax
+import numpy as np
+
+logger = logging.getLogger('maxnnx.kernels')
+
+ON_UNSUPPORTED = ('fallback', 'error')
+ALL_PLATFORMS = ('cpu', 'gpu', 'tpu')
+FLOAT_DTYPES = ('float32', 'bfloat16', 'float16')
+
+_warned: set[tuple] = set()
+
+
+class KernelUnsupportedError(ValueError):
+  """A kernel strategy was asked for something it declares it cannot do."""
+
+
+def warn_once(key: tuple, message: str) -> None:
+  """Log ``message`` as a warning on ``maxnnx.kernels`` the first time ``key`` is seen."""
+  if key not in _warned:
+    _warned.add(key)
+    logger.warning(message)
+
+
+def log_once(key: tuple, message: str) -> None:
+  """Log ``message`` at INFO level on ``maxnnx.kernels`` the first time ``key`` is seen."""
+  if key not in _warned:
+    _warned.add(key)
+    logger.info(message)
+
+
+def reset_warnings() -> None:
+  """Forget which messages were logged, so they are logged again (for tests)."""
+  _warned.clear()
+
+
+def check_policy(on_unsupported: str) -> None:
+  """Raise a clear error unless ``on_unsupported`` is a known policy."""
+  if on_unsupported not in ON_UNSUPPORTED:
+    raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got '{on_unsupported}'.")
+
+
+def current_platform() -> str:
+  """``cpu``, ``gpu`` or ``tpu``: where computations run by default."""
+  platform = jax.default_backend()
+  return 'gpu' if platform in ('cuda', 'rocm') else platform
+
+
+def tokamax_missing() -> str | None:
+  """Why tokamax cannot be imported, or ``None`` when it can."""
+  try:
+    import tokamax  # noqa: F401
+  except ImportError as e:
+    return f'tokamax is not importable ({e}); pip install tokamax'
+  return None
+
+
+def import_tokamax():
+  """Import tokamax, first marking absl flags parsed (at their defaults) if nobody parsed them.
+
+  tokamax reads its options through absl flags and, when they are unparsed,
+  parses ``sys.argv``, which fails under any program with its own arguments
+  (pytest, the maxnnx CLI). An absl app has parsed them already.
+  """
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  import tokamax
+
+  return tokamax
+
+
+def _window_kind(sliding_window) -> Literal['none', 'static', 'traced']:
+  if sliding_window is None:
+    return 'none'
+  if isinstance(sliding_window, int | np.integer):
+    return 'static'
+  return 'traced'
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionRequest:
+  """The static facts of one attention call that decide which strategy can serve it.
+
+  Attributes:
+    platform: ``cpu``, ``gpu`` or ``tpu``.
+    dtype: dtype name of ``q``.
+    q_length, kv_length: ``T`` and ``S``; they differ when decoding against a cache.
+    num_heads, num_kv_heads: query heads and key/value heads (GQA when different).
+    head_dim, v_head_dim: head size of ``q``/``k`` and of ``v`` (different in MLA).
+    window: ``none``, ``static`` (a Python int) or ``traced`` (an array, as in
+      scanned layers of mixed types).
+    softcap: a logit soft-cap is set.
+    sinks: attention-sink logits are given.
+  """
+
+  platform: str
+  dtype: str
+  q_length: int
+  kv_length: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  v_head_dim: int
+  window: Literal['none', 'static', 'traced']
+  softcap: bool
+  sinks: bool
+
+  @classmethod
+  def of(cls, q_BTNH, k_BSKH, v_BSKH, *, softcap, sliding_window, sinks_N) -> 'AttentionRequest':
+    """Summarise a call's arguments."""
+    return cls(platform=current_platform(), dtype=np.dtype(q_BTNH.dtype).name,
+               q_length=q_BTNH.shape[1], kv_length=k_BSKH.shape[1],
+               num_heads=q_BTNH.shape[2], num_kv_heads=k_BSKH.shape[2],
+               head_dim=q_BTNH.shape[3], v_head_dim=v_BSKH.shape[3],
+               window=_window_kind(sliding_window), softcap=softcap is not None,
+               sinks=sinks_N is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCapabilities:
+  """What an attention strategy supports; every field must be declared.
+
+  Attributes:
+    platforms: platforms it runs on.
+    dtypes: dtype names of ``q``/``k``/``v`` it accepts.
+    gqa: fewer key/value heads than query heads (GQA/MQA).
+    masking: ``positions``: honours :class:`~maxnnx.kernels.masks.AttentionMask`
+      exactly (segment ids, and causality by position, any layout);
+      ``index_causal``: segment ids, and causality by index within the row,
+      which equals the mask's rule only while positions increase with the index
+      inside each segment (the strategy must check that itself).
+    decode: queries and keys of different lengths (decoding against a KV cache).
+    sliding_window: a sliding window given as a Python int.
+    traced_window: a sliding window given as an array (scanned mixed layers).
+    softcap: logit soft-capping.
+    sinks: attention-sink logits (GPT-OSS).
+    distinct_v_head_dim: ``v`` head size different from the ``q``/``k`` one (MLA).
+  """
+
+  platforms: tuple[str, ...]
+  dtypes: tuple[str, ...]
+  gqa: bool
+  masking: Literal['positions', 'index_causal']
+  decode: bool
+  sliding_window: bool
+  traced_window: bool
+  softcap: bool
+  sinks: bool
+  distinct_v_head_dim: bool
+
+  def missing(self, request: AttentionRequest) -> list[str]:
+    """Why ``request`` cannot be served; empty when it can."""
+    reasons = []
+    if request.platform not in self.platforms:
+      reasons.append(f"platform '{request.platform}' is not one of {self.platforms}")
+    if request.dtype not in self.dtypes:
+      reasons.append(f"dtype {request.dtype} is not one of {self.dtypes}")
+    if request.num_heads != request.num_kv_heads and not self.gqa:
+      reasons.append('grouped key/value heads (GQA/MQA) are not supported')
+    if request.q_length != request.kv_length and not self.decode:
+      reasons.append(f'query length {request.q_length} != key length {request.kv_length} '
+                     '(decoding) is not supported')
+    if request.window == 'static' and not self.sliding_window:
+      reasons.append('sliding windows are not supported')
+    if request.window == 'traced' and not self.traced_window:
+      reasons.append('traced (per-layer array) sliding windows are not supported')
+    if request.softcap and not self.softcap:
+      reasons.append('logit soft-capping is not supported')
+    if request.sinks and not self.sinks:
+      reasons.append('attention sinks are not supported')
+    if request.head_dim != request.v_head_dim and not self.distinct_v_head_dim:
+      reasons.append(f'v head size {request.v_head_dim} != q/k head size {request.head_dim} '
+                     'is not supported')
+    return reasons
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotRequest:
+  """The static facts of one ragged-dot call.
+
+  Attributes:
+    platform: ``cpu``, ``gpu`` or ``tpu``.
+    dtype: dtype name of ``lhs``.
+    rhs_dtype: dtype name of ``rhs``.
+    preferred_element_type: dtype name of the requested result, or ``None``.
+  """
+
+  platform: str
+  dtype: str
+  rhs_dtype: str
+  preferred_element_type: str | None
+
+  @classmethod
+  def of(cls, lhs_MK, rhs_GKN, *, preferred_element_type) -> 'RaggedDotRequest':
+    """Summarise a call's arguments."""
+    pet = None if preferred_element_type is None else np.dtype(preferred_element_type).name
+    return cls(platform=current_platform(), dtype=np.dtype(lhs_MK.dtype).name,
+               rhs_dtype=np.dtype(rhs_GKN.dtype).name, preferred_element_type=pet)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotCapabilities:
+  """What a ragged-dot strategy supports; every field must be declared.
+
+  Every strategy computes rows past the last group as zeros.
+
+  Attributes:
+    platforms: platforms it runs on.
+    dtypes: dtype names of ``lhs``/``rhs`` it accepts.
+    mixed_dtypes: ``lhs`` and ``rhs`` of different dtypes.
+  """
+
+  platforms: tuple[str, ...]
+  dtypes: tuple[str, ...]
+  mixed_dtypes: bool
+
+  def missing(self, request: RaggedDotRequest) -> list[str]:
+    """Why ``request`` cannot be served; empty when it can."""
+    reasons = []
+    if request.platform not in self.platforms:
+      reasons.append(f"platform '{request.platform}' is not one of {self.platforms}")
+    for dtype in {request.dtype, request.rhs_dtype}:
+      if dtype not in self.dtypes:
+        reasons.append(f'dtype {dtype} is not one of {self.dtypes}')
+    if request.dtype != request.rhs_dtype and not self.mixed_dtypes:
+      reasons.append(f'lhs dtype {request.dtype} != rhs dtype {request.rhs_dtype} is not '
+                     'supported')
+    return reasons
+
+
+def refuse(kind: str, name: str, reasons: list[str], on_unsupported: str, reference: str):
+  """Apply the policy to an unservable call: raise, or warn once before the fallback.
+
+  Args:
+    kind: ``attention`` or ``ragged_dot`` (the config field is ``{kind}_impl``).
+    name: the strategy's registered name.
+    reasons: why it cannot serve the call.
+    on_unsupported: ``fallback`` or ``error``.
+    reference: name of the strategy that serves the call instead.
+  """
+  why = '; '.join(reasons)
+  if on_unsupported == 'error':
+    raise KernelUnsupportedError(
+        f"{kind}_impl '{name}' cannot serve this call: {why}. Choose another {kind}_impl "
+        f"(for example '{reference}'), or set on_unsupported='fallback' "
+        f"(ModelConfig.kernel_on_unsupported) to use '{reference}' for such calls.")
+  warn_once((kind, name, why),
+            f"{kind}_impl '{name}' cannot serve this call ({why}); computing it with "
+            f"'{reference}' instead.")

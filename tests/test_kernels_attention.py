@@ -1,0 +1,325 @@
+"""Attention strategies agree with the ``xla`` reference, and refuse or fall back as declared."""
+
+import logging
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import maxnnx
+from maxnnx.config import ConfigError, ModelConfig
+from maxnnx.kernels import (
+  ATTENTION_IMPLEMENTATIONS,
+  AttentionCapabilities,
+  AttentionKernel,
+  AttentionMask,
+  AttentionRequest,
+  KernelUnsupportedError,
+  PallasFlashAttention,
+  XlaAttention,
+  get_attention_kernel,
+)
+from maxnnx.kernels.attention_pallas import index_order_matches_positions
+from maxnnx.kernels.capabilities import reset_warnings
+
+# Strategies that compute themselves on CPU (others fall back there). The Pallas
+# kernel runs in the Pallas interpreter.
+CPU_KERNELS = {
+    'jax_nn': lambda: get_attention_kernel('jax_nn', on_unsupported='error'),
+    'tokamax': lambda: get_attention_kernel('tokamax', on_unsupported='error'),
+    'tokamax_xla': lambda: get_attention_kernel('tokamax_xla', on_unsupported='error'),
+    'tokamax_xla_chunked':
+        lambda: get_attention_kernel('tokamax_xla_chunked', on_unsupported='error'),
+    'pallas_interpret': lambda: PallasFlashAttention(interpret=True, on_unsupported='error'),
+}
+GPU_ONLY = ('cudnn', 'pallas_gpu', 'tokamax_cudnn', 'tokamax_mosaic', 'tokamax_triton')
+
+# name -> (heads, kv_heads, q_len, kv_len, v_head_dim, options)
+SCENARIOS = {
+    'gqa_causal': (4, 2, 16, 16, 8, {}),
+    'mqa_causal': (4, 1, 16, 16, 8, {}),
+    'packed_padded': (4, 2, 16, 16, 8, {'packed': True}),
+    'window': (4, 2, 16, 16, 8, {'window': 5}),
+    'traced_window': (4, 2, 16, 16, 8, {'window': 5, 'traced': True}),
+    'softcap': (4, 2, 16, 16, 8, {'softcap': 1.5}),
+    'sinks': (4, 2, 16, 16, 8, {'sinks': True}),
+    'decode': (4, 2, 2, 16, 8, {}),
+    'mla_v_dim': (4, 4, 16, 16, 12, {}),
+}
+BF16_SCENARIOS = ('gqa_causal', 'packed_padded')
+HEAD_DIM = 8
+
+
+def _rng(*key):
+  return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def _case(scenario, dtype, rng):
+  """q, k, v, mask, kwargs and the per-row weights of the test loss."""
+  heads, kv_heads, t, s, v_dim, opts = SCENARIOS[scenario]
+  q = rng.normal(size=(2, t, heads, HEAD_DIM))
+  k = rng.normal(size=(2, s, kv_heads, HEAD_DIM))
+  v = rng.normal(size=(2, s, kv_heads, v_dim))
+  if opts.get('packed'):
+    seg = np.array([[1] * 5 + [2] * 7 + [3] * 4, [0] * 3 + [1] * 9 + [2] * 4])
+    pos = np.array([[*range(5), *range(7), *range(4)], [0] * 3 + [*range(9), *range(4)]])
+    mask = AttentionMask.causal(jnp.asarray(seg, jnp.int32), jnp.asarray(pos, jnp.int32))
+  elif t != s:  # decode: a cache of s slots, filled up to the queries, row 1 left-padded
+    kv_seg = np.array([[1] * 11 + [0] * 5, [0] * 4 + [1] * 7 + [0] * 5])
+    kv_pos = np.array([[*range(16)], [0] * 4 + [*range(12)]])
+    q_pos = np.array([[9, 10], [5, 6]])
+    mask = AttentionMask(jnp.ones((2, t), jnp.int32), jnp.asarray(q_pos, jnp.int32),
+                         jnp.asarray(kv_seg, jnp.int32), jnp.asarray(kv_pos, jnp.int32))
+  else:
+    pos = np.broadcast_to(np.arange(t), (2, t))
+    mask = AttentionMask.causal(jnp.ones((2, t), jnp.int32), jnp.asarray(pos, jnp.int32))
+  window = opts.get('window')
+  kwargs = dict(scale=HEAD_DIM ** -0.5, softcap=opts.get('softcap'),
+                sliding_window=jnp.int32(window) if opts.get('traced') else window,
+                sinks_N=jnp.asarray(rng.normal(size=heads), dtype) if opts.get('sinks') else None)
+  weights = rng.normal(size=(2, t, heads, v_dim)) * np.asarray(mask.q_segment_ids != 0)[..., None,
+                                                                                          None]
+  q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+  return q, k, v, mask, kwargs, jnp.asarray(weights, jnp.float32)
+
+
+def _fwd_and_grad(kernel, q, k, v, mask, kwargs, weights):
+  """Output and d(sum(out * weights))/d(q, k, v), jitted (a traced window stays traced)."""
+  window = kwargs['sliding_window']
+  static = {key: val for key, val in kwargs.items() if key != 'sliding_window'}
+
+  def loss(q, k, v, window):
+    out = kernel(q, k, v, mask, sliding_window=window, **static)
+    return jnp.sum(out.astype(jnp.float32) * weights), out
+
+  grad_fn = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+  if isinstance(window, jax.Array):
+    grads, out = jax.jit(grad_fn)(q, k, v, window)
+  else:
+    grads, out = jax.jit(grad_fn, static_argnums=3)(q, k, v, window)
+  return out, grads
+
+
+def _assert_close(actual, expected, rel):
+  actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+  scale = max(float(np.max(np.abs(expected))), 1e-6)
+  np.testing.assert_allclose(actual, expected, atol=rel * scale, rtol=0)
+
+
+def _supports(kernel, q, k, v, kwargs):
+  request = AttentionRequest.of(q, k, v, softcap=kwargs['softcap'],
+                                sliding_window=kwargs['sliding_window'],
+                                sinks_N=kwargs['sinks_N'])
+  return not kernel.unsupported_reasons(request)
+
+
+# The default suite runs the scenarios that differ most (packing, traced windows, decode,
+# refusals) and one per other strategy; the remaining combinations are marked slow.
+FAST = {('jax_nn', s, 'float32') for s in ('packed_padded', 'traced_window', 'softcap',
+                                            'sinks', 'decode', 'mla_v_dim')} | {
+    ('tokamax_xla', s, 'float32') for s in ('packed_padded', 'softcap', 'decode', 'sinks')} | {
+    ('tokamax', 'gqa_causal', 'float32'), ('tokamax_xla_chunked', 'packed_padded', 'float32'),
+    ('pallas_interpret', 'packed_padded', 'float32'), ('jax_nn', 'packed_padded', 'bfloat16'),
+    ('tokamax_xla', 'gqa_causal', 'bfloat16')}
+CASES = [(name, scenario, 'float32') for name in CPU_KERNELS for scenario in SCENARIOS]
+CASES += [(name, scenario, 'bfloat16') for name in CPU_KERNELS for scenario in BF16_SCENARIOS]
+CASES = [pytest.param(*case, marks=() if case in FAST else pytest.mark.slow) for case in CASES]
+
+
+@pytest.mark.parametrize('name,scenario,dtype', CASES)
+def test_strategy_matches_xla(name, scenario, dtype):
+  """Forward and gradients agree with ``xla`` in f32 (from f32 inputs) and bf16 (vs f32 xla).
+
+  A scenario the strategy declares unsupported must raise under ``on_unsupported='error'``.
+  """
+  kernel = CPU_KERNELS[name]()
+  q, k, v, mask, kwargs, weights = _case(scenario, getattr(jnp, dtype), _rng(name, scenario))
+  if not _supports(kernel, q, k, v, kwargs):
+    with pytest.raises(KernelUnsupportedError, match=f"attention_impl '{kernel.name}'"):
+      _fwd_and_grad(kernel, q, k, v, mask, kwargs, weights)
+    return
+  out, grads = _fwd_and_grad(kernel, q, k, v, mask, kwargs, weights)
+  assert out.dtype == q.dtype
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  kw32 = dict(kwargs, sinks_N=None if kwargs['sinks_N'] is None
+              else kwargs['sinks_N'].astype(jnp.float32))
+  ref_out, ref_grads = _fwd_and_grad(XlaAttention(), *f32, mask, kw32, weights)
+  rel = 1e-5 if dtype == 'float32' else 2e-2
+  valid = np.asarray(weights != 0)
+  _assert_close(np.where(valid, out.astype(jnp.float32), 0), np.where(valid, ref_out, 0), rel)
+  for grad, ref_grad in zip(grads, ref_grads):
+    _assert_close(grad, ref_grad, 10 * rel)
+
+
+def test_declared_capabilities_cover_the_scenarios():
+  """The CPU strategies really differ: each refuses something xla does (no vacuous passes)."""
+  cases = {s: _case(s, jnp.float32, _rng(s)) for s in SCENARIOS}
+  refused = {name: [s for s, (q, k, v, _, kwargs, _) in cases.items()
+                    if not _supports(CPU_KERNELS[name](), q, k, v, kwargs)]
+             for name in CPU_KERNELS}
+  assert refused['jax_nn'] == ['softcap', 'sinks', 'mla_v_dim']
+  assert refused['tokamax'] == refused['tokamax_xla'] == ['sinks']
+  assert refused['pallas_interpret'] == ['window', 'traced_window', 'softcap', 'sinks', 'decode',
+                                         'mla_v_dim']
+
+
+@pytest.mark.parametrize('name', GPU_ONLY)
+def test_gpu_only_strategies_refuse_cpu_or_fall_back(name, caplog):
+  """On CPU a GPU-only strategy raises under 'error' and equals xla (with a warning) otherwise."""
+  if jax.default_backend() != 'cpu':
+    pytest.skip('checks the CPU behaviour')
+  reset_warnings()
+  q, k, v, mask, kwargs, _ = _case('gqa_causal', jnp.bfloat16, _rng(name))
+  with pytest.raises(KernelUnsupportedError, match="platform 'cpu'"):
+    get_attention_kernel(name, on_unsupported='error')(q, k, v, mask, **kwargs)
+  kernel = get_attention_kernel(name)
+  assert kernel.on_unsupported == 'fallback'
+  with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
+    out = kernel(q, k, v, mask, **kwargs)
+    kernel(q, k, v, mask, **kwargs)
+  np.testing.assert_array_equal(out, XlaAttention()(q, k, v, mask, **kwargs))
+  warnings = [r for r in caplog.records if name in r.getMessage()]
+  assert len(warnings) == 1 and "with 'xla' instead" in warnings[0].getMessage()
+
+
+def test_unsupported_feature_falls_back_once_with_a_warning(caplog):
+  """jax_nn has no soft-cap: the fallback equals xla and warns once; 'error' names the feature."""
+  reset_warnings()
+  q, k, v, mask, kwargs, _ = _case('softcap', jnp.float32, _rng('softcap-fallback'))
+  with pytest.raises(KernelUnsupportedError, match='soft-capping'):
+    get_attention_kernel('jax_nn', on_unsupported='error')(q, k, v, mask, **kwargs)
+  kernel = get_attention_kernel('jax_nn')
+  with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
+    outs = [kernel(q, k, v, mask, **kwargs) for _ in range(3)]
+  np.testing.assert_array_equal(outs[0], XlaAttention()(q, k, v, mask, **kwargs))
+  assert [r.levelno for r in caplog.records] == [logging.WARNING]
+  assert 'soft-capping' in caplog.records[0].getMessage()
+
+
+def test_backend_not_implemented_follows_the_policy(caplog):
+  """A backend's NotImplementedError at trace time is an unsupported call, not a crash."""
+
+  class Refusing(AttentionKernel):
+    @property
+    def capabilities(self):
+      return XlaAttention().capabilities
+
+    def attend(self, *args, **kwargs):
+      raise NotImplementedError('shape not tiled')
+
+  reset_warnings()
+  q, k, v, mask, kwargs, _ = _case('gqa_causal', jnp.float32, _rng('refusing'))
+  with pytest.raises(KernelUnsupportedError, match='shape not tiled'):
+    Refusing(name='refusing', on_unsupported='error')(q, k, v, mask, **kwargs)
+  with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
+    out = Refusing(name='refusing')(q, k, v, mask, **kwargs)
+  np.testing.assert_array_equal(out, XlaAttention()(q, k, v, mask, **kwargs))
+  assert 'shape not tiled' in caplog.records[0].getMessage()
+
+
+def test_tokamax_default_order_reports_what_it_skipped(caplog):
+  """tokamax's own order drops to XLA on CPU silently; ours logs that it did."""
+  if jax.default_backend() != 'cpu':
+    pytest.skip('checks the CPU behaviour')
+  reset_warnings()
+  q, k, v, mask, kwargs, _ = _case('gqa_causal', jnp.float32, _rng('tokamax-order'))
+  with caplog.at_level(logging.INFO, logger='maxnnx.kernels'):
+    get_attention_kernel('tokamax')(q, k, v, mask, **kwargs)
+    get_attention_kernel('tokamax_xla')(q, k, v, mask, **kwargs)
+  messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+  assert messages[0][0] == logging.WARNING
+  assert 'triton' in messages[0][1] and "using tokamax 'xla'" in messages[0][1]
+  assert messages[1] == (logging.INFO, "attention_impl 'tokamax_xla' runs tokamax "
+                                       "implementation 'xla'.")
+
+
+def test_pallas_checks_index_order_at_run_time(caplog):
+  """Positions out of index order make the flash kernel wrong, so xla runs instead."""
+  reset_warnings()
+  rng = _rng('pallas-order')
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 8, 2, HEAD_DIM)), jnp.float32) for _ in range(3))
+  seg = jnp.asarray([[2, 2, 2, 2, 1, 1, 1, 1]], jnp.int32)  # decreasing ids
+  pos = jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 3]], jnp.int32)
+  mask = AttentionMask.causal(seg, pos)
+  kwargs = dict(scale=0.3, softcap=None, sliding_window=None)
+  kernel = PallasFlashAttention(interpret=True, on_unsupported='error')
+  with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
+    out = jax.jit(lambda q, k, v: kernel(q, k, v, mask, **kwargs))(q, k, v)
+  np.testing.assert_allclose(out, XlaAttention()(q, k, v, mask, **kwargs), atol=1e-6)
+  assert 'not in index order' in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize('seg,pos,expected', [
+    ([1, 1, 1, 2, 2, 2], [0, 1, 2, 0, 1, 2], True),   # packed
+    ([0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 2, 3], True),   # left padding
+    ([1, 1, 0, 1, 2, 2], [0, 1, 0, 2, 0, 1], True),   # padding inside a document
+    ([2, 2, 1, 1, 1, 1], [0, 1, 0, 1, 2, 3], False),  # ids decrease
+    ([1, 1, 1, 1, 1, 1], [0, 2, 1, 3, 4, 5], False),  # positions out of order
+    ([1, 1, 1, 1, 1, 1], [0, 1, 1, 2, 3, 4], False),  # repeated position
+])
+def test_index_order_matches_positions(seg, pos, expected):
+  """The run-time guard of the Pallas kernel accepts exactly the index-ordered layouts."""
+  seg_BT, pos_BT = jnp.asarray([seg], jnp.int32), jnp.asarray([pos], jnp.int32)
+  mask = AttentionMask.causal(seg_BT, pos_BT)
+  assert bool(index_order_matches_positions(mask)) is expected
+  index_causal = ((seg_BT[0, :, None] == seg_BT[0, None, :]) & (seg_BT[0, None, :] != 0)
+                  & (jnp.arange(6)[None, :] <= jnp.arange(6)[:, None]))
+  real_rows = np.asarray(seg_BT[0] != 0)
+  same = np.array_equal(np.asarray(mask.dense()[0])[real_rows], np.asarray(index_causal)[real_rows])
+  assert same or not expected
+
+
+def test_unknown_names_and_policies_give_clear_errors():
+  """Unknown strategy names list the known ones; unknown policies name the valid ones."""
+  with pytest.raises(ValueError, match="Unknown attention_impl 'flash'.*cudnn.*jax_nn.*tokamax"):
+    get_attention_kernel('flash')
+  with pytest.raises(ValueError, match="on_unsupported must be one of .*'maybe'"):
+    get_attention_kernel('xla', on_unsupported='maybe')
+  with pytest.raises(ValueError, match='implementations must be'):
+    get_attention_kernel('tokamax').__class__(implementations=('fastest',))
+  with pytest.raises(ConfigError, match='kernel_on_unsupported'):
+    ModelConfig(kernel_on_unsupported='ignore')
+
+
+def test_every_registered_strategy_declares_capabilities():
+  """Each registered name builds a kernel of that name with a full capability declaration."""
+  for name, factory in ATTENTION_IMPLEMENTATIONS.items():
+    kernel = factory()
+    assert kernel.name == name
+    assert isinstance(kernel.capabilities, AttentionCapabilities)
+
+
+def _tiny_logits(attention_impl, ids, segment_ids=None, positions=None, **overrides):
+  cfg = maxnnx.get_preset('tiny', attention_impl=attention_impl, **overrides)
+  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
+  assert model.layers[0].attn.kernel.name == attention_impl
+  return nnx.jit(lambda m, i, s, p: m(i, segment_ids=s, positions=p))(model, ids, segment_ids,
+                                                                        positions)
+
+
+@pytest.mark.parametrize('impl', ['jax_nn', 'tokamax_xla'] + [
+    pytest.param(i, marks=pytest.mark.slow)
+    for i in ('tokamax', 'tokamax_xla_chunked', 'pallas_interpret')])
+def test_tiny_model_logits_match_xla(impl, monkeypatch):
+  """The tiny preset gives the same logits (packed rows) with each CPU strategy as with xla."""
+  monkeypatch.setitem(ATTENTION_IMPLEMENTATIONS, 'pallas_interpret',
+                      lambda: PallasFlashAttention(name='pallas_interpret', interpret=True))
+  rng = _rng('tiny', impl)
+  ids = jnp.asarray(rng.integers(0, 512, size=(2, 16)), jnp.int32)
+  seg = jnp.asarray([[1] * 7 + [2] * 9, [1] * 16], jnp.int32)
+  pos = jnp.asarray([[*range(7), *range(9)], [*range(16)]], jnp.int32)
+  expected = _tiny_logits('xla', ids, seg, pos)
+  actual = _tiny_logits(impl, ids, seg, pos, kernel_on_unsupported='error')
+  _assert_close(actual, expected, 1e-5)
+
+
+def test_tiny_model_strict_policy_raises_on_cpu_for_gpu_strategy():
+  """With kernel_on_unsupported='error', a GPU-only strategy fails loudly on CPU."""
+  if jax.default_backend() != 'cpu':
+    pytest.skip('checks the CPU behaviour')
+  ids = jnp.zeros((1, 8), jnp.int32)
+  with pytest.raises(KernelUnsupportedError, match="attention_impl 'cudnn'.*platform 'cpu'"):
+    _tiny_logits('cudnn', ids, kernel_on_unsupported='error')

@@ -1,0 +1,157 @@
+"""Ragged-dot strategies agree with the ``dense`` reference, and refuse or fall back as declared."""
+
+import logging
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxnnx.kernels import (
+  RAGGED_DOT_IMPLEMENTATIONS,
+  DenseRaggedDot,
+  KernelUnsupportedError,
+  RaggedDotCapabilities,
+  RaggedDotKernel,
+  get_ragged_dot_kernel,
+)
+from maxnnx.kernels.capabilities import reset_warnings
+
+CPU_KERNELS = ('lax', 'tokamax', 'tokamax_xla')
+GPU_ONLY = ('tokamax_triton', 'tokamax_mosaic')
+# Group sizes: uneven, an empty expert, and rows past the last group (must be zeros).
+GROUP_SIZES = (5, 0, 9, 3)
+M, K, N = 20, 12, 7
+
+
+def _inputs(dtype, *key):
+  rng = np.random.default_rng(zlib.crc32(repr(key).encode()))
+  lhs = jnp.asarray(rng.normal(size=(M, K)), dtype)
+  rhs = jnp.asarray(rng.normal(size=(len(GROUP_SIZES), K, N)), dtype)
+  weights = jnp.asarray(rng.normal(size=(M, N)), jnp.float32)
+  return lhs, rhs, jnp.asarray(GROUP_SIZES, jnp.int32), weights
+
+
+def _fwd_and_grad(kernel, lhs, rhs, group_sizes, weights, preferred_element_type=None):
+  def loss(lhs, rhs):
+    out = kernel(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+    return jnp.sum(out.astype(jnp.float32) * weights), out
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(lhs, rhs)[::-1]
+
+
+def _assert_close(actual, expected, rel):
+  actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+  np.testing.assert_allclose(actual, expected, atol=rel * float(np.max(np.abs(expected))), rtol=0)
+
+
+@pytest.mark.parametrize('dtype,preferred', [('float32', None), ('bfloat16', None),
+                                             ('bfloat16', 'float32')])
+@pytest.mark.parametrize('name', CPU_KERNELS)
+def test_strategy_matches_dense(name, dtype, preferred):
+  """Forward and gradients equal the dense reference (bf16 against the f32 reference)."""
+  kernel = get_ragged_dot_kernel(name, on_unsupported='error')
+  lhs, rhs, group_sizes, weights = _inputs(getattr(jnp, dtype), name, dtype, preferred)
+  pet = None if preferred is None else getattr(jnp, preferred)
+  out, grads = _fwd_and_grad(kernel, lhs, rhs, group_sizes, weights, pet)
+  assert out.dtype == (pet or lhs.dtype)
+  ref_out, ref_grads = _fwd_and_grad(DenseRaggedDot(), lhs.astype(jnp.float32),
+                                     rhs.astype(jnp.float32), group_sizes, weights)
+  assert not np.any(np.asarray(ref_out)[sum(GROUP_SIZES):])  # rows past the groups are zeros
+  rel = 1e-5 if dtype == 'float32' else 2e-2
+  _assert_close(out, ref_out, rel)
+  for grad, ref_grad in zip(grads, ref_grads):
+    _assert_close(grad, ref_grad, 2 * rel)
+
+
+def test_dense_reference_matches_numpy():
+  """The dense reference itself: each row times its own expert's matrix, float64 NumPy."""
+  lhs, rhs, group_sizes, _ = _inputs(jnp.float32, 'numpy')
+  expected = np.zeros((M, N))
+  start = 0
+  for g, size in enumerate(GROUP_SIZES):
+    expected[start:start + size] = np.asarray(lhs, np.float64)[start:start + size] @ np.asarray(
+        rhs[g], np.float64)
+    start += size
+  np.testing.assert_allclose(DenseRaggedDot()(lhs, rhs, group_sizes), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize('name', GPU_ONLY)
+def test_gpu_only_strategies_refuse_cpu_or_fall_back(name, caplog):
+  """On CPU: 'error' raises naming the platform; 'fallback' equals lax and warns once."""
+  if jax.default_backend() != 'cpu':
+    pytest.skip('checks the CPU behaviour')
+  reset_warnings()
+  lhs, rhs, group_sizes, _ = _inputs(jnp.float32, name)
+  with pytest.raises(KernelUnsupportedError, match=f"ragged_dot_impl '{name}'.*platform 'cpu'"):
+    get_ragged_dot_kernel(name, on_unsupported='error')(lhs, rhs, group_sizes)
+  kernel = get_ragged_dot_kernel(name)
+  with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
+    out = kernel(lhs, rhs, group_sizes)
+    kernel(lhs, rhs, group_sizes)
+  np.testing.assert_array_equal(out, get_ragged_dot_kernel('lax')(lhs, rhs, group_sizes))
+  assert len(caplog.records) == 1 and "with 'lax' instead" in caplog.records[0].getMessage()
+
+
+def test_mixed_dtypes_follow_the_declaration(caplog):
+  """tokamax declares lhs/rhs of one dtype: mixed ones raise or fall back to lax."""
+  reset_warnings()
+  lhs, rhs, group_sizes, _ = _inputs(jnp.float32, 'mixed')
+  lhs = lhs.astype(jnp.bfloat16)
+  with pytest.raises(KernelUnsupportedError, match='lhs dtype bfloat16 != rhs dtype float32'):
+    get_ragged_dot_kernel('tokamax_xla', on_unsupported='error')(lhs, rhs, group_sizes)
+  with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
+    out = get_ragged_dot_kernel('tokamax_xla')(lhs, rhs, group_sizes)
+  np.testing.assert_array_equal(out, get_ragged_dot_kernel('lax')(lhs, rhs, group_sizes))
+  assert 'lhs dtype' in caplog.records[0].getMessage()
+
+
+def test_backend_not_implemented_follows_the_policy():
+  """A backend's NotImplementedError while tracing is an unsupported call."""
+
+  class Refusing(RaggedDotKernel):
+    @property
+    def capabilities(self):
+      return get_ragged_dot_kernel('lax').capabilities
+
+    def compute(self, *args, **kwargs):
+      raise NotImplementedError('no tiling for this K')
+
+  lhs, rhs, group_sizes, _ = _inputs(jnp.float32, 'refusing')
+  with pytest.raises(KernelUnsupportedError, match='no tiling for this K'):
+    Refusing(name='refusing', on_unsupported='error')(lhs, rhs, group_sizes)
+  np.testing.assert_array_equal(Refusing(name='refusing')(lhs, rhs, group_sizes),
+                                get_ragged_dot_kernel('lax')(lhs, rhs, group_sizes))
+
+
+def test_tokamax_default_order_reports_what_it_skipped(caplog):
+  """On CPU the default tokamax order ends at XLA, and says so."""
+  if jax.default_backend() != 'cpu':
+    pytest.skip('checks the CPU behaviour')
+  reset_warnings()
+  lhs, rhs, group_sizes, _ = _inputs(jnp.float32, 'order')
+  with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
+    get_ragged_dot_kernel('tokamax')(lhs, rhs, group_sizes)
+  message = caplog.records[0].getMessage()
+  assert 'triton' in message and "using tokamax 'xla'" in message
+
+
+def test_names_policies_and_declarations():
+  """Unknown names list the known ones; every registered strategy declares capabilities."""
+  with pytest.raises(ValueError, match="Unknown ragged_dot_impl 'megablox'.*dense.*lax.*tokamax"):
+    get_ragged_dot_kernel('megablox')
+  with pytest.raises(ValueError, match='on_unsupported must be one of'):
+    get_ragged_dot_kernel('lax', on_unsupported='silently')
+  for name, factory in RAGGED_DOT_IMPLEMENTATIONS.items():
+    kernel = factory()
+    assert kernel.name == name and isinstance(kernel.capabilities, RaggedDotCapabilities)
+
+
+def test_kernels_check_script_runs_here():
+  """The GPU check script imports and runs on CPU: everything is ok or refused, nothing fails."""
+  kernels_check = pytest.importorskip('benchmarks.kernels_check')
+  rows = kernels_check.check_ragged_dot(quick=True)
+  assert {row[0] for row in rows} == set(RAGGED_DOT_IMPLEMENTATIONS)
+  assert {row[3] for row in rows} <= {'ok', 'refused'}
+  assert all(row[3] == 'ok' for row in rows if row[0] in ('lax', 'dense', 'tokamax_xla'))
