@@ -43,6 +43,11 @@ class ExamplesIterDataset(grain.IterDataset):
                                       self.describe)
     return self.iterator
 
+  def __getstate__(self):  # worker processes get the dataset, not the live iterator
+    state = self.__dict__.copy()
+    state['iterator'] = None
+    return state
+
   def __str__(self) -> str:
     return f'ExamplesIterDataset(seq_len={self.seq_len}, overlong={self.overlong})'
 

@@ -106,6 +106,16 @@ class Pipeline:
   def __next__(self) -> dict[str, np.ndarray]:
     return next(self._iterator)
 
+  def close(self) -> None:
+    """Stop worker processes and prefetch threads (also on ``with make_pipeline(...)``)."""
+    self._iterator.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc_info):
+    self.close()
+
   def get_state(self) -> dict:
     """The position in the data, as a JSON-serialisable dict."""
     return {'version': _STATE_VERSION, 'pipeline': dict(self._fingerprint),
@@ -236,6 +246,9 @@ def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = 
   pad = (tokenizer.pad_id if tokenizer is not None else None) or 0
   batches = rows.batch(batch_size, drop_remainder=True).map(packing.ToBatch(pad))
   if config.worker_count:
+    from absl import flags
+    if not flags.FLAGS.is_parsed():  # grain's worker code reads absl flags; use their defaults
+      flags.FLAGS.mark_as_parsed()
     batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.worker_count))
   fingerprint = {'config': config.to_dict(), 'batch_size': batch_size, 'seq_len': seq_len,
                  'seed': seed, 'shard_index': shard_index, 'shard_count': shard_count,
