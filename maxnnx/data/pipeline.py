@@ -174,7 +174,8 @@ def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = 
     tokenizer: a tokenizer object or a path for :func:`load_tokenizer`; default
       ``config.tokenizer``. Needed for text; optional for synthetic and
       pre-tokenized data (then no BOS/EOS are added).
-    batch_size: rows per batch on this process.
+    batch_size: rows per batch on this process (a finite pipeline drops its last,
+      partial batch).
     seq_len: tokens per row.
     seed: seed of document order, packing order and synthetic data.
     shard_index, shard_count: this process reads documents
