@@ -12,6 +12,11 @@ An example longer than ``seq_len`` is handled by the ``overlong`` policy:
 pieces share no pair), ``'truncate'`` keeps the first piece, ``'drop'`` skips
 it, ``'error'`` raises. :class:`ExamplesIterDataset` counts every case; the
 counts are part of its checkpointable state.
+
+grain's ``FirstFitPackIterDataset`` / ``BestFitPackIterDataset`` (checked in the
+tests) emit, per packed feature ``f``, ``f``, ``f_segment_ids`` (1, 2, ... per
+example in the row, 0 on padding) and ``f_positions`` (0.. within each example,
+0 on padding); :class:`ToBatch` renames them to the batch contract.
 """
 
 from __future__ import annotations
