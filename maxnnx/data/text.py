@@ -11,6 +11,8 @@ import os
 import numpy as np
 import sentencepiece as spm
 
+from maxnnx.data.tokenizer import SentencePieceTokenizer  # noqa: F401  (its old home)
+
 DEFAULT_CORPUS = os.path.join(os.path.dirname(__file__), 'corpus', 'tinyshakespeare.txt')
 
 
@@ -55,34 +57,6 @@ def _train(text_path: str, model_prefix: str, vocab_size: int) -> None:
       normalization_rule_name='identity', remove_extra_whitespaces=False,
       user_defined_symbols=['\n'], allow_whitespace_only_pieces=True,
       max_sentence_length=1 << 16)
-
-
-class SentencePieceTokenizer:
-  """A sentencepiece ``.model`` file: ``encode(text) -> ids``, ``decode(ids) -> text``."""
-
-  def __init__(self, model_path: str):
-    if not os.path.isfile(model_path):
-      raise FileNotFoundError(f'{model_path}: no such sentencepiece model.')
-    self.path = model_path
-    self.processor = spm.SentencePieceProcessor(model_file=model_path)
-
-  @property
-  def vocab_size(self) -> int:
-    return self.processor.get_piece_size()
-
-  @property
-  def bos_id(self) -> int:
-    return self.processor.bos_id()
-
-  @property
-  def eos_id(self) -> int:
-    return self.processor.eos_id()
-
-  def encode(self, text: str) -> list[int]:
-    return self.processor.encode(text)
-
-  def decode(self, ids) -> str:
-    return self.processor.decode([int(i) for i in ids])
 
 
 class TokenWindows:

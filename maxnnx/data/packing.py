@@ -1,0 +1,178 @@
+"""From token documents to fixed-shape rows: examples, the overlong policy, packing.
+
+A document of ``n`` token ids (BOS/EOS included) becomes one *example* of
+``n - 1`` (input, target) pairs: ``inputs = ids[:-1]``, ``targets = ids[1:]``.
+Packing puts whole examples side by side in a row of ``seq_len``, so no target
+ever belongs to another document and every non-padding target counts; each
+example is a segment (1, 2, ... in its row; 0 is padding) with positions
+restarting at 0.
+
+An example longer than ``seq_len`` is handled by the ``overlong`` policy:
+``'split'`` cuts it into ``seq_len``-long pieces (no target is lost: the
+pieces share no pair), ``'truncate'`` keeps the first piece, ``'drop'`` skips
+it, ``'error'`` raises. :class:`ExamplesIterDataset` counts every case; the
+counts are part of its checkpointable state.
+
+grain's ``FirstFitPackIterDataset`` / ``BestFitPackIterDataset`` (checked in the
+tests) emit, per packed feature ``f``, ``f``, ``f_segment_ids`` (1, 2, ... per
+example in the row, 0 on padding) and ``f_positions`` (0.. within each example,
+0 on padding); :class:`ToBatch` renames them to the batch contract.
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+COUNTS = ('documents', 'empty_skipped', 'overlong', 'overlong_split_pieces',
+          'overlong_truncated', 'overlong_dropped', 'targets_dropped')
+
+
+class ExamplesIterDataset(grain.IterDataset):
+  """Token documents -> ``{'inputs', 'targets'}`` examples of at most ``seq_len`` pairs.
+
+  The parent yields dicts with ``ids`` (int32 ``[n]``) and ``where`` (a tuple
+  that ``describe(*where)`` turns into the document's name, for errors).
+  Documents with fewer than two ids have no target and are skipped (counted as
+  ``empty_skipped``).
+  """
+
+  def __init__(self, parent: grain.IterDataset, *, seq_len: int, overlong: str,
+               describe=lambda *where: f'document {where}'):
+    super().__init__(parent)
+    self.seq_len, self.overlong, self.describe = seq_len, overlong, describe
+    self.iterator: _ExamplesIterator | None = None  # the latest one, for its counts
+
+  def __iter__(self):
+    self.iterator = _ExamplesIterator(self._parent.__iter__(), self.seq_len, self.overlong,
+                                      self.describe)
+    return self.iterator
+
+  def __getstate__(self):  # worker processes get the dataset, not the live iterator
+    state = self.__dict__.copy()
+    state['iterator'] = None
+    return state
+
+  def __str__(self) -> str:
+    return f'ExamplesIterDataset(seq_len={self.seq_len}, overlong={self.overlong})'
+
+
+class _ExamplesIterator(grain.DatasetIterator):
+  """Yields the pieces of one document at a time; resumable mid-document."""
+
+  def __init__(self, parent, seq_len: int, overlong: str, describe):
+    super().__init__(parent)
+    self.seq_len, self.overlong, self.describe = seq_len, overlong, describe
+    self.counts = dict.fromkeys(COUNTS, 0)
+    self._pieces: list[dict] = []
+    self._next_piece = 0
+    self._resume_piece = 0
+    self._doc_state = None  # parent state before the current document
+    self._counts_before: dict = dict(self.counts)
+
+  def __next__(self) -> dict:
+    while self._next_piece >= len(self._pieces):
+      self._doc_state = self._parent.get_state()
+      self._counts_before = dict(self.counts)
+      self._pieces = self._examples(next(self._parent))
+      self._next_piece, self._resume_piece = self._resume_piece, 0
+    piece = self._pieces[self._next_piece]
+    self._next_piece += 1
+    return piece
+
+  def _examples(self, doc: dict) -> list[dict]:
+    ids = doc['ids']
+    self.counts['documents'] += 1
+    if len(ids) < 2:
+      self.counts['empty_skipped'] += 1
+      return []
+    inputs, targets = ids[:-1], ids[1:]
+    length = len(targets)
+    if length <= self.seq_len:
+      return [{'inputs': inputs, 'targets': targets}]
+    self.counts['overlong'] += 1
+    if self.overlong == 'error':
+      raise ValueError(
+          f"{self.describe(*doc['where'])}: the document has {length + 1} tokens "
+          f"({length} targets), more than seq_len={self.seq_len}. Set DataConfig.overlong "
+          "to 'split', 'truncate' or 'drop', or raise seq_len.")
+    if self.overlong == 'drop':
+      self.counts['overlong_dropped'] += 1
+      self.counts['targets_dropped'] += length
+      return []
+    if self.overlong == 'truncate':
+      self.counts['overlong_truncated'] += 1
+      self.counts['targets_dropped'] += length - self.seq_len
+      return [{'inputs': inputs[:self.seq_len], 'targets': targets[:self.seq_len]}]
+    starts = range(0, length, self.seq_len)
+    self.counts['overlong_split_pieces'] += len(starts)
+    return [{'inputs': inputs[s:s + self.seq_len], 'targets': targets[s:s + self.seq_len]}
+            for s in starts]
+
+  def get_state(self) -> dict:
+    if self._next_piece < len(self._pieces):  # inside a split document
+      return {'parent': self._doc_state, 'piece': self._next_piece,
+              'counts': dict(self._counts_before)}
+    return {'parent': self._parent.get_state(), 'piece': self._resume_piece,
+            'counts': dict(self.counts)}
+
+  def set_state(self, state: dict) -> None:
+    self._parent.set_state(state['parent'])
+    self.counts = dict(state['counts'])
+    self._pieces, self._next_piece, self._resume_piece = [], 0, state['piece']
+
+
+def pad_example(example: dict, seq_len: int) -> dict:
+  """One example alone in a row: ids padded with 0, segment 1, positions 0.. (no packing)."""
+  length = len(example['inputs'])
+  row = {}
+  for key in ('inputs', 'targets'):
+    row[key] = np.zeros(seq_len, np.int32)
+    row[key][:length] = example[key]
+  row['inputs_segment_ids'] = (np.arange(seq_len) < length).astype(np.int32)
+  row['inputs_positions'] = np.where(row['inputs_segment_ids'] == 1,
+                                     np.arange(seq_len, dtype=np.int32), 0).astype(np.int32)
+  return row
+
+
+def pack(examples: grain.IterDataset, *, mode: str, seq_len: int, bins: int, seed: int,
+         shuffle: bool) -> grain.IterDataset:
+  """Rows ``{'inputs', 'targets', 'inputs_segment_ids', 'inputs_positions'}`` of ``seq_len``.
+
+  ``mode`` is ``'first_fit'`` / ``'best_fit'`` (grain's packers, ``bins`` rows
+  at a time, rows shuffled when ``shuffle``) or ``'none'`` (one example per row).
+  """
+  if mode == 'none':
+    return examples.map(_PadExample(seq_len))
+  packer = {'first_fit': grain.experimental.FirstFitPackIterDataset,
+            'best_fit': grain.experimental.BestFitPackIterDataset}[mode]
+  return packer(examples, length_struct={'inputs': seq_len, 'targets': seq_len},
+                num_packing_bins=bins, seed=seed, shuffle_bins=shuffle)
+
+
+class _PadExample(grain.transforms.Map):
+  """Picklable ``pad_example`` for grain workers."""
+
+  def __init__(self, seq_len: int):
+    self.seq_len = seq_len
+
+  def map(self, element: dict) -> dict:
+    return pad_example(element, self.seq_len)
+
+
+class ToBatch(grain.transforms.Map):
+  """Packed rows (batched) -> the batch contract of :func:`maxnnx.data.make_pipeline`."""
+
+  def __init__(self, pad_id: int):
+    self.pad_id = pad_id
+
+  def map(self, rows: dict) -> dict:
+    segment_ids = np.asarray(rows['inputs_segment_ids'], np.int32)
+    real = segment_ids != 0
+    return {
+        'inputs': np.where(real, rows['inputs'], self.pad_id).astype(np.int32),
+        'targets': np.where(real, rows['targets'], self.pad_id).astype(np.int32),
+        'segment_ids': segment_ids,
+        'positions': np.where(real, rows['inputs_positions'], 0).astype(np.int32),
+        'loss_mask': real.astype(np.float32),
+    }
