@@ -1,6 +1,15 @@
-"""Shared test fixtures: paths of the committed Hugging Face reference checkpoints."""
+"""Shared test fixtures: paths of the committed Hugging Face reference checkpoints.
+
+The suite runs with 8 simulated CPU devices so the parallelism tests can build
+real meshes; single-device tests ask for ``MeshConfig(data=1)`` or never touch
+a mesh (plain computations run on the first device).
+"""
 
 import os
+
+if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_force_host_platform_device_count=8').strip()
 import shutil
 
 import pytest
