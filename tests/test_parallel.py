@@ -1,0 +1,114 @@
+"""Every parallelism gives the losses of one device (8 simulated CPU devices).
+
+Each case trains the same model from the same initial parameters on the same
+batches for a few steps in float32 and compares per-step losses with a
+single-device run, to a relative 1e-4 (the issue's bar; the observed gap is
+around 1e-6, summation order only).
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import maxnnx
+from maxnnx.config import MeshConfig
+from maxnnx.data import TokenWindows
+from maxnnx.train import TrainConfig, Trainer, TrainingError
+
+STEPS, BATCH, SEQ = 3, 8, 32
+
+
+def _model_config(**changes):
+  # Mixed sliding/full layers exercise per-layer windows through every stack layout.
+  return maxnnx.get_preset('tiny', scan_layers=True, sliding_window=8,
+                           layer_types=('sliding', 'full', 'sliding', 'full')).replace(**changes)
+
+
+def _losses(mesh: MeshConfig, model_config=None, **train) -> np.ndarray:
+  model_config = model_config or _model_config()
+  config = TrainConfig(steps=STEPS, global_batch_size=BATCH, seq_len=SEQ, learning_rate=1e-2,
+                       warmup_steps=0, log_every=STEPS, mesh=mesh, **train)
+  data = TokenWindows(np.tile(np.arange(48), 100), SEQ, BATCH, seed=1)  # learnable
+  trainer = Trainer(model_config, config, data=data)
+  history = trainer.fit(log=lambda line: None)
+  return np.array([m['loss'] for m in history])
+
+
+@pytest.fixture(scope='module')
+def reference():
+  assert jax.device_count() >= 8, 'conftest sets 8 simulated devices'
+  return _losses(MeshConfig(data=1))
+
+
+MESHES = {
+    'dp': MeshConfig(data=8),
+    'fsdp_tp': MeshConfig(fsdp=4, tensor=2),
+    'dp_fsdp_tp': MeshConfig(data=2, fsdp=2, tensor=2),
+    'tp_sequence_parallel': MeshConfig(data=2, tensor=4, sequence_parallel=True),
+    'cp': MeshConfig(data=2, context=4),
+    'cp_unbalanced': MeshConfig(data=2, context=4, context_load_balance=False),
+    'pp': MeshConfig(data=2, stage=4),
+    'pp_fsdp_tp_microbatches': MeshConfig(stage=2, fsdp=2, tensor=2, pipeline_microbatches=4),
+}
+
+
+SLOW = {'cp_unbalanced', 'tp_sequence_parallel', 'dp'}
+
+
+@pytest.mark.parametrize('name', [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+                                  for n in sorted(MESHES)])
+def test_parallel_losses_match_one_device(reference, name):
+  losses = _losses(MESHES[name])
+  np.testing.assert_allclose(losses, reference, rtol=1e-4)
+  assert losses[-1] < losses[0]  # it trains
+
+
+def test_grad_accumulation_equals_the_large_batch(reference):
+  np.testing.assert_allclose(_losses(MeshConfig(data=1), grad_accum_steps=4), reference,
+                             rtol=1e-5)
+
+
+def test_remat_policies_change_memory_not_numbers(reference):
+  for policy in ('full', 'save_dot_except_mlp'):
+    losses = _losses(MeshConfig(data=1), _model_config(remat_policy=policy))
+    np.testing.assert_allclose(losses, reference, rtol=1e-6, err_msg=policy)
+
+
+def test_sharded_parameters_follow_the_logical_rules():
+  """FSDP+TP: kernels split over fsdp (embed) and tensor (heads/mlp); norms replicated."""
+  config = TrainConfig(global_batch_size=BATCH, seq_len=SEQ, mesh=MeshConfig(fsdp=4, tensor=2))
+  trainer = Trainer(_model_config(), config)
+  model = trainer.model
+  q = model.layers.attn.q_proj.kernel[...]  # [layers, embed, heads, head_dim]
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, 'fsdp', 'tensor', None)
+  assert q.addressable_shards[0].data.shape == (4, 32, 2, 32)
+  assert model.final_norm.scale[...].sharding.is_fully_replicated
+  assert 'layers.mlp.up_proj.kernel' in trainer.describe_sharding()
+
+
+def test_pipeline_needs_a_scanned_stack_and_divisible_layers():
+  with pytest.raises(ValueError, match='scan_layers=True'):
+    _losses(MeshConfig(stage=2), _model_config(scan_layers=False))
+  with pytest.raises(ValueError, match='divisible'):
+    _losses(MeshConfig(stage=8), _model_config())
+
+
+def test_aot_compile_reports_memory_and_fails_fast_when_too_big():
+  """compile() needs no weights; a config over the per-device limit fails with the overshoot."""
+  config = TrainConfig(global_batch_size=BATCH, seq_len=SEQ, mesh=MeshConfig(fsdp=8))
+  report = Trainer(_model_config(), config).compile(verbose=False)
+  assert 0 < report['argument_bytes'] < report['peak_bytes']
+  tight = TrainConfig(global_batch_size=BATCH, seq_len=SEQ, mesh=MeshConfig(fsdp=8),
+                      memory_limit_gib=report['peak_bytes'] / 2**30 / 2)
+  trainer = Trainer(_model_config(), tight)
+  with pytest.raises(TrainingError, match=r'over by 0\.\d+ GiB'):
+    trainer.compile(verbose=False)
+  assert trainer._state is None  # nothing was allocated
+
+
+def test_an_8b_model_is_refused_before_any_weights_exist():
+  """Llama 3.1 8B with AdamW on 8 CPU 'devices' of this host cannot fit: compile says so."""
+  config = TrainConfig(global_batch_size=8, seq_len=256, mesh=MeshConfig(fsdp=8))
+  trainer = Trainer(maxnnx.get_preset('llama3.1-8b', scan_layers=True), config)
+  with pytest.raises(TrainingError, match='per device'):
+    trainer.compile(verbose=False)
