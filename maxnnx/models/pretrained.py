@@ -21,13 +21,26 @@ from flax import nnx
 from maxnnx.checkpoint.safetensors import SafetensorsError, read_safetensors_dir, write_sharded
 from maxnnx.config import ConfigError, ModelConfig
 from maxnnx.layers.linear import DenseGeneral
-from maxnnx.models import gemma, gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
+from maxnnx.models import (
+  gemma,
+  gemma2,
+  gemma3,
+  llama,
+  mistral,
+  mixtral,
+  olmo2,
+  phi3,
+  qwen2,
+  qwen3,
+  qwen3_moe,
+)
 from maxnnx.models.hf import IGNORED_HF_TENSORS, Family, HFConfig, PretrainedError, load_config_json
 from maxnnx.models.transformer import Transformer, layer_stacks
 
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma.FAMILY,
-                        gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY, olmo2.FAMILY)}
+                        gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY, olmo2.FAMILY,
+                        mixtral.FAMILY, qwen3_moe.FAMILY)}
 
 
 def family_for_model_type(model_type: str, path: str = 'config.json') -> Family:
