@@ -291,6 +291,16 @@ class ModelConfig(_Validated):
     swiglu_limit: GPT-OSS clamped SwiGLU: ``gate <= limit``, ``|up| <= limit``,
       ``out = (up + 1) * gate * sigmoid(swiglu_alpha * gate)``; ``None`` = plain.
     swiglu_alpha: the sigmoid sharpness of the clamped SwiGLU.
+    attention_type: ``mha`` (multi/grouped-query attention) or ``mla``
+      (DeepSeek multi-head latent attention, :class:`maxnnx.layers.mla.MLA`).
+    q_lora_rank: MLA: rank of the query down-projection; ``None`` = full-rank queries.
+    kv_lora_rank: MLA: width of the compressed key/value latent (what the cache holds).
+    qk_nope_head_dim: MLA: per-head query/key width without rotary embedding.
+    qk_rope_head_dim: MLA: per-head query/key width with rotary embedding
+      (the key part is shared by all heads).
+    v_head_dim: MLA: per-head value width.
+    rope_interleave: rotary pairs are adjacent dims ``(x0, x1), (x2, x3)…``
+      rather than the two halves (DeepSeek checkpoints).
   """
 
   family: str = 'llama'
@@ -353,6 +363,13 @@ class ModelConfig(_Validated):
   expert_bias: bool = False
   swiglu_limit: float | None = None
   swiglu_alpha: float = 1.702
+  attention_type: Literal['mha', 'mla'] = 'mha'
+  q_lora_rank: int | None = None
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+  rope_interleave: bool = False
 
   def _validate(self):
     positive = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'mlp_dim',
@@ -381,6 +398,14 @@ class ModelConfig(_Validated):
                         f'({self.rope.partial_rotary_factor} * {self.resolved_head_dim}) '
                         'must be even.')
     self._validate_moe()
+    if self.attention_type == 'mla':
+      for name in ('kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'):
+        if getattr(self, name) <= 0:
+          raise ConfigError(f"ModelConfig.{name} must be > 0 for attention_type='mla'.")
+      if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+        raise ConfigError('ModelConfig.q_lora_rank must be > 0 or None (full-rank queries).')
+      if self.qk_rope_head_dim % 2:
+        raise ConfigError(f'ModelConfig.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even.')
 
   def _validate_moe(self):
     if self.num_experts < 0:
@@ -426,6 +451,11 @@ class ModelConfig(_Validated):
                         'interleaved MoE layers.')
 
   @property
+  def rope_head_dim(self) -> int:
+    """Per-head width the rotary tables are built for (``qk_rope_head_dim`` under MLA)."""
+    return self.qk_rope_head_dim if self.attention_type == 'mla' else self.resolved_head_dim
+
+  @property
   def resolved_moe_mlp_dim(self) -> int:
     """``moe_mlp_dim`` with its default (``mlp_dim``) applied."""
     return self.moe_mlp_dim if self.moe_mlp_dim is not None else self.mlp_dim
@@ -464,6 +494,8 @@ class ModelConfig(_Validated):
     attn = d * hd * (h + 2 * kv) + h * hd * d
     attn += hd * (h + 2 * kv) * self.qkv_bias + d * self.out_bias
     attn += {'none': 0, 'head': 2 * hd, 'projection': hd * (h + kv)}[self.qk_norm]
+    if self.attention_type == 'mla':
+      attn = self._mla_params()
     mlp = d * self.mlp_dim * (3 if self.mlp_gated else 2)
     mlp += (self.mlp_dim * (2 if self.mlp_gated else 1) + d) * self.mlp_bias
     norm = d * (2 if self.norm_type == 'layer' else 1)
@@ -473,6 +505,14 @@ class ModelConfig(_Validated):
     num_moe = sum(self.moe_layers)
     moe_delta = self._moe_params(self.num_experts) - mlp if num_moe else 0
     return self.num_layers * per_layer + num_moe * moe_delta + embed + norm
+
+  def _mla_params(self) -> int:
+    d, h, ql, kvl = self.d_model, self.num_heads, self.q_lora_rank, self.kv_lora_rank
+    qk, rope, v = self.qk_nope_head_dim + self.qk_rope_head_dim, self.qk_rope_head_dim, \
+        self.v_head_dim
+    q = d * h * qk if ql is None else d * ql + ql + ql * h * qk + ql * self.qkv_bias
+    kv = d * (kvl + rope) + (kvl + rope) * self.qkv_bias + kvl + kvl * h * (qk - rope + v)
+    return q + kv + h * v * d + d * self.out_bias
 
   def _moe_params(self, experts: int) -> int:
     """Parameters of one MoE block counting ``experts`` routed experts."""

@@ -6,6 +6,7 @@ from flax import nnx
 from maxnnx.config import ModelConfig
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.attention import Attention
+from maxnnx.layers.mla import MLA
 from maxnnx.layers.mlp import MLP
 from maxnnx.layers.moe import MoE
 from maxnnx.layers.norm_factory import make_norm
@@ -27,7 +28,7 @@ class DecoderBlock(nnx.Module):
       return make_norm(cfg, rngs=rngs) if enabled else None
 
     self.attn_pre_norm = norm(cfg.pre_norm)
-    self.attn = Attention(cfg, rngs=rngs)
+    self.attn = MLA(cfg, rngs=rngs) if cfg.attention_type == 'mla' else Attention(cfg, rngs=rngs)
     self.attn_post_norm = norm(cfg.post_norm)
     self.mlp_pre_norm = norm(cfg.pre_norm)
     self.mlp = MoE(cfg, rngs=rngs) if use_moe else MLP(cfg, rngs=rngs)

@@ -22,6 +22,7 @@ from maxnnx.checkpoint.safetensors import SafetensorsError, read_safetensors_dir
 from maxnnx.config import ConfigError, ModelConfig
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.models import (
+  deepseek,
   gemma,
   gemma2,
   gemma3,
@@ -40,7 +41,7 @@ from maxnnx.models.transformer import Transformer, layer_stacks
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma.FAMILY,
                         gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY, olmo2.FAMILY,
-                        mixtral.FAMILY, qwen3_moe.FAMILY)}
+                        mixtral.FAMILY, qwen3_moe.FAMILY, deepseek.FAMILY)}
 
 
 def family_for_model_type(model_type: str, path: str = 'config.json') -> Family:

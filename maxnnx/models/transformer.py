@@ -83,7 +83,7 @@ class Transformer(nnx.Module):
     self.lm_head = (None if config.tie_word_embeddings else
                     DenseGeneral((config.d_model,), (config.vocab_size,), axes=('embed', 'vocab'),
                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs))
-    head_dim = config.resolved_head_dim
+    head_dim = config.rope_head_dim
     self.rotary = RotaryEmbedding.from_config(config.rope, head_dim,
                                               config.max_position_embeddings)
     self.local_rotary = (RotaryEmbedding.from_config(config.local_rope, head_dim,

@@ -60,7 +60,41 @@ def qwen3_moe() -> Case:
     )
 
 
-MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe)}
+def deepseek_v3() -> Case:
+    # YaRN factor 4 with mscale 1 / mscale_all_dim 0.8: cos/sin are scaled by
+    # mscale(4, 1) / mscale(4, 0.8) and the softmax by mscale(4, 0.8) ** 2. Values are 12 wide,
+    # queries/keys 24 (16 without + 8 with rope), so the kernel needs the padding path.
+    scaling = dict(factor=4.0, original_max_position_embeddings=16, beta_fast=32.0,
+                   beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
+    return Case(
+        config=dict(
+            model_type="deepseek_v3",
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, **scaling),
+        ),
+        legacy=dict(rope_theta=10000.0, rope_scaling=dict(type="yarn", **scaling)),
+        legacy_drop=("head_dim", "qk_head_dim"),
+        weight_scale={"mlp.gate.weight": 4.0},
+    )
+
+
+MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe, deepseek_v3)}
 
 _plain_build = mf.build_model
 
