@@ -81,3 +81,59 @@ FAMILY = Family('deepseek_v3', ('deepseek_v3', 'kimi_k2'), 'DeepseekV3ForCausalL
                           'q_lora_rank': 1536, 'kv_lora_rank': 512, 'qk_nope_head_dim': 128,
                           'qk_rope_head_dim': 64, 'v_head_dim': 128},
                 module_names={'router': 'gate'}, unfuse=unfuse, fuse=fuse)
+
+
+# -- DeepSeek V2 / V2-Lite ---------------------------------------------------------------------
+# Softmax scores; ``topk_method`` ``greedy`` (plain top-k) or ``group_limited_greedy``
+# (a group's score is its best expert's); the top-k weights are never renormalised
+# (transformers ignores ``norm_topk_prob``), only multiplied by ``routed_scaling_factor``.
+# The complex-number rotary form of V2 rotates adjacent pairs, i.e. ``rope_interleave``.
+
+
+def v2_config_from_hf(hf: HFConfig) -> ModelConfig:
+  common = hf.common_fields()
+  common['head_dim'] = None
+  method = hf.get('topk_method', 'greedy')
+  if method not in ('greedy', 'group_limited_greedy'):
+    raise PretrainedError(f"{hf.path}: topk_method '{method}' is not supported "
+                          "(supported: greedy, group_limited_greedy).")
+  groups = dict(router_groups=hf.require('n_group'), router_topk_groups=hf.require('topk_group'),
+                router_group_score='max') if method == 'group_limited_greedy' else {}
+  return ModelConfig(family='deepseek_v2', **common, **{**mla_fields(hf), 'rope_interleave': True},
+                     num_experts=hf.require('n_routed_experts'),
+                     num_experts_per_tok=hf.require('num_experts_per_tok'),
+                     moe_mlp_dim=hf.require('moe_intermediate_size'),
+                     num_shared_experts=hf.get('n_shared_experts', 0),
+                     first_k_dense_layers=hf.get('first_k_dense_replace', 0),
+                     router_norm_topk=False,
+                     router_scaling_factor=float(hf.get('routed_scaling_factor', 1.0)),
+                     router_aux_loss_coef=float(hf.get('aux_loss_alpha', 0.001)), **groups)
+
+
+def v2_config_to_hf(cfg: ModelConfig) -> dict:
+  if (cfg.attention_type != 'mla' or cfg.router_score != 'softmax' or cfg.router_norm_topk
+      or not cfg.rope_interleave or cfg.moe_layer_step != 1):
+    raise PretrainedError('deepseek_v2 export needs attention_type="mla", softmax routing '
+                          'without renormalisation, rope_interleave and moe_layer_step=1.')
+  grouped = cfg.router_groups > 1
+  out = {**common_to_hf(cfg, 'deepseek_v2', 'DeepseekV2ForCausalLM'), **mla_to_hf(cfg)}
+  out.pop('rope_interleave')
+  return {**out, 'n_routed_experts': cfg.num_experts,
+          'num_experts_per_tok': cfg.num_experts_per_tok,
+          'moe_intermediate_size': cfg.resolved_moe_mlp_dim,
+          'n_shared_experts': cfg.num_shared_experts,
+          'first_k_dense_replace': cfg.first_k_dense_layers,
+          'routed_scaling_factor': cfg.router_scaling_factor,
+          'topk_method': 'group_limited_greedy' if grouped else 'greedy',
+          'n_group': cfg.router_groups if grouped else None,
+          'topk_group': cfg.router_topk_groups if grouped else None,
+          'aux_loss_alpha': cfg.router_aux_loss_coef}
+
+
+V2_FAMILY = Family('deepseek_v2', ('deepseek_v2',), 'DeepseekV2ForCausalLM', v2_config_from_hf,
+                   v2_config_to_hf,
+                   defaults={'rms_norm_eps': 1e-6, 'max_position_embeddings': 2048,
+                             'n_shared_experts': 2, 'q_lora_rank': 1536, 'kv_lora_rank': 512,
+                             'qk_nope_head_dim': 128, 'qk_rope_head_dim': 64,
+                             'v_head_dim': 128},
+                   module_names={'router': 'gate'}, unfuse=unfuse, fuse=fuse)

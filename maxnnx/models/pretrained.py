@@ -41,7 +41,8 @@ from maxnnx.models.transformer import Transformer, layer_stacks
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma.FAMILY,
                         gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY, olmo2.FAMILY,
-                        mixtral.FAMILY, qwen3_moe.FAMILY, deepseek.FAMILY)}
+                        mixtral.FAMILY, qwen3_moe.FAMILY, deepseek.FAMILY,
+                        deepseek.V2_FAMILY)}
 
 
 def family_for_model_type(model_type: str, path: str = 'config.json') -> Family:

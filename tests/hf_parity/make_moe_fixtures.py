@@ -94,7 +94,39 @@ def deepseek_v3() -> Case:
     )
 
 
-MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe, deepseek_v3)}
+def deepseek_v2() -> Case:
+    # V2-Lite style: full-rank queries (q_lora_rank null), softmax routing limited to the best
+    # 2 of 4 groups (group score = best expert), no renormalisation, complex-form rotary.
+    scaling = dict(factor=4.0, original_max_position_embeddings=16, beta_fast=32.0,
+                   beta_slow=1.0, mscale=0.707, mscale_all_dim=0.6)
+    return Case(
+        config=dict(
+            model_type="deepseek_v2",
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=20,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, **scaling),
+        ),
+        legacy=dict(rope_theta=10000.0, rope_scaling=dict(type="yarn", **scaling)),
+        legacy_drop=("head_dim", "qk_head_dim"),
+        weight_scale={"mlp.gate.weight": 4.0},
+    )
+
+
+MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe, deepseek_v3, deepseek_v2)}
 
 _plain_build = mf.build_model
 
