@@ -16,7 +16,13 @@ PUBLISHED_BILLIONS = {
     'mixtral-8x22b': (141.0, 39.0),
     'qwen3-30b-a3b': (30.5, 3.3),
     'qwen3-235b-a22b': (235.0, 22.0),
+    'deepseek-v2': (236.0, 21.0),
+    'deepseek-v3': (671.0, 37.0),
+    'kimi-k2': (1026.0, 32.0),  # "1T" on the card; 1.026T in the Hub's safetensors metadata
 }
+
+# Cards that count active parameters without the input embedding table.
+ACTIVE_WITHOUT_INPUT_EMBEDDING = {'kimi-k2'}
 
 
 @pytest.mark.parametrize('name,billions', sorted(PUBLISHED_BILLIONS.items()))
@@ -24,10 +30,20 @@ def test_total_and_active_params_match_published(name, billions):
   cfg = get_preset(name)
   total, active = billions
   assert cfg.num_params() == pytest.approx(total * 1e9, rel=5e-3)
-  assert cfg.num_active_params() == pytest.approx(active * 1e9, rel=2e-2)
+  embedding = cfg.vocab_size * cfg.d_model if name in ACTIVE_WITHOUT_INPUT_EMBEDDING else 0
+  assert cfg.num_active_params() - embedding == pytest.approx(active * 1e9, rel=2e-2)
 
 
-@pytest.mark.parametrize('name', ['tiny-moe', 'qwen3-30b-a3b', 'mixtral-8x7b'])
+def test_deepseek_v2_lite_size():
+  """15.7B total; the card's 2.4B active excludes the input embedding table."""
+  cfg = get_preset('deepseek-v2-lite')
+  assert cfg.num_params() == pytest.approx(15.7e9, rel=5e-3)
+  embedding = cfg.vocab_size * cfg.d_model
+  assert cfg.num_active_params() - embedding == pytest.approx(2.4e9, rel=3e-2)
+
+
+@pytest.mark.parametrize('name', ['tiny-moe', 'qwen3-30b-a3b', 'mixtral-8x7b', 'deepseek-v2-lite',
+                                  'deepseek-v3'])
 def test_num_params_equals_abstract_model_size(name):
   cfg = get_preset(name, scan_layers=True, param_dtype='bfloat16')
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
