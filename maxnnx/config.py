@@ -271,6 +271,45 @@ class ModelConfig(_Validated):
     bos_token_id: beginning-of-sequence id of the model's tokenizer, if any.
     eos_token_id: end-of-sequence id(s); ``generate`` stops at them by default.
     pad_token_id: padding id, if the tokenizer has one.
+    num_experts: Mixture-of-Experts (see :class:`maxnnx.layers.moe.MoE`):
+      routed experts per MoE layer; 0 means a dense model.
+    num_experts_per_tok: experts each token is routed to (top-k).
+    moe_mlp_dim: hidden width of each expert; ``None`` means ``mlp_dim``.
+    num_shared_experts: always-on experts, fused into one MLP of width
+      ``num_shared_experts * moe_mlp_dim`` (DeepSeek).
+    first_k_dense_layers: the first layers use the dense MLP (DeepSeek).
+    moe_layer_step: after those, every ``moe_layer_step``-th layer is MoE
+      (layer ``i`` is MoE iff ``(i - first_k_dense_layers) % moe_layer_step == 0``).
+    router_score: ``softmax`` or ``sigmoid`` (DeepSeek V3) expert scores.
+    router_norm_topk: renormalise the top-k weights to sum to 1.
+    router_scaling_factor: multiplier of the routed output (``routed_scaling_factor``).
+    router_groups: experts are split into this many groups (``n_group``).
+    router_topk_groups: only experts of the best groups are eligible (``topk_group``).
+    router_group_score: group score: its best expert (``max``, DeepSeek V2) or
+      the sum of its best two (``top2_sum``, DeepSeek V3).
+    router_score_bias: aux-loss-free load balancing: a per-expert bias added to
+      the scores for choosing experts only (``e_score_correction_bias``).
+    router_bias: bias on the router projection (GPT-OSS).
+    router_aux_loss_coef: weight of the load-balancing loss in training.
+    router_z_loss_coef: weight of the router z-loss in training.
+    moe_dispatch: ``dropless`` (sort by expert + ragged dot) or ``capacity``
+      (fixed per-expert buffers; overflowing assignments are dropped).
+    capacity_factor: ``capacity`` dispatch: buffer size per expert is
+      ``ceil(capacity_factor * tokens * top_k / num_experts)``.
+    expert_bias: biases in the expert projections (GPT-OSS).
+    swiglu_limit: GPT-OSS clamped SwiGLU: ``gate <= limit``, ``|up| <= limit``,
+      ``out = (up + 1) * gate * sigmoid(swiglu_alpha * gate)``; ``None`` = plain.
+    swiglu_alpha: the sigmoid sharpness of the clamped SwiGLU.
+    attention_type: ``mha`` (multi/grouped-query attention) or ``mla``
+      (DeepSeek multi-head latent attention, :class:`maxnnx.layers.mla.MLA`).
+    q_lora_rank: MLA: rank of the query down-projection; ``None`` = full-rank queries.
+    kv_lora_rank: MLA: width of the compressed key/value latent (what the cache holds).
+    qk_nope_head_dim: MLA: per-head query/key width without rotary embedding.
+    qk_rope_head_dim: MLA: per-head query/key width with rotary embedding
+      (the key part is shared by all heads).
+    v_head_dim: MLA: per-head value width.
+    rope_interleave: rotary pairs are adjacent dims ``(x0, x1), (x2, x3)…``
+      rather than the two halves (DeepSeek checkpoints).
   """
 
   family: str = 'llama'
@@ -315,6 +354,34 @@ class ModelConfig(_Validated):
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
+  num_experts: int = 0
+  num_experts_per_tok: int = 2
+  moe_mlp_dim: int | None = None
+  num_shared_experts: int = 0
+  first_k_dense_layers: int = 0
+  moe_layer_step: int = 1
+  router_score: Literal['softmax', 'sigmoid'] = 'softmax'
+  router_norm_topk: bool = True
+  router_scaling_factor: float = 1.0
+  router_groups: int = 1
+  router_topk_groups: int = 1
+  router_group_score: Literal['max', 'top2_sum'] = 'max'
+  router_score_bias: bool = False
+  router_bias: bool = False
+  router_aux_loss_coef: float = 0.0
+  router_z_loss_coef: float = 0.0
+  moe_dispatch: Literal['dropless', 'capacity'] = 'dropless'
+  capacity_factor: float = 1.25
+  expert_bias: bool = False
+  swiglu_limit: float | None = None
+  swiglu_alpha: float = 1.702
+  attention_type: Literal['mha', 'mla'] = 'mha'
+  q_lora_rank: int | None = None
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+  rope_interleave: bool = False
 
   def _validate(self):
     positive = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'mlp_dim',
@@ -342,6 +409,75 @@ class ModelConfig(_Validated):
       raise ConfigError('ModelConfig: the rotated part of head_dim '
                         f'({self.rope.partial_rotary_factor} * {self.resolved_head_dim}) '
                         'must be even.')
+    self._validate_moe()
+    if self.attention_type == 'mla':
+      for name in ('kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'):
+        if getattr(self, name) <= 0:
+          raise ConfigError(f"ModelConfig.{name} must be > 0 for attention_type='mla'.")
+      if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+        raise ConfigError('ModelConfig.q_lora_rank must be > 0 or None (full-rank queries).')
+      if self.qk_rope_head_dim % 2:
+        raise ConfigError(f'ModelConfig.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even.')
+
+  def _validate_moe(self):
+    if self.num_experts < 0:
+      raise ConfigError(f'ModelConfig.num_experts must be >= 0 (0 = dense), '
+                        f'got {self.num_experts}.')
+    if not self.num_experts:
+      return
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
+      raise ConfigError(f'ModelConfig.num_experts_per_tok must be in [1, num_experts='
+                        f'{self.num_experts}], got {self.num_experts_per_tok}.')
+    if self.moe_mlp_dim is not None and self.moe_mlp_dim <= 0:
+      raise ConfigError(f'ModelConfig.moe_mlp_dim must be > 0, got {self.moe_mlp_dim}.')
+    if self.num_shared_experts < 0 or self.first_k_dense_layers < 0 or self.moe_layer_step < 1:
+      raise ConfigError('ModelConfig: need num_shared_experts >= 0, first_k_dense_layers >= 0 '
+                        f'and moe_layer_step >= 1, got {self.num_shared_experts}, '
+                        f'{self.first_k_dense_layers}, {self.moe_layer_step}.')
+    if self.first_k_dense_layers >= self.num_layers:
+      raise ConfigError(f'ModelConfig.first_k_dense_layers ({self.first_k_dense_layers}) leaves '
+                        f'no MoE layer of num_layers={self.num_layers}; set num_experts=0 for '
+                        'a dense model.')
+    if self.num_experts % self.router_groups:
+      raise ConfigError(f'ModelConfig.num_experts ({self.num_experts}) must be a multiple of '
+                        f'router_groups ({self.router_groups}).')
+    if not 1 <= self.router_topk_groups <= self.router_groups:
+      raise ConfigError(f'ModelConfig.router_topk_groups must be in [1, router_groups='
+                        f'{self.router_groups}], got {self.router_topk_groups}.')
+    per_group = self.num_experts // self.router_groups
+    if self.router_topk_groups * per_group < self.num_experts_per_tok:
+      raise ConfigError(f'ModelConfig: router_topk_groups={self.router_topk_groups} groups of '
+                        f'{per_group} experts cannot supply num_experts_per_tok='
+                        f'{self.num_experts_per_tok}.')
+    if self.router_group_score == 'top2_sum' and self.router_groups > 1 and per_group < 2:
+      raise ConfigError("ModelConfig.router_group_score='top2_sum' needs >= 2 experts per group.")
+    if self.capacity_factor <= 0:
+      raise ConfigError(f'ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}.')
+    if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+      raise ConfigError(f'ModelConfig.swiglu_limit must be > 0, got {self.swiglu_limit}.')
+    if not self.mlp_gated:
+      raise ConfigError('ModelConfig: MoE experts are gated (SwiGLU/GeGLU); set mlp_gated=True.')
+    if self.scan_layers and self.moe_layer_step > 1:
+      raise ConfigError('ModelConfig: scan_layers=True needs moe_layer_step=1 (dense layers only '
+                        'as a first_k_dense_layers prefix); use scan_layers=False for '
+                        'interleaved MoE layers.')
+
+  @property
+  def rope_head_dim(self) -> int:
+    """Per-head width the rotary tables are built for (``qk_rope_head_dim`` under MLA)."""
+    return self.qk_rope_head_dim if self.attention_type == 'mla' else self.resolved_head_dim
+
+  @property
+  def resolved_moe_mlp_dim(self) -> int:
+    """``moe_mlp_dim`` with its default (``mlp_dim``) applied."""
+    return self.moe_mlp_dim if self.moe_mlp_dim is not None else self.mlp_dim
+
+  @property
+  def moe_layers(self) -> tuple[bool, ...]:
+    """For every layer, whether its feed-forward block is a Mixture-of-Experts."""
+    k, step = self.first_k_dense_layers, self.moe_layer_step
+    return tuple(self.num_experts > 0 and i >= k and (i - k) % step == 0
+                 for i in range(self.num_layers))
 
   @property
   def resolved_head_dim(self) -> int:
@@ -370,13 +506,39 @@ class ModelConfig(_Validated):
     attn = d * hd * (h + 2 * kv) + h * hd * d
     attn += hd * (h + 2 * kv) * self.qkv_bias + d * self.out_bias
     attn += {'none': 0, 'head': 2 * hd, 'projection': hd * (h + kv)}[self.qk_norm]
+    if self.attention_type == 'mla':
+      attn = self._mla_params()
     mlp = d * self.mlp_dim * (3 if self.mlp_gated else 2)
     mlp += (self.mlp_dim * (2 if self.mlp_gated else 1) + d) * self.mlp_bias
     norm = d * (2 if self.norm_type == 'layer' else 1)
     norms = norm * 2 * (int(self.pre_norm) + int(self.post_norm))
     per_layer = attn + mlp + norms
     embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-    return self.num_layers * per_layer + embed + norm
+    num_moe = sum(self.moe_layers)
+    moe_delta = self._moe_params(self.num_experts) - mlp if num_moe else 0
+    return self.num_layers * per_layer + num_moe * moe_delta + embed + norm
+
+  def _mla_params(self) -> int:
+    d, h, ql, kvl = self.d_model, self.num_heads, self.q_lora_rank, self.kv_lora_rank
+    qk, rope, v = self.qk_nope_head_dim + self.qk_rope_head_dim, self.qk_rope_head_dim, \
+        self.v_head_dim
+    q = d * h * qk if ql is None else d * ql + ql + ql * h * qk + ql * self.qkv_bias
+    kv = d * (kvl + rope) + (kvl + rope) * self.qkv_bias + kvl + kvl * h * (qk - rope + v)
+    return q + kv + h * v * d + d * self.out_bias
+
+  def _moe_params(self, experts: int) -> int:
+    """Parameters of one MoE block counting ``experts`` routed experts."""
+    d, f, e = self.d_model, self.resolved_moe_mlp_dim, self.num_experts
+    router = d * e + e * (int(self.router_bias) + int(self.router_score_bias))
+    routed = experts * (3 * d * f + (2 * f + d) * self.expert_bias)
+    shared = 3 * d * f * self.num_shared_experts
+    return router + routed + shared
+
+  def num_active_params(self) -> int:
+    """Parameters used per token: :meth:`num_params` counting only the top-k
+    routed experts of each MoE layer (embeddings counted in full)."""
+    inactive = self._moe_params(self.num_experts) - self._moe_params(self.num_experts_per_tok)
+    return self.num_params() - sum(self.moe_layers) * inactive
 
 
 def resolve_dtype(name: str):

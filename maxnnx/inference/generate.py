@@ -69,7 +69,7 @@ def _left_pad(prompts, prompt_lengths, pad_id: int):
 def _prefill(graphdef, params, cache, ids, segments, positions):
   model = nnx.merge(graphdef, params, cache)
   logits = model(ids, segment_ids=segments, positions=positions, decode=True)
-  return logits[:, -1], nnx.state(model, nnx.Cache)
+  return logits[:, -1], nnx.state(model, nnx.Not(nnx.Param))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(8,))
@@ -93,7 +93,7 @@ def _decode(graphdef, end_step, temperature, top_k, top_p, params, tokens, done,
     model = nnx.merge(graphdef, params, cache)
     new_logits = model(token[:, None], segment_ids=jnp.ones((batch, 1), jnp.int32),
                        positions=(next_positions + step)[:, None], decode=True)
-    return step + 1, tokens, done, nnx.state(model, nnx.Cache), new_logits[:, -1], key
+    return step + 1, tokens, done, nnx.state(model, nnx.Not(nnx.Param)), new_logits[:, -1], key
 
   carry = (start_step, tokens, done, cache, logits, key)
   _, tokens, done, cache, logits, key = jax.lax.while_loop(cond, body, carry)
@@ -160,7 +160,8 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
   batch, width = ids.shape
   work = nnx.merge(*nnx.split(model))  # a working copy: the cache is not added to `model`
   work.init_cache(batch, width + max_new_tokens)
-  graphdef, params, cache = nnx.split(work, nnx.Param, nnx.Cache)
+  # `cache` holds every non-parameter: KV caches, and MoE routing statistics if any.
+  graphdef, params, cache = nnx.split(work, nnx.Param, ...)
   logits, cache = _prefill(graphdef, params, cache, ids, segments, positions)
   tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
   done = jnp.zeros((batch,), bool)

@@ -6,7 +6,9 @@ from flax import nnx
 from maxnnx.config import ModelConfig
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.attention import Attention
+from maxnnx.layers.mla import MLA
 from maxnnx.layers.mlp import MLP
+from maxnnx.layers.moe import MoE
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.sharding import constrain
 
@@ -18,17 +20,18 @@ class DecoderBlock(nnx.Module):
 
   ``cfg.pre_norm`` and ``cfg.post_norm`` choose which norms exist: Llama-style
   blocks have only pre-norms, Gemma 2/3 both, OLMo 2 only post-norms.
+  ``use_moe`` replaces the MLP by a :class:`~maxnnx.layers.moe.MoE` (same name, ``mlp``).
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, use_moe: bool = False):
     def norm(enabled):
       return make_norm(cfg, rngs=rngs) if enabled else None
 
     self.attn_pre_norm = norm(cfg.pre_norm)
-    self.attn = Attention(cfg, rngs=rngs)
+    self.attn = MLA(cfg, rngs=rngs) if cfg.attention_type == 'mla' else Attention(cfg, rngs=rngs)
     self.attn_post_norm = norm(cfg.post_norm)
     self.mlp_pre_norm = norm(cfg.pre_norm)
-    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp = MoE(cfg, rngs=rngs) if use_moe else MLP(cfg, rngs=rngs)
     self.mlp_post_norm = norm(cfg.post_norm)
 
   def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask, *,

@@ -21,13 +21,28 @@ from flax import nnx
 from maxnnx.checkpoint.safetensors import SafetensorsError, read_safetensors_dir, write_sharded
 from maxnnx.config import ConfigError, ModelConfig
 from maxnnx.layers.linear import DenseGeneral
-from maxnnx.models import gemma, gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
+from maxnnx.models import (
+  deepseek,
+  gemma,
+  gemma2,
+  gemma3,
+  llama,
+  mistral,
+  mixtral,
+  olmo2,
+  phi3,
+  qwen2,
+  qwen3,
+  qwen3_moe,
+)
 from maxnnx.models.hf import IGNORED_HF_TENSORS, Family, HFConfig, PretrainedError, load_config_json
-from maxnnx.models.transformer import Transformer
+from maxnnx.models.transformer import Transformer, layer_stacks
 
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma.FAMILY,
-                        gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY, olmo2.FAMILY)}
+                        gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY, olmo2.FAMILY,
+                        mixtral.FAMILY, qwen3_moe.FAMILY, deepseek.FAMILY,
+                        deepseek.V2_FAMILY)}
 
 
 def family_for_model_type(model_type: str, path: str = 'config.json') -> Family:
@@ -147,8 +162,20 @@ def _module_key(path: tuple) -> tuple:
 
 def _kernel_input_dims(model) -> dict[tuple, int]:
   """How many leading kernel dims are inputs, per DenseGeneral module."""
-  return {tuple(p for p in path if not isinstance(p, int)): len(node.in_shape)
+  return {_stack_as_layers(tuple(p for p in path if not isinstance(p, int))): len(node.in_shape)
           for path, node in nnx.iter_graph(model) if isinstance(node, DenseGeneral)}
+
+
+def _stack_as_layers(key: tuple) -> tuple:
+  """Scanned ``dense_layers`` hold HF ``layers`` too (see ``layer_stacks``)."""
+  return ('layers', *key[1:]) if key[:1] == ('dense_layers',) else key
+
+
+def _stacks(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+  """Scanned stack attribute -> (first layer, number of layers)."""
+  if not cfg.scan_layers:
+    return {}
+  return {name: (start, count) for name, start, count, _ in layer_stacks(cfg)}
 
 
 def _hf_to_ours(array: np.ndarray, shape: tuple, n_in: int | None, name: str,
@@ -176,25 +203,27 @@ def _ours_to_hf(array: np.ndarray, n_in: int | None, leaf: str) -> np.ndarray:
 
 def _unscanned_param_shapes(abstract_state, cfg: ModelConfig) -> dict[tuple, tuple]:
   """Shape of every parameter, with stacked layers listed per layer index."""
-  shapes = {}
+  shapes, stacks = {}, _stacks(cfg)
   for path, var in nnx.to_flat_state(abstract_state):
     if not isinstance(var, nnx.Param):
       continue
-    if cfg.scan_layers and path[0] == 'layers':
-      for i in range(cfg.num_layers):
-        shapes[(path[0], i, *path[1:])] = tuple(var.shape[1:])
+    if path[0] in stacks:
+      start, count = stacks[path[0]]
+      for i in range(start, start + count):
+        shapes[('layers', i, *path[1:])] = tuple(var.shape[1:])
     else:
       shapes[tuple(path)] = tuple(var.shape)
   return shapes
 
 
 def _unscanned_param_values(state, cfg: ModelConfig) -> dict[tuple, np.ndarray]:
-  values = {}
+  values, stacks = {}, _stacks(cfg)
   for path, var in nnx.to_flat_state(state):
     array = np.asarray(jax.device_get(var[...]))
-    if cfg.scan_layers and path[0] == 'layers':
-      for i in range(cfg.num_layers):
-        values[(path[0], i, *path[1:])] = array[i]
+    if path[0] in stacks:
+      start, count = stacks[path[0]]
+      for i in range(count):
+        values[('layers', start + i, *path[1:])] = array[i]
     else:
       values[tuple(path)] = array
   return values
@@ -202,10 +231,14 @@ def _unscanned_param_values(state, cfg: ModelConfig) -> dict[tuple, np.ndarray]:
 
 def _to_model_layout(values: dict[tuple, np.ndarray], abstract_state, cfg: ModelConfig, convert):
   """Fill ``abstract_state`` from per-layer ``values`` (stacking if scanned)."""
-  flat = []
+  flat, stacks = [], _stacks(cfg)
   for path, var in nnx.to_flat_state(abstract_state):
-    if cfg.scan_layers and path[0] == 'layers':
-      array = np.stack([values[(path[0], i, *path[1:])] for i in range(cfg.num_layers)])
+    if not isinstance(var, nnx.Param):  # e.g. MoE routing statistics: start at zero
+      flat.append((path, var.replace(jnp.zeros(var.shape, var.dtype))))
+      continue
+    if path[0] in stacks:
+      start, count = stacks[path[0]]
+      array = np.stack([values[('layers', i, *path[1:])] for i in range(start, start + count)])
     else:
       array = values[tuple(path)]
     flat.append((path, var.replace(convert(array))))

@@ -19,6 +19,7 @@ from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions
 from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock
 from maxnnx.layers.embedding import Embed
 from maxnnx.layers.linear import DenseGeneral
+from maxnnx.layers.moe import MoeAux
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.remat import remat
 from maxnnx.layers.rope import RotaryEmbedding
@@ -27,13 +28,26 @@ from maxnnx.sharding import constrain, mesh_axis_size, pipeline_microbatches
 _NO_WINDOW = np.iinfo(np.int32).max
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderBlock:
+def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
+  """``(attribute, first layer, num layers, use_moe)`` of each scanned stack.
+
+  One ``layers`` stack, except for MoE models with dense first layers
+  (``first_k_dense_layers``): those form a second stack, ``dense_layers``.
+  """
+  n, k = cfg.num_layers, cfg.first_k_dense_layers if cfg.num_experts else 0
+  if k:
+    return (('dense_layers', 0, k, False), ('layers', k, n - k, True))
+  return (('layers', 0, n, cfg.num_experts > 0),)
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, num_layers: int | None = None,
+                    use_moe: bool = False) -> DecoderBlock:
   """One DecoderBlock whose every variable has a leading ``layers`` axis."""
 
-  @nnx.split_rngs(splits=cfg.num_layers)
+  @nnx.split_rngs(splits=num_layers or cfg.num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
   def create(rngs):
-    return DecoderBlock(cfg, rngs=rngs)
+    return DecoderBlock(cfg, rngs=rngs, use_moe=use_moe)
 
   return create(rngs)
 
@@ -59,15 +73,18 @@ class Transformer(nnx.Module):
     dtype, param_dtype = config.jnp_dtype(), config.jnp_dtype('param_dtype')
     self.embed = Embed(config.vocab_size, config.d_model, init_std=config.initializer_range,
                        dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.dense_layers = nnx.data(None)  # the first_k_dense_layers stack when scanned
     if config.scan_layers:
-      self.layers = _stacked_blocks(config, rngs)
+      for name, _, count, use_moe in layer_stacks(config):
+        setattr(self, name, _stacked_blocks(config, rngs, count, use_moe))
     else:
-      self.layers = nnx.List([DecoderBlock(config, rngs=rngs) for _ in range(config.num_layers)])
+      self.layers = nnx.List([DecoderBlock(config, rngs=rngs, use_moe=m)
+                              for m in config.moe_layers])
     self.final_norm = make_norm(config, rngs=rngs)
     self.lm_head = (None if config.tie_word_embeddings else
                     DenseGeneral((config.d_model,), (config.vocab_size,), axes=('embed', 'vocab'),
                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs))
-    head_dim = config.resolved_head_dim
+    head_dim = config.rope_head_dim
     self.rotary = RotaryEmbedding.from_config(config.rope, head_dim,
                                               config.max_position_embeddings)
     self.local_rotary = (RotaryEmbedding.from_config(config.local_rope, head_dim,
@@ -85,7 +102,8 @@ class Transformer(nnx.Module):
     if self.config.scan_layers:
       stacked = nnx.vmap(lambda block: block.attn.init_cache(batch, max_length, dtype),
                          in_axes=0, out_axes=0)
-      stacked(self.layers)
+      for name, *_ in layer_stacks(self.config):
+        stacked(getattr(self, name))
     else:
       for block in self.layers:
         block.attn.init_cache(batch, max_length, dtype)
@@ -170,14 +188,28 @@ class Transformer(nnx.Module):
     graphdef, state = nnx.split(block)
 
     def run(state, x, cos_sin, mask, window):
-      return nnx.merge(graphdef, state)(x, cos_sin, mask, sliding_window=window)
+      block = nnx.merge(graphdef, state)
+      return block(x, cos_sin, mask, sliding_window=window), nnx.state(block, MoeAux)
 
-    return remat(run, self.config.remat_policy)(state, x_BTD, cos_sin, mask, window)
+    x_BTD, aux = remat(run, self.config.remat_policy)(state, x_BTD, cos_sin, mask, window)
+    nnx.update(block, aux)  # MoE routing statistics computed inside the remat
+    return x_BTD
 
-  def _layer_scan(self, layers, x_BTD, cos_sin, mask, cache_index, is_sliding_L):
-    """Run stacked ``layers`` (leading axis = layers) over ``x`` with ``lax.scan``."""
+  def _scan_layers(self, x_BTD, cos_sin, mask, cache_index):
+    for name, start, count, _ in layer_stacks(self.config):
+      types = self.config.resolved_layer_types[start:start + count]
+      x_BTD = self._scan_stack(getattr(self, name), types, x_BTD, cos_sin, mask, cache_index)
+    return x_BTD
+
+  def _scan_stack(self, layers, layer_types, x_BTD, cos_sin, mask, cache_index,
+                  is_sliding_L=None):
+    """Run stacked ``layers`` (leading axis = layers) over ``x`` with ``lax.scan``.
+
+    ``is_sliding_L`` may be traced (a pipeline stage's share of the layers).
+    """
     cfg = self.config
-    layer_types = cfg.resolved_layer_types
+    if is_sliding_L is None:
+      is_sliding_L = jnp.asarray([t == 'sliding' for t in layer_types])
     mixed = len(set(layer_types)) > 1
     static_window = cfg.sliding_window if layer_types[0] == 'sliding' else None
     graphdef, state = nnx.split(layers)
@@ -192,17 +224,10 @@ class Transformer(nnx.Module):
       else:
         window, layer_cos_sin = static_window, cos_sin[layer_types[0]]
       x = self._apply_block(block, x, layer_cos_sin, mask, window, cache_index)
-      return x, nnx.state(block, nnx.Cache)
+      return x, nnx.state(block, (nnx.Cache, MoeAux))
 
-    x_BTD, cache_state = jax.lax.scan(body, x_BTD, (state, is_sliding_L))
-    return x_BTD, cache_state
-
-  def _scan_layers(self, x_BTD, cos_sin, mask, cache_index):
-    is_sliding_L = jnp.asarray([t == 'sliding' for t in self.config.resolved_layer_types])
-    x_BTD, cache_state = self._layer_scan(self.layers, x_BTD, cos_sin, mask, cache_index,
-                                          is_sliding_L)
-    if cache_index is not None:
-      nnx.update(self.layers, cache_state)
+    x_BTD, carried_state = jax.lax.scan(body, x_BTD, (state, is_sliding_L))
+    nnx.update(layers, carried_state)  # KV caches and MoE routing statistics
     return x_BTD
 
   def _pipeline_layers(self, x_BTD, segment_ids_BT, positions_BT, stages: int):
@@ -220,6 +245,10 @@ class Transformer(nnx.Module):
     if num_layers % stages or batch % micro:
       raise ValueError(f'Pipeline: num_layers ({num_layers}) must be divisible by the stages '
                        f'({stages}) and the batch ({batch}) by the micro-batches ({micro}).')
+    if len(layer_stacks(cfg)) > 1:
+      raise ValueError('Pipeline parallelism needs one uniform layer stack; this model has a '
+                       'separate dense prefix (first_k_dense_layers). Use fsdp/tensor/expert '
+                       'parallelism instead of mesh.stage.')
     per_stage = num_layers // stages
     graphdef, state = nnx.split(self.layers)
     stage_axes = ('activation_stage',)
@@ -233,8 +262,8 @@ class Transformer(nnx.Module):
     def run_stage(stage_state, is_sliding_L, x, seg, pos):
       layers = nnx.merge(graphdef, stage_state)
       mask = AttentionMask.causal(seg, pos)
-      x, _ = self._layer_scan(layers, x, self._cos_sin(pos), mask, None, is_sliding_L)
-      return x
+      return self._scan_stack(layers, cfg.resolved_layer_types, x, self._cos_sin(pos), mask,
+                              None, is_sliding_L)
 
     run_stages = jax.vmap(run_stage, spmd_axis_name='stage')
     buffer_axes = stage_axes + RESIDUAL_AXES

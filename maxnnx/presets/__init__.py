@@ -13,7 +13,19 @@ from collections.abc import Callable
 from typing import Any
 
 from maxnnx.config import ConfigError, ModelConfig
-from maxnnx.presets import gemma, gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
+from maxnnx.presets import (
+  deepseek,
+  gemma,
+  gemma2,
+  gemma3,
+  llama,
+  mistral,
+  moe,
+  olmo2,
+  phi3,
+  qwen2,
+  qwen3,
+)
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     'tiny': llama.tiny,
@@ -51,6 +63,15 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     'qwen3-32b': qwen3.qwen3_32b,
     'phi3-mini': phi3.phi3_mini,
     'olmo2-7b': olmo2.olmo2_7b,
+    'tiny-moe': moe.tiny_moe,
+    'mixtral-8x7b': moe.mixtral_8x7b,
+    'mixtral-8x22b': moe.mixtral_8x22b,
+    'qwen3-30b-a3b': moe.qwen3_30b_a3b,
+    'qwen3-235b-a22b': moe.qwen3_235b_a22b,
+    'deepseek-v2-lite': deepseek.deepseek_v2_lite,
+    'deepseek-v2': deepseek.deepseek_v2,
+    'deepseek-v3': deepseek.deepseek_v3,
+    'kimi-k2': deepseek.kimi_k2,
 }
 
 

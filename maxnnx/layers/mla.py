@@ -1,0 +1,153 @@
+"""Multi-head latent attention (DeepSeek V2/V3) with a compressed KV cache.
+
+Keys and values are rebuilt from one small latent per token:
+``c = norm(x · W_kv_a)[:kv_lora_rank]`` (shared by all heads), plus one shared
+rotary key part ``k_rope`` of ``qk_rope_head_dim``. Per head,
+``[k_nope, v] = c · W_kv_b`` and ``k = [k_nope, k_rope]``. Queries are optionally
+low-rank too (``q_lora_rank``): ``q = norm(x · W_q_a) · W_q_b``; only their last
+``qk_rope_head_dim`` dims are rotated.
+
+When decoding, the cache holds ``c`` and the rotated ``k_rope``
+(``kv_lora_rank + qk_rope_head_dim`` numbers per token instead of
+``2 * heads * head_dim``); full keys and values are rebuilt from it each step.
+Any attention kernel works: values are zero-padded to the query/key width when
+narrower (and sliced back), so the kernel sees one head width.
+
+With YaRN scaling and ``mscale_all_dim``, the softmax scale is multiplied by
+``mscale(factor, mscale_all_dim) ** 2`` as DeepSeek does (unless
+``cfg.query_scale`` is given explicitly).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxnnx.config import ModelConfig
+from maxnnx.kernels.attention import get_attention_kernel
+from maxnnx.kernels.masks import AttentionMask
+from maxnnx.layers.attention import KV_AXES, OUT_AXES, Q_AXES
+from maxnnx.layers.linear import DenseGeneral
+from maxnnx.layers.norms import RMSNorm
+from maxnnx.layers.rope import apply_rope
+from maxnnx.sharding import constrain
+
+# DeepSeek's low-rank norms use this epsilon whatever the model's norm_eps is.
+LORA_NORM_EPS = 1e-6
+
+
+def mla_query_scale(cfg: ModelConfig) -> float:
+  """Softmax scale of MLA: ``qk_head_dim ** -0.5``, times the YaRN ``mscale ** 2``."""
+  if cfg.query_scale is not None:
+    return cfg.query_scale
+  scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+  rope = cfg.rope
+  if rope.scaling == 'yarn' and rope.mscale_all_dim:
+    factor = rope.factor or cfg.max_position_embeddings / rope.original_max_position_embeddings
+    if factor > 1:
+      scale *= (0.1 * rope.mscale_all_dim * math.log(factor) + 1.0) ** 2
+  return scale
+
+
+def deinterleave(x: jax.Array) -> jax.Array:
+  """``(x0, x1, x2, x3…)`` -> ``(x0, x2…, x1, x3…)``: interleaved rotary pairs to halves."""
+  return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+class MLA(nnx.Module):
+  """Multi-head latent attention; same call signature as :class:`~maxnnx.layers.Attention`.
+
+  Attributes:
+    q_proj: ``[d_model] -> [heads, qk_head_dim]`` (when ``q_lora_rank`` is None).
+    q_a_proj, q_a_layernorm, q_b_proj: low-rank queries (when ``q_lora_rank`` is set).
+    kv_a_proj_with_mqa: ``[d_model] -> [kv_lora_rank + qk_rope_head_dim]``.
+    kv_a_layernorm: RMSNorm of the latent.
+    kv_b_proj: ``[kv_lora_rank] -> [heads, qk_nope_head_dim + v_head_dim]``.
+    o_proj: ``[heads, v_head_dim] -> [d_model]``.
+    kernel: the attention strategy (``cfg.attention_impl``).
+    cache_latent, cache_k_rope: ``nnx.Cache`` ``[B, S, kv_lora_rank]`` and
+      ``[B, S, qk_rope_head_dim]`` after :meth:`init_cache`.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, h = cfg.d_model, cfg.num_heads
+    self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    self.kv_lora_rank = cfg.kv_lora_rank
+    qk = self.nope + self.rope
+    dense = dict(dtype=cfg.jnp_dtype(), param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
+    norm = dict(eps=LORA_NORM_EPS, dtype=cfg.jnp_dtype(),
+                param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
+    if cfg.q_lora_rank is None:
+      self.q_proj = DenseGeneral((d,), (h, qk), axes=('embed', 'heads', 'head_dim'), **dense)
+      self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+    else:
+      r = cfg.q_lora_rank
+      self.q_proj = None
+      self.q_a_proj = DenseGeneral((d,), (r,), axes=('embed', 'q_lora'), use_bias=cfg.qkv_bias,
+                                   **dense)
+      self.q_a_layernorm = RMSNorm(r, axes=('q_lora',), **norm)
+      self.q_b_proj = DenseGeneral((r,), (h, qk), axes=('q_lora', 'heads', 'head_dim'), **dense)
+    self.kv_a_proj_with_mqa = DenseGeneral((d,), (self.kv_lora_rank + self.rope,),
+                                           axes=('embed', 'kv_lora'), use_bias=cfg.qkv_bias,
+                                           **dense)
+    self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, axes=('kv_lora',), **norm)
+    self.kv_b_proj = DenseGeneral((self.kv_lora_rank,), (h, self.nope + self.v_dim),
+                                  axes=('kv_lora', 'heads', 'head_dim'), **dense)
+    self.o_proj = DenseGeneral((h, self.v_dim), (d,), axes=('heads', 'head_dim', 'embed'),
+                               use_bias=cfg.out_bias, **dense)
+    self.kernel = get_attention_kernel(cfg.attention_impl)
+    self.scale = mla_query_scale(cfg)
+    self.softcap = cfg.attn_logit_softcap
+    self.interleaved = cfg.rope_interleave
+    self.cache_latent = nnx.data(None)
+    self.cache_k_rope = nnx.data(None)
+
+  def init_cache(self, batch: int, max_length: int, dtype) -> None:
+    """Allocate an empty compressed cache (latent + rotated key part)."""
+    self.cache_latent = nnx.Cache(jnp.zeros((batch, max_length, self.kv_lora_rank), dtype))
+    self.cache_k_rope = nnx.Cache(jnp.zeros((batch, max_length, self.rope), dtype))
+
+  def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
+               mask: AttentionMask, *, sliding_window: int | jax.Array | None = None,
+               cache_index: jax.Array | None = None) -> jax.Array:
+    """Attention output ``[B, T, d_model]`` (see :class:`~maxnnx.layers.Attention`)."""
+    if self.q_proj is not None:
+      q_BTNQ = self.q_proj(x_BTD)
+    else:
+      q_BTNQ = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+    q_nope, q_rot = q_BTNQ[..., :self.nope], q_BTNQ[..., self.nope:]
+    kv_a_BTC = self.kv_a_proj_with_mqa(x_BTD)
+    latent_BTL = self.kv_a_layernorm(kv_a_BTC[..., :self.kv_lora_rank])
+    k_rot_BT1R = kv_a_BTC[..., None, self.kv_lora_rank:]
+    if self.interleaved:
+      q_rot, k_rot_BT1R = deinterleave(q_rot), deinterleave(k_rot_BT1R)
+    q_rot = apply_rope(q_rot, *cos_sin)
+    k_rot_BT1R = apply_rope(k_rot_BT1R, *cos_sin)
+    if cache_index is not None:
+      if self.cache_latent is None:
+        raise ValueError('Decoding needs a KV cache: call model.init_cache(batch, max_length).')
+      self.cache_latent[...] = jax.lax.dynamic_update_slice(
+          self.cache_latent[...], latent_BTL.astype(self.cache_latent.dtype), (0, cache_index, 0))
+      self.cache_k_rope[...] = jax.lax.dynamic_update_slice(
+          self.cache_k_rope[...], k_rot_BT1R[:, :, 0].astype(self.cache_k_rope.dtype),
+          (0, cache_index, 0))
+      latent_BTL = self.cache_latent[...].astype(x_BTD.dtype)
+      k_rot_BT1R = self.cache_k_rope[...][:, :, None].astype(x_BTD.dtype)
+    kv_BSNX = self.kv_b_proj(latent_BTL)
+    k_nope, v_BSNV = kv_BSNX[..., :self.nope], kv_BSNX[..., self.nope:]
+    k_rot_BSNR = jnp.broadcast_to(k_rot_BT1R, k_nope.shape[:3] + (self.rope,))
+    k_BSNQ = jnp.concatenate([k_nope, k_rot_BSNR.astype(k_nope.dtype)], axis=-1)
+    q_BTNQ = jnp.concatenate([q_nope, q_rot.astype(q_nope.dtype)], axis=-1)
+    width = max(self.nope + self.rope, self.v_dim)  # kernels take one head width
+
+    def pad(a):
+      return jnp.pad(a, [(0, 0)] * 3 + [(0, width - a.shape[-1])]) if a.shape[-1] < width else a
+
+    q_BTNQ, k_BSNQ, v_BSNQ = pad(q_BTNQ), pad(k_BSNQ), pad(v_BSNV)
+    q_BTNQ = constrain(q_BTNQ, Q_AXES)
+    k_BSNQ, v_BSNQ = constrain(k_BSNQ, KV_AXES), constrain(v_BSNQ, KV_AXES)
+    out = self.kernel(q_BTNQ, k_BSNQ, v_BSNQ, mask, scale=self.scale, softcap=self.softcap,
+                      sliding_window=sliding_window)
+    out_BTNV = constrain(out[..., :self.v_dim], Q_AXES)
+    return constrain(self.o_proj(out_BTNV), OUT_AXES)

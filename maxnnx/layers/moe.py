@@ -1,0 +1,333 @@
+"""Mixture-of-Experts feed-forward block: a router, routed SwiGLU experts, shared experts.
+
+One module covers Mixtral, Qwen3-MoE, DeepSeek V2/V3 and GPT-OSS; they differ
+only in :class:`~maxnnx.config.ModelConfig` fields (``router_*``, ``expert_bias``,
+``swiglu_limit``, ``num_shared_experts``…).
+
+Routing (:func:`route`): scores are a softmax or a sigmoid of the router
+logits (float32); an optional per-expert bias (aux-loss-free balancing) shifts
+the scores used for *choosing* experts but not the weights; group-limited
+routing first keeps the best ``router_topk_groups`` of ``router_groups`` expert
+groups; the top-k weights are optionally renormalised, then scaled.
+
+Dispatch, chosen by ``moe_dispatch``:
+
+* ``dropless``: the ``tokens * k`` assignments are sorted by expert and run as
+  grouped matmuls (``ragged_dot_impl`` kernel), then unsorted. No token is dropped.
+* ``capacity``: every expert gets a buffer of
+  ``ceil(capacity_factor * tokens * k / num_experts)`` slots, filled first
+  choices first; assignments that overflow are dropped (their weight is lost).
+  Static shapes, plain batched matmuls.
+
+Auxiliary outputs: every forward pass overwrites three :class:`MoeAux`
+variables on the module (``tokens_per_expert [E]``, ``load_balance_loss``,
+``router_z_loss``); in a scanned stack they carry a leading ``layers`` axis.
+Read them after the forward pass inside the loss function with
+:func:`moe_aux_losses` (differentiable) or :func:`moe_stats`, and update the
+aux-loss-free bias after the optimizer step with :func:`update_router_bias`.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maxnnx.config import ModelConfig
+from maxnnx.kernels.ragged_dot import get_ragged_dot_kernel
+from maxnnx.layers.linear import DenseGeneral
+from maxnnx.layers.mlp import ACTIVATIONS, MLP
+from maxnnx.layers.params import logical_param
+from maxnnx.sharding import constrain
+
+EXPERT_AXES = ('activation_expert', None, 'activation_embed')
+EXPERT_HIDDEN_AXES = ('activation_expert', None, 'activation_mlp')
+
+
+class MoeAux(nnx.Variable):
+  """Routing statistics and auxiliary losses of the last forward pass.
+
+  Not parameters (optimizers built with ``wrt=nnx.Param`` skip them) and not
+  saved by ``save_pretrained``; overwritten on every call.
+  """
+
+
+class RouterBias(nnx.Param):
+  """The aux-loss-free balancing bias (``e_score_correction_bias``).
+
+  A ``Param`` subclass so checkpoints load and save it, but it has no gradient
+  (it only decides which experts are chosen): exclude it from the optimizer
+  with ``wrt=nnx.All(nnx.Param, nnx.Not(RouterBias))`` and change it with
+  :func:`update_router_bias`.
+  """
+
+
+class Router(DenseGeneral):
+  """``[d_model] -> [num_experts]`` logits in float32, plus the optional balancing bias.
+
+  Attributes:
+    kernel: ``[d_model, num_experts]``.
+    bias: ``[num_experts]`` projection bias (GPT-OSS) or ``None``.
+    e_score_correction_bias: :class:`RouterBias` ``[num_experts]`` or ``None``.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    super().__init__((cfg.d_model,), (cfg.num_experts,), axes=('embed', None),
+                     use_bias=cfg.router_bias, dtype=jnp.float32,
+                     param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
+    self.e_score_correction_bias = (
+        RouterBias(jnp.zeros((cfg.num_experts,), jnp.float32), out_sharding=(None,),
+                   eager_sharding=False) if cfg.router_score_bias else None)
+
+
+class Experts(nnx.Module):
+  """``num_experts`` gated MLPs with stacked weights (logical axis ``expert`` first).
+
+  Attributes:
+    gate_proj, up_proj: ``[experts, d_model, moe_mlp_dim]``.
+    down_proj: ``[experts, moe_mlp_dim, d_model]``.
+    gate_bias, up_bias: ``[experts, moe_mlp_dim]`` (``expert_bias`` only).
+    down_bias: ``[experts, d_model]`` (``expert_bias`` only).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    e, d, f = cfg.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
+    dtype = cfg.jnp_dtype('param_dtype')
+
+    def param(shape, axes, fan_in):
+      init = nnx.initializers.normal(fan_in**-0.5) if fan_in else nnx.initializers.zeros
+      return logical_param(init, rngs.params(), shape, dtype, axes)
+
+    self.gate_proj = param((e, d, f), ('expert', 'embed', 'mlp'), d)
+    self.up_proj = param((e, d, f), ('expert', 'embed', 'mlp'), d)
+    self.down_proj = param((e, f, d), ('expert', 'mlp', 'embed'), f)
+    if cfg.expert_bias:
+      self.gate_bias = param((e, f), ('expert', 'mlp'), 0)
+      self.up_bias = param((e, f), ('expert', 'mlp'), 0)
+      self.down_bias = param((e, d), ('expert', 'embed'), 0)
+    else:
+      self.gate_bias = self.up_bias = self.down_bias = None
+
+
+def route(logits_NE: jax.Array, cfg: ModelConfig, score_bias_E: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Choose ``num_experts_per_tok`` experts per token.
+
+  Returns:
+    ``(weights_NK, experts_NK, scores_NE)``: float32 weights of the chosen
+    experts, their int32 ids, and every expert's score (for the balancing loss).
+  """
+  logits_NE = logits_NE.astype(jnp.float32)
+  num_tokens, num_experts = logits_NE.shape
+  if cfg.router_score == 'softmax':
+    scores_NE = jax.nn.softmax(logits_NE, axis=-1)
+  else:
+    scores_NE = jax.nn.sigmoid(logits_NE)
+  choice_NE = scores_NE if score_bias_E is None else scores_NE + score_bias_E.astype(jnp.float32)
+  if cfg.router_groups > 1:
+    groups = cfg.router_groups
+    grouped_NGX = choice_NE.reshape(num_tokens, groups, num_experts // groups)
+    if cfg.router_group_score == 'max':
+      group_scores_NG = grouped_NGX.max(axis=-1)
+    else:
+      group_scores_NG = jax.lax.top_k(grouped_NGX, 2)[0].sum(axis=-1)
+    _, best_groups_NT = jax.lax.top_k(group_scores_NG, cfg.router_topk_groups)
+    keep_NG = jnp.any(best_groups_NT[..., None] == jnp.arange(groups), axis=-2)
+    keep_NE = jnp.repeat(keep_NG, num_experts // groups, axis=-1)
+    choice_NE = jnp.where(keep_NE, choice_NE, -jnp.inf)
+  _, experts_NK = jax.lax.top_k(choice_NE, cfg.num_experts_per_tok)
+  weights_NK = jnp.take_along_axis(scores_NE, experts_NK, axis=-1)
+  if cfg.router_norm_topk:
+    weights_NK = weights_NK / (weights_NK.sum(axis=-1, keepdims=True) + 1e-20)
+  return weights_NK * cfg.router_scaling_factor, experts_NK.astype(jnp.int32), scores_NE
+
+
+def capacity(num_tokens: int, cfg: ModelConfig) -> int:
+  """Slots per expert of ``capacity`` dispatch for ``num_tokens`` tokens."""
+  return max(1, math.ceil(cfg.capacity_factor * num_tokens * cfg.num_experts_per_tok
+                          / cfg.num_experts))
+
+
+class MoE(nnx.Module):
+  """Routed experts (top-k of ``num_experts``) plus optional shared experts.
+
+  Attributes:
+    router: :class:`Router`.
+    experts: :class:`Experts` (stacked expert weights).
+    shared_experts: an :class:`~maxnnx.layers.mlp.MLP` of width
+      ``num_shared_experts * moe_mlp_dim`` applied to every token, or ``None``.
+    ragged_dot: the grouped-matmul kernel (``cfg.ragged_dot_impl``), shown in treescope.
+    tokens_per_expert, load_balance_loss, router_z_loss: :class:`MoeAux` of the
+      last call (assignments per expert ``[E]``; the two scalar losses).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.router = Router(cfg, rngs=rngs)
+    self.experts = Experts(cfg, rngs=rngs)
+    shared_dim = cfg.num_shared_experts * cfg.resolved_moe_mlp_dim
+    self.shared_experts = (MLP(cfg.replace(mlp_dim=shared_dim, mlp_bias=False), rngs=rngs)
+                           if shared_dim else None)
+    self.ragged_dot = get_ragged_dot_kernel(cfg.ragged_dot_impl)
+    self.tokens_per_expert = MoeAux(jnp.zeros((cfg.num_experts,), jnp.float32))
+    self.load_balance_loss = MoeAux(jnp.zeros((), jnp.float32))
+    self.router_z_loss = MoeAux(jnp.zeros((), jnp.float32))
+
+  def _glu(self, gate, up):
+    cfg = self.cfg
+    if cfg.swiglu_limit is None:
+      return ACTIVATIONS[cfg.mlp_activation](gate) * up
+    limit = cfg.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(cfg.swiglu_alpha * gate)
+
+  def _dropless(self, x_ND, weights_NK, experts_NK):
+    """Sort assignments by expert, grouped matmuls, unsort, weighted sum."""
+    num_tokens, k = experts_NK.shape
+    dtype, ex = self.cfg.jnp_dtype(), self.experts
+    experts_M = experts_NK.reshape(-1)
+    order_M = jnp.argsort(experts_M, stable=True)
+    sorted_experts_M = experts_M[order_M]
+    x_MD = x_ND[order_M // k].astype(dtype)
+    group_sizes_E = jnp.bincount(experts_M, length=self.cfg.num_experts).astype(jnp.int32)
+
+    def grouped(lhs, rhs):
+      return self.ragged_dot(lhs, rhs[...].astype(dtype), group_sizes_E,
+                             preferred_element_type=jnp.float32)
+
+    gate_MF, up_MF = grouped(x_MD, ex.gate_proj), grouped(x_MD, ex.up_proj)
+    if ex.gate_bias is not None:
+      gate_MF = gate_MF + ex.gate_bias[...][sorted_experts_M].astype(jnp.float32)
+      up_MF = up_MF + ex.up_bias[...][sorted_experts_M].astype(jnp.float32)
+    h_MF = self._glu(gate_MF, up_MF).astype(dtype)
+    y_MD = grouped(h_MF, ex.down_proj)
+    if ex.down_bias is not None:
+      y_MD = y_MD + ex.down_bias[...][sorted_experts_M].astype(jnp.float32)
+    y_NKD = y_MD[jnp.argsort(order_M)].reshape(num_tokens, k, -1)
+    return jnp.einsum('nkd,nk->nd', y_NKD, weights_NK), group_sizes_E
+
+  def _capacity(self, x_ND, weights_NK, experts_NK):
+    """Fixed per-expert buffers (first choices first); overflow is dropped."""
+    num_tokens, k = experts_NK.shape
+    num_experts, dtype, ex = self.cfg.num_experts, self.cfg.jnp_dtype(), self.experts
+    slots = capacity(num_tokens, self.cfg)
+    experts_M = experts_NK.T.reshape(-1)            # choice-major: all first choices first
+    tokens_M = jnp.tile(jnp.arange(num_tokens), k)
+    weights_M = weights_NK.T.reshape(-1)
+    group_sizes_E = jnp.bincount(experts_M, length=num_experts)
+    order_M = jnp.argsort(experts_M, stable=True)
+    starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+    slot_sorted_M = jnp.arange(experts_M.shape[0]) - starts_E[experts_M[order_M]]
+    slot_M = jnp.zeros_like(slot_sorted_M).at[order_M].set(slot_sorted_M)
+    kept_M = slot_M < slots
+    slot_M = jnp.where(kept_M, slot_M, slots)       # out of range: dropped by the scatter
+    buffer_ECD = jnp.zeros((num_experts, slots, x_ND.shape[-1]), dtype)
+    buffer_ECD = buffer_ECD.at[experts_M, slot_M].set(x_ND[tokens_M].astype(dtype), mode='drop')
+    buffer_ECD = constrain(buffer_ECD, EXPERT_AXES)
+
+    def batched(lhs, rhs):
+      return jnp.einsum('ecd,edf->ecf', lhs, rhs[...].astype(dtype),
+                        preferred_element_type=jnp.float32)
+
+    gate_ECF, up_ECF = batched(buffer_ECD, ex.gate_proj), batched(buffer_ECD, ex.up_proj)
+    if ex.gate_bias is not None:
+      gate_ECF = gate_ECF + ex.gate_bias[...][:, None].astype(jnp.float32)
+      up_ECF = up_ECF + ex.up_bias[...][:, None].astype(jnp.float32)
+    h_ECF = constrain(self._glu(gate_ECF, up_ECF).astype(dtype), EXPERT_HIDDEN_AXES)
+    y_ECD = batched(h_ECF, ex.down_proj)
+    if ex.down_bias is not None:
+      y_ECD = y_ECD + ex.down_bias[...][:, None].astype(jnp.float32)
+    y_MD = y_ECD[experts_M, jnp.minimum(slot_M, slots - 1)]
+    y_MD = y_MD * jnp.where(kept_M, weights_M, 0.0)[:, None]
+    out_ND = jnp.zeros((num_tokens, y_MD.shape[-1]), jnp.float32).at[tokens_M].add(y_MD)
+    return out_ND, group_sizes_E
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    """MoE output ``[B, T, d_model]``; also records this call's :class:`MoeAux`."""
+    cfg = self.cfg
+    batch, length, d = x_BTD.shape
+    x_ND = x_BTD.reshape(-1, d)
+    logits_NE = self.router(x_ND)
+    bias = self.router.e_score_correction_bias
+    weights_NK, experts_NK, scores_NE = route(logits_NE, cfg, None if bias is None else bias[...])
+    if cfg.moe_dispatch == 'dropless':
+      y_ND, counts_E = self._dropless(x_ND, weights_NK, experts_NK)
+    else:
+      y_ND, counts_E = self._capacity(x_ND, weights_NK, experts_NK)
+    y_BTD = y_ND.astype(cfg.jnp_dtype()).reshape(batch, length, d)
+    if self.shared_experts is not None:
+      y_BTD = y_BTD + self.shared_experts(x_BTD)
+
+    counts_E = counts_E.astype(jnp.float32)
+    num_tokens = x_ND.shape[0]
+    # Switch/Mixtral balancing loss: E * sum_e (assignments_e / tokens) * mean score_e.
+    # Sigmoid scores are normalised per token first, so both sum to 1 over experts.
+    probs_NE = scores_NE / scores_NE.sum(axis=-1, keepdims=True)
+    fraction_E = jax.lax.stop_gradient(counts_E) / num_tokens
+    self.load_balance_loss[...] = cfg.num_experts * jnp.sum(fraction_E * probs_NE.mean(axis=0))
+    z_N = jax.nn.logsumexp(logits_NE.astype(jnp.float32), axis=-1)
+    self.router_z_loss[...] = jnp.mean(jnp.square(z_N))
+    self.tokens_per_expert[...] = jax.lax.stop_gradient(counts_E)
+    return y_BTD
+
+
+# -- training-side helpers -------------------------------------------------------------------
+
+
+def _moe_modules(model) -> list[MoE]:
+  return [node for _, node in nnx.iter_graph(model) if isinstance(node, MoE)]
+
+
+def moe_aux_losses(model) -> dict[str, jax.Array]:
+  """The mean over MoE layers of each auxiliary loss of the last forward pass.
+
+  Call it inside the loss function, after the forward pass, so the losses are
+  differentiable; a model without MoE layers gives zeros. Add
+  ``cfg.router_aux_loss_coef * load_balance_loss + cfg.router_z_loss_coef *
+  router_z_loss`` to the training loss (see :func:`moe_loss`).
+  """
+  lb, z = [], []
+  for moe in _moe_modules(model):
+    lb.append(moe.load_balance_loss[...].reshape(-1))
+    z.append(moe.router_z_loss[...].reshape(-1))
+  if not lb:
+    zero = jnp.zeros((), jnp.float32)
+    return {'load_balance_loss': zero, 'router_z_loss': zero}
+  return {'load_balance_loss': jnp.concatenate(lb).mean(),
+          'router_z_loss': jnp.concatenate(z).mean()}
+
+
+def moe_loss(model) -> jax.Array:
+  """``router_aux_loss_coef * load_balance_loss + router_z_loss_coef * router_z_loss``."""
+  cfg = model.config
+  losses = moe_aux_losses(model)
+  return (cfg.router_aux_loss_coef * losses['load_balance_loss']
+          + cfg.router_z_loss_coef * losses['router_z_loss'])
+
+
+def moe_stats(model) -> np.ndarray:
+  """Assignments per expert of the last forward pass, ``[moe_layers, experts]`` (host array)."""
+  rows = [np.asarray(moe.tokens_per_expert[...]).reshape(-1, moe.cfg.num_experts)
+          for moe in _moe_modules(model)]
+  return np.concatenate(rows) if rows else np.zeros((0, 0), np.float32)
+
+
+def router_bias_update(bias_E: jax.Array, tokens_per_expert_E: jax.Array,
+                       rate: float) -> jax.Array:
+  """Aux-loss-free balancing step (DeepSeek V3): raise the bias of under-loaded
+  experts and lower it for over-loaded ones by ``rate``:
+  ``bias + rate * sign(mean load - load)`` (per layer, over the last axis)."""
+  load = tokens_per_expert_E.astype(jnp.float32)
+  return bias_E + rate * jnp.sign(load.mean(axis=-1, keepdims=True) - load)
+
+
+def update_router_bias(model, rate: float) -> None:
+  """Apply :func:`router_bias_update` to every MoE layer of ``model`` in place,
+  using the loads recorded by its last forward pass. Call after each optimizer step."""
+  for moe in _moe_modules(model):
+    bias = moe.router.e_score_correction_bias
+    if bias is not None:
+      bias[...] = router_bias_update(bias[...], moe.tokens_per_expert[...], rate).astype(
+          bias.dtype)

@@ -1,0 +1,155 @@
+"""Parity fixtures of the Mixture-of-Experts families (same format as make_fixtures.py).
+
+Run by hand with torch + transformers (v5) installed:
+
+    python tests/hf_parity/make_moe_fixtures.py [case ...]      # default: every MoE case
+
+It reuses ``make_fixtures.py`` (inputs, generation, legacy layout, checks) and
+adds: router weights scaled up so routing is decisive rather than near-uniform,
+and random values for the non-parameter ``e_score_correction_bias`` buffers
+(DeepSeek), which would otherwise stay zero and hide a loader that skips them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_fixtures as mf  # noqa: E402
+from make_fixtures import Case  # noqa: E402
+
+BIAS_JITTER = 0.1
+
+
+def mixtral() -> Case:
+    return Case(
+        config=dict(
+            model_type="mixtral",
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+        legacy=dict(rope_theta=1000000.0),
+        weight_scale={"mlp.gate.weight": 4.0},
+    )
+
+
+def qwen3_moe() -> Case:
+    return Case(
+        config=dict(
+            model_type="qwen3_moe",
+            num_hidden_layers=3,
+            head_dim=24,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],  # a dense first layer: two scanned stacks on our side
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+        # Hub configs spell the expert count num_experts (v5 writes num_local_experts).
+        legacy=dict(rope_theta=1000000.0, num_experts=8),
+        legacy_drop=("num_local_experts", "layer_types"),
+        weight_scale={"mlp.gate.weight": 4.0},
+    )
+
+
+def deepseek_v3() -> Case:
+    # YaRN factor 4 with mscale 1 / mscale_all_dim 0.8: cos/sin are scaled by
+    # mscale(4, 1) / mscale(4, 0.8) and the softmax by mscale(4, 0.8) ** 2. Values are 12 wide,
+    # queries/keys 24 (16 without + 8 with rope), so the kernel needs the padding path.
+    scaling = dict(factor=4.0, original_max_position_embeddings=16, beta_fast=32.0,
+                   beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
+    return Case(
+        config=dict(
+            model_type="deepseek_v3",
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, **scaling),
+        ),
+        legacy=dict(rope_theta=10000.0, rope_scaling=dict(type="yarn", **scaling)),
+        legacy_drop=("head_dim", "qk_head_dim"),
+        weight_scale={"mlp.gate.weight": 4.0},
+    )
+
+
+def deepseek_v2() -> Case:
+    # V2-Lite style: full-rank queries (q_lora_rank null), softmax routing limited to the best
+    # 2 of 4 groups (group score = best expert), no renormalisation, complex-form rotary.
+    scaling = dict(factor=4.0, original_max_position_embeddings=16, beta_fast=32.0,
+                   beta_slow=1.0, mscale=0.707, mscale_all_dim=0.6)
+    return Case(
+        config=dict(
+            model_type="deepseek_v2",
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=20,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, **scaling),
+        ),
+        legacy=dict(rope_theta=10000.0, rope_scaling=dict(type="yarn", **scaling)),
+        legacy_drop=("head_dim", "qk_head_dim"),
+        weight_scale={"mlp.gate.weight": 4.0},
+    )
+
+
+MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe, deepseek_v3, deepseek_v2)}
+
+_plain_build = mf.build_model
+
+
+def build_model(name: str, case: Case) -> torch.nn.Module:
+    model = _plain_build(name, case)
+    with torch.no_grad():
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.copy_(BIAS_JITTER * torch.randn_like(buffer))
+    return model
+
+
+def main() -> None:
+    mf.CASES.update(MOE_CASES)
+    mf.build_model = build_model
+    names = sys.argv[1:] or list(MOE_CASES)
+    unknown = set(names) - set(MOE_CASES)
+    if unknown:
+        raise SystemExit(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(MOE_CASES)}")
+    for name in names:
+        mf.write_case(name)
+
+
+if __name__ == "__main__":
+    main()

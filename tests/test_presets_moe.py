@@ -1,0 +1,73 @@
+"""Mixture-of-Experts presets: total and active parameter counts vs published figures,
+abstract model sizes, and a tiny-moe forward pass in both stack layouts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxnnx.models import Transformer
+from maxnnx.presets import get_preset
+
+# (total, active) parameters in billions, from the model cards / papers.
+PUBLISHED_BILLIONS = {
+    'mixtral-8x7b': (46.7, 12.9),
+    'mixtral-8x22b': (141.0, 39.0),
+    'qwen3-30b-a3b': (30.5, 3.3),
+    'qwen3-235b-a22b': (235.0, 22.0),
+    'deepseek-v2': (236.0, 21.0),
+    'deepseek-v3': (671.0, 37.0),
+    'kimi-k2': (1026.0, 32.0),  # "1T" on the card; 1.026T in the Hub's safetensors metadata
+}
+
+# Cards that count active parameters without the input embedding table.
+ACTIVE_WITHOUT_INPUT_EMBEDDING = {'kimi-k2'}
+
+
+@pytest.mark.parametrize('name,billions', sorted(PUBLISHED_BILLIONS.items()))
+def test_total_and_active_params_match_published(name, billions):
+  cfg = get_preset(name)
+  total, active = billions
+  assert cfg.num_params() == pytest.approx(total * 1e9, rel=5e-3)
+  embedding = cfg.vocab_size * cfg.d_model if name in ACTIVE_WITHOUT_INPUT_EMBEDDING else 0
+  assert cfg.num_active_params() - embedding == pytest.approx(active * 1e9, rel=2e-2)
+
+
+def test_deepseek_v2_lite_size():
+  """15.7B total; the card's 2.4B active excludes the input embedding table."""
+  cfg = get_preset('deepseek-v2-lite')
+  assert cfg.num_params() == pytest.approx(15.7e9, rel=5e-3)
+  embedding = cfg.vocab_size * cfg.d_model
+  assert cfg.num_active_params() - embedding == pytest.approx(2.4e9, rel=3e-2)
+
+
+@pytest.mark.parametrize('name', ['tiny-moe', 'qwen3-30b-a3b', 'mixtral-8x7b', 'deepseek-v2-lite',
+                                  'deepseek-v3'])
+def test_num_params_equals_abstract_model_size(name):
+  cfg = get_preset(name, scan_layers=True, param_dtype='bfloat16')
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  count = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert count == cfg.num_params()
+
+
+def test_tiny_moe_forward_scanned_equals_unscanned():
+  cfg = get_preset('tiny-moe')
+  assert (cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.num_experts,
+          cfg.num_experts_per_tok) == (512, 128, 4, 8, 2)
+  unscanned = Transformer(cfg, rngs=nnx.Rngs(0))
+  scanned = nnx.eval_shape(lambda: Transformer(cfg.replace(scan_layers=True),
+                                               rngs=nnx.Rngs(0)))
+  # Stack the unscanned layers' parameters into the scanned model.
+  layers = [nnx.state(block) for block in unscanned.layers]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  graphdef, state = nnx.split(scanned)
+  state['layers'] = stacked
+  for key in ('embed', 'final_norm', 'lm_head'):
+    state[key] = nnx.state(getattr(unscanned, key))
+  scanned = nnx.merge(graphdef, state)
+  ids = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+  a = nnx.jit(lambda m, x: m(x))(unscanned, ids)
+  b = nnx.jit(lambda m, x: m(x))(scanned, ids)
+  assert a.shape == (2, 16, 512) and np.isfinite(np.asarray(a)).all()
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
