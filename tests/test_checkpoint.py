@@ -18,9 +18,12 @@ import pytest
 from flax import nnx
 
 import maxnnx
+from maxnnx import cli
+from maxnnx.checkpoint import read_safetensors_dir
 from maxnnx.checkpoint.manager import CheckpointError, CheckpointManager
 from maxnnx.config import MeshConfig
 from maxnnx.data import TokenWindows, make_pipeline
+from maxnnx.models.checkpoints import checkpoint_config, load_params
 from maxnnx.train import TrainConfig, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,11 +57,10 @@ def reference():
   return _losses(trainer.fit(log=lambda line: None))
 
 
-def test_resume_in_a_fresh_trainer_matches_an_uninterrupted_run(tmp_path, reference):
+def test_resume_in_a_fresh_trainer_matches_an_uninterrupted_run(tmp_path, reference,
+                                                               two_checkpoints):
   """Stop after a checkpoint at step 4; a fresh Trainer resumes and reproduces steps 5-8."""
-  first = _trainer(8, str(tmp_path), every=2)  # the same schedule: config.steps is the total
-  first.fit(4, log=lambda line: None)
-  first.close()
+  shutil.copytree(two_checkpoints[0], tmp_path, dirs_exist_ok=True)
   assert CheckpointManager(str(tmp_path)).all_steps() == [2, 4]
   second = _trainer(8, str(tmp_path), every=2)
   history = second.fit(log=lambda line: None)
@@ -86,6 +88,7 @@ _CHILD = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, reference):
   """A training process killed with SIGKILL after its first checkpoint resumes exactly."""
   script, ckpt, out = tmp_path / 'child.py', tmp_path / 'ckpt', tmp_path / 'losses.json'
@@ -136,7 +139,8 @@ def _corrupt(step_dir, how):
 
 @pytest.fixture(scope='module')
 def two_checkpoints(tmp_path_factory):
-  """A directory with checkpoints of steps 2 and 4, and the step-2 parameters."""
+  """A directory with checkpoints of steps 2 and 4 of an 8-step run stopped after step 4
+  (the same schedule as the reference: config.steps is the total), and the step-2 parameters."""
   directory = str(tmp_path_factory.mktemp('two'))
   trainer = _trainer(8, directory, every=2)
   params = {}
@@ -204,6 +208,7 @@ def test_token_windows_position_is_restored_exactly():
     np.testing.assert_array_equal(fresh.next(), batch)
 
 
+@pytest.mark.slow
 def test_grain_pipeline_position_is_restored_through_a_checkpoint(tmp_path):
   """A Trainer fed by a grain Pipeline resumes it at the batch after the checkpoint."""
   seed = int(np.random.default_rng().integers(1000))
@@ -226,3 +231,69 @@ def test_grain_pipeline_position_is_restored_through_a_checkpoint(tmp_path):
     for key in batch:
       np.testing.assert_array_equal(got[key], batch[key])
   resumed.close()
+
+
+# -- parameters only: fine-tuning and maxnnx convert --------------------------------------------
+
+
+def test_load_params_from_a_training_checkpoint_in_either_layout(two_checkpoints):
+  """load_params reads a training checkpoint's parameters into a scanned or unscanned model."""
+  directory, params_at_2 = two_checkpoints
+  for scan in (False, True):
+    model = maxnnx.Transformer(_model_config(scan_layers=scan), rngs=nnx.Rngs(7))
+    load_params(model, directory, step=2)
+    loaded = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    if scan:  # unstack the layers to compare with the per-layer original
+      stacked = loaded.pop('layers')
+      loaded['layers'] = {i: jax.tree.map(lambda a, i=i: a[i], stacked)
+                          for i in range(model.config.num_layers)}
+    jax.tree.map(np.testing.assert_array_equal, loaded, params_at_2)
+
+
+def test_convert_hf_orbax_hf_round_trip_and_layouts(tmp_path, capsys):
+  """HF -> orbax (scanned) -> HF gives identical tensors; the scanned orbax checkpoint
+  and a per-layer one give the logits of the Hugging Face model."""
+  source = os.path.join(ROOT, 'tests', 'fixtures', 'hf', 'llama')
+  scanned, flat, back = (str(tmp_path / n) for n in ('scanned', 'flat', 'back'))
+  assert cli.main(['convert', f'src={source}', f'dst={scanned}', 'scan_layers=true']) == 0
+  assert cli.main(['convert', f'src={scanned}', f'dst={flat}', 'format=orbax']) == 0
+  assert cli.main(['convert', f'src={flat}', f'dst={back}']) == 0
+  assert 'Converted' in capsys.readouterr().out
+  original, written = read_safetensors_dir(source), read_safetensors_dir(back)
+  assert sorted(original) == sorted(written)
+  for name, (_, array) in original.items():
+    np.testing.assert_array_equal(np.asarray(written[name][1]), np.asarray(array), err_msg=name)
+  assert checkpoint_config(scanned).scan_layers and not checkpoint_config(flat).scan_layers
+
+  reference = maxnnx.from_pretrained(source)
+  tokens = np.random.default_rng().integers(0, reference.config.vocab_size, (2, 12))
+  expected = np.asarray(reference(tokens))
+  for directory, scan in ((scanned, False), (flat, True)):  # each into the other layout
+    model = maxnnx.Transformer(reference.config.replace(scan_layers=scan), rngs=nnx.Rngs(1))
+    load_params(model, directory)
+    np.testing.assert_allclose(np.asarray(model(tokens)), expected, rtol=1e-5, atol=1e-5)
+  assert cli.main(['convert', f'src={source}', f'dst={scanned}']) == 2  # never overwrites
+  assert 'already has a checkpoint' in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_train_resumes_and_generate_falls_back_to_the_checkpoint(tmp_path, capsys):
+  """maxnnx train checkpoint_every=N resumes when rerun (same losses as the first run),
+  and generate uses the newest checkpoint when final/ is missing."""
+  out = str(tmp_path / 'run')
+  args = ['train', f'output_dir={out}', 'steps=4', 'global_batch_size=4', 'seq_len=32',
+          'log_every=1', 'sample_tokens=0', 'checkpoint_every=2']
+  assert cli.main(args) == 0
+  capsys.readouterr()
+  first = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
+  assert CheckpointManager(os.path.join(out, 'checkpoints')).all_steps() == [2, 4]
+  shutil.rmtree(os.path.join(out, 'checkpoints', '4'))  # as if killed before step 4's save
+  shutil.rmtree(os.path.join(out, 'final'))
+  assert cli.main(['generate', f'output_dir={out}', 'prompt=KING:', 'max_new_tokens=4']) == 0
+  assert capsys.readouterr().out.startswith('KING:')
+  assert cli.main(args) == 0
+  assert 'Resuming from the checkpoint of step 2' in capsys.readouterr().out
+  lines = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
+  assert [m['step'] for m in lines] == [1, 2, 3, 4, 3, 4]
+  for again, before in zip(lines[4:], first[2:]):
+    assert again['loss'] == pytest.approx(before['loss'], rel=1e-6)

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
   """A checkpoint cannot be saved or restored (named with its directory and step)."""
 
 
@@ -104,7 +104,7 @@ class CheckpointManager:
 
   # -- saving --------------------------------------------------------------------------------
 
-  def save(self, step: int, state: Any, extra: dict, meta: dict | None = None) -> bool:
+  def save(self, step: int, state: Any, extra: dict | None, meta: dict | None = None) -> bool:
     """Start saving ``step``; returns ``False`` when that step is already on disk.
 
     ``state`` is an ``nnx.State`` (or any pytree) of sharded arrays, ``extra``
@@ -114,11 +114,12 @@ class CheckpointManager:
     if step in self.all_steps():
       return False
     pure = _pure(state)
-    record = {**(meta or {}), 'step': int(step), 'format': FORMAT_VERSION,
-              'checksums': {'state': checksums(pure), 'extra': checksums(extra)}}
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(pure), extra=ocp.args.StandardSave(extra),
-        meta=ocp.args.JsonSave(record)))
+    items = {'state': ocp.args.StandardSave(pure)}
+    sums = {'state': checksums(pure)}
+    if extra:
+      items['extra'], sums['extra'] = ocp.args.StandardSave(extra), checksums(extra)
+    record = {**(meta or {}), 'step': int(step), 'format': FORMAT_VERSION, 'checksums': sums}
+    self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(record), **items))
     return True
 
   def wait(self) -> None:
@@ -208,15 +209,8 @@ def _first_line(error: BaseException) -> str:
   return text[0][:300] if text else repr(error)
 
 
-def restore_params(directory: str, abstract_params: Any, step: int | None = None
-                   ) -> tuple[Any, dict]:
-  """Only the model parameters of a checkpoint: ``(pure dict, meta)``.
-
-  ``abstract_params`` is the pure-dict tree of ``ShapeDtypeStruct``s of the
-  parameters (their shardings are used when set); the optimizer state is
-  never read. Works on training checkpoints and on those ``maxnnx convert``
-  writes (same layout: ``state[0]`` is the model).
-  """
+def read_meta(directory: str, step: int | None = None) -> dict:
+  """The JSON record of checkpoint ``step`` (default: the newest complete one)."""
   manager = CheckpointManager(directory, async_save=False)
   try:
     steps = manager.all_steps()
@@ -225,9 +219,25 @@ def restore_params(directory: str, abstract_params: Any, step: int | None = None
     step = steps[-1] if step is None else step
     if step not in steps:
       raise CheckpointError(f'{directory}: no checkpoint of step {step}; have {steps}.')
-    meta = manager.read_meta(step)
+    return manager.read_meta(step)
   finally:
     manager.close()
+
+
+def restore_params(directory: str, abstract_params: Any, step: int | None = None
+                   ) -> tuple[Any, dict]:
+  """Only the model parameters of a checkpoint: ``(pure dict, meta)``.
+
+  ``abstract_params`` is the pure-dict tree of ``ShapeDtypeStruct``s of the
+  parameters (their shardings are used when set), or a function from the
+  checkpoint's meta record to that tree; the optimizer state is never read.
+  Works on training checkpoints and on parameter-only ones (``state[0]`` is
+  the model in both).
+  """
+  meta = read_meta(directory, step)
+  step = meta['step']
+  if callable(abstract_params):
+    abstract_params = abstract_params(meta)
   item = {0: abstract_params}
   restore_args = ocp.checkpoint_utils.construct_restore_args(item)
   checkpointer = ocp.PyTreeCheckpointer()
@@ -244,4 +254,4 @@ def restore_params(directory: str, abstract_params: Any, step: int | None = None
   return params, meta
 
 
-__all__ = ['CheckpointError', 'CheckpointManager', 'checksums', 'restore_params']
+__all__ = ['CheckpointError', 'CheckpointManager', 'checksums', 'read_meta', 'restore_params']

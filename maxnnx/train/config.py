@@ -50,7 +50,8 @@ class TrainConfig(_Validated):
     checkpoint_dir: save checkpoints here; ``fit`` resumes from the newest
       complete one it finds there (``None``: no checkpoints).
     checkpoint_every: save a checkpoint every N steps (0: only at the end of
-      ``fit``); needs ``checkpoint_dir``.
+      ``fit``); only with ``checkpoint_dir`` (the CLI defaults it to
+      ``<output_dir>/checkpoints``).
     keep_checkpoints: how many of the newest checkpoints to keep.
     mesh: device mesh and parallelism (:class:`~maxnnx.config.MeshConfig`).
   """
@@ -106,8 +107,6 @@ class TrainConfig(_Validated):
       raise ConfigError('TrainConfig.decay_fraction must be in [0, 1].')
     if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
       raise ConfigError('TrainConfig.checkpoint_every must be >= 0 and keep_checkpoints >= 1.')
-    if self.checkpoint_every and not self.checkpoint_dir:
-      raise ConfigError('TrainConfig.checkpoint_every needs checkpoint_dir (where to save).')
     if self.skip_spike_factor is not None and self.skip_spike_factor <= 1:
       raise ConfigError('TrainConfig.skip_spike_factor must be > 1 (or None to never skip).')
 
