@@ -250,6 +250,7 @@ def test_load_params_from_a_training_checkpoint_in_either_layout(two_checkpoints
     jax.tree.map(np.testing.assert_array_equal, loaded, params_at_2)
 
 
+@pytest.mark.slow
 def test_convert_hf_orbax_hf_round_trip_and_layouts(tmp_path, capsys):
   """HF -> orbax (scanned) -> HF gives identical tensors; the scanned orbax checkpoint
   and a per-layer one give the logits of the Hugging Face model."""

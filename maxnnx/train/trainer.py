@@ -504,7 +504,10 @@ class Trainer:
 
     Prints a progress bar (or lines) with loss, tokens/s and MFU every
     ``log_every`` steps, evaluates every ``eval_every`` steps, and writes
-    ``metrics_jsonl`` / ``tensorboard_dir`` when set.
+    ``metrics_jsonl`` / ``tensorboard_dir`` when set. With ``checkpoint_dir``
+    it first resumes from the newest complete checkpoint there, trains up to
+    ``config.steps`` in total, and saves every ``checkpoint_every`` steps and
+    at the end.
     """
     cfg = self.config
     if cfg.checkpoint_dir and self._checkpoints is None:
