@@ -11,9 +11,13 @@ Every :class:`~maxnnx.train.TrainConfig` field is a key (``steps=``,
 file given first supplies defaults that ``key=value`` arguments override.
 ``maxnnx train --help`` lists every key with its documentation.
 
-Other commands: ``generate`` (continue a prompt from a trained run) and
+Other commands: ``generate`` (continue a prompt from a trained run),
 ``compile`` (lower and compile the train step for the mesh, report per-device
-memory, and fail fast when it cannot fit, without allocating any weights).
+memory, and fail fast when it cannot fit, without allocating any weights) and
+``convert`` (Hugging Face <-> orbax checkpoints, scanned <-> per-layer layout).
+
+``checkpoint_every=N`` saves to ``<output_dir>/checkpoints``; running the same
+command again resumes from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ RUN_KEYS = {
     'remat_policy': ('', 'activation rematerialisation: none, minimal, save_dot_except_mlp, '
                      'save_qkv_proj, save_out_proj, full (empty: the model default)'),
     'attention_impl': ('', 'attention kernel strategy (empty: the model default)'),
-    'checkpoint_every': (0, 'save a checkpoint every N steps (0 = off)'),
     'sample_tokens': (120, 'tokens of the sample printed at the end (0: none)'),
 }
 TRAIN_OVERRIDES = {  # defaults of the default run that differ from TrainConfig's
@@ -56,6 +59,13 @@ GENERATE_KEYS = {
     'temperature': (0.8, 'sampling temperature (0: greedy)'),
     'top_p': (0.95, 'nucleus sampling mass'),
     'seed': (0, 'sampling seed'),
+}
+CONVERT_KEYS = {
+    'src': ('', 'a Hugging Face directory (config.json + safetensors) or an orbax checkpoint '
+            'directory (training or parameter-only)'),
+    'dst': ('', 'where to write the converted model (must not hold a checkpoint already)'),
+    'format': ('', "output format: 'hf', 'orbax' (empty: the other one than src)"),
+    'scan_layers': (False, 'layer layout of an orbax output: stacked (true) or per layer'),
 }
 
 
@@ -108,7 +118,7 @@ def _generate_keys() -> dict[str, tuple]:
   return {k: (d, doc, type(d)) for k, (d, doc) in GENERATE_KEYS.items()}
 
 
-COMMANDS = ('train', 'generate', 'compile')
+COMMANDS = ('train', 'generate', 'compile', 'convert')
 
 
 def _convert(key: str, raw: typing.Any, kind: typing.Any) -> typing.Any:
@@ -187,10 +197,11 @@ def _read_yaml(path: str) -> list[tuple[str, typing.Any]]:
 
 
 def _usage(command: str) -> str:
-  keys = train_keys() if command in ('train', 'compile') else _generate_keys()
+  keys = _command_keys(command)
   head = {'train': 'maxnnx train [config.yml] [key=value ...]',
           'compile': 'maxnnx compile [config.yml] [key=value ...]  (same keys as train)',
-          'generate': 'maxnnx generate [key=value ...]'}[command]
+          'generate': 'maxnnx generate [key=value ...]',
+          'convert': 'maxnnx convert src=DIR dst=DIR [format=hf|orbax] [scan_layers=...]'}[command]
   lines = [f'usage: {head}', '']
   for key, (default, doc, _) in keys.items():
     lines.append(f'  {key:<26} {doc} (default: {default!r})')
@@ -221,6 +232,8 @@ def _split_options(options: dict):
   run = {k: options[k] for k in RUN_KEYS}
   mesh = MeshConfig.from_dict({k[5:]: v for k, v in options.items() if k.startswith('mesh.')})
   fields = {k: v for k, v in options.items() if k not in RUN_KEYS and not k.startswith('mesh.')}
+  if fields.get('checkpoint_every') and not fields.get('checkpoint_dir'):
+    fields['checkpoint_dir'] = os.path.join(run['output_dir'], 'checkpoints')
   return run, TrainConfig.from_dict({**fields, 'mesh': mesh})
 
 
@@ -295,13 +308,19 @@ def train(options: dict) -> dict:
   print(f"Training {run['model']} ({trainer.model_config.num_params():,} parameters) on "
         f'{source} for {cfg.steps} steps of {cfg.global_batch_size} x {cfg.seq_len} tokens; '
         f'mesh {dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}.')
+  resumed = trainer.restore_checkpoint() if cfg.checkpoint_dir else None
+  if resumed is not None:
+    print(f'Resuming from the checkpoint of step {resumed} in {cfg.checkpoint_dir}.')
   if cfg.metrics_jsonl is None:
     trainer.config = cfg = dataclasses.replace(cfg, metrics_jsonl=os.path.join(out,
                                                                                'metrics.jsonl'))
-    if os.path.exists(cfg.metrics_jsonl):
-      os.remove(cfg.metrics_jsonl)  # a fresh run; resuming is the checkpoint's job
+    if os.path.exists(cfg.metrics_jsonl) and resumed is None:
+      os.remove(cfg.metrics_jsonl)  # a fresh run; a resumed one appends
   history = trainer.fit()
   trainer.close()
+  if not history:
+    print(f'Nothing to train: the checkpoint is at step {trainer.step_count} of {cfg.steps}.')
+    return {'first_loss': None, 'last_loss': None, 'eval_loss': None}
   _plot_loss(history, os.path.join(out, 'loss.png'))
   maxnnx.save_pretrained(trainer.model, os.path.join(out, 'final'))
   with open(os.path.join(out, 'train_options.json'), 'w') as f:
@@ -335,14 +354,63 @@ def generate(options: dict) -> str:
   from maxnnx.data import SentencePieceTokenizer  # noqa: PLC0415
   out = options['output_dir']
   model_dir, tok_path = os.path.join(out, 'final'), os.path.join(out, 'tokenizer.model')
-  for path in (model_dir, tok_path):
+  checkpoints = os.path.join(out, 'checkpoints')
+  if not os.path.exists(model_dir) and os.path.isdir(checkpoints):
+    model = _model_from_checkpoint(checkpoints)  # an unfinished run: its newest checkpoint
+  else:
+    model = None
+  for path in (model_dir, tok_path)[model is not None:]:
     if not os.path.exists(path):
       raise UsageError(f'{path} is missing: is {out} a directory written by maxnnx train?')
-  text = _sample(maxnnx.from_pretrained(model_dir), SentencePieceTokenizer(tok_path),
+  model = model if model is not None else maxnnx.from_pretrained(model_dir)
+  text = _sample(model, SentencePieceTokenizer(tok_path),
                  options['prompt'], options['max_new_tokens'], options['temperature'],
                  options['top_p'], options['seed'])
   print(text)
   return text
+
+
+def _model_from_checkpoint(checkpoint_dir: str, scan_layers: bool = False):
+  """A model with the parameters of the newest orbax checkpoint in ``checkpoint_dir``."""
+  from flax import nnx  # noqa: PLC0415
+
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.models.checkpoints import checkpoint_config, load_params  # noqa: PLC0415
+  cfg = checkpoint_config(checkpoint_dir).replace(scan_layers=scan_layers)
+  return load_params(maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)), checkpoint_dir)
+
+
+def convert(options: dict) -> str:
+  """Run ``maxnnx convert``: Hugging Face <-> orbax, and scanned <-> unscanned layers."""
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.models.checkpoints import save_params  # noqa: PLC0415
+  src, dst = options['src'], options['dst']
+  if not src or not dst:
+    raise UsageError('convert needs src=<directory> and dst=<directory>.')
+  if not os.path.isdir(src):
+    raise FileNotFoundError(f'src={src}: no such directory.')
+  source = 'hf' if os.path.exists(os.path.join(src, 'config.json')) else 'orbax'
+  target = options['format'] or {'hf': 'orbax', 'orbax': 'hf'}[source]
+  if target not in ('hf', 'orbax'):
+    raise UsageError(f"format={target!r}: expected 'hf' or 'orbax'.")
+  scan = bool(options['scan_layers']) and target == 'orbax'
+  if source == 'hf':
+    model = maxnnx.from_pretrained(src, scan_layers=scan)
+  else:
+    model = _model_from_checkpoint(src, scan_layers=scan)
+  if target == 'hf':
+    maxnnx.save_pretrained(model, dst)
+  else:
+    save_params(model, dst)
+  layout = f" ({'scanned' if scan else 'per-layer'} layers)" if target == 'orbax' else ''
+  print(f'Converted {src} ({source}) to {dst} ({target}{layout}).')
+  return dst
+
+
+def _command_keys(command: str) -> dict:
+  if command == 'convert':
+    return {k: (d, doc, type(d)) for k, (d, doc) in CONVERT_KEYS.items()}
+  return _generate_keys() if command == 'generate' else train_keys()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,9 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     print(_usage(command))
     return 0
   try:
-    keys = _generate_keys() if command == 'generate' else train_keys()
-    options = parse_overrides(rest, keys)
-    {'train': train, 'generate': generate, 'compile': compile_step}[command](options)
+    options = parse_overrides(rest, _command_keys(command))
+    {'train': train, 'generate': generate, 'compile': compile_step,
+     'convert': convert}[command](options)
   except (ValueError, FileNotFoundError, TrainingError) as e:  # UsageError, ConfigError…
     print(f'error: {e}', file=sys.stderr)
     return 2

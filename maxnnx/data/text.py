@@ -84,6 +84,14 @@ class TokenWindows:
     starts = self.rng.integers(0, len(self.train) - self.seq_len - 1, self.batch_size)
     return self._windows(self.train, starts)
 
+  def get_state(self) -> dict:
+    """The position in the stream (the random generator's state), JSON-serialisable."""
+    return {'rng': self.rng.bit_generator.state}
+
+  def set_state(self, state: dict) -> None:
+    """Continue exactly after the batch where :meth:`get_state` was taken."""
+    self.rng.bit_generator.state = state['rng']
+
   def eval_batches(self, num_batches: int) -> list[np.ndarray]:
     """Fixed, evenly spaced held-out batches (the same on every call)."""
     count = num_batches * self.batch_size

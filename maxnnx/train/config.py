@@ -47,6 +47,12 @@ class TrainConfig(_Validated):
       device kind (measured with a matmul on CPU).
     memory_limit_gib: per-device memory for the ahead-of-time fit check;
       ``None`` reads it from the device (host RAM split over devices on CPU).
+    checkpoint_dir: save checkpoints here; ``fit`` resumes from the newest
+      complete one it finds there (``None``: no checkpoints).
+    checkpoint_every: save a checkpoint every N steps (0: only at the end of
+      ``fit``); only with ``checkpoint_dir`` (the CLI defaults it to
+      ``<output_dir>/checkpoints``).
+    keep_checkpoints: how many of the newest checkpoints to keep.
     mesh: device mesh and parallelism (:class:`~maxnnx.config.MeshConfig`).
   """
 
@@ -79,6 +85,9 @@ class TrainConfig(_Validated):
   tensorboard_dir: str | None = None
   peak_tflops: float | None = None
   memory_limit_gib: float | None = None
+  checkpoint_dir: str | None = None
+  checkpoint_every: int = 0
+  keep_checkpoints: int = 3
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
   def _validate(self):
@@ -96,6 +105,8 @@ class TrainConfig(_Validated):
                         f'{self.warmup_steps}.')
     if not 0 <= self.decay_fraction <= 1:
       raise ConfigError('TrainConfig.decay_fraction must be in [0, 1].')
+    if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+      raise ConfigError('TrainConfig.checkpoint_every must be >= 0 and keep_checkpoints >= 1.')
     if self.skip_spike_factor is not None and self.skip_spike_factor <= 1:
       raise ConfigError('TrainConfig.skip_spike_factor must be > 1 (or None to never skip).')
 

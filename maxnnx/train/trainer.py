@@ -81,11 +81,29 @@ def as_batch(batch: Any) -> dict[str, np.ndarray]:
 
 def synthetic_batches(vocab_size: int, batch_size: int, seq_len: int,
                       seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
-  """Endless batches of uniformly random tokens (for benchmarks and dry runs)."""
-  rng = np.random.default_rng(seed)
-  while True:
-    windows = rng.integers(0, vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
-    yield as_batch(windows)
+  """Endless batches of uniformly random tokens (for benchmarks and dry runs).
+
+  The iterator has ``get_state()`` / ``set_state()``, so checkpoints resume it.
+  """
+  return _SyntheticBatches(vocab_size, batch_size, seq_len, seed)
+
+
+class _SyntheticBatches:
+  def __init__(self, vocab_size: int, batch_size: int, seq_len: int, seed: int):
+    self.shape, self.vocab_size = (batch_size, seq_len + 1), vocab_size
+    self.rng = np.random.default_rng(seed)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return as_batch(self.rng.integers(0, self.vocab_size, self.shape, dtype=np.int32))
+
+  def get_state(self) -> dict:
+    return {'rng': self.rng.bit_generator.state}
+
+  def set_state(self, state: dict) -> None:
+    self.rng.bit_generator.state = state['rng']
 
 
 def _next_batch(data) -> Any:
@@ -169,6 +187,8 @@ class Trainer:
     self._compiled = None
     self._eval_compiled = None
     self._writers: list = []
+    self._checkpoints = None  # a CheckpointManager once checkpoint_dir is used
+    self._step_offset = 0  # steps taken before the restored checkpoint, not in history
 
     if isinstance(model, str):
       from maxnnx.presets import get_preset  # noqa: PLC0415 (presets import models)
@@ -270,7 +290,7 @@ class Trainer:
   @property
   def step_count(self) -> int:
     """Optimizer steps taken so far."""
-    return len(self.history) + len(self._pending)
+    return self._step_offset + len(self.history) + len(self._pending)
 
   # -- the compiled step ------------------------------------------------------------------
 
@@ -484,10 +504,16 @@ class Trainer:
 
     Prints a progress bar (or lines) with loss, tokens/s and MFU every
     ``log_every`` steps, evaluates every ``eval_every`` steps, and writes
-    ``metrics_jsonl`` / ``tensorboard_dir`` when set.
+    ``metrics_jsonl`` / ``tensorboard_dir`` when set. With ``checkpoint_dir``
+    it first resumes from the newest complete checkpoint there, trains up to
+    ``config.steps`` in total, and saves every ``checkpoint_every`` steps and
+    at the end.
     """
     cfg = self.config
-    steps = cfg.steps if steps is None else steps
+    if cfg.checkpoint_dir and self._checkpoints is None:
+      self.restore_checkpoint()  # resume where an earlier run of this config stopped
+    if steps is None:  # with checkpoints, config.steps is the total over resumed runs
+      steps = max(cfg.steps - self.step_count, 0) if cfg.checkpoint_dir else cfg.steps
     if self._compiled is None:
       self.compile(verbose=log is None)
     self._open_writers()
@@ -509,6 +535,9 @@ class Trainer:
             bar.update(record)
           else:
             log(format_metrics(record, bar.total))
+        if cfg.checkpoint_dir and (last or (cfg.checkpoint_every
+                                            and self.step_count % cfg.checkpoint_every == 0)):
+          self.save_checkpoint()
     finally:
       if isinstance(self._writers, list):
         for writer in self._writers:
@@ -525,10 +554,70 @@ class Trainer:
       self._writers.append(TensorBoardWriter(self.config.tensorboard_dir))
 
   def close(self) -> None:
-    """Close metric files."""
+    """Close metric files and wait for checkpoints still being written."""
     for writer in self._writers:
       writer.close()
     self._writers = []
+    if self._checkpoints is not None:
+      self._checkpoints.close()
+      self._checkpoints = None
+
+  # -- checkpoints ------------------------------------------------------------------------
+
+  def _checkpoint_manager(self):
+    from maxnnx.checkpoint.manager import CheckpointManager  # noqa: PLC0415
+    if not self.config.checkpoint_dir:
+      raise ValueError('TrainConfig.checkpoint_dir is not set: give it a directory to save '
+                       'checkpoints in.')
+    if self._checkpoints is None:
+      self._checkpoints = CheckpointManager(self.config.checkpoint_dir,
+                                            keep=self.config.keep_checkpoints)
+    return self._checkpoints
+
+  def save_checkpoint(self) -> int:
+    """Start an asynchronous save of the current step into ``config.checkpoint_dir``.
+
+    Saves model and optimizer state, the loss average, the data position
+    (when ``data`` has ``get_state``) and the step. Returns the step.
+    """
+    self._sync_from_objects()
+    self._materialise()
+    data_state = self.data.get_state() if hasattr(self.data, 'get_state') else None
+    if data_state is None:
+      logger.warning('The data source has no get_state(): a resumed run restarts its stream.')
+    meta = {'history_len': self.step_count, 'data': data_state,
+            'model_config': self.model_config.to_dict()}
+    self._checkpoint_manager().save(self.step_count, self._state, self._extra, meta)
+    return self.step_count
+
+  def restore_checkpoint(self, step: int | None = None) -> int | None:
+    """Load checkpoint ``step`` (default: the newest complete one) from ``config.checkpoint_dir``.
+
+    Parameters, optimizer state and the data position are replaced and steps
+    continue counting from there. A damaged newest checkpoint is reported and
+    the one before it used. Returns the step, or ``None`` when there is none.
+    """
+    manager = self._checkpoint_manager()
+    replicated = _replicated_like(self.mesh)
+    abstract_extra = {'loss_ema': jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+                      'first_bad_step': jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+                      'bad_metric': jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)}
+    restored = manager.restore(self._abstract_state, abstract_extra, step)
+    if restored is None:
+      return None
+    step, self._state, self._extra, meta = restored
+    self._pending = []
+    self.history = [m for m in self.history if m['step'] <= step]
+    self._step_offset = step - len(self.history)
+    self._sync_to_objects()
+    if meta.get('data') is not None:
+      if hasattr(self.data, 'set_state'):
+        self.data.set_state(meta['data'])
+      else:
+        logger.warning('Checkpoint %d has a data position but the data source has no '
+                       'set_state(): its stream restarts.', step)
+    logger.info('Restored checkpoint step %d from %s.', step, manager.directory)
+    return step
 
   # -- inspection ---------------------------------------------------------------------------
 

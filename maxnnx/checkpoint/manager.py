@@ -1,0 +1,257 @@
+"""Fault-tolerant training checkpoints on orbax.
+
+A checkpoint directory holds one sub-directory per saved step (``<dir>/<step>/``)
+with three items: ``state`` (model and optimizer arrays, each written from the
+devices that own its shards), ``extra`` (the trainer's small replicated
+arrays) and ``meta`` (JSON: step, data-iterator position, history length,
+model config and a checksum of every array).
+
+Why this survives a crash at any moment:
+
+* orbax writes a step into ``<step>.orbax-checkpoint-tmp-*`` and renames it to
+  ``<step>`` only once every file is written, so a half-written step never
+  looks like a checkpoint, and an older step is never written over;
+* saves are asynchronous: ``save`` returns once the arrays are on the host,
+  and the files are written while training goes on;
+* restore verifies every array against the checksums in ``meta`` (computed on
+  the devices when the step was saved). A step that fails to load or to verify
+  is logged with its step and the problem, moved aside to ``corrupt-<step>``,
+  and the previous step is tried.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+  """A checkpoint cannot be saved or restored (named with its directory and step)."""
+
+
+# -- checksums -----------------------------------------------------------------------------
+
+
+def _leaf_bits(x: jax.Array) -> jax.Array:
+  """Sum of the array's raw bits as uint32 (wrapping): exact whatever the sharding."""
+  if x.dtype == jnp.bool_:
+    bits = x.astype(jnp.uint32)
+  else:
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+  return jnp.sum(bits, dtype=jnp.uint32)
+
+
+@jax.jit
+def _bit_sums(leaves: list) -> list:
+  return [_leaf_bits(x) for x in leaves]
+
+
+def checksums(tree: Any) -> dict[str, int]:
+  """``{path: sum of raw bits mod 2**32}`` for every array in ``tree``.
+
+  Integer sums are order-independent, so the value does not depend on how the
+  array is sharded, and a changed byte shows up in its array's sum.
+  """
+  paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0]) if jax.tree.leaves(
+      tree) else ((), ())
+  sums = jax.device_get(_bit_sums(list(leaves))) if leaves else []
+  return {jax.tree_util.keystr(p): int(s) for p, s in zip(paths, sums)}
+
+
+# -- the manager ---------------------------------------------------------------------------
+
+
+class CheckpointManager:
+  """Periodic, asynchronous, verified checkpoints of a training run.
+
+  Args:
+    directory: where the steps go (created if missing).
+    keep: how many of the newest steps to keep (older ones are deleted once a
+      newer one is complete).
+    async_save: write files in the background (``wait`` blocks until done).
+  """
+
+  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    if keep < 1:
+      raise ValueError(f'keep must be >= 1 checkpoints, got {keep}.')
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                           enable_async_checkpointing=async_save,
+                                           cleanup_tmp_directories=True, create=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  # -- steps ---------------------------------------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    """Complete steps on disk (half-written ones never appear), oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The newest complete step, or ``None`` when there is none."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  # -- saving --------------------------------------------------------------------------------
+
+  def save(self, step: int, state: Any, extra: dict | None, meta: dict | None = None) -> bool:
+    """Start saving ``step``; returns ``False`` when that step is already on disk.
+
+    ``state`` is an ``nnx.State`` (or any pytree) of sharded arrays, ``extra``
+    a dict of small arrays, ``meta`` JSON-serialisable data (data-iterator
+    state, history length…). Only the device-to-host copy blocks.
+    """
+    if step in self.all_steps():
+      return False
+    pure = _pure(state)
+    items = {'state': ocp.args.StandardSave(pure)}
+    sums = {'state': checksums(pure)}
+    if extra:
+      items['extra'], sums['extra'] = ocp.args.StandardSave(extra), checksums(extra)
+    record = {**(meta or {}), 'step': int(step), 'format': FORMAT_VERSION, 'checksums': sums}
+    self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(record), **items))
+    return True
+
+  def wait(self) -> None:
+    """Block until every started save is on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Wait for pending saves and release orbax's threads."""
+    self._manager.close()
+
+  # -- restoring -----------------------------------------------------------------------------
+
+  def read_meta(self, step: int) -> dict:
+    """The JSON ``meta`` item of ``step``."""
+    restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    meta = restored.meta
+    if not isinstance(meta, dict) or meta.get('step') != step or 'checksums' not in meta:
+      raise CheckpointError(f'{self._step_dir(step)}: meta is not a maxnnx checkpoint record.')
+    return meta
+
+  def restore(self, abstract_state: Any, abstract_extra: dict, step: int | None = None
+              ) -> tuple[int, Any, dict, dict] | None:
+    """``(step, state, extra, meta)`` of the newest good step, or ``None`` if there is none.
+
+    ``abstract_state`` / ``abstract_extra`` give the structure, dtypes and
+    (concrete) shardings to restore into. With ``step=None`` a step that fails
+    to load or to verify is reported with a warning, moved aside to
+    ``corrupt-<step>`` and the one before it is tried; an explicit ``step``
+    that fails raises :class:`CheckpointError`.
+    """
+    candidates = [step] if step is not None else list(reversed(self.all_steps()))
+    if step is not None and step not in self.all_steps():
+      raise CheckpointError(f'{self.directory}: no complete checkpoint of step {step}; '
+                            f'have {self.all_steps()}.')
+    for candidate in candidates:
+      try:
+        return self._restore_step(candidate, abstract_state, abstract_extra)
+      except Exception as e:  # noqa: BLE001 (any failure of one step means: use an older one)
+        problem = f'{type(e).__name__}: {_first_line(e)}'
+        if step is not None:
+          raise CheckpointError(f'{self._step_dir(candidate)} cannot be restored: {problem}'
+                                ) from e
+        logger.warning('Checkpoint step %d in %s is unusable (%s); moving it to corrupt-%d '
+                       'and falling back to the previous checkpoint.', candidate,
+                       self.directory, problem, candidate)
+        self._quarantine(candidate)
+    return None
+
+  def _restore_step(self, step: int, abstract_state, abstract_extra):
+    meta = self.read_meta(step)
+    abstract_pure = _pure(abstract_state)
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_pure),
+        extra=ocp.args.StandardRestore(abstract_extra)))
+    for name, tree in (('state', restored.state), ('extra', restored.extra)):
+      expected, actual = meta['checksums'][name], checksums(tree)
+      bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+      if bad:
+        shown = ', '.join(bad[:3]) + (' …' if len(bad) > 3 else '')
+        raise CheckpointError(f"{len(bad)} array(s) of '{name}' fail their checksum: {shown}")
+    state = restored.state
+    if isinstance(abstract_state, nnx.State):
+      state = jax.tree.map(lambda x: x, abstract_state)  # fresh Variables
+      nnx.replace_by_pure_dict(state, restored.state)
+    return step, state, dict(restored.extra), meta
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _quarantine(self, step: int) -> None:
+    if jax.process_index() == 0:
+      target = os.path.join(self.directory, f'corrupt-{step}')
+      suffix = 0
+      while os.path.exists(target):
+        suffix += 1
+        target = os.path.join(self.directory, f'corrupt-{step}.{suffix}')
+      os.rename(self._step_dir(step), target)
+    self._manager.reload()
+
+
+def _pure(state: Any) -> Any:
+  return nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip().splitlines()
+  return text[0][:300] if text else repr(error)
+
+
+def read_meta(directory: str, step: int | None = None) -> dict:
+  """The JSON record of checkpoint ``step`` (default: the newest complete one)."""
+  manager = CheckpointManager(directory, async_save=False)
+  try:
+    steps = manager.all_steps()
+    if not steps:
+      raise CheckpointError(f'{directory}: no complete checkpoint found.')
+    step = steps[-1] if step is None else step
+    if step not in steps:
+      raise CheckpointError(f'{directory}: no checkpoint of step {step}; have {steps}.')
+    return manager.read_meta(step)
+  finally:
+    manager.close()
+
+
+def restore_params(directory: str, abstract_params: Any, step: int | None = None
+                   ) -> tuple[Any, dict]:
+  """Only the model parameters of a checkpoint: ``(pure dict, meta)``.
+
+  ``abstract_params`` is the pure-dict tree of ``ShapeDtypeStruct``s of the
+  parameters (their shardings are used when set), or a function from the
+  checkpoint's meta record to that tree; the optimizer state is never read.
+  Works on training checkpoints and on parameter-only ones (``state[0]`` is
+  the model in both).
+  """
+  meta = read_meta(directory, step)
+  step = meta['step']
+  if callable(abstract_params):
+    abstract_params = abstract_params(meta)
+  item = {0: abstract_params}
+  restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+  checkpointer = ocp.PyTreeCheckpointer()
+  restored = checkpointer.restore(
+      os.path.join(directory, str(step), 'state'),
+      args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+  params = restored[0] if 0 in restored else restored['0']
+  expected = meta['checksums']['state']
+  actual = checksums({0: params})
+  bad = sorted(k for k in actual if expected.get(k) != actual[k])
+  if bad:
+    raise CheckpointError(f'{directory} step {step}: {len(bad)} parameter array(s) fail their '
+                          f'checksum: {", ".join(bad[:3])}.')
+  return params, meta
+
+
+__all__ = ['CheckpointError', 'CheckpointManager', 'checksums', 'read_meta', 'restore_params']
