@@ -112,3 +112,12 @@ def test_an_8b_model_is_refused_before_any_weights_exist():
   trainer = Trainer(maxnnx.get_preset('llama3.1-8b', scan_layers=True), config)
   with pytest.raises(TrainingError, match='per device'):
     trainer.compile(verbose=False)
+
+
+def test_expert_parallel_moe_matches_one_device():
+  """tiny-moe (8 experts, top-2) with experts split over 4 devices, batch over 2."""
+  moe = maxnnx.get_preset('tiny-moe', scan_layers=True)
+  reference = _losses(MeshConfig(data=1), moe)
+  losses = _losses(MeshConfig(data=2, expert=4), moe)
+  np.testing.assert_allclose(losses, reference, rtol=1e-4)
+  assert losses[-1] < losses[0]

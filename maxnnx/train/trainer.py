@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxnnx import sharding
 from maxnnx.config import ModelConfig
+from maxnnx.layers.moe import moe_loss
 from maxnnx.train import flops as flops_lib
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
@@ -302,27 +303,33 @@ class Trainer:
     total_tokens = jnp.maximum(batch['loss_mask'].sum(), 1.0)
 
     def loss_fn(params, micro):
-      m = nnx.merge(graphdef, params, rest)
+      # Fresh Variables for the non-parameter state: the forward pass writes MoE
+      # routing statistics into them, which must happen at this trace level.
+      m = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
       logits = m(micro['inputs'], segment_ids=micro['segment_ids'],
                  positions=micro['positions'])
       ce_sum, z_sum = masked_cross_entropy(logits, micro['targets'], micro['loss_mask'])
-      return (ce_sum + cfg.z_loss * z_sum) / total_tokens, (ce_sum, z_sum)
+      # MoE balancing / router z losses (zero without MoE layers), weighted like the
+      # micro-batch's share of the tokens so accumulation matches the whole batch.
+      aux = moe_loss(m) * micro['loss_mask'].sum() / total_tokens if is_moe else 0.0
+      return (ce_sum + cfg.z_loss * z_sum) / total_tokens + aux, (ce_sum, z_sum, aux)
 
+    is_moe = (getattr(self.model_config, 'num_experts', 0) or 0) > 1
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if cfg.grad_accum_steps == 1:
-      (_, (ce_sum, z_sum)), grads = grad_fn(params, batch)
+      (_, (ce_sum, z_sum, aux_sum)), grads = grad_fn(params, batch)
     else:
       micro_batches = jax.tree.map(
           lambda x: x.reshape(cfg.grad_accum_steps, -1, *x.shape[1:]), batch)
 
       def accumulate(carry, micro):
-        grads_acc, ce_acc, z_acc = carry
-        (_, (ce, z)), g = grad_fn(params, micro)
-        return (jax.tree.map(jnp.add, grads_acc, g), ce_acc + ce, z_acc + z), None
+        grads_acc, ce_acc, z_acc, aux_acc = carry
+        (_, (ce, z, aux)), g = grad_fn(params, micro)
+        return (jax.tree.map(jnp.add, grads_acc, g), ce_acc + ce, z_acc + z, aux_acc + aux), None
 
       zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-      (grads, ce_sum, z_sum), _ = jax.lax.scan(
-          accumulate, (zeros, jnp.zeros(()), jnp.zeros(())), micro_batches)
+      (grads, ce_sum, z_sum, aux_sum), _ = jax.lax.scan(
+          accumulate, (zeros, jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), micro_batches)
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     loss = ce_sum / total_tokens
@@ -344,6 +351,7 @@ class Trainer:
     extra = {'loss_ema': jnp.where(ok, ema, extra['loss_ema']), 'first_bad_step': first_bad,
              'bad_metric': bad_metric}
     metrics = {'loss': loss, 'z_loss': z_sum / total_tokens, 'grad_norm': grad_norm,
+               'moe_aux_loss': jnp.asarray(aux_sum, jnp.float32),
                'lr': self.schedule(step), 'skipped': ~ok}
     return new_state, extra, metrics
 
