@@ -245,8 +245,10 @@ def state_shardings(state, mesh: Mesh, rules: dict[str, MeshAxes] | None = None)
 
   def one(x):
     value = x.get_value() if isinstance(x, nnx.Variable) else x
+    if not hasattr(value, 'shape'):  # e.g. optax's MaskedNode: no array, nothing to place
+      return x
     names = _names_of(x) if isinstance(x, nnx.Variable) else None
-    shape = getattr(value, 'shape', ())
+    shape = value.shape
     if names is None or len(names) != len(shape):
       spec = P()
     else:

@@ -1,0 +1,118 @@
+"""Optimizers, schedules, metric files and the CLI's config keys."""
+
+import json
+
+import numpy as np
+import optax
+import pytest
+
+import maxnnx
+from maxnnx import cli
+from maxnnx.config import ConfigError, MeshConfig
+from maxnnx.data import TokenWindows
+from maxnnx.train import TrainConfig, Trainer, make_schedule
+from maxnnx.train.flops import forward_flops_per_token, mean_keys_per_query
+from maxnnx.train.metrics import TensorBoardWriter, crc32c, read_tensorboard_scalars
+
+
+def _run(steps=25, **train):
+  cfg = maxnnx.get_preset('tiny', vocab_size=64, num_layers=2, d_model=64, mlp_dim=128)
+  config = TrainConfig(steps=steps, global_batch_size=8, seq_len=32, log_every=steps,
+                       mesh=MeshConfig(data=1), **train)
+  data = TokenWindows(np.tile(np.arange(16), 300), 32, 8, seed=0)
+  return Trainer(cfg, config, data=data)
+
+
+@pytest.mark.parametrize('optimizer, lr', [('adamw', 1e-2), ('sgd', 0.3), ('adafactor', 1e-2),
+                                           ('muon', 2e-2)])
+def test_every_optimizer_learns(optimizer, lr):
+  history = _run(optimizer=optimizer, learning_rate=lr).fit(log=lambda line: None)
+  assert history[-1]['loss'] < 0.6 * history[0]['loss'], optimizer
+
+
+def test_schedules_follow_their_shapes():
+  peak = 1.0
+  cosine = make_schedule(TrainConfig(steps=100, learning_rate=peak, warmup_steps=10))
+  assert float(cosine(0)) == 0 and float(cosine(10)) == pytest.approx(peak)
+  assert float(cosine(100)) == pytest.approx(0.1 * peak)
+  wsd = make_schedule(TrainConfig(steps=100, learning_rate=peak, warmup_steps=10,
+                                  schedule='wsd', decay_fraction=0.2))
+  assert [float(wsd(s)) for s in (10, 50, 79)] == pytest.approx([peak] * 3)
+  assert float(wsd(90)) == pytest.approx(0.55 * peak) and float(wsd(100)) == pytest.approx(0.1)
+  constant = make_schedule(TrainConfig(steps=100, learning_rate=peak, warmup_steps=0,
+                                       schedule='constant'))
+  assert float(constant(77)) == peak
+
+
+def test_custom_optax_transformation_and_metric_files(tmp_path):
+  trainer = _run(steps=6, metrics_jsonl=str(tmp_path / 'm.jsonl'),
+                 tensorboard_dir=str(tmp_path / 'tb'))
+  trainer = Trainer(trainer.model_config, trainer.config, data=trainer.data,
+                    optimizer=optax.sgd(0.1))
+  history = trainer.fit(log=lambda line: None)
+  trainer.close()
+  rows = [json.loads(line) for line in open(tmp_path / 'm.jsonl')]
+  assert [r['step'] for r in rows] == list(range(1, 7))
+  for key in ('loss', 'lr', 'grad_norm', 'tokens_per_s', 'tflops_per_device', 'mfu'):
+    assert all(np.isfinite(r[key]) for r in rows), key
+  events = read_tensorboard_scalars(trainer._writers[0].path if trainer._writers else
+                                    str(next((tmp_path / 'tb').iterdir())))
+  assert [step for step, _ in events] == list(range(1, 7))
+  assert events[-1][1]['loss'] == pytest.approx(history[-1]['loss'], rel=1e-6)
+
+
+def test_tensorboard_framing_uses_crc32c(tmp_path):
+  assert crc32c(b'123456789') == 0xE3069283  # the standard check value
+  writer = TensorBoardWriter(str(tmp_path))
+  writer.scalars(3, {'loss': 1.5, 'skip': float('nan')})
+  writer.close()
+  assert read_tensorboard_scalars(writer.path) == [(3, {'loss': 1.5})]
+
+
+def test_flops_count_halves_causal_attention_and_caps_windows():
+  assert mean_keys_per_query(4, None) == 2.5
+  assert mean_keys_per_query(8, 2) == (1 + 2 * 7) / 8
+  cfg = maxnnx.get_preset('tiny')
+  windowed = cfg.replace(sliding_window=16)
+  assert forward_flops_per_token(windowed, 1024) < forward_flops_per_token(cfg, 1024)
+
+
+def test_skip_spike_and_config_errors():
+  with pytest.raises(ConfigError, match='skip_spike_factor'):
+    TrainConfig(skip_spike_factor=0.5)
+  with pytest.raises(ConfigError, match='grad_accum_steps'):
+    TrainConfig(global_batch_size=6, grad_accum_steps=4)
+  history = _run(steps=12, skip_spike_factor=1.5, learning_rate=1e-2).fit(log=lambda x: None)
+  assert not any(m['skipped'] for m in history)
+
+
+def test_cli_keys_cover_the_contract(tmp_path, capsys):
+  assert cli.main(['train', '--help']) == 0
+  text = capsys.readouterr().out
+  for key in ('model', 'steps', 'global_batch_size', 'seq_len', 'learning_rate', 'seed', 'dtype',
+              'data', 'output_dir', 'checkpoint_every', 'metrics_jsonl', 'mesh.data', 'mesh.fsdp',
+              'mesh.tensor', 'mesh.expert', 'mesh.context', 'mesh.stage'):
+    assert f'  {key} ' in text, key
+  assert cli.main(['train', 'mesh.fsdb=2']) == 2
+  assert "Did you mean 'mesh.fsdp'" in capsys.readouterr().err
+
+
+def test_cli_yaml_mesh_and_synthetic_data(tmp_path, capsys):
+  config = tmp_path / 'run.yml'
+  config.write_text('steps: 4\nglobal_batch_size: 8\nseq_len: 16\nlog_every: 2\n'
+                    'mesh:\n  fsdp: 2\n  tensor: 2\n')
+  jsonl = tmp_path / 'm.jsonl'
+  args = ['train', str(config), 'data=synthetic', 'mesh.data=2', f'output_dir={tmp_path}/run',
+          f'metrics_jsonl={jsonl}', 'scan_layers=true', 'sample_tokens=0']
+  assert cli.main(args) == 0, capsys.readouterr().err
+  rows = [json.loads(line) for line in open(jsonl)]
+  assert len(rows) == 4 and {'step', 'loss', 'lr', 'grad_norm', 'tokens_per_s',
+                             'tflops_per_device', 'mfu'} <= set(rows[0])
+  assert "'data': 2, 'fsdp': 2, 'tensor': 2" in capsys.readouterr().out
+
+
+def test_cli_compile_fails_fast_when_too_big(capsys):
+  args = ['compile', 'model=tiny', 'memory_limit_gib=0.00001', 'global_batch_size=8',
+          'seq_len=16', 'mesh.data=1']
+  assert cli.main(args) == 2
+  assert 'over by' in capsys.readouterr().err
