@@ -38,8 +38,10 @@ from maxnnx.config import MeshConfig
 RUN_KEYS = {
     'model': ('tiny', 'preset name (see maxnnx.list_presets()) or a local Hugging Face '
               'checkpoint directory to start from'),
-    'data': ('', "training text: a UTF-8 file, 'synthetic' (random tokens), or empty for the "
-             'shipped Shakespeare corpus'),
+    'data': ('', "training data: a UTF-8 .txt file, a JSONL/Parquet/ArrayRecord file or dataset "
+             "directory, 'synthetic' (random tokens), or empty for the shipped Shakespeare corpus"),
+    'tokenizer': ('', 'tokenizer file or directory (sentencepiece, tokenizer.json, tiktoken); '
+                  'default: the checkpoint\'s own, or one trained on a .txt corpus'),
     'output_dir': ('runs/tiny-shakespeare', 'where tokenizer, metrics, plot and model go'),
     'dtype': ('float32', 'compute dtype: float32 or bfloat16 (parameters stay float32)'),
     'scan_layers': (False, 'run the layer stack as one scanned block (needed for mesh.stage)'),
@@ -250,11 +252,16 @@ def _model_and_tokenizer(run: dict, out: str, corpus: str | None):
     model = maxnnx.from_pretrained(run['model'], **overrides)
     tokenizer = None
     if corpus is not None:
-      tokenizer = _checkpoint_tokenizer(run['model'])
+      tokenizer = _checkpoint_tokenizer(run['tokenizer'] or run['model'])
     return model, tokenizer
   cfg = maxnnx.get_preset(run['model'], **overrides)
   if corpus is None:
     return cfg, None
+  if run['tokenizer']:
+    return cfg, _checkpoint_tokenizer(run['tokenizer'])
+  if not _is_text_file(corpus):
+    raise UsageError(f"data={corpus} is not a .txt file: give its tokenizer with tokenizer=<path> "
+                     '(a sentencepiece model, tokenizer.json or tiktoken file).')
   # Retrained on every run (under a second): a cached tokenizer could belong to another corpus.
   print(f'Training a {cfg.vocab_size}-token sentencepiece BPE tokenizer on {corpus} ...')
   tokenizer = SentencePieceTokenizer(
@@ -265,20 +272,20 @@ def _model_and_tokenizer(run: dict, out: str, corpus: str | None):
   return cfg.replace(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id), tokenizer
 
 
-def _checkpoint_tokenizer(model_dir: str):
-  """The tokenizer stored with a Hugging Face checkpoint."""
-  try:
-    from maxnnx.data import load_tokenizer  # noqa: PLC0415
-  except ImportError:
-    load_tokenizer = None
-  if load_tokenizer is None:
-    raise UsageError(f'model={model_dir}: training a checkpoint on text needs its tokenizer, '
-                     'which this version cannot read; use data=synthetic.')
-  return load_tokenizer(model_dir)
+def _checkpoint_tokenizer(path: str):
+  """The tokenizer in ``path`` (a file, or a checkpoint directory holding one)."""
+  from maxnnx.data import load_tokenizer  # noqa: PLC0415
+  return load_tokenizer(path)
+
+
+def _is_text_file(path: str) -> bool:
+  return os.path.isfile(path) and path.endswith('.txt')
 
 
 def _build_trainer(options: dict, *, need_data: bool = True):
-  from maxnnx.data import DEFAULT_CORPUS, TokenWindows  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+
+  from maxnnx.data import DEFAULT_CORPUS, DataConfig, TokenWindows, make_pipeline  # noqa: PLC0415
   from maxnnx.data.text import read_text  # noqa: PLC0415
   from maxnnx.train import Trainer  # noqa: PLC0415
 
@@ -287,15 +294,23 @@ def _build_trainer(options: dict, *, need_data: bool = True):
   os.makedirs(out, exist_ok=True)
   synthetic = run['data'] == 'synthetic' or not need_data
   corpus = None if synthetic else (run['data'] or DEFAULT_CORPUS)
-  text = read_text(corpus) if corpus else None
   model, tokenizer = _model_and_tokenizer(run, out, corpus)
-  data = None
-  if corpus is not None:
-    tokens = np.asarray(tokenizer.encode(text), np.int32)
-    data = TokenWindows(tokens, train_config.seq_len, train_config.global_batch_size,
-                        seed=train_config.seed)
+  data, num_tokens = None, 0
+  local_batch = train_config.global_batch_size // jax.process_count()
+  if corpus is not None and _is_text_file(corpus):
+    tokens = np.asarray(tokenizer.encode(read_text(corpus)), np.int32)
+    num_tokens = len(tokens)
+    data = TokenWindows(tokens, train_config.seq_len, local_batch,
+                        seed=train_config.seed + jax.process_index())
+  elif corpus is not None:  # documents through the grain pipeline, packed
+    vocab = (model.vocab_size if hasattr(model, 'vocab_size') else model.config.vocab_size)
+    data = make_pipeline(DataConfig.from_string(corpus), tokenizer, batch_size=local_batch,
+                         seq_len=train_config.seq_len, seed=train_config.seed, vocab_size=vocab)
+    if train_config.eval_every:
+      print('Note: no held-out split for this data source; eval_every is set to 0.')
+      train_config = dataclasses.replace(train_config, eval_every=0)
   trainer = Trainer(model, train_config, data=data)
-  return trainer, run, tokenizer, (len(tokens) if corpus else 0)
+  return trainer, run, tokenizer, num_tokens
 
 
 def train(options: dict) -> dict:
@@ -304,7 +319,8 @@ def train(options: dict) -> dict:
 
   trainer, run, tokenizer, num_tokens = _build_trainer(options)
   cfg, out = trainer.config, run['output_dir']
-  source = f'{num_tokens:,} tokens' if num_tokens else 'synthetic tokens'
+  source = (f'{num_tokens:,} tokens' if num_tokens else
+            'synthetic tokens' if run['data'] == 'synthetic' else run['data'])
   print(f"Training {run['model']} ({trainer.model_config.num_params():,} parameters) on "
         f'{source} for {cfg.steps} steps of {cfg.global_batch_size} x {cfg.seq_len} tokens; '
         f'mesh {dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}.')
@@ -325,8 +341,9 @@ def train(options: dict) -> dict:
   maxnnx.save_pretrained(trainer.model, os.path.join(out, 'final'))
   with open(os.path.join(out, 'train_options.json'), 'w') as f:
     json.dump(options, f, indent=2, default=str)
+  trained_tokenizer = os.path.exists(os.path.join(out, 'tokenizer.model')) and not run['tokenizer']
   print(f'Wrote {out}/: metrics.jsonl, loss.png, final/ (Hugging Face format)'
-        + (', tokenizer.model' if tokenizer is not None else '') + '.')
+        + (', tokenizer.model' if trained_tokenizer else '') + '.')
   if run['sample_tokens'] and tokenizer is not None:
     print('\nSample:\n' + _sample(trainer.model, tokenizer, 'ROMEO:', run['sample_tokens'],
                                   0.8, 0.95, cfg.seed))

@@ -116,3 +116,20 @@ def test_cli_compile_fails_fast_when_too_big(capsys):
           'seq_len=16', 'mesh.data=1']
   assert cli.main(args) == 2
   assert 'over by' in capsys.readouterr().err
+
+
+def test_cli_trains_on_jsonl_through_the_pipeline(tmp_path, capsys):
+  """data=<jsonl> goes through the packing pipeline; it needs tokenizer= for a preset."""
+  from maxnnx.data import DEFAULT_CORPUS, train_sentencepiece
+  docs = tmp_path / 'docs.jsonl'
+  docs.write_text(''.join(json.dumps({'text': f'Sir {i}, the quick brown fox is here. ' * 3})
+                          + '\n' for i in range(200)))
+  out = tmp_path / 'run'
+  base = ['train', f'data={docs}', f'output_dir={out}', 'steps=3', 'log_every=3',
+          'global_batch_size=4', 'seq_len=32', 'mesh.data=1', 'sample_tokens=0']
+  assert cli.main(base) == 2
+  assert 'tokenizer=' in capsys.readouterr().err
+  tok = train_sentencepiece(DEFAULT_CORPUS, str(tmp_path / 'sp'), 512)
+  assert cli.main(base + [f'tokenizer={tok}']) == 0, capsys.readouterr().err
+  rows = [json.loads(line) for line in open(out / 'metrics.jsonl')]
+  assert len(rows) == 3 and all(np.isfinite(r['loss']) for r in rows)

@@ -36,7 +36,8 @@ class TrainConfig(_Validated):
     z_loss: weight of ``logsumexp(logits)^2`` added to the loss (PaLM).
     skip_spike_factor: skip the update when the loss exceeds this many times
       its running average (``None``: never skip).
-    quantization: ``none``, ``int8`` or ``fp8`` quantized training (qwix QAT).
+    quantization: ``none`` only for now; ``int8``/``fp8`` quantized training
+      (qwix QAT) is planned and refused with a clear error until then.
     log_every: fetch metrics to the host and log every N steps (the only host
       sync in the loop).
     eval_every: evaluate every N steps (0: never during ``fit``).

@@ -41,13 +41,7 @@ def _mlp_flops(cfg: ModelConfig, width: int) -> int:
 
 
 def _layer_is_moe(cfg: ModelConfig, layer: int) -> bool:
-  experts = getattr(cfg, 'num_experts', 0) or 0
-  if experts <= 1:
-    return False
-  if layer < (getattr(cfg, 'first_k_dense_layers', 0) or 0):
-    return False
-  step = getattr(cfg, 'moe_layer_step', 1) or 1
-  return (layer + 1) % step == 0 if step > 1 else True
+  return cfg.num_experts > 1 and cfg.moe_layers[layer]
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -59,11 +53,9 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     window = cfg.sliding_window if kind == 'sliding' else None
     total += 4 * h * hd * mean_keys_per_query(seq_len, window)  # q.k and p.v
     if _layer_is_moe(cfg, layer):
-      routed = getattr(cfg, 'num_experts_per_tok', 1)
-      width = getattr(cfg, 'moe_mlp_dim', None) or cfg.mlp_dim
-      shared = getattr(cfg, 'num_shared_experts', 0) or 0
+      width = cfg.moe_mlp_dim or cfg.mlp_dim
       total += 2 * d * cfg.num_experts  # router
-      total += (routed + shared) * _mlp_flops(cfg, width)
+      total += (cfg.num_experts_per_tok + cfg.num_shared_experts) * _mlp_flops(cfg, width)
     else:
       total += _mlp_flops(cfg, cfg.mlp_dim)
   return float(total)

@@ -179,6 +179,10 @@ class Trainer:
                optimizer: optax.GradientTransformation | None = None,
                mesh: Mesh | None = None, callbacks: Iterable[Callable] = ()):
     self.config = config = config or TrainConfig()
+    if config.quantization != 'none':
+      raise NotImplementedError(
+          f"TrainConfig.quantization='{config.quantization}': quantized training is not "
+          "implemented yet; use quantization='none'.")
     self.mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
     self.rules = sharding.logical_rules(config.mesh)
     self.schedule = make_schedule(config)
@@ -486,9 +490,12 @@ class Trainer:
     source = self.eval_data if self.eval_data is not None else self.data
     if hasattr(source, 'eval_batches'):
       batches = source.eval_batches(num_batches)
-    else:
+    elif self.eval_data is not None:
       iterator = iter(source)
       batches = [next(iterator) for _ in range(num_batches)]
+    else:
+      raise ValueError('evaluate() needs held-out batches: pass eval_data= to the Trainer (the '
+                       'training data has no eval_batches()), or set eval_every=0.')
     self._sync_from_objects()
     self._materialise()
     if self._eval_compiled is None:
