@@ -52,7 +52,7 @@ RUN_KEYS = {
 }
 TRAIN_OVERRIDES = {  # defaults of the default run that differ from TrainConfig's
     'steps': 600, 'global_batch_size': 16, 'seq_len': 128, 'learning_rate': 3e-3,
-    'log_every': 25, 'eval_every': 100,
+    'log_every': 25, 'eval_every': 100, 'checkpoint_every': 200,
 }
 GENERATE_KEYS = {
     'output_dir': ('runs/tiny-shakespeare', 'a directory written by maxnnx train'),
