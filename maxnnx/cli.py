@@ -306,9 +306,10 @@ def _build_trainer(options: dict, *, need_data: bool = True):
     vocab = (model.vocab_size if hasattr(model, 'vocab_size') else model.config.vocab_size)
     data = make_pipeline(DataConfig.from_string(corpus), tokenizer, batch_size=local_batch,
                          seq_len=train_config.seq_len, seed=train_config.seed, vocab_size=vocab)
-    if train_config.eval_every:
-      print('Note: no held-out split for this data source; eval_every is set to 0.')
-      train_config = dataclasses.replace(train_config, eval_every=0)
+  if train_config.eval_every and not hasattr(data, 'eval_batches'):
+    if data is not None:
+      print('Note: this data source has no held-out split; eval_every is set to 0.')
+    train_config = dataclasses.replace(train_config, eval_every=0)
   trainer = Trainer(model, train_config, data=data)
   return trainer, run, tokenizer, num_tokens
 
