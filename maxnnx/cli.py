@@ -242,7 +242,11 @@ def _split_options(options: dict):
 def _model_and_tokenizer(run: dict, out: str, corpus: str | None):
   """The model to train (a ModelConfig or loaded model) and its tokenizer (or None)."""
   import maxnnx  # noqa: PLC0415
-  from maxnnx.data import SentencePieceTokenizer, train_sentencepiece  # noqa: PLC0415
+  from maxnnx.data import (  # noqa: PLC0415
+                           SentencePieceTokenizer,
+                           load_tokenizer,
+                           train_sentencepiece,
+  )
   overrides = {'dtype': run['dtype'], 'scan_layers': run['scan_layers']}
   if run['remat_policy']:
     overrides['remat_policy'] = run['remat_policy']
@@ -252,13 +256,13 @@ def _model_and_tokenizer(run: dict, out: str, corpus: str | None):
     model = maxnnx.from_pretrained(run['model'], **overrides)
     tokenizer = None
     if corpus is not None:
-      tokenizer = _checkpoint_tokenizer(run['tokenizer'] or run['model'])
+      tokenizer = load_tokenizer(run['tokenizer'] or run['model'])
     return model, tokenizer
   cfg = maxnnx.get_preset(run['model'], **overrides)
   if corpus is None:
     return cfg, None
   if run['tokenizer']:
-    return cfg, _checkpoint_tokenizer(run['tokenizer'])
+    return cfg, load_tokenizer(run['tokenizer'])
   if not _is_text_file(corpus):
     raise UsageError(f"data={corpus} is not a .txt file: give its tokenizer with tokenizer=<path> "
                      '(a sentencepiece model, tokenizer.json or tiktoken file).')
@@ -270,12 +274,6 @@ def _model_and_tokenizer(run: dict, out: str, corpus: str | None):
     raise UsageError(f'The tokenizer has {tokenizer.vocab_size} tokens but model '
                      f"{run['model']} only {cfg.vocab_size}.")
   return cfg.replace(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id), tokenizer
-
-
-def _checkpoint_tokenizer(path: str):
-  """The tokenizer in ``path`` (a file, or a checkpoint directory holding one)."""
-  from maxnnx.data import load_tokenizer  # noqa: PLC0415
-  return load_tokenizer(path)
 
 
 def _is_text_file(path: str) -> bool:

@@ -2,9 +2,12 @@
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import maxnnx
 from maxnnx import cli
@@ -13,6 +16,7 @@ from maxnnx.data import TokenWindows
 from maxnnx.train import TrainConfig, Trainer, make_schedule
 from maxnnx.train.flops import forward_flops_per_token, mean_keys_per_query
 from maxnnx.train.metrics import TensorBoardWriter, crc32c, read_tensorboard_scalars
+from maxnnx.train.trainer import masked_cross_entropy
 
 
 def _run(steps=25, **train):
@@ -45,18 +49,17 @@ def test_schedules_follow_their_shapes():
 
 
 def test_custom_optax_transformation_and_metric_files(tmp_path):
-  trainer = _run(steps=6, metrics_jsonl=str(tmp_path / 'm.jsonl'),
-                 tensorboard_dir=str(tmp_path / 'tb'))
-  trainer = Trainer(trainer.model_config, trainer.config, data=trainer.data,
-                    optimizer=optax.sgd(0.1))
+  base = _run(steps=6, metrics_jsonl=str(tmp_path / 'm.jsonl'),
+              tensorboard_dir=str(tmp_path / 'tb'))
+  trainer = Trainer(base.model_config, base.config, data=base.data, optimizer=optax.sgd(0.1))
   history = trainer.fit(log=lambda line: None)
   trainer.close()
   rows = [json.loads(line) for line in open(tmp_path / 'm.jsonl')]
   assert [r['step'] for r in rows] == list(range(1, 7))
   for key in ('loss', 'lr', 'grad_norm', 'tokens_per_s', 'tflops_per_device', 'mfu'):
     assert all(np.isfinite(r[key]) for r in rows), key
-  events = read_tensorboard_scalars(trainer._writers[0].path if trainer._writers else
-                                    str(next((tmp_path / 'tb').iterdir())))
+  (event_file,) = (tmp_path / 'tb').iterdir()
+  events = read_tensorboard_scalars(str(event_file))
   assert [step for step, _ in events] == list(range(1, 7))
   assert events[-1][1]['loss'] == pytest.approx(history[-1]['loss'], rel=1e-6)
 
@@ -77,13 +80,37 @@ def test_flops_count_halves_causal_attention_and_caps_windows():
   assert forward_flops_per_token(windowed, 1024) < forward_flops_per_token(cfg, 1024)
 
 
-def test_skip_spike_and_config_errors():
+def test_a_loss_spike_is_skipped_and_leaves_the_state_alone():
   with pytest.raises(ConfigError, match='skip_spike_factor'):
     TrainConfig(skip_spike_factor=0.5)
   with pytest.raises(ConfigError, match='grad_accum_steps'):
     TrainConfig(global_batch_size=6, grad_accum_steps=4)
-  history = _run(steps=12, skip_spike_factor=1.5, learning_rate=1e-2).fit(log=lambda x: None)
-  assert not any(m['skipped'] for m in history)
+  trainer = _run(steps=30, skip_spike_factor=1.5, learning_rate=1e-2, warmup_steps=0)
+  history = trainer.fit(20, log=lambda x: None)
+  assert not any(m['skipped'] for m in history)  # the periodic stream trains smoothly
+  last_loss = history[-1]['loss']
+  params = [np.asarray(x) for x in jax.tree.leaves(nnx.state(trainer.model, nnx.Param))]
+  step = int(trainer.optimizer.step[...])
+  noise = np.random.default_rng(0).integers(0, 64, (8, 33))  # unlearnable: a spike
+  record = trainer.step(noise)
+  assert record['skipped'] and record['loss'] > 1.5 * last_loss
+  after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(trainer.model, nnx.Param))]
+  assert all(np.array_equal(a, b) for a, b in zip(params, after))
+  assert int(trainer.optimizer.step[...]) == step
+  assert not trainer.step()['skipped']  # the next ordinary batch trains again
+
+
+def test_masked_cross_entropy_matches_float64_numpy():
+  rng = np.random.default_rng(1)
+  logits = rng.normal(size=(2, 5, 7)) * 3
+  targets = rng.integers(0, 7, (2, 5))
+  mask = (rng.random((2, 5)) > 0.3).astype(np.float32)
+  ce, z = masked_cross_entropy(jnp.asarray(logits, jnp.float32), jnp.asarray(targets),
+                               jnp.asarray(mask))
+  lse = np.log(np.exp(logits).sum(-1))
+  picked = np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+  np.testing.assert_allclose(float(ce), ((lse - picked) * mask).sum(), rtol=1e-5)
+  np.testing.assert_allclose(float(z), (lse**2 * mask).sum(), rtol=1e-5)
 
 
 def test_cli_keys_cover_the_contract(tmp_path, capsys):

@@ -91,7 +91,25 @@ def _optional_id(i: int) -> int | None:
   return None if i < 0 else i
 
 
-class HFTokenizer:
+class _SpecialIds:
+  """``bos_id``/``eos_id``/``pad_id`` read from ``self._ids`` (``None`` when absent)."""
+
+  _ids: dict[str, int | None]
+
+  @property
+  def bos_id(self) -> int | None:
+    return self._ids['bos_token']
+
+  @property
+  def eos_id(self) -> int | None:
+    return self._ids['eos_token']
+
+  @property
+  def pad_id(self) -> int | None:
+    return self._ids['pad_token']
+
+
+class HFTokenizer(_SpecialIds):
   """A Hugging Face ``tokenizer.json`` (read with the ``tokenizers`` package).
 
   Args:
@@ -127,18 +145,6 @@ class HFTokenizer:
   def vocab_size(self) -> int:
     return self.backend.get_vocab_size(with_added_tokens=True)
 
-  @property
-  def bos_id(self) -> int | None:
-    return self._ids['bos_token']
-
-  @property
-  def eos_id(self) -> int | None:
-    return self._ids['eos_token']
-
-  @property
-  def pad_id(self) -> int | None:
-    return self._ids['pad_token']
-
   def encode(self, text: str) -> list[int]:
     return self.backend.encode(text, add_special_tokens=False).ids
 
@@ -171,7 +177,7 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
 LLAMA3_SPECIAL_TOKENS = ('<|begin_of_text|>', '<|end_of_text|>')
 
 
-class TiktokenTokenizer:
+class TiktokenTokenizer(_SpecialIds):
   """A tiktoken-format BPE file read from a local path (with the ``tiktoken`` package).
 
   The file holds one ``base64(token bytes) rank`` pair per line; ranks are the
@@ -218,18 +224,6 @@ class TiktokenTokenizer:
   @property
   def vocab_size(self) -> int:
     return self.encoding.max_token_value + 1
-
-  @property
-  def bos_id(self) -> int | None:
-    return self._ids['bos_token']
-
-  @property
-  def eos_id(self) -> int | None:
-    return self._ids['eos_token']
-
-  @property
-  def pad_id(self) -> int | None:
-    return self._ids['pad_token']
 
   def encode(self, text: str) -> list[int]:
     # Special-token strings in the data are encoded as ordinary text.

@@ -22,6 +22,7 @@ from maxnnx.kernels.capabilities import (
   AttentionCapabilities,
   AttentionRequest,
   check_policy,
+  lookup_kernel,
   refuse,
 )
 from maxnnx.kernels.masks import AttentionMask
@@ -144,11 +145,4 @@ def get_attention_kernel(name: str, *, on_unsupported: str | None = None) -> Att
 
   ``on_unsupported`` (``fallback`` or ``error``) overrides the strategy's policy.
   """
-  if name not in ATTENTION_IMPLEMENTATIONS:
-    known = ', '.join(sorted(ATTENTION_IMPLEMENTATIONS))
-    raise ValueError(f"Unknown attention_impl '{name}'. Known implementations: {known}.")
-  kernel = ATTENTION_IMPLEMENTATIONS[name]()
-  if on_unsupported is not None:
-    check_policy(on_unsupported)
-    kernel = dataclasses.replace(kernel, on_unsupported=on_unsupported)
-  return kernel
+  return lookup_kernel(ATTENTION_IMPLEMENTATIONS, 'attention', name, on_unsupported)

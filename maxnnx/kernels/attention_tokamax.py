@@ -17,9 +17,8 @@ from maxnnx.kernels.capabilities import (
   FLOAT_DTYPES,
   AttentionCapabilities,
   import_tokamax,
-  log_once,
+  run_first_tokamax,
   tokamax_missing,
-  warn_once,
 )
 
 #: Platforms of each tokamax attention implementation.
@@ -69,29 +68,11 @@ class TokamaxAttention(AttentionKernel):
     del sinks_N  # refused by the capability check
     tokamax = import_tokamax()
     allowed_B1TS = mask.dense(sliding_window)[:, None]
-    errors = []
-    for impl in self.implementations:
-      try:
-        out = tokamax.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=allowed_B1TS,
-                                            scale=scale, logits_soft_cap=softcap,
-                                            implementation=impl)
-      except NotImplementedError as e:
-        errors.append(f'{impl}: {e}')
-        continue
-      except ValueError as e:  # tokamax was built without this implementation
-        if 'Unknown implementation' not in str(e):
-          raise
-        errors.append(f'{impl}: {e}')
-        continue
-      if errors:
-        warn_once(('attention', self.name, impl, tuple(errors)),
-                  f"attention_impl '{self.name}': tokamax implementation(s) could not run "
-                  f"({'; '.join(errors)}); using tokamax '{impl}'.")
-      else:
-        log_once(('attention', self.name, impl), f"attention_impl '{self.name}' runs tokamax "
-                 f"implementation '{impl}'.")
-      return out
-    raise NotImplementedError(f"no tokamax implementation could run ({'; '.join(errors)})")
+    return run_first_tokamax(
+        'attention', self.name, self.implementations,
+        lambda impl: tokamax.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=allowed_B1TS,
+                                                   scale=scale, logits_soft_cap=softcap,
+                                                   implementation=impl))
 
 
 register_attention_kernel('tokamax', TokamaxAttention)

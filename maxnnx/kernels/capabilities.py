@@ -92,6 +92,51 @@ def import_tokamax():
   return tokamax
 
 
+def run_first_tokamax(kind: str, name: str, implementations, call):
+  """``call(impl)`` for the first tokamax implementation that runs; log which ran.
+
+  Implementations that refuse (``NotImplementedError``, or a build without
+  them) are skipped and named in a warning (once), so a drop to XLA is
+  visible. Raises ``NotImplementedError`` when none can run.
+  """
+  errors = []
+  for impl in implementations:
+    try:
+      out = call(impl)
+    except NotImplementedError as e:
+      errors.append(f'{impl}: {e}')
+      continue
+    except ValueError as e:  # tokamax was built without this implementation
+      if 'Unknown implementation' not in str(e):
+        raise
+      errors.append(f'{impl}: {e}')
+      continue
+    if errors:
+      warn_once((kind, name, impl, tuple(errors)),
+                f"{kind}_impl '{name}': tokamax implementation(s) could not run "
+                f"({'; '.join(errors)}); using tokamax '{impl}'.")
+    else:
+      log_once((kind, name, impl), f"{kind}_impl '{name}' runs tokamax implementation '{impl}'.")
+    return out
+  raise NotImplementedError(f"no tokamax implementation could run ({'; '.join(errors)})")
+
+
+def lookup_kernel(registry: dict, kind: str, name: str, on_unsupported: str | None):
+  """Instantiate ``registry[name]``; ``on_unsupported`` overrides its policy.
+
+  Raises:
+    ValueError: for an unknown name (listing the known ones) or policy.
+  """
+  if name not in registry:
+    known = ', '.join(sorted(registry))
+    raise ValueError(f"Unknown {kind}_impl '{name}'. Known implementations: {known}.")
+  kernel = registry[name]()
+  if on_unsupported is not None:
+    check_policy(on_unsupported)
+    kernel = dataclasses.replace(kernel, on_unsupported=on_unsupported)
+  return kernel
+
+
 def _window_kind(sliding_window) -> Literal['none', 'static', 'traced']:
   if sliding_window is None:
     return 'none'

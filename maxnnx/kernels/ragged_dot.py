@@ -22,10 +22,10 @@ from maxnnx.kernels.capabilities import (
   RaggedDotRequest,
   check_policy,
   import_tokamax,
-  log_once,
+  lookup_kernel,
   refuse,
+  run_first_tokamax,
   tokamax_missing,
-  warn_once,
 )
 
 
@@ -168,29 +168,12 @@ class TokamaxRaggedDot(RaggedDotKernel):
   def compute(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
     """Try each implementation; log the ones that refuse; raise if all refuse."""
     tokamax = import_tokamax()
-    errors = []
-    for impl in self.implementations:
-      try:
-        out = tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32),
-                                 preferred_element_type=preferred_element_type,
-                                 implementation=impl)
-      except NotImplementedError as e:
-        errors.append(f'{impl}: {e}')
-        continue
-      except ValueError as e:  # tokamax was built without this implementation
-        if 'Unknown implementation' not in str(e):
-          raise
-        errors.append(f'{impl}: {e}')
-        continue
-      if errors:
-        warn_once(('ragged_dot', self.name, impl, tuple(errors)),
-                  f"ragged_dot_impl '{self.name}': tokamax implementation(s) could not run "
-                  f"({'; '.join(errors)}); using tokamax '{impl}'.")
-      else:
-        log_once(('ragged_dot', self.name, impl), f"ragged_dot_impl '{self.name}' runs "
-                 f"tokamax implementation '{impl}'.")
-      return out
-    raise NotImplementedError(f"no tokamax implementation could run ({'; '.join(errors)})")
+    group_sizes_G = group_sizes_G.astype(jnp.int32)
+    return run_first_tokamax(
+        'ragged_dot', self.name, self.implementations,
+        lambda impl: tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G,
+                                        preferred_element_type=preferred_element_type,
+                                        implementation=impl))
 
 
 RAGGED_DOT_IMPLEMENTATIONS: dict[str, Callable[[], RaggedDotKernel]] = {
@@ -210,11 +193,4 @@ def get_ragged_dot_kernel(name: str, *, on_unsupported: str | None = None) -> Ra
 
   ``on_unsupported`` (``fallback`` or ``error``) overrides the strategy's policy.
   """
-  if name not in RAGGED_DOT_IMPLEMENTATIONS:
-    known = ', '.join(sorted(RAGGED_DOT_IMPLEMENTATIONS))
-    raise ValueError(f"Unknown ragged_dot_impl '{name}'. Known implementations: {known}.")
-  kernel = RAGGED_DOT_IMPLEMENTATIONS[name]()
-  if on_unsupported is not None:
-    check_policy(on_unsupported)
-    kernel = dataclasses.replace(kernel, on_unsupported=on_unsupported)
-  return kernel
+  return lookup_kernel(RAGGED_DOT_IMPLEMENTATIONS, 'ragged_dot', name, on_unsupported)

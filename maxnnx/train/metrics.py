@@ -218,8 +218,3 @@ class ProgressBar:
     else:
       self.stream.write(line + '\n')
     self.stream.flush()
-
-  def message(self, text: str) -> None:
-    """Print ``text`` on its own line (breaking the bar if needed)."""
-    self.stream.write(('\n' if self.interactive else '') + text + '\n')
-    self.stream.flush()

@@ -209,20 +209,20 @@ class Trainer:
     build = self._builder(self.model_config) if concrete is None else None
 
     # Built outside the mesh context: flax would read logical names as mesh axes there.
-    if True:
-      if concrete is not None:
-        optimizer_obj = nnx.Optimizer(concrete, self.tx, wrt=nnx.Param)
-        self._graphdef, state = nnx.split((concrete, optimizer_obj))
-        self._state_shardings = sharding.state_shardings(state, self.mesh, self.rules)
-        self._abstract_state = _abstract_tree(state, self._state_shardings)
-        self._state = jax.device_put(state, self._state_shardings)
-      else:
-        abstract = nnx.eval_shape(build)
-        self._graphdef, abstract_state = nnx.split(abstract)
-        self._state_shardings = sharding.state_shardings(abstract_state, self.mesh, self.rules)
-        self._abstract_state = _abstract_tree(abstract_state, self._state_shardings)
-        self._build = build
-        self._state = None  # materialised on first use, after compile() had its say
+    if concrete is not None:
+      optimizer_obj = nnx.Optimizer(concrete, self.tx, wrt=nnx.Param)
+      self._graphdef, state = nnx.split((concrete, optimizer_obj))
+    else:
+      self._graphdef, state = nnx.split(nnx.eval_shape(build))
+      self._build = build
+    self._state_shardings = sharding.state_shardings(state, self.mesh, self.rules)
+    self._abstract_state = _abstract_tree(state, self._state_shardings)
+    # A given model is placed now; a built one on first use, after compile() had its say.
+    self._state = jax.device_put(state, self._state_shardings) if concrete is not None else None
+    self._extra_sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    self._abstract_extra = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._extra_sharding),
+        jax.eval_shape(_initial_extra))
     self._objects = None
     self._extra = None
     self._batch_sharding = NamedSharding(
@@ -259,10 +259,7 @@ class Trainer:
       init = jax.jit(lambda: nnx.state(self._build()), out_shardings=self._state_shardings)
       self._state = init()
     if self._extra is None:
-      replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-      self._extra = jax.device_put({'loss_ema': jnp.zeros((), jnp.float32),
-                                    'first_bad_step': jnp.zeros((), jnp.int32),
-                                    'bad_metric': jnp.zeros((), jnp.int32)}, replicated)
+      self._extra = jax.device_put(_initial_extra(), self._extra_sharding)
 
   # -- the live objects ---------------------------------------------------------------
 
@@ -318,7 +315,7 @@ class Trainer:
       aux = moe_loss(m) * micro['loss_mask'].sum() / total_tokens if is_moe else 0.0
       return (ce_sum + cfg.z_loss * z_sum) / total_tokens + aux, (ce_sum, z_sum, aux)
 
-    is_moe = (getattr(self.model_config, 'num_experts', 0) or 0) > 1
+    is_moe = self.model_config.num_experts > 1
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if cfg.grad_accum_steps == 1:
       (_, (ce_sum, z_sum, aux_sum)), grads = grad_fn(params, batch)
@@ -377,14 +374,11 @@ class Trainer:
     start = time.perf_counter()
     with self._context():
       jitted = jax.jit(self._train_step,
-                       in_shardings=(self._state_shardings, _replicated_like(self.mesh),
+                       in_shardings=(self._state_shardings, self._extra_sharding,
                                      self._batch_sharding),
-                       out_shardings=(self._state_shardings, _replicated_like(self.mesh), None),
+                       out_shardings=(self._state_shardings, self._extra_sharding, None),
                        donate_argnums=(0, 1))
-      extra = {'loss_ema': jax.ShapeDtypeStruct((), jnp.float32),
-               'first_bad_step': jax.ShapeDtypeStruct((), jnp.int32),
-               'bad_metric': jax.ShapeDtypeStruct((), jnp.int32)}
-      lowered = jitted.lower(self._abstract_state, extra, self._abstract_batch())
+      lowered = jitted.lower(self._abstract_state, self._abstract_extra, self._abstract_batch())
       compiled = lowered.compile()
     report = memory_report(compiled, self.mesh, self.config.memory_limit_gib)
     report['compile_seconds'] = time.perf_counter() - start
@@ -613,11 +607,7 @@ class Trainer:
     the one before it used. Returns the step, or ``None`` when there is none.
     """
     manager = self._checkpoint_manager()
-    replicated = _replicated_like(self.mesh)
-    abstract_extra = {'loss_ema': jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
-                      'first_bad_step': jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-                      'bad_metric': jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)}
-    restored = manager.restore(self._abstract_state, abstract_extra, step)
+    restored = manager.restore(self._abstract_state, self._abstract_extra, step)
     if restored is None:
       return None
     step, self._state, self._extra, meta = restored
@@ -663,8 +653,10 @@ def _new_model(model_config: ModelConfig, seed: int) -> nnx.Module:
   return Transformer(model_config, rngs=nnx.Rngs(seed))
 
 
-def _replicated_like(mesh: Mesh):
-  return NamedSharding(mesh, jax.sharding.PartitionSpec())
+def _initial_extra() -> dict[str, jax.Array]:
+  """Trainer bookkeeping kept on the device: loss average and the first non-finite step."""
+  return {'loss_ema': jnp.zeros((), jnp.float32), 'first_bad_step': jnp.zeros((), jnp.int32),
+          'bad_metric': jnp.zeros((), jnp.int32)}
 
 
 def _gib(n: float) -> str:
