@@ -1,0 +1,1 @@
+"""Benchmarks for maxnnx: training throughput, decode and kernels, plus the peers we compare to."""
