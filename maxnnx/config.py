@@ -237,6 +237,8 @@ class ModelConfig(_Validated):
     query_scale: multiplier of q·k; ``None`` means ``head_dim ** -0.5``
       (Gemma 2/3 use ``query_pre_attn_scalar ** -0.5``).
     attn_logit_softcap: ``cap * tanh(scores / cap)`` before the softmax.
+    attention_sinks: a learned logit per query head joins every softmax as a
+      value-less extra key, so a head can attend to nothing (GPT-OSS).
     sliding_window: keys at most this many positions back (query included) are
       visible in sliding layers.
     layer_types: ``full`` or ``sliding`` per layer; ``None`` means all sliding
@@ -331,6 +333,7 @@ class ModelConfig(_Validated):
   qk_norm: Literal['none', 'head', 'projection'] = 'none'
   query_scale: float | None = None
   attn_logit_softcap: float | None = None
+  attention_sinks: bool = False
   sliding_window: int | None = None
   layer_types: tuple[LayerType, ...] | None = None
   rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
@@ -410,6 +413,8 @@ class ModelConfig(_Validated):
                         f'({self.rope.partial_rotary_factor} * {self.resolved_head_dim}) '
                         'must be even.')
     self._validate_moe()
+    if self.attention_sinks and self.attention_type != 'mha':
+      raise ConfigError("ModelConfig.attention_sinks needs attention_type='mha'.")
     if self.attention_type == 'mla':
       for name in ('kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'):
         if getattr(self, name) <= 0:
@@ -506,6 +511,7 @@ class ModelConfig(_Validated):
     attn = d * hd * (h + 2 * kv) + h * hd * d
     attn += hd * (h + 2 * kv) * self.qkv_bias + d * self.out_bias
     attn += {'none': 0, 'head': 2 * hd, 'projection': hd * (h + kv)}[self.qk_norm]
+    attn += h * self.attention_sinks
     if self.attention_type == 'mla':
       attn = self._mla_params()
     mlp = d * self.mlp_dim * (3 if self.mlp_gated else 2)

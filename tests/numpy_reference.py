@@ -187,10 +187,12 @@ def visible(q_seg, q_pos, kv_seg, kv_pos, window=None):
   return out
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, allowed_BTS, scale, softcap=None):
+def attention(q_BTNH, k_BSKH, v_BSKH, allowed_BTS, scale, softcap=None, sinks_N=None):
   """Softmax attention, one query head at a time; head ``h`` reads kv head ``h // G``.
 
-  Rows with no visible key come out as NaN (callers compare only real rows).
+  With ``sinks_N``, head ``h``'s softmax runs over ``[scores, sinks_N[h]]`` and the
+  sink column is dropped afterwards. Rows with no visible key come out as NaN
+  (callers compare only real rows).
   """
   q, k, v = f64(q_BTNH), f64(k_BSKH), f64(v_BSKH)
   num_heads, num_kv_heads = q.shape[2], k.shape[2]
@@ -202,9 +204,14 @@ def attention(q_BTNH, k_BSKH, v_BSKH, allowed_BTS, scale, softcap=None):
     if softcap is not None:
       scores = softcap * np.tanh(scores / softcap)
     scores = np.where(allowed_BTS, scores, -np.inf)
+    if sinks_N is not None:
+      sink = np.full(scores.shape[:-1] + (1,), f64(sinks_N)[h])
+      scores = np.concatenate([scores, sink], axis=-1)
     with np.errstate(invalid='ignore'):
       weights = np.exp(scores - scores.max(-1, keepdims=True))
       weights = weights / weights.sum(-1, keepdims=True)
+    if sinks_N is not None:
+      weights = weights[..., :-1]
     out[:, :, h] = np.einsum('bts,bsh->bth', weights, v[:, :, kv])
   return out
 
@@ -232,7 +239,7 @@ def attention_module(x_BTD, p, *, positions, segment_ids, inv_freq, attention_fa
   q = apply_rope(q, positions, inv_freq, attention_factor)
   k = apply_rope(k, positions, inv_freq, attention_factor)
   allowed = visible(segment_ids, positions, segment_ids, positions, window)
-  out = attention(q, k, v, allowed, scale, softcap)
+  out = attention(q, k, v, allowed, scale, softcap, p.get('sinks'))
   y = np.einsum('btnh,nhd->btd', out, f64(p['o_proj']['kernel']))
   if 'bias' in p['o_proj']:
     y = y + f64(p['o_proj']['bias'])

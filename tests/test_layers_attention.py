@@ -281,3 +281,52 @@ def test_attention_module_projection_axes():
   assert tuple(specs['o_proj']['kernel']) == ('heads', 'head_dim', 'embed')
   assert attn.q_proj.bias.get_metadata()['out_sharding'] == ('heads', 'head_dim')
   assert attn.q_proj.kernel.shape == (32, 4, 8) and attn.k_proj.kernel.shape == (32, 2, 8)
+
+
+# -- attention sinks ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize('window', [None, 2])
+def test_kernel_sinks_match_reference(window):
+  """Each head's sink joins its softmax as a value-less key (GQA, packed documents, window)."""
+  q, k, v = _qkv(14, b=1, heads=4, kv_heads=2)
+  sinks = np.random.default_rng(15).normal(size=4) * 2
+  allowed = ref.visible(PACKED_SEGMENTS, PACKED_POSITIONS, PACKED_SEGMENTS, PACKED_POSITIONS,
+                        window)
+  expected = ref.attention(q, k, v, allowed, 0.35, sinks_N=sinks)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  got = XlaAttention()(f32(q), f32(k), f32(v), _mask(PACKED_SEGMENTS, PACKED_POSITIONS),
+                       scale=0.35, softcap=None, sliding_window=window, sinks_N=f32(sinks))
+  ref.assert_close(got, expected)
+  assert not np.allclose(expected, ref.attention(q, k, v, allowed, 0.35), atol=1e-2)
+
+
+def test_attention_module_sinks():
+  """Sinks are a [heads] parameter passed to the kernel; at -1e4 they vanish."""
+  cfg = _cfg(attention_sinks=True)
+  attn = _module(cfg, seed=3)
+  rng = np.random.default_rng(16)
+  attn.sinks[...] = jnp.asarray(rng.normal(size=4), jnp.float32)
+  assert attn.sinks.get_metadata()['out_sharding'] == ('heads',)
+  x = rng.normal(size=(1, 8, 32))
+  for seg, pos in (_causal(1, 8), (PACKED_SEGMENTS, PACKED_POSITIONS)):
+    got = _run(attn, cfg, x, seg, pos, window=3)
+    ref.assert_close(got, _reference(attn, cfg, x, seg, pos, window=3))
+  attn.sinks[...] = jnp.full((4,), -1e4, jnp.float32)
+  without = _run(attn, cfg, x, seg, pos, window=3)
+  assert not np.allclose(without, got, atol=1e-2)
+  plain = nnx.to_pure_dict(nnx.state(attn, nnx.Param))
+  del plain['sinks']
+  inv_freq, att = ref.rope_tables(cfg.rope, cfg.resolved_head_dim, cfg.max_position_embeddings,
+                                  pos)
+  ref.assert_close(without, ref.attention_module(
+      x, plain, positions=pos, segment_ids=seg, inv_freq=inv_freq, attention_factor=att,
+      scale=cfg.resolved_query_scale, window=3))
+
+
+def test_attention_module_sinks_refused_by_kernel_without_them():
+  """A strategy that declares no sinks refuses them under kernel_on_unsupported='error'."""
+  from maxnnx.kernels import KernelUnsupportedError
+  cfg = _cfg(attention_sinks=True, attention_impl='jax_nn', kernel_on_unsupported='error')
+  with pytest.raises(KernelUnsupportedError, match='attention sinks are not supported'):
+    _run(_module(cfg), cfg, np.zeros((1, 4, 32)), *_causal(1, 4))

@@ -1,4 +1,4 @@
-"""Multi-head attention with GQA/MQA, q/k norms, rotary embeddings and a KV cache."""
+"""Multi-head attention with GQA/MQA, q/k norms, sinks, rotary embeddings and a KV cache."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ from maxnnx.kernels.attention import get_attention_kernel
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
+from maxnnx.layers.params import logical_param
 from maxnnx.layers.rope import apply_rope
 from maxnnx.sharding import constrain
 
@@ -27,6 +28,7 @@ class Attention(nnx.Module):
     k_proj, v_proj: ``[d_model] -> [kv_heads, head_dim]``.
     o_proj: ``[heads, head_dim] -> [d_model]``.
     q_norm, k_norm: optional RMSNorms (per head or over the whole projection).
+    sinks: ``[heads]`` learned attention-sink logits (``cfg.attention_sinks``) or ``None``.
     kernel: the attention strategy (``cfg.attention_impl``), shown in treescope.
     cache_k, cache_v: ``nnx.Cache`` ``[B, S, kv_heads, head_dim]`` once
       :meth:`init_cache` has been called; ``None`` otherwise.
@@ -51,6 +53,9 @@ class Attention(nnx.Module):
       self.k_norm = make_norm(cfg, (kv, hd), ('kv_heads', 'head_dim'), rngs=rngs)
     else:
       self.q_norm = self.k_norm = None
+    self.sinks = (logical_param(nnx.initializers.normal(cfg.initializer_range), rngs.params(),
+                                (h,), cfg.jnp_dtype('param_dtype'), ('heads',))
+                  if cfg.attention_sinks else None)
     self.kernel = get_attention_kernel(cfg.attention_impl,
                                        on_unsupported=cfg.kernel_on_unsupported)
     self.scale = cfg.resolved_query_scale
@@ -92,7 +97,8 @@ class Attention(nnx.Module):
     q_BTNH = checkpoint_name(constrain(q_BTNH, Q_AXES), 'query_proj')
     k_BTKH = checkpoint_name(constrain(k_BTKH, KV_AXES), 'key_proj')
     v_BTKH = checkpoint_name(constrain(v_BTKH, KV_AXES), 'value_proj')
+    sinks_N = None if self.sinks is None else self.sinks[...]
     out_BTNH = self.kernel(q_BTNH, k_BTKH, v_BTKH, mask, scale=self.scale, softcap=self.softcap,
-                           sliding_window=sliding_window)
+                           sliding_window=sliding_window, sinks_N=sinks_N)
     out_BTNH = checkpoint_name(constrain(out_BTNH, Q_AXES), 'attention_out')
     return checkpoint_name(constrain(self.o_proj(out_BTNH), OUT_AXES), 'out_proj')
