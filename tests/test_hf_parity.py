@@ -28,7 +28,7 @@ def _rel_error(ours, ref):
 def test_every_family_has_a_fixture():
   """The parity suite covers every family the issue names."""
   assert set(HF_CASES) >= {'llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3',
-                           'phi3', 'olmo2'}
+                           'phi3', 'olmo2', 'gpt_oss'}
 
 
 @pytest.mark.parametrize('scan_layers', [False, True], ids=['list', 'scan'])
@@ -67,7 +67,7 @@ def test_save_load_round_trip(case, tmp_path):
     np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
 
 
-@pytest.mark.parametrize('case', ['llama', 'phi3', 'gemma3'])
+@pytest.mark.parametrize('case', ['llama', 'phi3', 'gemma3', 'gpt_oss'])
 def test_export_keeps_hugging_face_tensor_names(case, tmp_path):
   """save_pretrained writes exactly the tensor names and shapes of the original checkpoint."""
   from maxnnx.checkpoint.safetensors import read_safetensors

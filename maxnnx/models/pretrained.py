@@ -26,6 +26,7 @@ from maxnnx.models import (
   gemma,
   gemma2,
   gemma3,
+  gpt_oss,
   llama,
   mistral,
   mixtral,
@@ -42,7 +43,7 @@ FAMILIES: dict[str, Family] = {
     f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma.FAMILY,
                         gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY, olmo2.FAMILY,
                         mixtral.FAMILY, qwen3_moe.FAMILY, deepseek.FAMILY,
-                        deepseek.V2_FAMILY)}
+                        deepseek.V2_FAMILY, gpt_oss.FAMILY)}
 
 
 def family_for_model_type(model_type: str, path: str = 'config.json') -> Family:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_fixtures as mf  # noqa: E402
@@ -126,7 +127,34 @@ def deepseek_v2() -> Case:
     )
 
 
-MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe, deepseek_v3, deepseek_v2)}
+def gpt_oss() -> Case:
+    # The real rope (YaRN x32 from 4096, theta 1.5e5, truncate false: with head_dim 16 the ramp
+    # runs from 2.02 to 4.35, so rounding it would move three frequencies), alternating
+    # sliding/full layers with a window shorter than the input, and a SwiGLU clamp of 1.0 (7.0 in
+    # the real models) so that it bites at this init. Sinks are scaled up to spread them.
+    scaling = dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                   beta_slow=1.0, truncate=False)
+    return Case(
+        config=dict(
+            model_type="gpt_oss",
+            num_hidden_layers=4,  # layer_types [sliding, full, sliding, full]
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=3,
+            sliding_window=8,
+            swiglu_limit=1.0,
+            rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, **scaling),
+        ),
+        # The Hub layout: rope_theta + rope_scaling, plus the keys openai's configs carry.
+        legacy=dict(rope_theta=150000.0, rope_scaling=dict(rope_type="yarn", **scaling),
+                    experts_per_token=3, initial_context_length=4096),
+        legacy_drop=("swiglu_alpha",),  # a transformers-5 key; older code fixed it at 1.702
+        weight_scale={"mlp.router.weight": 4.0, "self_attn.sinks": 10.0},
+    )
+
+
+MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe, deepseek_v3, deepseek_v2, gpt_oss)}
 
 _plain_build = mf.build_model
 
@@ -137,12 +165,43 @@ def build_model(name: str, case: Case) -> torch.nn.Module:
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):
                 buffer.copy_(BIAS_JITTER * torch.randn_like(buffer))
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("proj_bias"):  # GPT-OSS expert biases [E, *]: zero-initialised
+                param.add_(mf.VECTOR_JITTER * torch.randn_like(param))
     return model
+
+
+_plain_checks = mf.check_softcaps_bite
+
+
+@torch.no_grad()
+def check_features_bite(model: torch.nn.Module, input_ids: torch.Tensor, logits) -> None:
+    """GPT-OSS: dropping the sinks, rounding the YaRN ramp or the SwiGLU clamp must move the
+    logits by at least ten times the parity tolerance (1e-4 of the largest logit)."""
+    _plain_checks(model, input_ids, logits)
+    if model.config.model_type != "gpt_oss":
+        return
+    changed = {
+        "sinks": dict(state={k: torch.full_like(v, -1e4) if k.endswith("sinks") else v
+                             for k, v in model.state_dict().items()}),
+        "truncate": dict(config={"rope_parameters": {**model.config.rope_parameters,
+                                                     "truncate": True}}),
+        "swiglu_limit": dict(config={"swiglu_limit": 1e4}),
+    }
+    for name, change in changed.items():
+        config = model.config.__class__(**{**model.config.to_dict(), **change.get("config", {})})
+        other = AutoModelForCausalLM.from_config(config).eval()
+        other.load_state_dict(change.get("state", model.state_dict()))
+        diff = mf.max_diff(mf.logits_of(other, input_ids), logits)
+        print(f"  dropping {name} changes logits by {diff:.3f}")
+        floor = 10 * 1e-4 * float(abs(logits).max())
+        mf.require(diff > floor, f"{name} barely bites ({diff} <= {floor})")
 
 
 def main() -> None:
     mf.CASES.update(MOE_CASES)
     mf.build_model = build_model
+    mf.check_softcaps_bite = check_features_bite
     names = sys.argv[1:] or list(MOE_CASES)
     unknown = set(names) - set(MOE_CASES)
     if unknown:

@@ -1,0 +1,144 @@
+"""GPT-OSS: alternating sliding/full attention with sinks, and top-k routed clamped-SwiGLU experts.
+
+Architecture choices, all expressed as :class:`ModelConfig` fields:
+
+* attention has biases on every projection and one learned sink logit per head
+  (``attention_sinks``); even layers use a sliding window, odd layers attend fully;
+* rotary embeddings are YaRN (x32 from 4096 positions, ``truncate: false``);
+* every layer is a Mixture-of-Experts with a biased router; the softmax over the
+  top-k router logits equals a softmax over all experts renormalised over the top k;
+* experts have biases and a clamped SwiGLU, ``(up + 1) * gate * sigmoid(1.702 gate)``
+  with ``gate <= limit`` and ``|up| <= limit``.
+
+Checkpoint layout (transformers keeps it in memory as the Hub stores it): per
+layer, ``mlp.experts.gate_up_proj`` ``[experts, hidden, 2 * intermediate]`` with
+gate and up *interleaved* on the last axis (gate = ``[..., ::2]``), its bias
+``gate_up_proj_bias`` ``[experts, 2 * intermediate]``, ``down_proj``
+``[experts, intermediate, hidden]`` (in x out, unlike a ``Linear``),
+``down_proj_bias`` ``[experts, hidden]``, ``mlp.router.{weight,bias}`` and
+``self_attn.sinks`` ``[heads]``. Only unquantized checkpoints load: OpenAI's
+MXFP4 releases (``*_blocks``/``*_scales`` tensors) must be dequantized first.
+"""
+
+import numpy as np
+
+from maxnnx.config import ModelConfig
+from maxnnx.models.hf import (
+  Family,
+  HFConfig,
+  PretrainedError,
+  TensorDict,
+  common_to_hf,
+  layer_types_to_hf,
+)
+
+# The rotary embedding transformers assumes when a config names none.
+DEFAULT_ROPE = {'rope_type': 'yarn', 'factor': 32.0, 'beta_fast': 32.0, 'beta_slow': 1.0,
+                'truncate': False, 'original_max_position_embeddings': 4096}
+DEQUANTIZE_HINT = ('maxnnx loads unquantized weights only: dequantize the checkpoint first, e.g. '
+                   'load it in transformers with quantization_config=Mxfp4Config(dequantize=True) '
+                   'and save_pretrained it, or use a bfloat16 release of the model.')
+
+
+def config_from_hf(hf: HFConfig) -> ModelConfig:
+  quant = hf.data.get('quantization_config')
+  if quant and not quant.get('dequantize', False):
+    raise PretrainedError(f"{hf.path}: quantization_config (quant_method "
+                          f"'{quant.get('quant_method')}') says the weights are quantized. "
+                          + DEQUANTIZE_HINT)
+  if 'rope_parameters' not in hf.data and 'rope_scaling' not in hf.data:
+    hf = HFConfig({**hf.data, 'rope_parameters': {
+        **DEFAULT_ROPE, 'rope_theta': hf.get('rope_theta')}}, hf.path, hf.defaults)
+  num_layers = hf.require('num_hidden_layers')
+  window = hf.data.get('sliding_window', 128)  # an explicit null means no window
+  layer_types = hf.layer_types() or tuple('full' if i % 2 else 'sliding'
+                                          for i in range(num_layers))
+  if window is None:
+    layer_types = ('full',) * num_layers
+  bias = bool(hf.get('attention_bias', True))
+  return ModelConfig(family='gpt_oss', **hf.common_fields(), qkv_bias=bias, out_bias=bias,
+                     attention_sinks=True, sliding_window=window, layer_types=layer_types,
+                     num_experts=hf.get('num_local_experts') or hf.require('num_experts'),
+                     num_experts_per_tok=hf.get('num_experts_per_tok')
+                     or hf.get('experts_per_token', 4),
+                     router_score='softmax', router_norm_topk=True, router_bias=True,
+                     expert_bias=True, swiglu_limit=float(hf.get('swiglu_limit', 7.0)),
+                     swiglu_alpha=float(hf.get('swiglu_alpha', 1.702)),
+                     router_aux_loss_coef=float(hf.get('router_aux_loss_coef', 0.001)))
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+  return {**common_to_hf(cfg, 'gpt_oss', 'GptOssForCausalLM'),
+          'intermediate_size': cfg.resolved_moe_mlp_dim,
+          'layer_types': layer_types_to_hf(cfg), 'sliding_window': cfg.sliding_window,
+          'attention_bias': cfg.qkv_bias, 'num_local_experts': cfg.num_experts,
+          'num_experts_per_tok': cfg.num_experts_per_tok, 'swiglu_limit': cfg.swiglu_limit,
+          'swiglu_alpha': cfg.swiglu_alpha, 'router_aux_loss_coef': cfg.router_aux_loss_coef}
+
+
+def _check_convertible(cfg: ModelConfig) -> None:
+  """What the fused HF layout cannot express."""
+  problems = [name for name, ok in (
+      ('every layer a MoE layer', all(cfg.moe_layers)),
+      ('expert_bias=True', cfg.expert_bias), ('router_bias=True', cfg.router_bias),
+      ('attention_sinks=True', cfg.attention_sinks), ('qkv_bias == out_bias',
+                                                      cfg.qkv_bias == cfg.out_bias)) if not ok]
+  if problems:
+    raise PretrainedError(f'A gpt_oss model needs {", ".join(problems)}.')
+
+
+def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
+  """Split each layer's interleaved ``gate_up_proj`` (and its bias) into our gate/up tensors."""
+  quantized = sorted(n for n in tensors if n.endswith(('_blocks', '_scales')))
+  if quantized:
+    raise PretrainedError(f"{tensors[quantized[0]][0]}: tensor '{quantized[0]}' (and "
+                          f'{len(quantized) - 1} more) hold MXFP4-quantized experts. '
+                          + DEQUANTIZE_HINT)
+  out = dict(tensors)
+  e, d, f = cfg.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
+  expected = {'gate_up_proj': (e, d, 2 * f), 'gate_up_proj_bias': (e, 2 * f),
+              'down_proj': (e, f, d)}
+  for i in range(cfg.num_layers):
+    prefix = f'model.layers.{i}.mlp.experts'
+    for name, shape in expected.items():
+      key = f'{prefix}.{name}'
+      if key in out and out[key][1].shape != shape:
+        raise PretrainedError(
+            f"{out[key][0]}: tensor '{key}' has shape {out[key][1].shape}, the config implies "
+            f'{shape} (transformers layout: experts, in, out). A checkpoint with experts '
+            'stored out x in must be converted first.')
+    for fused, (gate, up) in (('gate_up_proj', ('gate_proj', 'up_proj')),
+                              ('gate_up_proj_bias', ('gate_bias', 'up_bias'))):
+      if f'{prefix}.{fused}' in out:  # else the loader reports the split names as missing
+        source, array = out.pop(f'{prefix}.{fused}')
+        array = np.asarray(array)
+        out[f'{prefix}.{gate}'] = (source, array[..., ::2])
+        out[f'{prefix}.{up}'] = (source, array[..., 1::2])
+    if f'{prefix}.down_proj_bias' in out:
+      out[f'{prefix}.down_bias'] = out.pop(f'{prefix}.down_proj_bias')
+  return out
+
+
+def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """Inverse of :func:`unfuse`: interleave gate/up back into the Hub layout."""
+  _check_convertible(cfg)
+  out = dict(tensors)
+  e, d, f = cfg.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
+  for i in range(cfg.num_layers):
+    prefix = f'model.layers.{i}.mlp.experts'
+    for fused, (gate, up), shape in (('gate_up_proj', ('gate_proj', 'up_proj'), (e, d, f)),
+                                     ('gate_up_proj_bias', ('gate_bias', 'up_bias'), (e, f))):
+      gate_array = out.pop(f'{prefix}.{gate}').reshape(shape)  # written flat by the exporter
+      up_array = out.pop(f'{prefix}.{up}').reshape(shape)
+      interleaved = np.empty(shape[:-1] + (2 * f,), gate_array.dtype)
+      interleaved[..., ::2], interleaved[..., 1::2] = gate_array, up_array
+      out[f'{prefix}.{fused}'] = interleaved
+    out[f'{prefix}.down_proj'] = out[f'{prefix}.down_proj'].reshape(e, f, d)
+    out[f'{prefix}.down_proj_bias'] = out.pop(f'{prefix}.down_bias').reshape(e, d)
+  return out
+
+
+FAMILY = Family('gpt_oss', ('gpt_oss',), 'GptOssForCausalLM', config_from_hf, config_to_hf,
+                defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 131_072,
+                          'rope_theta': 150_000.0},
+                unfuse=unfuse, fuse=fuse)
