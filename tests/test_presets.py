@@ -22,7 +22,7 @@ EXPECTED_NAMES = {
     'phi3-mini', 'olmo2-7b'}
 EXPECTED_NAMES |= {'tiny-moe', 'mixtral-8x7b', 'mixtral-8x22b', 'qwen3-30b-a3b',
                    'qwen3-235b-a22b', 'deepseek-v2-lite', 'deepseek-v2', 'deepseek-v3',
-                   'kimi-k2'}  # tests/test_presets_moe.py checks their sizes
+                   'kimi-k2', 'gpt-oss-20b', 'gpt-oss-120b'}  # test_presets_moe.py checks sizes
 
 # Total parameter counts published by the model authors (model cards, papers and
 # the Hub's safetensors metadata), in billions: an independent check of the

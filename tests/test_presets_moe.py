@@ -19,10 +19,12 @@ PUBLISHED_BILLIONS = {
     'deepseek-v2': (236.0, 21.0),
     'deepseek-v3': (671.0, 37.0),
     'kimi-k2': (1026.0, 32.0),  # "1T" on the card; 1.026T in the Hub's safetensors metadata
+    'gpt-oss-20b': (20.9, 3.6),
+    'gpt-oss-120b': (116.8, 5.1),
 }
 
 # Cards that count active parameters without the input embedding table.
-ACTIVE_WITHOUT_INPUT_EMBEDDING = {'kimi-k2'}
+ACTIVE_WITHOUT_INPUT_EMBEDDING = {'kimi-k2', 'gpt-oss-20b', 'gpt-oss-120b'}
 
 
 @pytest.mark.parametrize('name,billions', sorted(PUBLISHED_BILLIONS.items()))
@@ -43,7 +45,7 @@ def test_deepseek_v2_lite_size():
 
 
 @pytest.mark.parametrize('name', ['tiny-moe', 'qwen3-30b-a3b', 'mixtral-8x7b', 'deepseek-v2-lite',
-                                  'deepseek-v3'])
+                                  'deepseek-v3', 'gpt-oss-20b'])
 def test_num_params_equals_abstract_model_size(name):
   cfg = get_preset(name, scan_layers=True, param_dtype='bfloat16')
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -72,6 +72,8 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     'deepseek-v2': deepseek.deepseek_v2,
     'deepseek-v3': deepseek.deepseek_v3,
     'kimi-k2': deepseek.kimi_k2,
+    'gpt-oss-20b': moe.gpt_oss_20b,
+    'gpt-oss-120b': moe.gpt_oss_120b,
 }
 
 

@@ -1,4 +1,4 @@
-"""Mixture-of-Experts presets: Mixtral, Qwen3-MoE, and the CPU-sized ``tiny-moe``."""
+"""Mixture-of-Experts presets: Mixtral, Qwen3-MoE, GPT-OSS, and the CPU-sized ``tiny-moe``."""
 
 from maxnnx.config import ModelConfig, RopeConfig
 
@@ -48,3 +48,27 @@ def qwen3_30b_a3b() -> ModelConfig:
 def qwen3_235b_a22b() -> ModelConfig:
   """Qwen3-235B-A22B: 235B parameters, 22B active (128 experts, top-8)."""
   return _qwen3_moe(4096, 94, 64, 1536, 12_288)
+
+
+def _gpt_oss(num_layers: int, num_experts: int) -> ModelConfig:
+  return ModelConfig(family='gpt_oss', vocab_size=201_088, d_model=2880, num_layers=num_layers,
+                     num_heads=64, num_kv_heads=8, head_dim=64, mlp_dim=2880,
+                     max_position_embeddings=131_072, norm_eps=1e-5, qkv_bias=True,
+                     out_bias=True, attention_sinks=True, sliding_window=128,
+                     layer_types=('sliding', 'full') * (num_layers // 2),
+                     rope=RopeConfig(theta=150_000.0, scaling='yarn', factor=32.0,
+                                     original_max_position_embeddings=4096, beta_fast=32.0,
+                                     beta_slow=1.0, truncate=False),
+                     num_experts=num_experts, num_experts_per_tok=4, router_norm_topk=True,
+                     router_bias=True, expert_bias=True, swiglu_limit=7.0,
+                     router_aux_loss_coef=0.9, eos_token_id=200_002, pad_token_id=199_999)
+
+
+def gpt_oss_20b() -> ModelConfig:
+  """gpt-oss-20b: 20.9B parameters, 3.6B active (32 experts, top-4)."""
+  return _gpt_oss(24, 32)
+
+
+def gpt_oss_120b() -> ModelConfig:
+  """gpt-oss-120b: 116.8B parameters, 5.1B active (128 experts, top-4)."""
+  return _gpt_oss(36, 128)
