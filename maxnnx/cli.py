@@ -322,7 +322,9 @@ def train(options: dict) -> dict:
             'synthetic tokens' if run['data'] == 'synthetic' else run['data'])
   print(f"Training {run['model']} ({trainer.model_config.num_params():,} parameters) on "
         f'{source} for {cfg.steps} steps of {cfg.global_batch_size} x {cfg.seq_len} tokens; '
-        f'mesh {dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}.')
+        f'mesh {dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}'
+        + (f'; {trainer.quantization} quantized training.' if trainer.quantization != 'none'
+           else '.'))
   resumed = trainer.restore_checkpoint() if cfg.checkpoint_dir else None
   if resumed is not None:
     print(f'Resuming from the checkpoint of step {resumed} in {cfg.checkpoint_dir}.')

@@ -36,8 +36,10 @@ class TrainConfig(_Validated):
     z_loss: weight of ``logsumexp(logits)^2`` added to the loss (PaLM).
     skip_spike_factor: skip the update when the loss exceeds this many times
       its running average (``None``: never skip).
-    quantization: ``none`` only for now; ``int8``/``fp8`` quantized training
-      (qwix QAT) is planned and refused with a clear error until then.
+    quantization: ``none``, or quantization-aware training through qwix:
+      ``int8`` (int8 weights and activations) or ``fp8`` (e4m3 forward, e5m2
+      gradients) on the decoder layers' projections and experts; see
+      :mod:`maxnnx.train.quantization`.
     log_every: fetch metrics to the host and log every N steps (the only host
       sync in the loop).
     eval_every: evaluate every N steps (0: never during ``fit``).

@@ -35,6 +35,7 @@ from maxnnx.train import flops as flops_lib
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
 from maxnnx.train.optimizers import make_optimizer, make_schedule
+from maxnnx.train.quantization import check_supported, is_quantized, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,8 @@ class Trainer:
       ``eval_loss`` where evaluated).
     mesh: the device mesh; ``rules`` the logical-axis rules in use.
     model_config: the model's :class:`ModelConfig`.
+    quantization: ``config.quantization``, or ``custom`` when ``model`` came
+      quantized (see :mod:`maxnnx.train.quantization`).
   """
 
   def __init__(self, model: nnx.Module | ModelConfig | str, config: TrainConfig | None = None,
@@ -179,10 +182,6 @@ class Trainer:
                optimizer: optax.GradientTransformation | None = None,
                mesh: Mesh | None = None, callbacks: Iterable[Callable] = ()):
     self.config = config = config or TrainConfig()
-    if config.quantization != 'none':
-      raise NotImplementedError(
-          f"TrainConfig.quantization='{config.quantization}': quantized training is not "
-          "implemented yet; use quantization='none'.")
     self.mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
     self.rules = sharding.logical_rules(config.mesh)
     self.schedule = make_schedule(config)
@@ -205,6 +204,9 @@ class Trainer:
     else:
       self.model_config = model.config
       concrete = abstract_model = model
+    self.quantization = _quantization_name(config, self.model_config, concrete, self.mesh)
+    if concrete is not None and config.quantization != 'none':
+      concrete = quantize(concrete, config.quantization)
     self.tx = optimizer if optimizer is not None else make_optimizer(config, abstract_model)
     build = self._builder(self.model_config) if concrete is None else None
 
@@ -241,8 +243,12 @@ class Trainer:
   def _builder(self, model_config: ModelConfig) -> Callable:
     seed, tx = self.config.seed, self.tx
 
+    recipe = self.config.quantization
+
     def build():
       model = _new_model(model_config, seed)
+      if recipe != 'none':
+        model = quantize(model, recipe)
       return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     return build
@@ -384,7 +390,8 @@ class Trainer:
     report['compile_seconds'] = time.perf_counter() - start
     self.memory = report
     if verbose:
-      print(format_memory_report(report))
+      quantized = f'; {self.quantization} quantized training' if self.quantization != 'none' else ''
+      print(format_memory_report(report) + quantized)
     if report['limit_bytes'] and report['peak_bytes'] > report['limit_bytes']:
       over = report['peak_bytes'] - report['limit_bytes']
       raise TrainingError(
@@ -646,6 +653,18 @@ def _abstract_tree(state, shardings):
   """``state`` with every array replaced by a sharded ``ShapeDtypeStruct``."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       state, shardings)
+
+
+def _quantization_name(config: TrainConfig, model_config: ModelConfig, model, mesh) -> str:
+  """``config.quantization``, or ``custom`` for a model quantized by the caller."""
+  if model is not None and is_quantized(model):
+    if config.quantization != 'none':
+      raise ValueError(f"TrainConfig.quantization='{config.quantization}' but the model is "
+                       "already quantized; set quantization='none' to train it as it is.")
+    return 'custom'
+  if config.quantization != 'none':
+    check_supported(model_config, config.quantization, mesh_shape=dict(mesh.shape))
+  return config.quantization
 
 
 def _new_model(model_config: ModelConfig, seed: int) -> nnx.Module:
