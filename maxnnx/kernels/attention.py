@@ -128,7 +128,8 @@ class XlaAttention(AttentionKernel):
       sinks = jnp.broadcast_to(sinks_KG11, scores.shape[:-1] + (1,))
       probs = jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
     probs = probs.astype(v_BSKH.dtype)
-    out = jnp.einsum('bkgts,bskh->btkgh', probs, v_BSKH)
+    out = jnp.einsum('bkgts,bskh->btkgh', probs, v_BSKH,
+                     preferred_element_type=jnp.float32).astype(v_BSKH.dtype)
     return out.reshape(batch, length, num_heads, v_BSKH.shape[-1])
 
 

@@ -27,4 +27,5 @@ class Embed(nnx.Module):
   def attend(self, x_BTD: jax.Array, dtype=None) -> jax.Array:
     """Logits ``x · embeddingᵀ`` (``[B, T, vocab]``), for tied output layers."""
     dtype = dtype or self.dtype
-    return jnp.einsum('btd,vd->btv', x_BTD.astype(dtype), self.embedding[...].astype(dtype))
+    return jnp.einsum('btd,vd->btv', x_BTD.astype(dtype), self.embedding[...].astype(dtype),
+                      preferred_element_type=jnp.float32).astype(dtype)

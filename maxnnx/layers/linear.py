@@ -44,8 +44,11 @@ class DenseGeneral(nnx.Module):
     if x.shape[x.ndim - n_in:] != self.in_shape:
       raise ValueError(f'DenseGeneral expects trailing dims {self.in_shape}, got {x.shape}.')
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    # Accumulate in float32 whatever the compute dtype: on CPUs a bf16 x bf16 -> f32 dot is
+    # about twice as fast as bf16 -> bf16, and on GPUs it is what the tensor cores do anyway.
     y = jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-                            (contract, ((), ())))
+                            (contract, ((), ())), preferred_element_type=jnp.float32
+                            ).astype(self.dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return y

@@ -117,6 +117,19 @@ class Transformer(nnx.Module):
                positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
     """Logits ``[B, T, vocab]`` (in ``config.logits_dtype``).
 
+    The same as ``model.logits(model.hidden_states(...))``; the arguments are
+    those of :meth:`hidden_states`.
+    """
+    return self.logits(self.hidden_states(input_ids_BT, segment_ids=segment_ids,
+                                          positions=positions, decode=decode))
+
+  def hidden_states(self, input_ids_BT: jax.Array, *, segment_ids: jax.Array | None = None,
+                    positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
+    """Final hidden states ``[B, T, d_model]``, after the final norm and before the head.
+
+    A trainer that fuses the head with its loss (see ``maxnnx.train.loss``) calls
+    this and :meth:`head_weight` instead of ``__call__``.
+
     Args:
       input_ids_BT: int token ids ``[B, T]`` in ``[0, vocab_size)``.
       segment_ids: ``[B, T]`` document ids for packed input (0 = padding);
@@ -172,8 +185,7 @@ class Transformer(nnx.Module):
         for block, layer_type in zip(self.layers, cfg.resolved_layer_types):
           window = cfg.sliding_window if layer_type == 'sliding' else None
           x_BTD = self._apply_block(block, x_BTD, cos_sin[layer_type], mask, window, cache_index)
-    x_BTD = self.final_norm(x_BTD)
-    return self._logits(x_BTD)
+    return self.final_norm(x_BTD)
 
   def _cos_sin(self, positions_BT):
     cos_sin = {'full': self.rotary.cos_sin(positions_BT)}
@@ -285,7 +297,15 @@ class Transformer(nnx.Module):
                                    jnp.arange(micro + stages - 1))
     return outputs.reshape(batch, length, width)
 
-  def _logits(self, x_BTD):
+  def head_weight(self) -> tuple[jax.Array, bool]:
+    """The output head's weight and whether it is vocab-major: ``([vocab, d_model], True)``
+    for tied embeddings, else the ``lm_head`` kernel ``([d_model, vocab], False)``."""
+    if self.lm_head is None:
+      return self.embed.embedding[...], True
+    return self.lm_head.kernel[...], False
+
+  def logits(self, x_BTD: jax.Array) -> jax.Array:
+    """Logits ``[B, T, vocab]`` of final hidden states (head, dtype, soft-cap)."""
     cfg = self.config
     if self.lm_head is None:
       logits = self.embed.attend(x_BTD)

@@ -34,6 +34,13 @@ class TrainConfig(_Validated):
     momentum: SGD momentum (0 = plain SGD).
     clip_norm: clip gradients to this global norm (``None``: no clipping).
     z_loss: weight of ``logsumexp(logits)^2`` added to the loss (PaLM).
+    fused_loss: apply the output head and the cross-entropy together, one
+      sequence slice at a time (:mod:`maxnnx.train.loss`): the ``[B, T, vocab]``
+      logits are never held at once, and on CPU the step is faster. ``False``
+      computes full logits first (the plain reference).
+    loss_chunk_length: sequence positions per slice of the fused loss; ``None``
+      picks the longest divisor of ``seq_len`` whose float32 logits slice fits
+      in 32 MiB on CPU or 1 GiB on an accelerator.
     skip_spike_factor: skip the update when the loss exceeds this many times
       its running average (``None``: never skip).
     quantization: ``none``, or quantization-aware training through qwix:
@@ -79,6 +86,8 @@ class TrainConfig(_Validated):
   momentum: float = 0.9
   clip_norm: float | None = 1.0
   z_loss: float = 0.0
+  fused_loss: bool = True
+  loss_chunk_length: int | None = None
   skip_spike_factor: float | None = None
   quantization: Literal['none', 'int8', 'fp8'] = 'none'
   log_every: int = 10
@@ -110,6 +119,10 @@ class TrainConfig(_Validated):
       raise ConfigError('TrainConfig.decay_fraction must be in [0, 1].')
     if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
       raise ConfigError('TrainConfig.checkpoint_every must be >= 0 and keep_checkpoints >= 1.')
+    if self.loss_chunk_length is not None and (
+        self.loss_chunk_length < 1 or self.seq_len % self.loss_chunk_length):
+      raise ConfigError(f'TrainConfig.loss_chunk_length ({self.loss_chunk_length}) must divide '
+                        f'seq_len ({self.seq_len}); or leave it None to pick one.')
     if self.skip_spike_factor is not None and self.skip_spike_factor <= 1:
       raise ConfigError('TrainConfig.skip_spike_factor must be > 1 (or None to never skip).')
 

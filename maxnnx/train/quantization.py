@@ -145,7 +145,8 @@ def quantize(model: nnx.Module, recipe: str | Sequence = 'int8') -> nnx.Module:
   """A quantization-aware copy of ``model`` for ``recipe`` or a list of ``qwix.QtRule``.
 
   The copy has the same ``nnx.state`` (float parameters, sharding metadata) and
-  methods; only its ``__call__`` runs the selected matmuls fake-quantized. The
+  methods; its forward pass (``__call__`` and ``hidden_states``) runs the selected
+  matmuls fake-quantized. The
   original ``model`` is left unchanged. Rules whose ``module_path`` matches no
   module are refused, so a typo cannot leave the model silently unquantized.
   """
@@ -163,8 +164,13 @@ def quantize(model: nnx.Module, recipe: str | Sequence = 'int8') -> nnx.Module:
     if not rules:
       raise ValueError('quantize() got an empty list of rules; pass a recipe name or QtRules.')
   _check_rules(model, rules)
+  # qwix intercepts one method. Our Transformer's ``__call__`` goes through
+  # ``hidden_states`` (and the fused training loss calls it directly), so intercepting
+  # ``hidden_states`` quantizes both paths; the output head stays in float either way.
+  method = 'hidden_states' if hasattr(model, 'hidden_states') else '__call__'
   # Dynamic-range QAT keeps no state, so the model need not run once here.
-  return qwix.quantize_model(model, qwix.QtProvider(rules), skip_nnx_init=True)
+  return qwix.quantize_model(model, qwix.QtProvider(rules), skip_nnx_init=True,
+                             methods=(method,))
 
 
 __all__ = ['ABSMAX_CALIBRATION', 'EXPERTS_PATH', 'PROJECTIONS_PATH', 'RECIPES', 'check_supported',

@@ -33,6 +33,12 @@ from maxnnx.config import ModelConfig
 from maxnnx.layers.moe import moe_loss
 from maxnnx.train import flops as flops_lib
 from maxnnx.train.config import TrainConfig
+from maxnnx.train.loss import (
+  chunked_head_cross_entropy,
+  cross_entropy_loss,
+  default_chunk_length,
+  masked_cross_entropy,
+)
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
 from maxnnx.train.optimizers import make_optimizer, make_schedule
 from maxnnx.train.quantization import check_supported, is_quantized, quantize
@@ -129,21 +135,6 @@ def context_permutation(seq_len: int, shards: int) -> np.ndarray:
   return np.concatenate(order)
 
 
-# -- loss ------------------------------------------------------------------------
-
-def masked_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array
-                         ) -> tuple[jax.Array, jax.Array]:
-  """``(sum of cross-entropy over masked tokens, sum of logsumexp^2 over them)`` in f32."""
-  logits = logits_BTV.astype(jnp.float32)
-  lse_BT = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
-  return jnp.sum((lse_BT - target_logit) * mask_BT), jnp.sum(lse_BT**2 * mask_BT)
-
-
-def cross_entropy_loss(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-  """Mean next-token cross-entropy, computed in float32."""
-  total, _ = masked_cross_entropy(logits_BTV, targets_BT, jnp.ones(targets_BT.shape))
-  return total / targets_BT.size
 
 
 # -- the trainer -------------------------------------------------------------------
@@ -302,6 +293,27 @@ class Trainer:
 
   # -- the compiled step ------------------------------------------------------------------
 
+  def _head_loss(self, model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(ce_sum + z_loss * z_sum, ce_sum, z_sum)`` of a batch, summed over its masked
+    tokens; the fused head + loss of :mod:`maxnnx.train.loss` unless ``fused_loss=False``."""
+    cfg = self.config
+    inputs = dict(segment_ids=batch['segment_ids'], positions=batch['positions'])
+    if not cfg.fused_loss:
+      logits = model(batch['inputs'], **inputs)
+      ce_sum, z_sum = masked_cross_entropy(logits, batch['targets'], batch['loss_mask'])
+      return ce_sum + cfg.z_loss * z_sum, ce_sum, z_sum
+    x_BTD = model.hidden_states(batch['inputs'], **inputs)
+    weight, vocab_major = model.head_weight()
+    batch_size, length = batch['targets'].shape
+    chunk = cfg.loss_chunk_length or default_chunk_length(
+        batch_size, length, self.model_config.vocab_size,
+        (32 if jax.default_backend() == 'cpu' else 1024) << 20)
+    mc = self.model_config
+    return chunked_head_cross_entropy(
+        x_BTD, weight, batch['targets'], batch['loss_mask'], vocab_major=vocab_major,
+        chunk_length=chunk, z_loss=cfg.z_loss, softcap=mc.final_logit_softcap,
+        dtype=mc.jnp_dtype('dtype'))
+
   def _train_step(self, state, extra, batch):
     cfg = self.config
     model, optimizer = nnx.merge(self._graphdef, state)
@@ -313,13 +325,11 @@ class Trainer:
       # Fresh Variables for the non-parameter state: the forward pass writes MoE
       # routing statistics into them, which must happen at this trace level.
       m = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
-      logits = m(micro['inputs'], segment_ids=micro['segment_ids'],
-                 positions=micro['positions'])
-      ce_sum, z_sum = masked_cross_entropy(logits, micro['targets'], micro['loss_mask'])
+      objective, ce_sum, z_sum = self._head_loss(m, micro)
       # MoE balancing / router z losses (zero without MoE layers), weighted like the
       # micro-batch's share of the tokens so accumulation matches the whole batch.
       aux = moe_loss(m) * micro['loss_mask'].sum() / total_tokens if is_moe else 0.0
-      return (ce_sum + cfg.z_loss * z_sum) / total_tokens + aux, (ce_sum, z_sum, aux)
+      return objective / total_tokens + aux, (ce_sum, z_sum, aux)
 
     is_moe = self.model_config.num_experts > 1
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -502,9 +512,7 @@ class Trainer:
     if self._eval_compiled is None:
       def eval_step(state, batch):
         model, _ = nnx.merge(self._graphdef, state)
-        logits = model(batch['inputs'], segment_ids=batch['segment_ids'],
-                       positions=batch['positions'])
-        total, _ = masked_cross_entropy(logits, batch['targets'], batch['loss_mask'])
+        _, total, _ = self._head_loss(model, batch)
         return total, batch['loss_mask'].sum()
 
       with self._context():
