@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from maxnnx import sharding
 from maxnnx.config import ModelConfig
 from maxnnx.layers.moe import moe_loss
+from maxnnx.layers.mtp import mtp_targets
 from maxnnx.train import flops as flops_lib
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
@@ -139,6 +140,12 @@ def masked_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: 
   return jnp.sum((lse_BT - target_logit) * mask_BT), jnp.sum(lse_BT**2 * mask_BT)
 
 
+def _mtp_targets(batch: dict, k: int) -> tuple[jax.Array, jax.Array]:
+  """Targets and loss mask of MTP depth ``k`` for a batch dict."""
+  return mtp_targets(batch['targets'], batch['loss_mask'], batch['segment_ids'],
+                     batch['positions'], k)
+
+
 def cross_entropy_loss(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
   """Mean next-token cross-entropy, computed in float32."""
   total, _ = masked_cross_entropy(logits_BTV, targets_BT, jnp.ones(targets_BT.shape))
@@ -168,8 +175,9 @@ class Trainer:
 
   Attributes:
     history: one metrics dict per step (``step``, ``loss``, ``lr``,
-      ``grad_norm``, ``tokens_per_s``, ``tflops_per_device``, ``mfu``, and
-      ``eval_loss`` where evaluated).
+      ``grad_norm``, ``tokens_per_s``, ``tflops_per_device``, ``mfu``,
+      ``mtp_loss`` with multi-token prediction (mean over depths, unscaled),
+      and ``eval_loss`` where evaluated).
     mesh: the device mesh; ``rules`` the logical-axis rules in use.
     model_config: the model's :class:`ModelConfig`.
   """
@@ -205,6 +213,11 @@ class Trainer:
     else:
       self.model_config = model.config
       concrete = abstract_model = model
+    if (self.model_config.mtp_num_layers and config.mesh.context_load_balance
+        and dict(self.mesh.shape).get('context', 1) > 1):
+      raise ValueError('Multi-token prediction shifts tokens along the sequence, which the '
+                       'context load-balancing permutation reorders: set '
+                       'MeshConfig.context_load_balance=False (or mtp_num_layers=0).')
     self.tx = optimizer if optimizer is not None else make_optimizer(config, abstract_model)
     build = self._builder(self.model_config) if concrete is None else None
 
@@ -302,35 +315,43 @@ class Trainer:
     step = optimizer.step[...]
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     total_tokens = jnp.maximum(batch['loss_mask'].sum(), 1.0)
+    depths = self.model_config.mtp_num_layers
+    mtp_tokens = [jnp.maximum(_mtp_targets(batch, k)[1].sum(), 1.0) for k in range(1, depths + 1)]
 
     def loss_fn(params, micro):
       # Fresh Variables for the non-parameter state: the forward pass writes MoE
       # routing statistics into them, which must happen at this trace level.
       m = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
-      logits = m(micro['inputs'], segment_ids=micro['segment_ids'],
-                 positions=micro['positions'])
+      out = m(micro['inputs'], segment_ids=micro['segment_ids'],
+              positions=micro['positions'], mtp=depths > 0)
+      logits, mtp_logits = out if depths else (out, ())
       ce_sum, z_sum = masked_cross_entropy(logits, micro['targets'], micro['loss_mask'])
       # MoE balancing / router z losses (zero without MoE layers), weighted like the
       # micro-batch's share of the tokens so accumulation matches the whole batch.
       aux = moe_loss(m) * micro['loss_mask'].sum() / total_tokens if is_moe else 0.0
-      return (ce_sum + cfg.z_loss * z_sum) / total_tokens + aux, (ce_sum, z_sum, aux)
+      # Multi-token prediction: mean over depths of each depth's mean cross-entropy.
+      mtp = sum(masked_cross_entropy(lk, *_mtp_targets(micro, k))[0] / mtp_tokens[k - 1]
+                for k, lk in enumerate(mtp_logits, start=1)) / max(depths, 1)
+      loss = (ce_sum + cfg.z_loss * z_sum) / total_tokens + aux
+      return loss + self.model_config.mtp_loss_scaling_factor * mtp, (ce_sum, z_sum, aux, mtp)
 
     is_moe = self.model_config.num_experts > 1
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if cfg.grad_accum_steps == 1:
-      (_, (ce_sum, z_sum, aux_sum)), grads = grad_fn(params, batch)
+      (_, (ce_sum, z_sum, aux_sum, mtp_sum)), grads = grad_fn(params, batch)
     else:
       micro_batches = jax.tree.map(
           lambda x: x.reshape(cfg.grad_accum_steps, -1, *x.shape[1:]), batch)
 
       def accumulate(carry, micro):
-        grads_acc, ce_acc, z_acc, aux_acc = carry
-        (_, (ce, z, aux)), g = grad_fn(params, micro)
-        return (jax.tree.map(jnp.add, grads_acc, g), ce_acc + ce, z_acc + z, aux_acc + aux), None
+        grads_acc, *sums = carry
+        (_, losses), g = grad_fn(params, micro)
+        return (jax.tree.map(jnp.add, grads_acc, g),
+                *(acc + x for acc, x in zip(sums, losses))), None
 
       zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-      (grads, ce_sum, z_sum, aux_sum), _ = jax.lax.scan(
-          accumulate, (zeros, jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), micro_batches)
+      (grads, ce_sum, z_sum, aux_sum, mtp_sum), _ = jax.lax.scan(
+          accumulate, (zeros, *[jnp.zeros(())] * 4), micro_batches)
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     loss = ce_sum / total_tokens
@@ -354,6 +375,8 @@ class Trainer:
     metrics = {'loss': loss, 'z_loss': z_sum / total_tokens, 'grad_norm': grad_norm,
                'moe_aux_loss': jnp.asarray(aux_sum, jnp.float32),
                'lr': self.schedule(step), 'skipped': ~ok}
+    if depths:
+      metrics['mtp_loss'] = jnp.asarray(mtp_sum, jnp.float32)
     return new_state, extra, metrics
 
   def _abstract_batch(self) -> dict:
