@@ -326,3 +326,14 @@ def test_families_without_mtp_refuse_to_save_it(tmp_path):
   assert len(model(ids, mtp=True)[1]) == 1  # the modules themselves are family-agnostic
   with pytest.raises(PretrainedError, match='mtp_num_layers=0'):
     maxnnx.save_pretrained(model, str(tmp_path))
+
+
+def test_flops_count_the_mtp_modules():
+  """Each MTP depth costs one more block plus eh_proj (2d x d) and the output head."""
+  from maxnnx.train.flops import forward_flops_per_token
+  cfg = maxnnx.get_preset('tiny', num_layers=2)
+  base = forward_flops_per_token(cfg, 64)
+  one_more_block = forward_flops_per_token(cfg.replace(num_layers=3), 64) - base
+  extra = 2 * 2 * cfg.d_model**2 + 2 * cfg.d_model * cfg.vocab_size
+  assert forward_flops_per_token(cfg.replace(mtp_num_layers=2), 64) == pytest.approx(
+      base + 2 * (one_more_block + extra))
