@@ -312,6 +312,12 @@ class ModelConfig(_Validated):
     v_head_dim: MLA: per-head value width.
     rope_interleave: rotary pairs are adjacent dims ``(x0, x1), (x2, x3)…``
       rather than the two halves (DeepSeek checkpoints).
+    mtp_num_layers: multi-token prediction (DeepSeek V3, see
+      :class:`maxnnx.layers.mtp.MTPLayer`): extra modules, each one decoder
+      block deep, that predict the token ``k + 1`` positions ahead (``k = 1..``
+      this); trained as an auxiliary loss, ignored when generating. 0 = none.
+    mtp_loss_scaling_factor: weight of the mean MTP cross-entropy added to the
+      training loss (DeepSeek V3 used 0.3, then 0.1).
   """
 
   family: str = 'llama'
@@ -385,6 +391,8 @@ class ModelConfig(_Validated):
   qk_rope_head_dim: int = 64
   v_head_dim: int = 128
   rope_interleave: bool = False
+  mtp_num_layers: int = 0
+  mtp_loss_scaling_factor: float = 0.1
 
   def _validate(self):
     positive = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'mlp_dim',
@@ -415,6 +423,10 @@ class ModelConfig(_Validated):
     self._validate_moe()
     if self.attention_sinks and self.attention_type != 'mha':
       raise ConfigError("ModelConfig.attention_sinks needs attention_type='mha'.")
+    if self.mtp_num_layers < 0 or self.mtp_loss_scaling_factor < 0:
+      raise ConfigError('ModelConfig: need mtp_num_layers >= 0 (0 = no multi-token prediction) '
+                        f'and mtp_loss_scaling_factor >= 0, got {self.mtp_num_layers}, '
+                        f'{self.mtp_loss_scaling_factor}.')
     if self.attention_type == 'mla':
       for name in ('kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'):
         if getattr(self, name) <= 0:
@@ -506,7 +518,7 @@ class ModelConfig(_Validated):
     return jnp.dtype(getattr(self, which))
 
   def num_params(self) -> int:
-    """Exact parameter count of the model this config builds."""
+    """Exact parameter count of the model this config builds (MTP modules included)."""
     d, hd, h, kv = self.d_model, self.resolved_head_dim, self.num_heads, self.num_kv_heads
     attn = d * hd * (h + 2 * kv) + h * hd * d
     attn += hd * (h + 2 * kv) * self.qkv_bias + d * self.out_bias
@@ -522,7 +534,11 @@ class ModelConfig(_Validated):
     embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
     num_moe = sum(self.moe_layers)
     moe_delta = self._moe_params(self.num_experts) - mlp if num_moe else 0
-    return self.num_layers * per_layer + num_moe * moe_delta + embed + norm
+    # Each MTP module: a block (MoE when the model has experts), eh_proj and three
+    # norms; it shares the embedding and output head with the main model.
+    mtp_block = per_layer + (self._moe_params(self.num_experts) - mlp if self.num_experts else 0)
+    mtp = self.mtp_num_layers * (mtp_block + 2 * d * d + 3 * norm)
+    return self.num_layers * per_layer + num_moe * moe_delta + embed + norm + mtp
 
   def _mla_params(self) -> int:
     d, h, ql, kvl = self.d_model, self.num_heads, self.q_lora_rank, self.kv_lora_rank
@@ -544,7 +560,8 @@ class ModelConfig(_Validated):
     """Parameters used per token: :meth:`num_params` counting only the top-k
     routed experts of each MoE layer (embeddings counted in full)."""
     inactive = self._moe_params(self.num_experts) - self._moe_params(self.num_experts_per_tok)
-    return self.num_params() - sum(self.moe_layers) * inactive
+    mtp_moe = self.mtp_num_layers if self.num_experts else 0
+    return self.num_params() - (sum(self.moe_layers) + mtp_moe) * inactive
 
 
 def resolve_dtype(name: str):

@@ -29,11 +29,22 @@ ACTIVE_WITHOUT_INPUT_EMBEDDING = {'kimi-k2', 'gpt-oss-20b', 'gpt-oss-120b'}
 
 @pytest.mark.parametrize('name,billions', sorted(PUBLISHED_BILLIONS.items()))
 def test_total_and_active_params_match_published(name, billions):
-  cfg = get_preset(name)
+  cfg = get_preset(name).replace(mtp_num_layers=0)  # published counts exclude MTP modules
   total, active = billions
   assert cfg.num_params() == pytest.approx(total * 1e9, rel=5e-3)
   embedding = cfg.vocab_size * cfg.d_model if name in ACTIVE_WITHOUT_INPUT_EMBEDDING else 0
   assert cfg.num_active_params() - embedding == pytest.approx(active * 1e9, rel=2e-2)
+
+
+def test_deepseek_v3_with_mtp_matches_hub_size():
+  """The Hub's 685B = 671B main model + the MTP layer, which also stores copies of the
+  embedding and output head (the model shares those, so num_params counts them once)."""
+  cfg = get_preset('deepseek-v3')
+  assert cfg.mtp_num_layers == 1
+  copies = 2 * cfg.vocab_size * cfg.d_model
+  assert cfg.num_params() + copies == pytest.approx(685e9, rel=5e-3)
+  assert cfg.num_params() - cfg.replace(mtp_num_layers=0).num_params() == pytest.approx(
+      11.7e9, rel=1e-2)
 
 
 def test_deepseek_v2_lite_size():

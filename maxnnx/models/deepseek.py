@@ -6,7 +6,8 @@ used to pick the ``topk_group`` best of ``n_group`` expert groups (a group's
 score is the sum of its best two) and the top-k experts within them; weights
 are the unbiased scores, renormalised (``norm_topk_prob``) and multiplied by
 ``routed_scaling_factor``. Multi-token-prediction layers of Hub checkpoints
-(``model.layers.{num_hidden_layers}…``) are not loaded.
+(``num_nextn_predict_layers`` of them, stored as ``model.layers.{num_hidden_layers + k}…``)
+become ``mtp_num_layers`` :class:`~maxnnx.layers.mtp.MTPLayer` modules.
 """
 
 from maxnnx.config import ModelConfig
@@ -51,7 +52,8 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
                      router_norm_topk=bool(hf.get('norm_topk_prob')),
                      router_scaling_factor=float(hf.get('routed_scaling_factor', 1.0)),
                      router_groups=hf.get('n_group', 1), router_topk_groups=hf.get('topk_group', 1),
-                     router_group_score='top2_sum')
+                     router_group_score='top2_sum',
+                     mtp_num_layers=hf.get('num_nextn_predict_layers', 0))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -66,7 +68,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
           'first_k_dense_replace': cfg.first_k_dense_layers,
           'norm_topk_prob': cfg.router_norm_topk,
           'routed_scaling_factor': cfg.router_scaling_factor, 'n_group': cfg.router_groups,
-          'topk_group': cfg.router_topk_groups}
+          'topk_group': cfg.router_topk_groups, 'num_nextn_predict_layers': cfg.mtp_num_layers}
 
 
 unfuse, fuse = expert_hooks('mlp')
@@ -80,7 +82,7 @@ FAMILY = Family('deepseek_v3', ('deepseek_v3', 'kimi_k2'), 'DeepseekV3ForCausalL
                           'routed_scaling_factor': 2.5, 'n_group': 8, 'topk_group': 4,
                           'q_lora_rank': 1536, 'kv_lora_rank': 512, 'qk_nope_head_dim': 128,
                           'qk_rope_head_dim': 64, 'v_head_dim': 128},
-                module_names={'router': 'gate'}, unfuse=unfuse, fuse=fuse)
+                module_names={'router': 'gate'}, unfuse=unfuse, fuse=fuse, mtp=True)
 
 
 # -- DeepSeek V2 / V2-Lite ---------------------------------------------------------------------

@@ -208,6 +208,8 @@ class Family:
     module_names: our module name -> HF module name (unlisted names are equal).
     unfuse: optional hook splitting fused HF tensors into per-projection ones.
     fuse: optional inverse of ``unfuse`` for export.
+    mtp: multi-token-prediction modules are stored DeepSeek-style, as extra
+      layers after the stack (see :func:`hf_layer_path`).
   """
 
   name: str
@@ -219,6 +221,7 @@ class Family:
   module_names: dict[str, str] = dataclasses.field(default_factory=dict)
   unfuse: Callable[[TensorDict, ModelConfig], TensorDict] | None = None
   fuse: Callable[[dict[str, np.ndarray], ModelConfig], dict[str, np.ndarray]] | None = None
+  mtp: bool = False
 
   def hf_name(self, path: tuple) -> str:
     """HF tensor name of our (unscanned) parameter path, e.g.
@@ -236,6 +239,26 @@ BASE_MODULE_NAMES = {
     'attn_pre_norm': 'input_layernorm', 'mlp_pre_norm': 'post_attention_layernorm',
 }
 LEAF_NAMES = {'kernel': 'weight', 'scale': 'weight', 'embedding': 'weight', 'bias': 'bias'}
+# MTP module parts -> their names inside the Hub's extra layer (DeepSeek V3 layout).
+MTP_MODULE_NAMES = {'embed_norm': ('enorm',), 'hidden_norm': ('hnorm',), 'proj': ('eh_proj',),
+                    'final_norm': ('shared_head', 'norm')}
+# Copies of the main embedding / output head that Hub MTP layers also store.
+MTP_SHARED_COPIES = {'embed_tokens.weight': 'model.embed_tokens.weight',
+                     'shared_head.head.weight': 'lm_head.weight'}
+
+
+def hf_layer_path(path: tuple, num_layers: int) -> tuple:
+  """Our parameter path with MTP module ``k`` placed as Hub layer ``num_layers + k``:
+  ``('mtp', 0, 'block', 'attn', …)`` -> ``('layers', num_layers, 'attn', …)`` and
+  ``('mtp', 0, 'proj', 'kernel')`` -> ``('layers', num_layers, 'eh_proj', 'kernel')``.
+  Other paths are returned unchanged."""
+  if path[0] != 'mtp':
+    return path
+  _, k, module, *rest = path
+  layer = ('layers', num_layers + k)
+  return (*layer, *rest) if module == 'block' else (*layer, *MTP_MODULE_NAMES[module], *rest)
+
+
 IGNORED_HF_TENSORS = re.compile(r'.*rotary_emb\.inv_freq$|.*\.masked_bias$|.*\.attn\.bias$')
 
 

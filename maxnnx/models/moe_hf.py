@@ -42,7 +42,8 @@ def expert_hooks(module: str, names: dict[str, str] = SWIGLU_NAMES):
   """
 
   def layers(cfg: ModelConfig):
-    return [i for i, m in enumerate(cfg.moe_layers) if m]
+    mtp = range(cfg.num_layers, cfg.num_layers + cfg.mtp_num_layers) if cfg.num_experts else []
+    return [i for i, m in enumerate(cfg.moe_layers) if m] + list(mtp)  # MTP blocks are MoE
 
   def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
     out = dict(tensors)

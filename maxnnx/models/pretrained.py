@@ -10,7 +10,9 @@ mis-shaped or truncated tensor is one error naming the file and tensor.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from typing import Any
 
 import jax
@@ -36,8 +38,18 @@ from maxnnx.models import (
   qwen3,
   qwen3_moe,
 )
-from maxnnx.models.hf import IGNORED_HF_TENSORS, Family, HFConfig, PretrainedError, load_config_json
+from maxnnx.models.hf import (
+  IGNORED_HF_TENSORS,
+  MTP_SHARED_COPIES,
+  Family,
+  HFConfig,
+  PretrainedError,
+  hf_layer_path,
+  load_config_json,
+)
 from maxnnx.models.transformer import Transformer, layer_stacks
+
+logger = logging.getLogger(__name__)
 
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma.FAMILY,
@@ -81,7 +93,11 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
     dtype: compute dtype (default: the config's, ``float32``).
     param_dtype: dtype parameters are stored in (default ``float32``).
     scan_layers: build the layer stack scanned (default: unscanned).
-    **overrides: any other :class:`ModelConfig` field.
+    **overrides: any other :class:`ModelConfig` field. ``mtp_num_layers``
+      chooses how many multi-token-prediction layers to load (DeepSeek V3);
+      by default those the checkpoint holds (a transformers-saved checkpoint
+      holds none, whatever ``num_nextn_predict_layers`` says). With fewer, the
+      rest are skipped with a log line.
 
   Raises:
     PretrainedError: unsupported ``model_type``, a missing file, or a tensor
@@ -94,6 +110,7 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   cfg = config_from_pretrained(directory, **overrides)
   family = FAMILIES[cfg.family]
   tensors = read_safetensors_dir(directory)
+  cfg, skipped = _choose_mtp_layers(cfg, family, tensors, 'mtp_num_layers' in overrides, directory)
   if family.unfuse is not None:
     tensors = family.unfuse(tensors, cfg)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -102,7 +119,7 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   values = {}
   used = set()
   for path, shape in _unscanned_param_shapes(abstract_state, cfg).items():
-    name = family.hf_name(path)
+    name = family.hf_name(hf_layer_path(path, cfg.num_layers))
     if name not in tensors:
       raise PretrainedError(f"{directory}: tensor '{name}' is missing (needed for "
                             f"{'.'.join(map(str, path))} of a {cfg.family} model).")
@@ -110,8 +127,10 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
     used.add(name)
     kernel_n_in = n_in[_module_key(path)] if path[-1] == 'kernel' else None
     values[path] = _hf_to_ours(array, shape, kernel_n_in, name, source)
+  used |= _check_mtp_copies(tensors, cfg)
   unexpected = sorted(n for n in tensors if n not in used and not IGNORED_HF_TENSORS.match(n)
-                      and not (cfg.tie_word_embeddings and n == 'lm_head.weight'))
+                      and not (cfg.tie_word_embeddings and n == 'lm_head.weight')
+                      and not skipped.match(n))
   if unexpected:
     shown = ', '.join(unexpected[:5]) + (' …' if len(unexpected) > 5 else '')
     raise PretrainedError(f'{directory}: {len(unexpected)} tensor(s) that a {cfg.family} model '
@@ -135,13 +154,21 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
   if family is None:
     raise PretrainedError(f"ModelConfig.family '{cfg.family}' has no Hugging Face mapping; "
                           f'known: {", ".join(sorted(FAMILIES))}.')
+  if cfg.mtp_num_layers and not family.mtp:
+    raise PretrainedError(f'{cfg.family} checkpoints have no multi-token-prediction layers; '
+                          'save a model with mtp_num_layers=0 (model.mtp is then dropped).')
   hf_config = family.config_to_hf(cfg)
   n_in = _kernel_input_dims(model)
   tensors = {}
   state = nnx.state(model, nnx.Param)
   for path, array in _unscanned_param_values(state, cfg).items():
     kernel_n_in = n_in[_module_key(path)] if path[-1] == 'kernel' else None
-    tensors[family.hf_name(path)] = _ours_to_hf(np.asarray(array), kernel_n_in, path[-1])
+    name = family.hf_name(hf_layer_path(path, cfg.num_layers))
+    tensors[name] = _ours_to_hf(np.asarray(array), kernel_n_in, path[-1])
+  for k in range(cfg.mtp_num_layers):  # the Hub layout repeats the shared embedding and head
+    for suffix, main in MTP_SHARED_COPIES.items():
+      main = 'model.embed_tokens.weight' if cfg.tie_word_embeddings else main
+      tensors[f'model.layers.{cfg.num_layers + k}.{suffix}'] = tensors[main]
   if family.fuse is not None:
     tensors = family.fuse(tensors, cfg)
   os.makedirs(directory, exist_ok=True)
@@ -151,6 +178,49 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
     json.dump(hf_config, f, indent=2)
   os.replace(tmp, os.path.join(directory, 'config.json'))
   return ['config.json', *files]
+
+
+# -- multi-token prediction ----------------------------------------------------------------------
+
+
+def _choose_mtp_layers(cfg: ModelConfig, family: Family, tensors, explicit: bool, directory: str
+                       ) -> tuple[ModelConfig, re.Pattern]:
+  """``cfg`` with the MTP layers to load, and a pattern of stored layers to skip."""
+  pattern = re.compile(r'model\.layers\.(\d+)\.')
+  stored = len({int(m.group(1)) for n in tensors if (m := pattern.match(n))
+                and int(m.group(1)) >= cfg.num_layers}) if family.mtp else 0
+  wanted = cfg.mtp_num_layers
+  if wanted > stored:
+    if explicit:
+      holds = (f'holds multi-token-prediction tensors for {stored} layer(s)' if family.mtp
+               else f'is a {cfg.family} checkpoint, which has no multi-token-prediction layers')
+      raise PretrainedError(f'{directory}: mtp_num_layers={wanted} but the checkpoint {holds}; '
+                            f'pass mtp_num_layers={stored} or fewer.')
+    logger.info('%s: config.json declares %d multi-token-prediction layer(s) but the '
+                'checkpoint holds tensors for %d; loading those.', directory, wanted, stored)
+    cfg = cfg.replace(mtp_num_layers=stored)
+  elif wanted < stored:
+    logger.info('%s: skipping %d of the checkpoint\'s %d multi-token-prediction layer(s) '
+                '(mtp_num_layers=%d).', directory, stored - wanted, stored, wanted)
+  first_skipped = cfg.num_layers + cfg.mtp_num_layers
+  skipped = '|'.join(str(i) for i in range(first_skipped, cfg.num_layers + stored)) or '(?!)'
+  return cfg, re.compile(rf'model\.layers\.({skipped})\.')
+
+
+def _check_mtp_copies(tensors, cfg: ModelConfig) -> set[str]:
+  """Names of the embedding/head copies in loaded MTP layers; the model shares the
+  main ones, so a copy that differs is reported."""
+  names = set()
+  for k in range(cfg.mtp_num_layers):
+    for suffix, main in MTP_SHARED_COPIES.items():
+      main = 'model.embed_tokens.weight' if cfg.tie_word_embeddings else main
+      name = f'model.layers.{cfg.num_layers + k}.{suffix}'
+      if name in tensors:
+        names.add(name)
+        if not np.array_equal(np.asarray(tensors[name][1]), np.asarray(tensors[main][1])):
+          logger.warning('%s: %s differs from %s; the MTP module uses the main model\'s '
+                         '(shared, as DeepSeek V3 trains it).', tensors[name][0], name, main)
+  return names
 
 
 # -- tensor layout ------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 ``Transformer(cfg, rngs=...)`` is embed -> N x DecoderBlock -> norm -> logits.
 Families differ only in their :class:`ModelConfig` and Hugging Face mapping.
+With ``mtp_num_layers``, multi-token-prediction modules (:mod:`maxnnx.layers.mtp`)
+follow the stack; ``model(ids, mtp=True)`` also returns their logits.
 
 The layer stack is either an ``nnx.List`` of blocks (``scan_layers=False``: easy
 to index, inspect and edit in a notebook) or one block whose parameters carry a
@@ -20,6 +22,7 @@ from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock
 from maxnnx.layers.embedding import Embed
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.moe import MoeAux
+from maxnnx.layers.mtp import MTPLayer, shift_left
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.remat import remat
 from maxnnx.layers.rope import RotaryEmbedding
@@ -66,6 +69,8 @@ class Transformer(nnx.Module):
     layers: ``nnx.List`` of :class:`DecoderBlock`, or one stacked block.
     final_norm: norm before the output projection.
     lm_head: untied output projection ``[d_model] -> [vocab]`` or ``None``.
+    mtp: ``nnx.List`` of :class:`~maxnnx.layers.mtp.MTPLayer` (``mtp_num_layers``
+      of them) or ``None``.
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -84,6 +89,8 @@ class Transformer(nnx.Module):
     self.lm_head = (None if config.tie_word_embeddings else
                     DenseGeneral((config.d_model,), (config.vocab_size,), axes=('embed', 'vocab'),
                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+    self.mtp = (nnx.List([MTPLayer(config, rngs=rngs) for _ in range(config.mtp_num_layers)])
+                if config.mtp_num_layers else nnx.data(None))
     head_dim = config.rope_head_dim
     self.rotary = RotaryEmbedding.from_config(config.rope, head_dim,
                                               config.max_position_embeddings)
@@ -114,17 +121,26 @@ class Transformer(nnx.Module):
   # -- forward ----------------------------------------------------------------
 
   def __call__(self, input_ids_BT: jax.Array, *, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
+               positions: jax.Array | None = None, decode: bool = False, mtp: bool = False
+               ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """Logits ``[B, T, vocab]`` (in ``config.logits_dtype``).
 
     The same as ``model.logits(model.hidden_states(...))``; the arguments are
-    those of :meth:`hidden_states`.
+    those of :meth:`hidden_states`. With ``mtp=True`` the result is
+    ``(logits, mtp_logits)``, where ``mtp_logits[k - 1]`` ``[B, T, vocab]`` holds
+    MTP depth ``k``'s prediction of token ``t_{i+k+1}`` at position ``i`` (see
+    :func:`maxnnx.layers.mtp.mtp_targets`).
     """
-    return self.logits(self.hidden_states(input_ids_BT, segment_ids=segment_ids,
-                                          positions=positions, decode=decode))
+    out = self.hidden_states(input_ids_BT, segment_ids=segment_ids, positions=positions,
+                             decode=decode, mtp=mtp)
+    if not mtp:
+      return self.logits(out)
+    x_BTD, mtp_hidden = out
+    return self.logits(x_BTD), tuple(self.logits(h_BTD) for h_BTD in mtp_hidden)
 
   def hidden_states(self, input_ids_BT: jax.Array, *, segment_ids: jax.Array | None = None,
-                    positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
+                    positions: jax.Array | None = None, decode: bool = False, mtp: bool = False
+                    ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """Final hidden states ``[B, T, d_model]``, after the final norm and before the head.
 
     A trainer that fuses the head with its loss (see ``maxnnx.train.loss``) calls
@@ -138,8 +154,13 @@ class Transformer(nnx.Module):
         default ``0..T-1``, or, when decoding, the next ``T`` cache slots (pass
         positions explicitly for left-padded batches).
       decode: append to the KV cache (see :meth:`init_cache`) and attend over it.
+      mtp: also return each MTP depth's final hidden states (after its own norm):
+        ``(hidden, mtp_hidden)``. Training only.
     """
     cfg = self.config
+    if mtp and (self.mtp is None or decode):
+      raise ValueError('mtp=True needs a model with MTP modules (ModelConfig.mtp_num_layers > 0) '
+                       'and decode=False.')
     _check_token_ids(input_ids_BT, cfg.vocab_size)
     default_segments, default_positions = default_segments_and_positions(input_ids_BT)
     segment_ids = default_segments if segment_ids is None else segment_ids.astype(jnp.int32)
@@ -168,9 +189,7 @@ class Transformer(nnx.Module):
       positions = default_positions if positions is None else positions
       mask = AttentionMask.causal(segment_ids, positions)
 
-    x_BTD = constrain(self.embed(input_ids_BT), RESIDUAL_AXES)
-    if cfg.scale_embeddings:
-      x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, x_BTD.dtype)
+    x_BTD = self._embed(input_ids_BT)
     stages = mesh_axis_size('stage')
     if stages > 1:
       if not cfg.scan_layers or cache_index is not None:
@@ -185,7 +204,28 @@ class Transformer(nnx.Module):
         for block, layer_type in zip(self.layers, cfg.resolved_layer_types):
           window = cfg.sliding_window if layer_type == 'sliding' else None
           x_BTD = self._apply_block(block, x_BTD, cos_sin[layer_type], mask, window, cache_index)
-    return self.final_norm(x_BTD)
+    if not mtp:
+      return self.final_norm(x_BTD)
+    return self.final_norm(x_BTD), self._mtp_hidden(x_BTD, input_ids_BT, positions, mask)
+
+  def _embed(self, ids_BT):
+    x_BTD = constrain(self.embed(ids_BT), RESIDUAL_AXES)
+    if self.config.scale_embeddings:
+      x_BTD = x_BTD * jnp.asarray(self.config.d_model**0.5, x_BTD.dtype)
+    return x_BTD
+
+  def _mtp_hidden(self, h_BTD, input_ids_BT, positions_BT, mask):
+    """Normed hidden states of every MTP depth; ``h_BTD`` is the last block's output."""
+    cfg = self.config
+    layer_type = cfg.resolved_layer_types[-1]  # MTP blocks attend like the last layer
+    window = cfg.sliding_window if layer_type == 'sliding' else None
+    cos_sin = self._cos_sin(positions_BT)[layer_type]
+    out = []
+    for k, layer in enumerate(self.mtp, start=1):
+      h_BTD = layer(h_BTD, self._embed(shift_left(input_ids_BT, k)))
+      h_BTD = self._apply_block(layer.block, h_BTD, cos_sin, mask, window, None)
+      out.append(layer.final_norm(h_BTD))
+    return tuple(out)
 
   def _cos_sin(self, positions_BT):
     cos_sin = {'full': self.rotary.cos_sin(positions_BT)}

@@ -1,6 +1,9 @@
 """DeepSeek V2 / V2-Lite / V3 and Kimi K2 presets: latent attention + fine-grained experts.
 
-Counts exclude the multi-token-prediction layer that V3 checkpoints also ship.
+DeepSeek-V3 has one multi-token-prediction module (``mtp_num_layers=1``, as its
+checkpoints ship). The published 671B excludes it; ``num_params()`` counts it
+(about 11.7B more: a MoE block plus ``eh_proj`` and norms); the Hub's 685B also
+counts the MTP layer's stored copies of the embedding and output head (2 x 0.93B).
 """
 
 from maxnnx.config import ModelConfig, RopeConfig
@@ -38,13 +41,15 @@ def deepseek_v2() -> ModelConfig:
 
 
 def deepseek_v3() -> ModelConfig:
-  """DeepSeek-V3 / R1: 671B parameters, 37B active (256 experts, top-8, sigmoid routing)."""
+  """DeepSeek-V3 / R1: 671B parameters, 37B active (256 experts, top-8, sigmoid routing),
+  plus one multi-token-prediction module."""
   return _deepseek('deepseek_v3', vocab_size=129_280, d_model=7168, num_layers=61, num_heads=128,
                    num_kv_heads=128, mlp_dim=18_432, q_lora_rank=1536, num_experts=256,
                    num_experts_per_tok=8, moe_mlp_dim=2048, num_shared_experts=1,
                    first_k_dense_layers=3, router_score='sigmoid', router_score_bias=True,
                    router_scaling_factor=2.5, router_groups=8, router_topk_groups=4,
-                   router_group_score='top2_sum', rope=_yarn(10_000.0, 40.0, 1.0))
+                   router_group_score='top2_sum', rope=_yarn(10_000.0, 40.0, 1.0),
+                   mtp_num_layers=1)
 
 
 def kimi_k2() -> ModelConfig:

@@ -44,20 +44,29 @@ def _layer_is_moe(cfg: ModelConfig, layer: int) -> bool:
   return cfg.num_experts > 1 and cfg.moe_layers[layer]
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-  """Forward-pass matmul FLOPs per token of a ``seq_len``-token causal sequence."""
+def _block_flops(cfg: ModelConfig, kind: str, is_moe: bool, seq_len: int) -> float:
   d, hd, h, kv = cfg.d_model, cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
+  total = 2 * d * hd * (h + 2 * kv) + 2 * h * hd * d  # q, k, v, o projections
+  window = cfg.sliding_window if kind == 'sliding' else None
+  total += 4 * h * hd * mean_keys_per_query(seq_len, window)  # q.k and p.v
+  if is_moe:
+    width = cfg.moe_mlp_dim or cfg.mlp_dim
+    total += 2 * d * cfg.num_experts  # router
+    total += (cfg.num_experts_per_tok + cfg.num_shared_experts) * _mlp_flops(cfg, width)
+  else:
+    total += _mlp_flops(cfg, cfg.mlp_dim)
+  return total
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Forward-pass matmul FLOPs per token of a ``seq_len``-token causal sequence
+  (multi-token-prediction modules included: block, ``eh_proj`` and output head each)."""
+  d = cfg.d_model
   total = 2 * d * cfg.vocab_size  # output projection (the embedding lookup is free)
   for layer, kind in enumerate(cfg.resolved_layer_types):
-    total += 2 * d * hd * (h + 2 * kv) + 2 * h * hd * d  # q, k, v, o projections
-    window = cfg.sliding_window if kind == 'sliding' else None
-    total += 4 * h * hd * mean_keys_per_query(seq_len, window)  # q.k and p.v
-    if _layer_is_moe(cfg, layer):
-      width = cfg.moe_mlp_dim or cfg.mlp_dim
-      total += 2 * d * cfg.num_experts  # router
-      total += (cfg.num_experts_per_tok + cfg.num_shared_experts) * _mlp_flops(cfg, width)
-    else:
-      total += _mlp_flops(cfg, cfg.mlp_dim)
+    total += _block_flops(cfg, kind, _layer_is_moe(cfg, layer), seq_len)
+  mtp_block = _block_flops(cfg, cfg.resolved_layer_types[-1], cfg.num_experts > 1, seq_len)
+  total += cfg.mtp_num_layers * (mtp_block + 2 * 2 * d * d + 2 * d * cfg.vocab_size)
   return float(total)
 
 

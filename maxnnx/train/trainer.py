@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from maxnnx import sharding
 from maxnnx.config import ModelConfig
 from maxnnx.layers.moe import moe_loss
+from maxnnx.layers.mtp import mtp_targets
 from maxnnx.train import flops as flops_lib
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.loss import (
@@ -135,6 +136,10 @@ def context_permutation(seq_len: int, shards: int) -> np.ndarray:
   return np.concatenate(order)
 
 
+def _mtp_targets(batch: dict, k: int) -> tuple[jax.Array, jax.Array]:
+  """Targets and loss mask of MTP depth ``k`` for a batch dict."""
+  return mtp_targets(batch['targets'], batch['loss_mask'], batch['segment_ids'],
+                     batch['positions'], k)
 
 
 # -- the trainer -------------------------------------------------------------------
@@ -160,8 +165,9 @@ class Trainer:
 
   Attributes:
     history: one metrics dict per step (``step``, ``loss``, ``lr``,
-      ``grad_norm``, ``tokens_per_s``, ``tflops_per_device``, ``mfu``, and
-      ``eval_loss`` where evaluated).
+      ``grad_norm``, ``tokens_per_s``, ``tflops_per_device``, ``mfu``,
+      ``mtp_loss`` with multi-token prediction (mean over depths, unscaled),
+      and ``eval_loss`` where evaluated).
     mesh: the device mesh; ``rules`` the logical-axis rules in use.
     model_config: the model's :class:`ModelConfig`.
     quantization: ``config.quantization``, or ``custom`` when ``model`` came
@@ -198,6 +204,11 @@ class Trainer:
     self.quantization = _quantization_name(config, self.model_config, concrete, self.mesh)
     if concrete is not None and config.quantization != 'none':
       concrete = quantize(concrete, config.quantization)
+    if (self.model_config.mtp_num_layers and config.mesh.context_load_balance
+        and dict(self.mesh.shape).get('context', 1) > 1):
+      raise ValueError('Multi-token prediction shifts tokens along the sequence, which the '
+                       'context load-balancing permutation reorders: set '
+                       'MeshConfig.context_load_balance=False (or mtp_num_layers=0).')
     self.tx = optimizer if optimizer is not None else make_optimizer(config, abstract_model)
     build = self._builder(self.model_config) if concrete is None else None
 
@@ -293,26 +304,36 @@ class Trainer:
 
   # -- the compiled step ------------------------------------------------------------------
 
-  def _head_loss(self, model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(ce_sum + z_loss * z_sum, ce_sum, z_sum)`` of a batch, summed over its masked
-    tokens; the fused head + loss of :mod:`maxnnx.train.loss` unless ``fused_loss=False``."""
-    cfg = self.config
-    inputs = dict(segment_ids=batch['segment_ids'], positions=batch['positions'])
-    if not cfg.fused_loss:
-      logits = model(batch['inputs'], **inputs)
-      ce_sum, z_sum = masked_cross_entropy(logits, batch['targets'], batch['loss_mask'])
-      return ce_sum + cfg.z_loss * z_sum, ce_sum, z_sum
-    x_BTD = model.hidden_states(batch['inputs'], **inputs)
-    weight, vocab_major = model.head_weight()
-    batch_size, length = batch['targets'].shape
-    chunk = cfg.loss_chunk_length or default_chunk_length(
-        batch_size, length, self.model_config.vocab_size,
-        (32 if jax.default_backend() == 'cpu' else 1024) << 20)
-    mc = self.model_config
-    return chunked_head_cross_entropy(
-        x_BTD, weight, batch['targets'], batch['loss_mask'], vocab_major=vocab_major,
-        chunk_length=chunk, z_loss=cfg.z_loss, softcap=mc.final_logit_softcap,
-        dtype=mc.jnp_dtype('dtype'))
+  def _head_loss(self, model, batch, mtp_tokens=None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(ce_sum + z_loss * z_sum, ce_sum, z_sum, mtp)`` of a batch: sums over its masked
+    tokens, and ``mtp`` the mean over MTP depths of each depth's cross-entropy divided by
+    ``mtp_tokens[k - 1]`` (0 when ``mtp_tokens`` is ``None`` or the model has no MTP).
+    The head and loss are fused (:mod:`maxnnx.train.loss`) unless ``fused_loss=False``."""
+    cfg, mc = self.config, self.model_config
+    depths = mc.mtp_num_layers if mtp_tokens is not None else 0
+    out = model.hidden_states(batch['inputs'], segment_ids=batch['segment_ids'],
+                              positions=batch['positions'], mtp=depths > 0)
+    x_BTD, mtp_hidden = out if depths else (out, ())
+
+    def terms(h_BTD, targets_BT, mask_BT, z_loss):
+      if not cfg.fused_loss:
+        ce_sum, z_sum = masked_cross_entropy(model.logits(h_BTD), targets_BT, mask_BT)
+        return ce_sum + z_loss * z_sum, ce_sum, z_sum
+      weight, vocab_major = model.head_weight()
+      batch_size, length = targets_BT.shape
+      chunk = cfg.loss_chunk_length or default_chunk_length(
+          batch_size, length, mc.vocab_size,
+          (32 if jax.default_backend() == 'cpu' else 1024) << 20)
+      return chunked_head_cross_entropy(
+          h_BTD, weight, targets_BT, mask_BT, vocab_major=vocab_major, chunk_length=chunk,
+          z_loss=z_loss, softcap=mc.final_logit_softcap, dtype=mc.jnp_dtype('dtype'))
+
+    objective, ce_sum, z_sum = terms(x_BTD, batch['targets'], batch['loss_mask'], cfg.z_loss)
+    # Multi-token prediction: mean over depths of each depth's mean cross-entropy.
+    mtp = sum(terms(h_BTD, *_mtp_targets(batch, k), 0.0)[0] / mtp_tokens[k - 1]
+              for k, h_BTD in enumerate(mtp_hidden, start=1)) / max(depths, 1)
+    return objective, ce_sum, z_sum, jnp.asarray(mtp, jnp.float32)
 
   def _train_step(self, state, extra, batch):
     cfg = self.config
@@ -320,33 +341,37 @@ class Trainer:
     step = optimizer.step[...]
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     total_tokens = jnp.maximum(batch['loss_mask'].sum(), 1.0)
+    depths = self.model_config.mtp_num_layers
+    mtp_tokens = [jnp.maximum(_mtp_targets(batch, k)[1].sum(), 1.0) for k in range(1, depths + 1)]
 
     def loss_fn(params, micro):
       # Fresh Variables for the non-parameter state: the forward pass writes MoE
       # routing statistics into them, which must happen at this trace level.
       m = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
-      objective, ce_sum, z_sum = self._head_loss(m, micro)
+      objective, ce_sum, z_sum, mtp = self._head_loss(m, micro, mtp_tokens)
       # MoE balancing / router z losses (zero without MoE layers), weighted like the
       # micro-batch's share of the tokens so accumulation matches the whole batch.
       aux = moe_loss(m) * micro['loss_mask'].sum() / total_tokens if is_moe else 0.0
-      return objective / total_tokens + aux, (ce_sum, z_sum, aux)
+      loss = objective / total_tokens + aux
+      return loss + self.model_config.mtp_loss_scaling_factor * mtp, (ce_sum, z_sum, aux, mtp)
 
     is_moe = self.model_config.num_experts > 1
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if cfg.grad_accum_steps == 1:
-      (_, (ce_sum, z_sum, aux_sum)), grads = grad_fn(params, batch)
+      (_, (ce_sum, z_sum, aux_sum, mtp_sum)), grads = grad_fn(params, batch)
     else:
       micro_batches = jax.tree.map(
           lambda x: x.reshape(cfg.grad_accum_steps, -1, *x.shape[1:]), batch)
 
       def accumulate(carry, micro):
-        grads_acc, ce_acc, z_acc, aux_acc = carry
-        (_, (ce, z, aux)), g = grad_fn(params, micro)
-        return (jax.tree.map(jnp.add, grads_acc, g), ce_acc + ce, z_acc + z, aux_acc + aux), None
+        grads_acc, *sums = carry
+        (_, losses), g = grad_fn(params, micro)
+        return (jax.tree.map(jnp.add, grads_acc, g),
+                *(acc + x for acc, x in zip(sums, losses))), None
 
       zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-      (grads, ce_sum, z_sum, aux_sum), _ = jax.lax.scan(
-          accumulate, (zeros, jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), micro_batches)
+      (grads, ce_sum, z_sum, aux_sum, mtp_sum), _ = jax.lax.scan(
+          accumulate, (zeros, *[jnp.zeros(())] * 4), micro_batches)
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     loss = ce_sum / total_tokens
@@ -370,6 +395,8 @@ class Trainer:
     metrics = {'loss': loss, 'z_loss': z_sum / total_tokens, 'grad_norm': grad_norm,
                'moe_aux_loss': jnp.asarray(aux_sum, jnp.float32),
                'lr': self.schedule(step), 'skipped': ~ok}
+    if depths:
+      metrics['mtp_loss'] = jnp.asarray(mtp_sum, jnp.float32)
     return new_state, extra, metrics
 
   def _abstract_batch(self) -> dict:
@@ -512,7 +539,7 @@ class Trainer:
     if self._eval_compiled is None:
       def eval_step(state, batch):
         model, _ = nnx.merge(self._graphdef, state)
-        _, total, _ = self._head_loss(model, batch)
+        _, total, _, _ = self._head_loss(model, batch)
         return total, batch['loss_mask'].sum()
 
       with self._context():
