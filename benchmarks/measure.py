@@ -8,8 +8,10 @@ laptop CPU, a shared 2-core VM or an H100.
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
+import subprocess
 import time
 
 import jax
@@ -119,6 +121,18 @@ def percentiles(samples: list[float]) -> dict[str, float]:
 
 
 def versions() -> dict[str, str]:
-  """Versions of the packages a maxnnx result depends on."""
-  return results.package_versions('maxnnx', 'jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint',
-                                  'grain', 'tokamax')
+  """Versions of the packages a maxnnx result depends on, and the git commit of this
+  checkout (``maxnnx_commit``, with ``+dirty`` for uncommitted changes) when there is one."""
+  out = results.package_versions('maxnnx', 'jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint',
+                                 'grain', 'tokamax')
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=root, text=True,
+                            capture_output=True, timeout=10).stdout.strip()
+    dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=root,
+                           text=True, capture_output=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    commit = dirty = ''
+  if commit:
+    out['maxnnx_commit'] = commit + ('+dirty' if dirty else '')
+  return out

@@ -43,14 +43,16 @@ import numpy as np
 from benchmarks import measure, results
 from benchmarks.configs import BENCH_CONFIGS, get_config, train_flops_per_token
 from benchmarks.model import model_config
+from maxnnx.config import MeshConfig
 from maxnnx.train import TrainConfig, Trainer
 from maxnnx.train.trainer import synthetic_batches
 
 REMAT_POLICIES = ('none', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', 'save_out_proj',
                   'save_attention_out', 'full')
-# Measured on cpu-tiny (see benchmarks/RESULTS.md): float32 trains faster than bfloat16 compute
-# on the CPUs we have, so float32 is the CPU default; accelerators default to bfloat16.
-CPU_DEFAULT_DTYPE = 'float32'
+# Measured on cpu-tiny (see benchmarks/RESULTS.md): bfloat16 compute trained about 1.3x faster
+# than float32 on a Zen 5 CPU with AVX-512 BF16, so it is the CPU default too. Recheck on other
+# CPUs with --dtype float32.
+CPU_DEFAULT_DTYPE = 'bfloat16'
 
 
 def default_dtype() -> str:
@@ -78,12 +80,13 @@ def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warm
         remat: str = 'none', scan: bool = False, attention_impl: str = 'xla',
         ceiling_seconds: float = 1.0, ceiling_size: int | None = None,
         json_path: str | None = None, stall_check: bool = False, stall_steps: int = 10,
-        checkpoint_every: int = 5, log=print) -> dict:
+        checkpoint_every: int = 5, mesh: MeshConfig | None = None, log=print) -> dict:
   """Benchmark the train step of config ``cfg`` (a dict like ``BENCH_CONFIGS[name]``).
 
   Returns the result record (see :mod:`benchmarks.results`), also appended to ``json_path``.
   With ``stall_check`` the record gets a ``loop`` entry: seconds per step of
-  ``Trainer.fit`` per input/checkpoint mode.
+  ``Trainer.fit`` per input/checkpoint mode. ``mesh`` defaults to data parallelism over every
+  device.
   """
   if steps < 1 or warmup < 0:
     raise ValueError(f'--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}')
@@ -92,7 +95,7 @@ def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warm
   batch, seq = cfg['batch'], cfg['seq']
   tcfg = TrainConfig(steps=max(warmup + steps, 1), global_batch_size=batch, seq_len=seq,
                      log_every=1000, learning_rate=1e-4, warmup_steps=0,
-                     schedule='constant')
+                     schedule='constant', mesh=mesh or MeshConfig())
   device = measure.device_description()
   log(f'{name}: {mcfg.num_params():,} parameters, batch {batch} x seq {seq}, {dtype}, '
       f'remat {remat}, scan {scan}, attention {attention_impl}; {device}')
@@ -181,8 +184,10 @@ def _corpus_sources(mcfg, batch: int, seq: int, workdir: str) -> dict:
 
 def _loop_seconds(trainer: Trainer, base: TrainConfig, steps: int, data, *,
                   checkpoint_dir: str | None = None, async_save: bool = True,
-                  checkpoint_every: int = 0) -> tuple[float, float]:
-  """``(seconds per step of Trainer.fit over steps, seconds close() then waited)``."""
+                  checkpoint_every: int = 0) -> dict:
+  """Seconds per step of ``Trainer.fit`` over ``steps`` steps (``step_time_s``), how long each
+  checkpoint save blocked the loop (``save_blocked_s``, median) and how long ``close()`` then
+  waited for writes still in flight (``close_wait_s``)."""
   from maxnnx.checkpoint.manager import CheckpointManager  # noqa: PLC0415
   trainer.close()
   trainer.data = data
@@ -195,13 +200,30 @@ def _loop_seconds(trainer: Trainer, base: TrainConfig, steps: int, data, *,
   quiet = lambda line: None  # noqa: E731
   trainer.fit(2, log=quiet)  # first batch of a new source, first save: not steady state
   jax.block_until_ready(trainer._state)  # noqa: SLF001
-  start = time.perf_counter()
-  trainer.fit(steps, log=quiet)
-  jax.block_until_ready(trainer._state)  # noqa: SLF001
-  per_step = (time.perf_counter() - start) / steps
+  if checkpoint_dir:
+    trainer._checkpoints.wait()  # noqa: SLF001 (the warm-up's save must not overlap the timing)
+  blocked = []
+  save = trainer.save_checkpoint
+
+  def timed_save():
+    start = time.perf_counter()
+    out = save()
+    blocked.append(time.perf_counter() - start)
+    return out
+
+  trainer.save_checkpoint = timed_save  # fit() calls it through the instance
+  try:
+    start = time.perf_counter()
+    trainer.fit(steps, log=quiet)
+    jax.block_until_ready(trainer._state)  # noqa: SLF001
+    per_step = (time.perf_counter() - start) / steps
+  finally:
+    del trainer.save_checkpoint
   start = time.perf_counter()
   trainer.close()
-  return per_step, time.perf_counter() - start
+  return {'step_time_s': per_step, 'saves': len(blocked),
+          'save_blocked_s': float(np.median(blocked)) if blocked else None,
+          'close_wait_s': time.perf_counter() - start}
 
 
 def stall_table(trainer: Trainer, mcfg, base: TrainConfig, steps: int, checkpoint_every: int,
@@ -231,19 +253,20 @@ def stall_table(trainer: Trainer, mcfg, base: TrainConfig, steps: int, checkpoin
                                   async_save=async_save, checkpoint_every=checkpoint_every)
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
-  reference = rows['synthetic tokens'][0]
+  reference = rows['synthetic tokens']['step_time_s']
   width = max(len(k) for k in rows)
   log(f'\n  the real loop (Trainer.fit, {steps} steps, metrics fetched once per window):')
-  log(f"  {'mode':<{width}}  {'s/step':>8}  {'tokens/s':>9}  {'vs synthetic':>12}  close() waited")
-  for label, (per_step, waited) in rows.items():
+  log(f"  {'mode':<{width}}  {'s/step':>8}  {'tokens/s':>9}  {'vs synthetic':>12}  "
+      'each save blocked  close() waited')
+  for label, row in rows.items():
+    per_step = row['step_time_s']
+    saves = ('' if not row['saves'] else
+             f"{row['save_blocked_s']:.2f} s x {row['saves']}")
     log(f'  {label:<{width}}  {per_step:8.4f}  {batch * seq / per_step:9,.0f}  '
-        f'{per_step / reference - 1:+12.1%}  {waited:.2f} s')
+        f"{per_step / reference - 1:+12.1%}  {saves:>17}  {row['close_wait_s']:.2f} s")
   for label, seconds in loader.items():
     log(f'  {label} alone (no training): {seconds * 1e3:.2f} ms per batch')
-  out = {label: {'step_time_s': per_step, 'close_wait_s': waited}
-         for label, (per_step, waited) in rows.items()}
-  out['loader_alone_s_per_batch'] = loader
-  return out
+  return {**rows, 'loader_alone_s_per_batch': loader}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,13 +90,13 @@ def test_train_throughput_harness_writes_a_consistent_result(tmp_path):
   lines = []
   record = train_throughput.run(MICRO, name='micro', dtype='float32', steps=3, warmup=1,
                                 ceiling_seconds=0.05, ceiling_size=256, json_path=str(path),
-                                log=lines.append)
+                                mesh=MeshConfig(data=1), log=lines.append)
   (line,) = path.read_text().splitlines()
   saved = json.loads(line)
   assert saved == json.loads(json.dumps(record))
   assert set(results.SCHEMA) <= set(saved)
   assert saved['framework'] == 'maxnnx' and saved['steps_timed'] == 3
-  assert saved['batch'] == 8 and saved['seq'] == 32
+  assert saved['batch'] == 8 and saved['seq'] == 32 and saved['num_devices'] == 1
   assert saved['tokens_per_s'] == pytest.approx(8 * 32 / saved['step_time_s'])
   assert saved['tokens_per_s_per_device'] == pytest.approx(
       saved['tokens_per_s'] / saved['num_devices'])
