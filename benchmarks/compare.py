@@ -73,7 +73,7 @@ def run_all(configs: list[str], frameworks: list[str], steps: int, json_path: st
       if proc.returncode != 0 or _count_lines(json_path) == before:
         last = next((line for line in reversed(tail) if line.strip()), 'no output')
         if 'No module named' in last:
-          last = f'not available ({last.strip()})'
+          last = 'not available: ' + last[last.index('No module named'):].rstrip(')')
         failures[(config, framework)] = f'exit {proc.returncode}: {last.strip()[:160]}'
   return failures
 
