@@ -1,0 +1,26 @@
+"""The maxnnx model of a benchmark config: exactly its shapes, Llama-style or Mixtral-style."""
+
+from __future__ import annotations
+
+from maxnnx.config import ModelConfig, RopeConfig
+
+
+def model_config(cfg: dict, *, dtype: str = 'float32', remat: str = 'none', scan: bool = False,
+                 attention_impl: str = 'xla', max_length: int | None = None) -> ModelConfig:
+  """A :class:`ModelConfig` with the shapes of benchmark config ``cfg``.
+
+  Dense configs are ``llama`` (RMSNorm, SwiGLU, RoPE, untied embeddings); ``num_experts > 0``
+  makes every layer a ``mixtral`` MoE (dropless, top-k of ``num_experts`` experts of width
+  ``mlp_dim``). Parameters stay float32; ``dtype`` is the compute dtype. ``max_length`` (default
+  ``cfg['seq']``) sizes the rotary table.
+  """
+  experts = cfg.get('num_experts', 0)
+  moe = dict(num_experts=experts, num_experts_per_tok=cfg['num_experts_per_tok'],
+             router_aux_loss_coef=0.01) if experts else {}
+  return ModelConfig(
+      family='mixtral' if experts else 'llama', vocab_size=cfg['vocab_size'],
+      d_model=cfg['d_model'], num_layers=cfg['num_layers'], num_heads=cfg['num_heads'],
+      num_kv_heads=cfg['num_kv_heads'], head_dim=cfg['head_dim'], mlp_dim=cfg['mlp_dim'],
+      max_position_embeddings=max(cfg['seq'], max_length or 0), norm_eps=1e-5,
+      rope=RopeConfig(theta=float(cfg.get('rope_theta', 10_000.0))), param_dtype='float32',
+      dtype=dtype, scan_layers=scan, remat_policy=remat, attention_impl=attention_impl, **moe)

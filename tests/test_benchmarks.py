@@ -1,0 +1,211 @@
+"""The benchmark harness: FLOP count, result lines, the train/decode harnesses, compare, and
+that the train loop compiles its step exactly once."""
+
+import json
+import logging
+import math
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax import monitoring
+
+import maxnnx
+from benchmarks import compare, decode, results, train_throughput
+from benchmarks.configs import BENCH_CONFIGS, get_config, train_flops_per_token
+from benchmarks.model import model_config
+from maxnnx.config import MeshConfig
+from maxnnx.train import TrainConfig, Trainer
+from maxnnx.train import flops as flops_lib
+from maxnnx.train.trainer import synthetic_batches
+
+MICRO = dict(d_model=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, mlp_dim=128,
+             vocab_size=256, seq=32, batch=8, rope_theta=10_000.0, num_experts=0,
+             num_experts_per_tok=0)
+
+
+@pytest.mark.parametrize('name', sorted(BENCH_CONFIGS))
+def test_flops_agree_with_maxnnx_count(name):
+  """configs.train_flops_per_token and maxnnx.train.flops count the same matmuls; they differ
+  only in causal attention: maxnnx averages (seq + 1) / 2 keys per query, the shared count
+  seq / 2, which is exactly 3 (fwd+bwd) x 2 (QK and PV) x 2 (FLOPs per MAC) x 1/2 key x q_dim
+  = 6 * q_dim per layer more."""
+  cfg = get_config(name)
+  ours = train_flops_per_token(cfg)
+  theirs = flops_lib.training_flops_per_token(model_config(cfg), cfg['seq'])
+  q_dim = cfg['num_heads'] * cfg['head_dim']
+  assert theirs - ours == pytest.approx(6 * q_dim * cfg['num_layers'], rel=1e-12)
+  assert (theirs - ours) / ours < 1e-3  # a rounding-level difference for these shapes
+
+
+def test_model_config_has_the_config_shapes():
+  """The maxnnx model has exactly the parameters the shapes imply (MoE: all experts)."""
+  for name in ('cpu-tiny', 'moe-small'):
+    cfg = get_config(name)
+    d, f, v, layers = cfg['d_model'], cfg['mlp_dim'], cfg['vocab_size'], cfg['num_layers']
+    attn = 4 * d * cfg['num_heads'] * cfg['head_dim']  # MHA: q, k, v, o all d x d here
+    mlp = 3 * d * f * max(cfg['num_experts'], 1) + d * cfg['num_experts']
+    expected = layers * (attn + mlp + 2 * d) + 2 * v * d + d
+    mcfg = model_config(cfg)
+    assert mcfg.num_params() == expected
+    assert mcfg.family == ('mixtral' if cfg['num_experts'] else 'llama')
+
+
+def _record(**changes):
+  fields = dict(framework='pytorch-eager', config='cpu-tiny', device='cpu: test x2 cores',
+                num_devices=2, dtype='bfloat16', batch=4, seq=256, steps_timed=10,
+                step_time_s=0.5, flops_per_token=1e8, ceiling_tflops=0.4, compile_s=None,
+                peak_memory_gib=1.5, versions={'torch': '2'}, command='python -m x')
+  fields.update(changes)
+  return results.make_result(**fields)
+
+
+def test_result_record_arithmetic_and_validation(tmp_path):
+  """make_result derives tokens/s, per device, TFLOP/s and MFU; validate_result rejects a
+  missing field, a wrong type, an unknown framework and inconsistent numbers."""
+  r = _record()
+  assert r['tokens_per_s'] == pytest.approx(4 * 256 / 0.5)
+  assert r['tokens_per_s_per_device'] == pytest.approx(r['tokens_per_s'] / 2)
+  assert r['tflops_per_device'] == pytest.approx(1e8 * r['tokens_per_s_per_device'] / 1e12)
+  assert r['mfu'] == pytest.approx(r['tflops_per_device'] / 0.4)
+  path = tmp_path / 'r.jsonl'
+  results.append_result(str(path), r)
+  results.append_result(str(path), _record(framework='maxnnx', ceiling_tflops=None))
+  back = results.read_results(str(path))
+  assert back[0] == r and back[1]['mfu'] is None
+  for bad, message in [({k: v for k, v in r.items() if k != 'seq'}, 'missing'),
+                       ({**r, 'batch': '4'}, "'batch'"),
+                       ({**r, 'framework': 'jax'}, 'framework'),
+                       ({**r, 'tokens_per_s': r['tokens_per_s'] * 1.1}, 'tokens_per_s'),
+                       ({**r, 'date': 'yesterday'}, 'date')]:
+    with pytest.raises(results.ResultError, match=message):
+      results.validate_result(bad)
+
+
+def test_train_throughput_harness_writes_a_consistent_result(tmp_path):
+  """Three timed steps of a micro config: the JSON line has every field, tokens/s is
+  batch * seq / median step time, and MFU is TFLOP/s over the measured ceiling."""
+  path = tmp_path / 'out.jsonl'
+  lines = []
+  record = train_throughput.run(MICRO, name='micro', dtype='float32', steps=3, warmup=1,
+                                ceiling_seconds=0.05, ceiling_size=256, json_path=str(path),
+                                mesh=MeshConfig(data=1), log=lines.append)
+  (line,) = path.read_text().splitlines()
+  saved = json.loads(line)
+  assert saved == json.loads(json.dumps(record))
+  assert set(results.SCHEMA) <= set(saved)
+  assert saved['framework'] == 'maxnnx' and saved['steps_timed'] == 3
+  assert saved['batch'] == 8 and saved['seq'] == 32 and saved['num_devices'] == 1
+  assert saved['tokens_per_s'] == pytest.approx(8 * 32 / saved['step_time_s'])
+  assert saved['tokens_per_s_per_device'] == pytest.approx(
+      saved['tokens_per_s'] / saved['num_devices'])
+  assert saved['tflops_per_device'] == pytest.approx(
+      train_flops_per_token(MICRO) * saved['tokens_per_s_per_device'] / 1e12)
+  assert saved['ceiling_tflops'] == max(saved['ceiling_tflops_before'],
+                                        saved['ceiling_tflops_after']) > 0
+  assert saved['mfu'] == pytest.approx(saved['tflops_per_device'] / saved['ceiling_tflops'])
+  assert saved['step_time_p10_s'] <= saved['step_time_s'] <= saved['step_time_p90_s']
+  assert saved['compile_s'] > 0 and saved['peak_memory_gib'] > 0
+  assert all(math.isfinite(x) for x in saved['loss_first_last'])
+  assert saved['versions']['jax'] == jax.__version__
+  assert any('tokens/s' in line for line in lines)
+
+
+def test_train_step_compiles_once_across_logging_and_eval():
+  """Over a fit that crosses log_every boundaries and evaluates, the train step and the eval
+  step are each compiled exactly once; a second fit compiles nothing at all."""
+  cfg = maxnnx.get_preset('tiny', vocab_size=64, num_layers=2, d_model=64, mlp_dim=128)
+  train_cfg = TrainConfig(steps=12, global_batch_size=4, seq_len=16, log_every=2, eval_every=3,
+                          eval_batches=2, mesh=MeshConfig(data=1))
+  eval_data = [next(synthetic_batches(64, 4, 16, seed=1)) for _ in range(2)]
+  trainer = Trainer(cfg, train_cfg, data=synthetic_batches(64, 4, 16), eval_data=eval_data)
+
+  messages = []
+
+  class Capture(logging.Handler):
+    def emit(self, record):
+      messages.append(record.getMessage())
+
+  handler = Capture(logging.DEBUG)
+  jax_logger = logging.getLogger('jax')
+  jax_logger.addHandler(handler)
+  try:
+    with jax.log_compiles():
+      trainer.fit(7, log=lambda line: None)
+  finally:
+    jax_logger.removeHandler(handler)
+  compiled = [m for m in messages if m.startswith('Compiling ')]
+  assert sum('jit(_train_step)' in m for m in compiled) == 1, compiled
+  assert sum('jit(eval_step)' in m for m in compiled) == 1, compiled
+  assert sum('eval_loss' in h for h in trainer.history) == 3  # steps 3, 6 and the last
+
+  backend_compiles = []
+  def listener(event, duration, **kwargs):
+    if event == '/jax/core/compile/backend_compile_duration':
+      backend_compiles.append(duration)
+  monitoring.register_event_duration_secs_listener(listener)
+  try:
+    trainer.fit(5, log=lambda line: None)  # crosses log_every and eval_every again
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+  assert backend_compiles == []
+  assert len(trainer.history) == 12
+
+
+def test_compare_table_ratio_and_failed_peer(monkeypatch, tmp_path):
+  """compare: the newest line per framework wins, the ratio is maxnnx / peer in tokens/s per
+  device, and a peer that fails is a row saying why (not a crash)."""
+  ours = _record(framework='maxnnx', step_time_s=0.25)
+  old_peer = _record(step_time_s=0.1)
+  old_peer['date'] = '2000-01-01T00:00:00+00:00'
+  peer = _record(step_time_s=1.0)
+  monkeypatch.setattr(compare, 'peer_command', lambda framework, *a, **k: [
+      sys.executable, '-c', f'import sys; sys.exit("{framework} exploded")'])
+  failures = compare.run_all(['cpu-tiny'], ['maxtext'], 3, str(tmp_path / 'x.jsonl'), 60,
+                             log=lambda line: None)
+  assert failures == {('cpu-tiny', 'maxtext'): 'exit 1: maxtext exploded'}
+  table = compare.format_comparison([ours, old_peer, peer], failures)
+  rows = {line.split()[0]: line for line in table.splitlines()[2:]}
+  assert '4.00x' in rows['pytorch-eager'] and '1.00x' in rows['maxnnx']
+  assert 'no result: exit 1: maxtext exploded' in rows['maxtext']
+
+
+def test_compare_peer_commands_follow_the_interface():
+  """The commands compare launches are the ones the peers implement."""
+  assert compare.peer_command('pytorch-compile', 'cpu-tiny', 7, 'r.jsonl', python='py') == [
+      'py', '-m', 'benchmarks.peers.pytorch', '--config', 'cpu-tiny', '--mode', 'compile',
+      '--steps', '7', '--json', 'r.jsonl']
+  assert compare.peer_command('maxtext', 'moe-small', 7, 'r.jsonl', python='py') == [
+      'py', '-m', 'benchmarks.peers.maxtext', '--config', 'moe-small', '--steps', '7',
+      '--json', 'r.jsonl']
+
+
+def test_decode_bytes_match_the_parameter_count():
+  """A decode step reads every parameter except the embedding table (only the batch's rows);
+  an MoE layer with many tokens touches every expert, with one token only top-k of them."""
+  dense = get_config('cpu-tiny')
+  n = model_config(dense).num_params()
+  d, v = dense['d_model'], dense['vocab_size']
+  moved = decode.bytes_per_decode_step(dense, 3, 100, param_bytes=4, cache_bytes=2)
+  assert moved['weights'] == 4 * (n - v * d + 3 * d)
+  assert moved['kv_cache'] == 2 * 2 * dense['num_layers'] * 3 * 256 * 100
+  moe = get_config('moe-small')
+  n = model_config(moe).num_params()
+  many = decode.bytes_per_decode_step(moe, 10_000, 1, param_bytes=1, cache_bytes=1)
+  assert many['weights'] == pytest.approx(n - v * d + 10_000 * d)
+  one = decode.bytes_per_decode_step(moe, 1, 1, param_bytes=1, cache_bytes=1)
+  unused = 6 * 3 * d * moe['mlp_dim'] * moe['num_layers']  # 8 experts, top-2
+  assert one['weights'] == pytest.approx(n - v * d + d - unused)
+
+
+def test_decode_harness_smoke():
+  """The decode harness runs generate on a micro config and reports consistent rates."""
+  rows = decode.run(MICRO, name='micro', batches=(2,), prefill=8, decode=4, repeats=1,
+                    bandwidth_seconds=0.05, bandwidth_mib=16, log=lambda line: None)
+  (row,) = rows
+  assert row['decode_tokens_per_s'] == pytest.approx(2 / row['decode_step_s'])
+  assert row['prefill_tokens_per_s'] == pytest.approx(2 * 8 / row['prefill_s'])
+  assert row['fraction_of_bound'] == pytest.approx(
+      row['decode_tokens_per_s'] / row['bound_decode_tokens_per_s'])
+  assert row['bandwidth_gbs'] > 0 and np.isfinite(row['fraction_of_bound'])
