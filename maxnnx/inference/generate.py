@@ -68,8 +68,10 @@ def _left_pad(prompts, prompt_lengths, pad_id: int):
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _prefill(graphdef, params, cache, ids, segments, positions):
   model = nnx.merge(graphdef, params, cache)
-  logits = model(ids, segment_ids=segments, positions=positions, decode=True)
-  return logits[:, -1], nnx.state(model, nnx.Not(nnx.Param))
+  x_BTD = model.hidden_states(ids, segment_ids=segments, positions=positions, decode=True)
+  # Prompts are left-padded: only the last position's logits are needed (the head on the
+  # whole prompt would cost more than the rest of the model for a large vocabulary).
+  return model.logits(x_BTD[:, -1:])[:, 0], nnx.state(model, nnx.Not(nnx.Param))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(8,))
