@@ -11,12 +11,15 @@ def model_config(cfg: dict, *, dtype: str = 'float32', remat: str = 'none', scan
 
   Dense configs are ``llama`` (RMSNorm, SwiGLU, RoPE, untied embeddings); ``num_experts > 0``
   makes every layer a ``mixtral`` MoE (dropless, top-k of ``num_experts`` experts of width
-  ``mlp_dim``). Parameters stay float32; ``dtype`` is the compute dtype. ``max_length`` (default
+  ``mlp_dim``; the ``tiled`` ragged dot for CPU configs, ``lax`` otherwise). Parameters stay float32; ``dtype`` is the compute dtype. ``max_length`` (default
   ``cfg['seq']``) sizes the rotary table.
   """
   experts = cfg.get('num_experts', 0)
+  # XLA's CPU ragged_dot multiplies every row by every expert; 'tiled' is the exact
+  # dropless grouped matmul that is fast there.
+  ragged = 'tiled' if cfg.get('device') == 'cpu' else 'lax'
   moe = dict(num_experts=experts, num_experts_per_tok=cfg['num_experts_per_tok'],
-             router_aux_loss_coef=0.01) if experts else {}
+             router_aux_loss_coef=0.01, ragged_dot_impl=ragged) if experts else {}
   return ModelConfig(
       family='mixtral' if experts else 'llama', vocab_size=cfg['vocab_size'],
       d_model=cfg['d_model'], num_layers=cfg['num_layers'], num_heads=cfg['num_heads'],

@@ -258,8 +258,10 @@ class ModelConfig(_Validated):
     scan_layers: hold the layer stack as one scanned module (fast compile for
       deep models) instead of a list of modules (easy to inspect and edit).
     attention_impl: attention kernel strategy by name (``xla`` always exists).
-    ragged_dot_impl: grouped-matmul strategy of MoE layers by name (``lax``
-      and the ``dense`` reference always exist).
+    ragged_dot_impl: grouped-matmul strategy of MoE layers by name (``lax``,
+      the ``dense`` reference and ``tiled`` always exist; ``tiled`` is about 2x
+      faster than ``lax`` on CPUs, whose ``ragged_dot`` multiplies every row by
+      every expert).
     remat_policy: what each block keeps for the backward pass (the rest is
       recomputed): ``none`` keeps everything; ``minimal`` keeps matmul outputs
       without batch dims; ``save_dot_except_mlp`` keeps the attention

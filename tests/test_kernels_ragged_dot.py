@@ -14,11 +14,12 @@ from maxnnx.kernels import (
   KernelUnsupportedError,
   RaggedDotCapabilities,
   RaggedDotKernel,
+  TiledRaggedDot,
   get_ragged_dot_kernel,
 )
 from maxnnx.kernels.capabilities import reset_warnings
 
-CPU_KERNELS = ('lax', 'tokamax', 'tokamax_xla')
+CPU_KERNELS = ('lax', 'tiled', 'tokamax', 'tokamax_xla')
 GPU_ONLY = ('tokamax_triton', 'tokamax_mosaic')
 # Group sizes: uneven, an empty expert, and rows past the last group (must be zeros).
 GROUP_SIZES = (5, 0, 9, 3)
@@ -63,6 +64,23 @@ def test_strategy_matches_dense(name, dtype, preferred):
   _assert_close(out, ref_out, rel)
   for grad, ref_grad in zip(grads, ref_grads):
     _assert_close(grad, ref_grad, 2 * rel)
+
+
+@pytest.mark.parametrize('tile', [1, 4, 128])
+def test_tiled_matches_dense_for_any_tile(tile):
+  """Groups spanning several tiles, partial tiles, empty groups and trailing rows."""
+  rng = np.random.default_rng()
+  sizes = rng.multinomial(30, np.ones(5) / 5)
+  sizes[rng.integers(5)] = 0
+  lhs = jnp.asarray(rng.normal(size=(36, K)), jnp.float32)  # 6 rows past the last group
+  rhs = jnp.asarray(rng.normal(size=(5, K, N)), jnp.float32)
+  weights = jnp.asarray(rng.normal(size=(36, N)), jnp.float32)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  out, grads = _fwd_and_grad(TiledRaggedDot(tile=tile), lhs, rhs, group_sizes, weights)
+  ref_out, ref_grads = _fwd_and_grad(DenseRaggedDot(), lhs, rhs, group_sizes, weights)
+  _assert_close(out, ref_out, 1e-5)
+  for grad, ref_grad in zip(grads, ref_grads):
+    _assert_close(grad, ref_grad, 2e-5)
 
 
 def test_dense_reference_matches_numpy():

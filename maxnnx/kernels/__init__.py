@@ -27,6 +27,7 @@ from maxnnx.kernels.ragged_dot import (
   DenseRaggedDot,
   LaxRaggedDot,
   RaggedDotKernel,
+  TiledRaggedDot,
   TokamaxRaggedDot,
   get_ragged_dot_kernel,
   register_ragged_dot_kernel,
@@ -36,6 +37,7 @@ __all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionCapabilities', 'AttentionKerne
            'AttentionMask', 'AttentionRequest', 'DenseRaggedDot', 'JaxNnAttention',
            'KernelUnsupportedError', 'LaxRaggedDot', 'PallasFlashAttention',
            'RAGGED_DOT_IMPLEMENTATIONS', 'RaggedDotCapabilities', 'RaggedDotKernel',
-           'RaggedDotRequest', 'TokamaxAttention', 'TokamaxRaggedDot', 'XlaAttention',
+           'RaggedDotRequest', 'TiledRaggedDot', 'TokamaxAttention', 'TokamaxRaggedDot',
+           'XlaAttention',
            'get_attention_kernel', 'get_ragged_dot_kernel', 'register_attention_kernel',
            'register_ragged_dot_kernel']
