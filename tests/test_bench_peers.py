@@ -156,3 +156,18 @@ def test_launcher_help_runs_without_torch():
     out = subprocess.run([sys.executable, '-m', module, '--help'], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0 and '--config' in out.stdout
+
+
+def test_result_lines_pass_the_shared_validator():
+  results = pytest.importorskip('benchmarks.results')  # the shared schema, where present
+  args = mt.parse_args(['--config', 'cpu-tiny', '--json', 'x'])
+  raw = dict(ceiling_tflops=0.2, peak_rss_gib=1.5, device_kind='cpu', device_count=1,
+             versions={'maxtext': '0.2.5'})
+  res = mt.result_from_run(args, _fake_log([random.uniform(0.5, 2) for _ in range(10)], 30.0),
+                           raw, 'cmd')
+  results.validate_result(res)
+  args = pt.parse_args(['--config', 'cpu-tiny', '--mode', 'compile', '--json', 'x'])
+  raw = dict(step_times_s=[random.uniform(0.5, 3) for _ in range(8)], ceiling_tflops=0.1,
+             compile_s=40.0, peak_memory_gib=1.0, device_name=None, device_type='cpu',
+             threads=2, versions={'torch': '2.13.0+cpu'})
+  results.validate_result(pt.result_from_raw(args, raw, 'cmd'))
