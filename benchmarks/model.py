@@ -11,8 +11,9 @@ def model_config(cfg: dict, *, dtype: str = 'float32', remat: str = 'none', scan
 
   Dense configs are ``llama`` (RMSNorm, SwiGLU, RoPE, untied embeddings); ``num_experts > 0``
   makes every layer a ``mixtral`` MoE (dropless, top-k of ``num_experts`` experts of width
-  ``mlp_dim``; the ``tiled`` ragged dot for CPU configs, ``lax`` otherwise). Parameters stay float32; ``dtype`` is the compute dtype. ``max_length`` (default
-  ``cfg['seq']``) sizes the rotary table.
+  ``mlp_dim``; the ``tiled`` ragged dot for CPU configs, ``lax`` otherwise). Parameters stay
+  float32; ``dtype`` is the compute dtype. ``max_length`` (default ``cfg['seq']``) sizes the
+  rotary table.
   """
   experts = cfg.get('num_experts', 0)
   # XLA's CPU ragged_dot multiplies every row by every expert; 'tiled' is the exact
