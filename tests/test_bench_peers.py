@@ -50,7 +50,7 @@ def test_maxtext_args():
   assert mt.maxtext_spec(args, 'gpu') == 'maxtext[cuda12]==0.2.5'
   gpu = mt.parse_args(['--config', 'gpu-1b', '--json', 'x', '--python', 'py'])
   assert mt.resolve_hardware(gpu) == 'gpu' and gpu.python == 'py'
-  for bad in (['--steps', '3'], ['--warmup', '0'], ['--override', 'nokey']):
+  for bad in (['--steps', '0'], ['--warmup', '0'], ['--override', 'nokey']):
     with pytest.raises(SystemExit):
       mt.parse_args(['--config', 'cpu-tiny', '--json', 'x', *bad])
 
