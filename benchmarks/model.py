@@ -6,7 +6,7 @@ from maxnnx.config import ModelConfig, RopeConfig
 
 
 def model_config(cfg: dict, *, dtype: str = 'float32', remat: str = 'none', scan: bool = False,
-                 attention_impl: str = 'xla', max_length: int | None = None) -> ModelConfig:
+                 attention_impl: str = 'xla_flash', max_length: int | None = None) -> ModelConfig:
   """A :class:`ModelConfig` with the shapes of benchmark config ``cfg``.
 
   Dense configs are ``llama`` (RMSNorm, SwiGLU, RoPE, untied embeddings); ``num_experts > 0``

@@ -77,7 +77,7 @@ def _timed_steps(trainer: Trainer, batches: list[dict], count: int) -> list[floa
 
 
 def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warmup: int = 3,
-        remat: str = 'none', scan: bool = False, attention_impl: str = 'xla',
+        remat: str = 'none', scan: bool = False, attention_impl: str = 'xla_flash',
         ceiling_seconds: float = 1.0, ceiling_size: int | None = None,
         json_path: str | None = None, stall_check: bool = False, stall_steps: int = 10,
         checkpoint_every: int = 5, mesh: MeshConfig | None = None, log=print) -> dict:
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--remat', choices=REMAT_POLICIES, default='none')
   parser.add_argument('--scan', action=argparse.BooleanOptionalAction, default=False,
                       help='scan the layer stack (default: a list of layers)')
-  parser.add_argument('--attention-impl', default='xla', help='attention kernel strategy')
+  parser.add_argument('--attention-impl', default='xla_flash', help='attention kernel strategy')
   parser.add_argument('--ceiling-seconds', type=float, default=1.0,
                       help='seconds each matmul-ceiling measurement runs (before and after)')
   parser.add_argument('--json', default=None, help='append the result line to this JSONL file')

@@ -257,7 +257,9 @@ class ModelConfig(_Validated):
     logits_dtype: dtype of the returned logits.
     scan_layers: hold the layer stack as one scanned module (fast compile for
       deep models) instead of a list of modules (easy to inspect and edit).
-    attention_impl: attention kernel strategy by name (``xla`` always exists).
+    attention_impl: attention kernel strategy by name. ``xla_flash`` (the
+      default: plain XLA, skips the masked causal blocks and recomputes the
+      softmax in the backward pass) and ``xla`` (the reference) run everywhere.
     ragged_dot_impl: grouped-matmul strategy of MoE layers by name (``lax``,
       the ``dense`` reference and ``tiled`` always exist; ``tiled`` is about 2x
       faster than ``lax`` on CPUs, whose ``ragged_dot`` multiplies every row by
@@ -356,7 +358,7 @@ class ModelConfig(_Validated):
   dtype: Literal[_DTYPES] = 'float32'
   logits_dtype: Literal[_DTYPES] = 'float32'
   scan_layers: bool = False
-  attention_impl: str = 'xla'
+  attention_impl: str = 'xla_flash'
   ragged_dot_impl: str = 'lax'
   remat_policy: Literal['none', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj',
                         'save_out_proj', 'save_attention_out', 'full'] = 'none'

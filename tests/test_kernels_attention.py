@@ -17,11 +17,13 @@ from maxnnx.kernels import (
   AttentionKernel,
   AttentionMask,
   AttentionRequest,
+  BlockwiseAttention,
   KernelUnsupportedError,
   PallasFlashAttention,
   XlaAttention,
   get_attention_kernel,
 )
+from maxnnx.kernels.attention_blockwise import block_plan, covered_by
 from maxnnx.kernels.attention_pallas import index_order_matches_positions
 from maxnnx.kernels.capabilities import reset_warnings
 
@@ -34,6 +36,8 @@ CPU_KERNELS = {
     'tokamax_xla_chunked':
         lambda: get_attention_kernel('tokamax_xla_chunked', on_unsupported='error'),
     'pallas_interpret': lambda: PallasFlashAttention(interpret=True, on_unsupported='error'),
+    # Blocks of 4 rows: the 16-token scenarios are cut into 4 query blocks.
+    'xla_flash': lambda: BlockwiseAttention(block_size=4, on_unsupported='error'),
 }
 GPU_ONLY = ('cudnn', 'pallas_gpu', 'tokamax_cudnn', 'tokamax_mosaic', 'tokamax_triton')
 
@@ -121,7 +125,10 @@ def _supports(kernel, q, k, v, kwargs):
 FAST = {('jax_nn', s, 'float32') for s in ('packed_padded', 'traced_window', 'softcap',
                                             'sinks', 'decode', 'mla_v_dim')} | {
     ('tokamax_xla', s, 'float32') for s in ('packed_padded', 'softcap', 'decode', 'sinks')} | {
+    ('xla_flash', s, 'float32') for s in ('packed_padded', 'window', 'traced_window', 'softcap',
+                                          'sinks', 'decode', 'mla_v_dim')} | {
     ('tokamax', 'gqa_causal', 'float32'), ('tokamax_xla_chunked', 'packed_padded', 'float32'),
+    ('xla_flash', 'gqa_causal', 'bfloat16'), ('xla_flash', 'packed_padded', 'bfloat16'),
     ('pallas_interpret', 'packed_padded', 'float32'), ('jax_nn', 'packed_padded', 'bfloat16'),
     ('tokamax_xla', 'gqa_causal', 'bfloat16')}
 CASES = [(name, scenario, 'float32') for name in CPU_KERNELS for scenario in SCENARIOS]
@@ -161,6 +168,7 @@ def test_declared_capabilities_cover_the_scenarios():
                     if not _supports(CPU_KERNELS[name](), q, k, v, kwargs)]
              for name in CPU_KERNELS}
   assert refused['jax_nn'] == ['softcap', 'sinks', 'mla_v_dim']
+  assert refused['xla_flash'] == []
   assert refused['tokamax'] == refused['tokamax_xla'] == ['sinks']
   assert refused['pallas_interpret'] == ['window', 'traced_window', 'softcap', 'sinks', 'decode',
                                          'mla_v_dim']
@@ -272,6 +280,74 @@ def test_index_order_matches_positions(seg, pos, expected):
   assert same or not expected
 
 
+def test_block_plan_skips_the_causal_upper_triangle():
+  """512 tokens in 128-row blocks score 10 of 16 block pairs; windows and decode as documented."""
+  plan = block_plan(512, 512, block_size=128, max_blocks=8, window=None)
+  assert plan == ((0, 128, 0, 128), (128, 256, 0, 256), (256, 384, 0, 384), (384, 512, 0, 512))
+  assert covered_by(plan, 512, 512).mean() == 10 / 16
+  assert covered_by(plan, 512, 512)[np.tri(512, dtype=bool)].all()  # every causal pair
+  windowed = block_plan(512, 512, block_size=128, max_blocks=8, window=100)
+  assert windowed[2] == (256, 384, 157, 384)
+  assert len(block_plan(4096, 4096, block_size=128, max_blocks=8, window=None)) == 8
+  assert block_plan(2, 512, block_size=128, max_blocks=8, window=None) == ((0, 2, 0, 512),)
+  assert block_plan(200, 200, block_size=128, max_blocks=8, window=None) == ((0, 200, 0, 200),)
+
+
+def _reordered_case(rng):
+  """A packed row in the order context-parallel load balancing gives it (not index-causal)."""
+  order = np.array([0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])
+  seg = np.array([[1] * 9 + [2] * 7] * 2)[:, order]
+  pos = np.array([[*range(9), *range(7)]] * 2)[:, order]
+  mask = AttentionMask.causal(jnp.asarray(seg, jnp.int32), jnp.asarray(pos, jnp.int32))
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 2, HEAD_DIM)), jnp.float32) for _ in range(3))
+  return q, k, v, mask
+
+
+@pytest.mark.parametrize('reordered', [False, True])
+def test_blockwise_skips_only_what_the_mask_hides(reordered):
+  """In index order the skipped blocks hold no visible key; reordered tokens take one block.
+
+  Either way the output and gradients equal ``xla``'s; reordered rows would be
+  wrong if the kernel skipped blocks by index.
+  """
+  rng = _rng('blockwise-order', reordered)
+  if reordered:
+    q, k, v, mask = _reordered_case(rng)
+  else:
+    q, k, v, mask, _, _ = _case('packed_padded', jnp.float32, rng)
+    q, k, v = q[:, :, :2], k, v
+  allowed = np.asarray(mask.dense())
+  plan = block_plan(16, 16, block_size=4, max_blocks=8, window=None)
+  hidden_keys_visible = (allowed & ~covered_by(plan, 16, 16)).any()
+  assert hidden_keys_visible == reordered
+  kernel = BlockwiseAttention(block_size=4, on_unsupported='error')
+  kwargs = dict(scale=0.3, softcap=None, sliding_window=None)
+  weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * (mask.q_segment_ids != 0)[
+      ..., None, None]
+  kw = dict(kwargs, sinks_N=None)
+  out, grads = _fwd_and_grad(kernel, q, k, v, mask, kw, weights)
+  ref_out, ref_grads = _fwd_and_grad(XlaAttention(), q, k, v, mask, kw, weights)
+  valid = np.asarray(weights != 0)
+  _assert_close(np.where(valid, out, 0), np.where(valid, ref_out, 0), 1e-5)
+  for grad, ref_grad in zip(grads, ref_grads):
+    _assert_close(grad, ref_grad, 1e-5)
+
+
+def test_blockwise_sink_gradients_match_xla():
+  """The sinks' gradient (not in the generic q/k/v check) equals autodiff of ``xla``."""
+  q, k, v, mask, kwargs, weights = _case('sinks', jnp.float32, _rng('blockwise-sinks'))
+
+  def loss(kernel, sinks):
+    out = kernel(q, k, v, mask, **dict(kwargs, sinks_N=sinks))
+    return jnp.sum(out * weights)
+
+  sinks = kwargs['sinks_N']
+  got = jax.jit(jax.grad(lambda s: loss(BlockwiseAttention(block_size=4), s)))(sinks)
+  expected = jax.jit(jax.grad(lambda s: loss(XlaAttention(), s)))(sinks)
+  _assert_close(got, expected, 1e-5)
+  assert float(jnp.abs(expected).max()) > 1e-3
+
+
 def test_unknown_names_and_policies_give_clear_errors():
   """Unknown strategy names list the known ones; unknown policies name the valid ones."""
   with pytest.raises(ValueError, match="Unknown attention_impl 'flash'.*cudnn.*jax_nn.*tokamax"):
@@ -300,7 +376,7 @@ def _tiny_logits(attention_impl, ids, segment_ids=None, positions=None, **overri
                                                                         positions)
 
 
-@pytest.mark.parametrize('impl', ['jax_nn', 'tokamax_xla'] + [
+@pytest.mark.parametrize('impl', ['jax_nn', 'tokamax_xla', 'xla_flash'] + [
     pytest.param(i, marks=pytest.mark.slow)
     for i in ('tokamax', 'tokamax_xla_chunked', 'pallas_interpret')])
 def test_tiny_model_logits_match_xla(impl, monkeypatch):

@@ -146,9 +146,61 @@ def test_dense_general_dtypes():
   assert dense(jnp.ones((2, 4, 8), jnp.float32)).dtype == jnp.bfloat16
 
 
+def _walk(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs nested in it (custom_vjp, pjit...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, tuple | list) else (param,):
+        inner = getattr(sub, 'jaxpr', sub)
+        if isinstance(inner, jax.extend.core.Jaxpr):
+          yield from _walk(inner)
+
+
 def test_dense_general_is_one_dot_general():
-  """The projection lowers to a single dot_general (what quantizers intercept)."""
+  """The projection's forward is a single dot_general (what quantizers intercept)."""
   dense = DenseGeneral((4, 8), (16,), axes=('a', 'b', 'c'), rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(dense)
   jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, jnp.ones((2, 3, 4, 8)))
-  assert [e.primitive.name for e in jaxpr.jaxpr.eqns].count('dot_general') == 1
+  assert [e.primitive.name for e in _walk(jaxpr.jaxpr)].count('dot_general') == 1
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_dense_general_gradients_match_float64(dtype):
+  """Both gradients equal the float64 formulas; the kernel's comes back float32 and unrounded.
+
+  In bf16 the gradient matmuls take bf16 operands (the float32-accumulated
+  product's cotangent is not promoted to float32 matmuls).
+  """
+  rng = np.random.default_rng(7)
+  dense = DenseGeneral((4, 8), (2, 16), axes=('a', 'b', 'c', 'd'), dtype=getattr(jnp, dtype),
+                       rngs=nnx.Rngs(0))
+  x = jnp.asarray(rng.normal(size=(3, 5, 4, 8)), jnp.float32)
+  weights = jnp.asarray(rng.normal(size=(3, 5, 2, 16)), jnp.float32)
+  graphdef, state = nnx.split(dense)
+
+  def loss(state, x):
+    return jnp.sum(nnx.merge(graphdef, state)(x).astype(jnp.float32) * weights)
+
+  g_state, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x)
+  kernel = np.asarray(state['kernel'][...], np.float64)
+  x64, w64 = np.asarray(x, np.float64), np.asarray(weights, np.float64)
+  if dtype == 'bfloat16':  # the operands the matmuls see
+    kernel = np.asarray(jnp.asarray(kernel, jnp.bfloat16), np.float64)
+    x64 = np.asarray(jnp.asarray(x64, jnp.bfloat16), np.float64)
+    w64 = np.asarray(jnp.asarray(w64, jnp.bfloat16), np.float64)
+  ref_kernel = np.einsum('btij,btok->ijok', x64, w64)
+  ref_x = np.einsum('btok,ijok->btij', w64, kernel)
+  assert g_state['kernel'][...].dtype == jnp.float32 and g_x.dtype == jnp.float32
+  tol = 1e-5 if dtype == 'float32' else 1e-2
+  np.testing.assert_allclose(g_state['kernel'][...], ref_kernel, rtol=0,
+                             atol=tol * np.abs(ref_kernel).max())
+  np.testing.assert_allclose(g_x, ref_x, rtol=0, atol=tol * np.abs(ref_x).max())
+  if dtype == 'bfloat16':  # float32 accumulation, no bf16 rounding of the kernel gradient
+    assert np.abs(np.asarray(g_state['kernel'][...]) - ref_kernel).max() < 1e-4 * np.abs(
+        ref_kernel).max()
+    grad_jaxpr = jax.make_jaxpr(jax.grad(loss))(state, x).jaxpr
+    dots = [e for e in _walk(grad_jaxpr) if e.primitive.name == 'dot_general']
+    assert len(dots) == 3
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+

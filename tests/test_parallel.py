@@ -71,7 +71,9 @@ def test_grad_accumulation_equals_the_large_batch(reference):
 def test_remat_policies_change_memory_not_numbers(reference):
   for policy in ('full', 'save_dot_except_mlp'):
     losses = _losses(MeshConfig(data=1), _model_config(remat_policy=policy))
-    np.testing.assert_allclose(losses, reference, rtol=1e-6, err_msg=policy)
+    # Recomputed forward passes fuse differently from the first one; the default attention's
+    # exp/log-sum-exp then round differently in the last bits (with 'xla' the match is exact).
+    np.testing.assert_allclose(losses, reference, rtol=2e-5, err_msg=policy)
 
 
 def test_sharded_parameters_follow_the_logical_rules():

@@ -11,6 +11,7 @@ from maxnnx.kernels.attention import (
   get_attention_kernel,
   register_attention_kernel,
 )
+from maxnnx.kernels.attention_blockwise import BlockwiseAttention
 from maxnnx.kernels.attention_jax_nn import JaxNnAttention
 from maxnnx.kernels.attention_pallas import PallasFlashAttention
 from maxnnx.kernels.attention_tokamax import TokamaxAttention
@@ -34,7 +35,8 @@ from maxnnx.kernels.ragged_dot import (
 )
 
 __all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionCapabilities', 'AttentionKernel',
-           'AttentionMask', 'AttentionRequest', 'DenseRaggedDot', 'JaxNnAttention',
+           'AttentionMask', 'AttentionRequest', 'BlockwiseAttention', 'DenseRaggedDot',
+           'JaxNnAttention',
            'KernelUnsupportedError', 'LaxRaggedDot', 'PallasFlashAttention',
            'RAGGED_DOT_IMPLEMENTATIONS', 'RaggedDotCapabilities', 'RaggedDotKernel',
            'RaggedDotRequest', 'TiledRaggedDot', 'TokamaxAttention', 'TokamaxRaggedDot',

@@ -1,5 +1,6 @@
 """A dense layer over several input and output dimensions at once."""
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -8,6 +9,50 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxnnx.layers.params import logical_param
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def dense_dot(x: jax.Array, kernel: jax.Array, n_in: int, dtype) -> jax.Array:
+  """``x[..., in] · kernel[in, out]`` in ``dtype`` with float32 accumulation, result in ``dtype``.
+
+  ``n_in`` trailing dims of ``x`` contract with the leading ``n_in`` dims of
+  ``kernel``. The backward pass is written out so that it stays in ``dtype``:
+  plain autodiff would hand the float32 product's cotangent to both gradient
+  matmuls, running them in float32 (on a CPU with bf16 units about half the
+  speed), and would round the kernel gradient to ``dtype`` before returning it
+  in the kernel's own dtype. Here both gradients are ``dtype`` x ``dtype``
+  matmuls accumulated in float32, and the kernel gradient comes back in the
+  kernel's dtype unrounded. The forward matmul is one ``lax.dot_general``, the
+  op quantization libraries (qwix) intercept; their straight-through gradient
+  is the same float formula as this one.
+  """
+  return _dense_dot_fwd(x, kernel, n_in, dtype)[0]
+
+
+def _dense_dot_fwd(x, kernel, n_in, dtype):
+  contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+  x_c, kernel_c = x.astype(dtype), kernel.astype(dtype)
+  # Accumulate in float32 whatever the compute dtype: on CPUs a bf16 x bf16 -> f32 dot is
+  # about twice as fast as bf16 -> bf16, and on GPUs it is what the tensor cores do anyway.
+  y = jax.lax.dot_general(x_c, kernel_c, (contract, ((), ())),
+                          preferred_element_type=jnp.float32).astype(dtype)
+  return y, (x_c, kernel_c, jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype))
+
+
+def _dense_dot_bwd(n_in, dtype, residuals, dy):
+  x_c, kernel_c, x_like, kernel_like = residuals
+  dy = dy.astype(dtype)
+  batch_ndim, n_out = x_c.ndim - n_in, kernel_c.ndim - n_in
+  out_dims = tuple(range(batch_ndim, batch_ndim + n_out))
+  dx = jax.lax.dot_general(dy, kernel_c, ((out_dims, tuple(range(n_in, n_in + n_out))),
+                                          ((), ())), preferred_element_type=jnp.float32)
+  batch_dims = tuple(range(batch_ndim))
+  dkernel = jax.lax.dot_general(x_c, dy, ((batch_dims, batch_dims), ((), ())),
+                                preferred_element_type=jnp.float32)
+  return dx.astype(x_like.dtype), dkernel.astype(kernel_like.dtype)
+
+
+dense_dot.defvjp(_dense_dot_fwd, _dense_dot_bwd)
 
 
 class DenseGeneral(nnx.Module):
@@ -43,12 +88,7 @@ class DenseGeneral(nnx.Module):
     n_in = len(self.in_shape)
     if x.shape[x.ndim - n_in:] != self.in_shape:
       raise ValueError(f'DenseGeneral expects trailing dims {self.in_shape}, got {x.shape}.')
-    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    # Accumulate in float32 whatever the compute dtype: on CPUs a bf16 x bf16 -> f32 dot is
-    # about twice as fast as bf16 -> bf16, and on GPUs it is what the tensor cores do anyway.
-    y = jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-                            (contract, ((), ())), preferred_element_type=jnp.float32
-                            ).astype(self.dtype)
+    y = dense_dot(x, self.kernel[...], n_in, jnp.dtype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return y

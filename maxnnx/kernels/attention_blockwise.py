@@ -1,0 +1,218 @@
+"""Blockwise causal attention in plain XLA (``xla_flash``): skips masked key blocks everywhere.
+
+The ``xla`` reference forms every query-key score, lets autodiff keep the
+softmax for the backward pass and masks half of the work away afterwards. This
+strategy computes the same function as flash attention does, in plain XLA:
+
+* the queries are cut into at most ``max_blocks`` blocks of about
+  ``block_size`` rows, and each block is scored only against the keys that can
+  be visible to it (keys up to its last row; with a static sliding window, from
+  its first row minus the window), so a causal training step does
+  ``(n + 1) / 2n`` of the score work for ``n`` blocks;
+* a ``custom_vjp`` keeps only the output and the log-sum-exp of each row and
+  recomputes the probabilities in the backward pass (no ``[B, H, T, S]``
+  residual), with the ``D = rowsum(dO * O)`` shortcut of flash attention.
+
+Skipping blocks by index is right only while no query sees a key beyond its
+block's range (causality by index, which holds for plain, packed and padded
+rows). The kernel checks exactly that on the dense mask at run time and,
+where it fails (context-parallel load balancing reorders tokens, user
+positions out of order), computes the call with one block over all keys: the
+answer is never wrong, only slower. Decoding (queries shorter than the cache)
+always takes the one-block path.
+
+Everything ``xla`` supports is supported: GQA/MQA, packed and padded rows,
+static and traced sliding windows, soft-capping, sinks, a ``v`` head size of
+its own. Query rows that see no key get the mean of the values in their range
+(``xla``: of all values); both are unspecified outputs of padding rows.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxnnx.kernels.attention import AttentionKernel, XlaAttention, register_attention_kernel
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+#: One block's rows and keys: ``(q_start, q_end, k_start, k_end)``.
+Block = tuple[int, int, int, int]
+
+
+def block_plan(q_length: int, kv_length: int, *, block_size: int, max_blocks: int,
+               window: int | None) -> tuple[Block, ...]:
+  """The query blocks and the key range each one scores; one full block when nothing skips.
+
+  Queries and keys must be the same sequence (``q_length == kv_length``) for a
+  block to skip anything; a static ``window`` also drops the keys more than
+  ``window - 1`` rows before a block's first query.
+  """
+  full = ((0, q_length, 0, kv_length),)
+  if q_length != kv_length or q_length < 2 * block_size:
+    return full
+  num_blocks = min(max_blocks, q_length // block_size)
+  edges = [round(i * q_length / num_blocks) for i in range(num_blocks + 1)]
+  plan = []
+  for start, end in zip(edges[:-1], edges[1:]):
+    key_start = 0 if window is None else max(0, start - window + 1)
+    plan.append((start, end, key_start, end))
+  return tuple(plan)
+
+
+def covered_by(plan: tuple[Block, ...], q_length: int, kv_length: int) -> np.ndarray:
+  """``[T, S]`` bool: the query-key pairs the plan scores."""
+  covered = np.zeros((q_length, kv_length), bool)
+  for q_start, q_end, k_start, k_end in plan:
+    covered[q_start:q_end, k_start:k_end] = True
+  return covered
+
+
+def _scores(q_BKGtH, k_BKsH, allowed_Bts, scale, softcap):
+  """Masked float32 scores of one block and ``tanh`` of the soft-cap (``None`` without it)."""
+  raw = jnp.einsum('bkgth,bksh->bkgts', q_BKGtH, k_BKsH,
+                   preferred_element_type=jnp.float32) * scale
+  tanh = None
+  if softcap is not None:
+    tanh = jnp.tanh(raw / softcap)
+    raw = softcap * tanh
+  return jnp.where(allowed_Bts[:, None, None], raw, _NEG), tanh
+
+
+def _forward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, scale, softcap, plan):
+  """Output ``[B, K, G, T, V]`` and log-sum-exp ``[B, K, G, T, 1]`` (float32) of a plan."""
+  outs, lses = [], []
+  for q_start, q_end, k_start, k_end in plan:
+    s, _ = _scores(q_BKGTH[:, :, :, q_start:q_end], k_BKSH[:, :, k_start:k_end],
+                   allowed_BTS[:, q_start:q_end, k_start:k_end], scale, softcap)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks_KG is not None:
+      m = jnp.maximum(m, sinks_KG[None, :, :, None, None])
+    p = jnp.exp(s - m)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks_KG is not None:
+      total += jnp.exp(sinks_KG[None, :, :, None, None] - m)
+    o = jnp.einsum('bkgts,bksv->bkgtv', p.astype(v_BKSV.dtype), v_BKSV[:, :, k_start:k_end],
+                   preferred_element_type=jnp.float32)
+    outs.append((o / total).astype(v_BKSV.dtype))
+    lses.append(m + jnp.log(total))
+  return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
+
+
+def _backward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse_BKGT1, dout_BKGTV,
+              scale, softcap, plan):
+  """Gradients of q, k, v and the sinks, recomputing each block's probabilities."""
+  delta_BKGT1 = jnp.sum(dout_BKGTV.astype(jnp.float32) * out_BKGTV.astype(jnp.float32),
+                        axis=-1, keepdims=True)
+  dk = jnp.zeros(k_BKSH.shape, jnp.float32)
+  dv = jnp.zeros(v_BKSV.shape, jnp.float32)
+  dqs = []
+  for q_start, q_end, k_start, k_end in plan:
+    rows, keys = slice(q_start, q_end), slice(k_start, k_end)
+    q_blk, dout_blk = q_BKGTH[:, :, :, rows], dout_BKGTV[:, :, :, rows]
+    s, tanh = _scores(q_blk, k_BKSH[:, :, keys], allowed_BTS[:, rows, keys], scale, softcap)
+    p = jnp.exp(s - lse_BKGT1[:, :, :, rows])
+    dv = dv.at[:, :, keys].add(jnp.einsum('bkgts,bkgtv->bksv', p.astype(dout_blk.dtype),
+                                          dout_blk, preferred_element_type=jnp.float32))
+    dp = jnp.einsum('bkgtv,bksv->bkgts', dout_blk, v_BKSV[:, :, keys],
+                    preferred_element_type=jnp.float32)
+    ds = p * (dp - delta_BKGT1[:, :, :, rows])
+    if tanh is not None:
+      ds *= 1.0 - tanh * tanh
+    ds = (ds * scale).astype(q_BKGTH.dtype)
+    dqs.append(jnp.einsum('bkgts,bksh->bkgth', ds, k_BKSH[:, :, keys],
+                          preferred_element_type=jnp.float32).astype(q_BKGTH.dtype))
+    dk = dk.at[:, :, keys].add(jnp.einsum('bkgts,bkgth->bksh', ds, q_blk,
+                                          preferred_element_type=jnp.float32))
+  dsinks = None
+  if sinks_KG is not None:
+    # The sink takes probability exp(sink - lse) and gives nothing: d out / d sink = -p_sink out.
+    p_sink = jnp.exp(sinks_KG[None, :, :, None, None] - lse_BKGT1)
+    dsinks = -jnp.sum(p_sink * delta_BKGT1, axis=(0, 3, 4)).astype(sinks_KG.dtype)
+  return (jnp.concatenate(dqs, axis=3), dk.astype(k_BKSH.dtype), dv.astype(v_BKSV.dtype),
+          dsinks)
+
+
+def _choose(skip_ok, skipping, full):
+  """``skipping()`` where the check passed, ``full()`` otherwise (only one runs)."""
+  if skip_ok is None:
+    return full()
+  return jax.lax.cond(skip_ok, skipping, full)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attention(q, k, v, allowed, sinks, skip_ok, scale, softcap, plan, full_plan):
+  out, _ = _attention_fwd(q, k, v, allowed, sinks, skip_ok, scale, softcap, plan, full_plan)
+  return out
+
+
+def _attention_fwd(q, k, v, allowed, sinks, skip_ok, scale, softcap, plan, full_plan):
+  run = functools.partial(_forward, q, k, v, allowed, sinks, scale, softcap)
+  out, lse = _choose(skip_ok, lambda: run(plan), lambda: run(full_plan))
+  return out, (q, k, v, allowed, sinks, skip_ok, out, lse)
+
+
+def _attention_bwd(scale, softcap, plan, full_plan, residuals, dout):
+  q, k, v, allowed, sinks, skip_ok, out, lse = residuals
+  run = functools.partial(_backward, q, k, v, allowed, sinks, out, lse, dout, scale, softcap)
+  dq, dk, dv, dsinks = _choose(skip_ok, lambda: run(plan), lambda: run(full_plan))
+  return dq, dk, dv, None, dsinks, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwiseAttention(AttentionKernel):
+  """Flash-style attention in plain XLA: causal block skipping and a recomputing backward.
+
+  Attributes:
+    block_size: target rows per query block (smaller blocks skip more but run
+      smaller matmuls; 128 is fastest on CPU for sequences of 512).
+    max_blocks: the most query blocks (bounds the unrolled graph for long
+      sequences; blocks grow beyond ``block_size`` instead).
+  """
+
+  name: str = 'xla_flash'
+  block_size: int = 128
+  max_blocks: int = 8
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.block_size < 1 or self.max_blocks < 1:
+      raise ValueError(f'block_size and max_blocks must be >= 1, got {self.block_size} and '
+                       f'{self.max_blocks}.')
+
+  @property
+  def capabilities(self):
+    """The same as ``xla``: everything, everywhere."""
+    return XlaAttention().capabilities
+
+  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, *, scale, softcap, sliding_window,
+             sinks_N=None):
+    """Skip the key blocks no query of a block can see (checked at run time), then attend."""
+    batch, length, num_heads, head_dim = q_BTNH.shape
+    kv_length, num_kv_heads = k_BSKH.shape[1], k_BSKH.shape[2]
+    groups = num_heads // num_kv_heads
+    q_BKGTH = q_BTNH.reshape(batch, length, num_kv_heads, groups, head_dim).transpose(
+        0, 2, 3, 1, 4)
+    k_BKSH, v_BKSV = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
+    allowed_BTS = mask.dense(sliding_window)
+    static_window = sliding_window if isinstance(sliding_window, int | np.integer) else None
+    plan = block_plan(length, kv_length, block_size=self.block_size,
+                      max_blocks=self.max_blocks, window=static_window)
+    full_plan = ((0, length, 0, kv_length),)
+    skip_ok = None
+    if plan != full_plan:
+      outside_TS = ~covered_by(plan, length, kv_length)
+      skip_ok = ~jnp.any(allowed_BTS & outside_TS)
+    sinks_KG = (None if sinks_N is None
+                else sinks_N.astype(jnp.float32).reshape(num_kv_heads, groups))
+    out_BKGTV = _attention(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, skip_ok, scale,
+                           softcap, plan, full_plan)
+    return out_BKGTV.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, -1)
+
+
+register_attention_kernel('xla_flash', BlockwiseAttention)
