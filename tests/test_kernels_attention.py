@@ -333,6 +333,29 @@ def test_blockwise_skips_only_what_the_mask_hides(reordered):
     _assert_close(grad, ref_grad, 1e-5)
 
 
+def test_blockwise_scores_only_the_planned_blocks():
+  """The forward's score matmuls are [4 rows x 4, 8, 12, 16 keys] (skipping), plus one full
+  [16 x 16] for the run-time fallback branch."""
+  q, k, _, mask, kwargs, _ = _case('gqa_causal', jnp.float32, _rng('blockwise-shapes'))
+  v = jnp.ones(k.shape[:3] + (3,))  # a v head size no score matmul has
+  kernel = BlockwiseAttention(block_size=4)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: kernel(q, k, v, mask, **kwargs))(q, k, v)
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield eqn
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, tuple | list) else (param,):
+          inner = getattr(sub, 'jaxpr', sub)
+          if isinstance(inner, jax.extend.core.Jaxpr):
+            yield from walk(inner)
+
+  score_shapes = sorted(eqn.outvars[0].aval.shape[-2:] for eqn in walk(jaxpr.jaxpr)
+                        if eqn.primitive.name == 'dot_general'
+                        and eqn.outvars[0].aval.shape[-1] != 3)
+  assert score_shapes == [(4, 4), (4, 8), (4, 12), (4, 16), (16, 16)]
+
+
 def test_blockwise_sink_gradients_match_xla():
   """The sinks' gradient (not in the generic q/k/v check) equals autodiff of ``xla``."""
   q, k, v, mask, kwargs, weights = _case('sinks', jnp.float32, _rng('blockwise-sinks'))

@@ -63,11 +63,18 @@ def block_plan(q_length: int, kv_length: int, *, block_size: int, max_blocks: in
 
 
 def covered_by(plan: tuple[Block, ...], q_length: int, kv_length: int) -> np.ndarray:
-  """``[T, S]`` bool: the query-key pairs the plan scores."""
-  covered = np.zeros((q_length, kv_length), bool)
+  """``[T, S]`` bool: the query-key pairs the plan scores (for tests and inspection)."""
+  key_start_T, key_end_T = _key_range(plan, q_length)
+  keys_S = np.arange(kv_length)
+  return (keys_S >= key_start_T[:, None]) & (keys_S < key_end_T[:, None])
+
+
+def _key_range(plan: tuple[Block, ...], q_length: int) -> tuple[np.ndarray, np.ndarray]:
+  """Per query row, the first key and one past the last key its block scores (``[T]`` each)."""
+  key_start_T, key_end_T = np.zeros(q_length, np.int32), np.zeros(q_length, np.int32)
   for q_start, q_end, k_start, k_end in plan:
-    covered[q_start:q_end, k_start:k_end] = True
-  return covered
+    key_start_T[q_start:q_end], key_end_T[q_start:q_end] = k_start, k_end
+  return key_start_T, key_end_T
 
 
 def _scores(q_BKGtH, k_BKsH, allowed_Bts, scale, softcap):
@@ -206,7 +213,10 @@ class BlockwiseAttention(AttentionKernel):
     full_plan = ((0, length, 0, kv_length),)
     skip_ok = None
     if plan != full_plan:
-      outside_TS = ~covered_by(plan, length, kv_length)
+      # Built from per-row bounds ([T] constants), not a [T, S] constant in the program.
+      key_start_T, key_end_T = _key_range(plan, length)
+      keys_S = jnp.arange(kv_length)
+      outside_TS = ((keys_S < key_start_T[:, None]) | (keys_S >= key_end_T[:, None]))
       skip_ok = ~jnp.any(allowed_BTS & outside_TS)
     sinks_KG = (None if sinks_N is None
                 else sinks_N.astype(jnp.float32).reshape(num_kv_heads, groups))
