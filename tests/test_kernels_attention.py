@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxpr_walk import equations
 
 import maxnnx
 from maxnnx.config import ConfigError, ModelConfig
@@ -340,17 +341,7 @@ def test_blockwise_scores_only_the_planned_blocks():
   v = jnp.ones(k.shape[:3] + (3,))  # a v head size no score matmul has
   kernel = BlockwiseAttention(block_size=4)
   jaxpr = jax.make_jaxpr(lambda q, k, v: kernel(q, k, v, mask, **kwargs))(q, k, v)
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      yield eqn
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, tuple | list) else (param,):
-          inner = getattr(sub, 'jaxpr', sub)
-          if isinstance(inner, jax.extend.core.Jaxpr):
-            yield from walk(inner)
-
-  score_shapes = sorted(eqn.outvars[0].aval.shape[-2:] for eqn in walk(jaxpr.jaxpr)
+  score_shapes = sorted(eqn.outvars[0].aval.shape[-2:] for eqn in equations(jaxpr.jaxpr)
                         if eqn.primitive.name == 'dot_general'
                         and eqn.outvars[0].aval.shape[-1] != 3)
   assert score_shapes == [(4, 4), (4, 8), (4, 12), (4, 16), (16, 16)]

@@ -6,6 +6,7 @@ import numpy as np
 import numpy_reference as ref
 import pytest
 from flax import nnx
+from jaxpr_walk import equations
 
 from maxnnx.config import ModelConfig
 from maxnnx.layers.linear import DenseGeneral
@@ -146,23 +147,12 @@ def test_dense_general_dtypes():
   assert dense(jnp.ones((2, 4, 8), jnp.float32)).dtype == jnp.bfloat16
 
 
-def _walk(jaxpr):
-  """Every equation of ``jaxpr`` and of the jaxprs nested in it (custom_vjp, pjit...)."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, tuple | list) else (param,):
-        inner = getattr(sub, 'jaxpr', sub)
-        if isinstance(inner, jax.extend.core.Jaxpr):
-          yield from _walk(inner)
-
-
 def test_dense_general_is_one_dot_general():
   """The projection's forward is a single dot_general (what quantizers intercept)."""
   dense = DenseGeneral((4, 8), (16,), axes=('a', 'b', 'c'), rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(dense)
   jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, jnp.ones((2, 3, 4, 8)))
-  assert [e.primitive.name for e in _walk(jaxpr.jaxpr)].count('dot_general') == 1
+  assert [e.primitive.name for e in equations(jaxpr.jaxpr)].count('dot_general') == 1
 
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
@@ -200,7 +190,7 @@ def test_dense_general_gradients_match_float64(dtype):
     assert np.abs(np.asarray(g_state['kernel'][...]) - ref_kernel).max() < 1e-4 * np.abs(
         ref_kernel).max()
     grad_jaxpr = jax.make_jaxpr(jax.grad(loss))(state, x).jaxpr
-    dots = [e for e in _walk(grad_jaxpr) if e.primitive.name == 'dot_general']
+    dots = [e for e in equations(grad_jaxpr) if e.primitive.name == 'dot_general']
     assert len(dots) == 3
     assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
 
