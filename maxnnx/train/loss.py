@@ -136,12 +136,9 @@ def _forward(x_BTD, w, targets_BT, mask_BT, vocab_major, chunk_length, z_loss, s
     if softcap is not None:
       dlogits_BCV = dlogits_BCV * (1.0 - (logits_BCV / softcap)**2)
     d = dlogits_BCV.astype(dtype)
-    if vocab_major:
-      dx_BCD = jnp.einsum('bcv,vd->bcd', d, w_compute, preferred_element_type=jnp.float32)
-      dw = dw + _weight_grad(x_BCD.astype(dtype), d)
-    else:
-      dx_BCD = jnp.einsum('bcv,dv->bcd', d, w_compute, preferred_element_type=jnp.float32)
-      dw = dw + _weight_grad(x_BCD.astype(dtype), d)
+    spec = 'bcv,vd->bcd' if vocab_major else 'bcv,dv->bcd'
+    dx_BCD = jnp.einsum(spec, d, w_compute, preferred_element_type=jnp.float32)
+    dw = dw + _weight_grad(x_BCD.astype(dtype), d)
     return dw, (terms, dx_BCD)
 
   # The weight gradient accumulates as [d_model, vocab] (the fast layout, see _weight_grad).
