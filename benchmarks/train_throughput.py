@@ -44,6 +44,7 @@ from benchmarks import measure, results
 from benchmarks.configs import BENCH_CONFIGS, get_config, train_flops_per_token
 from benchmarks.model import model_config
 from maxnnx.config import MeshConfig
+from maxnnx.host_memory import host_memory_status
 from maxnnx.train import TrainConfig, Trainer
 from maxnnx.train.trainer import synthetic_batches
 
@@ -125,7 +126,8 @@ def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warm
       step_time_p10_s=stats['p10'], step_time_p90_s=stats['p90'],
       ceiling_tflops_before=ceiling_before, ceiling_tflops_after=ceiling_after,
       nominal_peak_tflops=nominal, peak_memory_kind=memory_kind,
-      remat=remat, scan=scan, attention_impl=attention_impl, loss_first_last=losses)
+      remat=remat, scan=scan, attention_impl=attention_impl, loss_first_last=losses,
+      host_memory=host_memory_status())
   if nominal:
     record['mfu_nominal'] = record['tflops_per_device'] / nominal
   log(format_table(record))
@@ -156,6 +158,10 @@ def format_table(r: dict) -> str:
       ('peak memory', f"{_fmt(r['peak_memory_gib'], '.2f')} GiB ({r['peak_memory_kind']})"),
       ('loss first/last', ' -> '.join(f'{x:.3f}' for x in r['loss_first_last'])),
   ]
+  if 'host_memory' in r:
+    kept = r['host_memory'].get('applied') and r['host_memory'].get('before_backend')
+    rows.append(('host allocator', 'freed memory kept mapped (maxnnx.host_memory)' if kept
+                 else 'glibc defaults'))
   width = max(len(k) for k, _ in rows)
   return '\n'.join(f'  {k:<{width}}  {v}' for k, v in rows)
 

@@ -10,8 +10,13 @@ Quick tour::
   model = maxnnx.from_pretrained('path/to/hf_checkpoint')  # or load Hugging Face weights
   out = maxnnx.generate(model, [[1, 2, 3]], max_new_tokens=20)
   maxnnx.save_pretrained(model, 'exported/')               # loadable by transformers
+
+Importing maxnnx also tunes the host allocator for the CPU backend before JAX starts
+(:mod:`maxnnx.host_memory`; ``MAXNNX_KEEP_HOST_MEMORY=0`` turns that off).
 """
 
+# First of all: tunes the host allocator before anything can start a JAX backend.
+from maxnnx import host_memory  # noqa: F401
 from maxnnx.checkpoint.safetensors import SafetensorsError
 from maxnnx.config import ConfigError, ModelConfig, RopeConfig
 from maxnnx.inference.generate import GenerationResult, generate
