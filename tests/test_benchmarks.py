@@ -16,6 +16,7 @@ from benchmarks import compare, decode, results, train_throughput
 from benchmarks.configs import BENCH_CONFIGS, get_config, train_flops_per_token
 from benchmarks.model import model_config
 from maxnnx.config import MeshConfig
+from maxnnx.host_memory import host_memory_status
 from maxnnx.train import TrainConfig, Trainer
 from maxnnx.train import flops as flops_lib
 from maxnnx.train.trainer import synthetic_batches
@@ -109,7 +110,9 @@ def test_train_throughput_harness_writes_a_consistent_result(tmp_path):
   assert saved['compile_s'] > 0 and saved['peak_memory_gib'] > 0
   assert all(math.isfinite(x) for x in saved['loss_first_last'])
   assert saved['versions']['jax'] == jax.__version__
+  assert saved['host_memory'] == host_memory_status()  # which allocator the figures had
   assert any('tokens/s' in line for line in lines)
+  assert any('host allocator' in line for line in lines)
 
 
 def test_train_step_compiles_once_across_logging_and_eval():
