@@ -23,15 +23,22 @@ command again resumes from the newest complete checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
-import re
 import sys
-import typing
 
 import numpy as np
 
+from maxnnx.cli_keys import (
+    Key,
+    UsageError,
+    attribute_docs,
+    config_keys,
+    merge,
+    subtree,
+    usage_lines,
+)
+from maxnnx.cli_keys import parse as parse_keys
 from maxnnx.config import MeshConfig
 
 # Keys of the run itself (the TrainConfig and MeshConfig fields are added below).
@@ -73,143 +80,75 @@ CONVERT_KEYS = {
 }
 
 
-class UsageError(ValueError):
-  """A bad command line: unknown command or key, or a value of the wrong type."""
+_attribute_docs = attribute_docs  # the name other modules and older code use
+
+GROUPS = {  # --help heading of each group of keys
+    'run': 'The run',
+    'train': 'TrainConfig (KEY or train.KEY)',
+    'mesh': 'MeshConfig (mesh.KEY)',
+    'model': ('ModelConfig (model.KEY, applied on top of the preset or checkpoint config; '
+              "the defaults shown are ModelConfig's, most presets set their own)"),
+    'data': ('DataConfig (data.KEY: for JSONL/Parquet/ArrayRecord data, and for a .txt file or '
+             'synthetic data given any data.* key; data= sets data.sources)'),
+}
+ALIASES = {'train.': ''}  # train.steps is steps, train.mesh.fsdp is mesh.fsdp
 
 
-def _attribute_docs(cls) -> dict[str, str]:
-  """``{field: doc}`` from the ``Attributes:`` section of a class docstring."""
-  docs, current = {}, None
-  text = (cls.__doc__ or '').split('Attributes:', 1)[-1]
-  for line in text.splitlines():
-    match = re.match(r'\s{4}([\w, ]+):\s*(.*)', line)
-    if match and not line.startswith(' ' * 6):
-      names = [n.strip() for n in match.group(1).split(',')]
-      current = names
-      for name in names:
-        docs[name] = match.group(2)
-    elif current and line.strip():
-      for name in current:
-        docs[name] += ' ' + line.strip()
-  return docs
+def _run_keys() -> dict[str, Key]:
+  return {k: Key(d, doc, type(d), 'run') for k, (d, doc) in RUN_KEYS.items()}
 
 
-def _config_keys(cls, prefix: str = '', skip=()) -> dict[str, tuple[typing.Any, str, typing.Any]]:
-  """``{key: (default, doc, type)}`` for the fields of a config dataclass."""
-  hints = typing.get_type_hints(cls)
-  docs = _attribute_docs(cls)
-  keys = {}
-  for field in dataclasses.fields(cls):
-    if field.name in skip:
-      continue
-    default = (field.default if field.default is not dataclasses.MISSING
-               else field.default_factory())
-    keys[prefix + field.name] = (default, docs.get(field.name, ''), hints[field.name])
-  return keys
+def train_keys() -> dict[str, Key]:
+  """Every key ``maxnnx train`` and ``maxnnx compile`` accept: ``{key: Key}``.
 
-
-def train_keys() -> dict[str, tuple]:
-  """Every key ``maxnnx train`` accepts: ``{key: (default, doc, type)}``."""
+  The run keys, then every field of TrainConfig (bare), MeshConfig (``mesh.``),
+  ModelConfig (``model.``) and DataConfig (``data.``), nested configs as dotted keys.
+  """
+  from maxnnx.config import ModelConfig  # noqa: PLC0415
+  from maxnnx.data import DataConfig  # noqa: PLC0415
   from maxnnx.train.config import TrainConfig  # noqa: PLC0415
-  keys = {k: (d, doc, type(d)) for k, (d, doc) in RUN_KEYS.items()}
-  for key, (default, doc, kind) in _config_keys(TrainConfig, skip=('mesh',)).items():
-    keys[key] = (TRAIN_OVERRIDES.get(key, default), doc, kind)
-  keys.update(_config_keys(MeshConfig, 'mesh.', skip=('rules',)))
+  keys = _run_keys()
+  for key, spec in config_keys(TrainConfig, '', 'train', skip=('mesh',)).items():
+    keys[key] = spec._replace(default=TRAIN_OVERRIDES.get(key, spec.default))
+  keys.update(config_keys(MeshConfig, 'mesh.', 'mesh'))
+  keys.update(config_keys(ModelConfig, 'model.', 'model', fill=False))
+  keys.update(config_keys(DataConfig, 'data.', 'data', fill=False))
   return keys
 
 
-def _generate_keys() -> dict[str, tuple]:
-  return {k: (d, doc, type(d)) for k, (d, doc) in GENERATE_KEYS.items()}
+def _generate_keys() -> dict[str, Key]:
+  return {k: Key(d, doc, type(d), 'generate') for k, (d, doc) in GENERATE_KEYS.items()}
 
 
 COMMANDS = ('train', 'generate', 'compile', 'convert')
 
 
-def _convert(key: str, raw: typing.Any, kind: typing.Any) -> typing.Any:
-  """Parse ``raw`` (a string from the command line, or a YAML value) as ``kind``."""
-  if not isinstance(raw, str):
-    return raw
-  lowered = raw.strip().lower()
-  args = [a for a in typing.get_args(kind) if a is not type(None)]
-  if lowered in ('none', 'null') and type(None) in typing.get_args(kind):
-    return None
-  if typing.get_origin(kind) is typing.Literal:
-    return raw
-  candidates = args or [kind]
-  for candidate in candidates:
-    try:
-      if candidate is bool:
-        if lowered in ('true', '1', 'yes', 'on'):
-          return True
-        if lowered in ('false', '0', 'no', 'off'):
-          return False
-        continue
-      if candidate is int:
-        value = float(raw)
-        if value.is_integer():
-          return int(value)
-        continue
-      if candidate is float:
-        return float(raw)
-      if candidate is str:
-        return raw
-    except ValueError:
-      continue
-  expected = ' or '.join(getattr(c, '__name__', str(c)) for c in candidates)
-  raise UsageError(f'{key}={raw!r}: expected {expected}.')
+def parse_overrides(args: list[str], keys: dict[str, Key]) -> dict:
+  """``[config.yml | config=run.yml] key=value ...`` -> ``{key: typed value}``.
 
-
-def parse_overrides(args: list[str], keys: dict) -> dict:
-  """``[config.yml] key=value ...`` -> typed values, defaults filled in.
+  Run, train and mesh keys come with their defaults; model and data keys only
+  when given. Command-line keys override those of the YAML file.
 
   Raises:
-    UsageError: on an unknown key (naming the nearest one) or a malformed value.
+    UsageError: on an unknown key (naming the nearest one), a malformed value or
+      a malformed YAML file.
   """
-  values = {k: spec[0] for k, spec in keys.items()}
-  pairs: list[tuple[str, typing.Any]] = []
-  for arg in args:
-    if '=' not in arg and arg.endswith(('.yml', '.yaml')):
-      pairs.extend(_read_yaml(arg))
-      continue
-    if '=' not in arg:
-      raise UsageError(f"Expected key=value, got '{arg}'. Run with --help for the keys.")
-    pairs.append(tuple(arg.split('=', 1)))
-  for key, raw in pairs:
-    if key not in keys:
-      near = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
-      hint = f" Did you mean '{near[0]}'?" if near else ''
-      raise UsageError(f"Unknown key '{key}'.{hint} Run with --help for the keys.")
-    values[key] = _convert(key, raw, keys[key][2])
-  return values
-
-
-def _read_yaml(path: str) -> list[tuple[str, typing.Any]]:
-  import yaml  # noqa: PLC0415
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f'{path}: no such config file.')
-  with open(path) as f:
-    data = yaml.safe_load(f) or {}
-  if not isinstance(data, dict):
-    raise UsageError(f'{path} must hold a mapping of key: value.')
-  pairs = []
-  for key, value in data.items():
-    if key == 'mesh' and isinstance(value, dict):
-      pairs.extend((f'mesh.{k}', v) for k, v in value.items())
-    else:
-      pairs.append((key, value))
-  return pairs
+  return parse_keys(args, keys, ALIASES)
 
 
 def _usage(command: str) -> str:
   keys = _command_keys(command)
-  head = {'train': 'maxnnx train [config.yml] [key=value ...]',
-          'compile': 'maxnnx compile [config.yml] [key=value ...]  (same keys as train)',
+  head = {'train': 'maxnnx train [config=run.yml] [key=value ...]',
+          'compile': 'maxnnx compile [config=run.yml] [key=value ...]  (same keys as train)',
           'generate': 'maxnnx generate [key=value ...]',
           'convert': 'maxnnx convert src=DIR dst=DIR [format=hf|orbax] [scan_layers=...]'}[command]
-  lines = [f'usage: {head}', '']
-  for key, (default, doc, _) in keys.items():
-    lines.append(f'  {key:<26} {doc} (default: {default!r})')
-  return '\n'.join(lines)
+  lines = [f'usage: {head}']
+  if command in ('train', 'compile'):
+    lines += ['', 'A YAML file (config=run.yml, or given first) holds the same keys, as nested '
+              'mappings',
+              '(model: {num_layers: 2}) or dotted names; command-line keys override it.',
+              'Each key is listed as: name  type = default  meaning.']
+  return '\n'.join(lines + usage_lines(keys, GROUPS))
 
 
 def _plot_loss(history: list[dict], path: str) -> None:
@@ -231,17 +170,61 @@ def _plot_loss(history: list[dict], path: str) -> None:
 
 
 def _split_options(options: dict):
-  """``(run options, TrainConfig)`` from the flat key=value dict."""
+  """``(run options, TrainConfig, model changes, data fields)`` from the parsed keys.
+
+  Model changes and data fields are nested dicts of the ``model.*`` and ``data.*``
+  keys given.
+  """
   from maxnnx.train.config import TrainConfig  # noqa: PLC0415
   run = {k: options[k] for k in RUN_KEYS}
-  mesh = MeshConfig.from_dict({k[5:]: v for k, v in options.items() if k.startswith('mesh.')})
-  fields = {k: v for k, v in options.items() if k not in RUN_KEYS and not k.startswith('mesh.')}
+  fields = {k: v for k, v in options.items() if k not in RUN_KEYS and '.' not in k}
   if fields.get('checkpoint_every') and not fields.get('checkpoint_dir'):
     fields['checkpoint_dir'] = os.path.join(run['output_dir'], 'checkpoints')
-  return run, TrainConfig.from_dict({**fields, 'mesh': mesh})
+  train_config = TrainConfig.from_dict({**fields, 'mesh': subtree(options, 'mesh.')})
+  model_changes, data_fields = subtree(options, 'model.'), subtree(options, 'data.')
+  if 'sources' in data_fields:
+    run['data'] = ','.join(data_fields.pop('sources'))
+  if not run['tokenizer']:
+    run['tokenizer'] = data_fields.get('tokenizer', '')
+  _scan_for_stages(run, train_config.mesh, options)
+  return run, train_config, model_changes, data_fields
 
 
-def _model_and_tokenizer(run: dict, out: str, corpus: str | None):
+def _scan_for_stages(run: dict, mesh: MeshConfig, options: dict) -> None:
+  """Pipeline stages run the scanned layer stack: switch ``scan_layers`` on for them."""
+  stages = mesh.stage > 1 or mesh.dcn_stage > 1
+  explicit = any(k.startswith('model.') and k.endswith('.scan_layers') for k in options)
+  if stages and not run['scan_layers'] and not explicit:
+    run['scan_layers'] = True
+    print(f'Note: mesh.stage={mesh.stage} pipelines the scanned layer stack; '
+          'scan_layers is set to true.')
+
+
+def _legacy_model_overrides(run: dict) -> dict:
+  """The ModelConfig fields the flat run keys (``dtype=``, ``scan_layers=``…) set."""
+  overrides = {'dtype': run['dtype'], 'scan_layers': run['scan_layers']}
+  if run['remat_policy']:
+    overrides['remat_policy'] = run['remat_policy']
+  if run['attention_impl']:
+    overrides['attention_impl'] = run['attention_impl']
+  return overrides
+
+
+def _model_config(run: dict, changes: dict):
+  """``(ModelConfig, from_pretrained overrides)``: the preset's or checkpoint's config with
+  the flat run keys, then the ``model.*`` keys, applied."""
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.models.pretrained import config_from_pretrained  # noqa: PLC0415
+  legacy = _legacy_model_overrides(run)
+  if os.path.isdir(run['model']):
+    base = config_from_pretrained(run['model'], **legacy)
+  else:
+    base = maxnnx.get_preset(run['model'], **legacy)
+  cfg = merge(base, changes) if changes else base
+  return cfg, {**legacy, **{name: getattr(cfg, name) for name in changes}}
+
+
+def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None):
   """The model to train (a ModelConfig or loaded model) and its tokenizer (or None)."""
   import maxnnx  # noqa: PLC0415
   from maxnnx.data import (  # noqa: PLC0415
@@ -249,18 +232,13 @@ def _model_and_tokenizer(run: dict, out: str, corpus: str | None):
                            load_tokenizer,
                            train_sentencepiece,
   )
-  overrides = {'dtype': run['dtype'], 'scan_layers': run['scan_layers']}
-  if run['remat_policy']:
-    overrides['remat_policy'] = run['remat_policy']
-  if run['attention_impl']:
-    overrides['attention_impl'] = run['attention_impl']
+  cfg, overrides = _model_config(run, changes)
   if os.path.isdir(run['model']):
     model = maxnnx.from_pretrained(run['model'], **overrides)
     tokenizer = None
     if corpus is not None:
       tokenizer = load_tokenizer(run['tokenizer'] or run['model'])
     return model, tokenizer
-  cfg = maxnnx.get_preset(run['model'], **overrides)
   if corpus is None:
     return cfg, None
   if run['tokenizer']:
@@ -282,30 +260,41 @@ def _is_text_file(path: str) -> bool:
   return os.path.isfile(path) and path.endswith('.txt')
 
 
-def _build_trainer(options: dict, *, need_data: bool = True):
+def _training_data(run: dict, data_fields: dict, corpus: str | None, model, tokenizer,
+                   train_config):
+  """``(data, token count)``: token windows of a .txt corpus, the grain pipeline for
+  documents (or for any ``data.*`` key), or ``None`` for the Trainer's synthetic tokens."""
   import jax  # noqa: PLC0415
 
-  from maxnnx.data import DEFAULT_CORPUS, DataConfig, TokenWindows, make_pipeline  # noqa: PLC0415
+  from maxnnx.data import DataConfig, TokenWindows, make_pipeline  # noqa: PLC0415
   from maxnnx.data.text import read_text  # noqa: PLC0415
+  local_batch = train_config.global_batch_size // jax.process_count()
+  if corpus is not None and _is_text_file(corpus) and not data_fields:
+    tokens = np.asarray(tokenizer.encode(read_text(corpus)), np.int32)
+    data = TokenWindows(tokens, train_config.seq_len, local_batch,
+                        seed=train_config.seed + jax.process_index())
+    return data, len(tokens)
+  if corpus is None and not (data_fields and run['data'] == 'synthetic'):
+    return None, 0
+  vocab = (model.vocab_size if hasattr(model, 'vocab_size') else model.config.vocab_size)
+  config = DataConfig.from_string(corpus or run['data'], **data_fields)
+  return make_pipeline(config, tokenizer, batch_size=local_batch, seq_len=train_config.seq_len,
+                       seed=train_config.seed, vocab_size=vocab), 0
+
+
+def _build_trainer(options: dict, *, need_data: bool = True):
+  from maxnnx.data import DEFAULT_CORPUS  # noqa: PLC0415
   from maxnnx.train import Trainer  # noqa: PLC0415
 
-  run, train_config = _split_options(options)
+  run, train_config, model_changes, data_fields = _split_options(options)
   out = run['output_dir']
   os.makedirs(out, exist_ok=True)
   synthetic = run['data'] == 'synthetic' or not need_data
   corpus = None if synthetic else (run['data'] or DEFAULT_CORPUS)
-  model, tokenizer = _model_and_tokenizer(run, out, corpus)
+  model, tokenizer = _model_and_tokenizer(run, model_changes, out, corpus)
   data, num_tokens = None, 0
-  local_batch = train_config.global_batch_size // jax.process_count()
-  if corpus is not None and _is_text_file(corpus):
-    tokens = np.asarray(tokenizer.encode(read_text(corpus)), np.int32)
-    num_tokens = len(tokens)
-    data = TokenWindows(tokens, train_config.seq_len, local_batch,
-                        seed=train_config.seed + jax.process_index())
-  elif corpus is not None:  # documents through the grain pipeline, packed
-    vocab = (model.vocab_size if hasattr(model, 'vocab_size') else model.config.vocab_size)
-    data = make_pipeline(DataConfig.from_string(corpus), tokenizer, batch_size=local_batch,
-                         seq_len=train_config.seq_len, seed=train_config.seed, vocab_size=vocab)
+  if need_data:
+    data, num_tokens = _training_data(run, data_fields, corpus, model, tokenizer, train_config)
   if train_config.eval_every and not hasattr(data, 'eval_batches'):
     if data is not None:
       print('Note: this data source has no held-out split; eval_every is set to 0.')
@@ -427,9 +416,9 @@ def convert(options: dict) -> str:
   return dst
 
 
-def _command_keys(command: str) -> dict:
+def _command_keys(command: str) -> dict[str, Key]:
   if command == 'convert':
-    return {k: (d, doc, type(d)) for k, (d, doc) in CONVERT_KEYS.items()}
+    return {k: Key(d, doc, type(d), 'convert') for k, (d, doc) in CONVERT_KEYS.items()}
   return _generate_keys() if command == 'generate' else train_keys()
 
 

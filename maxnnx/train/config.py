@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from maxnnx.config import ConfigError, MeshConfig, _Validated
@@ -110,8 +111,9 @@ class TrainConfig(_Validated):
     if self.global_batch_size % self.grad_accum_steps:
       raise ConfigError(f'TrainConfig.global_batch_size ({self.global_batch_size}) must be a '
                         f'multiple of grad_accum_steps ({self.grad_accum_steps}).')
-    if self.learning_rate < 0:
-      raise ConfigError(f'TrainConfig.learning_rate must be >= 0, got {self.learning_rate}.')
+    if not math.isfinite(self.learning_rate) or self.learning_rate < 0:  # 0: frozen weights
+      raise ConfigError(f'TrainConfig.learning_rate must be finite and >= 0, got '
+                        f'{self.learning_rate}.')
     if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
       raise ConfigError(f'TrainConfig.warmup_steps must be in [0, steps={self.steps}], got '
                         f'{self.warmup_steps}.')
