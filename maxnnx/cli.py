@@ -6,10 +6,15 @@ optimizer with a progress bar (loss, tokens/s, MFU), writes ``metrics.jsonl``,
 ``loss.png`` and the trained model in Hugging Face format (``final/``), and
 ends by printing a generated sample.
 
-Every :class:`~maxnnx.train.TrainConfig` field is a key (``steps=``,
-``learning_rate=``…), mesh sizes are ``mesh.data=``, ``mesh.fsdp=``…, and a YAML
-file given first supplies defaults that ``key=value`` arguments override.
-``maxnnx train --help`` lists every key with its documentation.
+Every field of the run's configs is a ``key=value``: :class:`~maxnnx.train.TrainConfig`
+fields bare or as ``train.KEY`` (``steps=``, ``learning_rate=``…),
+:class:`~maxnnx.config.MeshConfig` as ``mesh.KEY``, :class:`~maxnnx.config.ModelConfig`
+as ``model.KEY`` (applied on top of the preset or checkpoint; nested configs are
+dotted: ``model.rope.theta=5e5``) and :class:`~maxnnx.data.DataConfig` as
+``data.KEY`` (``data.column=content``). Values are parsed by the field's type. A
+YAML file (``config=run.yml``, or given first) holds the same keys as nested
+mappings or dotted names, and ``key=value`` arguments override it.
+``maxnnx train --help`` lists every key with its type, default and meaning.
 
 Other commands: ``generate`` (continue a prompt from a trained run),
 ``compile`` (lower and compile the train step for the mesh, report per-device
@@ -53,7 +58,7 @@ RUN_KEYS = {
     'dtype': ('bfloat16', 'compute dtype: bfloat16 (default: the faster one on CPUs with bf16 '
                           'matmuls and on GPUs; matmuls accumulate in float32) or float32 '
                           '(parameters stay float32 either way)'),
-    'scan_layers': (False, 'run the layer stack as one scanned block (needed for mesh.stage)'),
+    'scan_layers': (False, 'run the layer stack as one scanned block (mesh.stage > 1 sets it)'),
     'remat_policy': ('', 'activation rematerialisation: none, minimal, save_dot_except_mlp, '
                      'save_qkv_proj, save_out_proj, full (empty: the model default)'),
     'attention_impl': ('', 'attention kernel strategy (empty: the model default)'),

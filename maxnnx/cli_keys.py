@@ -105,7 +105,7 @@ def config_keys(cls, prefix: str, group: str, *, skip=(), fill: bool = True,
 
 
 def type_name(kind: Any) -> str:
-  """A short name of a type annotation for ``--help``: ``int``, ``rms|layer``, ``float|None``."""
+  """A short name (no spaces) of a type annotation: ``int``, ``rms|layer``, ``tuple[int,...]``."""
   origin = typing.get_origin(kind)
   if origin is typing.Literal:
     return '|'.join(str(a) for a in typing.get_args(kind))
@@ -116,8 +116,8 @@ def type_name(kind: Any) -> str:
   if origin is tuple:
     args = typing.get_args(kind)
     if len(args) == 2 and args[1] is Ellipsis:
-      return f'tuple[{type_name(args[0])}, ...]'
-    return 'tuple[' + ', '.join(type_name(a) for a in args) + ']'
+      return f'tuple[{type_name(args[0])},...]'
+    return 'tuple[' + ','.join(type_name(a) for a in args) + ']'
   return getattr(kind, '__name__', str(kind))
 
 

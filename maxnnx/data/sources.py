@@ -220,7 +220,8 @@ def _jsonl_documents(path: str, column: str, pretokenized: bool):
                        f'{type(record).__name__}.')
     if column not in record:
       raise ValueError(f"{path} {unit} {number}: no column '{column}'; the columns are "
-                       f'{sorted(record)}. Set column= to one of them.')
+                       f'{sorted(record)}. Set column= (data.column= on the command line) to '
+                       'one of them.')
     _check_value(record[column], path, f'{unit} {number}', column, pretokenized)
     yield number, record[column]
 
@@ -234,7 +235,7 @@ def _parquet_documents(path: str, column: str, pretokenized: bool):
   names = parquet.schema_arrow.names
   if column not in names:
     raise ValueError(f"{path}: no column '{column}'; the columns are {names}. "
-                     'Set column= to one of them.')
+                     'Set column= (data.column= on the command line) to one of them.')
   values = parquet.read(columns=[column]).column(column).to_pylist()
   for row, value in enumerate(values):
     if value is None:
