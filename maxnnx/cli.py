@@ -122,7 +122,7 @@ def train_keys() -> dict[str, Key]:
 
 
 def _generate_keys() -> dict[str, Key]:
-  return {k: Key(d, doc, type(d), 'generate') for k, (d, doc) in GENERATE_KEYS.items()}
+  return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in GENERATE_KEYS.items()}
 
 
 COMMANDS = ('train', 'generate', 'compile', 'convert')
@@ -423,7 +423,7 @@ def convert(options: dict) -> str:
 
 def _command_keys(command: str) -> dict[str, Key]:
   if command == 'convert':
-    return {k: Key(d, doc, type(d), 'convert') for k, (d, doc) in CONVERT_KEYS.items()}
+    return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in CONVERT_KEYS.items()}
   return _generate_keys() if command == 'generate' else train_keys()
 
 
