@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from maxnnx.config import ConfigError, MeshConfig, _Validated
+from maxnnx.config import ConfigError, MeshConfig, ValidatedConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(_Validated):
+class TrainConfig(ValidatedConfig):
   """Optimizer, schedule, batch, precision, parallelism and logging of a run.
 
   Attributes:
