@@ -11,6 +11,8 @@ Quick tour::
   out = maxnnx.generate(model, [[1, 2, 3]], max_new_tokens=20)
   maxnnx.save_pretrained(model, 'exported/')               # loadable by transformers
 
+  trainer = maxnnx.Trainer(model, maxnnx.TrainConfig(steps=100, mesh=maxnnx.MeshConfig(fsdp=-1)))
+
 Importing maxnnx also tunes the host allocator for the CPU backend before JAX starts
 (:mod:`maxnnx.host_memory`; ``MAXNNX_KEEP_HOST_MEMORY=0`` turns that off).
 """
@@ -18,7 +20,7 @@ Importing maxnnx also tunes the host allocator for the CPU backend before JAX st
 # First of all: tunes the host allocator before anything can start a JAX backend.
 from maxnnx import host_memory  # noqa: F401
 from maxnnx.checkpoint.safetensors import SafetensorsError
-from maxnnx.config import ConfigError, ModelConfig, RopeConfig
+from maxnnx.config import ConfigError, MeshConfig, ModelConfig, RopeConfig
 from maxnnx.inference.generate import GenerationResult, generate
 from maxnnx.models.hf import PretrainedError
 from maxnnx.models.pretrained import config_from_pretrained, from_pretrained, save_pretrained
@@ -27,8 +29,29 @@ from maxnnx.presets import get_preset, list_presets
 
 __version__ = '0.1.0'
 
+# Training and data pull in optax, orbax and grain: imported on first use, so that
+# `import maxnnx` stays light for inference.
+_LAZY = {
+    'Trainer': 'maxnnx.train',
+    'TrainConfig': 'maxnnx.train',
+    'DataConfig': 'maxnnx.data',
+    'make_pipeline': 'maxnnx.data',
+}
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    import importlib  # noqa: PLC0415
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 'maxnnx' has no attribute '{name}'")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY))
+
 __all__ = [
-    'ConfigError', 'GenerationResult', 'ModelConfig', 'PretrainedError', 'RopeConfig',
-    'SafetensorsError', 'Transformer', 'config_from_pretrained', 'from_pretrained', 'generate',
-    'get_preset', 'list_presets', 'save_pretrained',
+    'ConfigError', 'DataConfig', 'GenerationResult', 'MeshConfig', 'ModelConfig',
+    'PretrainedError', 'RopeConfig', 'SafetensorsError', 'TrainConfig', 'Trainer', 'Transformer',
+    'config_from_pretrained', 'from_pretrained', 'generate', 'get_preset', 'list_presets',
+    'make_pipeline', 'save_pretrained',
 ]

@@ -72,7 +72,7 @@ def _describe(annotation: Any) -> str:
   return getattr(annotation, '__name__', str(annotation))
 
 
-class _Validated:
+class ValidatedConfig:
   """Mixin: type-check every field after construction; build from dicts."""
 
   def __post_init__(self):
@@ -132,7 +132,7 @@ class _Validated:
 
 def _nested_config_type(annotation):
   for a in (annotation, *typing.get_args(annotation)):
-    if isinstance(a, type) and issubclass(a, _Validated):
+    if isinstance(a, type) and issubclass(a, ValidatedConfig):
       return a
   return None
 
@@ -141,7 +141,7 @@ RopeScaling = Literal['none', 'linear', 'llama3', 'yarn', 'longrope']
 
 
 @dataclasses.dataclass(frozen=True)
-class RopeConfig(_Validated):
+class RopeConfig(ValidatedConfig):
   """Rotary position embedding settings.
 
   Attributes:
@@ -208,7 +208,7 @@ LayerType = Literal['full', 'sliding']
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig(_Validated):
+class ModelConfig(ValidatedConfig):
   """Architecture and numerics of a decoder-only transformer.
 
   One config covers every dense family; a family is a choice of these fields
@@ -580,7 +580,7 @@ MESH_AXES = ('stage', 'data', 'fsdp', 'expert', 'context', 'tensor')
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig(_Validated):
+class MeshConfig(ValidatedConfig):
   """How devices are arranged into named parallelism axes.
 
   Each size is the number of devices along that axis within a slice (fast

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from maxnnx.config import ConfigError, _Validated
+from maxnnx.config import ConfigError, ValidatedConfig
 
 SourceKind = Literal['auto', 'text', 'jsonl', 'parquet', 'array_record', 'synthetic']
 Packing = Literal['first_fit', 'best_fit', 'none']
@@ -20,7 +20,7 @@ TextSplit = Literal['blank_lines', 'lines', 'file']
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig(_Validated):
+class DataConfig(ValidatedConfig):
   """Documents, tokenization, packing and order of a training data pipeline.
 
   Attributes:

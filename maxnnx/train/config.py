@@ -6,11 +6,11 @@ import dataclasses
 import math
 from typing import Literal
 
-from maxnnx.config import ConfigError, MeshConfig, _Validated
+from maxnnx.config import ConfigError, MeshConfig, ValidatedConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(_Validated):
+class TrainConfig(ValidatedConfig):
   """Optimizer, schedule, batch, precision, parallelism and logging of a run.
 
   Attributes:

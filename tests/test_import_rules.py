@@ -1,0 +1,95 @@
+"""The design's import rules (``[tool.importlinter]`` in pyproject.toml) hold."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CI_DIR = ROOT / '.ci'
+
+
+def _lint_imports(cwd: pathlib.Path, extra_path: str = '') -> subprocess.CompletedProcess:
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.pathsep.join(p for p in (str(CI_DIR), extra_path, str(ROOT)) if p)
+  code = 'from importlinter.cli import lint_imports_command; lint_imports_command()'
+  return subprocess.run([sys.executable, '-c', code], cwd=cwd, env=env, capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_every_contract_is_kept():
+  result = _lint_imports(ROOT)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert 'broken' in result.stdout and ' 0 broken' in result.stdout
+
+
+def _fake_package(tmp_path: pathlib.Path) -> pathlib.Path:
+  files = {
+      'fakepkg/__init__.py': '',
+      'fakepkg/config.py': 'class _Base: pass\nclass Public: pass\n',
+      'fakepkg/layers/__init__.py': '',
+      'fakepkg/layers/dense.py': 'from fakepkg.config import Public\n',
+      'fakepkg/models/__init__.py': '',
+      'fakepkg/models/llama.py': 'from fakepkg import layers\n',
+  }
+  for name, text in files.items():
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+  (tmp_path / 'pyproject.toml').write_text(textwrap.dedent('''
+      [tool.importlinter]
+      root_package = "fakepkg"
+      contract_types = ["private_names: import_contracts.NoPrivateImportsContract"]
+
+      [[tool.importlinter.contracts]]
+      name = "layers never import models"
+      type = "forbidden"
+      source_modules = ["fakepkg.layers"]
+      forbidden_modules = ["fakepkg.models"]
+
+      [[tool.importlinter.contracts]]
+      name = "no private names"
+      type = "private_names"
+      root = "fakepkg"
+      '''))
+  return tmp_path
+
+
+@pytest.mark.parametrize('violation, broken', [
+    (None, ()),
+    (('fakepkg/layers/dense.py', 'from fakepkg.models import llama\n'),
+     ('layers never import models BROKEN',)),
+    (('fakepkg/models/llama.py', 'from fakepkg.config import _Base\n'),
+     ('no private names BROKEN', 'imports the private name _Base from fakepkg.config')),
+    (('fakepkg/config.py', 'from fakepkg.config import _Base\n'), ()),  # own package: fine
+])
+def test_contracts_catch_violations(tmp_path, violation, broken):
+  root = _fake_package(tmp_path)
+  if violation:
+    path, line = violation
+    with open(root / path, 'a') as f:
+      f.write(line)
+  result = _lint_imports(root, extra_path=str(root))
+  for text in broken:
+    assert text in result.stdout, result.stdout + result.stderr
+  assert (result.returncode != 0) == bool(broken), result.stdout + result.stderr
+
+
+def test_training_names_at_top_level_without_eager_import():
+  code = textwrap.dedent('''
+      import sys
+      import maxnnx
+      assert 'maxnnx.train' not in sys.modules, 'import maxnnx must not import training'
+      from maxnnx import DataConfig, MeshConfig, TrainConfig, Trainer
+      import maxnnx.data, maxnnx.train
+      assert Trainer is maxnnx.train.Trainer and TrainConfig is maxnnx.train.TrainConfig
+      assert DataConfig is maxnnx.data.DataConfig and MeshConfig is maxnnx.config.MeshConfig
+      assert all(hasattr(maxnnx, name) for name in maxnnx.__all__)
+      ''')
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  result = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr
