@@ -18,7 +18,7 @@ import types
 import typing
 from typing import Any, NamedTuple
 
-from maxnnx.config import _Validated
+from maxnnx.config import ValidatedConfig
 
 
 class UsageError(ValueError):
@@ -65,7 +65,7 @@ def attribute_docs(cls) -> dict[str, str]:
 def nested_config_type(annotation) -> type | None:
   """The config dataclass a field annotation holds (``RopeConfig | None`` too), or None."""
   for a in (annotation, *typing.get_args(annotation)):
-    if isinstance(a, type) and issubclass(a, _Validated):
+    if isinstance(a, type) and issubclass(a, ValidatedConfig):
       return a
   return None
 
@@ -397,13 +397,13 @@ def subtree(options: dict[str, Any], prefix: str) -> dict[str, Any]:
   return tree
 
 
-def merge(config: _Validated, changes: dict[str, Any]) -> _Validated:
+def merge(config: ValidatedConfig, changes: dict[str, Any]) -> ValidatedConfig:
   """``config`` with nested ``changes`` applied: a nested config keeps its other fields
   (``{'rope': {'theta': 5e5}}`` changes only the preset's rope theta)."""
   merged = {}
   for name, value in changes.items():
     current = getattr(config, name, None)
-    if isinstance(value, dict) and isinstance(current, _Validated):
+    if isinstance(value, dict) and isinstance(current, ValidatedConfig):
       value = merge(current, value)
     merged[name] = value
   return config.replace(**merged)

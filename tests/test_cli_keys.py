@@ -9,7 +9,7 @@ import pytest
 
 import maxnnx
 from maxnnx import cli
-from maxnnx.config import MeshConfig, ModelConfig, _Validated
+from maxnnx.config import MeshConfig, ModelConfig, ValidatedConfig
 from maxnnx.data import DataConfig
 from maxnnx.train.config import TrainConfig
 
@@ -159,7 +159,7 @@ def _leaves(cls, prefix, skip=()):
                else field.default_factory())
     nested = [a for a in (typing.get_type_hints(cls)[field.name],
                           *typing.get_args(typing.get_type_hints(cls)[field.name]))
-              if isinstance(a, type) and issubclass(a, _Validated)]
+              if isinstance(a, type) and issubclass(a, ValidatedConfig)]
     if nested:
       out.update(_leaves(nested[0], f'{prefix}{field.name}.'))
     if not nested or default is None:
@@ -207,7 +207,7 @@ def test_train_end_to_end_with_dotted_keys(tmp_path, capsys):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Experts(_Validated):
+class _Experts(ValidatedConfig):
   """Attributes:
     num_experts: routed experts.
     router: softmax or sigmoid.
@@ -218,7 +218,7 @@ class _Experts(_Validated):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Model(_Validated):
+class _Model(ValidatedConfig):
   """Attributes:
     width: residual width.
     moe: the experts.
