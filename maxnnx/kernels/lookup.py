@@ -14,14 +14,18 @@ KERNEL_REGISTRIES = {'attention': ATTENTION_IMPLEMENTATIONS,
                      'ragged_dot': RAGGED_DOT_IMPLEMENTATIONS}
 
 
+def _check_kind(kind: str) -> None:
+  if kind not in KERNEL_REGISTRIES:
+    raise ValueError(f"Unknown kernel kind '{kind}'; known: {', '.join(KERNEL_REGISTRIES)}.")
+
+
 def get_kernel(kind: str, name: str, *, on_unsupported: str | None = None):
   """The ``kind`` strategy registered as ``name``; ``on_unsupported`` overrides its policy.
 
   Raises:
     ValueError: for an unknown kind, name (listing the known ones) or policy.
   """
-  if kind not in KERNEL_REGISTRIES:
-    raise ValueError(f"Unknown kernel kind '{kind}'; known: {', '.join(KERNEL_REGISTRIES)}.")
+  _check_kind(kind)
   return lookup_kernel(KERNEL_REGISTRIES[kind], kind, name, on_unsupported)
 
 
@@ -31,6 +35,7 @@ def kernel_for(cfg, kind: str):
   ``cfg`` is a model config, or any object with those fields (a config group
   holding them is found under ``cfg.runtime`` when present).
   """
+  _check_kind(kind)
   fields = getattr(cfg, 'runtime', cfg)
   return get_kernel(kind, getattr(fields, f'{kind}_impl'),
                     on_unsupported=fields.kernel_on_unsupported)
