@@ -26,6 +26,7 @@ from maxnnx.kernels import (
   ATTENTION_IMPLEMENTATIONS,
   RAGGED_DOT_IMPLEMENTATIONS,
   AttentionMask,
+  AttentionOptions,
   DenseRaggedDot,
   KernelUnsupportedError,
   XlaAttention,
@@ -87,11 +88,10 @@ def _attention_case(scenario, dtype, batch, length, heads, kv_heads, head_dim, r
 
 
 def _attention_fn(kernel, mask, kwargs, weights):
-  window = kwargs['sliding_window']
-  static = {key: val for key, val in kwargs.items() if key != 'sliding_window'}
+  options = AttentionOptions(**kwargs)
 
   def loss(q, k, v):
-    out = kernel(q, k, v, mask, sliding_window=window, **static)
+    out = kernel(q, k, v, mask, options)
     return jnp.sum(out.astype(jnp.float32) * weights), out
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))

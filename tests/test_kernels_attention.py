@@ -1,5 +1,6 @@
 """Attention strategies agree with the ``xla`` reference, and refuse or fall back as declared."""
 
+import dataclasses
 import logging
 import zlib
 
@@ -17,6 +18,7 @@ from maxnnx.kernels import (
   AttentionCapabilities,
   AttentionKernel,
   AttentionMask,
+  AttentionOptions,
   AttentionRequest,
   BlockwiseAttention,
   KernelUnsupportedError,
@@ -26,21 +28,30 @@ from maxnnx.kernels import (
 )
 from maxnnx.kernels.attention_blockwise import block_plan, covered_by
 from maxnnx.kernels.attention_pallas import index_order_matches_positions
-from maxnnx.kernels.capabilities import reset_warnings
+from maxnnx.kernels.capabilities import current_platform, reset_warnings
 
-# Strategies that compute themselves on CPU (others fall back there). The Pallas
-# kernel runs in the Pallas interpreter.
-CPU_KERNELS = {
-    'jax_nn': lambda: get_attention_kernel('jax_nn', on_unsupported='error'),
-    'tokamax': lambda: get_attention_kernel('tokamax', on_unsupported='error'),
-    'tokamax_xla': lambda: get_attention_kernel('tokamax_xla', on_unsupported='error'),
-    'tokamax_xla_chunked':
-        lambda: get_attention_kernel('tokamax_xla_chunked', on_unsupported='error'),
-    'pallas_interpret': lambda: PallasFlashAttention(interpret=True, on_unsupported='error'),
-    # Blocks of 4 rows: the 16-token scenarios are cut into 4 query blocks.
-    'xla_flash': lambda: BlockwiseAttention(block_size=4, on_unsupported='error'),
-}
-GPU_ONLY = ('cudnn', 'pallas_gpu', 'tokamax_cudnn', 'tokamax_mosaic', 'tokamax_triton')
+
+def _pallas_interpret(on_unsupported='error'):
+  return PallasFlashAttention(name='pallas_interpret', interpret=True,
+                              on_unsupported=on_unsupported)
+
+
+# Variants worth testing besides the registered strategies: the Pallas kernel in the
+# Pallas interpreter (runs on any platform).
+EXTRA_KERNELS = {'pallas_interpret': _pallas_interpret}
+# Test-sized settings of registered strategies: blocks of 4 rows cut the 16-token scenarios
+# into 4 query blocks.
+TEST_SETTINGS = {'xla_flash': dict(block_size=4)}
+STRATEGIES = [*ATTENTION_IMPLEMENTATIONS, *EXTRA_KERNELS]
+
+
+def _kernel(name, on_unsupported='error'):
+  """The strategy ``name`` (registered or extra) under ``on_unsupported``, at test sizes."""
+  if name in EXTRA_KERNELS:
+    return EXTRA_KERNELS[name](on_unsupported)
+  kernel = get_attention_kernel(name, on_unsupported=on_unsupported)
+  return dataclasses.replace(kernel, **TEST_SETTINGS.get(name, {}))
+
 
 # name -> (heads, kv_heads, q_len, kv_len, v_head_dim, options)
 SCENARIOS = {
@@ -63,7 +74,7 @@ def _rng(*key):
 
 
 def _case(scenario, dtype, rng):
-  """q, k, v, mask, kwargs and the per-row weights of the test loss."""
+  """q, k, v, mask, options and the per-row weights of the test loss."""
   heads, kv_heads, t, s, v_dim, opts = SCENARIOS[scenario]
   q = rng.normal(size=(2, t, heads, HEAD_DIM))
   k = rng.normal(size=(2, s, kv_heads, HEAD_DIM))
@@ -82,22 +93,22 @@ def _case(scenario, dtype, rng):
     pos = np.broadcast_to(np.arange(t), (2, t))
     mask = AttentionMask.causal(jnp.ones((2, t), jnp.int32), jnp.asarray(pos, jnp.int32))
   window = opts.get('window')
-  kwargs = dict(scale=HEAD_DIM ** -0.5, softcap=opts.get('softcap'),
-                sliding_window=jnp.int32(window) if opts.get('traced') else window,
-                sinks_N=jnp.asarray(rng.normal(size=heads), dtype) if opts.get('sinks') else None)
+  options = AttentionOptions(
+      scale=HEAD_DIM ** -0.5, softcap=opts.get('softcap'),
+      sliding_window=jnp.int32(window) if opts.get('traced') else window,
+      sinks_N=jnp.asarray(rng.normal(size=heads), dtype) if opts.get('sinks') else None)
   weights = rng.normal(size=(2, t, heads, v_dim)) * np.asarray(mask.q_segment_ids != 0)[..., None,
                                                                                           None]
   q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
-  return q, k, v, mask, kwargs, jnp.asarray(weights, jnp.float32)
+  return q, k, v, mask, options, jnp.asarray(weights, jnp.float32)
 
 
-def _fwd_and_grad(kernel, q, k, v, mask, kwargs, weights):
+def _fwd_and_grad(kernel, q, k, v, mask, options, weights):
   """Output and d(sum(out * weights))/d(q, k, v), jitted (a traced window stays traced)."""
-  window = kwargs['sliding_window']
-  static = {key: val for key, val in kwargs.items() if key != 'sliding_window'}
+  window = options.sliding_window
 
   def loss(q, k, v, window):
-    out = kernel(q, k, v, mask, sliding_window=window, **static)
+    out = kernel(q, k, v, mask, dataclasses.replace(options, sliding_window=window))
     return jnp.sum(out.astype(jnp.float32) * weights), out
 
   grad_fn = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
@@ -114,15 +125,24 @@ def _assert_close(actual, expected, rel):
   np.testing.assert_allclose(actual, expected, atol=rel * scale, rtol=0)
 
 
-def _supports(kernel, q, k, v, kwargs):
-  request = AttentionRequest.of(q, k, v, softcap=kwargs['softcap'],
-                                sliding_window=kwargs['sliding_window'],
-                                sinks_N=kwargs['sinks_N'])
-  return not kernel.unsupported_reasons(request)
+def _reasons(kernel, q, k, v, options):
+  return kernel.unsupported_reasons(AttentionRequest.of(q, k, v, options))
 
 
-# The default suite runs the scenarios that differ most (packing, traced windows, decode,
-# refusals) and one per other strategy; the remaining combinations are marked slow.
+def _supports(kernel, q, k, v, options):
+  return not _reasons(kernel, q, k, v, options)
+
+
+def _cannot_run_here(kernel, dtype) -> list[str]:
+  """Why ``kernel`` refuses even the plainest call in ``dtype`` here (platform, dtype,
+  missing package): its declared reasons, empty when it runs here."""
+  q, k, v, _, options, _ = _case('gqa_causal', dtype, _rng('probe'))
+  return _reasons(kernel, q, k, v, options)
+
+
+# The default suite runs, per strategy, the scenarios that differ most for it; other
+# combinations are marked slow. A strategy without an entry here (a newly registered one)
+# runs DEFAULT_FAST in float32 by default.
 FAST = {('jax_nn', s, 'float32') for s in ('packed_padded', 'traced_window', 'softcap',
                                             'sinks', 'decode', 'mla_v_dim')} | {
     ('tokamax_xla', s, 'float32') for s in ('packed_padded', 'softcap', 'decode', 'sinks')} | {
@@ -132,29 +152,45 @@ FAST = {('jax_nn', s, 'float32') for s in ('packed_padded', 'traced_window', 'so
     ('xla_flash', 'gqa_causal', 'bfloat16'), ('xla_flash', 'packed_padded', 'bfloat16'),
     ('pallas_interpret', 'packed_padded', 'float32'), ('jax_nn', 'packed_padded', 'bfloat16'),
     ('tokamax_xla', 'gqa_causal', 'bfloat16')}
-CASES = [(name, scenario, 'float32') for name in CPU_KERNELS for scenario in SCENARIOS]
-CASES += [(name, scenario, 'bfloat16') for name in CPU_KERNELS for scenario in BF16_SCENARIOS]
-CASES = [pytest.param(*case, marks=() if case in FAST else pytest.mark.slow) for case in CASES]
+DEFAULT_FAST = ('packed_padded', 'decode')
+_TUNED = {name for name, _, _ in FAST}
+
+
+def _is_fast(name, scenario, dtype):
+  if name in _TUNED:
+    return (name, scenario, dtype) in FAST
+  return dtype == 'float32' and scenario in DEFAULT_FAST
+
+
+CASES = [(name, scenario, 'float32') for name in STRATEGIES for scenario in SCENARIOS]
+CASES += [(name, scenario, 'bfloat16') for name in STRATEGIES for scenario in BF16_SCENARIOS]
+CASES = [pytest.param(*case, marks=() if _is_fast(*case) else pytest.mark.slow)
+         for case in CASES]
 
 
 @pytest.mark.parametrize('name,scenario,dtype', CASES)
 def test_strategy_matches_xla(name, scenario, dtype):
   """Forward and gradients agree with ``xla`` in f32 (from f32 inputs) and bf16 (vs f32 xla).
 
-  A scenario the strategy declares unsupported must raise under ``on_unsupported='error'``.
+  Every registered strategy is checked. One that cannot run here at all (its declared
+  platforms, dtypes or a missing package) is skipped with its own reasons; a scenario it
+  declares unsupported must raise under ``on_unsupported='error'``.
   """
-  kernel = CPU_KERNELS[name]()
-  q, k, v, mask, kwargs, weights = _case(scenario, getattr(jnp, dtype), _rng(name, scenario))
-  if not _supports(kernel, q, k, v, kwargs):
+  kernel = _kernel(name)
+  cannot = _cannot_run_here(kernel, getattr(jnp, dtype))
+  if cannot:
+    pytest.skip(f"attention_impl '{name}' cannot run here: {'; '.join(cannot)}")
+  q, k, v, mask, options, weights = _case(scenario, getattr(jnp, dtype), _rng(name, scenario))
+  if not _supports(kernel, q, k, v, options):
     with pytest.raises(KernelUnsupportedError, match=f"attention_impl '{kernel.name}'"):
-      _fwd_and_grad(kernel, q, k, v, mask, kwargs, weights)
+      _fwd_and_grad(kernel, q, k, v, mask, options, weights)
     return
-  out, grads = _fwd_and_grad(kernel, q, k, v, mask, kwargs, weights)
+  out, grads = _fwd_and_grad(kernel, q, k, v, mask, options, weights)
   assert out.dtype == q.dtype
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-  kw32 = dict(kwargs, sinks_N=None if kwargs['sinks_N'] is None
-              else kwargs['sinks_N'].astype(jnp.float32))
-  ref_out, ref_grads = _fwd_and_grad(XlaAttention(), *f32, mask, kw32, weights)
+  options32 = dataclasses.replace(
+      options, sinks_N=None if options.sinks_N is None else options.sinks_N.astype(jnp.float32))
+  ref_out, ref_grads = _fwd_and_grad(XlaAttention(), *f32, mask, options32, weights)
   rel = 1e-5 if dtype == 'float32' else 2e-2
   valid = np.asarray(weights != 0)
   _assert_close(np.where(valid, out.astype(jnp.float32), 0), np.where(valid, ref_out, 0), rel)
@@ -165,9 +201,10 @@ def test_strategy_matches_xla(name, scenario, dtype):
 def test_declared_capabilities_cover_the_scenarios():
   """The CPU strategies really differ: each refuses something xla does (no vacuous passes)."""
   cases = {s: _case(s, jnp.float32, _rng(s)) for s in SCENARIOS}
-  refused = {name: [s for s, (q, k, v, _, kwargs, _) in cases.items()
-                    if not _supports(CPU_KERNELS[name](), q, k, v, kwargs)]
-             for name in CPU_KERNELS}
+  names = ('jax_nn', 'xla_flash', 'tokamax', 'tokamax_xla', 'pallas_interpret')
+  refused = {name: [s for s, (q, k, v, _, options, _) in cases.items()
+                    if not _supports(_kernel(name), q, k, v, options)]
+             for name in names}
   assert refused['jax_nn'] == ['softcap', 'sinks', 'mla_v_dim']
   assert refused['xla_flash'] == []
   assert refused['tokamax'] == refused['tokamax_xla'] == ['sinks']
@@ -175,21 +212,27 @@ def test_declared_capabilities_cover_the_scenarios():
                                          'mla_v_dim']
 
 
-@pytest.mark.parametrize('name', GPU_ONLY)
-def test_gpu_only_strategies_refuse_cpu_or_fall_back(name, caplog):
-  """On CPU a GPU-only strategy raises under 'error' and equals xla (with a warning) otherwise."""
-  if jax.default_backend() != 'cpu':
-    pytest.skip('checks the CPU behaviour')
+def _not_on_this_platform() -> list[str]:
+  """Registered strategies whose declared platforms exclude this one (read at collection)."""
+  platform = current_platform()
+  return [name for name, factory in ATTENTION_IMPLEMENTATIONS.items()
+          if platform not in factory().capabilities.platforms]
+
+
+@pytest.mark.parametrize('name', _not_on_this_platform())
+def test_strategies_for_other_platforms_refuse_or_fall_back(name, caplog):
+  """A strategy declared for other platforms raises under 'error' naming this platform, and
+  equals xla (with one warning) under 'fallback'."""
   reset_warnings()
-  q, k, v, mask, kwargs, _ = _case('gqa_causal', jnp.bfloat16, _rng(name))
-  with pytest.raises(KernelUnsupportedError, match="platform 'cpu'"):
-    get_attention_kernel(name, on_unsupported='error')(q, k, v, mask, **kwargs)
+  q, k, v, mask, options, _ = _case('gqa_causal', jnp.bfloat16, _rng(name))
+  with pytest.raises(KernelUnsupportedError, match=f"platform '{current_platform()}'"):
+    get_attention_kernel(name, on_unsupported='error')(q, k, v, mask, options)
   kernel = get_attention_kernel(name)
   assert kernel.on_unsupported == 'fallback'
   with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
-    out = kernel(q, k, v, mask, **kwargs)
-    kernel(q, k, v, mask, **kwargs)
-  np.testing.assert_array_equal(out, XlaAttention()(q, k, v, mask, **kwargs))
+    out = kernel(q, k, v, mask, options)
+    kernel(q, k, v, mask, options)
+  np.testing.assert_array_equal(out, XlaAttention()(q, k, v, mask, options))
   warnings = [r for r in caplog.records if name in r.getMessage()]
   assert len(warnings) == 1 and "with 'xla' instead" in warnings[0].getMessage()
 
@@ -197,13 +240,13 @@ def test_gpu_only_strategies_refuse_cpu_or_fall_back(name, caplog):
 def test_unsupported_feature_falls_back_once_with_a_warning(caplog):
   """jax_nn has no soft-cap: the fallback equals xla and warns once; 'error' names the feature."""
   reset_warnings()
-  q, k, v, mask, kwargs, _ = _case('softcap', jnp.float32, _rng('softcap-fallback'))
+  q, k, v, mask, options, _ = _case('softcap', jnp.float32, _rng('softcap-fallback'))
   with pytest.raises(KernelUnsupportedError, match='soft-capping'):
-    get_attention_kernel('jax_nn', on_unsupported='error')(q, k, v, mask, **kwargs)
+    get_attention_kernel('jax_nn', on_unsupported='error')(q, k, v, mask, options)
   kernel = get_attention_kernel('jax_nn')
   with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
-    outs = [kernel(q, k, v, mask, **kwargs) for _ in range(3)]
-  np.testing.assert_array_equal(outs[0], XlaAttention()(q, k, v, mask, **kwargs))
+    outs = [kernel(q, k, v, mask, options) for _ in range(3)]
+  np.testing.assert_array_equal(outs[0], XlaAttention()(q, k, v, mask, options))
   assert [r.levelno for r in caplog.records] == [logging.WARNING]
   assert 'soft-capping' in caplog.records[0].getMessage()
 
@@ -220,12 +263,12 @@ def test_backend_not_implemented_follows_the_policy(caplog):
       raise NotImplementedError('shape not tiled')
 
   reset_warnings()
-  q, k, v, mask, kwargs, _ = _case('gqa_causal', jnp.float32, _rng('refusing'))
+  q, k, v, mask, options, _ = _case('gqa_causal', jnp.float32, _rng('refusing'))
   with pytest.raises(KernelUnsupportedError, match='shape not tiled'):
-    Refusing(name='refusing', on_unsupported='error')(q, k, v, mask, **kwargs)
+    Refusing(name='refusing', on_unsupported='error')(q, k, v, mask, options)
   with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
-    out = Refusing(name='refusing')(q, k, v, mask, **kwargs)
-  np.testing.assert_array_equal(out, XlaAttention()(q, k, v, mask, **kwargs))
+    out = Refusing(name='refusing')(q, k, v, mask, options)
+  np.testing.assert_array_equal(out, XlaAttention()(q, k, v, mask, options))
   assert 'shape not tiled' in caplog.records[0].getMessage()
 
 
@@ -234,10 +277,10 @@ def test_tokamax_default_order_reports_what_it_skipped(caplog):
   if jax.default_backend() != 'cpu':
     pytest.skip('checks the CPU behaviour')
   reset_warnings()
-  q, k, v, mask, kwargs, _ = _case('gqa_causal', jnp.float32, _rng('tokamax-order'))
+  q, k, v, mask, options, _ = _case('gqa_causal', jnp.float32, _rng('tokamax-order'))
   with caplog.at_level(logging.INFO, logger='maxnnx.kernels'):
-    get_attention_kernel('tokamax')(q, k, v, mask, **kwargs)
-    get_attention_kernel('tokamax_xla')(q, k, v, mask, **kwargs)
+    get_attention_kernel('tokamax')(q, k, v, mask, options)
+    get_attention_kernel('tokamax_xla')(q, k, v, mask, options)
   messages = [(r.levelno, r.getMessage()) for r in caplog.records]
   assert messages[0][0] == logging.WARNING
   assert 'triton' in messages[0][1] and "using tokamax 'xla'" in messages[0][1]
@@ -253,11 +296,11 @@ def test_pallas_checks_index_order_at_run_time(caplog):
   seg = jnp.asarray([[2, 2, 2, 2, 1, 1, 1, 1]], jnp.int32)  # decreasing ids
   pos = jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 3]], jnp.int32)
   mask = AttentionMask.causal(seg, pos)
-  kwargs = dict(scale=0.3, softcap=None, sliding_window=None)
+  options = AttentionOptions(scale=0.3)
   kernel = PallasFlashAttention(interpret=True, on_unsupported='error')
   with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
-    out = jax.jit(lambda q, k, v: kernel(q, k, v, mask, **kwargs))(q, k, v)
-  np.testing.assert_allclose(out, XlaAttention()(q, k, v, mask, **kwargs), atol=1e-6)
+    out = jax.jit(lambda q, k, v: kernel(q, k, v, mask, options))(q, k, v)
+  np.testing.assert_allclose(out, XlaAttention()(q, k, v, mask, options), atol=1e-6)
   assert 'not in index order' in caplog.records[0].getMessage()
 
 
@@ -322,12 +365,11 @@ def test_blockwise_skips_only_what_the_mask_hides(reordered):
   hidden_keys_visible = (allowed & ~covered_by(plan, 16, 16)).any()
   assert hidden_keys_visible == reordered
   kernel = BlockwiseAttention(block_size=4, on_unsupported='error')
-  kwargs = dict(scale=0.3, softcap=None, sliding_window=None)
   weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * (mask.q_segment_ids != 0)[
       ..., None, None]
-  kw = dict(kwargs, sinks_N=None)
-  out, grads = _fwd_and_grad(kernel, q, k, v, mask, kw, weights)
-  ref_out, ref_grads = _fwd_and_grad(XlaAttention(), q, k, v, mask, kw, weights)
+  options = AttentionOptions(scale=0.3)
+  out, grads = _fwd_and_grad(kernel, q, k, v, mask, options, weights)
+  ref_out, ref_grads = _fwd_and_grad(XlaAttention(), q, k, v, mask, options, weights)
   valid = np.asarray(weights != 0)
   _assert_close(np.where(valid, out, 0), np.where(valid, ref_out, 0), 1e-5)
   for grad, ref_grad in zip(grads, ref_grads):
@@ -337,10 +379,10 @@ def test_blockwise_skips_only_what_the_mask_hides(reordered):
 def test_blockwise_scores_only_the_planned_blocks():
   """The forward's score matmuls are [4 rows x 4, 8, 12, 16 keys] (skipping), plus one full
   [16 x 16] for the run-time fallback branch."""
-  q, k, _, mask, kwargs, _ = _case('gqa_causal', jnp.float32, _rng('blockwise-shapes'))
+  q, k, _, mask, options, _ = _case('gqa_causal', jnp.float32, _rng('blockwise-shapes'))
   v = jnp.ones(k.shape[:3] + (3,))  # a v head size no score matmul has
   kernel = BlockwiseAttention(block_size=4)
-  jaxpr = jax.make_jaxpr(lambda q, k, v: kernel(q, k, v, mask, **kwargs))(q, k, v)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: kernel(q, k, v, mask, options))(q, k, v)
   score_shapes = sorted(eqn.outvars[0].aval.shape[-2:] for eqn in equations(jaxpr.jaxpr)
                         if eqn.primitive.name == 'dot_general'
                         and eqn.outvars[0].aval.shape[-1] != 3)
@@ -349,13 +391,13 @@ def test_blockwise_scores_only_the_planned_blocks():
 
 def test_blockwise_sink_gradients_match_xla():
   """The sinks' gradient (not in the generic q/k/v check) equals autodiff of ``xla``."""
-  q, k, v, mask, kwargs, weights = _case('sinks', jnp.float32, _rng('blockwise-sinks'))
+  q, k, v, mask, options, weights = _case('sinks', jnp.float32, _rng('blockwise-sinks'))
 
   def loss(kernel, sinks):
-    out = kernel(q, k, v, mask, **dict(kwargs, sinks_N=sinks))
+    out = kernel(q, k, v, mask, dataclasses.replace(options, sinks_N=sinks))
     return jnp.sum(out * weights)
 
-  sinks = kwargs['sinks_N']
+  sinks = options.sinks_N
   got = jax.jit(jax.grad(lambda s: loss(BlockwiseAttention(block_size=4), s)))(sinks)
   expected = jax.jit(jax.grad(lambda s: loss(XlaAttention(), s)))(sinks)
   _assert_close(got, expected, 1e-5)

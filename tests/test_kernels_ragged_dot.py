@@ -14,13 +14,13 @@ from maxnnx.kernels import (
   KernelUnsupportedError,
   RaggedDotCapabilities,
   RaggedDotKernel,
+  RaggedDotOptions,
+  RaggedDotRequest,
   TiledRaggedDot,
   get_ragged_dot_kernel,
 )
-from maxnnx.kernels.capabilities import reset_warnings
+from maxnnx.kernels.capabilities import current_platform, reset_warnings
 
-CPU_KERNELS = ('lax', 'tiled', 'tokamax', 'tokamax_xla')
-GPU_ONLY = ('tokamax_triton', 'tokamax_mosaic')
 # Group sizes: uneven, an empty expert, and rows past the last group (must be zeros).
 GROUP_SIZES = (5, 0, 9, 3)
 M, K, N = 20, 12, 7
@@ -35,8 +35,10 @@ def _inputs(dtype, *key):
 
 
 def _fwd_and_grad(kernel, lhs, rhs, group_sizes, weights, preferred_element_type=None):
+  options = RaggedDotOptions(preferred_element_type=preferred_element_type)
+
   def loss(lhs, rhs):
-    out = kernel(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+    out = kernel(lhs, rhs, group_sizes, options)
     return jnp.sum(out.astype(jnp.float32) * weights), out
 
   return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(lhs, rhs)[::-1]
@@ -47,14 +49,33 @@ def _assert_close(actual, expected, rel):
   np.testing.assert_allclose(actual, expected, atol=rel * float(np.max(np.abs(expected))), rtol=0)
 
 
+def _cannot_run_here(kernel, lhs, rhs, pet) -> list[str]:
+  """The declared reasons why ``kernel`` refuses this call here; empty when it runs it."""
+  return kernel.unsupported_reasons(RaggedDotRequest.of(lhs, rhs, RaggedDotOptions(pet)))
+
+
+def _not_on_this_platform() -> list[str]:
+  """Registered strategies whose declared platforms exclude this one (read at collection)."""
+  platform = current_platform()
+  return [name for name, factory in RAGGED_DOT_IMPLEMENTATIONS.items()
+          if platform not in factory().capabilities.platforms]
+
+
 @pytest.mark.parametrize('dtype,preferred', [('float32', None), ('bfloat16', None),
                                              ('bfloat16', 'float32')])
-@pytest.mark.parametrize('name', CPU_KERNELS)
+@pytest.mark.parametrize('name', list(RAGGED_DOT_IMPLEMENTATIONS))
 def test_strategy_matches_dense(name, dtype, preferred):
-  """Forward and gradients equal the dense reference (bf16 against the f32 reference)."""
+  """Forward and gradients equal the dense reference (bf16 against the f32 reference).
+
+  Every registered strategy is checked; one that cannot run here (its declared platforms or
+  dtypes, a missing package) is skipped with its own reasons.
+  """
   kernel = get_ragged_dot_kernel(name, on_unsupported='error')
   lhs, rhs, group_sizes, weights = _inputs(getattr(jnp, dtype), name, dtype, preferred)
   pet = None if preferred is None else getattr(jnp, preferred)
+  cannot = _cannot_run_here(kernel, lhs, rhs, pet)
+  if cannot:
+    pytest.skip(f"ragged_dot_impl '{name}' cannot run here: {'; '.join(cannot)}")
   out, grads = _fwd_and_grad(kernel, lhs, rhs, group_sizes, weights, pet)
   assert out.dtype == (pet or lhs.dtype)
   ref_out, ref_grads = _fwd_and_grad(DenseRaggedDot(), lhs.astype(jnp.float32),
@@ -95,14 +116,13 @@ def test_dense_reference_matches_numpy():
   np.testing.assert_allclose(DenseRaggedDot()(lhs, rhs, group_sizes), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize('name', GPU_ONLY)
-def test_gpu_only_strategies_refuse_cpu_or_fall_back(name, caplog):
-  """On CPU: 'error' raises naming the platform; 'fallback' equals lax and warns once."""
-  if jax.default_backend() != 'cpu':
-    pytest.skip('checks the CPU behaviour')
+@pytest.mark.parametrize('name', _not_on_this_platform())
+def test_strategies_for_other_platforms_refuse_or_fall_back(name, caplog):
+  """'error' raises naming this platform; 'fallback' equals lax and warns once."""
   reset_warnings()
   lhs, rhs, group_sizes, _ = _inputs(jnp.float32, name)
-  with pytest.raises(KernelUnsupportedError, match=f"ragged_dot_impl '{name}'.*platform 'cpu'"):
+  with pytest.raises(KernelUnsupportedError,
+                     match=f"ragged_dot_impl '{name}'.*platform '{current_platform()}'"):
     get_ragged_dot_kernel(name, on_unsupported='error')(lhs, rhs, group_sizes)
   kernel = get_ragged_dot_kernel(name)
   with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):

@@ -10,6 +10,7 @@ from flax import nnx
 from maxnnx.config import ModelConfig, RopeConfig
 from maxnnx.kernels.attention import XlaAttention, get_attention_kernel
 from maxnnx.kernels.masks import AttentionMask
+from maxnnx.kernels.options import AttentionOptions
 from maxnnx.layers.attention import Attention
 from maxnnx.layers.rope import RotaryEmbedding
 
@@ -27,7 +28,7 @@ def _qkv(seed, b=2, t=8, s=None, heads=4, kv_heads=2, head_dim=8):
 
 @jax.jit
 def _jit_kernel(q, k, v, mask, scale, softcap, window):
-  return XlaAttention()(q, k, v, mask, scale=scale, softcap=softcap, sliding_window=window)
+  return XlaAttention()(q, k, v, mask, AttentionOptions(scale, softcap, window))
 
 
 def _kernel(q, k, v, mask, scale=0.35, softcap=None, window=None):
@@ -113,8 +114,8 @@ def test_traced_window_equals_static_window():
   seg, pos = _causal(2, 8)
   mask = _mask(seg, pos)
   static = XlaAttention()(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
-                          jnp.asarray(v, jnp.float32), mask, scale=0.35, softcap=None,
-                          sliding_window=4)
+                          jnp.asarray(v, jnp.float32), mask,
+                          AttentionOptions(scale=0.35, sliding_window=4))
   traced = _kernel(q, k, v, mask, window=4)
   ref.assert_close(traced, static, rtol=1e-6, atol=1e-7)
   assert not np.allclose(static, _kernel(q, k, v, mask), atol=1e-3)
@@ -296,7 +297,7 @@ def test_kernel_sinks_match_reference(window):
   expected = ref.attention(q, k, v, allowed, 0.35, sinks_N=sinks)
   f32 = lambda a: jnp.asarray(a, jnp.float32)
   got = XlaAttention()(f32(q), f32(k), f32(v), _mask(PACKED_SEGMENTS, PACKED_POSITIONS),
-                       scale=0.35, softcap=None, sliding_window=window, sinks_N=f32(sinks))
+                       AttentionOptions(scale=0.35, sliding_window=window, sinks_N=f32(sinks)))
   ref.assert_close(got, expected)
   assert not np.allclose(expected, ref.attention(q, k, v, allowed, 0.35), atol=1e-2)
 

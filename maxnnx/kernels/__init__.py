@@ -22,7 +22,9 @@ from maxnnx.kernels.capabilities import (
   RaggedDotCapabilities,
   RaggedDotRequest,
 )
+from maxnnx.kernels.lookup import KERNEL_REGISTRIES, get_kernel, kernel_for
 from maxnnx.kernels.masks import AttentionMask
+from maxnnx.kernels.options import AttentionOptions, RaggedDotOptions
 from maxnnx.kernels.ragged_dot import (
   RAGGED_DOT_IMPLEMENTATIONS,
   DenseRaggedDot,
@@ -35,11 +37,11 @@ from maxnnx.kernels.ragged_dot import (
 )
 
 __all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionCapabilities', 'AttentionKernel',
-           'AttentionMask', 'AttentionRequest', 'BlockwiseAttention', 'DenseRaggedDot',
-           'JaxNnAttention',
+           'AttentionMask', 'AttentionOptions', 'AttentionRequest', 'BlockwiseAttention',
+           'DenseRaggedDot', 'JaxNnAttention', 'KERNEL_REGISTRIES',
            'KernelUnsupportedError', 'LaxRaggedDot', 'PallasFlashAttention',
            'RAGGED_DOT_IMPLEMENTATIONS', 'RaggedDotCapabilities', 'RaggedDotKernel',
-           'RaggedDotRequest', 'TiledRaggedDot', 'TokamaxAttention', 'TokamaxRaggedDot',
-           'XlaAttention',
-           'get_attention_kernel', 'get_ragged_dot_kernel', 'register_attention_kernel',
-           'register_ragged_dot_kernel']
+           'RaggedDotOptions', 'RaggedDotRequest', 'TiledRaggedDot', 'TokamaxAttention',
+           'TokamaxRaggedDot', 'XlaAttention',
+           'get_attention_kernel', 'get_kernel', 'get_ragged_dot_kernel', 'kernel_for',
+           'register_attention_kernel', 'register_ragged_dot_kernel']

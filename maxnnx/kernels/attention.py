@@ -1,7 +1,9 @@
 """Attention kernels behind one interface, registered by name.
 
-A kernel takes projected, rotated ``q``/``k``/``v`` and an
-:class:`~maxnnx.kernels.masks.AttentionMask` and returns the attention output.
+A kernel takes projected, rotated ``q``/``k``/``v``, an
+:class:`~maxnnx.kernels.masks.AttentionMask` and the call's
+:class:`~maxnnx.kernels.options.AttentionOptions` and returns the attention
+output.
 ``xla`` (plain einsum + softmax) supports every feature and runs everywhere; it
 is the reference and the fallback. Other strategies declare what they support
 (:class:`~maxnnx.kernels.capabilities.AttentionCapabilities`) and register
@@ -26,6 +28,7 @@ from maxnnx.kernels.capabilities import (
   refuse,
 )
 from maxnnx.kernels.masks import AttentionMask
+from maxnnx.kernels.options import AttentionOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,30 +64,24 @@ class AttentionKernel:
     return self.capabilities.missing(request)
 
   def __call__(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-               mask: AttentionMask, *, scale: float, softcap: float | None,
-               sliding_window: int | jax.Array | None,
-               sinks_N: jax.Array | None = None) -> jax.Array:
+               mask: AttentionMask, options: AttentionOptions) -> jax.Array:
     """Attention output ``[B, T, heads, v_head_dim]``.
 
-    ``sinks_N`` (GPT-OSS) is one learned logit per query head that joins every
-    softmax as an extra, value-less key. Query rows that see no key at all
-    (padding) have unspecified output.
+    ``options`` carries the scale and the optional features (soft-cap, sliding
+    window, sinks). Query rows that see no key at all (padding) have
+    unspecified output.
     """
-    kwargs = dict(scale=scale, softcap=softcap, sliding_window=sliding_window, sinks_N=sinks_N)
-    request = AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, softcap=softcap,
-                                  sliding_window=sliding_window, sinks_N=sinks_N)
-    reasons = self.unsupported_reasons(request)
+    reasons = self.unsupported_reasons(AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, options))
     if not reasons:
       try:
-        return self.attend(q_BTNH, k_BSKH, v_BSKH, mask, **kwargs)
+        return self.attend(q_BTNH, k_BSKH, v_BSKH, mask, options)
       except NotImplementedError as e:
         reasons = [f'the backend raised NotImplementedError: {e}']
     refuse('attention', self.name, reasons, self.on_unsupported, 'xla')
-    return XlaAttention().attend(q_BTNH, k_BSKH, v_BSKH, mask, **kwargs)
+    return XlaAttention().attend(q_BTNH, k_BSKH, v_BSKH, mask, options)
 
   def attend(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-             mask: AttentionMask, *, scale: float, softcap: float | None,
-             sliding_window: int | jax.Array | None, sinks_N: jax.Array | None) -> jax.Array:
+             mask: AttentionMask, options: AttentionOptions) -> jax.Array:
     """Compute attention for a call already checked against the capabilities."""
     raise TypeError(f'{type(self).__name__} must implement attend().')
 
@@ -109,9 +106,9 @@ class XlaAttention(AttentionKernel):
         decode=True, sliding_window=True, traced_window=True, softcap=True, sinks=True,
         distinct_v_head_dim=True)
 
-  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, *, scale, softcap, sliding_window,
-             sinks_N=None):
+  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Einsum scores, mask, softmax (with sinks), einsum values."""
+    scale, softcap, sinks_N = options.scale, options.softcap, options.sinks_N
     batch, length, num_heads, head_dim = q_BTNH.shape
     num_kv_heads = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -119,7 +116,7 @@ class XlaAttention(AttentionKernel):
                         preferred_element_type=jnp.float32) * scale
     if softcap is not None:
       scores = softcap * jnp.tanh(scores / softcap)
-    allowed_BTS = mask.dense(sliding_window)
+    allowed_BTS = mask.dense(options.sliding_window)
     scores = jnp.where(allowed_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     if sinks_N is None:
       probs = jax.nn.softmax(scores, axis=-1)

@@ -197,9 +197,10 @@ class BlockwiseAttention(AttentionKernel):
     """The same as ``xla``: everything, everywhere."""
     return XlaAttention().capabilities
 
-  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, *, scale, softcap, sliding_window,
-             sinks_N=None):
+  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Skip the key blocks no query of a block can see (checked at run time), then attend."""
+    scale, softcap, sinks_N = options.scale, options.softcap, options.sinks_N
+    sliding_window = options.sliding_window
     batch, length, num_heads, head_dim = q_BTNH.shape
     kv_length, num_kv_heads = k_BSKH.shape[1], k_BSKH.shape[2]
     groups = num_heads // num_kv_heads

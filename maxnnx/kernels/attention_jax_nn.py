@@ -36,12 +36,11 @@ class JaxNnAttention(AttentionKernel):
         gqa=True, masking='positions', decode=True, sliding_window=True, traced_window=True,
         softcap=False, sinks=False, distinct_v_head_dim=False)
 
-  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, *, scale, softcap, sliding_window, sinks_N):
+  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """One ``jax.nn.dot_product_attention`` call with the mask as ``[B, 1, T, S]``."""
-    del softcap, sinks_N  # refused by the capability check
-    allowed_B1TS = mask.dense(sliding_window)[:, None]
-    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=allowed_B1TS, scale=scale,
-                                        implementation=self.implementation)
+    allowed_B1TS = mask.dense(options.sliding_window)[:, None]
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=allowed_B1TS,
+                                        scale=options.scale, implementation=self.implementation)
 
 
 register_attention_kernel('jax_nn', JaxNnAttention)

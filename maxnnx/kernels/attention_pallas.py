@@ -87,9 +87,9 @@ class PallasFlashAttention(AttentionKernel):
                      f'multiple of {_BLOCK}')
     return reasons
 
-  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, *, scale, softcap, sliding_window, sinks_N):
+  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Repeat kv heads, run ``mha`` with segment ids; ``xla`` when index order differs."""
-    del softcap, sliding_window, sinks_N  # refused by the capability check
+    scale = options.scale  # window, soft-cap and sinks are refused by the capability check
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
     groups = q_BTNH.shape[2] // k_BSKH.shape[2]
@@ -101,8 +101,7 @@ class PallasFlashAttention(AttentionKernel):
 
     def reference(q, k, v):
       jax.debug.callback(_warn_runtime_fallback, self.name)
-      return XlaAttention().attend(q, k, v, mask, scale=scale, softcap=None,
-                                   sliding_window=None, sinks_N=None)
+      return XlaAttention().attend(q, k, v, mask, options)
 
     return jax.lax.cond(index_order_matches_positions(mask), flash, reference,
                         q_BTNH, k_BSKH, v_BSKH)

@@ -63,15 +63,15 @@ class TokamaxAttention(AttentionKernel):
     missing = tokamax_missing()
     return self.capabilities.missing(request) + ([missing] if missing else [])
 
-  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, *, scale, softcap, sliding_window, sinks_N):
+  def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Try each implementation; log the ones that refuse; raise if all refuse."""
-    del sinks_N  # refused by the capability check
-    tokamax = import_tokamax()
-    allowed_B1TS = mask.dense(sliding_window)[:, None]
+    tokamax = import_tokamax()  # sinks are refused by the capability check
+    allowed_B1TS = mask.dense(options.sliding_window)[:, None]
     return run_first_tokamax(
         'attention', self.name, self.implementations,
         lambda impl: tokamax.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=allowed_B1TS,
-                                                   scale=scale, logits_soft_cap=softcap,
+                                                   scale=options.scale,
+                                                   logits_soft_cap=options.softcap,
                                                    implementation=impl))
 
 

@@ -23,6 +23,8 @@ from typing import Literal
 import jax
 import numpy as np
 
+from maxnnx.kernels.options import AttentionOptions, RaggedDotOptions
+
 logger = logging.getLogger('maxnnx.kernels')
 
 ON_UNSUPPORTED = ('fallback', 'error')
@@ -174,14 +176,14 @@ class AttentionRequest:
   sinks: bool
 
   @classmethod
-  def of(cls, q_BTNH, k_BSKH, v_BSKH, *, softcap, sliding_window, sinks_N) -> 'AttentionRequest':
+  def of(cls, q_BTNH, k_BSKH, v_BSKH, options: AttentionOptions) -> 'AttentionRequest':
     """Summarise a call's arguments."""
     return cls(platform=current_platform(), dtype=np.dtype(q_BTNH.dtype).name,
                q_length=q_BTNH.shape[1], kv_length=k_BSKH.shape[1],
                num_heads=q_BTNH.shape[2], num_kv_heads=k_BSKH.shape[2],
                head_dim=q_BTNH.shape[3], v_head_dim=v_BSKH.shape[3],
-               window=_window_kind(sliding_window), softcap=softcap is not None,
-               sinks=sinks_N is not None)
+               window=_window_kind(options.sliding_window),
+               softcap=options.softcap is not None, sinks=options.sinks_N is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,9 +261,10 @@ class RaggedDotRequest:
   preferred_element_type: str | None
 
   @classmethod
-  def of(cls, lhs_MK, rhs_GKN, *, preferred_element_type) -> 'RaggedDotRequest':
+  def of(cls, lhs_MK, rhs_GKN, options: RaggedDotOptions) -> 'RaggedDotRequest':
     """Summarise a call's arguments."""
-    pet = None if preferred_element_type is None else np.dtype(preferred_element_type).name
+    pet = options.preferred_element_type
+    pet = None if pet is None else np.dtype(pet).name
     return cls(platform=current_platform(), dtype=np.dtype(lhs_MK.dtype).name,
                rhs_dtype=np.dtype(rhs_GKN.dtype).name, preferred_element_type=pet)
 

@@ -2,8 +2,9 @@
 
 Tokens sorted by expert form ``lhs [M, K]``; ``group_sizes [G]`` says how many
 consecutive rows belong to each expert; expert ``g`` multiplies its rows by
-``rhs[g] [K, N]``. Every strategy computes the same ``[M, N]`` result (rows past
-the last group are zeros). Strategies declare what they support
+``rhs[g] [K, N]``; everything else a call asks for travels in one
+:class:`~maxnnx.kernels.options.RaggedDotOptions`. Every strategy computes the
+same ``[M, N]`` result (rows past the last group are zeros). Strategies declare what they support
 (:class:`~maxnnx.kernels.capabilities.RaggedDotCapabilities`); a call they
 cannot serve is refused or computed with ``lax`` as their ``on_unsupported``
 policy says (see :mod:`maxnnx.kernels.capabilities`).
@@ -27,6 +28,7 @@ from maxnnx.kernels.capabilities import (
   run_first_tokamax,
   tokamax_missing,
 )
+from maxnnx.kernels.options import RaggedDotOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,23 +59,21 @@ class RaggedDotKernel:
     """Why this strategy cannot serve ``request`` (empty when it can)."""
     return self.capabilities.missing(request)
 
-  def __call__(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
-               preferred_element_type=None) -> jax.Array:
-    """``[M, N]``: row ``m`` of group ``g`` times ``rhs_GKN[g]``."""
-    request = RaggedDotRequest.of(lhs_MK, rhs_GKN, preferred_element_type=preferred_element_type)
-    reasons = self.unsupported_reasons(request)
+  def __call__(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array,
+               options: RaggedDotOptions | None = None) -> jax.Array:
+    """``[M, N]``: row ``m`` of group ``g`` times ``rhs_GKN[g]`` (default options when ``None``)."""
+    options = RaggedDotOptions() if options is None else options
+    reasons = self.unsupported_reasons(RaggedDotRequest.of(lhs_MK, rhs_GKN, options))
     if not reasons:
       try:
-        return self.compute(lhs_MK, rhs_GKN, group_sizes_G,
-                            preferred_element_type=preferred_element_type)
+        return self.compute(lhs_MK, rhs_GKN, group_sizes_G, options)
       except NotImplementedError as e:
         reasons = [f'the backend raised NotImplementedError: {e}']
     refuse('ragged_dot', self.name, reasons, self.on_unsupported, 'lax')
-    return LaxRaggedDot().compute(lhs_MK, rhs_GKN, group_sizes_G,
-                                  preferred_element_type=preferred_element_type)
+    return LaxRaggedDot().compute(lhs_MK, rhs_GKN, group_sizes_G, options)
 
-  def compute(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
-              preferred_element_type) -> jax.Array:
+  def compute(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array,
+              options: RaggedDotOptions) -> jax.Array:
     """Compute a call already checked against the capabilities."""
     raise TypeError(f'{type(self).__name__} must implement compute().')
 
@@ -93,10 +93,10 @@ class LaxRaggedDot(RaggedDotKernel):
     """Every float dtype on every platform."""
     return _EVERYTHING
 
-  def compute(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+  def compute(self, lhs_MK, rhs_GKN, group_sizes_G, options):
     """One ``jax.lax.ragged_dot``."""
     return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32),
-                              preferred_element_type=preferred_element_type)
+                              preferred_element_type=options.preferred_element_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,13 +113,13 @@ class DenseRaggedDot(RaggedDotKernel):
     """Every float dtype on every platform."""
     return _EVERYTHING
 
-  def compute(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+  def compute(self, lhs_MK, rhs_GKN, group_sizes_G, options):
     """Einsum over all experts, select each row's own."""
     rows = jnp.arange(lhs_MK.shape[0])
     ends_G = jnp.cumsum(group_sizes_G)
     group_M = jnp.searchsorted(ends_G, rows, side='right')  # == G for rows past the last group
     all_GMN = jnp.einsum('mk,gkn->gmn', lhs_MK, rhs_GKN,
-                         preferred_element_type=preferred_element_type)
+                         preferred_element_type=options.preferred_element_type)
     onehot_GM = group_M[None, :] == jnp.arange(rhs_GKN.shape[0])[:, None]
     return jnp.einsum('gmn,gm->mn', all_GMN, onehot_GM.astype(all_GMN.dtype))
 
@@ -148,7 +148,7 @@ class TiledRaggedDot(RaggedDotKernel):
     """Every float dtype on every platform."""
     return _EVERYTHING
 
-  def compute(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+  def compute(self, lhs_MK, rhs_GKN, group_sizes_G, options):
     """Scatter rows into group-aligned tiles, batched matmul, gather rows back."""
     rows, _ = lhs_MK.shape
     groups = rhs_GKN.shape[0]
@@ -168,7 +168,7 @@ class TiledRaggedDot(RaggedDotKernel):
     tile_group = jnp.searchsorted(padded_ends_G, jnp.arange(num_tiles) * tile, side='right')
     weights_TKN = rhs_GKN[jnp.minimum(tile_group, groups - 1)]
     out_TRN = jnp.einsum('trk,tkn->trn', buffer_PK.reshape(num_tiles, tile, -1), weights_TKN,
-                         preferred_element_type=preferred_element_type)
+                         preferred_element_type=options.preferred_element_type)
     out_PN = out_TRN.reshape(num_tiles * tile, -1)
     return jnp.take(out_PN, dest_M, axis=0, mode='fill', fill_value=0)
 
@@ -214,14 +214,14 @@ class TokamaxRaggedDot(RaggedDotKernel):
     missing = tokamax_missing()
     return self.capabilities.missing(request) + ([missing] if missing else [])
 
-  def compute(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+  def compute(self, lhs_MK, rhs_GKN, group_sizes_G, options):
     """Try each implementation; log the ones that refuse; raise if all refuse."""
     tokamax = import_tokamax()
     group_sizes_G = group_sizes_G.astype(jnp.int32)
     return run_first_tokamax(
         'ragged_dot', self.name, self.implementations,
         lambda impl: tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G,
-                                        preferred_element_type=preferred_element_type,
+                                        preferred_element_type=options.preferred_element_type,
                                         implementation=impl))
 
 

@@ -6,8 +6,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxnnx.config import ModelConfig
-from maxnnx.kernels.attention import get_attention_kernel
+from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.masks import AttentionMask
+from maxnnx.kernels.options import AttentionOptions
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.params import logical_param
@@ -56,8 +57,7 @@ class Attention(nnx.Module):
     self.sinks = (logical_param(nnx.initializers.normal(cfg.initializer_range), rngs.params(),
                                 (h,), cfg.jnp_dtype('param_dtype'), ('heads',))
                   if cfg.attention_sinks else None)
-    self.kernel = get_attention_kernel(cfg.attention_impl,
-                                       on_unsupported=cfg.kernel_on_unsupported)
+    self.kernel = kernel_for(cfg, 'attention')
     self.scale = cfg.resolved_query_scale
     self.softcap = cfg.attn_logit_softcap
     self.cache_k = nnx.data(None)
@@ -98,7 +98,8 @@ class Attention(nnx.Module):
     k_BTKH = checkpoint_name(constrain(k_BTKH, KV_AXES), 'key_proj')
     v_BTKH = checkpoint_name(constrain(v_BTKH, KV_AXES), 'value_proj')
     sinks_N = None if self.sinks is None else self.sinks[...]
-    out_BTNH = self.kernel(q_BTNH, k_BTKH, v_BTKH, mask, scale=self.scale, softcap=self.softcap,
-                           sliding_window=sliding_window, sinks_N=sinks_N)
+    options = AttentionOptions(scale=self.scale, softcap=self.softcap,
+                               sliding_window=sliding_window, sinks_N=sinks_N)
+    out_BTNH = self.kernel(q_BTNH, k_BTKH, v_BTKH, mask, options)
     out_BTNH = checkpoint_name(constrain(out_BTNH, Q_AXES), 'attention_out')
     return checkpoint_name(constrain(self.o_proj(out_BTNH), OUT_AXES), 'out_proj')

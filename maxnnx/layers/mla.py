@@ -23,10 +23,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from maxnnx.config import ModelConfig
-from maxnnx.kernels.attention import get_attention_kernel
+from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.masks import AttentionMask
+from maxnnx.kernels.options import AttentionOptions
 from maxnnx.layers.attention import KV_AXES, OUT_AXES, Q_AXES
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norms import RMSNorm
@@ -96,7 +98,7 @@ class MLA(nnx.Module):
                                   axes=('kv_lora', 'heads', 'head_dim'), **dense)
     self.o_proj = DenseGeneral((h, self.v_dim), (d,), axes=('heads', 'head_dim', 'embed'),
                                use_bias=cfg.out_bias, **dense)
-    self.kernel = get_attention_kernel(cfg.attention_impl)
+    self.kernel = kernel_for(cfg, 'attention')
     self.scale = mla_query_scale(cfg)
     self.softcap = cfg.attn_logit_softcap
     self.interleaved = cfg.rope_interleave
@@ -145,9 +147,11 @@ class MLA(nnx.Module):
       return jnp.pad(a, [(0, 0)] * 3 + [(0, width - a.shape[-1])]) if a.shape[-1] < width else a
 
     q_BTNQ, k_BSNQ, v_BSNQ = pad(q_BTNQ), pad(k_BSNQ), pad(v_BSNV)
-    q_BTNQ = constrain(q_BTNQ, Q_AXES)
-    k_BSNQ, v_BSNQ = constrain(k_BSNQ, KV_AXES), constrain(v_BSNQ, KV_AXES)
-    out = self.kernel(q_BTNQ, k_BSNQ, v_BSNQ, mask, scale=self.scale, softcap=self.softcap,
-                      sliding_window=sliding_window)
-    out_BTNV = constrain(out[..., :self.v_dim], Q_AXES)
-    return constrain(self.o_proj(out_BTNV), OUT_AXES)
+    q_BTNQ = checkpoint_name(constrain(q_BTNQ, Q_AXES), 'query_proj')
+    k_BSNQ = checkpoint_name(constrain(k_BSNQ, KV_AXES), 'key_proj')
+    v_BSNQ = checkpoint_name(constrain(v_BSNQ, KV_AXES), 'value_proj')
+    options = AttentionOptions(scale=self.scale, softcap=self.softcap,
+                               sliding_window=sliding_window)
+    out = self.kernel(q_BTNQ, k_BSNQ, v_BSNQ, mask, options)
+    out_BTNV = checkpoint_name(constrain(out[..., :self.v_dim], Q_AXES), 'attention_out')
+    return checkpoint_name(constrain(self.o_proj(out_BTNV), OUT_AXES), 'out_proj')

@@ -33,9 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from maxnnx.config import ModelConfig
-from maxnnx.kernels.ragged_dot import get_ragged_dot_kernel
+from maxnnx.kernels.lookup import kernel_for
+from maxnnx.kernels.options import RaggedDotOptions
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.mlp import ACTIVATIONS, MLP
 from maxnnx.layers.params import logical_param
@@ -169,7 +171,7 @@ class MoE(nnx.Module):
     shared_dim = cfg.num_shared_experts * cfg.resolved_moe_mlp_dim
     self.shared_experts = (MLP(cfg.replace(mlp_dim=shared_dim, mlp_bias=False), rngs=rngs)
                            if shared_dim else None)
-    self.ragged_dot = get_ragged_dot_kernel(cfg.ragged_dot_impl)
+    self.ragged_dot = kernel_for(cfg, 'ragged_dot')
     self.tokens_per_expert = MoeAux(jnp.zeros((cfg.num_experts,), jnp.float32))
     self.load_balance_loss = MoeAux(jnp.zeros((), jnp.float32))
     self.router_z_loss = MoeAux(jnp.zeros((), jnp.float32))
@@ -195,13 +197,13 @@ class MoE(nnx.Module):
 
     def grouped(lhs, rhs):
       return self.ragged_dot(lhs, rhs[...].astype(dtype), group_sizes_E,
-                             preferred_element_type=jnp.float32)
+                             RaggedDotOptions(preferred_element_type=jnp.float32))
 
     gate_MF, up_MF = grouped(x_MD, ex.gate_proj), grouped(x_MD, ex.up_proj)
     if ex.gate_bias is not None:
       gate_MF = gate_MF + ex.gate_bias[...][sorted_experts_M].astype(jnp.float32)
       up_MF = up_MF + ex.up_bias[...][sorted_experts_M].astype(jnp.float32)
-    h_MF = self._glu(gate_MF, up_MF).astype(dtype)
+    h_MF = checkpoint_name(self._glu(gate_MF, up_MF).astype(dtype), 'mlp_hidden')
     y_MD = grouped(h_MF, ex.down_proj)
     if ex.down_bias is not None:
       y_MD = y_MD + ex.down_bias[...][sorted_experts_M].astype(jnp.float32)
@@ -235,7 +237,8 @@ class MoE(nnx.Module):
     if ex.gate_bias is not None:
       gate_ECF = gate_ECF + ex.gate_bias[...][:, None].astype(jnp.float32)
       up_ECF = up_ECF + ex.up_bias[...][:, None].astype(jnp.float32)
-    h_ECF = constrain(self._glu(gate_ECF, up_ECF).astype(dtype), EXPERT_HIDDEN_AXES)
+    h_ECF = checkpoint_name(constrain(self._glu(gate_ECF, up_ECF).astype(dtype),
+                                      EXPERT_HIDDEN_AXES), 'mlp_hidden')
     y_ECD = batched(h_ECF, ex.down_proj)
     if ex.down_bias is not None:
       y_ECD = y_ECD + ex.down_bias[...][:, None].astype(jnp.float32)
@@ -256,7 +259,7 @@ class MoE(nnx.Module):
       y_ND, counts_E = self._dropless(x_ND, weights_NK, experts_NK)
     else:
       y_ND, counts_E = self._capacity(x_ND, weights_NK, experts_NK)
-    y_BTD = y_ND.astype(cfg.jnp_dtype()).reshape(batch, length, d)
+    y_BTD = checkpoint_name(y_ND.astype(cfg.jnp_dtype()).reshape(batch, length, d), 'mlp_out')
     if self.shared_experts is not None:
       y_BTD = y_BTD + self.shared_experts(x_BTD)
 

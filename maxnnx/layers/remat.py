@@ -1,8 +1,9 @@
 """Rematerialisation policies by name: what a block keeps for the backward pass.
 
-Layers tag intermediates with ``jax.ad_checkpoint.checkpoint_name``
-(``query_proj``, ``key_proj``, ``value_proj``, ``attention_out``, ``out_proj``,
-``mlp_hidden``, ``mlp_out``); a policy says which tagged values to save.
+Layers tag intermediates with ``jax.ad_checkpoint.checkpoint_name``: attention
+and MLA tag ``query_proj``, ``key_proj``, ``value_proj``, ``attention_out`` and
+``out_proj``; the MLP and the MoE experts tag ``mlp_hidden`` and ``mlp_out``. A
+policy says which tagged values to save.
 Everything not saved is recomputed in the backward pass.
 """
 

@@ -1,0 +1,43 @@
+"""Per-call options of the kernels, one frozen object per kernel kind.
+
+A kernel takes its tensors positionally and everything else as one options
+object, so a new feature is a new field here (with a default) rather than a new
+keyword on every strategy. The capability check reads the same object (see
+:class:`~maxnnx.kernels.capabilities.AttentionRequest`).
+"""
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+  """What an attention call asks for besides ``q``, ``k``, ``v`` and the mask.
+
+  Attributes:
+    scale: softmax scale applied to the ``q . k`` scores.
+    softcap: logit soft-cap ``c`` (scores become ``c * tanh(s / c)``), or ``None``.
+    sliding_window: keys fewer than this many positions back are visible; a
+      Python int, an int array (traced, as in scanned layers of mixed types) or
+      ``None`` (no window).
+    sinks_N: ``[heads]`` attention-sink logits (GPT-OSS): one value-less key per
+      query head that joins every softmax; ``None`` for none.
+  """
+
+  scale: float
+  softcap: float | None = None
+  sliding_window: int | jax.Array | None = None
+  sinks_N: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotOptions:
+  """What a ragged-dot call asks for besides ``lhs``, ``rhs`` and the group sizes.
+
+  Attributes:
+    preferred_element_type: dtype of the result (and of the accumulation where
+      the backend honours it), or ``None`` for the input dtype.
+  """
+
+  preferred_element_type: object = None
