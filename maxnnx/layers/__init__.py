@@ -7,7 +7,9 @@ from maxnnx.layers.embedding import Embed
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.mlp import MLP
 from maxnnx.layers.norms import LayerNorm, RMSNorm
+from maxnnx.layers.params import logical_param
+from maxnnx.layers.parts import BlockParts, PartFactory
 from maxnnx.layers.rope import RotaryEmbedding
 
-__all__ = ['Attention', 'AttentionMask', 'DecoderBlock', 'DenseGeneral', 'Embed', 'LayerNorm',
-           'MLP', 'RMSNorm', 'RotaryEmbedding']
+__all__ = ['Attention', 'AttentionMask', 'BlockParts', 'DecoderBlock', 'DenseGeneral', 'Embed',
+           'LayerNorm', 'MLP', 'PartFactory', 'RMSNorm', 'RotaryEmbedding', 'logical_param']

@@ -10,6 +10,7 @@ from maxnnx.layers.mla import MLA
 from maxnnx.layers.mlp import MLP
 from maxnnx.layers.moe import MoE
 from maxnnx.layers.norm_factory import make_norm
+from maxnnx.layers.parts import BlockParts, build_part
 from maxnnx.sharding import constrain
 
 RESIDUAL_AXES = ('activation_batch', 'activation_norm_length', 'activation_embed')
@@ -21,17 +22,32 @@ class DecoderBlock(nnx.Module):
   ``cfg.pre_norm`` and ``cfg.post_norm`` choose which norms exist: Llama-style
   blocks have only pre-norms, Gemma 2/3 both, OLMo 2 only post-norms.
   ``use_moe`` replaces the MLP by a :class:`~maxnnx.layers.moe.MoE` (same name, ``mlp``).
+  ``parts`` (:class:`~maxnnx.layers.parts.BlockParts`) swaps in your own attention,
+  MLP, MoE or norm modules; its ``None`` fields keep the config's choice.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, use_moe: bool = False):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, use_moe: bool = False,
+               parts: BlockParts | None = None):
+    parts = BlockParts() if parts is None else parts
+
     def norm(enabled):
-      return make_norm(cfg, rngs=rngs) if enabled else None
+      if not enabled:
+        return None
+      return (make_norm(cfg, rngs=rngs) if parts.norm is None else
+              build_part(parts.norm, cfg, rngs, 'norm'))
 
     self.attn_pre_norm = norm(cfg.pre_norm)
-    self.attn = MLA(cfg, rngs=rngs) if cfg.attention_type == 'mla' else Attention(cfg, rngs=rngs)
+    if parts.attention is None:
+      self.attn = MLA(cfg, rngs=rngs) if cfg.attention_type == 'mla' else Attention(cfg, rngs=rngs)
+    else:
+      self.attn = build_part(parts.attention, cfg, rngs, 'attention')
     self.attn_post_norm = norm(cfg.post_norm)
     self.mlp_pre_norm = norm(cfg.pre_norm)
-    self.mlp = MoE(cfg, rngs=rngs) if use_moe else MLP(cfg, rngs=rngs)
+    custom_mlp = parts.moe if use_moe else parts.mlp
+    if custom_mlp is None:
+      self.mlp = MoE(cfg, rngs=rngs) if use_moe else MLP(cfg, rngs=rngs)
+    else:
+      self.mlp = build_part(custom_mlp, cfg, rngs, 'moe' if use_moe else 'mlp')
     self.mlp_post_norm = norm(cfg.post_norm)
 
   def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask, *,
@@ -47,3 +63,12 @@ class DecoderBlock(nnx.Module):
     if self.mlp_post_norm is not None:
       h = self.mlp_post_norm(h)
     return constrain(x_BTD + h, RESIDUAL_AXES)
+
+
+def make_block(cfg: ModelConfig, rngs: nnx.Rngs, use_moe: bool = False,
+               parts: BlockParts | None = None) -> nnx.Module:
+  """One layer of the stack: ``parts.block`` when set, else a :class:`DecoderBlock`."""
+  parts = BlockParts() if parts is None else parts
+  if parts.block is None:
+    return DecoderBlock(cfg, rngs=rngs, use_moe=use_moe, parts=parts)
+  return build_part(parts.block, cfg, rngs, 'block', use_moe=use_moe, parts=parts)

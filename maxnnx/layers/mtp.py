@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxnnx.config import ModelConfig
-from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock
+from maxnnx.layers.block import RESIDUAL_AXES, make_block
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
+from maxnnx.layers.parts import BlockParts, build_part
 from maxnnx.sharding import constrain
 
 
@@ -39,18 +40,26 @@ class MTPLayer(nnx.Module):
     embed_norm: norm of the shifted token embeddings (``enorm``).
     hidden_norm: norm of the previous depth's hidden states (``hnorm``).
     proj: ``[2 * d_model] -> [d_model]``, no bias (``eh_proj``).
-    block: a :class:`DecoderBlock`, MoE when the model has experts.
+    block: a :class:`~maxnnx.layers.block.DecoderBlock` (or ``parts.block``), MoE when
+      the model has experts; built with the model's
+      :class:`~maxnnx.layers.parts.BlockParts` like the main stack.
     final_norm: norm before the shared output head (``shared_head.norm``).
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, parts: BlockParts | None = None):
+    parts = BlockParts() if parts is None else parts
     d = cfg.d_model
-    self.embed_norm = make_norm(cfg, rngs=rngs)
-    self.hidden_norm = make_norm(cfg, rngs=rngs)
+
+    def norm():
+      return (make_norm(cfg, rngs=rngs) if parts.norm is None else
+              build_part(parts.norm, cfg, rngs, 'norm'))
+
+    self.embed_norm = norm()
+    self.hidden_norm = norm()
     self.proj = DenseGeneral((2 * d,), (d,), axes=('mlp', 'embed'), dtype=cfg.jnp_dtype(),
                              param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
-    self.block = DecoderBlock(cfg, rngs=rngs, use_moe=cfg.num_experts > 0)
-    self.final_norm = make_norm(cfg, rngs=rngs)
+    self.block = make_block(cfg, rngs, cfg.num_experts > 0, parts)
+    self.final_norm = norm()
 
   def __call__(self, hidden_BTD: jax.Array, embedded_BTD: jax.Array) -> jax.Array:
     """The block input ``proj([embed_norm(embedded); hidden_norm(hidden)])`` ``[B, T, D]``."""

@@ -18,12 +18,13 @@ from flax import nnx
 
 from maxnnx.config import ModelConfig
 from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions
-from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock
+from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock, make_block
 from maxnnx.layers.embedding import Embed
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.moe import MoeAux
 from maxnnx.layers.mtp import MTPLayer, shift_left
 from maxnnx.layers.norm_factory import make_norm
+from maxnnx.layers.parts import BlockParts, build_part
 from maxnnx.layers.remat import remat
 from maxnnx.layers.rope import RotaryEmbedding
 from maxnnx.sharding import constrain, mesh_axis_size, pipeline_microbatches
@@ -44,13 +45,14 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, num_layers: int | None = None,
-                    use_moe: bool = False) -> DecoderBlock:
+                    use_moe: bool = False, parts: BlockParts | None = None) -> DecoderBlock:
   """One DecoderBlock whose every variable has a leading ``layers`` axis."""
+  parts = BlockParts() if parts is None else parts
 
   @nnx.split_rngs(splits=num_layers or cfg.num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
   def create(rngs):
-    return DecoderBlock(cfg, rngs=rngs, use_moe=use_moe)
+    return make_block(cfg, rngs, use_moe, parts)
 
   return create(rngs)
 
@@ -63,8 +65,14 @@ class Transformer(nnx.Module):
   :class:`~maxnnx.kernels.masks.AttentionMask`). After :meth:`init_cache`,
   ``decode=True`` runs incrementally against the KV cache.
 
+  ``parts`` (:class:`~maxnnx.layers.parts.BlockParts`) plugs in your own
+  attention, MLP, MoE, norm or block class (e.g. a subclass of
+  :class:`~maxnnx.layers.attention.Attention`) for every layer, scanned or not,
+  and the MTP layers; its ``None`` fields keep the config's choice.
+
   Attributes:
     config: the model's :class:`ModelConfig`.
+    parts: the :class:`~maxnnx.layers.parts.BlockParts` the model was built with.
     embed: token embedding (also the output projection when tied).
     layers: ``nnx.List`` of :class:`DecoderBlock`, or one stacked block.
     final_norm: norm before the output projection.
@@ -73,23 +81,26 @@ class Transformer(nnx.Module):
       of them) or ``None``.
   """
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, parts: BlockParts | None = None):
     self.config = config
+    self.parts = parts = BlockParts() if parts is None else parts
     dtype, param_dtype = config.jnp_dtype(), config.jnp_dtype('param_dtype')
     self.embed = Embed(config.vocab_size, config.d_model, init_std=config.initializer_range,
                        dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.dense_layers = nnx.data(None)  # the first_k_dense_layers stack when scanned
     if config.scan_layers:
       for name, _, count, use_moe in layer_stacks(config):
-        setattr(self, name, _stacked_blocks(config, rngs, count, use_moe))
+        setattr(self, name, _stacked_blocks(config, rngs, count, use_moe, parts))
     else:
-      self.layers = nnx.List([DecoderBlock(config, rngs=rngs, use_moe=m)
+      self.layers = nnx.List([make_block(config, rngs, m, parts)
                               for m in config.moe_layers])
-    self.final_norm = make_norm(config, rngs=rngs)
+    self.final_norm = (make_norm(config, rngs=rngs) if parts.norm is None else
+                       build_part(parts.norm, config, rngs, 'norm'))
     self.lm_head = (None if config.tie_word_embeddings else
                     DenseGeneral((config.d_model,), (config.vocab_size,), axes=('embed', 'vocab'),
                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs))
-    self.mtp = (nnx.List([MTPLayer(config, rngs=rngs) for _ in range(config.mtp_num_layers)])
+    self.mtp = (nnx.List([MTPLayer(config, rngs=rngs, parts=parts)
+                          for _ in range(config.mtp_num_layers)])
                 if config.mtp_num_layers else nnx.data(None))
     head_dim = config.rope_head_dim
     self.rotary = RotaryEmbedding.from_config(config.rope, head_dim,

@@ -1,0 +1,156 @@
+"""Custom layers through BlockParts: a gated attention subclass in both layer layouts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import maxnnx
+from maxnnx.config import MeshConfig
+from maxnnx.data import TokenWindows
+from maxnnx.kernels.masks import AttentionMask
+from maxnnx.layers import MLP, Attention, BlockParts, DecoderBlock, RMSNorm, logical_param
+from maxnnx.layers.norm_factory import make_norm
+from maxnnx.layers.rope import RotaryEmbedding
+from maxnnx.train import TrainConfig, Trainer
+
+
+class HeadGate(nnx.Module):
+  """The output projection with a learned sigmoid gate on each head's output."""
+
+  def __init__(self, proj: nnx.Module, num_heads: int, param_dtype, *, rngs: nnx.Rngs):
+    self.proj = proj
+    self.gate = logical_param(nnx.initializers.zeros, rngs.params(), (num_heads,), param_dtype,
+                              ('heads',))
+
+  def __call__(self, out_BTNH: jax.Array) -> jax.Array:
+    gate_N = jax.nn.sigmoid(self.gate[...]).astype(out_BTNH.dtype)
+    return self.proj(out_BTNH * gate_N[:, None])
+
+
+class GatedAttention(Attention):
+  """Attention whose heads are each scaled by ``sigmoid(gate)`` (0.5 at init)."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    super().__init__(cfg, rngs=rngs)
+    self.o_proj = HeadGate(self.o_proj, cfg.num_heads, cfg.jnp_dtype('param_dtype'), rngs=rngs)
+
+
+GATED = BlockParts(attention=GatedAttention)
+IDS = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 16)), jnp.int32)
+
+
+def _cfg(scan: bool, **changes):
+  return maxnnx.get_preset('tiny', scan_layers=scan, **changes)
+
+
+def _first_attn(model):
+  return model.layers.attn if model.config.scan_layers else model.layers[0].attn
+
+
+def test_gated_attention_is_half_of_plain_attention_at_init():
+  cfg = _cfg(False)
+  plain, gated = Attention(cfg, rngs=nnx.Rngs(3)), GatedAttention(cfg, rngs=nnx.Rngs(3))
+  x_BTD = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
+  positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+  cos_sin = RotaryEmbedding.from_config(cfg.rope, cfg.rope_head_dim, 512).cos_sin(positions)
+  mask = AttentionMask.causal(jnp.ones((2, 16), jnp.int32), positions)
+  np.testing.assert_allclose(gated(x_BTD, cos_sin, mask), 0.5 * plain(x_BTD, cos_sin, mask),
+                             rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_default_classes_as_parts_give_the_default_model(scan):
+  cfg = _cfg(scan)
+  default = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
+  explicit = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0),
+                                parts=BlockParts(attention=Attention, mlp=MLP, norm=make_norm))
+  np.testing.assert_array_equal(explicit(IDS), default(IDS))
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_gated_attention_plugs_into_both_layouts(scan):
+  cfg = _cfg(scan)
+  gated = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0), parts=GATED)
+  assert type(_first_attn(gated)) is GatedAttention
+  assert gated.parts == GATED
+
+  # The gate is a parameter with logical names (plus the stack's leading `layers` axis).
+  gates = [(path, var) for path, var in nnx.to_flat_state(nnx.state(gated, nnx.Param))
+           if path[-1] == 'gate']
+  assert len(gates) == (1 if scan else cfg.num_layers)
+  for _, var in gates:
+    assert tuple(var.get_metadata()['out_sharding']) == (('layers', 'heads') if scan
+                                                         else ('heads',))
+
+  # With the default model's weights and open gates (sigmoid = 1) it is the default model.
+  plain = maxnnx.Transformer(cfg, rngs=nnx.Rngs(1))
+  plain_params = dict(nnx.to_flat_state(nnx.state(plain, nnx.Param)))
+  state = nnx.state(gated, nnx.Param)
+  for path, var in nnx.to_flat_state(state):
+    if path[-1] == 'gate':
+      var.set_value(jnp.full(var.shape, 40.0))
+    else:
+      source = tuple(p for i, p in enumerate(path) if not (p == 'proj' and path[i - 1] == 'o_proj'))
+      var.set_value(plain_params[source].get_value())
+  nnx.update(gated, state)
+  np.testing.assert_allclose(gated(IDS), plain(IDS), rtol=1e-5, atol=1e-5)
+
+  # It decodes with the KV cache it inherits from Attention.
+  gated.init_cache(2, 20)
+  np.testing.assert_allclose(gated(IDS, decode=True), plain(IDS), rtol=1e-4, atol=1e-4)
+
+
+def test_parts_reach_mtp_blocks_norms_and_block_subclasses():
+  class MyNorm(RMSNorm):
+    """An RMSNorm subclass, to see where norms come from."""
+
+  class MyBlock(DecoderBlock):
+    """A DecoderBlock subclass."""
+
+  def my_norm(cfg, *, rngs):
+    return MyNorm(cfg.d_model, axes=('norm',), eps=cfg.norm_eps, rngs=rngs)
+
+  parts = BlockParts(attention=GatedAttention, norm=my_norm, block=MyBlock)
+  for scan in (False, True):
+    model = maxnnx.Transformer(_cfg(scan, mtp_num_layers=1), rngs=nnx.Rngs(0), parts=parts)
+    block = model.layers if scan else model.layers[0]
+    assert type(block) is MyBlock and type(block.attn) is GatedAttention
+    assert type(block.attn_pre_norm) is MyNorm and type(model.final_norm) is MyNorm
+    mtp = model.mtp[0]
+    assert type(mtp.block) is MyBlock and type(mtp.block.attn) is GatedAttention
+    assert type(mtp.embed_norm) is MyNorm
+    logits, (mtp_logits,) = model(IDS, mtp=True)
+    assert logits.shape == mtp_logits.shape == (2, 16, 512)
+
+
+def test_a_parameter_without_logical_names_is_refused():
+  class Unnamed(Attention):
+    def __init__(self, cfg, *, rngs):
+      super().__init__(cfg, rngs=rngs)
+      self.gate = nnx.Param(jnp.zeros((cfg.num_heads,)))
+
+  with pytest.raises(ValueError, match='gate of shape'):
+    maxnnx.Transformer(_cfg(False), rngs=nnx.Rngs(0), parts=BlockParts(attention=Unnamed))
+
+
+def _losses(mesh: MeshConfig, steps: int = 4):
+  cfg = _cfg(True)
+  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0), parts=GATED)
+  config = TrainConfig(steps=steps, global_batch_size=8, seq_len=32, learning_rate=1e-2,
+                       warmup_steps=0, log_every=steps, mesh=mesh)
+  data = TokenWindows(np.tile(np.arange(48), 100), 32, 8, seed=1)  # learnable
+  trainer = Trainer(model, config, data=data)
+  history = trainer.fit(log=lambda line: None)
+  return trainer, np.array([m['loss'] for m in history])
+
+
+def test_gated_model_trains_and_a_mesh_gives_the_losses_of_one_device():
+  _, reference = _losses(MeshConfig(data=1))
+  assert reference[-1] < reference[0] - 0.5
+  trainer, losses = _losses(MeshConfig(data=2, fsdp=2, tensor=2))
+  np.testing.assert_allclose(losses, reference, rtol=1e-4)
+  gate = trainer.model.layers.attn.o_proj.gate[...]  # [layers, heads]: heads over tensor
+  assert gate.sharding.spec == jax.sharding.PartitionSpec(None, 'tensor')
+  assert not np.allclose(np.asarray(gate), 0.0)  # the gates learned
