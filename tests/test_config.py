@@ -161,8 +161,8 @@ def test_replace_changes_one_field():
   """replace returns a modified copy and leaves the original alone."""
   cfg = _tiny()
   new = cfg.replace(num_layers=3, scan_layers=True)
-  assert (new.num_layers, new.scan_layers) == (3, True)
-  assert (cfg.num_layers, cfg.scan_layers) == (2, False)
+  assert (new.num_layers, new.runtime.scan_layers) == (3, True)
+  assert (cfg.num_layers, cfg.runtime.scan_layers) == (2, False)
   assert new.d_model == cfg.d_model
 
 

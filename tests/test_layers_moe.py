@@ -81,7 +81,7 @@ def test_capacity_dispatch_equals_dropless_when_nothing_drops(variant):
   """capacity_factor = E / k gives every expert room for every token."""
   cfg = _cfg(**VARIANTS[variant])
   big = cfg.replace(moe_dispatch='capacity',
-                    capacity_factor=cfg.num_experts / cfg.num_experts_per_tok)
+                    capacity_factor=cfg.moe.num_experts / cfg.moe.num_experts_per_tok)
   x = _x(cfg)
   assert capacity(24, big) == 24
   dropless = _module(cfg)(x)
@@ -145,8 +145,8 @@ def test_aux_outputs_are_collected_and_differentiable(scan_layers):
 
   (_, losses), grads = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))(model)
   stats = moe_stats(model)
-  assert stats.shape == (2, cfg.num_experts)
-  np.testing.assert_array_equal(stats.sum(axis=1), 32 * cfg.num_experts_per_tok)
+  assert stats.shape == (2, cfg.moe.num_experts)
+  np.testing.assert_array_equal(stats.sum(axis=1), 32 * cfg.moe.num_experts_per_tok)
   assert float(losses['load_balance_loss']) > 0 and float(losses['router_z_loss']) > 0
   router_grads = [g for p, g in nnx.to_flat_state(grads) if 'router' in p and p[-1] == 'kernel']
   assert router_grads and all(float(jnp.abs(g[...]).max()) > 0 for g in router_grads)
@@ -160,7 +160,7 @@ def test_moe_layer_layout_and_counts():
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert count == cfg.num_params()
-  d, f, e = cfg.d_model, cfg.resolved_moe_mlp_dim, cfg.num_experts
+  d, f, e = cfg.d_model, cfg.resolved_moe_mlp_dim, cfg.moe.num_experts
   assert cfg.num_params() - cfg.num_active_params() == 2 * (e - 2) * 3 * d * f
   assert model.layers[1].mlp.experts.gate_proj.get_metadata()['out_sharding'] == (
       'expert', 'embed', 'mlp')

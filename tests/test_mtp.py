@@ -223,7 +223,7 @@ def test_mtp_under_scan_layers_and_a_data_mesh(kind):
 def _copy_into_scanned(values, cfg, scanned):
   for path, var in nnx.to_flat_state(nnx.state(scanned, nnx.Param)):
     if path[0] in ('layers', 'dense_layers'):
-      first = cfg.first_k_dense_layers if path[0] == 'layers' and cfg.num_experts else 0
+      first = cfg.moe.first_k_dense_layers if path[0] == 'layers' and cfg.moe.num_experts else 0
       arrays = []
       for i in range(var.shape[0]):
         node = values['layers'][first + i]
@@ -257,7 +257,7 @@ def test_save_writes_the_hub_layout_and_round_trips(tmp_path, deepseek):
   first, second = str(tmp_path / 'a'), str(tmp_path / 'b')
   maxnnx.save_pretrained(model, first)
   tensors = _hub_names(first)
-  n, experts = model.config.num_layers, model.config.num_experts
+  n, experts = model.config.num_layers, model.config.moe.num_experts
   assert not any(k.startswith(f'model.layers.{n + 2}.') for k in tensors)
   mtp = {k for k in tensors if k.startswith(f'model.layers.{n + 1}.')}
   n += 1  # the second MTP depth; the first is laid out the same way
@@ -309,10 +309,10 @@ def test_loading_with_fewer_mtp_layers_skips_those_tensors(tmp_path, caplog, dee
 
 def test_transformers_checkpoint_without_mtp_tensors_loads_without_mtp(caplog):
   """transformers drops MTP tensors but keeps num_nextn_predict_layers in config.json."""
-  assert maxnnx.config_from_pretrained(FIXTURE).mtp_num_layers == 1
+  assert maxnnx.config_from_pretrained(FIXTURE).mtp.num_layers == 1
   with caplog.at_level(logging.INFO, logger='maxnnx.models.pretrained'):
     model = maxnnx.from_pretrained(FIXTURE)
-  assert model.config.mtp_num_layers == 0 and model.mtp is None
+  assert model.config.mtp.num_layers == 0 and model.mtp is None
   assert any('holds tensors for 0' in r.getMessage() for r in caplog.records)
   with pytest.raises(PretrainedError, match='holds multi-token-prediction tensors for 0'):
     maxnnx.from_pretrained(FIXTURE, mtp_num_layers=1)

@@ -137,7 +137,7 @@ def test_unknown_preset_names_nearest():
 
 def test_overrides():
   cfg = get_preset('tiny', dtype='bfloat16', scan_layers=True)
-  assert cfg.dtype == 'bfloat16' and cfg.scan_layers
+  assert cfg.runtime.dtype == 'bfloat16' and cfg.runtime.scan_layers
   assert cfg.replace(dtype='float32', scan_layers=False) == get_preset('tiny')
   with pytest.raises(ConfigError, match="'dtype'"):
     get_preset('tiny', dtpye='bfloat16')

@@ -40,7 +40,7 @@ def test_deepseek_v3_with_mtp_matches_hub_size():
   """The Hub's 685B = 671B main model + the MTP layer, which also stores copies of the
   embedding and output head (the model shares those, so num_params counts them once)."""
   cfg = get_preset('deepseek-v3')
-  assert cfg.mtp_num_layers == 1
+  assert cfg.mtp.num_layers == 1
   copies = 2 * cfg.vocab_size * cfg.d_model
   assert cfg.num_params() + copies == pytest.approx(685e9, rel=5e-3)
   assert cfg.num_params() - cfg.replace(mtp_num_layers=0).num_params() == pytest.approx(
@@ -66,8 +66,8 @@ def test_num_params_equals_abstract_model_size(name):
 
 def test_tiny_moe_forward_scanned_equals_unscanned():
   cfg = get_preset('tiny-moe')
-  assert (cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.num_experts,
-          cfg.num_experts_per_tok) == (512, 128, 4, 8, 2)
+  assert (cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.moe.num_experts,
+          cfg.moe.num_experts_per_tok) == (512, 128, 4, 8, 2)
   unscanned = Transformer(cfg, rngs=nnx.Rngs(0))
   scanned = nnx.eval_shape(lambda: Transformer(cfg.replace(scan_layers=True),
                                                rngs=nnx.Rngs(0)))

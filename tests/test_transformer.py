@@ -35,7 +35,7 @@ DOCS = (slice(0, 3), slice(3, 5), slice(5, 8))
 def _model(cfg_dict, seed=0, **overrides):
   """A model with random norm scales and biases (scanned ones via _scanned_copy)."""
   cfg = ModelConfig.from_dict({**cfg_dict, **overrides})
-  if cfg.scan_layers:
+  if cfg.runtime.scan_layers:
     return _scanned_copy(_model(cfg_dict, seed, **{**overrides, 'scan_layers': False}))
   model = Transformer(cfg, rngs=nnx.Rngs(seed))
   ref.randomize_params(model, np.random.default_rng(seed + 1000))

@@ -29,7 +29,7 @@ class Attention(nnx.Module):
     o_proj: ``[heads, head_dim] -> [d_model]``.
     q_norm, k_norm: optional RMSNorms (per head or over the whole projection).
     sinks: ``[heads]`` learned attention-sink logits (``cfg.attention_sinks``) or ``None``.
-    kernel: the attention strategy (``cfg.attention_impl``), shown in treescope.
+    kernel: the attention strategy (``cfg.runtime.attention_impl``), shown in treescope.
     cache_k, cache_v: ``nnx.Cache`` ``[B, S, kv_heads, head_dim]`` once
       :meth:`init_cache` has been called; ``None`` otherwise.
   """
@@ -56,8 +56,8 @@ class Attention(nnx.Module):
     self.sinks = (logical_param(nnx.initializers.normal(cfg.initializer_range), rngs.params(),
                                 (h,), cfg.jnp_dtype('param_dtype'), ('heads',))
                   if cfg.attention_sinks else None)
-    self.kernel = get_attention_kernel(cfg.attention_impl,
-                                       on_unsupported=cfg.kernel_on_unsupported)
+    self.kernel = get_attention_kernel(cfg.runtime.attention_impl,
+                                       on_unsupported=cfg.runtime.kernel_on_unsupported)
     self.scale = cfg.resolved_query_scale
     self.softcap = cfg.attn_logit_softcap
     self.cache_k = nnx.data(None)

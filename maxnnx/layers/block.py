@@ -31,7 +31,7 @@ class DecoderBlock(nnx.Module):
     self.attn = MLA(cfg, rngs=rngs) if cfg.attention_type == 'mla' else Attention(cfg, rngs=rngs)
     self.attn_post_norm = norm(cfg.post_norm)
     self.mlp_pre_norm = norm(cfg.pre_norm)
-    self.mlp = MoE(cfg, rngs=rngs) if use_moe else MLP(cfg, rngs=rngs)
+    self.mlp = MoE.from_config(cfg, rngs=rngs) if use_moe else MLP.from_config(cfg, rngs=rngs)
     self.mlp_post_norm = norm(cfg.post_norm)
 
   def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask, *,

@@ -49,7 +49,7 @@ class MTPLayer(nnx.Module):
     self.hidden_norm = make_norm(cfg, rngs=rngs)
     self.proj = DenseGeneral((2 * d,), (d,), axes=('mlp', 'embed'), dtype=cfg.jnp_dtype(),
                              param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
-    self.block = DecoderBlock(cfg, rngs=rngs, use_moe=cfg.num_experts > 0)
+    self.block = DecoderBlock(cfg, rngs=rngs, use_moe=cfg.moe.num_experts > 0)
     self.final_norm = make_norm(cfg, rngs=rngs)
 
   def __call__(self, hidden_BTD: jax.Array, embedded_BTD: jax.Array) -> jax.Array:

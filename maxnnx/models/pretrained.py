@@ -154,7 +154,7 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
   if family is None:
     raise PretrainedError(f"ModelConfig.family '{cfg.family}' has no Hugging Face mapping; "
                           f'known: {", ".join(sorted(FAMILIES))}.')
-  if cfg.mtp_num_layers and not family.mtp:
+  if cfg.mtp.num_layers and not family.mtp:
     raise PretrainedError(f'{cfg.family} checkpoints have no multi-token-prediction layers; '
                           'save a model with mtp_num_layers=0 (model.mtp is then dropped).')
   hf_config = family.config_to_hf(cfg)
@@ -165,7 +165,7 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
     kernel_n_in = n_in[_module_key(path)] if path[-1] == 'kernel' else None
     name = family.hf_name(hf_layer_path(path, cfg.num_layers))
     tensors[name] = _ours_to_hf(np.asarray(array), kernel_n_in, path[-1])
-  for k in range(cfg.mtp_num_layers):  # the Hub layout repeats the shared embedding and head
+  for k in range(cfg.mtp.num_layers):  # the Hub layout repeats the shared embedding and head
     for suffix, main in MTP_SHARED_COPIES.items():
       main = 'model.embed_tokens.weight' if cfg.tie_word_embeddings else main
       tensors[f'model.layers.{cfg.num_layers + k}.{suffix}'] = tensors[main]
@@ -189,7 +189,7 @@ def _choose_mtp_layers(cfg: ModelConfig, family: Family, tensors, explicit: bool
   pattern = re.compile(r'model\.layers\.(\d+)\.')
   stored = len({int(m.group(1)) for n in tensors if (m := pattern.match(n))
                 and int(m.group(1)) >= cfg.num_layers}) if family.mtp else 0
-  wanted = cfg.mtp_num_layers
+  wanted = cfg.mtp.num_layers
   if wanted > stored:
     if explicit:
       holds = (f'holds multi-token-prediction tensors for {stored} layer(s)' if family.mtp
@@ -198,11 +198,11 @@ def _choose_mtp_layers(cfg: ModelConfig, family: Family, tensors, explicit: bool
                             f'pass mtp_num_layers={stored} or fewer.')
     logger.info('%s: config.json declares %d multi-token-prediction layer(s) but the '
                 'checkpoint holds tensors for %d; loading those.', directory, wanted, stored)
-    cfg = cfg.replace(mtp_num_layers=stored)
+    cfg = cfg.replace(mtp={'num_layers': stored})
   elif wanted < stored:
     logger.info('%s: skipping %d of the checkpoint\'s %d multi-token-prediction layer(s) '
                 '(mtp_num_layers=%d).', directory, stored - wanted, stored, wanted)
-  first_skipped = cfg.num_layers + cfg.mtp_num_layers
+  first_skipped = cfg.num_layers + cfg.mtp.num_layers
   skipped = '|'.join(str(i) for i in range(first_skipped, cfg.num_layers + stored)) or '(?!)'
   return cfg, re.compile(rf'model\.layers\.({skipped})\.')
 
@@ -211,7 +211,7 @@ def _check_mtp_copies(tensors, cfg: ModelConfig) -> set[str]:
   """Names of the embedding/head copies in loaded MTP layers; the model shares the
   main ones, so a copy that differs is reported."""
   names = set()
-  for k in range(cfg.mtp_num_layers):
+  for k in range(cfg.mtp.num_layers):
     for suffix, main in MTP_SHARED_COPIES.items():
       main = 'model.embed_tokens.weight' if cfg.tie_word_embeddings else main
       name = f'model.layers.{cfg.num_layers + k}.{suffix}'
@@ -244,7 +244,7 @@ def _stack_as_layers(key: tuple) -> tuple:
 
 def _stacks(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
   """Scanned stack attribute -> (first layer, number of layers)."""
-  if not cfg.scan_layers:
+  if not cfg.runtime.scan_layers:
     return {}
   return {name: (start, count) for name, start, count, _ in layer_stacks(cfg)}
 

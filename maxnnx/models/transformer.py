@@ -37,10 +37,10 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
   One ``layers`` stack, except for MoE models with dense first layers
   (``first_k_dense_layers``): those form a second stack, ``dense_layers``.
   """
-  n, k = cfg.num_layers, cfg.first_k_dense_layers if cfg.num_experts else 0
+  n, k = cfg.num_layers, cfg.moe.first_k_dense_layers if cfg.moe.num_experts else 0
   if k:
     return (('dense_layers', 0, k, False), ('layers', k, n - k, True))
-  return (('layers', 0, n, cfg.num_experts > 0),)
+  return (('layers', 0, n, cfg.moe.num_experts > 0),)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, num_layers: int | None = None,
@@ -79,7 +79,7 @@ class Transformer(nnx.Module):
     self.embed = Embed(config.vocab_size, config.d_model, init_std=config.initializer_range,
                        dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.dense_layers = nnx.data(None)  # the first_k_dense_layers stack when scanned
-    if config.scan_layers:
+    if config.runtime.scan_layers:
       for name, _, count, use_moe in layer_stacks(config):
         setattr(self, name, _stacked_blocks(config, rngs, count, use_moe))
     else:
@@ -89,8 +89,8 @@ class Transformer(nnx.Module):
     self.lm_head = (None if config.tie_word_embeddings else
                     DenseGeneral((config.d_model,), (config.vocab_size,), axes=('embed', 'vocab'),
                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs))
-    self.mtp = (nnx.List([MTPLayer(config, rngs=rngs) for _ in range(config.mtp_num_layers)])
-                if config.mtp_num_layers else nnx.data(None))
+    self.mtp = (nnx.List([MTPLayer(config, rngs=rngs) for _ in range(config.mtp.num_layers)])
+                if config.mtp.num_layers else nnx.data(None))
     head_dim = config.rope_head_dim
     self.rotary = RotaryEmbedding.from_config(config.rope, head_dim,
                                               config.max_position_embeddings)
@@ -106,7 +106,7 @@ class Transformer(nnx.Module):
   def init_cache(self, batch: int, max_length: int, dtype=None) -> None:
     """Allocate an empty KV cache of ``max_length`` slots for ``batch`` rows."""
     dtype = dtype or self.config.jnp_dtype()
-    if self.config.scan_layers:
+    if self.config.runtime.scan_layers:
       stacked = nnx.vmap(lambda block: block.attn.init_cache(batch, max_length, dtype),
                          in_axes=0, out_axes=0)
       for name, *_ in layer_stacks(self.config):
@@ -123,7 +123,7 @@ class Transformer(nnx.Module):
   def __call__(self, input_ids_BT: jax.Array, *, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, decode: bool = False, mtp: bool = False
                ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Logits ``[B, T, vocab]`` (in ``config.logits_dtype``).
+    """Logits ``[B, T, vocab]`` (in ``config.runtime.logits_dtype``).
 
     The same as ``model.logits(model.hidden_states(...))``; the arguments are
     those of :meth:`hidden_states`. With ``mtp=True`` the result is
@@ -192,13 +192,13 @@ class Transformer(nnx.Module):
     x_BTD = self._embed(input_ids_BT)
     stages = mesh_axis_size('stage')
     if stages > 1:
-      if not cfg.scan_layers or cache_index is not None:
+      if not cfg.runtime.scan_layers or cache_index is not None:
         raise ValueError('Pipeline parallelism (mesh stage > 1) needs scan_layers=True and '
                          'runs training/scoring only, not KV-cache decoding.')
       x_BTD = self._pipeline_layers(x_BTD, segment_ids, positions, stages)
     else:
       cos_sin = self._cos_sin(positions)
-      if cfg.scan_layers:
+      if cfg.runtime.scan_layers:
         x_BTD = self._scan_layers(x_BTD, cos_sin, mask, cache_index)
       else:
         for block, layer_type in zip(self.layers, cfg.resolved_layer_types):
@@ -234,8 +234,8 @@ class Transformer(nnx.Module):
     return cos_sin
 
   def _apply_block(self, block, x_BTD, cos_sin, mask, window, cache_index):
-    """One block, rematerialised per ``config.remat_policy`` when training."""
-    if cache_index is not None or self.config.remat_policy == 'none':
+    """One block, rematerialised per ``config.runtime.remat_policy`` when training."""
+    if cache_index is not None or self.config.runtime.remat_policy == 'none':
       return block(x_BTD, cos_sin, mask, sliding_window=window, cache_index=cache_index)
     graphdef, state = nnx.split(block)
 
@@ -243,7 +243,7 @@ class Transformer(nnx.Module):
       block = nnx.merge(graphdef, state)
       return block(x, cos_sin, mask, sliding_window=window), nnx.state(block, MoeAux)
 
-    x_BTD, aux = remat(run, self.config.remat_policy)(state, x_BTD, cos_sin, mask, window)
+    x_BTD, aux = remat(run, self.config.runtime.remat_policy)(state, x_BTD, cos_sin, mask, window)
     nnx.update(block, aux)  # MoE routing statistics computed inside the remat
     return x_BTD
 
