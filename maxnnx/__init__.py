@@ -18,8 +18,17 @@ Importing maxnnx also tunes the host allocator for the CPU backend before JAX st
 # First of all: tunes the host allocator before anything can start a JAX backend.
 from maxnnx import host_memory  # noqa: F401
 from maxnnx.checkpoint.safetensors import SafetensorsError
-from maxnnx.config import ConfigError, ModelConfig, RopeConfig
+from maxnnx.config import (
+    ConfigError,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    MTPConfig,
+    RopeConfig,
+    RuntimeConfig,
+)
 from maxnnx.inference.generate import GenerationResult, generate
+from maxnnx.models.counting import num_active_params, num_params
 from maxnnx.models.hf import PretrainedError
 from maxnnx.models.pretrained import config_from_pretrained, from_pretrained, save_pretrained
 from maxnnx.models.transformer import Transformer
@@ -28,7 +37,8 @@ from maxnnx.presets import get_preset, list_presets
 __version__ = '0.1.0'
 
 __all__ = [
-    'ConfigError', 'GenerationResult', 'ModelConfig', 'PretrainedError', 'RopeConfig',
-    'SafetensorsError', 'Transformer', 'config_from_pretrained', 'from_pretrained', 'generate',
-    'get_preset', 'list_presets', 'save_pretrained',
+    'ConfigError', 'GenerationResult', 'MLAConfig', 'MTPConfig', 'ModelConfig', 'MoEConfig',
+    'PretrainedError', 'RopeConfig', 'RuntimeConfig', 'SafetensorsError', 'Transformer',
+    'config_from_pretrained', 'from_pretrained', 'generate', 'get_preset', 'list_presets',
+    'num_active_params', 'num_params', 'save_pretrained',
 ]

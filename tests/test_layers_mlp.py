@@ -17,7 +17,7 @@ def _cfg(**overrides):
   base = dict(vocab_size=32, d_model=32, num_layers=1, num_heads=4, num_kv_heads=4, mlp_dim=48,
               max_position_embeddings=64)
   base.update(overrides)
-  return ModelConfig(**base)
+  return ModelConfig.from_dict(base)
 
 
 @nnx.jit

@@ -18,6 +18,7 @@ import maxnnx
 from maxnnx.checkpoint.safetensors import read_safetensors
 from maxnnx.config import ConfigError, MeshConfig
 from maxnnx.layers.moe import RouterBias
+from maxnnx.models.counting import num_params
 from maxnnx.models.pretrained import PretrainedError
 from maxnnx.train import TrainConfig, Trainer
 
@@ -127,7 +128,7 @@ def test_config_validation():
   with pytest.raises(ConfigError, match='mtp_loss_scaling_factor'):
     cfg.replace(mtp_loss_scaling_factor=-0.1)
   model = nnx.eval_shape(lambda: maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)))
-  assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == cfg.num_params()
+  assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == num_params(cfg)
 
 
 def _train_config(steps=1, lr=0.0, batch=2, seq_len=12, mesh=None, **kw):

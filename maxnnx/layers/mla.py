@@ -72,8 +72,9 @@ class MLA(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, h = cfg.d_model, cfg.num_heads
-    self.nope, self.rope, self.v_dim = cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
-    self.kv_lora_rank = cfg.mla.kv_lora_rank
+    mla = cfg.mla
+    self.nope, self.rope, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+    self.kv_lora_rank = mla.kv_lora_rank
     qk = self.nope + self.rope
     dense = dict(dtype=cfg.jnp_dtype(), param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
     norm = dict(eps=LORA_NORM_EPS, dtype=cfg.jnp_dtype(),
