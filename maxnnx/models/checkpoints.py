@@ -25,7 +25,7 @@ def checkpoint_config(checkpoint_dir: str, step: int | None = None) -> ModelConf
   meta = read_meta(checkpoint_dir, step)
   if 'model_config' not in meta:
     raise CheckpointError(f'{checkpoint_dir}: checkpoint step {meta["step"]} has no model config.')
-  return ModelConfig.from_dict(meta['model_config'])
+  return ModelConfig.from_stored_dict(meta['model_config'])
 
 
 def _abstract_params(cfg: ModelConfig) -> nnx.State:
