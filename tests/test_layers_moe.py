@@ -174,7 +174,7 @@ def test_moe_layer_layout_and_counts():
     (dict(first_k_dense_layers=2), 'first_k_dense_layers'),
     (dict(moe_layer_step=2, scan_layers=True), 'scan_layers'),
     (dict(capacity_factor=0.0), 'capacity_factor'),
-    (dict(moe_dispatch='sorted'), 'moe_dispatch'),
+    (dict(moe_dispatch='sorted'), r'ModelConfig\.moe\.dispatch'),
 ])
 def test_bad_moe_config_is_a_clear_error(bad, match):
   with pytest.raises(ConfigError, match=match):

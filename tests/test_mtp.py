@@ -117,16 +117,18 @@ def test_mtp_off_gives_the_same_logits(deepseek):
   nnx.update(without, state)
   assert without.mtp is None
   np.testing.assert_array_equal(np.asarray(without(ids)), np.asarray(plain))
-  with pytest.raises(ValueError, match='mtp_num_layers'):
+  with pytest.raises(ValueError, match=r'mtp\.num_layers'):
     without(ids, mtp=True)
 
 
 def test_config_validation():
   cfg = _config(mtp_num_layers=1)
-  with pytest.raises(ConfigError, match='mtp_num_layers'):
+  with pytest.raises(ConfigError, match=r'ModelConfig\.mtp\.num_layers must be >= 0'):
     cfg.replace(mtp_num_layers=-1)
-  with pytest.raises(ConfigError, match='mtp_loss_scaling_factor'):
-    cfg.replace(mtp_loss_scaling_factor=-0.1)
+  with pytest.raises(ConfigError, match='TrainConfig.mtp_loss_scaling_factor'):
+    cfg.replace(mtp_loss_scaling_factor=0.1)
+  with pytest.raises(ConfigError, match='TrainConfig.mtp_loss_scaling_factor must be >= 0'):
+    TrainConfig(mtp_loss_scaling_factor=-0.1)
   model = nnx.eval_shape(lambda: maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)))
   assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == num_params(cfg)
 
@@ -177,10 +179,11 @@ def _host_params(model):
 def test_mtp_loss_trains_the_mtp_modules_only_when_scaled(factor):
   """mtp_loss_scaling_factor weights the MTP loss in the objective: at 0 the MTP
   modules get no gradient (weight decay off), otherwise they move."""
-  model = _dense(mtp_loss_scaling_factor=factor)
+  model = _dense()
   before = _host_params(model)
   batch = next(_counting_batches(32, 2, 12))
-  trainer = Trainer(model, _train_config(lr=1e-2, weight_decay=0.0))
+  trainer = Trainer(model, _train_config(lr=1e-2, weight_decay=0.0,
+                                         mtp_loss_scaling_factor=factor))
   trainer.step(batch)
   after = _host_params(trainer.model)
   changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), before, after)
@@ -304,7 +307,7 @@ def test_loading_with_fewer_mtp_layers_skips_those_tensors(tmp_path, caplog, dee
   np.testing.assert_array_equal(np.asarray(plain(ids)), np.asarray(model(ids)))
   ours, theirs = one(ids, mtp=True)[1][0], model(ids, mtp=True)[1][0]
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
-  with pytest.raises(PretrainedError, match='mtp_num_layers=3'):
+  with pytest.raises(PretrainedError, match=r'mtp\.num_layers=3'):
     maxnnx.from_pretrained(str(tmp_path), mtp_num_layers=3)
 
 

@@ -1,6 +1,6 @@
 """Multi-token prediction (DeepSeek V3): modules that predict tokens further ahead.
 
-Module ``k`` (``k = 1 .. mtp_num_layers``) sees, at position ``i``, the previous
+Module ``k`` (``k = 1 .. mtp.num_layers``) sees, at position ``i``, the previous
 depth's hidden state ``h^{k-1}_i`` (depth 0: the main model's last block output,
 before its final norm) and the embedding of token ``t_{i+k}`` (the main model's
 embedding table):

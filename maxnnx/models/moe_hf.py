@@ -4,7 +4,7 @@ Hub checkpoints store each expert as its own ``Linear`` (``experts.{e}.gate_proj
 ``[mlp, d_model]``); our :class:`~maxnnx.layers.moe.Experts` stack them as
 ``[experts, d_model, mlp]``. :func:`expert_hooks` builds the ``unfuse``/``fuse``
 pair that converts between the two, and :func:`moe_layout` turns a per-layer
-MoE/dense pattern into ``first_k_dense_layers`` + ``moe_layer_step``.
+MoE/dense pattern into ``moe.first_k_dense_layers`` + ``moe.layer_step``.
 """
 
 from collections.abc import Sequence

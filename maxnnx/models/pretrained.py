@@ -94,6 +94,7 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
     param_dtype: dtype parameters are stored in (default ``float32``).
     scan_layers: build the layer stack scanned (default: unscanned).
     **overrides: any other :class:`ModelConfig` field. ``mtp_num_layers``
+      (or ``mtp={'num_layers': n}``)
       chooses how many multi-token-prediction layers to load (DeepSeek V3);
       by default those the checkpoint holds (a transformers-saved checkpoint
       holds none, whatever ``num_nextn_predict_layers`` says). With fewer, the
@@ -110,7 +111,8 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   cfg = config_from_pretrained(directory, **overrides)
   family = FAMILIES[cfg.family]
   tensors = read_safetensors_dir(directory)
-  cfg, skipped = _choose_mtp_layers(cfg, family, tensors, 'mtp_num_layers' in overrides, directory)
+  mtp_chosen = any(key in overrides for key in ('mtp_num_layers', 'mtp.num_layers', 'mtp'))
+  cfg, skipped = _choose_mtp_layers(cfg, family, tensors, mtp_chosen, directory)
   if family.unfuse is not None:
     tensors = family.unfuse(tensors, cfg)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -156,7 +158,7 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
                           f'known: {", ".join(sorted(FAMILIES))}.')
   if cfg.mtp.num_layers and not family.mtp:
     raise PretrainedError(f'{cfg.family} checkpoints have no multi-token-prediction layers; '
-                          'save a model with mtp_num_layers=0 (model.mtp is then dropped).')
+                          'save a model with mtp.num_layers=0 (model.mtp is then dropped).')
   hf_config = family.config_to_hf(cfg)
   n_in = _kernel_input_dims(model)
   tensors = {}
@@ -194,14 +196,14 @@ def _choose_mtp_layers(cfg: ModelConfig, family: Family, tensors, explicit: bool
     if explicit:
       holds = (f'holds multi-token-prediction tensors for {stored} layer(s)' if family.mtp
                else f'is a {cfg.family} checkpoint, which has no multi-token-prediction layers')
-      raise PretrainedError(f'{directory}: mtp_num_layers={wanted} but the checkpoint {holds}; '
+      raise PretrainedError(f'{directory}: mtp.num_layers={wanted} but the checkpoint {holds}; '
                             f'pass mtp_num_layers={stored} or fewer.')
     logger.info('%s: config.json declares %d multi-token-prediction layer(s) but the '
                 'checkpoint holds tensors for %d; loading those.', directory, wanted, stored)
     cfg = cfg.replace(mtp={'num_layers': stored})
   elif wanted < stored:
     logger.info('%s: skipping %d of the checkpoint\'s %d multi-token-prediction layer(s) '
-                '(mtp_num_layers=%d).', directory, stored - wanted, stored, wanted)
+                '(mtp.num_layers=%d).', directory, stored - wanted, stored, wanted)
   first_skipped = cfg.num_layers + cfg.mtp.num_layers
   skipped = '|'.join(str(i) for i in range(first_skipped, cfg.num_layers + stored)) or '(?!)'
   return cfg, re.compile(rf'model\.layers\.({skipped})\.')

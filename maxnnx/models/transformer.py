@@ -2,7 +2,7 @@
 
 ``Transformer(cfg, rngs=...)`` is embed -> N x DecoderBlock -> norm -> logits.
 Families differ only in their :class:`ModelConfig` and Hugging Face mapping.
-With ``mtp_num_layers``, multi-token-prediction modules (:mod:`maxnnx.layers.mtp`)
+With ``mtp.num_layers``, multi-token-prediction modules (:mod:`maxnnx.layers.mtp`)
 follow the stack; ``model(ids, mtp=True)`` also returns their logits.
 
 The layer stack is either an ``nnx.List`` of blocks (``scan_layers=False``: easy
@@ -69,7 +69,7 @@ class Transformer(nnx.Module):
     layers: ``nnx.List`` of :class:`DecoderBlock`, or one stacked block.
     final_norm: norm before the output projection.
     lm_head: untied output projection ``[d_model] -> [vocab]`` or ``None``.
-    mtp: ``nnx.List`` of :class:`~maxnnx.layers.mtp.MTPLayer` (``mtp_num_layers``
+    mtp: ``nnx.List`` of :class:`~maxnnx.layers.mtp.MTPLayer` (``mtp.num_layers``
       of them) or ``None``.
   """
 
@@ -159,7 +159,7 @@ class Transformer(nnx.Module):
     """
     cfg = self.config
     if mtp and (self.mtp is None or decode):
-      raise ValueError('mtp=True needs a model with MTP modules (ModelConfig.mtp_num_layers > 0) '
+      raise ValueError('mtp=True needs a model with MTP modules (ModelConfig.mtp.num_layers > 0) '
                        'and decode=False.')
     _check_token_ids(input_ids_BT, cfg.vocab_size)
     default_segments, default_positions = default_segments_and_positions(input_ids_BT)

@@ -94,7 +94,8 @@ def quantization_rules(recipe: str, config=None) -> tuple:
   """
   rules = [rule(recipe, PROJECTIONS_PATH, op_names=('dot_general',))]
   if config is None or config.moe.num_experts > 1:
-    ops = ('einsum',) if getattr(config, 'moe_dispatch', None) == 'capacity' else ('ragged_dot',)
+    capacity = config is not None and config.moe.dispatch == 'capacity'
+    ops = ('einsum',) if capacity else ('ragged_dot',)
     rules.append(rule(recipe, EXPERTS_PATH, op_names=ops))
   return tuple(rules)
 
@@ -123,7 +124,7 @@ def check_supported(model_config, recipe: str, *, mesh_shape: dict | None = None
     raise ValueError(f"TrainConfig.quantization='{recipe}' quantizes MoE experts through "
                      f"jax.lax.ragged_dot, which ModelConfig.ragged_dot_impl="
                      f"'{model_config.runtime.ragged_dot_impl}' does not call; use ragged_dot_impl="
-                     "'lax' or moe_dispatch='capacity'.")
+                     "'lax' or moe.dispatch='capacity'.")
 
 
 def _check_rules(model: nnx.Module, rules: Sequence) -> None:
