@@ -328,7 +328,7 @@ def test_families_without_mtp_refuse_to_save_it(tmp_path):
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
   ids = np.zeros((1, 4), np.int32)
   assert len(model(ids, mtp=True)[1]) == 1  # the modules themselves are family-agnostic
-  with pytest.raises(PretrainedError, match='mtp_num_layers=0'):
+  with pytest.raises(PretrainedError, match=r'mtp\.num_layers=0'):
     maxnnx.save_pretrained(model, str(tmp_path))
 
 
