@@ -35,6 +35,7 @@ from benchmarks import measure, results
 from benchmarks.configs import BENCH_CONFIGS, get_config
 from benchmarks.model import model_config
 from maxnnx.inference import generate
+from maxnnx.models.counting import num_params
 from maxnnx.models.transformer import Transformer
 
 
@@ -76,11 +77,11 @@ def run(cfg: dict, *, name: str, batches=(1, 32), prefill: int = 512, decode: in
   dtype = dtype or ('float32' if measure.on_cpu() else 'bfloat16')
   mcfg = model_config(cfg, dtype=dtype, max_length=prefill + decode + 1)
   model = Transformer(mcfg, rngs=nnx.Rngs(0))
-  param_bytes = np.dtype(mcfg.param_dtype).itemsize
+  param_bytes = np.dtype(mcfg.runtime.param_dtype).itemsize
   cache_bytes = np.dtype(mcfg.jnp_dtype()).itemsize
   device = measure.device_description()
-  log(f'{name}: {mcfg.num_params():,} parameters ({mcfg.param_dtype}), compute/cache {dtype}, '
-      f'prefill {prefill}, decode {decode}; {device}')
+  log(f'{name}: {num_params(mcfg):,} parameters ({mcfg.runtime.param_dtype}), '
+      f'compute/cache {dtype}, prefill {prefill}, decode {decode}; {device}')
   bandwidth_before = measure.memory_bandwidth_gbs(bandwidth_mib, bandwidth_seconds)
   rng = np.random.default_rng(0)
   timings = []

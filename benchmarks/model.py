@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from maxnnx.config import ModelConfig, RopeConfig
+from maxnnx.config import ModelConfig, MoEConfig, RopeConfig, RuntimeConfig
 
 
 def model_config(cfg: dict, *, dtype: str = 'float32', remat: str = 'none', scan: bool = False,
@@ -19,12 +19,14 @@ def model_config(cfg: dict, *, dtype: str = 'float32', remat: str = 'none', scan
   # XLA's CPU ragged_dot multiplies every row by every expert; 'tiled' is the exact
   # dropless grouped matmul that is fast there.
   ragged = 'tiled' if cfg.get('device') == 'cpu' else 'lax'
-  moe = dict(num_experts=experts, num_experts_per_tok=cfg['num_experts_per_tok'],
-             router_aux_loss_coef=0.01, ragged_dot_impl=ragged) if experts else {}
+  moe = MoEConfig(num_experts=experts, num_experts_per_tok=cfg['num_experts_per_tok']
+                  ) if experts else MoEConfig()
+  runtime = RuntimeConfig(param_dtype='float32', dtype=dtype, scan_layers=scan,
+                          remat_policy=remat, attention_impl=attention_impl,
+                          ragged_dot_impl=ragged if experts else 'lax')
   return ModelConfig(
       family='mixtral' if experts else 'llama', vocab_size=cfg['vocab_size'],
       d_model=cfg['d_model'], num_layers=cfg['num_layers'], num_heads=cfg['num_heads'],
       num_kv_heads=cfg['num_kv_heads'], head_dim=cfg['head_dim'], mlp_dim=cfg['mlp_dim'],
       max_position_embeddings=max(cfg['seq'], max_length or 0), norm_eps=1e-5,
-      rope=RopeConfig(theta=float(cfg.get('rope_theta', 10_000.0))), param_dtype='float32',
-      dtype=dtype, scan_layers=scan, remat_policy=remat, attention_impl=attention_impl, **moe)
+      rope=RopeConfig(theta=float(cfg.get('rope_theta', 10_000.0))), moe=moe, runtime=runtime)

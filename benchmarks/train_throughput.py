@@ -45,6 +45,7 @@ from benchmarks.configs import BENCH_CONFIGS, get_config, train_flops_per_token
 from benchmarks.model import model_config
 from maxnnx.config import MeshConfig
 from maxnnx.host_memory import host_memory_status
+from maxnnx.models.counting import num_params
 from maxnnx.train import TrainConfig, Trainer
 from maxnnx.train.trainer import synthetic_batches
 
@@ -96,9 +97,10 @@ def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warm
   batch, seq = cfg['batch'], cfg['seq']
   tcfg = TrainConfig(steps=max(warmup + steps, 1), global_batch_size=batch, seq_len=seq,
                      log_every=1000, learning_rate=1e-4, warmup_steps=0,
-                     schedule='constant', mesh=mesh or MeshConfig())
+                     schedule='constant', mesh=mesh or MeshConfig(),
+                     router_aux_loss_coef=0.01 if mcfg.moe.num_experts else 0.0)
   device = measure.device_description()
-  log(f'{name}: {mcfg.num_params():,} parameters, batch {batch} x seq {seq}, {dtype}, '
+  log(f'{name}: {num_params(mcfg):,} parameters, batch {batch} x seq {seq}, {dtype}, '
       f'remat {remat}, scan {scan}, attention {attention_impl}; {device}')
   trainer = Trainer(mcfg, tcfg)
   compile_s = trainer.compile(verbose=False)['compile_seconds']

@@ -20,8 +20,18 @@ Importing maxnnx also tunes the host allocator for the CPU backend before JAX st
 # First of all: tunes the host allocator before anything can start a JAX backend.
 from maxnnx import host_memory  # noqa: F401
 from maxnnx.checkpoint.safetensors import SafetensorsError
-from maxnnx.config import ConfigError, MeshConfig, ModelConfig, RopeConfig
+from maxnnx.config import (
+    ConfigError,
+    MeshConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    MTPConfig,
+    RopeConfig,
+    RuntimeConfig,
+)
 from maxnnx.inference.generate import GenerationResult, generate
+from maxnnx.models.counting import num_active_params, num_params
 from maxnnx.models.hf import PretrainedError
 from maxnnx.models.pretrained import config_from_pretrained, from_pretrained, save_pretrained
 from maxnnx.models.transformer import Transformer
@@ -50,8 +60,9 @@ def __dir__():
   return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
-    'ConfigError', 'DataConfig', 'GenerationResult', 'MeshConfig', 'ModelConfig',
-    'PretrainedError', 'RopeConfig', 'SafetensorsError', 'TrainConfig', 'Trainer', 'Transformer',
-    'config_from_pretrained', 'from_pretrained', 'generate', 'get_preset', 'list_presets',
-    'make_pipeline', 'save_pretrained',
+    'ConfigError', 'DataConfig', 'GenerationResult', 'MLAConfig', 'MTPConfig', 'MeshConfig',
+    'ModelConfig', 'MoEConfig', 'PretrainedError', 'RopeConfig', 'RuntimeConfig',
+    'SafetensorsError', 'TrainConfig', 'Trainer', 'Transformer', 'config_from_pretrained',
+    'from_pretrained', 'generate', 'get_preset', 'list_presets', 'make_pipeline',
+    'num_active_params', 'num_params', 'save_pretrained',
 ]

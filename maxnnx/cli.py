@@ -316,7 +316,7 @@ def train(options: dict) -> dict:
   cfg, out = trainer.config, run['output_dir']
   source = (f'{num_tokens:,} tokens' if num_tokens else
             'synthetic tokens' if run['data'] == 'synthetic' else run['data'])
-  print(f"Training {run['model']} ({trainer.model_config.num_params():,} parameters) on "
+  print(f"Training {run['model']} ({maxnnx.num_params(trainer.model_config):,} parameters) on "
         f'{source} for {cfg.steps} steps of {cfg.global_batch_size} x {cfg.seq_len} tokens; '
         f'mesh {dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}'
         + (f'; {trainer.quantization} quantized training.' if trainer.quantization != 'none'

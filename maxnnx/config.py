@@ -7,17 +7,20 @@ YAML file or a ``key=value`` override fails at once instead of being ignored.
 Two classes matter to users:
 
 * :class:`RopeConfig`: how rotary position embeddings are computed.
-* :class:`ModelConfig`: the architecture of a decoder-only transformer, plus the
-  numeric settings (param and compute dtypes) and the layer-stack layout.
+* :class:`ModelConfig`: the architecture of a decoder-only transformer, with
+  nested groups for Mixture-of-Experts (:class:`MoEConfig`), latent attention
+  (:class:`MLAConfig`), multi-token prediction (:class:`MTPConfig`) and the
+  runtime settings: dtypes, layer-stack layout, kernels (:class:`RuntimeConfig`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import jax.numpy as jnp
 
@@ -73,7 +76,16 @@ def _describe(annotation: Any) -> str:
 
 
 class ValidatedConfig:
-  """Mixin: type-check every field after construction; build from dicts."""
+  """Mixin: type-check every field after construction; build from dicts.
+
+  Subclasses may set ``_PATH`` (how error messages name the class, e.g.
+  ``ModelConfig.moe``), ``_ALIASES`` (an accepted input key -> the dotted path of
+  the field it sets) and ``_MOVED`` (a key that is refused -> where it lives now).
+  """
+
+  _PATH: ClassVar[str | None] = None
+  _ALIASES: ClassVar[dict[str, str]] = {}
+  _MOVED: ClassVar[dict[str, str]] = {}
 
   def __post_init__(self):
     hints = typing.get_type_hints(type(self))
@@ -82,11 +94,19 @@ class ValidatedConfig:
       if isinstance(value, list):  # lists from YAML/JSON become tuples
         value = tuple(value)
         object.__setattr__(self, field.name, value)
+      nested = _nested_config_type(hints[field.name])
+      if nested is not None and isinstance(value, dict):
+        value = nested.from_dict(value)
+        object.__setattr__(self, field.name, value)
       if not _check_type(value, hints[field.name]):
         raise ConfigError(
-            f'{type(self).__name__}.{field.name} = {value!r} is invalid: '
+            f'{self._name()}.{field.name} = {value!r} is invalid: '
             f'expected {_describe(hints[field.name])}.')
     self._validate()
+
+  @classmethod
+  def _name(cls) -> str:
+    return cls._PATH or cls.__name__
 
   def _validate(self):
     """Cross-field checks; subclasses override."""
@@ -95,6 +115,10 @@ class ValidatedConfig:
   def from_dict(cls, data: dict[str, Any]):
     """Build from a plain dict, recursing into nested config fields.
 
+    Keys may be field names, dotted paths into nested configs (``'moe.num_experts'``)
+    or the accepted aliases of the class; a dict given for a nested config
+    updates that config's defaults.
+
     Raises:
       ConfigError: on an unknown key (naming the nearest valid one) or a bad value.
     """
@@ -102,32 +126,53 @@ class ValidatedConfig:
       return data
     if not isinstance(data, dict):
       raise ConfigError(f'{cls.__name__} expects a dict, got {type(data).__name__}.')
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-      if key not in names:
-        raise ConfigError(
-            f"Unknown {cls.__name__} field '{key}'.{_nearest(key, names)}")
-      nested = _nested_config_type(hints[key])
-      if nested is not None and isinstance(value, dict):
-        value = nested.from_dict(value)
-      kwargs[key] = value
-    return cls(**kwargs)
+    return cls._build({}, data)
 
   def to_dict(self) -> dict[str, Any]:
     """A plain, JSON-serialisable dict (nested configs become dicts)."""
     return dataclasses.asdict(self)
 
   def replace(self, **changes):
-    """A copy with ``changes`` applied (validated like ``from_dict``)."""
-    data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    for key in changes:
-      if key not in data:
-        raise ConfigError(
-            f"Unknown {type(self).__name__} field '{key}'.{_nearest(key, data)}")
-    data.update(changes)
-    return type(self).from_dict(data)
+    """A copy with ``changes`` applied (validated like ``from_dict``).
+
+    A dict given for a nested config (``moe={'num_experts': 4}``) is merged
+    into the current one; dotted keys (``**{'moe.num_experts': 4}``) and the
+    class's aliases work as in :meth:`from_dict`.
+    """
+    current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return type(self)._build(current, changes)
+
+  @classmethod
+  def _build(cls, current: dict[str, Any], changes: dict[str, Any]):
+    """``cls(**current)`` with ``changes`` (plain, dotted, aliased or nested keys) applied."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs, nested_changes = dict(current), {}
+    for key, value in changes.items():
+      if key in cls._MOVED:
+        raise ConfigError(f"'{key}' is not a {cls._name()} field: it is a training setting now, "
+                          f'set {cls._MOVED[key]} instead.')
+      key = cls._ALIASES.get(key, key)
+      head, _, rest = key.partition('.')
+      if head not in names:
+        raise ConfigError(f"Unknown {cls._name()} field '{key}'."
+                          f'{_nearest(key, [*names, *cls._ALIASES])}')
+      nested = _nested_config_type(hints[head])
+      if rest:
+        if nested is None:
+          raise ConfigError(f"{cls._name()}.{head} has no field '{rest}' ('{key}').")
+        nested_changes.setdefault(head, {})[rest] = value
+      elif nested is not None and isinstance(value, dict):
+        nested_changes.setdefault(head, {}).update(value)
+      else:
+        kwargs[head] = value
+        nested_changes.pop(head, None)
+    for head, group_changes in nested_changes.items():
+      nested = _nested_config_type(hints[head])
+      base = kwargs.get(head)
+      kwargs[head] = (base.replace(**group_changes) if isinstance(base, nested)
+                      else nested.from_dict(group_changes))
+    return cls(**kwargs)
 
 
 def _nested_config_type(annotation):
@@ -206,13 +251,229 @@ class RopeConfig(ValidatedConfig):
 
 LayerType = Literal['full', 'sliding']
 
+RematPolicy = Literal['none', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', 'save_out_proj',
+                      'save_attention_out', 'full']
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(ValidatedConfig):
+  """Mixture-of-Experts feed-forward layers (see :class:`maxnnx.layers.moe.MoE`).
+
+  Attributes:
+    num_experts: routed experts per MoE layer; 0 means a dense model.
+    num_experts_per_tok: experts each token is routed to (top-k).
+    mlp_dim: hidden width of each expert; ``None`` means the model's ``mlp_dim``.
+    num_shared_experts: always-on experts, fused into one MLP of width
+      ``num_shared_experts * mlp_dim`` (DeepSeek).
+    first_k_dense_layers: the first layers use the dense MLP (DeepSeek).
+    layer_step: after those, every ``layer_step``-th layer is MoE (layer ``i`` is
+      MoE iff ``(i - first_k_dense_layers) % layer_step == 0``).
+    router_score: ``softmax`` or ``sigmoid`` (DeepSeek V3) expert scores.
+    router_norm_topk: renormalise the top-k weights to sum to 1.
+    router_scaling_factor: multiplier of the routed output (``routed_scaling_factor``).
+    router_groups: experts are split into this many groups (``n_group``).
+    router_topk_groups: only experts of the best groups are eligible (``topk_group``).
+    router_group_score: group score: its best expert (``max``, DeepSeek V2) or the
+      sum of its best two (``top2_sum``, DeepSeek V3).
+    router_score_bias: aux-loss-free load balancing: a per-expert bias added to the
+      scores for choosing experts only (``e_score_correction_bias``).
+    router_bias: bias on the router projection (GPT-OSS).
+    dispatch: ``dropless`` (sort by expert + ragged dot) or ``capacity`` (fixed
+      per-expert buffers; overflowing assignments are dropped).
+    capacity_factor: ``capacity`` dispatch: buffer size per expert is
+      ``ceil(capacity_factor * tokens * top_k / num_experts)``.
+    expert_bias: biases in the expert projections (GPT-OSS).
+    swiglu_limit: GPT-OSS clamped SwiGLU: ``gate <= limit``, ``|up| <= limit``,
+      ``out = (up + 1) * gate * sigmoid(swiglu_alpha * gate)``; ``None`` = plain.
+    swiglu_alpha: the sigmoid sharpness of the clamped SwiGLU.
+  """
+
+  _PATH = 'ModelConfig.moe'
+
+  num_experts: int = 0
+  num_experts_per_tok: int = 2
+  mlp_dim: int | None = None
+  num_shared_experts: int = 0
+  first_k_dense_layers: int = 0
+  layer_step: int = 1
+  router_score: Literal['softmax', 'sigmoid'] = 'softmax'
+  router_norm_topk: bool = True
+  router_scaling_factor: float = 1.0
+  router_groups: int = 1
+  router_topk_groups: int = 1
+  router_group_score: Literal['max', 'top2_sum'] = 'max'
+  router_score_bias: bool = False
+  router_bias: bool = False
+  dispatch: Literal['dropless', 'capacity'] = 'dropless'
+  capacity_factor: float = 1.25
+  expert_bias: bool = False
+  swiglu_limit: float | None = None
+  swiglu_alpha: float = 1.702
+
+  def _validate(self):
+    p = self._PATH
+    if self.num_experts < 0:
+      raise ConfigError(f'{p}.num_experts must be >= 0 (0 = dense), got {self.num_experts}.')
+    if not self.num_experts:
+      return
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
+      raise ConfigError(f'{p}.num_experts_per_tok must be in [1, num_experts='
+                        f'{self.num_experts}], got {self.num_experts_per_tok}.')
+    if self.mlp_dim is not None and self.mlp_dim <= 0:
+      raise ConfigError(f'{p}.mlp_dim must be > 0, got {self.mlp_dim}.')
+    for name, low in (('num_shared_experts', 0), ('first_k_dense_layers', 0), ('layer_step', 1)):
+      if getattr(self, name) < low:
+        raise ConfigError(f'{p}.{name} must be >= {low}, got {getattr(self, name)}.')
+    if self.router_groups < 1 or self.num_experts % self.router_groups:
+      raise ConfigError(f'{p}.num_experts ({self.num_experts}) must be a multiple of '
+                        f'router_groups ({self.router_groups}).')
+    if not 1 <= self.router_topk_groups <= self.router_groups:
+      raise ConfigError(f'{p}.router_topk_groups must be in [1, router_groups='
+                        f'{self.router_groups}], got {self.router_topk_groups}.')
+    per_group = self.num_experts // self.router_groups
+    if self.router_topk_groups * per_group < self.num_experts_per_tok:
+      raise ConfigError(f'{p}.router_topk_groups={self.router_topk_groups} groups of '
+                        f'{per_group} experts cannot supply num_experts_per_tok='
+                        f'{self.num_experts_per_tok}.')
+    if self.router_group_score == 'top2_sum' and self.router_groups > 1 and per_group < 2:
+      raise ConfigError(f"{p}.router_group_score='top2_sum' needs >= 2 experts per group.")
+    if self.capacity_factor <= 0:
+      raise ConfigError(f'{p}.capacity_factor must be > 0, got {self.capacity_factor}.')
+    if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+      raise ConfigError(f'{p}.swiglu_limit must be > 0, got {self.swiglu_limit}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig(ValidatedConfig):
+  """Multi-head latent attention (DeepSeek, :class:`maxnnx.layers.mla.MLA`); used when
+  ``ModelConfig.attention_type='mla'``.
+
+  Attributes:
+    q_lora_rank: rank of the query down-projection; ``None`` = full-rank queries.
+    kv_lora_rank: width of the compressed key/value latent (what the cache holds).
+    qk_nope_head_dim: per-head query/key width without rotary embedding.
+    qk_rope_head_dim: per-head query/key width with rotary embedding (the key part
+      is shared by all heads).
+    v_head_dim: per-head value width.
+  """
+
+  _PATH = 'ModelConfig.mla'
+
+  q_lora_rank: int | None = None
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+
+  def _validate(self):
+    p = self._PATH
+    for name in ('kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f'{p}.{name} must be > 0, got {getattr(self, name)}.')
+    if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+      raise ConfigError(f'{p}.q_lora_rank must be > 0 or None (full-rank queries), '
+                        f'got {self.q_lora_rank}.')
+    if self.qk_rope_head_dim % 2:
+      raise ConfigError(f'{p}.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even.')
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig(ValidatedConfig):
+  """Multi-token prediction (DeepSeek V3, :class:`maxnnx.layers.mtp.MTPLayer`).
+
+  Attributes:
+    num_layers: extra modules, each one decoder block deep, that predict the token
+      ``k + 1`` positions ahead (``k = 1..num_layers``); trained as an auxiliary
+      loss (weighted by ``TrainConfig.mtp_loss_scaling_factor``), ignored when
+      generating. 0 = none.
+  """
+
+  _PATH = 'ModelConfig.mtp'
+
+  num_layers: int = 0
+
+  def _validate(self):
+    if self.num_layers < 0:
+      raise ConfigError(f'{self._PATH}.num_layers must be >= 0 (0 = no multi-token '
+                        f'prediction), got {self.num_layers}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig(ValidatedConfig):
+  """Numerics, layer-stack layout and kernel choices: how a model runs, not what it is.
+
+  Attributes:
+    param_dtype: dtype parameters are stored in.
+    dtype: dtype activations and matmuls are computed in.
+    logits_dtype: dtype of the returned logits.
+    scan_layers: hold the layer stack as one scanned module (fast compile for deep
+      models) instead of a list of modules (easy to inspect and edit).
+    attention_impl: attention kernel strategy by name. ``xla_flash`` (the default:
+      plain XLA, skips the masked causal blocks and recomputes the softmax in the
+      backward pass) and ``xla`` (the reference) run everywhere.
+    ragged_dot_impl: grouped-matmul strategy of MoE layers by name (``lax``, the
+      ``dense`` reference and ``tiled`` always exist; ``tiled`` is about 2x faster
+      than ``lax`` on CPUs, whose ``ragged_dot`` multiplies every row by every expert).
+    remat_policy: what each block keeps for the backward pass (the rest is
+      recomputed): ``none`` keeps everything; ``minimal`` keeps matmul outputs
+      without batch dims; ``save_dot_except_mlp`` keeps the attention projections
+      and outputs; ``save_qkv_proj`` / ``save_out_proj`` / ``save_attention_out``
+      keep only those; ``full`` keeps nothing but the block inputs.
+    kernel_on_unsupported: what a kernel strategy does with a call it declares it
+      cannot serve: ``fallback`` (compute it with ``xla``/``lax`` and log a warning
+      once) or ``error`` (raise).
+  """
+
+  _PATH = 'ModelConfig.runtime'
+
+  param_dtype: Literal[_DTYPES] = 'float32'
+  dtype: Literal[_DTYPES] = 'float32'
+  logits_dtype: Literal[_DTYPES] = 'float32'
+  scan_layers: bool = False
+  attention_impl: str = 'xla_flash'
+  ragged_dot_impl: str = 'lax'
+  remat_policy: RematPolicy = 'none'
+  kernel_on_unsupported: Literal['fallback', 'error'] = 'fallback'
+
+  def jnp_dtype(self, which: Literal['dtype', 'param_dtype', 'logits_dtype'] = 'dtype'):
+    """The ``jnp`` dtype of ``dtype``, ``param_dtype`` or ``logits_dtype``."""
+    return jnp.dtype(getattr(self, which))
+
+
+# The flat ModelConfig keys of earlier versions, accepted as input: old name -> new dotted path.
+LEGACY_MODEL_KEYS: dict[str, str] = {
+    **{name: f'moe.{name}' for name in (
+        'num_experts', 'num_experts_per_tok', 'num_shared_experts', 'first_k_dense_layers',
+        'router_score', 'router_norm_topk', 'router_scaling_factor', 'router_groups',
+        'router_topk_groups', 'router_group_score', 'router_score_bias', 'router_bias',
+        'capacity_factor', 'expert_bias', 'swiglu_limit', 'swiglu_alpha')},
+    'moe_mlp_dim': 'moe.mlp_dim',
+    'moe_layer_step': 'moe.layer_step',
+    'moe_dispatch': 'moe.dispatch',
+    **{name: f'mla.{name}' for name in (
+        'q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')},
+    'mtp_num_layers': 'mtp.num_layers',
+    **{name: f'runtime.{name}' for name in (
+        'param_dtype', 'dtype', 'logits_dtype', 'scan_layers', 'attention_impl',
+        'ragged_dot_impl', 'remat_policy', 'kernel_on_unsupported')},
+}
+
+# Training-loss weights that earlier versions kept in ModelConfig -> where they live now.
+TRAINING_KEYS: dict[str, str] = {
+    name: f'TrainConfig.{name}'
+    for name in ('router_aux_loss_coef', 'router_z_loss_coef', 'mtp_loss_scaling_factor')}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(ValidatedConfig):
   """Architecture and numerics of a decoder-only transformer.
 
-  One config covers every dense family; a family is a choice of these fields
-  (see ``maxnnx.presets``) plus its Hugging Face mapping.
+  One config covers every family; a family is a choice of these fields (see
+  ``maxnnx.presets``) plus its Hugging Face mapping. Mixture-of-Experts, latent
+  attention, multi-token prediction and the runtime settings are nested groups
+  (``cfg.moe.num_experts``, ``cfg.runtime.dtype``…). ``from_dict`` and ``replace``
+  also take dotted keys (``'moe.num_experts'``) and the flat names of earlier
+  versions (:data:`LEGACY_MODEL_KEYS`, e.g. ``num_experts``, ``dtype``).
 
   Attributes:
     family: model family, used for Hugging Face export (``llama``, ``gemma2``…).
@@ -246,83 +507,28 @@ class ModelConfig(ValidatedConfig):
     rope: rotary embedding of full-attention layers (and of all layers unless
       ``local_rope`` is set).
     local_rope: rotary embedding of sliding layers when it differs (Gemma 3).
+    rope_interleave: rotary pairs are adjacent dims ``(x0, x1), (x2, x3)…``
+      rather than the two halves (DeepSeek checkpoints).
     mlp_activation: ``silu``, ``gelu_tanh``, ``gelu`` or ``relu``.
     mlp_gated: gated MLP (SwiGLU/GeGLU) rather than a plain two-layer MLP.
     mlp_bias: biases in the MLP projections.
     tie_word_embeddings: the output projection reuses the input embedding.
     scale_embeddings: multiply embeddings by ``sqrt(d_model)`` (Gemma).
     final_logit_softcap: ``cap * tanh(logits / cap)`` on the output logits.
-    param_dtype: dtype parameters are stored in.
-    dtype: dtype activations and matmuls are computed in.
-    logits_dtype: dtype of the returned logits.
-    scan_layers: hold the layer stack as one scanned module (fast compile for
-      deep models) instead of a list of modules (easy to inspect and edit).
-    attention_impl: attention kernel strategy by name. ``xla_flash`` (the
-      default: plain XLA, skips the masked causal blocks and recomputes the
-      softmax in the backward pass) and ``xla`` (the reference) run everywhere.
-    ragged_dot_impl: grouped-matmul strategy of MoE layers by name (``lax``,
-      the ``dense`` reference and ``tiled`` always exist; ``tiled`` is about 2x
-      faster than ``lax`` on CPUs, whose ``ragged_dot`` multiplies every row by
-      every expert).
-    remat_policy: what each block keeps for the backward pass (the rest is
-      recomputed): ``none`` keeps everything; ``minimal`` keeps matmul outputs
-      without batch dims; ``save_dot_except_mlp`` keeps the attention
-      projections and outputs; ``save_qkv_proj`` / ``save_out_proj`` /
-      ``save_attention_out`` keep only those; ``full`` keeps nothing but the
-      block inputs.
-    kernel_on_unsupported: what a kernel strategy does with a call it declares
-      it cannot serve: ``fallback`` (compute it with ``xla``/``lax`` and log a
-      warning once) or ``error`` (raise).
     initializer_range: std of the normal init of the embedding table.
     bos_token_id: beginning-of-sequence id of the model's tokenizer, if any.
     eos_token_id: end-of-sequence id(s); ``generate`` stops at them by default.
     pad_token_id: padding id, if the tokenizer has one.
-    num_experts: Mixture-of-Experts (see :class:`maxnnx.layers.moe.MoE`):
-      routed experts per MoE layer; 0 means a dense model.
-    num_experts_per_tok: experts each token is routed to (top-k).
-    moe_mlp_dim: hidden width of each expert; ``None`` means ``mlp_dim``.
-    num_shared_experts: always-on experts, fused into one MLP of width
-      ``num_shared_experts * moe_mlp_dim`` (DeepSeek).
-    first_k_dense_layers: the first layers use the dense MLP (DeepSeek).
-    moe_layer_step: after those, every ``moe_layer_step``-th layer is MoE
-      (layer ``i`` is MoE iff ``(i - first_k_dense_layers) % moe_layer_step == 0``).
-    router_score: ``softmax`` or ``sigmoid`` (DeepSeek V3) expert scores.
-    router_norm_topk: renormalise the top-k weights to sum to 1.
-    router_scaling_factor: multiplier of the routed output (``routed_scaling_factor``).
-    router_groups: experts are split into this many groups (``n_group``).
-    router_topk_groups: only experts of the best groups are eligible (``topk_group``).
-    router_group_score: group score: its best expert (``max``, DeepSeek V2) or
-      the sum of its best two (``top2_sum``, DeepSeek V3).
-    router_score_bias: aux-loss-free load balancing: a per-expert bias added to
-      the scores for choosing experts only (``e_score_correction_bias``).
-    router_bias: bias on the router projection (GPT-OSS).
-    router_aux_loss_coef: weight of the load-balancing loss in training.
-    router_z_loss_coef: weight of the router z-loss in training.
-    moe_dispatch: ``dropless`` (sort by expert + ragged dot) or ``capacity``
-      (fixed per-expert buffers; overflowing assignments are dropped).
-    capacity_factor: ``capacity`` dispatch: buffer size per expert is
-      ``ceil(capacity_factor * tokens * top_k / num_experts)``.
-    expert_bias: biases in the expert projections (GPT-OSS).
-    swiglu_limit: GPT-OSS clamped SwiGLU: ``gate <= limit``, ``|up| <= limit``,
-      ``out = (up + 1) * gate * sigmoid(swiglu_alpha * gate)``; ``None`` = plain.
-    swiglu_alpha: the sigmoid sharpness of the clamped SwiGLU.
-    attention_type: ``mha`` (multi/grouped-query attention) or ``mla``
-      (DeepSeek multi-head latent attention, :class:`maxnnx.layers.mla.MLA`).
-    q_lora_rank: MLA: rank of the query down-projection; ``None`` = full-rank queries.
-    kv_lora_rank: MLA: width of the compressed key/value latent (what the cache holds).
-    qk_nope_head_dim: MLA: per-head query/key width without rotary embedding.
-    qk_rope_head_dim: MLA: per-head query/key width with rotary embedding
-      (the key part is shared by all heads).
-    v_head_dim: MLA: per-head value width.
-    rope_interleave: rotary pairs are adjacent dims ``(x0, x1), (x2, x3)…``
-      rather than the two halves (DeepSeek checkpoints).
-    mtp_num_layers: multi-token prediction (DeepSeek V3, see
-      :class:`maxnnx.layers.mtp.MTPLayer`): extra modules, each one decoder
-      block deep, that predict the token ``k + 1`` positions ahead (``k = 1..``
-      this); trained as an auxiliary loss, ignored when generating. 0 = none.
-    mtp_loss_scaling_factor: weight of the mean MTP cross-entropy added to the
-      training loss (DeepSeek V3 used 0.3, then 0.1).
+    attention_type: ``mha`` (multi/grouped-query attention) or ``mla`` (DeepSeek
+      multi-head latent attention, configured by ``mla``).
+    moe: Mixture-of-Experts layers (:class:`MoEConfig`); ``moe.num_experts=0`` is dense.
+    mla: latent attention shapes (:class:`MLAConfig`), used when ``attention_type='mla'``.
+    mtp: multi-token prediction modules (:class:`MTPConfig`).
+    runtime: dtypes, layer-stack layout, remat and kernels (:class:`RuntimeConfig`).
   """
+
+  _ALIASES = LEGACY_MODEL_KEYS
+  _MOVED = TRAINING_KEYS
 
   family: str = 'llama'
   vocab_size: int = 32_000
@@ -348,55 +554,36 @@ class ModelConfig(ValidatedConfig):
   layer_types: tuple[LayerType, ...] | None = None
   rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
   local_rope: RopeConfig | None = None
+  rope_interleave: bool = False
   mlp_activation: Literal['silu', 'gelu_tanh', 'gelu', 'relu'] = 'silu'
   mlp_gated: bool = True
   mlp_bias: bool = False
   tie_word_embeddings: bool = False
   scale_embeddings: bool = False
   final_logit_softcap: float | None = None
-  param_dtype: Literal[_DTYPES] = 'float32'
-  dtype: Literal[_DTYPES] = 'float32'
-  logits_dtype: Literal[_DTYPES] = 'float32'
-  scan_layers: bool = False
-  attention_impl: str = 'xla_flash'
-  ragged_dot_impl: str = 'lax'
-  remat_policy: Literal['none', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj',
-                        'save_out_proj', 'save_attention_out', 'full'] = 'none'
-  kernel_on_unsupported: Literal['fallback', 'error'] = 'fallback'
   initializer_range: float = 0.02
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
-  num_experts: int = 0
-  num_experts_per_tok: int = 2
-  moe_mlp_dim: int | None = None
-  num_shared_experts: int = 0
-  first_k_dense_layers: int = 0
-  moe_layer_step: int = 1
-  router_score: Literal['softmax', 'sigmoid'] = 'softmax'
-  router_norm_topk: bool = True
-  router_scaling_factor: float = 1.0
-  router_groups: int = 1
-  router_topk_groups: int = 1
-  router_group_score: Literal['max', 'top2_sum'] = 'max'
-  router_score_bias: bool = False
-  router_bias: bool = False
-  router_aux_loss_coef: float = 0.0
-  router_z_loss_coef: float = 0.0
-  moe_dispatch: Literal['dropless', 'capacity'] = 'dropless'
-  capacity_factor: float = 1.25
-  expert_bias: bool = False
-  swiglu_limit: float | None = None
-  swiglu_alpha: float = 1.702
   attention_type: Literal['mha', 'mla'] = 'mha'
-  q_lora_rank: int | None = None
-  kv_lora_rank: int = 512
-  qk_nope_head_dim: int = 128
-  qk_rope_head_dim: int = 64
-  v_head_dim: int = 128
-  rope_interleave: bool = False
-  mtp_num_layers: int = 0
-  mtp_loss_scaling_factor: float = 0.1
+  moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+  mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
+  mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
+  runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+
+  @classmethod
+  def from_stored_dict(cls, data: dict[str, Any]) -> ModelConfig:
+    """:meth:`from_dict` for a config read back from disk (a checkpoint's metadata).
+
+    Configs saved by earlier versions may hold the training-loss weights
+    (:data:`TRAINING_KEYS`); they are dropped with a log line instead of refused.
+    """
+    if isinstance(data, dict) and any(key in TRAINING_KEYS for key in data):
+      dropped = {k: data[k] for k in data if k in TRAINING_KEYS}
+      logging.info('Stored ModelConfig: dropping training settings %s (set them in '
+                   'TrainConfig instead).', dropped)
+      data = {k: v for k, v in data.items() if k not in TRAINING_KEYS}
+    return cls.from_dict(data)
 
   def _validate(self):
     positive = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'mlp_dim',
@@ -424,80 +611,41 @@ class ModelConfig(ValidatedConfig):
       raise ConfigError('ModelConfig: the rotated part of head_dim '
                         f'({self.rope.partial_rotary_factor} * {self.resolved_head_dim}) '
                         'must be even.')
-    self._validate_moe()
     if self.attention_sinks and self.attention_type != 'mha':
       raise ConfigError("ModelConfig.attention_sinks needs attention_type='mha'.")
-    if self.mtp_num_layers < 0 or self.mtp_loss_scaling_factor < 0:
-      raise ConfigError('ModelConfig: need mtp_num_layers >= 0 (0 = no multi-token prediction) '
-                        f'and mtp_loss_scaling_factor >= 0, got {self.mtp_num_layers}, '
-                        f'{self.mtp_loss_scaling_factor}.')
-    if self.attention_type == 'mla':
-      for name in ('kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'):
-        if getattr(self, name) <= 0:
-          raise ConfigError(f"ModelConfig.{name} must be > 0 for attention_type='mla'.")
-      if self.q_lora_rank is not None and self.q_lora_rank <= 0:
-        raise ConfigError('ModelConfig.q_lora_rank must be > 0 or None (full-rank queries).')
-      if self.qk_rope_head_dim % 2:
-        raise ConfigError(f'ModelConfig.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even.')
+    if self.moe.num_experts:
+      self._validate_moe()
 
   def _validate_moe(self):
-    if self.num_experts < 0:
-      raise ConfigError(f'ModelConfig.num_experts must be >= 0 (0 = dense), '
-                        f'got {self.num_experts}.')
-    if not self.num_experts:
-      return
-    if not 1 <= self.num_experts_per_tok <= self.num_experts:
-      raise ConfigError(f'ModelConfig.num_experts_per_tok must be in [1, num_experts='
-                        f'{self.num_experts}], got {self.num_experts_per_tok}.')
-    if self.moe_mlp_dim is not None and self.moe_mlp_dim <= 0:
-      raise ConfigError(f'ModelConfig.moe_mlp_dim must be > 0, got {self.moe_mlp_dim}.')
-    if self.num_shared_experts < 0 or self.first_k_dense_layers < 0 or self.moe_layer_step < 1:
-      raise ConfigError('ModelConfig: need num_shared_experts >= 0, first_k_dense_layers >= 0 '
-                        f'and moe_layer_step >= 1, got {self.num_shared_experts}, '
-                        f'{self.first_k_dense_layers}, {self.moe_layer_step}.')
-    if self.first_k_dense_layers >= self.num_layers:
-      raise ConfigError(f'ModelConfig.first_k_dense_layers ({self.first_k_dense_layers}) leaves '
-                        f'no MoE layer of num_layers={self.num_layers}; set num_experts=0 for '
-                        'a dense model.')
-    if self.num_experts % self.router_groups:
-      raise ConfigError(f'ModelConfig.num_experts ({self.num_experts}) must be a multiple of '
-                        f'router_groups ({self.router_groups}).')
-    if not 1 <= self.router_topk_groups <= self.router_groups:
-      raise ConfigError(f'ModelConfig.router_topk_groups must be in [1, router_groups='
-                        f'{self.router_groups}], got {self.router_topk_groups}.')
-    per_group = self.num_experts // self.router_groups
-    if self.router_topk_groups * per_group < self.num_experts_per_tok:
-      raise ConfigError(f'ModelConfig: router_topk_groups={self.router_topk_groups} groups of '
-                        f'{per_group} experts cannot supply num_experts_per_tok='
-                        f'{self.num_experts_per_tok}.')
-    if self.router_group_score == 'top2_sum' and self.router_groups > 1 and per_group < 2:
-      raise ConfigError("ModelConfig.router_group_score='top2_sum' needs >= 2 experts per group.")
-    if self.capacity_factor <= 0:
-      raise ConfigError(f'ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}.')
-    if self.swiglu_limit is not None and self.swiglu_limit <= 0:
-      raise ConfigError(f'ModelConfig.swiglu_limit must be > 0, got {self.swiglu_limit}.')
+    """Checks of the MoE group that need the rest of the model."""
+    moe = self.moe
+    if moe.first_k_dense_layers >= self.num_layers:
+      raise ConfigError(f'ModelConfig.moe.first_k_dense_layers ({moe.first_k_dense_layers}) '
+                        f'leaves no MoE layer of num_layers={self.num_layers}; set '
+                        'moe.num_experts=0 for a dense model.')
     if not self.mlp_gated:
-      raise ConfigError('ModelConfig: MoE experts are gated (SwiGLU/GeGLU); set mlp_gated=True.')
-    if self.scan_layers and self.moe_layer_step > 1:
-      raise ConfigError('ModelConfig: scan_layers=True needs moe_layer_step=1 (dense layers only '
-                        'as a first_k_dense_layers prefix); use scan_layers=False for '
-                        'interleaved MoE layers.')
+      raise ConfigError('ModelConfig.moe.num_experts > 0 needs mlp_gated=True (MoE experts are '
+                        'gated: SwiGLU/GeGLU).')
+    if self.runtime.scan_layers and moe.layer_step > 1:
+      raise ConfigError('ModelConfig.runtime.scan_layers=True needs ModelConfig.moe.layer_step=1 '
+                        '(dense layers only as a first_k_dense_layers prefix); use '
+                        'scan_layers=False for interleaved MoE layers.')
 
   @property
   def rope_head_dim(self) -> int:
-    """Per-head width the rotary tables are built for (``qk_rope_head_dim`` under MLA)."""
-    return self.qk_rope_head_dim if self.attention_type == 'mla' else self.resolved_head_dim
+    """Per-head width the rotary tables are built for (``mla.qk_rope_head_dim`` under MLA)."""
+    return self.mla.qk_rope_head_dim if self.attention_type == 'mla' else self.resolved_head_dim
 
   @property
   def resolved_moe_mlp_dim(self) -> int:
-    """``moe_mlp_dim`` with its default (``mlp_dim``) applied."""
-    return self.moe_mlp_dim if self.moe_mlp_dim is not None else self.mlp_dim
+    """``moe.mlp_dim`` with its default (``mlp_dim``) applied."""
+    return self.moe.mlp_dim if self.moe.mlp_dim is not None else self.mlp_dim
 
   @property
   def moe_layers(self) -> tuple[bool, ...]:
     """For every layer, whether its feed-forward block is a Mixture-of-Experts."""
-    k, step = self.first_k_dense_layers, self.moe_layer_step
-    return tuple(self.num_experts > 0 and i >= k and (i - k) % step == 0
+    k, step = self.moe.first_k_dense_layers, self.moe.layer_step
+    return tuple(self.moe.num_experts > 0 and i >= k and (i - k) % step == 0
                  for i in range(self.num_layers))
 
   @property
@@ -518,54 +666,9 @@ class ModelConfig(ValidatedConfig):
     return self.query_scale if self.query_scale is not None else self.resolved_head_dim**-0.5
 
   def jnp_dtype(self, which: Literal['dtype', 'param_dtype', 'logits_dtype'] = 'dtype'):
-    """The ``jnp`` dtype of ``dtype``, ``param_dtype`` or ``logits_dtype``."""
-    return jnp.dtype(getattr(self, which))
-
-  def num_params(self) -> int:
-    """Exact parameter count of the model this config builds (MTP modules included)."""
-    d, hd, h, kv = self.d_model, self.resolved_head_dim, self.num_heads, self.num_kv_heads
-    attn = d * hd * (h + 2 * kv) + h * hd * d
-    attn += hd * (h + 2 * kv) * self.qkv_bias + d * self.out_bias
-    attn += {'none': 0, 'head': 2 * hd, 'projection': hd * (h + kv)}[self.qk_norm]
-    attn += h * self.attention_sinks
-    if self.attention_type == 'mla':
-      attn = self._mla_params()
-    mlp = d * self.mlp_dim * (3 if self.mlp_gated else 2)
-    mlp += (self.mlp_dim * (2 if self.mlp_gated else 1) + d) * self.mlp_bias
-    norm = d * (2 if self.norm_type == 'layer' else 1)
-    norms = norm * 2 * (int(self.pre_norm) + int(self.post_norm))
-    per_layer = attn + mlp + norms
-    embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-    num_moe = sum(self.moe_layers)
-    moe_delta = self._moe_params(self.num_experts) - mlp if num_moe else 0
-    # Each MTP module: a block (MoE when the model has experts), eh_proj and three
-    # norms; it shares the embedding and output head with the main model.
-    mtp_block = per_layer + (self._moe_params(self.num_experts) - mlp if self.num_experts else 0)
-    mtp = self.mtp_num_layers * (mtp_block + 2 * d * d + 3 * norm)
-    return self.num_layers * per_layer + num_moe * moe_delta + embed + norm + mtp
-
-  def _mla_params(self) -> int:
-    d, h, ql, kvl = self.d_model, self.num_heads, self.q_lora_rank, self.kv_lora_rank
-    qk, rope, v = self.qk_nope_head_dim + self.qk_rope_head_dim, self.qk_rope_head_dim, \
-        self.v_head_dim
-    q = d * h * qk if ql is None else d * ql + ql + ql * h * qk + ql * self.qkv_bias
-    kv = d * (kvl + rope) + (kvl + rope) * self.qkv_bias + kvl + kvl * h * (qk - rope + v)
-    return q + kv + h * v * d + d * self.out_bias
-
-  def _moe_params(self, experts: int) -> int:
-    """Parameters of one MoE block counting ``experts`` routed experts."""
-    d, f, e = self.d_model, self.resolved_moe_mlp_dim, self.num_experts
-    router = d * e + e * (int(self.router_bias) + int(self.router_score_bias))
-    routed = experts * (3 * d * f + (2 * f + d) * self.expert_bias)
-    shared = 3 * d * f * self.num_shared_experts
-    return router + routed + shared
-
-  def num_active_params(self) -> int:
-    """Parameters used per token: :meth:`num_params` counting only the top-k
-    routed experts of each MoE layer (embeddings counted in full)."""
-    inactive = self._moe_params(self.num_experts) - self._moe_params(self.num_experts_per_tok)
-    mtp_moe = self.mtp_num_layers if self.num_experts else 0
-    return self.num_params() - (sum(self.moe_layers) + mtp_moe) * inactive
+    """The ``jnp`` dtype of ``runtime.dtype``, ``runtime.param_dtype`` or
+    ``runtime.logits_dtype``."""
+    return self.runtime.jnp_dtype(which)
 
 
 def resolve_dtype(name: str):

@@ -33,15 +33,15 @@ def _rotate(x_BTNR, positions, inv_freq, factor):
 
 def mla(x_BTD, p, cfg, positions, segment_ids):
   """Multi-head latent attention output ``[B, T, D]``."""
-  nope, rope, heads = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.num_heads
-  if cfg.q_lora_rank is None:
+  nope, rope, heads = cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim, cfg.num_heads
+  if cfg.mla.q_lora_rank is None:
     q = _lin(x_BTD, p['q_proj'])
   else:
     q = _lin(rms_norm(_lin(x_BTD, p['q_a_proj']), p['q_a_layernorm']['scale'], LORA_EPS),
              p['q_b_proj'])
   kv_a = _lin(x_BTD, p['kv_a_proj_with_mqa'])
-  latent = rms_norm(kv_a[..., :cfg.kv_lora_rank], p['kv_a_layernorm']['scale'], LORA_EPS)
-  k_rope = kv_a[..., None, cfg.kv_lora_rank:]
+  latent = rms_norm(kv_a[..., :cfg.mla.kv_lora_rank], p['kv_a_layernorm']['scale'], LORA_EPS)
+  k_rope = kv_a[..., None, cfg.mla.kv_lora_rank:]
   kv = _lin(latent, p['kv_b_proj'])
   k_nope, v = kv[..., :nope], kv[..., nope:]
   inv_freq, factor = rope_tables(cfg.rope, rope, cfg.max_position_embeddings, positions)
@@ -97,7 +97,7 @@ def deepseek(ids_BT, p, cfg, segment_ids=None, positions=None):
     x = block(x, p['layers'][i], cfg, positions, segment_ids, cfg.moe_layers[i])
   logits = _head(rms_norm(x, p['final_norm']['scale'], cfg.norm_eps), p, cfg)
   mtp_logits, h = [], x
-  for k in range(1, cfg.mtp_num_layers + 1):
+  for k in range(1, cfg.mtp.num_layers + 1):
     q = p['mtp'][k - 1]
     ahead = np.zeros_like(ids)
     for i in range(t - k):
@@ -105,7 +105,7 @@ def deepseek(ids_BT, p, cfg, segment_ids=None, positions=None):
     e = rms_norm(table[ahead], q['embed_norm']['scale'], cfg.norm_eps)
     merged = np.concatenate([e, rms_norm(h, q['hidden_norm']['scale'], cfg.norm_eps)], axis=-1)
     h = block(merged @ f64(q['proj']['kernel']), q['block'], cfg, positions, segment_ids,
-              cfg.num_experts > 0)
+              cfg.moe.num_experts > 0)
     mtp_logits.append(_head(rms_norm(h, q['final_norm']['scale'], cfg.norm_eps), p, cfg))
   return logits, mtp_logits
 

@@ -18,27 +18,27 @@ def _softmax(v):
 
 def _route_one(logits_E, cfg, score_bias):
   """(chosen experts in order of preference, their weights) for one token."""
-  if cfg.router_score == 'softmax':
+  if cfg.moe.router_score == 'softmax':
     scores = _softmax(logits_E)
   else:
     scores = 1 / (1 + np.exp(-logits_E))
   choice = scores + (0 if score_bias is None else score_bias)
   num_experts = len(scores)
-  if cfg.router_groups > 1:
-    size = num_experts // cfg.router_groups
+  if cfg.moe.router_groups > 1:
+    size = num_experts // cfg.moe.router_groups
     group_scores = []
-    for g in range(cfg.router_groups):
+    for g in range(cfg.moe.router_groups):
       members = sorted(choice[g * size:(g + 1) * size], reverse=True)
-      group_scores.append(members[0] if cfg.router_group_score == 'max'
+      group_scores.append(members[0] if cfg.moe.router_group_score == 'max'
                           else members[0] + members[1])
-    best = sorted(range(cfg.router_groups), key=lambda g: -group_scores[g])
-    eligible = best[:cfg.router_topk_groups]
+    best = sorted(range(cfg.moe.router_groups), key=lambda g: -group_scores[g])
+    eligible = best[:cfg.moe.router_topk_groups]
     choice = np.array([c if e // size in eligible else -np.inf for e, c in enumerate(choice)])
-  chosen = sorted(range(num_experts), key=lambda e: -choice[e])[:cfg.num_experts_per_tok]
+  chosen = sorted(range(num_experts), key=lambda e: -choice[e])[:cfg.moe.num_experts_per_tok]
   weights = np.array([scores[e] for e in chosen])
-  if cfg.router_norm_topk:
+  if cfg.moe.router_norm_topk:
     weights = weights / weights.sum()
-  return chosen, weights * cfg.router_scaling_factor, scores
+  return chosen, weights * cfg.moe.router_scaling_factor, scores
 
 
 def _expert(x_D, p, e, cfg):
@@ -46,12 +46,12 @@ def _expert(x_D, p, e, cfg):
   up = x_D @ f64(p['up_proj'])[e]
   if 'gate_bias' in p:
     gate, up = gate + f64(p['gate_bias'])[e], up + f64(p['up_bias'])[e]
-  if cfg.swiglu_limit is None:
+  if cfg.moe.swiglu_limit is None:
     h = ACTIVATIONS[cfg.mlp_activation](gate) * up
   else:
-    gate = np.minimum(gate, cfg.swiglu_limit)
-    up = np.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
-    h = (up + 1) * gate / (1 + np.exp(-cfg.swiglu_alpha * gate))
+    gate = np.minimum(gate, cfg.moe.swiglu_limit)
+    up = np.clip(up, -cfg.moe.swiglu_limit, cfg.moe.swiglu_limit)
+    h = (up + 1) * gate / (1 + np.exp(-cfg.moe.swiglu_alpha * gate))
   y = h @ f64(p['down_proj'])[e]
   return y + f64(p['down_bias'])[e] if 'down_bias' in p else y
 
@@ -73,11 +73,11 @@ def moe(x_ND, p, cfg, capacity=None):
   score_bias = f64(router['e_score_correction_bias']) if 'e_score_correction_bias' in router \
       else None
   routes = [_route_one(logits[i], cfg, score_bias) for i in range(n)]
-  num_experts = cfg.num_experts
+  num_experts = cfg.moe.num_experts
   counts = np.zeros(num_experts)
-  kept = np.ones((n, cfg.num_experts_per_tok), bool)
+  kept = np.ones((n, cfg.moe.num_experts_per_tok), bool)
   fill = np.zeros(num_experts, int)
-  for k in range(cfg.num_experts_per_tok):
+  for k in range(cfg.moe.num_experts_per_tok):
     for i in range(n):
       e = routes[i][0][k]
       counts[e] += 1

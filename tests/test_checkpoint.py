@@ -264,7 +264,8 @@ def test_convert_hf_orbax_hf_round_trip_and_layouts(tmp_path, capsys):
   assert sorted(original) == sorted(written)
   for name, (_, array) in original.items():
     np.testing.assert_array_equal(np.asarray(written[name][1]), np.asarray(array), err_msg=name)
-  assert checkpoint_config(scanned).scan_layers and not checkpoint_config(flat).scan_layers
+  assert (checkpoint_config(scanned).runtime.scan_layers
+          and not checkpoint_config(flat).runtime.scan_layers)
 
   reference = maxnnx.from_pretrained(source)
   tokens = np.random.default_rng().integers(0, reference.config.vocab_size, (2, 12))

@@ -53,8 +53,8 @@ def test_model_keys_apply_on_top_of_a_checkpoint_config():
   run, _, model, _ = _configs([f'model={directory}', 'model.rope.theta=123.0',
                                'model.attention_impl=xla'])
   base = config_from_pretrained(directory)
-  assert model.rope.theta == 123.0 and model.attention_impl == 'xla'
-  assert model.replace(rope=base.rope, attention_impl=base.attention_impl, dtype=base.dtype) == base
+  assert model.rope.theta == 123.0 and model.runtime.attention_impl == 'xla'
+  assert model.replace(rope=base.rope, runtime=base.runtime) == base
   _, overrides = cli._model_config(run, {'rope': {'theta': 123.0}})
   assert overrides['rope'] == model.rope and 'num_layers' not in overrides
 
@@ -65,17 +65,29 @@ def test_flat_keys_keep_working():
        'scan_layers=true', 'remat_policy=full', 'attention_impl=xla', 'mesh.data=1'])
   assert (train.steps, train.learning_rate, train.seq_len, train.global_batch_size) == (
       5, 0.01, 32, 4)
-  assert (model.dtype, model.scan_layers, model.remat_policy, model.attention_impl) == (
+  runtime = model.runtime
+  assert (runtime.dtype, runtime.scan_layers, runtime.remat_policy, runtime.attention_impl) == (
       'float32', True, 'full', 'xla')
   assert train.mesh.data == 1 and run['model'] == 'tiny' and data == {}
   _, train, model, _ = _configs([])  # the default run's defaults
-  assert (train.steps, train.learning_rate, model.dtype, model.num_layers) == (600, 3e-3,
-                                                                              'bfloat16', 4)
+  assert (train.steps, train.learning_rate, model.runtime.dtype, model.num_layers) == (
+      600, 3e-3, 'bfloat16', 4)
+
+
+def test_grouped_model_keys():
+  _, train, model, _ = _configs(['model=tiny-moe', 'model.moe.num_experts=4',
+                                 'model.moe.num_experts_per_tok=1',
+                                 'model.runtime.scan_layers=true', 'router_aux_loss_coef=0.02'])
+  assert (model.moe.num_experts, model.moe.num_experts_per_tok) == (4, 1)
+  assert model.runtime.scan_layers and train.router_aux_loss_coef == 0.02
+  assert model.moe.mlp_dim == maxnnx.get_preset('tiny-moe').moe.mlp_dim  # rest of the group kept
+  with pytest.raises(cli.UsageError, match="Did you mean 'model.moe.num_experts'"):
+    _configs(['model=tiny-moe', 'model.moe.num_expert=4'])
 
 
 def test_model_keys_beat_the_flat_ones():
-  _, _, model, _ = _configs(['dtype=float32', 'model.dtype=bfloat16'])
-  assert model.dtype == 'bfloat16'
+  _, _, model, _ = _configs(['dtype=float32', 'model.runtime.dtype=bfloat16'])
+  assert model.runtime.dtype == 'bfloat16'
 
 
 def test_yaml_tree_and_command_line_precedence(tmp_path):
@@ -99,7 +111,7 @@ def test_yaml_tree_and_command_line_precedence(tmp_path):
 
 def test_stages_switch_scan_layers_on(capsys):
   run, train, model, _ = _configs(['mesh.stage=2', 'mesh.data=1'])
-  assert train.mesh.stage == 2 and run['scan_layers'] and model.scan_layers
+  assert train.mesh.stage == 2 and run['scan_layers'] and model.runtime.scan_layers
   assert capsys.readouterr().out.count('scan_layers') == 1
 
 

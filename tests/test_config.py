@@ -5,7 +5,18 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from maxnnx.config import ConfigError, ModelConfig, RopeConfig, resolve_dtype
+from maxnnx.config import (
+    LEGACY_MODEL_KEYS,
+    ConfigError,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    MTPConfig,
+    RopeConfig,
+    RuntimeConfig,
+    resolve_dtype,
+)
+from maxnnx.train.config import TrainConfig
 
 TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
             max_position_embeddings=128)
@@ -161,8 +172,8 @@ def test_replace_changes_one_field():
   """replace returns a modified copy and leaves the original alone."""
   cfg = _tiny()
   new = cfg.replace(num_layers=3, scan_layers=True)
-  assert (new.num_layers, new.scan_layers) == (3, True)
-  assert (cfg.num_layers, cfg.scan_layers) == (2, False)
+  assert (new.num_layers, new.runtime.scan_layers) == (3, True)
+  assert (cfg.num_layers, cfg.runtime.scan_layers) == (2, False)
   assert new.d_model == cfg.d_model
 
 
@@ -248,3 +259,132 @@ def test_dtypes():
   assert resolve_dtype('float16') == jnp.float16
   with pytest.raises(ConfigError, match="'bfloat16'"):
     resolve_dtype('bfloat61')
+
+
+# -- nested groups and legacy keys ---------------------------------------------------
+
+
+def test_groups_are_nested_configs():
+  """MoE, MLA, MTP and runtime settings live in their own frozen groups."""
+  cfg = _tiny()
+  assert isinstance(cfg.moe, MoEConfig) and isinstance(cfg.mla, MLAConfig)
+  assert isinstance(cfg.mtp, MTPConfig) and isinstance(cfg.runtime, RuntimeConfig)
+  assert (cfg.moe.num_experts, cfg.mtp.num_layers, cfg.runtime.dtype) == (0, 0, 'float32')
+  with pytest.raises(AttributeError):
+    cfg.moe.num_experts = 4
+
+
+@pytest.mark.parametrize('old,path', sorted(LEGACY_MODEL_KEYS.items()))
+def test_every_legacy_key_names_an_existing_field(old, path):
+  """Each old flat name maps to a real field of a group."""
+  group, field = path.split('.')
+  assert field in {f for f in getattr(_tiny(), group).to_dict()}
+
+
+def test_legacy_flat_keys_in_from_dict_and_replace():
+  """The flat names of earlier versions still work as input."""
+  cfg = _tiny(num_experts=4, num_experts_per_tok=1, moe_mlp_dim=16, moe_dispatch='capacity',
+              dtype='bfloat16', scan_layers=True, mtp_num_layers=1, kv_lora_rank=32)
+  assert (cfg.moe.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.mlp_dim) == (4, 1, 16)
+  assert cfg.moe.dispatch == 'capacity' and cfg.mla.kv_lora_rank == 32
+  assert (cfg.runtime.dtype, cfg.runtime.scan_layers, cfg.mtp.num_layers) == ('bfloat16', True, 1)
+  new = cfg.replace(moe_layer_step=1, param_dtype='bfloat16', num_experts=8)
+  assert (new.moe.num_experts, new.moe.num_experts_per_tok) == (8, 1)  # the rest is kept
+  assert new.runtime.param_dtype == 'bfloat16' and new.runtime.dtype == 'bfloat16'
+
+
+def test_get_preset_takes_legacy_overrides():
+  """get_preset('tiny', dtype=..., scan_layers=...) keeps working."""
+  from maxnnx.presets import get_preset  # noqa: PLC0415
+  cfg = get_preset('tiny', dtype='bfloat16', scan_layers=True)
+  assert cfg.runtime.dtype == 'bfloat16' and cfg.runtime.scan_layers
+
+
+def test_dotted_keys():
+  """'group.field' keys set one field of a group."""
+  cfg = _tiny(**{'moe.num_experts': 4, 'runtime.remat_policy': 'full'})
+  assert cfg.moe.num_experts == 4 and cfg.runtime.remat_policy == 'full'
+  assert cfg.replace(**{'moe.num_experts_per_tok': 3}).moe == cfg.moe.replace(
+      num_experts_per_tok=3)
+  assert _tiny(**{'rope.theta': 5.0}).rope.theta == 5.0
+  with pytest.raises(ConfigError, match="'num_expert'.*Did you mean 'num_experts'"):
+    _tiny(**{'moe.num_expert': 4})
+  with pytest.raises(ConfigError, match='has no field'):
+    _tiny(**{'d_model.x': 4})
+
+
+def test_nested_dict_merges_into_the_group():
+  """A dict for a group updates only the fields it names."""
+  cfg = _tiny(moe={'num_experts': 4, 'num_experts_per_tok': 1})
+  assert (cfg.moe.num_experts, cfg.moe.num_experts_per_tok) == (4, 1)
+  new = cfg.replace(moe={'num_experts': 8})
+  assert (new.moe.num_experts, new.moe.num_experts_per_tok) == (8, 1)
+  assert ModelConfig(**TINY, moe={'num_experts': 2, 'num_experts_per_tok': 1}).moe.num_experts == 2
+  assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize('key', ['router_aux_loss_coef', 'router_z_loss_coef',
+                                 'mtp_loss_scaling_factor'])
+def test_loss_weights_are_refused_naming_train_config(key):
+  """Loss weights are training settings: ModelConfig names their new home."""
+  with pytest.raises(ConfigError, match=f'TrainConfig.{key}'):
+    _tiny(**{key: 0.1})
+  with pytest.raises(ConfigError, match=f'TrainConfig.{key}'):
+    _tiny().replace(**{key: 0.1})
+  assert getattr(TrainConfig(), key) == {'mtp_loss_scaling_factor': 0.1}.get(key, 0.0)
+  assert getattr(TrainConfig(**{key: 0.5}), key) == 0.5
+
+
+def test_stored_configs_drop_loss_weights(caplog):
+  """A config saved by an earlier version (flat keys, loss weights) still loads."""
+  stored = {**TINY, 'num_experts': 4, 'router_aux_loss_coef': 0.01, 'dtype': 'bfloat16',
+            'mtp_loss_scaling_factor': 0.3}
+  with caplog.at_level('INFO'):
+    cfg = ModelConfig.from_stored_dict(stored)
+  assert cfg.moe.num_experts == 4 and cfg.runtime.dtype == 'bfloat16'
+  assert 'router_aux_loss_coef' in caplog.text
+
+
+@pytest.mark.parametrize('changes,message', [
+    ({'moe.num_experts': 4, 'moe.num_experts_per_tok': 5},
+     r'ModelConfig\.moe\.num_experts_per_tok must be in \[1, num_experts=4\]'),
+    ({'moe.num_experts': -1}, r'ModelConfig\.moe\.num_experts must be >= 0'),
+    ({'moe.num_experts': 4, 'moe.router_groups': 3}, r'ModelConfig\.moe\.num_experts \(4\)'),
+    ({'moe.num_experts': 4, 'moe.capacity_factor': 0.0}, r'ModelConfig\.moe\.capacity_factor'),
+    ({'moe.num_experts': 4, 'moe.layer_step': 0}, r'ModelConfig\.moe\.layer_step must be >= 1'),
+    ({'mla.kv_lora_rank': 0}, r'ModelConfig\.mla\.kv_lora_rank must be > 0'),
+    ({'mla.qk_rope_head_dim': 3}, r'ModelConfig\.mla\.qk_rope_head_dim \(3\) must be even'),
+    ({'mtp.num_layers': -1}, r'ModelConfig\.mtp\.num_layers must be >= 0'),
+    ({'runtime.remat_policy': 'most'}, r"ModelConfig\.runtime\.remat_policy = 'most' is invalid"),
+    ({'moe.dispatch': 'sparse'}, r"ModelConfig\.moe\.dispatch = 'sparse' is invalid"),
+])
+def test_group_validation_names_the_dotted_field(changes, message):
+  """Group checks run in the group and name the field by its dotted path."""
+  with pytest.raises(ConfigError, match=message):
+    _tiny(**changes)
+
+
+@pytest.mark.parametrize('changes,message', [
+    ({'moe.num_experts': 4, 'moe.first_k_dense_layers': 2},
+     r'ModelConfig\.moe\.first_k_dense_layers \(2\) leaves no MoE layer of num_layers=2'),
+    ({'moe.num_experts': 4, 'mlp_gated': False}, r'ModelConfig\.moe\.num_experts > 0 needs '
+     'mlp_gated=True'),
+    ({'moe.num_experts': 4, 'moe.layer_step': 2, 'runtime.scan_layers': True},
+     r'ModelConfig\.runtime\.scan_layers=True needs ModelConfig\.moe\.layer_step=1'),
+])
+def test_cross_group_validation(changes, message):
+  """Checks that need the rest of the model stay in ModelConfig."""
+  with pytest.raises(ConfigError, match=message):
+    _tiny(**changes)
+
+
+def test_group_docstrings_document_every_field():
+  """Every group field has a line in its class's Attributes section (the CLI's --help)."""
+  import dataclasses  # noqa: PLC0415
+  for cls in (MoEConfig, MLAConfig, MTPConfig, RuntimeConfig, ModelConfig, TrainConfig):
+    lines = cls.__doc__.split('Attributes:')[1].splitlines()
+    documented = {name.strip() for line in lines
+                  if line.startswith('    ') and not line.startswith('     ') and ':' in line
+                  for name in line.split(':')[0].split(',')}
+    for field in dataclasses.fields(cls):
+      assert field.name in documented, (cls.__name__, field.name)

@@ -46,7 +46,7 @@ def _cfg(scan: bool, **changes):
 
 
 def _first_attn(model):
-  return model.layers.attn if model.config.scan_layers else model.layers[0].attn
+  return model.layers.attn if model.config.runtime.scan_layers else model.layers[0].attn
 
 
 def test_gated_attention_is_half_of_plain_attention_at_init():
@@ -65,7 +65,8 @@ def test_default_classes_as_parts_give_the_default_model(scan):
   cfg = _cfg(scan)
   default = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
   explicit = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0),
-                                parts=BlockParts(attention=Attention, mlp=MLP, norm=make_norm))
+                                parts=BlockParts(attention=Attention, mlp=MLP.from_config,
+                                                 norm=make_norm))
   np.testing.assert_array_equal(explicit(IDS), default(IDS))
 
 

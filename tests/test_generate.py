@@ -11,9 +11,9 @@ from maxnnx.inference.sampling import sample_next_token
 
 
 def _model(**overrides):
-  cfg = maxnnx.ModelConfig(vocab_size=97, d_model=48, num_layers=3, num_heads=4, num_kv_heads=2,
-                           mlp_dim=96, max_position_embeddings=128, initializer_range=1.0,
-                           **overrides)
+  cfg = maxnnx.ModelConfig.from_dict(dict(
+      vocab_size=97, d_model=48, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=96,
+      max_position_embeddings=128, initializer_range=1.0, **overrides))
   return maxnnx.Transformer(cfg, rngs=nnx.Rngs(3))
 
 

@@ -37,8 +37,8 @@ def test_hub_config_defaults(checkpoint_copy):
                            'swiglu_alpha', 'attention_bias'))
   cfg = maxnnx.config_from_pretrained(path)
   assert cfg.layer_types == ('sliding', 'full', 'sliding', 'full')
-  assert cfg.sliding_window == 128 and cfg.swiglu_limit == 7.0 and cfg.swiglu_alpha == 1.702
-  assert cfg.qkv_bias and cfg.out_bias and cfg.attention_sinks and cfg.router_bias
+  assert cfg.sliding_window == 128 and cfg.moe.swiglu_limit == 7.0 and cfg.moe.swiglu_alpha == 1.702
+  assert cfg.qkv_bias and cfg.out_bias and cfg.attention_sinks and cfg.moe.router_bias
   rope = cfg.rope
   assert (rope.scaling, rope.theta, rope.factor, rope.original_max_position_embeddings,
           rope.beta_fast, rope.beta_slow, rope.truncate) == ('yarn', 150_000.0, 32.0, 4096,
@@ -60,7 +60,7 @@ def test_quantization_config_is_refused(checkpoint_copy):
                            r'dequantize the checkpoint first'):
     maxnnx.from_pretrained(path)
   _edit_config(path, quantization_config={'quant_method': 'mxfp4', 'dequantize': True})
-  assert maxnnx.config_from_pretrained(path).num_experts == 8
+  assert maxnnx.config_from_pretrained(path).moe.num_experts == 8
 
 
 def test_mxfp4_tensors_are_refused(checkpoint_copy):

@@ -413,7 +413,7 @@ def test_unknown_names_and_policies_give_clear_errors():
   with pytest.raises(ValueError, match='implementations must be'):
     get_attention_kernel('tokamax').__class__(implementations=('fastest',))
   with pytest.raises(ConfigError, match='kernel_on_unsupported'):
-    ModelConfig(kernel_on_unsupported='ignore')
+    ModelConfig.from_dict({'kernel_on_unsupported': 'ignore'})
 
 
 def test_every_registered_strategy_declares_capabilities():

@@ -71,7 +71,7 @@ def refusing_strategies(monkeypatch):
 
 
 def _model(fields, **overrides):
-  return maxnnx.Transformer(ModelConfig(**{**fields, **overrides}), rngs=nnx.Rngs(0))
+  return maxnnx.Transformer(ModelConfig.from_dict({**fields, **overrides}), rngs=nnx.Rngs(0))
 
 
 def _logits(model):
@@ -106,7 +106,8 @@ def test_policy_reaches_every_layer(layer, refusing_strategies, caplog):
 
 def test_kernel_for_reads_the_config():
   """The helper picks the named strategy and the config's policy, for each kind."""
-  cfg = ModelConfig(**DENSE, ragged_dot_impl='tiled', kernel_on_unsupported='error')
+  cfg = ModelConfig.from_dict({**DENSE, 'ragged_dot_impl': 'tiled',
+                              'kernel_on_unsupported': 'error'})
   attention, ragged = kernel_for(cfg, 'attention'), kernel_for(cfg, 'ragged_dot')
   assert (attention.name, attention.on_unsupported) == ('xla', 'error')
   assert (ragged.name, ragged.on_unsupported) == ('tiled', 'error')

@@ -185,7 +185,7 @@ def _cfg(**overrides):
   base = dict(vocab_size=32, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
               mlp_dim=64, max_position_embeddings=64)
   base.update(overrides)
-  return ModelConfig(**base)
+  return ModelConfig.from_dict(base)
 
 
 def _module(cfg, seed=0):

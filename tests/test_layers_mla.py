@@ -15,11 +15,11 @@ def test_cache_holds_the_latent_and_rope_key_only():
   model.init_cache(2, 16)
   attn = model.layers[0].attn
   assert isinstance(attn, MLA)
-  assert attn.cache_latent.shape == (2, 16, cfg.kv_lora_rank)
-  assert attn.cache_k_rope.shape == (2, 16, cfg.qk_rope_head_dim)
+  assert attn.cache_latent.shape == (2, 16, cfg.mla.kv_lora_rank)
+  assert attn.cache_k_rope.shape == (2, 16, cfg.mla.qk_rope_head_dim)
   assert not hasattr(attn, 'cache_k')
-  full = 2 * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-  assert cfg.kv_lora_rank + cfg.qk_rope_head_dim < full
+  full = 2 * cfg.num_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim)
+  assert cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim < full
 
 
 def test_yarn_mscale_scales_the_softmax():

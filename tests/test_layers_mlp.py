@@ -17,7 +17,7 @@ def _cfg(**overrides):
   base = dict(vocab_size=32, d_model=32, num_layers=1, num_heads=4, num_kv_heads=4, mlp_dim=48,
               max_position_embeddings=64)
   base.update(overrides)
-  return ModelConfig(**base)
+  return ModelConfig.from_dict(base)
 
 
 @nnx.jit
@@ -26,7 +26,7 @@ def _call(module, x):
 
 
 def _check_mlp(cfg, seed):
-  mlp = MLP(cfg, rngs=nnx.Rngs(seed))
+  mlp = MLP.from_config(cfg, rngs=nnx.Rngs(seed))
   ref.randomize_params(mlp, np.random.default_rng(seed))
   x = np.random.default_rng(seed + 1).normal(size=(2, 5, cfg.d_model)) * 2.0
   got = _call(mlp, jnp.asarray(x, jnp.float32))
@@ -75,7 +75,7 @@ def test_gated_mlp_with_bias():
 
 def test_mlp_axes():
   """MLP kernels are named ('embed', 'mlp') and ('mlp', 'embed')."""
-  mlp = MLP(_cfg(), rngs=nnx.Rngs(0))
+  mlp = MLP.from_config(_cfg(), rngs=nnx.Rngs(0))
   specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(mlp, nnx.Param)))
   assert tuple(specs['gate_proj']['kernel']) == ('embed', 'mlp')
   assert tuple(specs['up_proj']['kernel']) == ('embed', 'mlp')

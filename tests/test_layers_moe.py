@@ -20,6 +20,7 @@ from maxnnx.layers.moe import (
                                router_bias_update,
                                update_router_bias,
 )
+from maxnnx.models.counting import num_active_params, num_params
 from maxnnx.models.transformer import Transformer
 
 BASE = dict(vocab_size=64, d_model=24, num_layers=2, num_heads=2, num_kv_heads=2, mlp_dim=40,
@@ -40,11 +41,11 @@ VARIANTS = {
 
 
 def _cfg(**overrides):
-  return ModelConfig(**{**BASE, **overrides})
+  return ModelConfig.from_dict({**BASE, **overrides})
 
 
 def _module(cfg, seed=0):
-  moe = MoE(cfg, rngs=nnx.Rngs(seed))
+  moe = MoE.from_config(cfg, rngs=nnx.Rngs(seed))
   rng = np.random.default_rng(seed)
   for path, node in nnx.iter_graph(moe):
     if isinstance(node, nnx.Param) and (isinstance(node, RouterBias) or 'bias' in str(path[-1])
@@ -81,9 +82,9 @@ def test_capacity_dispatch_equals_dropless_when_nothing_drops(variant):
   """capacity_factor = E / k gives every expert room for every token."""
   cfg = _cfg(**VARIANTS[variant])
   big = cfg.replace(moe_dispatch='capacity',
-                    capacity_factor=cfg.num_experts / cfg.num_experts_per_tok)
+                    capacity_factor=cfg.moe.num_experts / cfg.moe.num_experts_per_tok)
   x = _x(cfg)
-  assert capacity(24, big) == 24
+  assert capacity(24, big.moe) == 24
   dropless = _module(cfg)(x)
   capped = nnx.merge(nnx.graphdef(_module(big)), nnx.state(_module(cfg)))(x)
   assert_close(capped, np.asarray(dropless, np.float64), rtol=1e-5, atol=1e-6)
@@ -94,7 +95,7 @@ def test_capacity_dispatch_drops_overflow_like_the_reference(variant):
   cfg = _cfg(**VARIANTS[variant], moe_dispatch='capacity', capacity_factor=0.5)
   moe = _module(cfg)
   x = _x(cfg, n=32)
-  slots = capacity(32, cfg)
+  slots = capacity(32, cfg.moe)
   assert slots == 4
   ref, counts, _, _ = moe_reference(np.asarray(x).reshape(-1, cfg.d_model), _params(moe), cfg,
                                     capacity=slots)
@@ -109,7 +110,7 @@ def test_bfloat16_compute_stays_close():
   moe = _module(cfg)
   x = _x(cfg)
   ref = moe_reference(np.asarray(x).reshape(-1, cfg.d_model), _params(moe), cfg)[0]
-  bf16 = nnx.merge(nnx.graphdef(MoE(cfg.replace(dtype='bfloat16'), rngs=nnx.Rngs(0))),
+  bf16 = nnx.merge(nnx.graphdef(MoE.from_config(cfg.replace(dtype='bfloat16'), rngs=nnx.Rngs(0))),
                    nnx.state(moe))
   out = bf16(x.astype(jnp.bfloat16))
   assert out.dtype == jnp.bfloat16
@@ -145,8 +146,8 @@ def test_aux_outputs_are_collected_and_differentiable(scan_layers):
 
   (_, losses), grads = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))(model)
   stats = moe_stats(model)
-  assert stats.shape == (2, cfg.num_experts)
-  np.testing.assert_array_equal(stats.sum(axis=1), 32 * cfg.num_experts_per_tok)
+  assert stats.shape == (2, cfg.moe.num_experts)
+  np.testing.assert_array_equal(stats.sum(axis=1), 32 * cfg.moe.num_experts_per_tok)
   assert float(losses['load_balance_loss']) > 0 and float(losses['router_z_loss']) > 0
   router_grads = [g for p, g in nnx.to_flat_state(grads) if 'router' in p and p[-1] == 'kernel']
   assert router_grads and all(float(jnp.abs(g[...]).max()) > 0 for g in router_grads)
@@ -159,9 +160,9 @@ def test_moe_layer_layout_and_counts():
   assert cfg.moe_layers == (False, True, False, True, False)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  assert count == cfg.num_params()
-  d, f, e = cfg.d_model, cfg.resolved_moe_mlp_dim, cfg.num_experts
-  assert cfg.num_params() - cfg.num_active_params() == 2 * (e - 2) * 3 * d * f
+  assert count == num_params(cfg)
+  d, f, e = cfg.d_model, cfg.resolved_moe_mlp_dim, cfg.moe.num_experts
+  assert num_params(cfg) - num_active_params(cfg) == 2 * (e - 2) * 3 * d * f
   assert model.layers[1].mlp.experts.gate_proj.get_metadata()['out_sharding'] == (
       'expert', 'embed', 'mlp')
 
@@ -173,7 +174,7 @@ def test_moe_layer_layout_and_counts():
     (dict(first_k_dense_layers=2), 'first_k_dense_layers'),
     (dict(moe_layer_step=2, scan_layers=True), 'scan_layers'),
     (dict(capacity_factor=0.0), 'capacity_factor'),
-    (dict(moe_dispatch='sorted'), 'moe_dispatch'),
+    (dict(moe_dispatch='sorted'), r'ModelConfig\.moe\.dispatch'),
 ])
 def test_bad_moe_config_is_a_clear_error(bad, match):
   with pytest.raises(ConfigError, match=match):

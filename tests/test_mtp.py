@@ -18,6 +18,7 @@ import maxnnx
 from maxnnx.checkpoint.safetensors import read_safetensors
 from maxnnx.config import ConfigError, MeshConfig
 from maxnnx.layers.moe import RouterBias
+from maxnnx.models.counting import num_params
 from maxnnx.models.pretrained import PretrainedError
 from maxnnx.train import TrainConfig, Trainer
 
@@ -116,18 +117,20 @@ def test_mtp_off_gives_the_same_logits(deepseek):
   nnx.update(without, state)
   assert without.mtp is None
   np.testing.assert_array_equal(np.asarray(without(ids)), np.asarray(plain))
-  with pytest.raises(ValueError, match='mtp_num_layers'):
+  with pytest.raises(ValueError, match=r'mtp\.num_layers'):
     without(ids, mtp=True)
 
 
 def test_config_validation():
   cfg = _config(mtp_num_layers=1)
-  with pytest.raises(ConfigError, match='mtp_num_layers'):
+  with pytest.raises(ConfigError, match=r'ModelConfig\.mtp\.num_layers must be >= 0'):
     cfg.replace(mtp_num_layers=-1)
-  with pytest.raises(ConfigError, match='mtp_loss_scaling_factor'):
-    cfg.replace(mtp_loss_scaling_factor=-0.1)
+  with pytest.raises(ConfigError, match='TrainConfig.mtp_loss_scaling_factor'):
+    cfg.replace(mtp_loss_scaling_factor=0.1)
+  with pytest.raises(ConfigError, match='TrainConfig.mtp_loss_scaling_factor must be >= 0'):
+    TrainConfig(mtp_loss_scaling_factor=-0.1)
   model = nnx.eval_shape(lambda: maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)))
-  assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == cfg.num_params()
+  assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == num_params(cfg)
 
 
 def _train_config(steps=1, lr=0.0, batch=2, seq_len=12, mesh=None, **kw):
@@ -176,10 +179,11 @@ def _host_params(model):
 def test_mtp_loss_trains_the_mtp_modules_only_when_scaled(factor):
   """mtp_loss_scaling_factor weights the MTP loss in the objective: at 0 the MTP
   modules get no gradient (weight decay off), otherwise they move."""
-  model = _dense(mtp_loss_scaling_factor=factor)
+  model = _dense()
   before = _host_params(model)
   batch = next(_counting_batches(32, 2, 12))
-  trainer = Trainer(model, _train_config(lr=1e-2, weight_decay=0.0))
+  trainer = Trainer(model, _train_config(lr=1e-2, weight_decay=0.0,
+                                         mtp_loss_scaling_factor=factor))
   trainer.step(batch)
   after = _host_params(trainer.model)
   changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), before, after)
@@ -223,7 +227,7 @@ def test_mtp_under_scan_layers_and_a_data_mesh(kind):
 def _copy_into_scanned(values, cfg, scanned):
   for path, var in nnx.to_flat_state(nnx.state(scanned, nnx.Param)):
     if path[0] in ('layers', 'dense_layers'):
-      first = cfg.first_k_dense_layers if path[0] == 'layers' and cfg.num_experts else 0
+      first = cfg.moe.first_k_dense_layers if path[0] == 'layers' and cfg.moe.num_experts else 0
       arrays = []
       for i in range(var.shape[0]):
         node = values['layers'][first + i]
@@ -257,7 +261,7 @@ def test_save_writes_the_hub_layout_and_round_trips(tmp_path, deepseek):
   first, second = str(tmp_path / 'a'), str(tmp_path / 'b')
   maxnnx.save_pretrained(model, first)
   tensors = _hub_names(first)
-  n, experts = model.config.num_layers, model.config.num_experts
+  n, experts = model.config.num_layers, model.config.moe.num_experts
   assert not any(k.startswith(f'model.layers.{n + 2}.') for k in tensors)
   mtp = {k for k in tensors if k.startswith(f'model.layers.{n + 1}.')}
   n += 1  # the second MTP depth; the first is laid out the same way
@@ -303,16 +307,16 @@ def test_loading_with_fewer_mtp_layers_skips_those_tensors(tmp_path, caplog, dee
   np.testing.assert_array_equal(np.asarray(plain(ids)), np.asarray(model(ids)))
   ours, theirs = one(ids, mtp=True)[1][0], model(ids, mtp=True)[1][0]
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
-  with pytest.raises(PretrainedError, match='mtp_num_layers=3'):
+  with pytest.raises(PretrainedError, match=r'mtp\.num_layers=3'):
     maxnnx.from_pretrained(str(tmp_path), mtp_num_layers=3)
 
 
 def test_transformers_checkpoint_without_mtp_tensors_loads_without_mtp(caplog):
   """transformers drops MTP tensors but keeps num_nextn_predict_layers in config.json."""
-  assert maxnnx.config_from_pretrained(FIXTURE).mtp_num_layers == 1
+  assert maxnnx.config_from_pretrained(FIXTURE).mtp.num_layers == 1
   with caplog.at_level(logging.INFO, logger='maxnnx.models.pretrained'):
     model = maxnnx.from_pretrained(FIXTURE)
-  assert model.config.mtp_num_layers == 0 and model.mtp is None
+  assert model.config.mtp.num_layers == 0 and model.mtp is None
   assert any('holds tensors for 0' in r.getMessage() for r in caplog.records)
   with pytest.raises(PretrainedError, match='holds multi-token-prediction tensors for 0'):
     maxnnx.from_pretrained(FIXTURE, mtp_num_layers=1)
@@ -324,7 +328,7 @@ def test_families_without_mtp_refuse_to_save_it(tmp_path):
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
   ids = np.zeros((1, 4), np.int32)
   assert len(model(ids, mtp=True)[1]) == 1  # the modules themselves are family-agnostic
-  with pytest.raises(PretrainedError, match='mtp_num_layers=0'):
+  with pytest.raises(PretrainedError, match=r'mtp\.num_layers=0'):
     maxnnx.save_pretrained(model, str(tmp_path))
 
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from maxnnx.config import ConfigError, ModelConfig
-from maxnnx.models import FAMILIES, Transformer
+from maxnnx.models import FAMILIES, Transformer, num_params
 from maxnnx.models.hf import HFConfig
 from maxnnx.presets import PRESETS, get_preset, list_presets
 
@@ -26,7 +26,7 @@ EXPECTED_NAMES |= {'tiny-moe', 'mixtral-8x7b', 'mixtral-8x22b', 'qwen3-30b-a3b',
 
 # Total parameter counts published by the model authors (model cards, papers and
 # the Hub's safetensors metadata), in billions: an independent check of the
-# presets' shapes and of ModelConfig.num_params().
+# presets' shapes and of num_params(ModelConfig).
 PUBLISHED_BILLIONS = {
     'llama2-7b': 6.74,
     'llama2-13b': 13.0,
@@ -82,7 +82,7 @@ def test_preset_survives_hugging_face_config_round_trip(name):
 
 @pytest.mark.parametrize('name,billions', sorted(PUBLISHED_BILLIONS.items()))
 def test_num_params_matches_published_total(name, billions):
-  count = get_preset(name).num_params()
+  count = num_params(get_preset(name))
   assert count == pytest.approx(billions * 1e9, rel=5e-3)
 
 
@@ -107,13 +107,13 @@ def test_architecture_details():
                                   'olmo2-7b'])
 def test_num_params_equals_abstract_model_size(name):
   cfg = get_preset(name, scan_layers=True)
-  assert _param_count(_abstract(cfg)) == cfg.num_params()
+  assert _param_count(_abstract(cfg)) == num_params(cfg)
 
 
 def test_scanned_and_unscanned_models_have_the_same_parameters():
   unscanned = _abstract(get_preset('gemma3-1b', scan_layers=False))
   scanned = _abstract(get_preset('gemma3-1b', scan_layers=True))
-  assert _param_count(unscanned) == _param_count(scanned) == get_preset('gemma3-1b').num_params()
+  assert _param_count(unscanned) == _param_count(scanned) == num_params(get_preset('gemma3-1b'))
   assert len(unscanned.layers) == 26
   assert scanned.layers.attn.q_proj.kernel.shape[0] == 26
 
@@ -125,7 +125,7 @@ def test_70b_abstract_model_is_fast_and_allocates_nothing():
   assert time.perf_counter() - start < 5.0
   leaves = jax.tree.leaves(nnx.state(model))
   assert leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
-  assert _param_count(model) == cfg.num_params()
+  assert _param_count(model) == num_params(cfg)
 
 
 def test_unknown_preset_names_nearest():
@@ -137,7 +137,7 @@ def test_unknown_preset_names_nearest():
 
 def test_overrides():
   cfg = get_preset('tiny', dtype='bfloat16', scan_layers=True)
-  assert cfg.dtype == 'bfloat16' and cfg.scan_layers
+  assert cfg.runtime.dtype == 'bfloat16' and cfg.runtime.scan_layers
   assert cfg.replace(dtype='float32', scan_layers=False) == get_preset('tiny')
   with pytest.raises(ConfigError, match="'dtype'"):
     get_preset('tiny', dtpye='bfloat16')

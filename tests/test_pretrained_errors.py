@@ -146,6 +146,6 @@ def test_config_overrides_and_bad_override(checkpoint_copy):
   """Overrides reach the config; a misspelt one names the nearest field."""
   path = checkpoint_copy('llama')
   model = maxnnx.from_pretrained(path, dtype='bfloat16', scan_layers=True)
-  assert model.config.dtype == 'bfloat16' and model.config.scan_layers
+  assert model.config.runtime.dtype == 'bfloat16' and model.config.runtime.scan_layers
   with pytest.raises(maxnnx.PretrainedError, match="Did you mean 'sliding_window'"):
     maxnnx.from_pretrained(path, sliding_windw=4)

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from maxnnx.config import ModelConfig
+from maxnnx.models.counting import num_params
 from maxnnx.models.transformer import Transformer
 
 BASE = dict(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -35,7 +36,7 @@ DOCS = (slice(0, 3), slice(3, 5), slice(5, 8))
 def _model(cfg_dict, seed=0, **overrides):
   """A model with random norm scales and biases (scanned ones via _scanned_copy)."""
   cfg = ModelConfig.from_dict({**cfg_dict, **overrides})
-  if cfg.scan_layers:
+  if cfg.runtime.scan_layers:
     return _scanned_copy(_model(cfg_dict, seed, **{**overrides, 'scan_layers': False}))
   model = Transformer(cfg, rngs=nnx.Rngs(seed))
   ref.randomize_params(model, np.random.default_rng(seed + 1000))
@@ -330,10 +331,10 @@ def test_float_input_raises():
 
 @pytest.mark.parametrize('case', list(REFERENCE_CASES))
 def test_num_params_matches_model(case):
-  """ModelConfig.num_params() equals the number of parameters actually built."""
+  """num_params(ModelConfig) equals the number of parameters actually built."""
   model = Transformer(ModelConfig.from_dict(REFERENCE_CASES[case]), rngs=nnx.Rngs(0))
   built = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  assert model.config.num_params() == built
+  assert num_params(model.config) == built
 
 
 @nnx.jit

@@ -30,7 +30,7 @@ class Attention(nnx.Module):
     o_proj: ``[heads, head_dim] -> [d_model]``.
     q_norm, k_norm: optional RMSNorms (per head or over the whole projection).
     sinks: ``[heads]`` learned attention-sink logits (``cfg.attention_sinks``) or ``None``.
-    kernel: the attention strategy (``cfg.attention_impl``), shown in treescope.
+    kernel: the attention strategy (``cfg.runtime.attention_impl``), shown in treescope.
     cache_k, cache_v: ``nnx.Cache`` ``[B, S, kv_heads, head_dim]`` once
       :meth:`init_cache` has been called; ``None`` otherwise.
   """

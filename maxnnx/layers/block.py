@@ -45,7 +45,7 @@ class DecoderBlock(nnx.Module):
     self.mlp_pre_norm = norm(cfg.pre_norm)
     custom_mlp = parts.moe if use_moe else parts.mlp
     if custom_mlp is None:
-      self.mlp = MoE(cfg, rngs=rngs) if use_moe else MLP(cfg, rngs=rngs)
+      self.mlp = MoE.from_config(cfg, rngs=rngs) if use_moe else MLP.from_config(cfg, rngs=rngs)
     else:
       self.mlp = build_part(custom_mlp, cfg, rngs, 'moe' if use_moe else 'mlp')
     self.mlp_post_norm = norm(cfg.post_norm)

@@ -43,7 +43,7 @@ def mla_query_scale(cfg: ModelConfig) -> float:
   """Softmax scale of MLA: ``qk_head_dim ** -0.5``, times the YaRN ``mscale ** 2``."""
   if cfg.query_scale is not None:
     return cfg.query_scale
-  scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+  scale = (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim) ** -0.5
   rope = cfg.rope
   if rope.scaling == 'yarn' and rope.mscale_all_dim:
     factor = rope.factor or cfg.max_position_embeddings / rope.original_max_position_embeddings
@@ -67,24 +67,25 @@ class MLA(nnx.Module):
     kv_a_layernorm: RMSNorm of the latent.
     kv_b_proj: ``[kv_lora_rank] -> [heads, qk_nope_head_dim + v_head_dim]``.
     o_proj: ``[heads, v_head_dim] -> [d_model]``.
-    kernel: the attention strategy (``cfg.attention_impl``).
+    kernel: the attention strategy (``cfg.runtime.attention_impl``).
     cache_latent, cache_k_rope: ``nnx.Cache`` ``[B, S, kv_lora_rank]`` and
       ``[B, S, qk_rope_head_dim]`` after :meth:`init_cache`.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, h = cfg.d_model, cfg.num_heads
-    self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    self.kv_lora_rank = cfg.kv_lora_rank
+    mla = cfg.mla
+    self.nope, self.rope, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+    self.kv_lora_rank = mla.kv_lora_rank
     qk = self.nope + self.rope
     dense = dict(dtype=cfg.jnp_dtype(), param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
     norm = dict(eps=LORA_NORM_EPS, dtype=cfg.jnp_dtype(),
                 param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
-    if cfg.q_lora_rank is None:
+    if cfg.mla.q_lora_rank is None:
       self.q_proj = DenseGeneral((d,), (h, qk), axes=('embed', 'heads', 'head_dim'), **dense)
       self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
     else:
-      r = cfg.q_lora_rank
+      r = cfg.mla.q_lora_rank
       self.q_proj = None
       self.q_a_proj = DenseGeneral((d,), (r,), axes=('embed', 'q_lora'), use_bias=cfg.qkv_bias,
                                    **dense)

@@ -1,10 +1,12 @@
 """Feed-forward blocks: gated (SwiGLU, GeGLU) or plain two-layer MLPs."""
 
+from __future__ import annotations
+
 import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxnnx.config import ModelConfig
+from maxnnx.config import ModelConfig, RuntimeConfig
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.sharding import constrain
 
@@ -27,15 +29,24 @@ class MLP(nnx.Module):
     down_proj: ``[mlp] -> [d_model]``.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    d, m = cfg.d_model, cfg.mlp_dim
-    dense = dict(use_bias=cfg.mlp_bias, dtype=cfg.jnp_dtype(),
-                 param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
+  def __init__(self, d_model: int, mlp_dim: int, *, rngs: nnx.Rngs, activation: str = 'silu',
+               gated: bool = True, use_bias: bool = False,
+               runtime: RuntimeConfig | None = None):
+    runtime = runtime or RuntimeConfig()
+    d, m = d_model, mlp_dim
+    dense = dict(use_bias=use_bias, dtype=runtime.jnp_dtype(),
+                 param_dtype=runtime.jnp_dtype('param_dtype'), rngs=rngs)
     self.gate_proj = (DenseGeneral((d,), (m,), axes=('embed', 'mlp'), **dense)
-                      if cfg.mlp_gated else None)
+                      if gated else None)
     self.up_proj = DenseGeneral((d,), (m,), axes=('embed', 'mlp'), **dense)
     self.down_proj = DenseGeneral((m,), (d,), axes=('mlp', 'embed'), **dense)
-    self.activation = cfg.mlp_activation
+    self.activation = activation
+
+  @classmethod
+  def from_config(cls, cfg: ModelConfig, *, rngs: nnx.Rngs) -> MLP:
+    """The dense MLP of a model: ``d_model -> mlp_dim -> d_model`` as ``cfg`` says."""
+    return cls(cfg.d_model, cfg.mlp_dim, activation=cfg.mlp_activation, gated=cfg.mlp_gated,
+               use_bias=cfg.mlp_bias, runtime=cfg.runtime, rngs=rngs)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     act = ACTIVATIONS[self.activation]

@@ -1,7 +1,7 @@
 """Mixture-of-Experts feed-forward block: a router, routed SwiGLU experts, shared experts.
 
 One module covers Mixtral, Qwen3-MoE, DeepSeek V2/V3 and GPT-OSS; they differ
-only in :class:`~maxnnx.config.ModelConfig` fields (``router_*``, ``expert_bias``,
+only in :class:`~maxnnx.config.MoEConfig` fields (``router_*``, ``expert_bias``,
 ``swiglu_limit``, ``num_shared_experts``…).
 
 Routing (:func:`route`): scores are a softmax or a sigmoid of the router
@@ -10,10 +10,10 @@ the scores used for *choosing* experts but not the weights; group-limited
 routing first keeps the best ``router_topk_groups`` of ``router_groups`` expert
 groups; the top-k weights are optionally renormalised, then scaled.
 
-Dispatch, chosen by ``moe_dispatch``:
+Dispatch, chosen by ``dispatch``:
 
 * ``dropless``: the ``tokens * k`` assignments are sorted by expert and run as
-  grouped matmuls (``ragged_dot_impl`` kernel), then unsorted. No token is dropped.
+  grouped matmuls (``runtime.ragged_dot_impl`` kernel), then unsorted. No token is dropped.
 * ``capacity``: every expert gets a buffer of
   ``ceil(capacity_factor * tokens * k / num_experts)`` slots, filled first
   choices first; assignments that overflow are dropped (their weight is lost).
@@ -27,6 +27,8 @@ Read them after the forward pass inside the loss function with
 aux-loss-free bias after the optimizer step with :func:`update_router_bias`.
 """
 
+from __future__ import annotations
+
 import math
 
 import jax
@@ -35,7 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxnnx.config import ModelConfig
+from maxnnx.config import ModelConfig, MoEConfig, RuntimeConfig
 from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.options import RaggedDotOptions
 from maxnnx.layers.linear import DenseGeneral
@@ -74,10 +76,10 @@ class Router(DenseGeneral):
     e_score_correction_bias: :class:`RouterBias` ``[num_experts]`` or ``None``.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    super().__init__((cfg.d_model,), (cfg.num_experts,), axes=('embed', None),
+  def __init__(self, cfg: MoEConfig, d_model: int, *, param_dtype, rngs: nnx.Rngs):
+    super().__init__((d_model,), (cfg.num_experts,), axes=('embed', None),
                      use_bias=cfg.router_bias, dtype=jnp.float32,
-                     param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
+                     param_dtype=param_dtype, rngs=rngs)
     self.e_score_correction_bias = (
         RouterBias(jnp.zeros((cfg.num_experts,), jnp.float32), out_sharding=(None,),
                    eager_sharding=False) if cfg.router_score_bias else None)
@@ -87,15 +89,16 @@ class Experts(nnx.Module):
   """``num_experts`` gated MLPs with stacked weights (logical axis ``expert`` first).
 
   Attributes:
-    gate_proj, up_proj: ``[experts, d_model, moe_mlp_dim]``.
-    down_proj: ``[experts, moe_mlp_dim, d_model]``.
-    gate_bias, up_bias: ``[experts, moe_mlp_dim]`` (``expert_bias`` only).
+    gate_proj, up_proj: ``[experts, d_model, expert_dim]``.
+    down_proj: ``[experts, expert_dim, d_model]``.
+    gate_bias, up_bias: ``[experts, expert_dim]`` (``expert_bias`` only).
     down_bias: ``[experts, d_model]`` (``expert_bias`` only).
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    e, d, f = cfg.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
-    dtype = cfg.jnp_dtype('param_dtype')
+  def __init__(self, cfg: MoEConfig, d_model: int, expert_dim: int, *, param_dtype,
+               rngs: nnx.Rngs):
+    e, d, f = cfg.num_experts, d_model, expert_dim
+    dtype = param_dtype
 
     def param(shape, axes, fan_in):
       init = nnx.initializers.normal(fan_in**-0.5) if fan_in else nnx.initializers.zeros
@@ -112,7 +115,7 @@ class Experts(nnx.Module):
       self.gate_bias = self.up_bias = self.down_bias = None
 
 
-def route(logits_NE: jax.Array, cfg: ModelConfig, score_bias_E: jax.Array | None = None
+def route(logits_NE: jax.Array, cfg: MoEConfig, score_bias_E: jax.Array | None = None
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Choose ``num_experts_per_tok`` experts per token.
 
@@ -145,7 +148,7 @@ def route(logits_NE: jax.Array, cfg: ModelConfig, score_bias_E: jax.Array | None
   return weights_NK * cfg.router_scaling_factor, experts_NK.astype(jnp.int32), scores_NE
 
 
-def capacity(num_tokens: int, cfg: ModelConfig) -> int:
+def capacity(num_tokens: int, cfg: MoEConfig) -> int:
   """Slots per expert of ``capacity`` dispatch for ``num_tokens`` tokens."""
   return max(1, math.ceil(cfg.capacity_factor * num_tokens * cfg.num_experts_per_tok
                           / cfg.num_experts))
@@ -158,28 +161,48 @@ class MoE(nnx.Module):
     router: :class:`Router`.
     experts: :class:`Experts` (stacked expert weights).
     shared_experts: an :class:`~maxnnx.layers.mlp.MLP` of width
-      ``num_shared_experts * moe_mlp_dim`` applied to every token, or ``None``.
-    ragged_dot: the grouped-matmul kernel (``cfg.ragged_dot_impl``), shown in treescope.
+      ``num_shared_experts * expert_dim`` applied to every token, or ``None``.
+    ragged_dot: the grouped-matmul kernel (``runtime.ragged_dot_impl``), shown in treescope.
     tokens_per_expert, load_balance_loss, router_z_loss: :class:`MoeAux` of the
       last call (assignments per expert ``[E]``; the two scalar losses).
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: MoEConfig, *, d_model: int, expert_dim: int, rngs: nnx.Rngs,
+               activation: str = 'silu', runtime: RuntimeConfig | None = None):
+    """Args:
+      cfg: the MoE settings.
+      d_model: width of the residual stream.
+      expert_dim: hidden width of each expert (``ModelConfig.resolved_moe_mlp_dim``).
+      rngs: parameter init.
+      activation: the gate activation of the experts (``ModelConfig.mlp_activation``).
+      runtime: dtypes and the ragged-dot kernel (``ModelConfig.runtime``).
+    """
+    runtime = runtime or RuntimeConfig()
     self.cfg = cfg
-    self.router = Router(cfg, rngs=rngs)
-    self.experts = Experts(cfg, rngs=rngs)
-    shared_dim = cfg.num_shared_experts * cfg.resolved_moe_mlp_dim
-    self.shared_experts = (MLP(cfg.replace(mlp_dim=shared_dim, mlp_bias=False), rngs=rngs)
-                           if shared_dim else None)
-    self.ragged_dot = kernel_for(cfg, 'ragged_dot')
+    self.activation = activation
+    self.dtype = runtime.jnp_dtype()
+    param_dtype = runtime.jnp_dtype('param_dtype')
+    self.router = Router(cfg, d_model, param_dtype=param_dtype, rngs=rngs)
+    self.experts = Experts(cfg, d_model, expert_dim, param_dtype=param_dtype, rngs=rngs)
+    shared_dim = cfg.num_shared_experts * expert_dim
+    self.shared_experts = (MLP(d_model, shared_dim, activation=activation, runtime=runtime,
+                               rngs=rngs) if shared_dim else None)
+    self.ragged_dot = kernel_for(runtime, 'ragged_dot')
     self.tokens_per_expert = MoeAux(jnp.zeros((cfg.num_experts,), jnp.float32))
     self.load_balance_loss = MoeAux(jnp.zeros((), jnp.float32))
     self.router_z_loss = MoeAux(jnp.zeros((), jnp.float32))
 
+  @classmethod
+  def from_config(cls, cfg: ModelConfig, *, rngs: nnx.Rngs) -> MoE:
+    """The MoE block of a model: ``cfg.moe`` with the model's width, activation
+    and runtime settings."""
+    return cls(cfg.moe, d_model=cfg.d_model, expert_dim=cfg.resolved_moe_mlp_dim,
+               activation=cfg.mlp_activation, runtime=cfg.runtime, rngs=rngs)
+
   def _glu(self, gate, up):
     cfg = self.cfg
     if cfg.swiglu_limit is None:
-      return ACTIVATIONS[cfg.mlp_activation](gate) * up
+      return ACTIVATIONS[self.activation](gate) * up
     limit = cfg.swiglu_limit
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
@@ -188,7 +211,7 @@ class MoE(nnx.Module):
   def _dropless(self, x_ND, weights_NK, experts_NK):
     """Sort assignments by expert, grouped matmuls, unsort, weighted sum."""
     num_tokens, k = experts_NK.shape
-    dtype, ex = self.cfg.jnp_dtype(), self.experts
+    dtype, ex = self.dtype, self.experts
     experts_M = experts_NK.reshape(-1)
     order_M = jnp.argsort(experts_M, stable=True)
     sorted_experts_M = experts_M[order_M]
@@ -213,7 +236,7 @@ class MoE(nnx.Module):
   def _capacity(self, x_ND, weights_NK, experts_NK):
     """Fixed per-expert buffers (first choices first); overflow is dropped."""
     num_tokens, k = experts_NK.shape
-    num_experts, dtype, ex = self.cfg.num_experts, self.cfg.jnp_dtype(), self.experts
+    num_experts, dtype, ex = self.cfg.num_experts, self.dtype, self.experts
     slots = capacity(num_tokens, self.cfg)
     experts_M = experts_NK.T.reshape(-1)            # choice-major: all first choices first
     tokens_M = jnp.tile(jnp.arange(num_tokens), k)
@@ -255,11 +278,11 @@ class MoE(nnx.Module):
     logits_NE = self.router(x_ND)
     bias = self.router.e_score_correction_bias
     weights_NK, experts_NK, scores_NE = route(logits_NE, cfg, None if bias is None else bias[...])
-    if cfg.moe_dispatch == 'dropless':
+    if cfg.dispatch == 'dropless':
       y_ND, counts_E = self._dropless(x_ND, weights_NK, experts_NK)
     else:
       y_ND, counts_E = self._capacity(x_ND, weights_NK, experts_NK)
-    y_BTD = checkpoint_name(y_ND.astype(cfg.jnp_dtype()).reshape(batch, length, d), 'mlp_out')
+    y_BTD = checkpoint_name(y_ND.astype(self.dtype).reshape(batch, length, d), 'mlp_out')
     if self.shared_experts is not None:
       y_BTD = y_BTD + self.shared_experts(x_BTD)
 
@@ -288,8 +311,9 @@ def moe_aux_losses(model) -> dict[str, jax.Array]:
 
   Call it inside the loss function, after the forward pass, so the losses are
   differentiable; a model without MoE layers gives zeros. Add
-  ``cfg.router_aux_loss_coef * load_balance_loss + cfg.router_z_loss_coef *
-  router_z_loss`` to the training loss (see :func:`moe_loss`).
+  ``router_aux_loss_coef * load_balance_loss + router_z_loss_coef *
+  router_z_loss`` to the training loss (see :func:`moe_loss`; the weights are
+  :class:`~maxnnx.train.config.TrainConfig` settings).
   """
   lb, z = [], []
   for moe in _moe_modules(model):
@@ -302,12 +326,11 @@ def moe_aux_losses(model) -> dict[str, jax.Array]:
           'router_z_loss': jnp.concatenate(z).mean()}
 
 
-def moe_loss(model) -> jax.Array:
+def moe_loss(model, router_aux_loss_coef: float, router_z_loss_coef: float) -> jax.Array:
   """``router_aux_loss_coef * load_balance_loss + router_z_loss_coef * router_z_loss``."""
-  cfg = model.config
   losses = moe_aux_losses(model)
-  return (cfg.router_aux_loss_coef * losses['load_balance_loss']
-          + cfg.router_z_loss_coef * losses['router_z_loss'])
+  return (router_aux_loss_coef * losses['load_balance_loss']
+          + router_z_loss_coef * losses['router_z_loss'])
 
 
 def moe_stats(model) -> np.ndarray:

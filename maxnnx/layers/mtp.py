@@ -1,6 +1,6 @@
 """Multi-token prediction (DeepSeek V3): modules that predict tokens further ahead.
 
-Module ``k`` (``k = 1 .. mtp_num_layers``) sees, at position ``i``, the previous
+Module ``k`` (``k = 1 .. mtp.num_layers``) sees, at position ``i``, the previous
 depth's hidden state ``h^{k-1}_i`` (depth 0: the main model's last block output,
 before its final norm) and the embedding of token ``t_{i+k}`` (the main model's
 embedding table):
@@ -58,7 +58,7 @@ class MTPLayer(nnx.Module):
     self.hidden_norm = norm()
     self.proj = DenseGeneral((2 * d,), (d,), axes=('mlp', 'embed'), dtype=cfg.jnp_dtype(),
                              param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
-    self.block = make_block(cfg, rngs, cfg.num_experts > 0, parts)
+    self.block = make_block(cfg, rngs, cfg.moe.num_experts > 0, parts)
     self.final_norm = norm()
 
   def __call__(self, hidden_BTD: jax.Array, embedded_BTD: jax.Array) -> jax.Array:

@@ -1,5 +1,6 @@
 """Model families: one shared :class:`Transformer`, one small module per family."""
 
+from maxnnx.models.counting import num_active_params, num_params
 from maxnnx.models.pretrained import (
                                       FAMILIES,
                                       config_from_pretrained,
@@ -9,4 +10,4 @@ from maxnnx.models.pretrained import (
 from maxnnx.models.transformer import Transformer
 
 __all__ = ['FAMILIES', 'Transformer', 'config_from_pretrained', 'from_pretrained',
-           'save_pretrained']
+           'num_active_params', 'num_params', 'save_pretrained']

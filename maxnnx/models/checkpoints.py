@@ -25,7 +25,7 @@ def checkpoint_config(checkpoint_dir: str, step: int | None = None) -> ModelConf
   meta = read_meta(checkpoint_dir, step)
   if 'model_config' not in meta:
     raise CheckpointError(f'{checkpoint_dir}: checkpoint step {meta["step"]} has no model config.')
-  return ModelConfig.from_dict(meta['model_config'])
+  return ModelConfig.from_stored_dict(meta['model_config'])
 
 
 def _abstract_params(cfg: ModelConfig) -> nnx.State:
@@ -53,7 +53,7 @@ def load_params(model: Transformer, checkpoint_dir: str, step: int | None = None
   cfg = model.config
   flat = dict(nnx.to_flat_state(target))
   for path, var in flat.items():
-    per_layer = cfg.scan_layers and path[0] == 'layers'
+    per_layer = cfg.runtime.scan_layers and path[0] == 'layers'
     keys = [(path[0], i, *path[1:]) for i in range(cfg.num_layers)] if per_layer else [path]
     shape = tuple(var.shape[1:]) if per_layer else tuple(var.shape)
     for key in keys:
@@ -75,7 +75,7 @@ def save_params(model: Transformer, checkpoint_dir: str, step: int = 0) -> str:
   """Write ``model``'s parameters as an orbax checkpoint that :func:`load_params` reads.
 
   Returns the directory. The layer layout written is the model's
-  (``model.config.scan_layers``).
+  (``model.config.runtime.scan_layers``).
   """
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   manager = CheckpointManager(checkpoint_dir, async_save=False)

@@ -7,10 +7,10 @@ score is the sum of its best two) and the top-k experts within them; weights
 are the unbiased scores, renormalised (``norm_topk_prob``) and multiplied by
 ``routed_scaling_factor``. Multi-token-prediction layers of Hub checkpoints
 (``num_nextn_predict_layers`` of them, stored as ``model.layers.{num_hidden_layers + k}…``)
-become ``mtp_num_layers`` :class:`~maxnnx.layers.mtp.MTPLayer` modules.
+become ``mtp.num_layers`` :class:`~maxnnx.layers.mtp.MTPLayer` modules.
 """
 
-from maxnnx.config import ModelConfig
+from maxnnx.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from maxnnx.models.hf import Family, HFConfig, PretrainedError, common_to_hf
 from maxnnx.models.moe_hf import expert_hooks
 
@@ -27,48 +27,49 @@ def mla_fields(hf: HFConfig) -> dict:
     if fields[key] is None:
       raise PretrainedError(f"{hf.path}: required key '{key}' is missing.")
   return dict(attention_type='mla', qkv_bias=bias, out_bias=bias,
-              rope_interleave=bool(hf.get('rope_interleave', True)), **fields)
+              rope_interleave=bool(hf.get('rope_interleave', True)), mla=MLAConfig(**fields))
 
 
 def mla_to_hf(cfg: ModelConfig) -> dict:
   if cfg.qkv_bias != cfg.out_bias:
     raise PretrainedError('DeepSeek has one attention_bias; this config sets '
                           f'qkv_bias={cfg.qkv_bias} and out_bias={cfg.out_bias}.')
-  return {**{k: getattr(cfg, k) for k in _MLA_KEYS}, 'attention_bias': cfg.qkv_bias,
-          'rope_interleave': cfg.rope_interleave, 'head_dim': cfg.qk_rope_head_dim,
-          'qk_head_dim': cfg.qk_nope_head_dim + cfg.qk_rope_head_dim}
+  return {**{k: getattr(cfg.mla, k) for k in _MLA_KEYS}, 'attention_bias': cfg.qkv_bias,
+          'rope_interleave': cfg.rope_interleave, 'head_dim': cfg.mla.qk_rope_head_dim,
+          'qk_head_dim': cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim}
 
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
   common = hf.common_fields()
   common['head_dim'] = None  # MLA widths come from the qk_*/v_head_dim keys
-  return ModelConfig(family='deepseek_v3', **common, **mla_fields(hf),
-                     num_experts=hf.require('n_routed_experts'),
-                     num_experts_per_tok=hf.require('num_experts_per_tok'),
-                     moe_mlp_dim=hf.require('moe_intermediate_size'),
-                     num_shared_experts=hf.get('n_shared_experts', 0),
-                     first_k_dense_layers=hf.get('first_k_dense_replace', 0),
-                     router_score='sigmoid', router_score_bias=True,
-                     router_norm_topk=bool(hf.get('norm_topk_prob')),
-                     router_scaling_factor=float(hf.get('routed_scaling_factor', 1.0)),
-                     router_groups=hf.get('n_group', 1), router_topk_groups=hf.get('topk_group', 1),
-                     router_group_score='top2_sum',
-                     mtp_num_layers=hf.get('num_nextn_predict_layers', 0))
+  moe = MoEConfig(num_experts=hf.require('n_routed_experts'),
+                  num_experts_per_tok=hf.require('num_experts_per_tok'),
+                  mlp_dim=hf.require('moe_intermediate_size'),
+                  num_shared_experts=hf.get('n_shared_experts', 0),
+                  first_k_dense_layers=hf.get('first_k_dense_replace', 0),
+                  router_score='sigmoid', router_score_bias=True,
+                  router_norm_topk=bool(hf.get('norm_topk_prob')),
+                  router_scaling_factor=float(hf.get('routed_scaling_factor', 1.0)),
+                  router_groups=hf.get('n_group', 1), router_topk_groups=hf.get('topk_group', 1),
+                  router_group_score='top2_sum')
+  return ModelConfig(family='deepseek_v3', **common, **mla_fields(hf), moe=moe,
+                     mtp=MTPConfig(num_layers=hf.get('num_nextn_predict_layers', 0)))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-  if cfg.attention_type != 'mla' or cfg.router_score != 'sigmoid' or cfg.moe_layer_step != 1:
+  moe = cfg.moe
+  if cfg.attention_type != 'mla' or moe.router_score != 'sigmoid' or moe.layer_step != 1:
     raise PretrainedError('deepseek_v3 export needs attention_type="mla", sigmoid routing and '
-                          'moe_layer_step=1.')
+                          'moe.layer_step=1.')
   out = common_to_hf(cfg, 'deepseek_v3', 'DeepseekV3ForCausalLM')
-  return {**out, **mla_to_hf(cfg), 'n_routed_experts': cfg.num_experts,
-          'num_experts_per_tok': cfg.num_experts_per_tok,
+  return {**out, **mla_to_hf(cfg), 'n_routed_experts': cfg.moe.num_experts,
+          'num_experts_per_tok': cfg.moe.num_experts_per_tok,
           'moe_intermediate_size': cfg.resolved_moe_mlp_dim,
-          'n_shared_experts': cfg.num_shared_experts,
-          'first_k_dense_replace': cfg.first_k_dense_layers,
-          'norm_topk_prob': cfg.router_norm_topk,
-          'routed_scaling_factor': cfg.router_scaling_factor, 'n_group': cfg.router_groups,
-          'topk_group': cfg.router_topk_groups, 'num_nextn_predict_layers': cfg.mtp_num_layers}
+          'n_shared_experts': cfg.moe.num_shared_experts,
+          'first_k_dense_replace': cfg.moe.first_k_dense_layers,
+          'norm_topk_prob': cfg.moe.router_norm_topk,
+          'routed_scaling_factor': moe.router_scaling_factor, 'n_group': moe.router_groups,
+          'topk_group': moe.router_topk_groups, 'num_nextn_predict_layers': cfg.mtp.num_layers}
 
 
 unfuse, fuse = expert_hooks('mlp')
@@ -101,35 +102,36 @@ def v2_config_from_hf(hf: HFConfig) -> ModelConfig:
                           "(supported: greedy, group_limited_greedy).")
   groups = dict(router_groups=hf.require('n_group'), router_topk_groups=hf.require('topk_group'),
                 router_group_score='max') if method == 'group_limited_greedy' else {}
+  moe = MoEConfig(num_experts=hf.require('n_routed_experts'),
+                  num_experts_per_tok=hf.require('num_experts_per_tok'),
+                  mlp_dim=hf.require('moe_intermediate_size'),
+                  num_shared_experts=hf.get('n_shared_experts', 0),
+                  first_k_dense_layers=hf.get('first_k_dense_replace', 0),
+                  router_norm_topk=False,
+                  router_scaling_factor=float(hf.get('routed_scaling_factor', 1.0)), **groups)
   return ModelConfig(family='deepseek_v2', **common, **{**mla_fields(hf), 'rope_interleave': True},
-                     num_experts=hf.require('n_routed_experts'),
-                     num_experts_per_tok=hf.require('num_experts_per_tok'),
-                     moe_mlp_dim=hf.require('moe_intermediate_size'),
-                     num_shared_experts=hf.get('n_shared_experts', 0),
-                     first_k_dense_layers=hf.get('first_k_dense_replace', 0),
-                     router_norm_topk=False,
-                     router_scaling_factor=float(hf.get('routed_scaling_factor', 1.0)),
-                     router_aux_loss_coef=float(hf.get('aux_loss_alpha', 0.001)), **groups)
+                     moe=moe)
 
 
 def v2_config_to_hf(cfg: ModelConfig) -> dict:
-  if (cfg.attention_type != 'mla' or cfg.router_score != 'softmax' or cfg.router_norm_topk
-      or not cfg.rope_interleave or cfg.moe_layer_step != 1):
+  moe = cfg.moe
+  if (cfg.attention_type != 'mla' or moe.router_score != 'softmax' or moe.router_norm_topk
+      or not cfg.rope_interleave or moe.layer_step != 1):
     raise PretrainedError('deepseek_v2 export needs attention_type="mla", softmax routing '
-                          'without renormalisation, rope_interleave and moe_layer_step=1.')
-  grouped = cfg.router_groups > 1
+                          'without renormalisation, rope_interleave and moe.layer_step=1.')
+  grouped = cfg.moe.router_groups > 1
   out = {**common_to_hf(cfg, 'deepseek_v2', 'DeepseekV2ForCausalLM'), **mla_to_hf(cfg)}
   out.pop('rope_interleave')
-  return {**out, 'n_routed_experts': cfg.num_experts,
-          'num_experts_per_tok': cfg.num_experts_per_tok,
+  return {**out, 'n_routed_experts': cfg.moe.num_experts,
+          'num_experts_per_tok': cfg.moe.num_experts_per_tok,
           'moe_intermediate_size': cfg.resolved_moe_mlp_dim,
-          'n_shared_experts': cfg.num_shared_experts,
-          'first_k_dense_replace': cfg.first_k_dense_layers,
-          'routed_scaling_factor': cfg.router_scaling_factor,
+          'n_shared_experts': cfg.moe.num_shared_experts,
+          'first_k_dense_replace': cfg.moe.first_k_dense_layers,
+          'routed_scaling_factor': cfg.moe.router_scaling_factor,
           'topk_method': 'group_limited_greedy' if grouped else 'greedy',
-          'n_group': cfg.router_groups if grouped else None,
-          'topk_group': cfg.router_topk_groups if grouped else None,
-          'aux_loss_alpha': cfg.router_aux_loss_coef}
+          'n_group': cfg.moe.router_groups if grouped else None,
+          'topk_group': cfg.moe.router_topk_groups if grouped else None,
+          'aux_loss_alpha': 0.001}  # a training setting (TrainConfig): transformers' default
 
 
 V2_FAMILY = Family('deepseek_v2', ('deepseek_v2',), 'DeepseekV2ForCausalLM', v2_config_from_hf,

@@ -22,7 +22,7 @@ MXFP4 releases (``*_blocks``/``*_scales`` tensors) must be dequantized first.
 
 import numpy as np
 
-from maxnnx.config import ModelConfig
+from maxnnx.config import ModelConfig, MoEConfig
 from maxnnx.models.hf import (
   Family,
   HFConfig,
@@ -58,29 +58,30 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
   bias = bool(hf.get('attention_bias', True))
   return ModelConfig(family='gpt_oss', **hf.common_fields(), qkv_bias=bias, out_bias=bias,
                      attention_sinks=True, sliding_window=window, layer_types=layer_types,
-                     num_experts=hf.get('num_local_experts') or hf.require('num_experts'),
-                     num_experts_per_tok=hf.get('num_experts_per_tok')
-                     or hf.get('experts_per_token', 4),
-                     router_score='softmax', router_norm_topk=True, router_bias=True,
-                     expert_bias=True, swiglu_limit=float(hf.get('swiglu_limit', 7.0)),
-                     swiglu_alpha=float(hf.get('swiglu_alpha', 1.702)),
-                     router_aux_loss_coef=float(hf.get('router_aux_loss_coef', 0.001)))
+                     moe=MoEConfig(
+                         num_experts=hf.get('num_local_experts') or hf.require('num_experts'),
+                         num_experts_per_tok=hf.get('num_experts_per_tok')
+                         or hf.get('experts_per_token', 4),
+                         router_score='softmax', router_norm_topk=True, router_bias=True,
+                         expert_bias=True, swiglu_limit=float(hf.get('swiglu_limit', 7.0)),
+                         swiglu_alpha=float(hf.get('swiglu_alpha', 1.702))))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
   return {**common_to_hf(cfg, 'gpt_oss', 'GptOssForCausalLM'),
           'intermediate_size': cfg.resolved_moe_mlp_dim,
           'layer_types': layer_types_to_hf(cfg), 'sliding_window': cfg.sliding_window,
-          'attention_bias': cfg.qkv_bias, 'num_local_experts': cfg.num_experts,
-          'num_experts_per_tok': cfg.num_experts_per_tok, 'swiglu_limit': cfg.swiglu_limit,
-          'swiglu_alpha': cfg.swiglu_alpha, 'router_aux_loss_coef': cfg.router_aux_loss_coef}
+          'attention_bias': cfg.qkv_bias, 'num_local_experts': cfg.moe.num_experts,
+          'num_experts_per_tok': cfg.moe.num_experts_per_tok,
+          'swiglu_limit': cfg.moe.swiglu_limit, 'swiglu_alpha': cfg.moe.swiglu_alpha,
+          'router_aux_loss_coef': 0.9}  # a training setting (TrainConfig): HF's default
 
 
 def _check_convertible(cfg: ModelConfig) -> None:
   """What the fused HF layout cannot express."""
   problems = [name for name, ok in (
       ('every layer a MoE layer', all(cfg.moe_layers)),
-      ('expert_bias=True', cfg.expert_bias), ('router_bias=True', cfg.router_bias),
+      ('expert_bias=True', cfg.moe.expert_bias), ('router_bias=True', cfg.moe.router_bias),
       ('attention_sinks=True', cfg.attention_sinks), ('qkv_bias == out_bias',
                                                       cfg.qkv_bias == cfg.out_bias)) if not ok]
   if problems:
@@ -95,7 +96,7 @@ def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
                           f'{len(quantized) - 1} more) hold MXFP4-quantized experts. '
                           + DEQUANTIZE_HINT)
   out = dict(tensors)
-  e, d, f = cfg.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
+  e, d, f = cfg.moe.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
   expected = {'gate_up_proj': (e, d, 2 * f), 'gate_up_proj_bias': (e, 2 * f),
               'down_proj': (e, f, d)}
   for i in range(cfg.num_layers):
@@ -123,7 +124,7 @@ def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarr
   """Inverse of :func:`unfuse`: interleave gate/up back into the Hub layout."""
   _check_convertible(cfg)
   out = dict(tensors)
-  e, d, f = cfg.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
+  e, d, f = cfg.moe.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
   for i in range(cfg.num_layers):
     prefix = f'model.layers.{i}.mlp.experts'
     for fused, (gate, up), shape in (('gate_up_proj', ('gate_proj', 'up_proj'), (e, d, f)),

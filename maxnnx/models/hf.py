@@ -177,7 +177,7 @@ def common_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict[s
       'tie_word_embeddings': cfg.tie_word_embeddings,
       'hidden_act': activation,
       'rope_parameters': rope_to_hf(cfg.rope),
-      'dtype': cfg.param_dtype,
+      'dtype': cfg.runtime.param_dtype,
       # Written even when None, so transformers does not fall back to its defaults.
       'bos_token_id': cfg.bos_token_id,
       'eos_token_id': list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple)

@@ -4,7 +4,7 @@ Hub checkpoints store each expert as its own ``Linear`` (``experts.{e}.gate_proj
 ``[mlp, d_model]``); our :class:`~maxnnx.layers.moe.Experts` stack them as
 ``[experts, d_model, mlp]``. :func:`expert_hooks` builds the ``unfuse``/``fuse``
 pair that converts between the two, and :func:`moe_layout` turns a per-layer
-MoE/dense pattern into ``first_k_dense_layers`` + ``moe_layer_step``.
+MoE/dense pattern into ``moe.first_k_dense_layers`` + ``moe.layer_step``.
 """
 
 from collections.abc import Sequence
@@ -19,13 +19,14 @@ SWIGLU_NAMES = {'gate_proj': 'gate_proj', 'up_proj': 'up_proj', 'down_proj': 'do
 
 
 def moe_layout(is_moe: Sequence[bool], path: str) -> dict:
-  """``first_k_dense_layers`` and ``moe_layer_step`` reproducing ``is_moe`` per layer."""
+  """``MoEConfig`` fields ``first_k_dense_layers`` and ``layer_step`` reproducing ``is_moe``
+  per layer."""
   moe = [i for i, m in enumerate(is_moe) if m]
   if not moe:
-    return dict(first_k_dense_layers=0, moe_layer_step=1)
+    return dict(first_k_dense_layers=0, layer_step=1)
   k = moe[0]
   step = moe[1] - moe[0] if len(moe) > 1 else 1
-  layout = dict(first_k_dense_layers=k, moe_layer_step=step)
+  layout = dict(first_k_dense_layers=k, layer_step=step)
   rebuilt = [i >= k and (i - k) % step == 0 for i in range(len(is_moe))]
   if rebuilt != list(is_moe):
     raise PretrainedError(f'{path}: MoE layers {moe} are not a dense prefix followed by every '
@@ -42,7 +43,7 @@ def expert_hooks(module: str, names: dict[str, str] = SWIGLU_NAMES):
   """
 
   def layers(cfg: ModelConfig):
-    mtp = range(cfg.num_layers, cfg.num_layers + cfg.mtp_num_layers) if cfg.num_experts else []
+    mtp = range(cfg.num_layers, cfg.num_layers + cfg.mtp.num_layers) if cfg.moe.num_experts else []
     return [i for i, m in enumerate(cfg.moe_layers) if m] + list(mtp)  # MTP blocks are MoE
 
   def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
@@ -50,7 +51,7 @@ def expert_hooks(module: str, names: dict[str, str] = SWIGLU_NAMES):
     for i in layers(cfg):
       prefix = f'model.layers.{i}.{module}.experts'
       for ours, theirs in names.items():
-        keys = [f'{prefix}.{e}.{theirs}.weight' for e in range(cfg.num_experts)]
+        keys = [f'{prefix}.{e}.{theirs}.weight' for e in range(cfg.moe.num_experts)]
         if not all(k in out for k in keys):
           continue  # the loader then reports the stacked name as missing
         pieces = [out.pop(k) for k in keys]
@@ -68,9 +69,9 @@ def expert_hooks(module: str, names: dict[str, str] = SWIGLU_NAMES):
       prefix = f'model.layers.{i}.{module}.experts'
       for ours, theirs in names.items():
         d, f = cfg.d_model, cfg.resolved_moe_mlp_dim
-        shape = (cfg.num_experts, f, d) if ours == 'down_proj' else (cfg.num_experts, d, f)
+        shape = (cfg.moe.num_experts, f, d) if ours == 'down_proj' else (cfg.moe.num_experts, d, f)
         stacked = out.pop(f'{prefix}.{ours}').reshape(shape)  # written flat by the exporter
-        for e in range(cfg.num_experts):
+        for e in range(cfg.moe.num_experts):
           out[f'{prefix}.{e}.{theirs}.weight'] = np.ascontiguousarray(stacked[e].T)
     return out
 

@@ -94,6 +94,7 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
     param_dtype: dtype parameters are stored in (default ``float32``).
     scan_layers: build the layer stack scanned (default: unscanned).
     **overrides: any other :class:`ModelConfig` field. ``mtp_num_layers``
+      (or ``mtp={'num_layers': n}``)
       chooses how many multi-token-prediction layers to load (DeepSeek V3);
       by default those the checkpoint holds (a transformers-saved checkpoint
       holds none, whatever ``num_nextn_predict_layers`` says). With fewer, the
@@ -110,7 +111,8 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   cfg = config_from_pretrained(directory, **overrides)
   family = FAMILIES[cfg.family]
   tensors = read_safetensors_dir(directory)
-  cfg, skipped = _choose_mtp_layers(cfg, family, tensors, 'mtp_num_layers' in overrides, directory)
+  mtp_chosen = any(key in overrides for key in ('mtp_num_layers', 'mtp.num_layers', 'mtp'))
+  cfg, skipped = _choose_mtp_layers(cfg, family, tensors, mtp_chosen, directory)
   if family.unfuse is not None:
     tensors = family.unfuse(tensors, cfg)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -154,9 +156,9 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
   if family is None:
     raise PretrainedError(f"ModelConfig.family '{cfg.family}' has no Hugging Face mapping; "
                           f'known: {", ".join(sorted(FAMILIES))}.')
-  if cfg.mtp_num_layers and not family.mtp:
+  if cfg.mtp.num_layers and not family.mtp:
     raise PretrainedError(f'{cfg.family} checkpoints have no multi-token-prediction layers; '
-                          'save a model with mtp_num_layers=0 (model.mtp is then dropped).')
+                          'save a model with mtp.num_layers=0 (model.mtp is then dropped).')
   hf_config = family.config_to_hf(cfg)
   n_in = _kernel_input_dims(model)
   tensors = {}
@@ -165,7 +167,7 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
     kernel_n_in = n_in[_module_key(path)] if path[-1] == 'kernel' else None
     name = family.hf_name(hf_layer_path(path, cfg.num_layers))
     tensors[name] = _ours_to_hf(np.asarray(array), kernel_n_in, path[-1])
-  for k in range(cfg.mtp_num_layers):  # the Hub layout repeats the shared embedding and head
+  for k in range(cfg.mtp.num_layers):  # the Hub layout repeats the shared embedding and head
     for suffix, main in MTP_SHARED_COPIES.items():
       main = 'model.embed_tokens.weight' if cfg.tie_word_embeddings else main
       tensors[f'model.layers.{cfg.num_layers + k}.{suffix}'] = tensors[main]
@@ -189,20 +191,20 @@ def _choose_mtp_layers(cfg: ModelConfig, family: Family, tensors, explicit: bool
   pattern = re.compile(r'model\.layers\.(\d+)\.')
   stored = len({int(m.group(1)) for n in tensors if (m := pattern.match(n))
                 and int(m.group(1)) >= cfg.num_layers}) if family.mtp else 0
-  wanted = cfg.mtp_num_layers
+  wanted = cfg.mtp.num_layers
   if wanted > stored:
     if explicit:
       holds = (f'holds multi-token-prediction tensors for {stored} layer(s)' if family.mtp
                else f'is a {cfg.family} checkpoint, which has no multi-token-prediction layers')
-      raise PretrainedError(f'{directory}: mtp_num_layers={wanted} but the checkpoint {holds}; '
+      raise PretrainedError(f'{directory}: mtp.num_layers={wanted} but the checkpoint {holds}; '
                             f'pass mtp_num_layers={stored} or fewer.')
     logger.info('%s: config.json declares %d multi-token-prediction layer(s) but the '
                 'checkpoint holds tensors for %d; loading those.', directory, wanted, stored)
-    cfg = cfg.replace(mtp_num_layers=stored)
+    cfg = cfg.replace(mtp={'num_layers': stored})
   elif wanted < stored:
     logger.info('%s: skipping %d of the checkpoint\'s %d multi-token-prediction layer(s) '
-                '(mtp_num_layers=%d).', directory, stored - wanted, stored, wanted)
-  first_skipped = cfg.num_layers + cfg.mtp_num_layers
+                '(mtp.num_layers=%d).', directory, stored - wanted, stored, wanted)
+  first_skipped = cfg.num_layers + cfg.mtp.num_layers
   skipped = '|'.join(str(i) for i in range(first_skipped, cfg.num_layers + stored)) or '(?!)'
   return cfg, re.compile(rf'model\.layers\.({skipped})\.')
 
@@ -211,7 +213,7 @@ def _check_mtp_copies(tensors, cfg: ModelConfig) -> set[str]:
   """Names of the embedding/head copies in loaded MTP layers; the model shares the
   main ones, so a copy that differs is reported."""
   names = set()
-  for k in range(cfg.mtp_num_layers):
+  for k in range(cfg.mtp.num_layers):
     for suffix, main in MTP_SHARED_COPIES.items():
       main = 'model.embed_tokens.weight' if cfg.tie_word_embeddings else main
       name = f'model.layers.{cfg.num_layers + k}.{suffix}'
@@ -244,7 +246,7 @@ def _stack_as_layers(key: tuple) -> tuple:
 
 def _stacks(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
   """Scanned stack attribute -> (first layer, number of layers)."""
-  if not cfg.scan_layers:
+  if not cfg.runtime.scan_layers:
     return {}
   return {name: (start, count) for name, start, count, _ in layer_stacks(cfg)}
 

@@ -5,7 +5,7 @@ shared experts. Layers listed in ``mlp_only_layers`` (or skipped by
 ``decoder_sparse_step``) keep a dense MLP of width ``intermediate_size``.
 """
 
-from maxnnx.config import ModelConfig
+from maxnnx.config import ModelConfig, MoEConfig
 from maxnnx.models.hf import Family, HFConfig, common_to_hf
 from maxnnx.models.moe_hf import expert_hooks, moe_layout
 from maxnnx.models.qwen2 import sliding_layers, sliding_layers_to_hf
@@ -19,22 +19,22 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
   is_moe = [i not in dense and (i + 1) % step == 0
             for i in range(hf.require('num_hidden_layers'))]
   return ModelConfig(family='qwen3_moe', **hf.common_fields(), qkv_bias=bias, out_bias=bias,
-                     qk_norm='head', **sliding_layers(hf), num_experts=experts,
-                     num_experts_per_tok=hf.get('num_experts_per_tok', 8),
-                     moe_mlp_dim=hf.require('moe_intermediate_size'),
-                     router_norm_topk=bool(hf.get('norm_topk_prob', False)),
-                     router_aux_loss_coef=float(hf.get('router_aux_loss_coef', 0.001)),
-                     **moe_layout(is_moe, hf.path))
+                     qk_norm='head', **sliding_layers(hf),
+                     moe=MoEConfig(num_experts=experts,
+                                   num_experts_per_tok=hf.get('num_experts_per_tok', 8),
+                                   mlp_dim=hf.require('moe_intermediate_size'),
+                                   router_norm_topk=bool(hf.get('norm_topk_prob', False)),
+                                   **moe_layout(is_moe, hf.path)))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
   return {**common_to_hf(cfg, 'qwen3_moe', 'Qwen3MoeForCausalLM'), **sliding_layers_to_hf(cfg),
-          'attention_bias': cfg.qkv_bias, 'num_local_experts': cfg.num_experts,
-          'num_experts_per_tok': cfg.num_experts_per_tok,
+          'attention_bias': cfg.qkv_bias, 'num_local_experts': cfg.moe.num_experts,
+          'num_experts_per_tok': cfg.moe.num_experts_per_tok,
           'moe_intermediate_size': cfg.resolved_moe_mlp_dim,
-          'norm_topk_prob': cfg.router_norm_topk, 'decoder_sparse_step': 1,
+          'norm_topk_prob': cfg.moe.router_norm_topk, 'decoder_sparse_step': 1,
           'mlp_only_layers': [i for i, m in enumerate(cfg.moe_layers) if not m],
-          'router_aux_loss_coef': cfg.router_aux_loss_coef}
+          'router_aux_loss_coef': 0.001}  # a training setting (TrainConfig): HF's default
 
 
 unfuse, fuse = expert_hooks('mlp')

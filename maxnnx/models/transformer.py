@@ -2,7 +2,7 @@
 
 ``Transformer(cfg, rngs=...)`` is embed -> N x DecoderBlock -> norm -> logits.
 Families differ only in their :class:`ModelConfig` and Hugging Face mapping.
-With ``mtp_num_layers``, multi-token-prediction modules (:mod:`maxnnx.layers.mtp`)
+With ``mtp.num_layers``, multi-token-prediction modules (:mod:`maxnnx.layers.mtp`)
 follow the stack; ``model(ids, mtp=True)`` also returns their logits.
 
 The layer stack is either an ``nnx.List`` of blocks (``scan_layers=False``: easy
@@ -38,10 +38,10 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
   One ``layers`` stack, except for MoE models with dense first layers
   (``first_k_dense_layers``): those form a second stack, ``dense_layers``.
   """
-  n, k = cfg.num_layers, cfg.first_k_dense_layers if cfg.num_experts else 0
+  n, k = cfg.num_layers, cfg.moe.first_k_dense_layers if cfg.moe.num_experts else 0
   if k:
     return (('dense_layers', 0, k, False), ('layers', k, n - k, True))
-  return (('layers', 0, n, cfg.num_experts > 0),)
+  return (('layers', 0, n, cfg.moe.num_experts > 0),)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, num_layers: int | None = None,
@@ -77,7 +77,7 @@ class Transformer(nnx.Module):
     layers: ``nnx.List`` of :class:`DecoderBlock`, or one stacked block.
     final_norm: norm before the output projection.
     lm_head: untied output projection ``[d_model] -> [vocab]`` or ``None``.
-    mtp: ``nnx.List`` of :class:`~maxnnx.layers.mtp.MTPLayer` (``mtp_num_layers``
+    mtp: ``nnx.List`` of :class:`~maxnnx.layers.mtp.MTPLayer` (``mtp.num_layers``
       of them) or ``None``.
   """
 
@@ -88,7 +88,7 @@ class Transformer(nnx.Module):
     self.embed = Embed(config.vocab_size, config.d_model, init_std=config.initializer_range,
                        dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.dense_layers = nnx.data(None)  # the first_k_dense_layers stack when scanned
-    if config.scan_layers:
+    if config.runtime.scan_layers:
       for name, _, count, use_moe in layer_stacks(config):
         setattr(self, name, _stacked_blocks(config, rngs, count, use_moe, parts))
     else:
@@ -100,8 +100,8 @@ class Transformer(nnx.Module):
                     DenseGeneral((config.d_model,), (config.vocab_size,), axes=('embed', 'vocab'),
                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs))
     self.mtp = (nnx.List([MTPLayer(config, rngs=rngs, parts=parts)
-                          for _ in range(config.mtp_num_layers)])
-                if config.mtp_num_layers else nnx.data(None))
+                          for _ in range(config.mtp.num_layers)])
+                if config.mtp.num_layers else nnx.data(None))
     head_dim = config.rope_head_dim
     self.rotary = RotaryEmbedding.from_config(config.rope, head_dim,
                                               config.max_position_embeddings)
@@ -117,7 +117,7 @@ class Transformer(nnx.Module):
   def init_cache(self, batch: int, max_length: int, dtype=None) -> None:
     """Allocate an empty KV cache of ``max_length`` slots for ``batch`` rows."""
     dtype = dtype or self.config.jnp_dtype()
-    if self.config.scan_layers:
+    if self.config.runtime.scan_layers:
       stacked = nnx.vmap(lambda block: block.attn.init_cache(batch, max_length, dtype),
                          in_axes=0, out_axes=0)
       for name, *_ in layer_stacks(self.config):
@@ -134,7 +134,7 @@ class Transformer(nnx.Module):
   def __call__(self, input_ids_BT: jax.Array, *, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, decode: bool = False, mtp: bool = False
                ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Logits ``[B, T, vocab]`` (in ``config.logits_dtype``).
+    """Logits ``[B, T, vocab]`` (in ``config.runtime.logits_dtype``).
 
     The same as ``model.logits(model.hidden_states(...))``; the arguments are
     those of :meth:`hidden_states`. With ``mtp=True`` the result is
@@ -170,7 +170,7 @@ class Transformer(nnx.Module):
     """
     cfg = self.config
     if mtp and (self.mtp is None or decode):
-      raise ValueError('mtp=True needs a model with MTP modules (ModelConfig.mtp_num_layers > 0) '
+      raise ValueError('mtp=True needs a model with MTP modules (ModelConfig.mtp.num_layers > 0) '
                        'and decode=False.')
     _check_token_ids(input_ids_BT, cfg.vocab_size)
     default_segments, default_positions = default_segments_and_positions(input_ids_BT)
@@ -203,13 +203,13 @@ class Transformer(nnx.Module):
     x_BTD = self._embed(input_ids_BT)
     stages = mesh_axis_size('stage')
     if stages > 1:
-      if not cfg.scan_layers or cache_index is not None:
+      if not cfg.runtime.scan_layers or cache_index is not None:
         raise ValueError('Pipeline parallelism (mesh stage > 1) needs scan_layers=True and '
                          'runs training/scoring only, not KV-cache decoding.')
       x_BTD = self._pipeline_layers(x_BTD, segment_ids, positions, stages)
     else:
       cos_sin = self._cos_sin(positions)
-      if cfg.scan_layers:
+      if cfg.runtime.scan_layers:
         x_BTD = self._scan_layers(x_BTD, cos_sin, mask, cache_index)
       else:
         for block, layer_type in zip(self.layers, cfg.resolved_layer_types):
@@ -245,8 +245,8 @@ class Transformer(nnx.Module):
     return cos_sin
 
   def _apply_block(self, block, x_BTD, cos_sin, mask, window, cache_index):
-    """One block, rematerialised per ``config.remat_policy`` when training."""
-    if cache_index is not None or self.config.remat_policy == 'none':
+    """One block, rematerialised per ``config.runtime.remat_policy`` when training."""
+    if cache_index is not None or self.config.runtime.remat_policy == 'none':
       return block(x_BTD, cos_sin, mask, sliding_window=window, cache_index=cache_index)
     graphdef, state = nnx.split(block)
 
@@ -254,7 +254,7 @@ class Transformer(nnx.Module):
       block = nnx.merge(graphdef, state)
       return block(x, cos_sin, mask, sliding_window=window), nnx.state(block, MoeAux)
 
-    x_BTD, aux = remat(run, self.config.remat_policy)(state, x_BTD, cos_sin, mask, window)
+    x_BTD, aux = remat(run, self.config.runtime.remat_policy)(state, x_BTD, cos_sin, mask, window)
     nnx.update(block, aux)  # MoE routing statistics computed inside the remat
     return x_BTD
 

@@ -1,14 +1,14 @@
 """Mixture-of-Experts presets: Mixtral, Qwen3-MoE, GPT-OSS, and the CPU-sized ``tiny-moe``."""
 
-from maxnnx.config import ModelConfig, RopeConfig
+from maxnnx.config import ModelConfig, MoEConfig, RopeConfig
 
 
 def tiny_moe() -> ModelConfig:
   """A tiny Mixtral-style model (8 experts, top-2) for tests and tutorials on a CPU."""
   return ModelConfig(family='mixtral', vocab_size=512, d_model=128, num_layers=4, num_heads=4,
                      num_kv_heads=2, head_dim=32, mlp_dim=128, max_position_embeddings=512,
-                     norm_eps=1e-5, rope=RopeConfig(theta=10_000.0), num_experts=8,
-                     num_experts_per_tok=2, router_aux_loss_coef=0.01)
+                     norm_eps=1e-5, rope=RopeConfig(theta=10_000.0),
+                     moe=MoEConfig(num_experts=8, num_experts_per_tok=2))
 
 
 def _mixtral(vocab_size: int, d_model: int, num_layers: int, num_heads: int, mlp_dim: int,
@@ -16,8 +16,8 @@ def _mixtral(vocab_size: int, d_model: int, num_layers: int, num_heads: int, mlp
   return ModelConfig(family='mixtral', vocab_size=vocab_size, d_model=d_model,
                      num_layers=num_layers, num_heads=num_heads, num_kv_heads=8, mlp_dim=mlp_dim,
                      max_position_embeddings=max_position_embeddings, norm_eps=1e-5,
-                     rope=RopeConfig(theta=1_000_000.0), num_experts=8, num_experts_per_tok=2,
-                     router_aux_loss_coef=0.02)
+                     rope=RopeConfig(theta=1_000_000.0),
+                     moe=MoEConfig(num_experts=8, num_experts_per_tok=2))
 
 
 def mixtral_8x7b() -> ModelConfig:
@@ -35,9 +35,9 @@ def _qwen3_moe(d_model: int, num_layers: int, num_heads: int, moe_mlp_dim: int,
   return ModelConfig(family='qwen3_moe', vocab_size=151_936, d_model=d_model,
                      num_layers=num_layers, num_heads=num_heads, num_kv_heads=4, head_dim=128,
                      mlp_dim=mlp_dim, max_position_embeddings=40_960, norm_eps=1e-6,
-                     qk_norm='head', rope=RopeConfig(theta=1_000_000.0), num_experts=128,
-                     num_experts_per_tok=8, moe_mlp_dim=moe_mlp_dim, router_norm_topk=True,
-                     router_aux_loss_coef=0.001)
+                     qk_norm='head', rope=RopeConfig(theta=1_000_000.0),
+                     moe=MoEConfig(num_experts=128, num_experts_per_tok=8, mlp_dim=moe_mlp_dim,
+                                   router_norm_topk=True))
 
 
 def qwen3_30b_a3b() -> ModelConfig:
@@ -59,9 +59,10 @@ def _gpt_oss(num_layers: int, num_experts: int) -> ModelConfig:
                      rope=RopeConfig(theta=150_000.0, scaling='yarn', factor=32.0,
                                      original_max_position_embeddings=4096, beta_fast=32.0,
                                      beta_slow=1.0, truncate=False),
-                     num_experts=num_experts, num_experts_per_tok=4, router_norm_topk=True,
-                     router_bias=True, expert_bias=True, swiglu_limit=7.0,
-                     router_aux_loss_coef=0.9, eos_token_id=200_002, pad_token_id=199_999)
+                     moe=MoEConfig(num_experts=num_experts, num_experts_per_tok=4,
+                                   router_norm_topk=True, router_bias=True, expert_bias=True,
+                                   swiglu_limit=7.0),
+                     eos_token_id=200_002, pad_token_id=199_999)
 
 
 def gpt_oss_20b() -> ModelConfig:

@@ -35,6 +35,10 @@ class TrainConfig(ValidatedConfig):
     momentum: SGD momentum (0 = plain SGD).
     clip_norm: clip gradients to this global norm (``None``: no clipping).
     z_loss: weight of ``logsumexp(logits)^2`` added to the loss (PaLM).
+    router_aux_loss_coef: weight of the MoE load-balancing loss added to the loss.
+    router_z_loss_coef: weight of the MoE router z-loss added to the loss.
+    mtp_loss_scaling_factor: weight of the mean multi-token-prediction cross-entropy
+      added to the loss (DeepSeek V3 used 0.3, then 0.1).
     fused_loss: apply the output head and the cross-entropy together, one
       sequence slice at a time (:mod:`maxnnx.train.loss`): the ``[B, T, vocab]``
       logits are never held at once, and on CPU the step is faster. ``False``
@@ -87,6 +91,9 @@ class TrainConfig(ValidatedConfig):
   momentum: float = 0.9
   clip_norm: float | None = 1.0
   z_loss: float = 0.0
+  router_aux_loss_coef: float = 0.0
+  router_z_loss_coef: float = 0.0
+  mtp_loss_scaling_factor: float = 0.1
   fused_loss: bool = True
   loss_chunk_length: int | None = None
   skip_spike_factor: float | None = None
@@ -125,6 +132,9 @@ class TrainConfig(ValidatedConfig):
         self.loss_chunk_length < 1 or self.seq_len % self.loss_chunk_length):
       raise ConfigError(f'TrainConfig.loss_chunk_length ({self.loss_chunk_length}) must divide '
                         f'seq_len ({self.seq_len}); or leave it None to pick one.')
+    for name in ('router_aux_loss_coef', 'router_z_loss_coef', 'mtp_loss_scaling_factor'):
+      if getattr(self, name) < 0:
+        raise ConfigError(f'TrainConfig.{name} must be >= 0, got {getattr(self, name)}.')
     if self.skip_spike_factor is not None and self.skip_spike_factor <= 1:
       raise ConfigError('TrainConfig.skip_spike_factor must be > 1 (or None to never skip).')
 

@@ -41,7 +41,7 @@ def _mlp_flops(cfg: ModelConfig, width: int) -> int:
 
 
 def _layer_is_moe(cfg: ModelConfig, layer: int) -> bool:
-  return cfg.num_experts > 1 and cfg.moe_layers[layer]
+  return cfg.moe.num_experts > 1 and cfg.moe_layers[layer]
 
 
 def _block_flops(cfg: ModelConfig, kind: str, is_moe: bool, seq_len: int) -> float:
@@ -50,9 +50,9 @@ def _block_flops(cfg: ModelConfig, kind: str, is_moe: bool, seq_len: int) -> flo
   window = cfg.sliding_window if kind == 'sliding' else None
   total += 4 * h * hd * mean_keys_per_query(seq_len, window)  # q.k and p.v
   if is_moe:
-    width = cfg.moe_mlp_dim or cfg.mlp_dim
-    total += 2 * d * cfg.num_experts  # router
-    total += (cfg.num_experts_per_tok + cfg.num_shared_experts) * _mlp_flops(cfg, width)
+    width = cfg.moe.mlp_dim or cfg.mlp_dim
+    total += 2 * d * cfg.moe.num_experts  # router
+    total += (cfg.moe.num_experts_per_tok + cfg.moe.num_shared_experts) * _mlp_flops(cfg, width)
   else:
     total += _mlp_flops(cfg, cfg.mlp_dim)
   return total
@@ -65,8 +65,8 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   total = 2 * d * cfg.vocab_size  # output projection (the embedding lookup is free)
   for layer, kind in enumerate(cfg.resolved_layer_types):
     total += _block_flops(cfg, kind, _layer_is_moe(cfg, layer), seq_len)
-  mtp_block = _block_flops(cfg, cfg.resolved_layer_types[-1], cfg.num_experts > 1, seq_len)
-  total += cfg.mtp_num_layers * (mtp_block + 2 * 2 * d * d + 2 * d * cfg.vocab_size)
+  mtp_block = _block_flops(cfg, cfg.resolved_layer_types[-1], cfg.moe.num_experts > 1, seq_len)
+  total += cfg.mtp.num_layers * (mtp_block + 2 * 2 * d * d + 2 * d * cfg.vocab_size)
   return float(total)
 
 

@@ -93,8 +93,9 @@ def quantization_rules(recipe: str, config=None) -> tuple:
   config both expert forms are quantized.
   """
   rules = [rule(recipe, PROJECTIONS_PATH, op_names=('dot_general',))]
-  if config is None or config.num_experts > 1:
-    ops = ('einsum',) if getattr(config, 'moe_dispatch', None) == 'capacity' else ('ragged_dot',)
+  if config is None or config.moe.num_experts > 1:
+    capacity = config is not None and config.moe.dispatch == 'capacity'
+    ops = ('einsum',) if capacity else ('ragged_dot',)
     rules.append(rule(recipe, EXPERTS_PATH, op_names=ops))
   return tuple(rules)
 
@@ -117,13 +118,13 @@ def check_supported(model_config, recipe: str, *, mesh_shape: dict | None = None
                      f"parallelism (mesh.stage={mesh_shape['stage']}): qwix's interception "
                      'does not reach the stage loop. Use mesh.stage=1 (fsdp/tensor/data) or '
                      "quantization='none'.")
-  if (model_config is not None and model_config.num_experts > 1
-      and model_config.moe_dispatch == 'dropless'
-      and model_config.ragged_dot_impl not in _QWIX_RAGGED_DOT_IMPLS):
+  if (model_config is not None and model_config.moe.num_experts > 1
+      and model_config.moe.dispatch == 'dropless'
+      and model_config.runtime.ragged_dot_impl not in _QWIX_RAGGED_DOT_IMPLS):
     raise ValueError(f"TrainConfig.quantization='{recipe}' quantizes MoE experts through "
                      f"jax.lax.ragged_dot, which ModelConfig.ragged_dot_impl="
-                     f"'{model_config.ragged_dot_impl}' does not call; use ragged_dot_impl="
-                     "'lax' or moe_dispatch='capacity'.")
+                     f"'{model_config.runtime.ragged_dot_impl}' does not call; use ragged_dot_impl="
+                     "'lax' or moe.dispatch='capacity'.")
 
 
 def _check_rules(model: nnx.Module, rules: Sequence) -> None:

@@ -204,11 +204,11 @@ class Trainer:
     self.quantization = _quantization_name(config, self.model_config, concrete, self.mesh)
     if concrete is not None and config.quantization != 'none':
       concrete = quantize(concrete, config.quantization)
-    if (self.model_config.mtp_num_layers and config.mesh.context_load_balance
+    if (self.model_config.mtp.num_layers and config.mesh.context_load_balance
         and dict(self.mesh.shape).get('context', 1) > 1):
       raise ValueError('Multi-token prediction shifts tokens along the sequence, which the '
                        'context load-balancing permutation reorders: set '
-                       'MeshConfig.context_load_balance=False (or mtp_num_layers=0).')
+                       'MeshConfig.context_load_balance=False (or mtp.num_layers=0).')
     self.tx = optimizer if optimizer is not None else make_optimizer(config, abstract_model)
     build = self._builder(self.model_config) if concrete is None else None
 
@@ -238,7 +238,8 @@ class Trainer:
     self.flops_per_token = flops_lib.training_flops_per_token(self.model_config, config.seq_len)
     self.peak_flops, self.peak_source = (
         (config.peak_tflops * 1e12, 'TrainConfig.peak_tflops') if config.peak_tflops
-        else flops_lib.peak_flops_per_device(self.mesh.devices.flat[0], self.model_config.dtype))
+        else flops_lib.peak_flops_per_device(self.mesh.devices.flat[0],
+                                             self.model_config.runtime.dtype))
 
   # -- construction helpers ------------------------------------------------------
 
@@ -311,7 +312,7 @@ class Trainer:
     ``mtp_tokens[k - 1]`` (0 when ``mtp_tokens`` is ``None`` or the model has no MTP).
     The head and loss are fused (:mod:`maxnnx.train.loss`) unless ``fused_loss=False``."""
     cfg, mc = self.config, self.model_config
-    depths = mc.mtp_num_layers if mtp_tokens is not None else 0
+    depths = mc.mtp.num_layers if mtp_tokens is not None else 0
     out = model.hidden_states(batch['inputs'], segment_ids=batch['segment_ids'],
                               positions=batch['positions'], mtp=depths > 0)
     x_BTD, mtp_hidden = out if depths else (out, ())
@@ -341,7 +342,7 @@ class Trainer:
     step = optimizer.step[...]
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     total_tokens = jnp.maximum(batch['loss_mask'].sum(), 1.0)
-    depths = self.model_config.mtp_num_layers
+    depths = self.model_config.mtp.num_layers
     mtp_tokens = [jnp.maximum(_mtp_targets(batch, k)[1].sum(), 1.0) for k in range(1, depths + 1)]
 
     def loss_fn(params, micro):
@@ -351,11 +352,12 @@ class Trainer:
       objective, ce_sum, z_sum, mtp = self._head_loss(m, micro, mtp_tokens)
       # MoE balancing / router z losses (zero without MoE layers), weighted like the
       # micro-batch's share of the tokens so accumulation matches the whole batch.
-      aux = moe_loss(m) * micro['loss_mask'].sum() / total_tokens if is_moe else 0.0
+      aux = (moe_loss(m, cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
+             * micro['loss_mask'].sum() / total_tokens) if is_moe else 0.0
       loss = objective / total_tokens + aux
-      return loss + self.model_config.mtp_loss_scaling_factor * mtp, (ce_sum, z_sum, aux, mtp)
+      return loss + cfg.mtp_loss_scaling_factor * mtp, (ce_sum, z_sum, aux, mtp)
 
-    is_moe = self.model_config.num_experts > 1
+    is_moe = self.model_config.moe.num_experts > 1
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if cfg.grad_accum_steps == 1:
       (_, (ce_sum, z_sum, aux_sum, mtp_sum)), grads = grad_fn(params, batch)
