@@ -176,10 +176,11 @@ def _host_params(model):
 def test_mtp_loss_trains_the_mtp_modules_only_when_scaled(factor):
   """mtp_loss_scaling_factor weights the MTP loss in the objective: at 0 the MTP
   modules get no gradient (weight decay off), otherwise they move."""
-  model = _dense(mtp_loss_scaling_factor=factor)
+  model = _dense()
   before = _host_params(model)
   batch = next(_counting_batches(32, 2, 12))
-  trainer = Trainer(model, _train_config(lr=1e-2, weight_decay=0.0))
+  trainer = Trainer(model, _train_config(lr=1e-2, weight_decay=0.0,
+                                         mtp_loss_scaling_factor=factor))
   trainer.step(batch)
   after = _host_params(trainer.model)
   changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), before, after)

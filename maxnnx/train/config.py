@@ -34,6 +34,9 @@ class TrainConfig(_Validated):
     momentum: SGD momentum (0 = plain SGD).
     clip_norm: clip gradients to this global norm (``None``: no clipping).
     z_loss: weight of ``logsumexp(logits)^2`` added to the loss (PaLM).
+    router_aux_loss_coef: weight of the MoE load-balancing loss in training.
+    router_z_loss_coef: weight of the MoE router z-loss in training.
+    mtp_loss_scaling_factor: weight of the mean multi-token-prediction loss in training.
     fused_loss: apply the output head and the cross-entropy together, one
       sequence slice at a time (:mod:`maxnnx.train.loss`): the ``[B, T, vocab]``
       logits are never held at once, and on CPU the step is faster. ``False``
@@ -86,6 +89,9 @@ class TrainConfig(_Validated):
   momentum: float = 0.9
   clip_norm: float | None = 1.0
   z_loss: float = 0.0
+  router_aux_loss_coef: float = 0.0
+  router_z_loss_coef: float = 0.0
+  mtp_loss_scaling_factor: float = 0.1
   fused_loss: bool = True
   loss_chunk_length: int | None = None
   skip_spike_factor: float | None = None
