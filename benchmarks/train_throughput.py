@@ -96,7 +96,8 @@ def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warm
   batch, seq = cfg['batch'], cfg['seq']
   tcfg = TrainConfig(steps=max(warmup + steps, 1), global_batch_size=batch, seq_len=seq,
                      log_every=1000, learning_rate=1e-4, warmup_steps=0,
-                     schedule='constant', mesh=mesh or MeshConfig())
+                     schedule='constant', mesh=mesh or MeshConfig(),
+                     router_aux_loss_coef=0.01 if cfg.get('num_experts') else 0.0)
   device = measure.device_description()
   log(f'{name}: {mcfg.num_params():,} parameters, batch {batch} x seq {seq}, {dtype}, '
       f'remat {remat}, scan {scan}, attention {attention_impl}; {device}')

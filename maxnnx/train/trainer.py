@@ -468,7 +468,8 @@ class Trainer:
                           'rate, enable clip_norm, or check the data.')
 
   def evaluate(self, num_batches: int | None = None) -> float:
-    """Mean held-out cross-entropy per token over ``num_batches`` batches."""
+    """Mean held-out loss over ``num_batches`` batches: the objective's ``eval_loss``
+    totals over their weights (for the default, the cross-entropy per token)."""
     num_batches = num_batches or self.config.eval_batches
     source = self.eval_data if self.eval_data is not None else self.data
     if hasattr(source, 'eval_batches'):
