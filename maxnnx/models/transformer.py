@@ -27,7 +27,8 @@ from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.parts import BlockParts, build_part
 from maxnnx.layers.remat import remat
 from maxnnx.layers.rope import RotaryEmbedding
-from maxnnx.sharding import constrain, mesh_axis_size, pipeline_microbatches
+from maxnnx.parallel.pipeline import pipeline_stack
+from maxnnx.sharding import constrain, mesh_axis_size
 
 _NO_WINDOW = np.iinfo(np.int32).max
 
@@ -294,59 +295,22 @@ class Transformer(nnx.Module):
     return x_BTD
 
   def _pipeline_layers(self, x_BTD, segment_ids_BT, positions_BT, stages: int):
-    """GPipe over the ``stage`` mesh axis: same numbers as :meth:`_scan_layers`.
-
-    The stacked layers are split into ``stages`` consecutive groups, one per
-    stage device group; the batch into ``M`` micro-batches. At iteration ``i``
-    stage ``s`` runs its layers on micro-batch ``i - s``, then every stage
-    hands its output to the next (a collective permute), so after
-    ``M + stages - 1`` iterations every micro-batch has passed every layer.
-    """
+    """The scanned stack pipelined over the ``stage`` mesh axis (:mod:`maxnnx.parallel`)."""
     cfg = self.config
-    num_layers, (batch, length, width) = cfg.num_layers, x_BTD.shape
-    micro = pipeline_microbatches()
-    if num_layers % stages or batch % micro:
-      raise ValueError(f'Pipeline: num_layers ({num_layers}) must be divisible by the stages '
-                       f'({stages}) and the batch ({batch}) by the micro-batches ({micro}).')
     if len(layer_stacks(cfg)) > 1:
       raise ValueError('Pipeline parallelism needs one uniform layer stack; this model has a '
                        'separate dense prefix (first_k_dense_layers). Use fsdp/tensor/expert '
                        'parallelism instead of mesh.stage.')
-    per_stage = num_layers // stages
-    graphdef, state = nnx.split(self.layers)
-    stage_axes = ('activation_stage',)
-    state_S = jax.tree.map(lambda a: a.reshape(stages, per_stage, *a.shape[1:]), state)
-    is_sliding_SL = jnp.asarray([t == 'sliding' for t in cfg.resolved_layer_types]
-                                ).reshape(stages, per_stage)
-    x_M = x_BTD.reshape(micro, batch // micro, length, width)
-    seg_M = segment_ids_BT.reshape(micro, batch // micro, length)
-    pos_M = positions_BT.reshape(micro, batch // micro, length)
 
-    def run_stage(stage_state, is_sliding_L, x, seg, pos):
-      layers = nnx.merge(graphdef, stage_state)
-      mask = AttentionMask.causal(seg, pos)
-      return self._scan_stack(layers, cfg.resolved_layer_types, x, self._cos_sin(pos), mask,
-                              None, is_sliding_L)
+    def run_stage(layers, is_sliding_L, x_BTD, rows):
+      segment_ids_BT, positions_BT = rows
+      mask = AttentionMask.causal(segment_ids_BT, positions_BT)
+      return self._scan_stack(layers, cfg.resolved_layer_types, x_BTD,
+                              self._cos_sin(positions_BT), mask, None, is_sliding_L)
 
-    run_stages = jax.vmap(run_stage, spmd_axis_name='stage')
-    buffer_axes = stage_axes + RESIDUAL_AXES
-
-    def iteration(carry, i):
-      buffer, outputs = carry
-      micro_index_S = jnp.clip(i - jnp.arange(stages), 0, micro - 1)
-      buffer = buffer.at[0].set(x_M[jnp.minimum(i, micro - 1)])
-      out = run_stages(state_S, is_sliding_SL, constrain(buffer, buffer_axes),
-                       seg_M[micro_index_S], pos_M[micro_index_S])
-      out = constrain(out, buffer_axes)
-      done = i - (stages - 1)
-      updated = jax.lax.dynamic_update_index_in_dim(outputs, out[-1], jnp.maximum(done, 0), 0)
-      outputs = jnp.where(done >= 0, updated, outputs)
-      return (jnp.roll(out, 1, axis=0), outputs), None
-
-    buffer = jnp.zeros((stages, batch // micro, length, width), x_BTD.dtype)
-    (_, outputs), _ = jax.lax.scan(iteration, (buffer, jnp.zeros_like(x_M)),
-                                   jnp.arange(micro + stages - 1))
-    return outputs.reshape(batch, length, width)
+    is_sliding_L = jnp.asarray([t == 'sliding' for t in cfg.resolved_layer_types])
+    return pipeline_stack(self.layers, x_BTD, is_sliding_L, (segment_ids_BT, positions_BT),
+                          run_stage, stages=stages)
 
   def head_weight(self) -> tuple[jax.Array, bool]:
     """The output head's weight and whether it is vocab-major: ``([vocab, d_model], True)``

@@ -7,16 +7,20 @@
   trainer.fit()              # or trainer.step() by hand, looking at trainer.model in between
   trainer.history            # one dict of metrics per step
 
-The train step is one ``jax.jit`` over the split nnx state of ``(model,
-optimizer)`` with explicit input/output shardings and donated buffers. Inside
+The loss is an objective (:mod:`maxnnx.train.objectives`, default
+:class:`PretrainObjective`); the step itself is the pure functions of
+:mod:`maxnnx.train.step`, which the Trainer jits over the split nnx state of
+``(model, optimizer)`` with explicit input/output shardings and donated buffers.
+The Trainer does the orchestration: placement, compile, fit, evaluate,
+checkpoints, callbacks and metric writers. Inside
 the loop nothing waits for the device except when metrics are fetched every
 ``log_every`` steps; per-step metrics stay on the device until then.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -30,17 +34,18 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxnnx import sharding
 from maxnnx.config import ModelConfig
-from maxnnx.layers.moe import moe_loss
-from maxnnx.layers.mtp import mtp_targets
 from maxnnx.train import flops as flops_lib
+from maxnnx.train import step as step_lib
 from maxnnx.train.config import TrainConfig
-from maxnnx.train.loss import (
-  chunked_head_cross_entropy,
-  cross_entropy_loss,
-  default_chunk_length,
-  masked_cross_entropy,
+from maxnnx.train.loss import cross_entropy_loss, masked_cross_entropy
+from maxnnx.train.memory import (
+  device_memory_limit,
+  format_memory_report,
+  memory_report,
+  overshoot_message,
 )
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
+from maxnnx.train.objectives import Objective, PretrainObjective
 from maxnnx.train.optimizers import make_optimizer, make_schedule
 from maxnnx.train.quantization import check_supported, is_quantized, quantize
 
@@ -136,12 +141,6 @@ def context_permutation(seq_len: int, shards: int) -> np.ndarray:
   return np.concatenate(order)
 
 
-def _mtp_targets(batch: dict, k: int) -> tuple[jax.Array, jax.Array]:
-  """Targets and loss mask of MTP depth ``k`` for a batch dict."""
-  return mtp_targets(batch['targets'], batch['loss_mask'], batch['segment_ids'],
-                     batch['positions'], k)
-
-
 # -- the trainer -------------------------------------------------------------------
 
 class Trainer:
@@ -152,6 +151,12 @@ class Trainer:
       ``from_pretrained``), a :class:`ModelConfig`, or a preset name. Configs and
       names are initialised directly in their sharded layout, never on one device.
     config: the :class:`TrainConfig` (steps, batch, optimizer, mesh, logging…).
+    objective: what the step minimises (:mod:`maxnnx.train.objectives`);
+      ``None`` is :class:`PretrainObjective` with ``config``'s loss weights.
+      Its ``frozen_models`` are placed on the mesh like the model and passed
+      to its loss, but never trained. With ``mesh.stage > 1`` a model built
+      here from a config or preset gets ``scan_layers=True``; a model given
+      built must already have it.
     data: training batches: an iterator of batch dicts (see :func:`as_batch`),
       or an object with ``next()`` returning ``[batch, seq_len + 1]`` token
       windows. ``None`` uses random tokens. In a multi-host run each process
@@ -172,10 +177,11 @@ class Trainer:
     model_config: the model's :class:`ModelConfig`.
     quantization: ``config.quantization``, or ``custom`` when ``model`` came
       quantized (see :mod:`maxnnx.train.quantization`).
+    objective: the objective in use, bound to ``config``.
   """
 
   def __init__(self, model: nnx.Module | ModelConfig | str, config: TrainConfig | None = None,
-               *, data=None, eval_data=None,
+               objective: Objective | None = None, *, data=None, eval_data=None,
                optimizer: optax.GradientTransformation | None = None,
                mesh: Mesh | None = None, callbacks: Iterable[Callable] = ()):
     self.config = config = config or TrainConfig()
@@ -194,11 +200,18 @@ class Trainer:
     if isinstance(model, str):
       from maxnnx.presets import get_preset  # noqa: PLC0415 (presets import models)
       model = get_preset(model)
+    self.objective = (objective if objective is not None else PretrainObjective()).bind(config)
+    stages = dict(self.mesh.shape).get('stage', 1)
     concrete = None
     if isinstance(model, ModelConfig):
+      if stages > 1 and not model.runtime.scan_layers:
+        logger.info('mesh.stage=%d: building the model with scan_layers=True (pipeline '
+                    'parallelism runs a scanned layer stack).', stages)
+        model = model.replace(scan_layers=True)
       self.model_config = model
       abstract_model = nnx.eval_shape(lambda: _new_model(model, config.seed))
     else:
+      _check_pipeline_layout(model, stages, 'model')
       self.model_config = model.config
       concrete = abstract_model = model
     self.quantization = _quantization_name(config, self.model_config, concrete, self.mesh)
@@ -226,7 +239,8 @@ class Trainer:
     self._extra_sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     self._abstract_extra = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._extra_sharding),
-        jax.eval_shape(_initial_extra))
+        jax.eval_shape(step_lib.initial_guard_state))
+    self._place_frozen(stages)
     self._objects = None
     self._extra = None
     self._batch_sharding = NamedSharding(
@@ -256,6 +270,30 @@ class Trainer:
 
     return build
 
+  def _place_frozen(self, stages: int) -> None:
+    """Shard the objective's frozen models by the model's rules (never trained or donated)."""
+    frozen = dict(self.objective.frozen_models)
+    for name, module in frozen.items():
+      if not isinstance(module, nnx.Module):
+        raise TypeError(f'objective.frozen_models[{name!r}] must be an nnx.Module, got '
+                        f'{type(module).__name__}.')
+      _check_pipeline_layout(module, stages, f'frozen model {name!r}')
+    self._frozen_graphdef, self._frozen_state, self._frozen_shardings = None, None, None
+    if frozen:
+      self._frozen_graphdef, state = nnx.split(frozen)
+      self._frozen_shardings = sharding.state_shardings(state, self.mesh, self.rules)
+      self._frozen_state = jax.device_put(state, self._frozen_shardings)
+    self._frozen_objects = None
+
+  @property
+  def frozen_models(self) -> dict[str, nnx.Module]:
+    """The objective's frozen models as placed on the mesh (name -> module)."""
+    if self._frozen_graphdef is None:
+      return {}
+    if self._frozen_objects is None:
+      self._frozen_objects = nnx.merge(self._frozen_graphdef, self._frozen_state)
+    return self._frozen_objects
+
   def _context(self):
     return sharding.use_mesh(self.mesh, self.rules,
                              pipeline_microbatches=self.config.mesh.pipeline_microbatches)
@@ -268,7 +306,7 @@ class Trainer:
       init = jax.jit(lambda: nnx.state(self._build()), out_shardings=self._state_shardings)
       self._state = init()
     if self._extra is None:
-      self._extra = jax.device_put(_initial_extra(), self._extra_sharding)
+      self._extra = jax.device_put(step_lib.initial_guard_state(), self._extra_sharding)
 
   # -- the live objects ---------------------------------------------------------------
 
@@ -305,102 +343,6 @@ class Trainer:
 
   # -- the compiled step ------------------------------------------------------------------
 
-  def _head_loss(self, model, batch, mtp_tokens=None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``(ce_sum + z_loss * z_sum, ce_sum, z_sum, mtp)`` of a batch: sums over its masked
-    tokens, and ``mtp`` the mean over MTP depths of each depth's cross-entropy divided by
-    ``mtp_tokens[k - 1]`` (0 when ``mtp_tokens`` is ``None`` or the model has no MTP).
-    The head and loss are fused (:mod:`maxnnx.train.loss`) unless ``fused_loss=False``."""
-    cfg, mc = self.config, self.model_config
-    depths = mc.mtp.num_layers if mtp_tokens is not None else 0
-    out = model.hidden_states(batch['inputs'], segment_ids=batch['segment_ids'],
-                              positions=batch['positions'], mtp=depths > 0)
-    x_BTD, mtp_hidden = out if depths else (out, ())
-
-    def terms(h_BTD, targets_BT, mask_BT, z_loss):
-      if not cfg.fused_loss:
-        ce_sum, z_sum = masked_cross_entropy(model.logits(h_BTD), targets_BT, mask_BT)
-        return ce_sum + z_loss * z_sum, ce_sum, z_sum
-      weight, vocab_major = model.head_weight()
-      batch_size, length = targets_BT.shape
-      chunk = cfg.loss_chunk_length or default_chunk_length(
-          batch_size, length, mc.vocab_size,
-          (32 if jax.default_backend() == 'cpu' else 1024) << 20)
-      return chunked_head_cross_entropy(
-          h_BTD, weight, targets_BT, mask_BT, vocab_major=vocab_major, chunk_length=chunk,
-          z_loss=z_loss, softcap=mc.final_logit_softcap, dtype=mc.jnp_dtype('dtype'))
-
-    objective, ce_sum, z_sum = terms(x_BTD, batch['targets'], batch['loss_mask'], cfg.z_loss)
-    # Multi-token prediction: mean over depths of each depth's mean cross-entropy.
-    mtp = sum(terms(h_BTD, *_mtp_targets(batch, k), 0.0)[0] / mtp_tokens[k - 1]
-              for k, h_BTD in enumerate(mtp_hidden, start=1)) / max(depths, 1)
-    return objective, ce_sum, z_sum, jnp.asarray(mtp, jnp.float32)
-
-  def _train_step(self, state, extra, batch):
-    cfg = self.config
-    model, optimizer = nnx.merge(self._graphdef, state)
-    step = optimizer.step[...]
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    total_tokens = jnp.maximum(batch['loss_mask'].sum(), 1.0)
-    depths = self.model_config.mtp.num_layers
-    mtp_tokens = [jnp.maximum(_mtp_targets(batch, k)[1].sum(), 1.0) for k in range(1, depths + 1)]
-
-    def loss_fn(params, micro):
-      # Fresh Variables for the non-parameter state: the forward pass writes MoE
-      # routing statistics into them, which must happen at this trace level.
-      m = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
-      objective, ce_sum, z_sum, mtp = self._head_loss(m, micro, mtp_tokens)
-      # MoE balancing / router z losses (zero without MoE layers), weighted like the
-      # micro-batch's share of the tokens so accumulation matches the whole batch.
-      aux = (moe_loss(m, cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
-             * micro['loss_mask'].sum() / total_tokens) if is_moe else 0.0
-      loss = objective / total_tokens + aux
-      return loss + cfg.mtp_loss_scaling_factor * mtp, (ce_sum, z_sum, aux, mtp)
-
-    is_moe = self.model_config.moe.num_experts > 1
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    if cfg.grad_accum_steps == 1:
-      (_, (ce_sum, z_sum, aux_sum, mtp_sum)), grads = grad_fn(params, batch)
-    else:
-      micro_batches = jax.tree.map(
-          lambda x: x.reshape(cfg.grad_accum_steps, -1, *x.shape[1:]), batch)
-
-      def accumulate(carry, micro):
-        grads_acc, *sums = carry
-        (_, losses), g = grad_fn(params, micro)
-        return (jax.tree.map(jnp.add, grads_acc, g),
-                *(acc + x for acc, x in zip(sums, losses))), None
-
-      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-      (grads, ce_sum, z_sum, aux_sum, mtp_sum), _ = jax.lax.scan(
-          accumulate, (zeros, *[jnp.zeros(())] * 4), micro_batches)
-      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-
-    loss = ce_sum / total_tokens
-    grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    ok = finite
-    if cfg.skip_spike_factor is not None:
-      spike = (step > 10) & (loss > cfg.skip_spike_factor * extra['loss_ema'])
-      ok = ok & ~spike
-    old_state = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))  # fresh Variables
-    optimizer.update(model, grads)
-    new_state = nnx.state((model, optimizer))
-    new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
-    ema = jnp.where(step == 0, loss, 0.9 * extra['loss_ema'] + 0.1 * loss)
-    first_bad = jnp.where((extra['first_bad_step'] == 0) & ~finite, step + 1,
-                          extra['first_bad_step'])
-    bad_metric = jnp.where((extra['first_bad_step'] == 0) & ~finite,
-                           jnp.where(jnp.isfinite(loss), 2, 1), extra['bad_metric'])
-    extra = {'loss_ema': jnp.where(ok, ema, extra['loss_ema']), 'first_bad_step': first_bad,
-             'bad_metric': bad_metric}
-    metrics = {'loss': loss, 'z_loss': z_sum / total_tokens, 'grad_norm': grad_norm,
-               'moe_aux_loss': jnp.asarray(aux_sum, jnp.float32),
-               'lr': self.schedule(step), 'skipped': ~ok}
-    if depths:
-      metrics['mtp_loss'] = jnp.asarray(mtp_sum, jnp.float32)
-    return new_state, extra, metrics
-
   def _abstract_batch(self) -> dict:
     shape = (self.config.global_batch_size, self.config.seq_len)
     dtypes = {'inputs': jnp.int32, 'targets': jnp.int32, 'segment_ids': jnp.int32,
@@ -417,13 +359,18 @@ class Trainer:
     (``TrainConfig.memory_limit_gib`` or the device's own).
     """
     start = time.perf_counter()
+    train_step = functools.partial(step_lib.train_step, self._graphdef,
+                                   frozen_graphdef=self._frozen_graphdef,
+                                   objective=self.objective, config=self.config,
+                                   schedule=self.schedule)
     with self._context():
-      jitted = jax.jit(self._train_step,
+      jitted = jax.jit(train_step,
                        in_shardings=(self._state_shardings, self._extra_sharding,
-                                     self._batch_sharding),
+                                     self._batch_sharding, self._frozen_shardings),
                        out_shardings=(self._state_shardings, self._extra_sharding, None),
                        donate_argnums=(0, 1))
-      lowered = jitted.lower(self._abstract_state, self._abstract_extra, self._abstract_batch())
+      lowered = jitted.lower(self._abstract_state, self._abstract_extra, self._abstract_batch(),
+                             self._frozen_state)
       compiled = lowered.compile()
     report = memory_report(compiled, self.mesh, self.config.memory_limit_gib)
     report['compile_seconds'] = time.perf_counter() - start
@@ -431,13 +378,9 @@ class Trainer:
     if verbose:
       quantized = f'; {self.quantization} quantized training' if self.quantization != 'none' else ''
       print(format_memory_report(report) + quantized)
-    if report['limit_bytes'] and report['peak_bytes'] > report['limit_bytes']:
-      over = report['peak_bytes'] - report['limit_bytes']
-      raise TrainingError(
-          f"The train step needs {_gib(report['peak_bytes'])} per device but "
-          f"{_gib(report['limit_bytes'])} is available ({report['limit_source']}): over by "
-          f'{_gib(over)}. Shard further (mesh.fsdp, mesh.tensor), lower global_batch_size or '
-          'seq_len, use grad_accum_steps or remat_policy=full.')
+    overshoot = overshoot_message(report)
+    if overshoot:
+      raise TrainingError(overshoot)
     self._compiled = compiled
     return report
 
@@ -480,7 +423,8 @@ class Trainer:
     placed = self._place(_next_batch(self.data) if batch is None else batch)
     if not self._pending:
       self._window_start = time.perf_counter()
-    self._state, self._extra, metrics = self._compiled(self._state, self._extra, placed)
+    self._state, self._extra, metrics = self._compiled(self._state, self._extra, placed,
+                                                       self._frozen_state)
     self._sync_to_objects()
     self._pending.append((self.step_count + 1, metrics))
     return self.flush_metrics() if fetch else None
@@ -525,7 +469,8 @@ class Trainer:
                           'rate, enable clip_norm, or check the data.')
 
   def evaluate(self, num_batches: int | None = None) -> float:
-    """Mean held-out cross-entropy per token over ``num_batches`` batches."""
+    """Mean held-out loss over ``num_batches`` batches: the objective's ``eval_loss``
+    totals over their weights (for the default, the cross-entropy per token)."""
     num_batches = num_batches or self.config.eval_batches
     source = self.eval_data if self.eval_data is not None else self.data
     if hasattr(source, 'eval_batches'):
@@ -539,15 +484,14 @@ class Trainer:
     self._sync_from_objects()
     self._materialise()
     if self._eval_compiled is None:
-      def eval_step(state, batch):
-        model, _ = nnx.merge(self._graphdef, state)
-        _, total, _, _ = self._head_loss(model, batch)
-        return total, batch['loss_mask'].sum()
-
+      eval_step = functools.partial(step_lib.eval_step, self._graphdef,
+                                    frozen_graphdef=self._frozen_graphdef,
+                                    objective=self.objective)
       with self._context():
         self._eval_compiled = jax.jit(eval_step).lower(
-            self._abstract_state, self._abstract_batch()).compile()
-    totals = [self._eval_compiled(self._state, self._place(b)) for b in batches]
+            self._abstract_state, self._abstract_batch(), self._frozen_state).compile()
+    totals = [self._eval_compiled(self._state, self._place(b), self._frozen_state)
+              for b in batches]
     total, count = map(sum, zip(*jax.device_get(totals)))
     return float(total / max(count, 1.0))
 
@@ -704,65 +648,23 @@ def _quantization_name(config: TrainConfig, model_config: ModelConfig, model, me
   return config.quantization
 
 
+def _check_pipeline_layout(model: nnx.Module, stages: int, what: str) -> None:
+  """A built model on a mesh with ``stage > 1`` must have a scanned layer stack."""
+  model_config = getattr(model, 'config', None)
+  scanned = model_config.runtime.scan_layers if isinstance(model_config, ModelConfig) else True
+  if stages > 1 and not scanned:
+    raise ValueError(f'The mesh has stage={stages} (pipeline parallelism), which runs a scanned '
+                     f'layer stack, but the {what} was built with scan_layers=False: build it '
+                     'with scan_layers=True (e.g. Transformer(config.replace(scan_layers=True)) '
+                     'or from_pretrained(..., scan_layers=True)), or pass its config or preset '
+                     'name so the Trainer builds it scanned.')
+
+
 def _new_model(model_config: ModelConfig, seed: int) -> nnx.Module:
   from maxnnx.models.transformer import Transformer  # noqa: PLC0415 (train sits above models)
   return Transformer(model_config, rngs=nnx.Rngs(seed))
 
 
-def _initial_extra() -> dict[str, jax.Array]:
-  """Trainer bookkeeping kept on the device: loss average and the first non-finite step."""
-  return {'loss_ema': jnp.zeros((), jnp.float32), 'first_bad_step': jnp.zeros((), jnp.int32),
-          'bad_metric': jnp.zeros((), jnp.int32)}
-
-
-def _gib(n: float) -> str:
-  return f'{n / 2**30:.2f} GiB'
-
-
-def device_memory_limit(device, override_gib: float | None = None) -> tuple[int | None, str]:
-  """Bytes of memory one device may use, and where that number came from."""
-  if override_gib is not None:
-    return int(override_gib * 2**30), 'TrainConfig.memory_limit_gib'
-  stats = None
-  try:
-    stats = device.memory_stats()
-  except Exception:  # noqa: BLE001 (backends without memory stats)
-    stats = None
-  if stats and stats.get('bytes_limit'):
-    return int(stats['bytes_limit']), f'{device.device_kind} memory'
-  if device.platform == 'cpu':
-    try:
-      total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-    except (ValueError, OSError):
-      return None, 'unknown'
-    local = max(len(jax.local_devices()), 1)
-    return total // local, f'host RAM / {local} local devices'
-  return None, 'unknown'
-
-
-def memory_report(compiled, mesh: Mesh, override_gib: float | None = None) -> dict:
-  """Per-device bytes of a compiled step: arguments, outputs, temporaries, peak."""
-  analysis = compiled.memory_analysis()
-  args = getattr(analysis, 'argument_size_in_bytes', 0)
-  outs = getattr(analysis, 'output_size_in_bytes', 0)
-  alias = getattr(analysis, 'alias_size_in_bytes', 0)
-  temp = getattr(analysis, 'temp_size_in_bytes', 0)
-  code = getattr(analysis, 'generated_code_size_in_bytes', 0)
-  peak = args + outs - alias + temp
-  limit, source = device_memory_limit(mesh.devices.flat[0], override_gib)
-  return {'argument_bytes': args, 'output_bytes': outs, 'alias_bytes': alias,
-          'temp_bytes': temp, 'code_bytes': code, 'peak_bytes': peak, 'limit_bytes': limit,
-          'limit_source': source, 'devices': mesh.size}
-
-
-def format_memory_report(report: dict) -> str:
-  """A short human-readable memory report."""
-  limit = (f"{_gib(report['limit_bytes'])} ({report['limit_source']})"
-           if report['limit_bytes'] else 'unknown')
-  return (f"compiled train step in {report.get('compile_seconds', 0):.1f}s; per device: "
-          f"arguments {_gib(report['argument_bytes'])}, temporaries {_gib(report['temp_bytes'])}, "
-          f"peak {_gib(report['peak_bytes'])} of {limit}")
-
-
-__all__ = ['BATCH_KEYS', 'Trainer', 'TrainingError', 'as_batch', 'context_permutation',
-           'cross_entropy_loss', 'masked_cross_entropy', 'synthetic_batches']
+__all__ = ['BATCH_KEYS', 'Objective', 'PretrainObjective', 'Trainer', 'TrainingError', 'as_batch',
+           'context_permutation', 'cross_entropy_loss', 'device_memory_limit',
+           'format_memory_report', 'masked_cross_entropy', 'memory_report', 'synthetic_batches']

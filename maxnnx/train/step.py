@@ -1,0 +1,149 @@
+"""The train step as small pure functions around one state.
+
+The state of a run is the nnx ``State`` of ``(model, optimizer)`` plus the
+guard's bookkeeping (:func:`initial_guard_state`): the loss average and the
+first non-finite step. :func:`train_step` composes
+
+* :func:`accumulate_gradients`: gradients of an objective's loss, summed over
+  ``grad_accum_steps`` micro-batches;
+* :func:`guard`: whether to apply the update (finite loss and gradient norm,
+  no loss spike) and the guard's new bookkeeping;
+* :func:`apply_update`: the optimizer update, kept or dropped by the guard;
+* :func:`step_metrics`: the step's metrics.
+
+``Trainer`` jits :func:`train_step` (and :func:`eval_step`) with the run's
+shardings; the functions themselves know nothing about meshes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from maxnnx.train.config import TrainConfig
+from maxnnx.train.objectives import Objective
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+def initial_guard_state() -> dict[str, jax.Array]:
+  """Guard bookkeeping kept on the device: loss average and the first non-finite step."""
+  return {'loss_ema': jnp.zeros((), jnp.float32), 'first_bad_step': jnp.zeros((), jnp.int32),
+          'bad_metric': jnp.zeros((), jnp.int32)}
+
+
+def accumulate_gradients(loss_fn: Callable, params, batch: Batch, steps: int
+                         ) -> tuple[Any, Metrics]:
+  """Gradients of ``loss_fn(params, micro) -> (loss, metrics)`` and the summed metrics.
+
+  With ``steps > 1`` the batch is split into ``steps`` micro-batches along its
+  first axis and their gradients and metrics are summed (in float32, then the
+  gradients cast to the parameters' dtypes) with one ``lax.scan``.
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if steps == 1:
+    (_, sums), grads = grad_fn(params, batch)
+    return grads, sums
+  micro_batches = jax.tree.map(lambda x: x.reshape(steps, -1, *x.shape[1:]), batch)
+  shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro_batches))[0][1]
+
+  def accumulate(carry, micro):
+    grads_acc, sums = carry
+    (_, metrics), g = grad_fn(params, micro)
+    return (jax.tree.map(jnp.add, grads_acc, g),
+            jax.tree.map(lambda acc, x: acc + x, sums, metrics)), None
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+  (grads, sums), _ = jax.lax.scan(accumulate, (zeros, zero_sums), micro_batches)
+  return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), sums
+
+
+def guard(extra: dict[str, jax.Array], step: jax.Array, loss: jax.Array, grad_norm: jax.Array,
+          skip_spike_factor: float | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """``(ok, new_extra)``: whether the update may be applied, and the new bookkeeping.
+
+  A non-finite loss or gradient norm, or (with ``skip_spike_factor``, after
+  step 10) a loss above that many times its running average, skips the update.
+  The first non-finite step and which metric it was (1 loss, 2 grad norm) are
+  recorded; the running average moves only on applied steps.
+  """
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  ok = finite
+  if skip_spike_factor is not None:
+    spike = (step > 10) & (loss > skip_spike_factor * extra['loss_ema'])
+    ok = ok & ~spike
+  ema = jnp.where(step == 0, loss, 0.9 * extra['loss_ema'] + 0.1 * loss)
+  first_bad = jnp.where((extra['first_bad_step'] == 0) & ~finite, step + 1,
+                        extra['first_bad_step'])
+  bad_metric = jnp.where((extra['first_bad_step'] == 0) & ~finite,
+                         jnp.where(jnp.isfinite(loss), 2, 1), extra['bad_metric'])
+  return ok, {'loss_ema': jnp.where(ok, ema, extra['loss_ema']), 'first_bad_step': first_bad,
+              'bad_metric': bad_metric}
+
+
+def apply_update(model: nnx.Module, optimizer: nnx.Optimizer, grads, ok: jax.Array):
+  """The state of ``(model, optimizer)`` after ``optimizer.update`` (before it when not ``ok``)."""
+  old_state = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))  # fresh Variables
+  optimizer.update(model, grads)
+  new_state = nnx.state((model, optimizer))
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
+
+
+def step_metrics(objective_metrics: Metrics, grad_norm: jax.Array, lr: jax.Array,
+                 ok: jax.Array) -> Metrics:
+  """The step's metrics: the objective's, ``grad_norm``, ``lr`` and ``skipped``."""
+  metrics = dict(objective_metrics)
+  metrics.update(grad_norm=grad_norm, lr=lr, skipped=~ok)
+  return metrics
+
+
+def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, frozen_state=None,
+               *, frozen_graphdef=None, objective: Objective, config: TrainConfig,
+               schedule: Callable) -> tuple[Any, dict[str, jax.Array], Metrics]:
+  """One optimizer step: ``(state, extra, batch) -> (new_state, new_extra, metrics)``.
+
+  ``graphdef``/``state`` are ``nnx.split((model, optimizer))``; ``frozen_graphdef``
+  and ``frozen_state`` split the objective's frozen models (a dict), which the
+  loss sees merged and which are never updated.
+  """
+  model, optimizer = nnx.merge(graphdef, state)
+  step = optimizer.step[...]
+  model_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  norm = objective.normalizers(model, batch)
+
+  def loss_fn(params, micro):
+    # Fresh Variables for the non-parameter state: the forward pass writes MoE
+    # routing statistics into them, which must happen at this trace level.
+    m = nnx.merge(model_graphdef, params, jax.tree.map(lambda x: x, rest))
+    frozen = _merge_frozen(frozen_graphdef, frozen_state)
+    return objective.loss(m, micro, frozen=frozen, norm=norm)
+
+  grads, sums = accumulate_gradients(loss_fn, params, batch, config.grad_accum_steps)
+  metrics = objective.metrics(sums, norm)
+  grad_norm = optax.global_norm(grads)
+  ok, extra = guard(extra, step, metrics['loss'], grad_norm, config.skip_spike_factor)
+  new_state = apply_update(model, optimizer, grads, ok)
+  return new_state, extra, step_metrics(metrics, grad_norm, schedule(step), ok)
+
+
+def eval_step(graphdef, state, batch: Batch, frozen_state=None, *, frozen_graphdef=None,
+              objective: Objective) -> tuple[jax.Array, jax.Array]:
+  """``objective.eval_loss`` of the model in ``state`` on a held-out batch: ``(total, weight)``."""
+  model, _ = nnx.merge(graphdef, state)
+  frozen = _merge_frozen(frozen_graphdef, frozen_state)
+  return objective.eval_loss(model, batch, frozen=frozen)
+
+
+def _merge_frozen(graphdef, state) -> dict[str, nnx.Module]:
+  return {} if graphdef is None else nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+
+
+__all__ = ['accumulate_gradients', 'apply_update', 'eval_step', 'guard', 'initial_guard_state',
+           'step_metrics', 'train_step']
