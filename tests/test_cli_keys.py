@@ -5,6 +5,7 @@ import json
 import os
 import typing
 
+import numpy as np
 import pytest
 
 import maxnnx
@@ -253,3 +254,20 @@ def test_nested_groups_are_walked_generically():
   with pytest.raises(cli_keys.UsageError, match="Did you mean 'model.moe.router'"):
     cli_keys.parse(['model.moe.ruter=x'], keys)
   assert any('model.moe.num_experts' in line for line in cli_keys.usage_lines(keys))
+
+
+def test_pipeline_stages_from_the_command_line_match_one_device(tmp_path, capsys):
+  # mesh.stage=2 with mesh.fsdp=4 (8 simulated devices): scan_layers is switched on by itself
+  # and every step's loss equals a one-device run of the same (scanned, so same init) model.
+  common = ['train', 'model=tiny', 'model.num_layers=2', 'data=synthetic', 'steps=3',
+            'log_every=1', 'global_batch_size=8', 'seq_len=16', 'sample_tokens=0',
+            'eval_every=0', 'checkpoint_every=0', 'dtype=float32']
+  losses = {}
+  for name, mesh in (('one', ['mesh.data=1', 'scan_layers=true']),
+                     ('pp', ['mesh.stage=2', 'mesh.fsdp=4'])):
+    out = tmp_path / name
+    assert cli.main([*common, *mesh, f'output_dir={out}']) == 0, capsys.readouterr().err
+    losses[name] = [json.loads(line)['loss'] for line in open(out / 'metrics.jsonl')]
+  assert 'scan_layers is set to true' in capsys.readouterr().out
+  assert len(losses['pp']) == 3
+  np.testing.assert_allclose(losses['pp'], losses['one'], rtol=1e-5)

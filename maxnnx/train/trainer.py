@@ -22,12 +22,11 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -36,6 +35,13 @@ from maxnnx import sharding
 from maxnnx.config import ModelConfig
 from maxnnx.train import flops as flops_lib
 from maxnnx.train import step as step_lib
+from maxnnx.train.batches import (  # noqa: F401 (re-exported)
+  BATCH_AXES,
+  BATCH_KEYS,
+  as_batch,
+  context_permutation,
+  synthetic_batches,
+)
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.loss import cross_entropy_loss, masked_cross_entropy
 from maxnnx.train.memory import (
@@ -51,94 +57,16 @@ from maxnnx.train.quantization import check_supported, is_quantized, quantize
 
 logger = logging.getLogger(__name__)
 
-BATCH_KEYS = ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')
-BATCH_AXES = ('activation_batch', 'activation_length')
 
 
 class TrainingError(RuntimeError):
   """Training cannot go on: a non-finite metric, or a config that cannot fit."""
 
 
-# -- batches -------------------------------------------------------------------
-
-def as_batch(batch: Any) -> dict[str, np.ndarray]:
-  """A training batch as the dict the step takes (see :data:`BATCH_KEYS`).
-
-  Accepts the dict itself (``segment_ids``, ``positions`` and ``loss_mask`` are
-  optional) or a ``[batch, seq_len + 1]`` array of token windows.
-  """
-  if not isinstance(batch, dict):
-    windows = np.asarray(batch)
-    if windows.ndim != 2 or windows.shape[1] < 2:
-      raise ValueError(f'A token-window batch must be [batch, seq_len + 1], got {windows.shape}.')
-    batch = {'inputs': windows[:, :-1], 'targets': windows[:, 1:]}
-  missing = {'inputs', 'targets'} - set(batch)
-  if missing:
-    raise ValueError(f'Batch is missing {sorted(missing)}; it has {sorted(batch)}.')
-  inputs = np.asarray(batch['inputs'], np.int32)
-  if inputs.ndim != 2:
-    raise ValueError(f"Batch 'inputs' must be [batch, seq_len], got {inputs.shape}.")
-  b, t = inputs.shape
-  out = {
-      'inputs': inputs,
-      'targets': np.asarray(batch['targets'], np.int32),
-      'segment_ids': np.asarray(batch.get('segment_ids', np.ones((b, t))), np.int32),
-      'positions': np.asarray(batch.get('positions', np.broadcast_to(np.arange(t), (b, t))),
-                              np.int32),
-      'loss_mask': np.asarray(batch.get('loss_mask', np.ones((b, t))), np.float32),
-  }
-  for key, value in out.items():
-    if value.shape != (b, t):
-      raise ValueError(f"Batch '{key}' has shape {value.shape}, expected {(b, t)} like 'inputs'.")
-  return out
-
-
-def synthetic_batches(vocab_size: int, batch_size: int, seq_len: int,
-                      seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
-  """Endless batches of uniformly random tokens (for benchmarks and dry runs).
-
-  The iterator has ``get_state()`` / ``set_state()``, so checkpoints resume it.
-  """
-  return _SyntheticBatches(vocab_size, batch_size, seq_len, seed)
-
-
-class _SyntheticBatches:
-  def __init__(self, vocab_size: int, batch_size: int, seq_len: int, seed: int):
-    self.shape, self.vocab_size = (batch_size, seq_len + 1), vocab_size
-    self.rng = np.random.default_rng(seed)
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    return as_batch(self.rng.integers(0, self.vocab_size, self.shape, dtype=np.int32))
-
-  def get_state(self) -> dict:
-    return {'rng': self.rng.bit_generator.state}
-
-  def set_state(self, state: dict) -> None:
-    self.rng.bit_generator.state = state['rng']
-
-
 def _next_batch(data) -> Any:
   if hasattr(data, 'next') and not hasattr(data, '__next__'):
     return data.next()  # TokenWindows-style sources
   return next(data)
-
-
-def context_permutation(seq_len: int, shards: int) -> np.ndarray:
-  """Token order that balances causal attention over ``shards`` context shards.
-
-  The sequence is cut into ``2 * shards`` chunks and shard ``i`` gets chunks
-  ``i`` and ``2 * shards - 1 - i``: one early (cheap) and one late (expensive)
-  chunk each. Positions travel with the tokens, so the model's masks and rotary
-  embeddings are unchanged.
-  """
-  if seq_len % (2 * shards):
-    return np.arange(seq_len)
-  chunks = np.arange(seq_len).reshape(2 * shards, -1)
-  order = [c for i in range(shards) for c in (chunks[i], chunks[2 * shards - 1 - i])]
-  return np.concatenate(order)
 
 
 # -- the trainer -------------------------------------------------------------------

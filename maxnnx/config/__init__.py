@@ -1,0 +1,34 @@
+"""Typed, validated configuration for maxnnx models.
+
+Configs are frozen dataclasses. Every field is type-checked on construction, and
+``from_dict`` rejects unknown keys with the nearest valid name, so a typo in a
+YAML file or a ``key=value`` override fails at once instead of being ignored.
+
+Two classes matter to users:
+
+* :class:`RopeConfig`: how rotary position embeddings are computed.
+* :class:`ModelConfig`: the architecture of a decoder-only transformer, with
+  nested groups for Mixture-of-Experts (:class:`MoEConfig`), latent attention
+  (:class:`MLAConfig`), multi-token prediction (:class:`MTPConfig`) and the
+  runtime settings: dtypes, layer-stack layout, kernels (:class:`RuntimeConfig`).
+"""
+
+from maxnnx.config.base import ConfigError, ValidatedConfig, resolve_dtype
+from maxnnx.config.groups import (
+    LayerType,
+    MLAConfig,
+    MoEConfig,
+    MTPConfig,
+    RematPolicy,
+    RopeConfig,
+    RopeScaling,
+    RuntimeConfig,
+)
+from maxnnx.config.mesh import MESH_AXES, MeshConfig
+from maxnnx.config.model import LEGACY_MODEL_KEYS, TRAINING_KEYS, ModelConfig
+
+__all__ = [
+    'LEGACY_MODEL_KEYS', 'MESH_AXES', 'TRAINING_KEYS', 'ConfigError', 'LayerType', 'MLAConfig',
+    'MTPConfig', 'MeshConfig', 'ModelConfig', 'MoEConfig', 'RematPolicy', 'RopeConfig',
+    'RopeScaling', 'RuntimeConfig', 'ValidatedConfig', 'resolve_dtype',
+]

@@ -1,0 +1,181 @@
+"""The validated-config machinery every maxnnx config is built on.
+
+:class:`ValidatedConfig` type-checks every field of a frozen dataclass from its annotation,
+builds configs from plain dicts (recursing into nested configs) and rejects unknown keys with
+the nearest valid name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, ClassVar, Literal
+
+import jax.numpy as jnp
+
+
+class ConfigError(ValueError):
+  """A configuration value is missing, unknown or of the wrong type."""
+
+
+_DTYPES = ('float32', 'bfloat16', 'float16', 'float64')
+
+
+def _nearest(name: str, choices) -> str:
+  match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+  return f" Did you mean '{match[0]}'?" if match else ''
+
+
+def _check_type(value: Any, annotation: Any) -> bool:
+  """True if ``value`` conforms to the (resolved) type ``annotation``."""
+  origin = typing.get_origin(annotation)
+  if annotation is Any:
+    return True
+  if origin is Literal:
+    return value in typing.get_args(annotation)
+  if origin in (typing.Union, types.UnionType):
+    return any(_check_type(value, a) for a in typing.get_args(annotation))
+  if annotation is type(None):
+    return value is None
+  if origin is tuple:
+    args = typing.get_args(annotation)
+    if not isinstance(value, tuple):
+      return False
+    if len(args) == 2 and args[1] is Ellipsis:
+      return all(_check_type(v, args[0]) for v in value)
+    return len(args) == len(value) and all(_check_type(v, a) for v, a in zip(value, args))
+  if annotation is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if annotation is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if isinstance(annotation, type):
+    return isinstance(value, annotation)
+  return True
+
+
+def _describe(annotation: Any) -> str:
+  origin = typing.get_origin(annotation)
+  if origin is Literal:
+    return 'one of ' + ', '.join(repr(a) for a in typing.get_args(annotation))
+  if origin in (typing.Union, types.UnionType):
+    return ' or '.join(_describe(a) for a in typing.get_args(annotation))
+  if annotation is type(None):
+    return 'None'
+  return getattr(annotation, '__name__', str(annotation))
+
+
+class ValidatedConfig:
+  """Mixin: type-check every field after construction; build from dicts.
+
+  Subclasses may set ``_PATH`` (how error messages name the class, e.g.
+  ``ModelConfig.moe``), ``_ALIASES`` (an accepted input key -> the dotted path of
+  the field it sets) and ``_MOVED`` (a key that is refused -> where it lives now).
+  """
+
+  _PATH: ClassVar[str | None] = None
+  _ALIASES: ClassVar[dict[str, str]] = {}
+  _MOVED: ClassVar[dict[str, str]] = {}
+
+  def __post_init__(self):
+    hints = typing.get_type_hints(type(self))
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, list):  # lists from YAML/JSON become tuples
+        value = tuple(value)
+        object.__setattr__(self, field.name, value)
+      nested = _nested_config_type(hints[field.name])
+      if nested is not None and isinstance(value, dict):
+        value = nested.from_dict(value)
+        object.__setattr__(self, field.name, value)
+      if not _check_type(value, hints[field.name]):
+        raise ConfigError(
+            f'{self._name()}.{field.name} = {value!r} is invalid: '
+            f'expected {_describe(hints[field.name])}.')
+    self._validate()
+
+  @classmethod
+  def _name(cls) -> str:
+    return cls._PATH or cls.__name__
+
+  def _validate(self):
+    """Cross-field checks; subclasses override."""
+
+  @classmethod
+  def from_dict(cls, data: dict[str, Any]):
+    """Build from a plain dict, recursing into nested config fields.
+
+    Keys may be field names, dotted paths into nested configs (``'moe.num_experts'``)
+    or the accepted aliases of the class; a dict given for a nested config
+    updates that config's defaults.
+
+    Raises:
+      ConfigError: on an unknown key (naming the nearest valid one) or a bad value.
+    """
+    if isinstance(data, cls):
+      return data
+    if not isinstance(data, dict):
+      raise ConfigError(f'{cls.__name__} expects a dict, got {type(data).__name__}.')
+    return cls._build({}, data)
+
+  def to_dict(self) -> dict[str, Any]:
+    """A plain, JSON-serialisable dict (nested configs become dicts)."""
+    return dataclasses.asdict(self)
+
+  def replace(self, **changes):
+    """A copy with ``changes`` applied (validated like ``from_dict``).
+
+    A dict given for a nested config (``moe={'num_experts': 4}``) is merged
+    into the current one; dotted keys (``**{'moe.num_experts': 4}``) and the
+    class's aliases work as in :meth:`from_dict`.
+    """
+    current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return type(self)._build(current, changes)
+
+  @classmethod
+  def _build(cls, current: dict[str, Any], changes: dict[str, Any]):
+    """``cls(**current)`` with ``changes`` (plain, dotted, aliased or nested keys) applied."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs, nested_changes = dict(current), {}
+    for key, value in changes.items():
+      if key in cls._MOVED:
+        raise ConfigError(f"'{key}' is not a {cls._name()} field: it is a training setting now, "
+                          f'set {cls._MOVED[key]} instead.')
+      key = cls._ALIASES.get(key, key)
+      head, _, rest = key.partition('.')
+      if head not in names:
+        raise ConfigError(f"Unknown {cls._name()} field '{key}'."
+                          f'{_nearest(key, [*names, *cls._ALIASES])}')
+      nested = _nested_config_type(hints[head])
+      if rest:
+        if nested is None:
+          raise ConfigError(f"{cls._name()}.{head} has no field '{rest}' ('{key}').")
+        nested_changes.setdefault(head, {})[rest] = value
+      elif nested is not None and isinstance(value, dict):
+        nested_changes.setdefault(head, {}).update(value)
+      else:
+        kwargs[head] = value
+        nested_changes.pop(head, None)
+    for head, group_changes in nested_changes.items():
+      nested = _nested_config_type(hints[head])
+      base = kwargs.get(head)
+      kwargs[head] = (base.replace(**group_changes) if isinstance(base, nested)
+                      else nested.from_dict(group_changes))
+    return cls(**kwargs)
+
+
+def _nested_config_type(annotation):
+  for a in (annotation, *typing.get_args(annotation)):
+    if isinstance(a, type) and issubclass(a, ValidatedConfig):
+      return a
+  return None
+
+
+def resolve_dtype(name: str):
+  """``jnp.dtype`` for a dtype name, with an error naming the valid ones."""
+  if name not in _DTYPES:
+    raise ConfigError(f"Unknown dtype '{name}'.{_nearest(name, _DTYPES)} "
+                      f'Valid: {", ".join(_DTYPES)}.')
+  return jnp.dtype(name)

@@ -1,0 +1,272 @@
+"""Config groups: rotary embeddings and the nested groups of :class:`ModelConfig`.
+
+:class:`RopeConfig` (rotary embeddings), :class:`MoEConfig` (Mixture-of-Experts),
+:class:`MLAConfig` (multi-head latent attention), :class:`MTPConfig` (multi-token prediction)
+and :class:`RuntimeConfig` (dtypes, layer layout, kernels). Each layer takes the group it uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+from maxnnx.config.base import _DTYPES, ConfigError, ValidatedConfig
+
+RopeScaling = Literal['none', 'linear', 'llama3', 'yarn', 'longrope']
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig(ValidatedConfig):
+  """Rotary position embedding settings.
+
+  Attributes:
+    theta: base of the geometric frequency progression (``rope_theta``).
+    scaling: context-extension method: ``none``, ``linear`` (positions divided
+      by ``factor``), ``llama3`` (Llama 3.1 band-wise scaling), ``yarn`` or
+      ``longrope`` (Phi-3).
+    factor: scaling factor for ``linear``, ``llama3``, ``yarn`` and ``longrope``;
+      ``None`` means ``max_position_embeddings / original_max_position_embeddings``
+      for ``yarn`` and ``longrope``, and is an error for ``linear``/``llama3``.
+    original_max_position_embeddings: context length the model was pre-trained
+      with; ``llama3``, ``yarn`` and ``longrope`` use it.
+    low_freq_factor: ``llama3`` only: wavelengths above
+      ``original_max_position_embeddings / low_freq_factor`` are fully scaled.
+    high_freq_factor: ``llama3`` only: wavelengths below
+      ``original_max_position_embeddings / high_freq_factor`` are untouched.
+    beta_fast: ``yarn`` only: rotations at which interpolation starts.
+    beta_slow: ``yarn`` only: rotations at which interpolation ends.
+    mscale: ``yarn`` only: the DeepSeek-style attention-scale numerator.
+    mscale_all_dim: ``yarn`` only: the DeepSeek-style attention-scale denominator.
+    truncate: ``yarn`` only: round the correction range to whole dimensions.
+    attention_factor: multiplier applied to cos/sin (``yarn``, ``longrope``);
+      ``None`` derives it from ``factor`` as the method defines.
+    short_factor: ``longrope`` only: per-frequency divisors used while the
+      sequence fits ``original_max_position_embeddings``.
+    long_factor: ``longrope`` only: per-frequency divisors beyond it.
+    partial_rotary_factor: fraction of ``head_dim`` that is rotated (the rest
+      passes through unchanged), e.g. 0.5 for half-rotary models.
+  """
+
+  theta: float = 10_000.0
+  scaling: RopeScaling = 'none'
+  factor: float | None = None
+  original_max_position_embeddings: int | None = None
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  truncate: bool = True
+  attention_factor: float | None = None
+  short_factor: tuple[float, ...] | None = None
+  long_factor: tuple[float, ...] | None = None
+  partial_rotary_factor: float = 1.0
+
+  def _validate(self):
+    if self.theta <= 0:
+      raise ConfigError(f'RopeConfig.theta must be > 0, got {self.theta}.')
+    if not 0 < self.partial_rotary_factor <= 1:
+      raise ConfigError('RopeConfig.partial_rotary_factor must be in (0, 1], '
+                        f'got {self.partial_rotary_factor}.')
+    needs_original = ('llama3', 'yarn', 'longrope')
+    if self.scaling in needs_original and self.original_max_position_embeddings is None:
+      raise ConfigError(f"RopeConfig.scaling='{self.scaling}' needs "
+                        'original_max_position_embeddings.')
+    if self.scaling in ('linear', 'llama3') and self.factor is None:
+      raise ConfigError(f"RopeConfig.scaling='{self.scaling}' needs factor.")
+    if self.scaling == 'longrope' and (self.short_factor is None or self.long_factor is None):
+      raise ConfigError("RopeConfig.scaling='longrope' needs short_factor and long_factor.")
+
+
+LayerType = Literal['full', 'sliding']
+
+RematPolicy = Literal['none', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', 'save_out_proj',
+                      'save_attention_out', 'full']
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(ValidatedConfig):
+  """Mixture-of-Experts feed-forward layers (see :class:`maxnnx.layers.moe.MoE`).
+
+  Attributes:
+    num_experts: routed experts per MoE layer; 0 means a dense model.
+    num_experts_per_tok: experts each token is routed to (top-k).
+    mlp_dim: hidden width of each expert; ``None`` means the model's ``mlp_dim``.
+    num_shared_experts: always-on experts, fused into one MLP of width
+      ``num_shared_experts * mlp_dim`` (DeepSeek).
+    first_k_dense_layers: the first layers use the dense MLP (DeepSeek).
+    layer_step: after those, every ``layer_step``-th layer is MoE (layer ``i`` is
+      MoE iff ``(i - first_k_dense_layers) % layer_step == 0``).
+    router_score: ``softmax`` or ``sigmoid`` (DeepSeek V3) expert scores.
+    router_norm_topk: renormalise the top-k weights to sum to 1.
+    router_scaling_factor: multiplier of the routed output (``routed_scaling_factor``).
+    router_groups: experts are split into this many groups (``n_group``).
+    router_topk_groups: only experts of the best groups are eligible (``topk_group``).
+    router_group_score: group score: its best expert (``max``, DeepSeek V2) or the
+      sum of its best two (``top2_sum``, DeepSeek V3).
+    router_score_bias: aux-loss-free load balancing: a per-expert bias added to the
+      scores for choosing experts only (``e_score_correction_bias``).
+    router_bias: bias on the router projection (GPT-OSS).
+    dispatch: ``dropless`` (sort by expert + ragged dot) or ``capacity`` (fixed
+      per-expert buffers; overflowing assignments are dropped).
+    capacity_factor: ``capacity`` dispatch: buffer size per expert is
+      ``ceil(capacity_factor * tokens * top_k / num_experts)``.
+    expert_bias: biases in the expert projections (GPT-OSS).
+    swiglu_limit: GPT-OSS clamped SwiGLU: ``gate <= limit``, ``|up| <= limit``,
+      ``out = (up + 1) * gate * sigmoid(swiglu_alpha * gate)``; ``None`` = plain.
+    swiglu_alpha: the sigmoid sharpness of the clamped SwiGLU.
+  """
+
+  _PATH = 'ModelConfig.moe'
+
+  num_experts: int = 0
+  num_experts_per_tok: int = 2
+  mlp_dim: int | None = None
+  num_shared_experts: int = 0
+  first_k_dense_layers: int = 0
+  layer_step: int = 1
+  router_score: Literal['softmax', 'sigmoid'] = 'softmax'
+  router_norm_topk: bool = True
+  router_scaling_factor: float = 1.0
+  router_groups: int = 1
+  router_topk_groups: int = 1
+  router_group_score: Literal['max', 'top2_sum'] = 'max'
+  router_score_bias: bool = False
+  router_bias: bool = False
+  dispatch: Literal['dropless', 'capacity'] = 'dropless'
+  capacity_factor: float = 1.25
+  expert_bias: bool = False
+  swiglu_limit: float | None = None
+  swiglu_alpha: float = 1.702
+
+  def _validate(self):
+    p = self._PATH
+    if self.num_experts < 0:
+      raise ConfigError(f'{p}.num_experts must be >= 0 (0 = dense), got {self.num_experts}.')
+    if not self.num_experts:
+      return
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
+      raise ConfigError(f'{p}.num_experts_per_tok must be in [1, num_experts='
+                        f'{self.num_experts}], got {self.num_experts_per_tok}.')
+    if self.mlp_dim is not None and self.mlp_dim <= 0:
+      raise ConfigError(f'{p}.mlp_dim must be > 0, got {self.mlp_dim}.')
+    for name, low in (('num_shared_experts', 0), ('first_k_dense_layers', 0), ('layer_step', 1)):
+      if getattr(self, name) < low:
+        raise ConfigError(f'{p}.{name} must be >= {low}, got {getattr(self, name)}.')
+    if self.router_groups < 1 or self.num_experts % self.router_groups:
+      raise ConfigError(f'{p}.num_experts ({self.num_experts}) must be a multiple of '
+                        f'router_groups ({self.router_groups}).')
+    if not 1 <= self.router_topk_groups <= self.router_groups:
+      raise ConfigError(f'{p}.router_topk_groups must be in [1, router_groups='
+                        f'{self.router_groups}], got {self.router_topk_groups}.')
+    per_group = self.num_experts // self.router_groups
+    if self.router_topk_groups * per_group < self.num_experts_per_tok:
+      raise ConfigError(f'{p}.router_topk_groups={self.router_topk_groups} groups of '
+                        f'{per_group} experts cannot supply num_experts_per_tok='
+                        f'{self.num_experts_per_tok}.')
+    if self.router_group_score == 'top2_sum' and self.router_groups > 1 and per_group < 2:
+      raise ConfigError(f"{p}.router_group_score='top2_sum' needs >= 2 experts per group.")
+    if self.capacity_factor <= 0:
+      raise ConfigError(f'{p}.capacity_factor must be > 0, got {self.capacity_factor}.')
+    if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+      raise ConfigError(f'{p}.swiglu_limit must be > 0, got {self.swiglu_limit}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig(ValidatedConfig):
+  """Multi-head latent attention (DeepSeek, :class:`maxnnx.layers.mla.MLA`); used when
+  ``ModelConfig.attention_type='mla'``.
+
+  Attributes:
+    q_lora_rank: rank of the query down-projection; ``None`` = full-rank queries.
+    kv_lora_rank: width of the compressed key/value latent (what the cache holds).
+    qk_nope_head_dim: per-head query/key width without rotary embedding.
+    qk_rope_head_dim: per-head query/key width with rotary embedding (the key part
+      is shared by all heads).
+    v_head_dim: per-head value width.
+  """
+
+  _PATH = 'ModelConfig.mla'
+
+  q_lora_rank: int | None = None
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+
+  def _validate(self):
+    p = self._PATH
+    for name in ('kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f'{p}.{name} must be > 0, got {getattr(self, name)}.')
+    if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+      raise ConfigError(f'{p}.q_lora_rank must be > 0 or None (full-rank queries), '
+                        f'got {self.q_lora_rank}.')
+    if self.qk_rope_head_dim % 2:
+      raise ConfigError(f'{p}.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even.')
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig(ValidatedConfig):
+  """Multi-token prediction (DeepSeek V3, :class:`maxnnx.layers.mtp.MTPLayer`).
+
+  Attributes:
+    num_layers: extra modules, each one decoder block deep, that predict the token
+      ``k + 1`` positions ahead (``k = 1..num_layers``); trained as an auxiliary
+      loss (weighted by ``TrainConfig.mtp_loss_scaling_factor``), ignored when
+      generating. 0 = none.
+  """
+
+  _PATH = 'ModelConfig.mtp'
+
+  num_layers: int = 0
+
+  def _validate(self):
+    if self.num_layers < 0:
+      raise ConfigError(f'{self._PATH}.num_layers must be >= 0 (0 = no multi-token '
+                        f'prediction), got {self.num_layers}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig(ValidatedConfig):
+  """Numerics, layer-stack layout and kernel choices: how a model runs, not what it is.
+
+  Attributes:
+    param_dtype: dtype parameters are stored in.
+    dtype: dtype activations and matmuls are computed in.
+    logits_dtype: dtype of the returned logits.
+    scan_layers: hold the layer stack as one scanned module (fast compile for deep
+      models) instead of a list of modules (easy to inspect and edit).
+    attention_impl: attention kernel strategy by name. ``xla_flash`` (the default:
+      plain XLA, skips the masked causal blocks and recomputes the softmax in the
+      backward pass) and ``xla`` (the reference) run everywhere.
+    ragged_dot_impl: grouped-matmul strategy of MoE layers by name (``lax``, the
+      ``dense`` reference and ``tiled`` always exist; ``tiled`` is about 2x faster
+      than ``lax`` on CPUs, whose ``ragged_dot`` multiplies every row by every expert).
+    remat_policy: what each block keeps for the backward pass (the rest is
+      recomputed): ``none`` keeps everything; ``minimal`` keeps matmul outputs
+      without batch dims; ``save_dot_except_mlp`` keeps the attention projections
+      and outputs; ``save_qkv_proj`` / ``save_out_proj`` / ``save_attention_out``
+      keep only those; ``full`` keeps nothing but the block inputs.
+    kernel_on_unsupported: what a kernel strategy does with a call it declares it
+      cannot serve: ``fallback`` (compute it with ``xla``/``lax`` and log a warning
+      once) or ``error`` (raise).
+  """
+
+  _PATH = 'ModelConfig.runtime'
+
+  param_dtype: Literal[_DTYPES] = 'float32'
+  dtype: Literal[_DTYPES] = 'float32'
+  logits_dtype: Literal[_DTYPES] = 'float32'
+  scan_layers: bool = False
+  attention_impl: str = 'xla_flash'
+  ragged_dot_impl: str = 'lax'
+  remat_policy: RematPolicy = 'none'
+  kernel_on_unsupported: Literal['fallback', 'error'] = 'fallback'
+
+  def jnp_dtype(self, which: Literal['dtype', 'param_dtype', 'logits_dtype'] = 'dtype'):
+    """The ``jnp`` dtype of ``dtype``, ``param_dtype`` or ``logits_dtype``."""
+    return jnp.dtype(getattr(self, which))

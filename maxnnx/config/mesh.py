@@ -1,0 +1,67 @@
+"""``MeshConfig``: how devices are arranged into named parallelism axes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from maxnnx.config.base import ConfigError, ValidatedConfig
+
+MESH_AXES = ('stage', 'data', 'fsdp', 'expert', 'context', 'tensor')
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(ValidatedConfig):
+  """How devices are arranged into named parallelism axes.
+
+  Each size is the number of devices along that axis within a slice (fast
+  interconnect); ``dcn_*`` sizes multiply them across slices or hosts (slow
+  interconnect). ``-1`` (at most one per group) takes whatever devices are left.
+
+  Attributes:
+    data: data parallelism (replicated params, split batch).
+    fsdp: fully sharded data parallelism (params and optimizer state split,
+      gathered per layer; batch split).
+    tensor: tensor (model) parallelism over heads and MLP width.
+    expert: expert parallelism for MoE layers (batch split elsewhere).
+    context: context (sequence) parallelism for long sequences.
+    stage: pipeline stages (scanned layer stack split into consecutive stages).
+    dcn_data, dcn_fsdp, dcn_tensor, dcn_expert, dcn_context, dcn_stage: the
+      same axes across slices/hosts.
+    sequence_parallel: shard the residual stream between blocks along the
+      sequence over ``tensor`` (norms run on a slice of the tokens).
+    context_load_balance: reorder tokens so every ``context`` shard gets an
+      equal share of causal-attention work.
+    pipeline_microbatches: microbatches per step when ``stage > 1``; ``None``
+      means one per stage.
+    rules: extra ``(logical name, mesh axes)`` pairs that override the
+      defaults in :data:`maxnnx.sharding.DEFAULT_RULES`.
+  """
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+  expert: int = 1
+  context: int = 1
+  stage: int = 1
+  dcn_data: int = 1
+  dcn_fsdp: int = 1
+  dcn_tensor: int = 1
+  dcn_expert: int = 1
+  dcn_context: int = 1
+  dcn_stage: int = 1
+  sequence_parallel: bool = False
+  context_load_balance: bool = True
+  pipeline_microbatches: int | None = None
+  rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
+
+  def _validate(self):
+    for group in ('', 'dcn_'):
+      sizes = [getattr(self, group + a) for a in MESH_AXES]
+      if any(s == 0 or s < -1 for s in sizes):
+        raise ConfigError(f'MeshConfig {group}sizes must be positive or -1, got '
+                          f'{dict(zip(MESH_AXES, sizes))}.')
+      if sizes.count(-1) > 1:
+        raise ConfigError(f'At most one {group}mesh axis may be -1, got '
+                          f'{dict(zip(MESH_AXES, sizes))}.')
+    if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
+      raise ConfigError('MeshConfig.pipeline_microbatches must be >= 1.')

@@ -1,0 +1,247 @@
+"""``ModelConfig``: the architecture of a decoder-only transformer and its groups."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Literal
+
+from maxnnx.config.base import ConfigError, ValidatedConfig
+from maxnnx.config.groups import (
+  LayerType,
+  MLAConfig,
+  MoEConfig,
+  MTPConfig,
+  RopeConfig,
+  RuntimeConfig,
+)
+
+# The flat ModelConfig keys of earlier versions, accepted as input: old name -> new dotted path.
+LEGACY_MODEL_KEYS: dict[str, str] = {
+    **{name: f'moe.{name}' for name in (
+        'num_experts', 'num_experts_per_tok', 'num_shared_experts', 'first_k_dense_layers',
+        'router_score', 'router_norm_topk', 'router_scaling_factor', 'router_groups',
+        'router_topk_groups', 'router_group_score', 'router_score_bias', 'router_bias',
+        'capacity_factor', 'expert_bias', 'swiglu_limit', 'swiglu_alpha')},
+    'moe_mlp_dim': 'moe.mlp_dim',
+    'moe_layer_step': 'moe.layer_step',
+    'moe_dispatch': 'moe.dispatch',
+    **{name: f'mla.{name}' for name in (
+        'q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')},
+    'mtp_num_layers': 'mtp.num_layers',
+    **{name: f'runtime.{name}' for name in (
+        'param_dtype', 'dtype', 'logits_dtype', 'scan_layers', 'attention_impl',
+        'ragged_dot_impl', 'remat_policy', 'kernel_on_unsupported')},
+}
+
+# Training-loss weights that earlier versions kept in ModelConfig -> where they live now.
+TRAINING_KEYS: dict[str, str] = {
+    name: f'TrainConfig.{name}'
+    for name in ('router_aux_loss_coef', 'router_z_loss_coef', 'mtp_loss_scaling_factor')}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(ValidatedConfig):
+  """Architecture and numerics of a decoder-only transformer.
+
+  One config covers every family; a family is a choice of these fields (see
+  ``maxnnx.presets``) plus its Hugging Face mapping. Mixture-of-Experts, latent
+  attention, multi-token prediction and the runtime settings are nested groups
+  (``cfg.moe.num_experts``, ``cfg.runtime.dtype``…). ``from_dict`` and ``replace``
+  also take dotted keys (``'moe.num_experts'``) and the flat names of earlier
+  versions (:data:`LEGACY_MODEL_KEYS`, e.g. ``num_experts``, ``dtype``).
+
+  Attributes:
+    family: model family, used for Hugging Face export (``llama``, ``gemma2``…).
+    vocab_size: number of token ids.
+    d_model: width of the residual stream (``hidden_size``).
+    num_layers: number of decoder blocks.
+    num_heads: query heads.
+    num_kv_heads: key/value heads (``num_heads`` for MHA, 1 for MQA, else GQA).
+    head_dim: per-head width; ``None`` means ``d_model // num_heads``.
+    mlp_dim: hidden width of the MLP (``intermediate_size``).
+    max_position_embeddings: longest context the model supports.
+    norm_type: ``rms`` (RMSNorm) or ``layer`` (LayerNorm).
+    norm_eps: epsilon added to the variance in every norm.
+    norm_scale_offset: norms multiply by ``offset + w``; Gemma uses 1.0.
+    pre_norm: normalise the input of each attention/MLP sub-block.
+    post_norm: normalise the output of each attention/MLP sub-block before the
+      residual add (Gemma 2/3 use both, OLMo 2 only this one).
+    qkv_bias: bias on the query/key/value projections (Qwen2).
+    out_bias: bias on the attention output projection.
+    qk_norm: ``none``; ``head`` (RMSNorm over ``head_dim`` of each head, Qwen3,
+      Gemma3) or ``projection`` (over all heads of q and of k, OLMo 2).
+    query_scale: multiplier of q·k; ``None`` means ``head_dim ** -0.5``
+      (Gemma 2/3 use ``query_pre_attn_scalar ** -0.5``).
+    attn_logit_softcap: ``cap * tanh(scores / cap)`` before the softmax.
+    attention_sinks: a learned logit per query head joins every softmax as a
+      value-less extra key, so a head can attend to nothing (GPT-OSS).
+    sliding_window: keys at most this many positions back (query included) are
+      visible in sliding layers.
+    layer_types: ``full`` or ``sliding`` per layer; ``None`` means all sliding
+      when ``sliding_window`` is set, else all full.
+    rope: rotary embedding of full-attention layers (and of all layers unless
+      ``local_rope`` is set).
+    local_rope: rotary embedding of sliding layers when it differs (Gemma 3).
+    rope_interleave: rotary pairs are adjacent dims ``(x0, x1), (x2, x3)…``
+      rather than the two halves (DeepSeek checkpoints).
+    mlp_activation: ``silu``, ``gelu_tanh``, ``gelu`` or ``relu``.
+    mlp_gated: gated MLP (SwiGLU/GeGLU) rather than a plain two-layer MLP.
+    mlp_bias: biases in the MLP projections.
+    tie_word_embeddings: the output projection reuses the input embedding.
+    scale_embeddings: multiply embeddings by ``sqrt(d_model)`` (Gemma).
+    final_logit_softcap: ``cap * tanh(logits / cap)`` on the output logits.
+    initializer_range: std of the normal init of the embedding table.
+    bos_token_id: beginning-of-sequence id of the model's tokenizer, if any.
+    eos_token_id: end-of-sequence id(s); ``generate`` stops at them by default.
+    pad_token_id: padding id, if the tokenizer has one.
+    attention_type: ``mha`` (multi/grouped-query attention) or ``mla`` (DeepSeek
+      multi-head latent attention, configured by ``mla``).
+    moe: Mixture-of-Experts layers (:class:`MoEConfig`); ``moe.num_experts=0`` is dense.
+    mla: latent attention shapes (:class:`MLAConfig`), used when ``attention_type='mla'``.
+    mtp: multi-token prediction modules (:class:`MTPConfig`).
+    runtime: dtypes, layer-stack layout, remat and kernels (:class:`RuntimeConfig`).
+  """
+
+  _ALIASES = LEGACY_MODEL_KEYS
+  _MOVED = TRAINING_KEYS
+
+  family: str = 'llama'
+  vocab_size: int = 32_000
+  d_model: int = 4096
+  num_layers: int = 32
+  num_heads: int = 32
+  num_kv_heads: int = 32
+  head_dim: int | None = None
+  mlp_dim: int = 11_008
+  max_position_embeddings: int = 4096
+  norm_type: Literal['rms', 'layer'] = 'rms'
+  norm_eps: float = 1e-6
+  norm_scale_offset: float = 0.0
+  pre_norm: bool = True
+  post_norm: bool = False
+  qkv_bias: bool = False
+  out_bias: bool = False
+  qk_norm: Literal['none', 'head', 'projection'] = 'none'
+  query_scale: float | None = None
+  attn_logit_softcap: float | None = None
+  attention_sinks: bool = False
+  sliding_window: int | None = None
+  layer_types: tuple[LayerType, ...] | None = None
+  rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+  local_rope: RopeConfig | None = None
+  rope_interleave: bool = False
+  mlp_activation: Literal['silu', 'gelu_tanh', 'gelu', 'relu'] = 'silu'
+  mlp_gated: bool = True
+  mlp_bias: bool = False
+  tie_word_embeddings: bool = False
+  scale_embeddings: bool = False
+  final_logit_softcap: float | None = None
+  initializer_range: float = 0.02
+  bos_token_id: int | None = None
+  eos_token_id: int | tuple[int, ...] | None = None
+  pad_token_id: int | None = None
+  attention_type: Literal['mha', 'mla'] = 'mha'
+  moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+  mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
+  mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
+  runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+
+  @classmethod
+  def from_stored_dict(cls, data: dict[str, Any]) -> ModelConfig:
+    """:meth:`from_dict` for a config read back from disk (a checkpoint's metadata).
+
+    Configs saved by earlier versions may hold the training-loss weights
+    (:data:`TRAINING_KEYS`); they are dropped with a log line instead of refused.
+    """
+    if isinstance(data, dict) and any(key in TRAINING_KEYS for key in data):
+      dropped = {k: data[k] for k in data if k in TRAINING_KEYS}
+      logging.info('Stored ModelConfig: dropping training settings %s (set them in '
+                   'TrainConfig instead).', dropped)
+      data = {k: v for k, v in data.items() if k not in TRAINING_KEYS}
+    return cls.from_dict(data)
+
+  def _validate(self):
+    positive = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'mlp_dim',
+                'max_position_embeddings')
+    for name in positive:
+      if getattr(self, name) <= 0:
+        raise ConfigError(f'ModelConfig.{name} must be > 0, got {getattr(self, name)}.')
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+          f'ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads '
+          f'({self.num_kv_heads}).')
+    if self.head_dim is None and self.d_model % self.num_heads:
+      raise ConfigError(f'ModelConfig.d_model ({self.d_model}) is not divisible by num_heads '
+                        f'({self.num_heads}); set head_dim explicitly.')
+    if self.layer_types is not None:
+      if len(self.layer_types) != self.num_layers:
+        raise ConfigError(f'ModelConfig.layer_types has {len(self.layer_types)} entries but '
+                          f'num_layers is {self.num_layers}.')
+      if 'sliding' in self.layer_types and self.sliding_window is None:
+        raise ConfigError("ModelConfig.layer_types has 'sliding' layers but sliding_window "
+                          'is None; set sliding_window.')
+    if self.sliding_window is not None and self.sliding_window <= 0:
+      raise ConfigError(f'ModelConfig.sliding_window must be > 0, got {self.sliding_window}.')
+    if self.rope.partial_rotary_factor * self.resolved_head_dim % 2:
+      raise ConfigError('ModelConfig: the rotated part of head_dim '
+                        f'({self.rope.partial_rotary_factor} * {self.resolved_head_dim}) '
+                        'must be even.')
+    if self.attention_sinks and self.attention_type != 'mha':
+      raise ConfigError("ModelConfig.attention_sinks needs attention_type='mha'.")
+    if self.moe.num_experts:
+      self._validate_moe()
+
+  def _validate_moe(self):
+    """Checks of the MoE group that need the rest of the model."""
+    moe = self.moe
+    if moe.first_k_dense_layers >= self.num_layers:
+      raise ConfigError(f'ModelConfig.moe.first_k_dense_layers ({moe.first_k_dense_layers}) '
+                        f'leaves no MoE layer of num_layers={self.num_layers}; set '
+                        'moe.num_experts=0 for a dense model.')
+    if not self.mlp_gated:
+      raise ConfigError('ModelConfig.moe.num_experts > 0 needs mlp_gated=True (MoE experts are '
+                        'gated: SwiGLU/GeGLU).')
+    if self.runtime.scan_layers and moe.layer_step > 1:
+      raise ConfigError('ModelConfig.runtime.scan_layers=True needs ModelConfig.moe.layer_step=1 '
+                        '(dense layers only as a first_k_dense_layers prefix); use '
+                        'scan_layers=False for interleaved MoE layers.')
+
+  @property
+  def rope_head_dim(self) -> int:
+    """Per-head width the rotary tables are built for (``mla.qk_rope_head_dim`` under MLA)."""
+    return self.mla.qk_rope_head_dim if self.attention_type == 'mla' else self.resolved_head_dim
+
+  @property
+  def resolved_moe_mlp_dim(self) -> int:
+    """``moe.mlp_dim`` with its default (``mlp_dim``) applied."""
+    return self.moe.mlp_dim if self.moe.mlp_dim is not None else self.mlp_dim
+
+  @property
+  def moe_layers(self) -> tuple[bool, ...]:
+    """For every layer, whether its feed-forward block is a Mixture-of-Experts."""
+    k, step = self.moe.first_k_dense_layers, self.moe.layer_step
+    return tuple(self.moe.num_experts > 0 and i >= k and (i - k) % step == 0
+                 for i in range(self.num_layers))
+
+  @property
+  def resolved_head_dim(self) -> int:
+    """``head_dim`` with its default (``d_model // num_heads``) applied."""
+    return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+  @property
+  def resolved_layer_types(self) -> tuple[LayerType, ...]:
+    """The attention type of every layer."""
+    if self.layer_types is not None:
+      return self.layer_types
+    return (('sliding' if self.sliding_window else 'full'),) * self.num_layers
+
+  @property
+  def resolved_query_scale(self) -> float:
+    """The multiplier applied to q·k before the softmax."""
+    return self.query_scale if self.query_scale is not None else self.resolved_head_dim**-0.5
+
+  def jnp_dtype(self, which: Literal['dtype', 'param_dtype', 'logits_dtype'] = 'dtype'):
+    """The ``jnp`` dtype of ``runtime.dtype``, ``runtime.param_dtype`` or
+    ``runtime.logits_dtype``."""
+    return self.runtime.jnp_dtype(which)
