@@ -63,8 +63,8 @@ def phi3_mini() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='phi3',
-    description='Llama with fused qkv and gate/up projections in its checkpoints, LongRoPE '
-                'and partial rotary in its long-context variants.',
+    description='Llama whose checkpoints fuse the qkv and gate/up projections; LongRoPE and '
+                'partial rotary come from its config.json.',
     hf=Family('phi3', ('phi3',), 'Phi3ForCausalLM', config_from_hf, config_to_hf,
               defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 4096},
               unfuse=unfuse, fuse=fuse),
