@@ -472,8 +472,9 @@ class ModelConfig(ValidatedConfig):
   Hugging Face mapping (see :mod:`maxnnx.models.registry` and ``docs/families.md``).
   Mixture-of-Experts, latent attention, multi-token prediction and the runtime
   settings are nested groups (``cfg.moe.num_experts``, ``cfg.runtime.dtype``…).
-  ``from_dict`` and ``replace`` also take dotted keys (``'moe.num_experts'``) and the flat names of earlier
-  versions (:data:`LEGACY_MODEL_KEYS`, e.g. ``num_experts``, ``dtype``).
+  ``from_dict`` and ``replace`` also take dotted keys (``'moe.num_experts'``) and the
+  flat names of earlier versions (:data:`LEGACY_MODEL_KEYS`, e.g. ``num_experts``,
+  ``dtype``).
 
   Attributes:
     family: model family, used for Hugging Face export (``llama``, ``gemma2``…).
