@@ -44,12 +44,13 @@ TRAINING_KEYS: dict[str, str] = {
 class ModelConfig(ValidatedConfig):
   """Architecture and numerics of a decoder-only transformer.
 
-  One config covers every family; a family is a choice of these fields (see
-  ``maxnnx.presets``) plus its Hugging Face mapping. Mixture-of-Experts, latent
-  attention, multi-token prediction and the runtime settings are nested groups
-  (``cfg.moe.num_experts``, ``cfg.runtime.dtype``…). ``from_dict`` and ``replace``
-  also take dotted keys (``'moe.num_experts'``) and the flat names of earlier
-  versions (:data:`LEGACY_MODEL_KEYS`, e.g. ``num_experts``, ``dtype``).
+  One config covers every family; a family is a choice of these fields plus its
+  Hugging Face mapping (see :mod:`maxnnx.models.registry` and ``docs/families.md``).
+  Mixture-of-Experts, latent attention, multi-token prediction and the runtime
+  settings are nested groups (``cfg.moe.num_experts``, ``cfg.runtime.dtype``…).
+  ``from_dict`` and ``replace`` also take dotted keys (``'moe.num_experts'``) and the
+  flat names of earlier versions (:data:`LEGACY_MODEL_KEYS`, e.g. ``num_experts``,
+  ``dtype``).
 
   Attributes:
     family: model family, used for Hugging Face export (``llama``, ``gemma2``…).

@@ -1,4 +1,8 @@
-"""Model families: one shared :class:`Transformer`, one small module per family."""
+"""Model families: one shared :class:`Transformer`, one small module per family.
+
+Each family module declares its differences from Llama, its Hugging Face mapping and
+its presets in a ``SPEC`` (:mod:`maxnnx.models.registry`), found without a list.
+"""
 
 from maxnnx.models.counting import num_active_params, num_params
 from maxnnx.models.pretrained import (

@@ -1,10 +1,18 @@
 """Gemma: GeGLU, ``1 + w`` RMSNorms, embeddings scaled by sqrt(d_model), tied output.
 
-Gemma 2 and 3 build on :func:`gemma_fields`.
+Gemma 2 and 3 build on :data:`DIFFERENCES` and :func:`gemma_fields`.
 """
 
-from maxnnx.config import ModelConfig
+from maxnnx.config import ModelConfig, RopeConfig
 from maxnnx.models.hf import Family, HFConfig, common_to_hf
+from maxnnx.models.registry import FamilySpec
+
+# What every Gemma generation changes in Llama.
+DIFFERENCES = {'norm_scale_offset': 1.0, 'scale_embeddings': True, 'mlp_activation': 'gelu_tanh',
+               'tie_word_embeddings': True}
+GEMMA_VOCAB = 256_000
+
+# -- Hugging Face mapping ----------------------------------------------------------------------
 
 GEMMA_DEFAULTS = {'tie_word_embeddings': True, 'max_position_embeddings': 8192,
                   'hidden_activation': 'gelu_pytorch_tanh'}
@@ -38,5 +46,33 @@ def config_to_hf(cfg: ModelConfig) -> dict:
   return out
 
 
-FAMILY = Family('gemma', ('gemma',), 'GemmaForCausalLM', config_from_hf, config_to_hf,
-                defaults=GEMMA_DEFAULTS)
+# -- Presets -----------------------------------------------------------------------------------
+
+
+def _gemma(d_model: int, num_layers: int, num_heads: int, num_kv_heads: int,
+           mlp_dim: int) -> ModelConfig:
+  """A Gemma config: head_dim 256, 8k context, rope theta 1e4."""
+  return SPEC.config(vocab_size=GEMMA_VOCAB, d_model=d_model, num_layers=num_layers,
+                     num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=256,
+                     mlp_dim=mlp_dim, max_position_embeddings=8192,
+                     rope=RopeConfig(theta=10_000.0))
+
+
+def gemma_2b() -> ModelConfig:
+  """Gemma 2B (multi-query attention; 2.51B parameters)."""
+  return _gemma(2048, 18, 8, 1, 16_384)
+
+
+def gemma_7b() -> ModelConfig:
+  """Gemma 7B (8.54B parameters)."""
+  return _gemma(3072, 28, 16, 16, 24_576)
+
+
+SPEC = FamilySpec(
+    name='gemma',
+    description='Llama with GeGLU, `1 + w` RMSNorms, embeddings scaled by sqrt(d_model) and '
+                'a tied output head.',
+    hf=Family('gemma', ('gemma',), 'GemmaForCausalLM', config_from_hf, config_to_hf,
+              defaults=GEMMA_DEFAULTS),
+    differences=DIFFERENCES,
+    presets={'gemma-2b': gemma_2b, 'gemma-7b': gemma_7b})

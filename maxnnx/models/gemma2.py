@@ -1,9 +1,13 @@
 """Gemma 2: Gemma plus pre- and post-norms, alternating local/global attention,
 attention and final logit soft-capping, and ``query_pre_attn_scalar``."""
 
-from maxnnx.config import ModelConfig
-from maxnnx.models.gemma import GEMMA_DEFAULTS, gemma_fields, gemma_to_hf
+from maxnnx.config import ModelConfig, RopeConfig
+from maxnnx.models import gemma
+from maxnnx.models.gemma import GEMMA_DEFAULTS, GEMMA_VOCAB, gemma_fields, gemma_to_hf
 from maxnnx.models.hf import Family, HFConfig, PretrainedError, layer_types_to_hf
+from maxnnx.models.registry import FamilySpec
+
+# -- Hugging Face mapping ----------------------------------------------------------------------
 
 # Gemma 2/3 call the norm after attention "post_attention_layernorm", the name
 # Llama uses for the norm before the MLP.
@@ -45,7 +49,44 @@ def config_to_hf(cfg: ModelConfig) -> dict:
   return sandwich_to_hf(cfg, 'gemma2', 'Gemma2ForCausalLM')
 
 
-FAMILY = Family('gemma2', ('gemma2',), 'Gemma2ForCausalLM', config_from_hf, config_to_hf,
-                defaults={**GEMMA_DEFAULTS, 'attn_logit_softcapping': None,
-                          'final_logit_softcapping': None, 'sliding_window': 4096},
-                module_names=SANDWICH_NORM_NAMES)
+# -- Presets -----------------------------------------------------------------------------------
+
+
+def _gemma2(d_model: int, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+            mlp_dim: int, query_pre_attn_scalar: int) -> ModelConfig:
+  """A Gemma 2 config; even layers (from 0) use the 4096-token sliding window."""
+  layer_types = tuple('sliding' if i % 2 == 0 else 'full' for i in range(num_layers))
+  return SPEC.config(vocab_size=GEMMA_VOCAB, d_model=d_model, num_layers=num_layers,
+                     num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     mlp_dim=mlp_dim, max_position_embeddings=8192,
+                     query_scale=query_pre_attn_scalar**-0.5, layer_types=layer_types,
+                     rope=RopeConfig(theta=10_000.0))
+
+
+def gemma2_2b() -> ModelConfig:
+  """Gemma 2 2B (2.61B parameters)."""
+  return _gemma2(2304, 26, 8, 4, 256, 9216, 256)
+
+
+def gemma2_9b() -> ModelConfig:
+  """Gemma 2 9B (9.24B parameters)."""
+  return _gemma2(3584, 42, 16, 8, 256, 14_336, 256)
+
+
+def gemma2_27b() -> ModelConfig:
+  """Gemma 2 27B (27.2B parameters; queries scaled by (d_model / num_heads) ** -0.5 =
+  144 ** -0.5)."""
+  return _gemma2(4608, 46, 32, 16, 128, 36_864, 144)
+
+
+SPEC = FamilySpec(
+    name='gemma2',
+    description='Gemma with norms before and after each sub-block, soft-capped attention and '
+                'output logits, and sliding-window layers alternating with global ones.',
+    hf=Family('gemma2', ('gemma2',), 'Gemma2ForCausalLM', config_from_hf, config_to_hf,
+              defaults={**GEMMA_DEFAULTS, 'attn_logit_softcapping': None,
+                        'final_logit_softcapping': None, 'sliding_window': 4096},
+              module_names=SANDWICH_NORM_NAMES),
+    differences={**gemma.DIFFERENCES, 'post_norm': True, 'attn_logit_softcap': 50.0,
+                 'final_logit_softcap': 30.0, 'sliding_window': 4096},
+    presets={'gemma2-2b': gemma2_2b, 'gemma2-9b': gemma2_9b, 'gemma2-27b': gemma2_27b})

@@ -31,6 +31,7 @@ from maxnnx.models.hf import (
   common_to_hf,
   layer_types_to_hf,
 )
+from maxnnx.models.registry import FamilySpec
 
 # The rotary embedding transformers assumes when a config names none.
 DEFAULT_ROPE = {'rope_type': 'yarn', 'factor': 32.0, 'beta_fast': 32.0, 'beta_slow': 1.0,
@@ -139,7 +140,40 @@ def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarr
   return out
 
 
-FAMILY = Family('gpt_oss', ('gpt_oss',), 'GptOssForCausalLM', config_from_hf, config_to_hf,
-                defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 131_072,
-                          'rope_theta': 150_000.0},
-                unfuse=unfuse, fuse=fuse)
+
+# -- Presets -----------------------------------------------------------------------------------
+
+
+def _gpt_oss(num_layers: int, num_experts: int) -> ModelConfig:
+  return SPEC.config(vocab_size=201_088, d_model=2880, num_layers=num_layers, num_heads=64,
+                     num_kv_heads=8, head_dim=64, mlp_dim=2880, max_position_embeddings=131_072,
+                     norm_eps=1e-5, layer_types=('sliding', 'full') * (num_layers // 2),
+                     moe={'num_experts': num_experts}, eos_token_id=200_002,
+                     pad_token_id=199_999)
+
+
+def gpt_oss_20b() -> ModelConfig:
+  """gpt-oss-20b: 20.9B parameters, 3.6B active (32 experts, top-4)."""
+  return _gpt_oss(24, 32)
+
+
+def gpt_oss_120b() -> ModelConfig:
+  """gpt-oss-120b: 116.8B parameters, 5.1B active (128 experts, top-4)."""
+  return _gpt_oss(36, 128)
+
+
+SPEC = FamilySpec(
+    name='gpt_oss',
+    description='Llama with biased attention and sinks, sliding-window layers alternating with '
+                'global ones, YaRN rotary, and top-4 routed clamped-SwiGLU experts with biases.',
+    hf=Family('gpt_oss', ('gpt_oss',), 'GptOssForCausalLM', config_from_hf, config_to_hf,
+              defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 131_072,
+                        'rope_theta': 150_000.0},
+              unfuse=unfuse, fuse=fuse),
+    differences={'qkv_bias': True, 'out_bias': True, 'attention_sinks': True,
+                 'sliding_window': 128,
+                 'rope': {'theta': 150_000.0, 'scaling': 'yarn', 'factor': 32.0,
+                          'original_max_position_embeddings': 4096, 'truncate': False},
+                 'moe': {'num_experts_per_tok': 4, 'router_bias': True, 'expert_bias': True,
+                         'swiglu_limit': 7.0}},
+    presets={'gpt-oss-20b': gpt_oss_20b, 'gpt-oss-120b': gpt_oss_120b})

@@ -2,8 +2,9 @@
 
 import numpy as np
 
-from maxnnx.config import ModelConfig
+from maxnnx.config import ModelConfig, RopeConfig
 from maxnnx.models.hf import Family, HFConfig, TensorDict, common_to_hf
+from maxnnx.models.registry import FamilySpec
 
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
@@ -49,6 +50,23 @@ def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarr
   return out
 
 
-FAMILY = Family('phi3', ('phi3',), 'Phi3ForCausalLM', config_from_hf, config_to_hf,
-                defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 4096},
-                unfuse=unfuse, fuse=fuse)
+def phi3_mini() -> ModelConfig:
+  """Phi-3-mini (3.8B, 3.82B parameters), the 4k-context model (Phi-3-mini-4k-instruct).
+
+  Its ``config.json`` sets a 2047-token sliding window on every layer; the
+  128k variant differs only in LongRoPE scaling and ``max_position_embeddings``.
+  """
+  return SPEC.config(vocab_size=32_064, d_model=3072, num_layers=32, num_heads=32,
+                     num_kv_heads=32, mlp_dim=8192, max_position_embeddings=4096, norm_eps=1e-5,
+                     sliding_window=2047, rope=RopeConfig(theta=10_000.0))
+
+
+SPEC = FamilySpec(
+    name='phi3',
+    description='Llama whose checkpoints fuse the qkv and gate/up projections; LongRoPE and '
+                'partial rotary come from its config.json.',
+    hf=Family('phi3', ('phi3',), 'Phi3ForCausalLM', config_from_hf, config_to_hf,
+              defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 4096},
+              unfuse=unfuse, fuse=fuse),
+    differences={},
+    presets={'phi3-mini': phi3_mini})

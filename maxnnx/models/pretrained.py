@@ -23,21 +23,6 @@ from flax import nnx
 from maxnnx.checkpoint.safetensors import SafetensorsError, read_safetensors_dir, write_sharded
 from maxnnx.config import ConfigError, ModelConfig
 from maxnnx.layers.linear import DenseGeneral
-from maxnnx.models import (
-  deepseek,
-  gemma,
-  gemma2,
-  gemma3,
-  gpt_oss,
-  llama,
-  mistral,
-  mixtral,
-  olmo2,
-  phi3,
-  qwen2,
-  qwen3,
-  qwen3_moe,
-)
 from maxnnx.models.hf import (
   IGNORED_HF_TENSORS,
   MTP_SHARED_COPIES,
@@ -47,16 +32,10 @@ from maxnnx.models.hf import (
   hf_layer_path,
   load_config_json,
 )
+from maxnnx.models.registry import FAMILIES
 from maxnnx.models.transformer import Transformer, layer_stacks
 
 logger = logging.getLogger(__name__)
-
-FAMILIES: dict[str, Family] = {
-    f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma.FAMILY,
-                        gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY, olmo2.FAMILY,
-                        mixtral.FAMILY, qwen3_moe.FAMILY, deepseek.FAMILY,
-                        deepseek.V2_FAMILY, gpt_oss.FAMILY)}
-
 
 def family_for_model_type(model_type: str, path: str = 'config.json') -> Family:
   """The :class:`Family` that loads ``model_type``."""

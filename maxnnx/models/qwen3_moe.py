@@ -5,10 +5,11 @@ shared experts. Layers listed in ``mlp_only_layers`` (or skipped by
 ``decoder_sparse_step``) keep a dense MLP of width ``intermediate_size``.
 """
 
-from maxnnx.config import ModelConfig, MoEConfig
+from maxnnx.config import ModelConfig, MoEConfig, RopeConfig
 from maxnnx.models.hf import Family, HFConfig, common_to_hf
 from maxnnx.models.moe_hf import expert_hooks, moe_layout
 from maxnnx.models.qwen2 import sliding_layers, sliding_layers_to_hf
+from maxnnx.models.registry import FamilySpec
 
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
@@ -39,6 +40,33 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 unfuse, fuse = expert_hooks('mlp')
 
-FAMILY = Family('qwen3_moe', ('qwen3_moe',), 'Qwen3MoeForCausalLM', config_from_hf,
-                config_to_hf, defaults={'max_position_embeddings': 32768},
-                module_names={'router': 'gate'}, unfuse=unfuse, fuse=fuse)
+
+# -- Presets -----------------------------------------------------------------------------------
+
+
+def _qwen3_moe(d_model: int, num_layers: int, num_heads: int, moe_mlp_dim: int,
+               mlp_dim: int) -> ModelConfig:
+  return SPEC.config(vocab_size=151_936, d_model=d_model, num_layers=num_layers,
+                     num_heads=num_heads, num_kv_heads=4, head_dim=128, mlp_dim=mlp_dim,
+                     max_position_embeddings=40_960, norm_eps=1e-6,
+                     rope=RopeConfig(theta=1_000_000.0), moe={'mlp_dim': moe_mlp_dim})
+
+
+def qwen3_30b_a3b() -> ModelConfig:
+  """Qwen3-30B-A3B: 30.5B parameters, 3.3B active (128 experts, top-8)."""
+  return _qwen3_moe(2048, 48, 32, 768, 6144)
+
+
+def qwen3_235b_a22b() -> ModelConfig:
+  """Qwen3-235B-A22B: 235B parameters, 22B active (128 experts, top-8)."""
+  return _qwen3_moe(4096, 94, 64, 1536, 12_288)
+
+
+SPEC = FamilySpec(
+    name='qwen3_moe',
+    description='Qwen3 with every MLP replaced by softmax top-8 of 128 routed experts.',
+    hf=Family('qwen3_moe', ('qwen3_moe',), 'Qwen3MoeForCausalLM', config_from_hf,
+              config_to_hf, defaults={'max_position_embeddings': 32768},
+              module_names={'router': 'gate'}, unfuse=unfuse, fuse=fuse),
+    differences={'qk_norm': 'head', 'moe': {'num_experts': 128, 'num_experts_per_tok': 8}},
+    presets={'qwen3-30b-a3b': qwen3_30b_a3b, 'qwen3-235b-a22b': qwen3_235b_a22b})
