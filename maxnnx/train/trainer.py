@@ -47,6 +47,7 @@ from maxnnx.train.memory import (
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
 from maxnnx.train.objectives import Objective, PretrainObjective
 from maxnnx.train.optimizers import make_optimizer, make_schedule
+from maxnnx.train.preemption import StopRequest
 from maxnnx.train.quantization import check_supported, is_quantized, quantize
 
 logger = logging.getLogger(__name__)
@@ -178,6 +179,8 @@ class Trainer:
     quantization: ``config.quantization``, or ``custom`` when ``model`` came
       quantized (see :mod:`maxnnx.train.quantization`).
     objective: the objective in use, bound to ``config``.
+    stopped_by: the signal (``'SIGTERM'``, ``'SIGINT'``) that ended the last ``fit`` early,
+      after finishing its step and saving a checkpoint (with ``checkpoint_dir``); else ``None``.
   """
 
   def __init__(self, model: nnx.Module | ModelConfig | str, config: TrainConfig | None = None,
@@ -196,6 +199,7 @@ class Trainer:
     self._writers: list = []
     self._checkpoints = None  # a CheckpointManager once checkpoint_dir is used
     self._step_offset = 0  # steps taken before the restored checkpoint, not in history
+    self.stopped_by: str | None = None
 
     if isinstance(model, str):
       from maxnnx.presets import get_preset  # noqa: PLC0415 (presets import models)
@@ -504,9 +508,11 @@ class Trainer:
     ``metrics_jsonl`` / ``tensorboard_dir`` when set. With ``checkpoint_dir``
     it first resumes from the newest complete checkpoint there, trains up to
     ``config.steps`` in total, and saves every ``checkpoint_every`` steps and
-    at the end.
+    at the end. SIGTERM or SIGINT (while ``fit`` runs in the main thread) ends it after the
+    current step, with a checkpoint, and sets :attr:`stopped_by`.
     """
     cfg = self.config
+    self.stopped_by = None
     if cfg.checkpoint_dir and self._checkpoints is None:
       self.restore_checkpoint()  # resume where an earlier run of this config stopped
     if steps is None:  # with checkpoints, config.steps is the total over resumed runs
@@ -515,7 +521,9 @@ class Trainer:
       self.compile(verbose=log is None)
     self._open_writers()
     bar = ProgressBar(self.step_count + steps)
+    stop, saved = StopRequest(), None
     try:
+      stop.__enter__()
       for i in range(1, steps + 1):
         last = i == steps
         self._step(None, fetch=False)
@@ -534,13 +542,30 @@ class Trainer:
             log(format_metrics(record, bar.total))
         if cfg.checkpoint_dir and (last or (cfg.checkpoint_every
                                             and self.step_count % cfg.checkpoint_every == 0)):
-          self.save_checkpoint()
+          saved = self.save_checkpoint()
+        if stop and not last:
+          self._stop_early(stop.signal_name, saved, bar, log)
+          break
     finally:
+      stop.__exit__(None, None, None)
       if isinstance(self._writers, list):
         for writer in self._writers:
           if isinstance(writer, TensorBoardWriter):
             writer.flush()
     return self.history
+
+  def _stop_early(self, signal_name: str, saved: int | None, bar, log) -> None:
+    """End ``fit`` on a stop request: flush the metrics and checkpoint the step just taken."""
+    records = self._fetch()
+    self._emit(records)
+    if records and log is None:
+      bar.update(records[-1])
+    elif records:
+      log(format_metrics(records[-1], bar.total))
+    if self.config.checkpoint_dir and saved != self.step_count:
+      self.save_checkpoint()
+    self.stopped_by = signal_name
+    logger.info('%s: stopped after step %d.', signal_name, self.step_count)
 
   def _open_writers(self) -> None:
     if self._writers:
