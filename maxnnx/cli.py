@@ -77,6 +77,8 @@ GENERATE_KEYS = {
     'max_new_tokens': (120, 'tokens to generate'),
     'temperature': (0.8, 'sampling temperature (0: greedy)'),
     'top_p': (0.95, 'nucleus sampling mass'),
+    'top_k': (0, 'sample among the k most likely tokens (0: all; more than the vocabulary is '
+              'clamped to it with a warning)'),
     'seed': (0, 'sampling seed'),
 }
 CONVERT_KEYS = {
@@ -457,11 +459,11 @@ def compile_step(options: dict) -> dict:
   return trainer.compile()
 
 
-def _sample(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed) -> str:
+def _sample(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, top_k=0) -> str:
   import maxnnx  # noqa: PLC0415
   ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
   result = maxnnx.generate(model, [ids], max_new_tokens, temperature=temperature, top_p=top_p,
-                           eos_ids=[tokenizer.eos_id], seed=seed)
+                           top_k=top_k or None, eos_ids=[tokenizer.eos_id], seed=seed)
   return prompt + tokenizer.decode(result.as_lists()[0])
 
 
@@ -482,7 +484,7 @@ def generate(options: dict) -> str:
   model = model if model is not None else maxnnx.from_pretrained(model_dir)
   text = _sample(model, SentencePieceTokenizer(tok_path),
                  options['prompt'], options['max_new_tokens'], options['temperature'],
-                 options['top_p'], options['seed'])
+                 options['top_p'], options['seed'], options['top_k'])
   print(text)
   return text
 

@@ -247,6 +247,7 @@ class Trainer:
     self._place_frozen(stages)
     self._objects = None
     self._extra = None
+    _check_batch_and_length(config, self.model_config, self.mesh, self.rules)
     self._batch_sharding = NamedSharding(
         self.mesh, sharding.spec_for(BATCH_AXES, self.rules, self.mesh,
                                      (config.global_batch_size, config.seq_len)))
@@ -683,6 +684,31 @@ def _check_pipeline_layout(model: nnx.Module, stages: int, what: str) -> None:
                      'with scan_layers=True (e.g. Transformer(config.replace(scan_layers=True)) '
                      'or from_pretrained(..., scan_layers=True)), or pass its config or preset '
                      'name so the Trainer builds it scanned.')
+
+
+def _check_batch_and_length(config: TrainConfig, model_config: ModelConfig, mesh: Mesh,
+                            rules) -> None:
+  """Refuse a ``seq_len`` past the model's positions, and a batch the mesh axes that split it
+  do not divide (an axis sized by ``-1`` only warns: the batch is then replicated along it)."""
+  if config.seq_len > model_config.max_position_embeddings:
+    raise ValueError(f'seq_len={config.seq_len} is longer than the model\'s '
+                     f'max_position_embeddings={model_config.max_position_embeddings}.')
+  axes = dict(rules).get('activation_batch') or ()
+  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+  sizes = dict(mesh.shape)
+  split = [a for a in axes if sizes.get(a, 1) > 1]
+  product = int(np.prod([sizes[a] for a in split])) if split else 1
+  if config.global_batch_size % product == 0:
+    return
+  named = ' * '.join(f'mesh.{a}={sizes[a]}' for a in split)
+  message = (f'global_batch_size={config.global_batch_size} is not divisible by {named} '
+             f'(= {product}), the mesh axes that split the batch')
+  automatic = any(getattr(config.mesh, a, 1) == -1 or getattr(config.mesh, f'dcn_{a}', 1) == -1
+                  for a in split)
+  if not automatic:
+    raise ValueError(message + ': change one of them.')
+  logger.warning('%s; the batch is replicated along them instead. Set mesh.%s to a divisor of '
+                 'the batch to split it.', message, split[0])
 
 
 def _new_model(model_config: ModelConfig, seed: int) -> nnx.Module:
