@@ -28,8 +28,8 @@ command again resumes from the newest complete checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -63,6 +63,9 @@ RUN_KEYS = {
                      'save_qkv_proj, save_out_proj, full (empty: the model default)'),
     'attention_impl': ('', 'attention kernel strategy (empty: the model default)'),
     'sample_tokens': (120, 'tokens of the sample printed at the end (0: none)'),
+    'resume': ('auto', 'auto: continue the run in output_dir when its stored config matches '
+               '(a different one is refused); never: move an earlier run aside to '
+               'output_dir/previous/<time>/ and start fresh'),
 }
 TRAIN_OVERRIDES = {  # defaults of the default run that differ from TrainConfig's
     'steps': 600, 'global_batch_size': 16, 'seq_len': 128, 'learning_rate': 3e-3,
@@ -74,6 +77,8 @@ GENERATE_KEYS = {
     'max_new_tokens': (120, 'tokens to generate'),
     'temperature': (0.8, 'sampling temperature (0: greedy)'),
     'top_p': (0.95, 'nucleus sampling mass'),
+    'top_k': (0, 'sample among the k most likely tokens (0: all; more than the vocabulary is '
+              'clamped to it with a warning)'),
     'seed': (0, 'sampling seed'),
 }
 CONVERT_KEYS = {
@@ -229,36 +234,68 @@ def _model_config(run: dict, changes: dict):
   return cfg, {**legacy, **{name: getattr(cfg, name) for name in changes}}
 
 
-def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None):
-  """The model to train (a ModelConfig or loaded model) and its tokenizer (or None)."""
+def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None,
+                         pinned: dict | None = None):
+  """``(model, tokenizer, tokenizer record)``: the model to train (a ModelConfig or loaded
+  model), its tokenizer (or None), and the tokenizer's fingerprint for the run's config.
+
+  A tokenizer trained on a .txt corpus is pinned to the run: reused while the corpus is the
+  one ``pinned`` (the stored record) names, else trained afresh into ``<out>/.tokenizer-new/``
+  for :func:`_pin_tokenizer` to move into place once the run's config is accepted.
+  """
   import maxnnx  # noqa: PLC0415
-  from maxnnx.data import (  # noqa: PLC0415
-                           SentencePieceTokenizer,
-                           load_tokenizer,
-                           train_sentencepiece,
-  )
+  from maxnnx.data import load_tokenizer  # noqa: PLC0415
+  from maxnnx.train.run_dir import file_fingerprint  # noqa: PLC0415
   cfg, overrides = _model_config(run, changes)
   if os.path.isdir(run['model']):
     model = maxnnx.from_pretrained(run['model'], **overrides)
-    tokenizer = None
-    if corpus is not None:
-      tokenizer = load_tokenizer(run['tokenizer'] or run['model'])
-    return model, tokenizer
+    if corpus is None:
+      return model, None, None
+    source = run['tokenizer'] or run['model']
+    return model, load_tokenizer(source), {'sha256': file_fingerprint(source), 'source': source}
   if corpus is None:
-    return cfg, None
+    return cfg, None, None
   if run['tokenizer']:
-    return cfg, load_tokenizer(run['tokenizer'])
+    return cfg, load_tokenizer(run['tokenizer']), {
+        'sha256': file_fingerprint(run['tokenizer']), 'source': run['tokenizer']}
   if not _is_text_file(corpus):
+    if corpus.endswith('.txt'):
+      raise FileNotFoundError(f'data={corpus}: no such file.')
     raise UsageError(f"data={corpus} is not a .txt file: give its tokenizer with tokenizer=<path> "
                      '(a sentencepiece model, tokenizer.json or tiktoken file).')
-  # Retrained on every run (under a second): a cached tokenizer could belong to another corpus.
-  print(f'Training a {cfg.vocab_size}-token sentencepiece BPE tokenizer on {corpus} ...')
-  tokenizer = SentencePieceTokenizer(
-      train_sentencepiece(corpus, os.path.join(out, 'tokenizer'), cfg.vocab_size))
+  tokenizer, record = _corpus_tokenizer(cfg.vocab_size, out, corpus, pinned)
   if tokenizer.vocab_size > cfg.vocab_size:
     raise UsageError(f'The tokenizer has {tokenizer.vocab_size} tokens but model '
                      f"{run['model']} only {cfg.vocab_size}.")
-  return cfg.replace(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id), tokenizer
+  return (cfg.replace(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id), tokenizer,
+          record)
+
+
+def _corpus_tokenizer(vocab_size: int, out: str, corpus: str, pinned: dict | None):
+  """The run's sentencepiece tokenizer for ``corpus`` and its record (see above)."""
+  from maxnnx.data import SentencePieceTokenizer, train_sentencepiece  # noqa: PLC0415
+  from maxnnx.train.run_dir import file_fingerprint  # noqa: PLC0415
+  corpus_sha = file_fingerprint(corpus)
+  path = os.path.join(out, 'tokenizer.model')
+  if (pinned and pinned.get('corpus_sha256') == corpus_sha and os.path.exists(path)
+      and file_fingerprint(path) == pinned.get('sha256')):
+    return SentencePieceTokenizer(path), pinned
+  print(f'Training a {vocab_size}-token sentencepiece BPE tokenizer on {corpus} ...')
+  os.makedirs(os.path.join(out, '.tokenizer-new'), exist_ok=True)
+  candidate = train_sentencepiece(corpus, os.path.join(out, '.tokenizer-new', 'tokenizer'),
+                                  vocab_size)
+  record = {'sha256': file_fingerprint(candidate), 'source': corpus, 'corpus_sha256': corpus_sha}
+  return SentencePieceTokenizer(candidate), record
+
+
+def _pin_tokenizer(out: str) -> None:
+  """Move a tokenizer trained for this run into ``out`` (``tokenizer.model``/``.vocab``)."""
+  new = os.path.join(out, '.tokenizer-new')
+  if not os.path.isdir(new):
+    return
+  for name in os.listdir(new):
+    os.replace(os.path.join(new, name), os.path.join(out, name))
+  os.rmdir(new)
 
 
 def _is_text_file(path: str) -> bool:
@@ -287,16 +324,33 @@ def _training_data(run: dict, data_fields: dict, corpus: str | None, model, toke
                        seed=train_config.seed, vocab_size=vocab), 0
 
 
-def _build_trainer(options: dict, *, need_data: bool = True):
+def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None):
+  """``(trainer, run options, tokenizer, token count)``; with ``run_dir`` (an opened
+  :class:`~maxnnx.train.run_dir.RunDir`) the run's config is checked against the stored one
+  before any data is read."""
   from maxnnx.data import DEFAULT_CORPUS  # noqa: PLC0415
   from maxnnx.train import Trainer  # noqa: PLC0415
+  from maxnnx.train.run_dir import check_writable, run_config  # noqa: PLC0415
 
   run, train_config, model_changes, data_fields = _split_options(options)
   out = run['output_dir']
-  os.makedirs(out, exist_ok=True)
+  if run_dir is None:
+    check_writable(out)
+  stored = run_dir.stored_config() if run_dir is not None else None
   synthetic = run['data'] == 'synthetic' or not need_data
   corpus = None if synthetic else (run['data'] or DEFAULT_CORPUS)
-  model, tokenizer = _model_and_tokenizer(run, model_changes, out, corpus)
+  model, tokenizer, tokenizer_record = _model_and_tokenizer(
+      run, model_changes, out, corpus, (stored or {}).get('tokenizer'))
+  if run_dir is not None:
+    model_config = model if hasattr(model, 'to_dict') else model.config
+    try:
+      run_dir.check_config(run_config(model_config, train_config, tokenizer_record))
+    except ValueError:
+      shutil.rmtree(os.path.join(out, '.tokenizer-new'), ignore_errors=True)
+      raise
+    _pin_tokenizer(out)
+    if tokenizer_record and '.tokenizer-new' in getattr(tokenizer, 'path', ''):
+      tokenizer = type(tokenizer)(os.path.join(out, 'tokenizer.model'))
   data, num_tokens = None, 0
   if need_data:
     data, num_tokens = _training_data(run, data_fields, corpus, model, tokenizer, train_config)
@@ -309,10 +363,24 @@ def _build_trainer(options: dict, *, need_data: bool = True):
 
 
 def train(options: dict) -> dict:
-  """Run ``maxnnx train`` with parsed ``options``; returns a summary dict."""
-  import maxnnx  # noqa: PLC0415
+  """Run ``maxnnx train`` with parsed ``options``; returns a summary dict.
 
-  trainer, run, tokenizer, num_tokens = _build_trainer(options)
+  The output directory is locked for the run, its stored config checked before resuming
+  (:mod:`maxnnx.train.run_dir`), SIGTERM/SIGINT end it with a checkpoint, and a rerun of a
+  finished run only writes the final artifacts that are missing.
+  """
+  from maxnnx.train.run_dir import RunDir  # noqa: PLC0415
+  with RunDir(options['output_dir'], resume=options['resume']) as run_dir:
+    if run_dir.moved_to:
+      print(f'resume=never: moved the earlier run to {run_dir.moved_to}.')
+    return _train_in(run_dir, options)
+
+
+def _train_in(run_dir, options: dict) -> dict:
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.train.run_dir import checkpoint_steps  # noqa: PLC0415
+
+  trainer, run, tokenizer, num_tokens = _build_trainer(options, run_dir=run_dir)
   cfg, out = trainer.config, run['output_dir']
   source = (f'{num_tokens:,} tokens' if num_tokens else
             'synthetic tokens' if run['data'] == 'synthetic' else run['data'])
@@ -321,23 +389,35 @@ def train(options: dict) -> dict:
         f'mesh {dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}'
         + (f'; {trainer.quantization} quantized training.' if trainer.quantization != 'none'
            else '.'))
-  resumed = trainer.restore_checkpoint() if cfg.checkpoint_dir else None
-  if resumed is not None:
-    print(f'Resuming from the checkpoint of step {resumed} in {cfg.checkpoint_dir}.')
-  if cfg.metrics_jsonl is None:
-    trainer.config = cfg = dataclasses.replace(cfg, metrics_jsonl=os.path.join(out,
-                                                                               'metrics.jsonl'))
-    if os.path.exists(cfg.metrics_jsonl) and resumed is None:
-      os.remove(cfg.metrics_jsonl)  # a fresh run; a resumed one appends
-  history = trainer.fit()
-  trainer.close()
+  try:
+    saved = checkpoint_steps(cfg.checkpoint_dir)
+    resumed = trainer.restore_checkpoint() if cfg.checkpoint_dir else None
+    if resumed is not None:
+      print(f'Resuming from the checkpoint of step {resumed} in {cfg.checkpoint_dir}.')
+    elif saved:
+      print(f'Every checkpoint in {cfg.checkpoint_dir} is unusable (moved to corrupt-*); '
+            'starting from scratch.')
+    if cfg.metrics_jsonl is None:
+      trainer.config = cfg = dataclasses.replace(
+          cfg, metrics_jsonl=os.path.join(out, 'metrics.jsonl'))
+      run_dir.trim_metrics(cfg.metrics_jsonl, resumed)
+    history = trainer.fit() if trainer.step_count < cfg.steps else []
+  finally:
+    trainer.close()
+  if trainer.stopped_by:
+    where = (f'checkpoint of step {trainer.step_count} saved in {cfg.checkpoint_dir}; run the '
+             'same command to resume' if cfg.checkpoint_dir else
+             'no checkpoint_dir, so nothing was saved')
+    print(f'Stopped by {trainer.stopped_by} after step {trainer.step_count}: {where}.')
+    return {'first_loss': None, 'last_loss': None, 'eval_loss': None,
+            'stopped_by': trainer.stopped_by}
   if not history:
-    print(f'Nothing to train: the checkpoint is at step {trainer.step_count} of {cfg.steps}.')
+    written = _finish(trainer, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl),
+                      only_missing=True)
+    print(f'Nothing to train: the checkpoint is at step {trainer.step_count} of {cfg.steps}'
+          + (f"; wrote the missing {', '.join(written)}." if written else '.'))
     return {'first_loss': None, 'last_loss': None, 'eval_loss': None}
-  _plot_loss(history, os.path.join(out, 'loss.png'))
-  maxnnx.save_pretrained(trainer.model, os.path.join(out, 'final'))
-  with open(os.path.join(out, 'train_options.json'), 'w') as f:
-    json.dump(options, f, indent=2, default=str)
+  _finish(trainer, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl) or history)
   trained_tokenizer = os.path.exists(os.path.join(out, 'tokenizer.model')) and not run['tokenizer']
   print(f'Wrote {out}/: metrics.jsonl, loss.png, final/ (Hugging Face format)'
         + (', tokenizer.model' if trained_tokenizer else '') + '.')
@@ -348,17 +428,42 @@ def train(options: dict) -> dict:
           'eval_loss': history[-1].get('eval_loss')}
 
 
+def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missing=False
+            ) -> list[str]:
+  """Write ``final/``, ``loss.png`` and ``train_options.json`` (with ``only_missing``: those
+  that are not there yet); returns the names written. ``final/`` appears whole or not at all."""
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.train.run_dir import replace_dir, write_json  # noqa: PLC0415
+  out, written = run_dir.directory, []
+  final = os.path.join(out, 'final')
+  if not (only_missing and os.path.exists(os.path.join(final, 'config.json'))):
+    tmp = final + '.tmp'
+    shutil.rmtree(tmp, ignore_errors=True)
+    maxnnx.save_pretrained(trainer.model, tmp)
+    replace_dir(tmp, final)
+    written.append('final/')
+  plot = os.path.join(out, 'loss.png')
+  if history and not (only_missing and os.path.exists(plot)):
+    _plot_loss(history, plot)
+    written.append('loss.png')
+  options_path = os.path.join(out, 'train_options.json')
+  if not (only_missing and os.path.exists(options_path)):
+    write_json(options_path, options)
+    written.append('train_options.json')
+  return written
+
+
 def compile_step(options: dict) -> dict:
   """Run ``maxnnx compile``: AOT-compile the train step and report memory."""
   trainer, _, _, _ = _build_trainer(options, need_data=False)
   return trainer.compile()
 
 
-def _sample(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed) -> str:
+def _sample(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, top_k=0) -> str:
   import maxnnx  # noqa: PLC0415
   ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
   result = maxnnx.generate(model, [ids], max_new_tokens, temperature=temperature, top_p=top_p,
-                           eos_ids=[tokenizer.eos_id], seed=seed)
+                           top_k=top_k or None, eos_ids=[tokenizer.eos_id], seed=seed)
   return prompt + tokenizer.decode(result.as_lists()[0])
 
 
@@ -379,7 +484,7 @@ def generate(options: dict) -> str:
   model = model if model is not None else maxnnx.from_pretrained(model_dir)
   text = _sample(model, SentencePieceTokenizer(tok_path),
                  options['prompt'], options['max_new_tokens'], options['temperature'],
-                 options['top_p'], options['seed'])
+                 options['top_p'], options['seed'], options['top_k'])
   print(text)
   return text
 
@@ -449,4 +554,27 @@ def main(argv: list[str] | None = None) -> int:
   except (ValueError, FileNotFoundError, TrainingError) as e:  # UsageError, ConfigError…
     print(f'error: {e}', file=sys.stderr)
     return 2
+  except Exception as e:  # a filesystem fault, also when raised inside orbax's writers
+    os_error = _os_error_in(e)
+    if os_error is None:
+      raise
+    print(f'error: {_describe_os_error(os_error)}', file=sys.stderr)
+    return 1
   return 0
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+  """The ``OSError`` that ``error`` is or was raised from, if any."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, OSError):
+      return error
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _describe_os_error(error: OSError) -> str:
+  reason = error.strerror or str(error)
+  path = error.filename if error.filename is not None else ''
+  return f'{reason}: {path}' if path else reason

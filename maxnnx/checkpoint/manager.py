@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 import jax
@@ -162,6 +163,7 @@ class CheckpointManager:
         if step is not None:
           raise CheckpointError(f'{self._step_dir(candidate)} cannot be restored: {problem}'
                                 ) from e
+        _quiet_failed_reads(self.directory)
         logger.warning('Checkpoint step %d in %s is unusable (%s); moving it to corrupt-%d '
                        'and falling back to the previous checkpoint.', candidate,
                        self.directory, problem, candidate)
@@ -169,6 +171,7 @@ class CheckpointManager:
     return None
 
   def _restore_step(self, step: int, abstract_state, abstract_extra):
+    self._check_files(step)
     meta = self.read_meta(step)
     abstract_pure = _pure(abstract_state)
     restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -186,6 +189,15 @@ class CheckpointManager:
       nnx.replace_by_pure_dict(state, restored.state)
     return step, state, dict(restored.extra), meta
 
+  def _check_files(self, step: int) -> None:
+    """Fail early, before any read is started, when an item's index files are missing."""
+    for item in ('meta', 'state', 'extra'):
+      path = os.path.join(self._step_dir(step), item)
+      needed = ['metadata'] if item == 'meta' else ['_METADATA', 'manifest.ocdbt']
+      missing = [name for name in needed if not os.path.exists(os.path.join(path, name))]
+      if missing:
+        raise CheckpointError(f'missing file {os.path.join(path, missing[0])}')
+
   def _step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
@@ -198,6 +210,40 @@ class CheckpointManager:
         target = os.path.join(self.directory, f'corrupt-{step}.{suffix}')
       os.rename(self._step_dir(step), target)
     self._manager.reload()
+
+
+_QUIETED: set[str] = set()
+
+
+def _quiet_failed_reads(directory: str) -> None:
+  """Silence the echoes of a failed restore from ``directory``.
+
+  When one array of a step fails to load, orbax's other reads of that step end later in the
+  background and report themselves (``Future exception was never retrieved`` through the
+  ``asyncio`` logger, ``Event loop is closed`` as unraisable errors). The step is already
+  reported once, so these are dropped; anything else passes through.
+  """
+  if directory in _QUIETED:
+    return
+  _QUIETED.add(directory)
+
+  def keep(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    text = f'{record.getMessage()} {error}'
+    return not ('never retrieved' in text and directory in text)
+
+  logging.getLogger('asyncio').addFilter(keep)
+  if not getattr(sys.unraisablehook, 'maxnnx_quiet', False):
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+      value = unraisable.exc_value
+      if isinstance(value, RuntimeError) and str(value) == 'Event loop is closed':
+        return
+      previous(unraisable)
+
+    hook.maxnnx_quiet = True
+    sys.unraisablehook = hook
 
 
 def _pure(state: Any) -> Any:

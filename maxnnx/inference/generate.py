@@ -10,6 +10,7 @@ token and stops early once every row has produced an end-of-sequence id.
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 
 import jax
@@ -18,6 +19,8 @@ import numpy as np
 from flax import nnx
 
 from maxnnx.inference.sampling import sample_next_token
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +154,15 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
                      f'temperature={temperature}, top_k={top_k}, top_p={top_p}.')
   ids, segments, positions, lengths = _left_pad(prompt_ids, prompt_lengths, pad_id)
   vocab = model.config.vocab_size
+  if top_k is not None and top_k > vocab:
+    logger.warning('top_k=%d is larger than the vocabulary (%d tokens); using top_k=%d.', top_k,
+                   vocab, vocab)
+    top_k = vocab
+  limit = model.config.max_position_embeddings
+  if ids.shape[1] + max_new_tokens > limit:
+    logger.warning('The prompt (%d tokens) plus max_new_tokens=%d run past the model\'s '
+                   'max_position_embeddings=%d; positions beyond it were never trained.',
+                   ids.shape[1], max_new_tokens, limit)
   if ids.min() < 0 or ids.max() >= vocab:
     raise ValueError(f'prompt_ids contain ids outside [0, {vocab}); check the tokenizer '
                      'matches the model.')

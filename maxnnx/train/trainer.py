@@ -53,6 +53,7 @@ from maxnnx.train.memory import (
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
 from maxnnx.train.objectives import Objective, PretrainObjective
 from maxnnx.train.optimizers import make_optimizer, make_schedule
+from maxnnx.train.preemption import StopRequest
 from maxnnx.train.quantization import check_supported, is_quantized, quantize
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ class Trainer:
     quantization: ``config.quantization``, or ``custom`` when ``model`` came
       quantized (see :mod:`maxnnx.train.quantization`).
     objective: the objective in use, bound to ``config``.
+    stopped_by: the signal (``'SIGTERM'``, ``'SIGINT'``) that ended the last ``fit`` early,
+      after finishing its step and saving a checkpoint (with ``checkpoint_dir``); else ``None``.
   """
 
   def __init__(self, model: nnx.Module | ModelConfig | str, config: TrainConfig | None = None,
@@ -124,6 +127,7 @@ class Trainer:
     self._writers: list = []
     self._checkpoints = None  # a CheckpointManager once checkpoint_dir is used
     self._step_offset = 0  # steps taken before the restored checkpoint, not in history
+    self.stopped_by: str | None = None
 
     if isinstance(model, str):
       from maxnnx.presets import get_preset  # noqa: PLC0415 (presets import models)
@@ -171,6 +175,7 @@ class Trainer:
     self._place_frozen(stages)
     self._objects = None
     self._extra = None
+    _check_batch_and_length(config, self.model_config, self.mesh, self.rules)
     self._batch_sharding = NamedSharding(
         self.mesh, sharding.spec_for(BATCH_AXES, self.rules, self.mesh,
                                      (config.global_batch_size, config.seq_len)))
@@ -432,9 +437,11 @@ class Trainer:
     ``metrics_jsonl`` / ``tensorboard_dir`` when set. With ``checkpoint_dir``
     it first resumes from the newest complete checkpoint there, trains up to
     ``config.steps`` in total, and saves every ``checkpoint_every`` steps and
-    at the end.
+    at the end. SIGTERM or SIGINT (while ``fit`` runs in the main thread) ends it after the
+    current step, with a checkpoint, and sets :attr:`stopped_by`.
     """
     cfg = self.config
+    self.stopped_by = None
     if cfg.checkpoint_dir and self._checkpoints is None:
       self.restore_checkpoint()  # resume where an earlier run of this config stopped
     if steps is None:  # with checkpoints, config.steps is the total over resumed runs
@@ -443,7 +450,9 @@ class Trainer:
       self.compile(verbose=log is None)
     self._open_writers()
     bar = ProgressBar(self.step_count + steps)
+    stop, saved = StopRequest(), None
     try:
+      stop.__enter__()
       for i in range(1, steps + 1):
         last = i == steps
         self._step(None, fetch=False)
@@ -462,13 +471,30 @@ class Trainer:
             log(format_metrics(record, bar.total))
         if cfg.checkpoint_dir and (last or (cfg.checkpoint_every
                                             and self.step_count % cfg.checkpoint_every == 0)):
-          self.save_checkpoint()
+          saved = self.save_checkpoint()
+        if stop and not last:
+          self._stop_early(stop.signal_name, saved, bar, log)
+          break
     finally:
+      stop.__exit__(None, None, None)
       if isinstance(self._writers, list):
         for writer in self._writers:
           if isinstance(writer, TensorBoardWriter):
             writer.flush()
     return self.history
+
+  def _stop_early(self, signal_name: str, saved: int | None, bar, log) -> None:
+    """End ``fit`` on a stop request: flush the metrics and checkpoint the step just taken."""
+    records = self._fetch()
+    self._emit(records)
+    if records and log is None:
+      bar.update(records[-1])
+    elif records:
+      log(format_metrics(records[-1], bar.total))
+    if self.config.checkpoint_dir and saved != self.step_count:
+      self.save_checkpoint()
+    self.stopped_by = signal_name
+    logger.info('%s: stopped after step %d.', signal_name, self.step_count)
 
   def _open_writers(self) -> None:
     if self._writers:
@@ -586,6 +612,31 @@ def _check_pipeline_layout(model: nnx.Module, stages: int, what: str) -> None:
                      'with scan_layers=True (e.g. Transformer(config.replace(scan_layers=True)) '
                      'or from_pretrained(..., scan_layers=True)), or pass its config or preset '
                      'name so the Trainer builds it scanned.')
+
+
+def _check_batch_and_length(config: TrainConfig, model_config: ModelConfig, mesh: Mesh,
+                            rules) -> None:
+  """Refuse a ``seq_len`` past the model's positions, and a batch the mesh axes that split it
+  do not divide (an axis sized by ``-1`` only warns: the batch is then replicated along it)."""
+  if config.seq_len > model_config.max_position_embeddings:
+    raise ValueError(f'seq_len={config.seq_len} is longer than the model\'s '
+                     f'max_position_embeddings={model_config.max_position_embeddings}.')
+  axes = dict(rules).get('activation_batch') or ()
+  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+  sizes = dict(mesh.shape)
+  split = [a for a in axes if sizes.get(a, 1) > 1]
+  product = int(np.prod([sizes[a] for a in split])) if split else 1
+  if config.global_batch_size % product == 0:
+    return
+  named = ' * '.join(f'mesh.{a}={sizes[a]}' for a in split)
+  message = (f'global_batch_size={config.global_batch_size} is not divisible by {named} '
+             f'(= {product}), the mesh axes that split the batch')
+  automatic = any(getattr(config.mesh, a, 1) == -1 or getattr(config.mesh, f'dcn_{a}', 1) == -1
+                  for a in split)
+  if not automatic:
+    raise ValueError(message + ': change one of them.')
+  logger.warning('%s; the batch is replicated along them instead. Set mesh.%s to a divisor of '
+                 'the batch to split it.', message, split[0])
 
 
 def _new_model(model_config: ModelConfig, seed: int) -> nnx.Module:

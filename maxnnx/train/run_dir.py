@@ -1,0 +1,277 @@
+"""The lifecycle of a run directory: one run at a time, and a resume that is checked.
+
+A run directory (``output_dir``) holds the checkpoints, metrics, tokenizer and exported model
+of one training run. :class:`RunDir` keeps that run whole across restarts:
+
+* :meth:`RunDir.open` checks the directory is a writable directory (one error line naming the
+  path otherwise) and takes its :class:`~maxnnx.checkpoint.run_lock.RunLock` on process 0, so
+  a second run on it is refused with the holder named;
+* ``resume='never'`` moves an earlier run aside to ``<output_dir>/previous/<time>/`` (never
+  deleting it) before starting fresh;
+* :meth:`RunDir.check_config` stores the run's config (:func:`run_config`: the model, the
+  optimizer-relevant training fields and the tokenizer's fingerprint, not ``steps``, logging or
+  the mesh) in ``run_config.json``, and refuses a restart whose config differs, with a short
+  diff and the two ways out;
+* :meth:`RunDir.trim_metrics` cuts ``metrics.jsonl`` back to the restored step, so a resumed
+  run lists every step once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+
+from maxnnx.checkpoint.run_lock import LOCK_NAME, RunLock, RunLockedError
+
+RUN_CONFIG = 'run_config.json'
+PREVIOUS = 'previous'
+RESUME_MODES = ('auto', 'never')
+# TrainConfig fields a checkpoint's optimizer state and data position depend on.
+TRAIN_FIELDS = ('global_batch_size', 'seq_len', 'grad_accum_steps', 'seed', 'optimizer',
+                'learning_rate', 'schedule', 'warmup_steps', 'decay_fraction', 'decay_shape',
+                'final_lr_fraction', 'weight_decay', 'decay_all', 'b1', 'b2', 'eps', 'momentum',
+                'clip_norm', 'z_loss', 'router_aux_loss_coef', 'router_z_loss_coef',
+                'mtp_loss_scaling_factor', 'skip_spike_factor', 'quantization')
+# RuntimeConfig fields that change what a checkpoint holds (the others are how it is computed).
+RUNTIME_FIELDS = ('param_dtype', 'scan_layers')
+
+
+class RunDirError(ValueError):
+  """The run directory cannot be used as asked (the message says why and what to do)."""
+
+
+def run_config(model_config, train_config, tokenizer: dict | None = None) -> dict:
+  """The part of a run's config a resume must match, as JSON-ready data.
+
+  ``model_config`` is a :class:`~maxnnx.config.ModelConfig` (its runtime fields other than
+  :data:`RUNTIME_FIELDS` are left out), ``train_config`` a ``TrainConfig`` (only
+  :data:`TRAIN_FIELDS`), ``tokenizer`` a fingerprint such as :func:`file_fingerprint` gives.
+  """
+  model = model_config.to_dict()
+  runtime = model.pop('runtime', {})
+  model.update({k: runtime[k] for k in RUNTIME_FIELDS if k in runtime})
+  record = {'model': model, 'train': {k: getattr(train_config, k) for k in TRAIN_FIELDS}}
+  if tokenizer:
+    record['tokenizer'] = tokenizer
+  return json.loads(json.dumps(record))  # tuples become lists, as they are read back
+
+
+def file_fingerprint(path: str) -> str:
+  """SHA-256 of a file, or of the files of a directory (names and bytes, sorted)."""
+  digest = hashlib.sha256()
+  files = [path] if os.path.isfile(path) else sorted(
+      os.path.join(path, name) for name in os.listdir(path)
+      if os.path.isfile(os.path.join(path, name)))
+  for name in files:
+    digest.update(os.path.basename(name).encode())
+    with open(name, 'rb') as f:
+      for block in iter(lambda: f.read(1 << 20), b''):
+        digest.update(block)
+  return digest.hexdigest()[:16]
+
+
+def _flatten(tree: Any, prefix: str = '') -> dict[str, Any]:
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  flat = {}
+  for key, value in tree.items():
+    flat.update(_flatten(value, f'{prefix}.{key}' if prefix else str(key)))
+  return flat
+
+
+def config_diff(old: dict, new: dict) -> list[str]:
+  """``['model.num_layers: 2 -> 3', ...]``: the fields of two :func:`run_config` records that
+  differ (training fields are named as their ``maxnnx train`` keys)."""
+  before, after = _flatten(old), _flatten(new)
+  lines = []
+  for key in sorted(set(before) | set(after)):
+    if key.startswith('tokenizer.') and key != 'tokenizer.sha256':
+      continue
+    if before.get(key, '(unset)') == after.get(key, '(unset)'):
+      continue
+    if key == 'tokenizer.sha256':
+      lines.append(f"tokenizer: {old.get('tokenizer', {}).get('source', '?')} -> "
+                   f"{new.get('tokenizer', {}).get('source', '?')} (a different vocabulary)")
+      continue
+    name = key[len('train.'):] if key.startswith('train.') else key
+    lines.append(f"{name}: {before.get(key, '(unset)')} -> {after.get(key, '(unset)')}")
+  return lines
+
+
+def check_writable(directory: str) -> None:
+  """Create ``directory`` if needed and make sure a file can be written in it.
+
+  Raises:
+    RunDirError: it is a file, or it cannot be created or written (naming the path).
+  """
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise RunDirError(f'output_dir {directory} is a file, not a directory.')
+  probe = os.path.join(directory, f'.write-test-{os.getpid()}')
+  try:
+    os.makedirs(directory, exist_ok=True)
+    with open(probe, 'w'):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise RunDirError(f'cannot write to {e.filename or directory}: '
+                      f'{e.strerror or e}.') from None
+
+
+def write_json(path: str, data: Any) -> None:
+  """Write ``data`` as JSON to ``path`` atomically (a reader sees the old or the new file)."""
+  tmp = f'{path}.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(data, f, indent=2, default=str)
+  os.replace(tmp, path)
+
+
+class RunDir:
+  """One training run's output directory.
+
+  Args:
+    directory: the output directory.
+    resume: ``'auto'`` continues an earlier run whose config matches (and refuses one that
+      does not); ``'never'`` moves an earlier run aside and starts fresh.
+    command: what this run is, written into the lock for a refused second run to show.
+  """
+
+  def __init__(self, directory: str, *, resume: str = 'auto', command: str | None = None):
+    if resume not in RESUME_MODES:
+      raise RunDirError(f"resume={resume!r}: expected one of {', '.join(RESUME_MODES)}.")
+    self.directory = directory
+    self.resume = resume
+    self.lock = RunLock(directory, command=command)
+    self.moved_to: str | None = None
+
+  @property
+  def config_path(self) -> str:
+    """Where the run's config is stored."""
+    return os.path.join(self.directory, RUN_CONFIG)
+
+  def open(self) -> RunDir:
+    """Check the directory, take its lock (process 0) and, with ``resume='never'``, move an
+    earlier run aside.
+
+    Raises:
+      RunDirError: the directory is unusable, or another live run holds it.
+    """
+    check_writable(self.directory)
+    if jax.process_index() == 0:
+      try:
+        self.lock.acquire()
+      except RunLockedError as e:
+        raise RunDirError(str(e)) from None
+    if self.resume == 'never' and jax.process_index() == 0:
+      self.moved_to = self._move_aside()
+    return self
+
+  def close(self) -> None:
+    """Release the lock."""
+    self.lock.release()
+
+  def __enter__(self) -> RunDir:
+    return self.open()
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _move_aside(self) -> str | None:
+    entries = [n for n in os.listdir(self.directory) if n not in (LOCK_NAME, PREVIOUS)]
+    if not entries:
+      return None
+    stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
+    target = os.path.join(self.directory, PREVIOUS, stamp)
+    suffix = 0
+    while os.path.exists(target):
+      suffix += 1
+      target = os.path.join(self.directory, PREVIOUS, f'{stamp}.{suffix}')
+    os.makedirs(target)
+    for name in entries:
+      os.rename(os.path.join(self.directory, name), os.path.join(target, name))
+    return target
+
+  def stored_config(self) -> dict | None:
+    """The config stored by an earlier run, or ``None``."""
+    try:
+      with open(self.config_path) as f:
+        return json.load(f)
+    except FileNotFoundError:
+      return None
+    except ValueError as e:
+      raise RunDirError(f'{self.config_path} is not valid JSON ({e}); move it away to start '
+                        'over, or fix it.') from None
+
+  def check_config(self, record: dict) -> None:
+    """Store ``record`` (a :func:`run_config`) for a new run, or check it against the stored one.
+
+    Raises:
+      RunDirError: the stored config differs: a short diff and the two ways out.
+    """
+    stored = self.stored_config()
+    if stored is not None:
+      diff = config_diff(stored, record)
+      if diff:
+        raise RunDirError(
+            f'{self.directory} holds a run with another config, so it is not resumed:\n  '
+            + '\n  '.join(diff) + '\nUse a new output_dir, or resume=never to move that run to '
+            f'{os.path.join(self.directory, PREVIOUS)}/ and start fresh.')
+    if jax.process_index() == 0 and stored != record:
+      write_json(self.config_path, record)
+
+  def trim_metrics(self, path: str, step: int | None) -> None:
+    """Keep the lines of ``metrics.jsonl`` up to ``step`` (all of them go for a fresh run)."""
+    if jax.process_index() != 0 or not os.path.exists(path):
+      return
+    if step is None:
+      os.remove(path)
+      return
+    kept = []
+    with open(path) as f:
+      for line in f:
+        try:
+          if json.loads(line)['step'] <= step:
+            kept.append(line if line.endswith('\n') else line + '\n')
+        except (ValueError, KeyError, TypeError):
+          continue  # a line cut short by a crash
+    tmp = f'{path}.tmp'
+    with open(tmp, 'w') as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+
+  def read_metrics(self, path: str) -> list[dict]:
+    """The records of ``metrics.jsonl`` (none when it is missing)."""
+    if not os.path.exists(path):
+      return []
+    records = []
+    with open(path) as f:
+      for line in f:
+        try:
+          records.append(json.loads(line))
+        except ValueError:
+          continue
+    return records
+
+
+def checkpoint_steps(directory: str | None) -> list[int]:
+  """The complete steps in a checkpoint directory, without opening it (oldest first)."""
+  if not directory or not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+def replace_dir(tmp: str, target: str) -> None:
+  """Move directory ``tmp`` to ``target``, replacing what is there."""
+  if os.path.exists(target):
+    shutil.rmtree(target)
+  os.rename(tmp, target)
+
+
+__all__ = ['RESUME_MODES', 'RUN_CONFIG', 'RunDir', 'RunDirError', 'check_writable',
+           'checkpoint_steps', 'config_diff', 'file_fingerprint', 'replace_dir', 'run_config',
+           'write_json']

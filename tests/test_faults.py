@@ -1,0 +1,303 @@
+"""Runs that never lose work: ``maxnnx train`` under faults.
+
+One run per output directory, resume checked against the stored config (``resume=never`` moves
+the old run aside), a pinned tokenizer, idempotent finishing, SIGTERM with an exact resume,
+filesystem faults as one error line, and the smaller misconfigurations.
+"""
+
+import errno
+import glob
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from maxnnx import cli
+from maxnnx.checkpoint.manager import CheckpointManager
+from maxnnx.checkpoint.run_lock import RunLock
+from maxnnx.data import DEFAULT_CORPUS
+from maxnnx.train import run_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARGS = ['model=tiny', 'model.num_layers=1', 'seq_len=32', 'global_batch_size=4',
+        'sample_tokens=0', 'eval_every=0', 'checkpoint_every=2', 'log_every=1', 'mesh.data=1']
+
+
+def _train(out, *extra) -> int:
+  return cli.main(['train', f'output_dir={out}', *ARGS, 'steps=4', *extra])
+
+
+def _snapshot(out) -> dict[str, str]:
+  """``{relative path: sha256}`` of every file of a run directory but the lock."""
+  files = {}
+  for path in glob.glob(os.path.join(out, '**', '*'), recursive=True):
+    if os.path.isfile(path) and not path.endswith(run_dir.LOCK_NAME):
+      with open(path, 'rb') as f:
+        files[os.path.relpath(path, out)] = hashlib.sha256(f.read()).hexdigest()
+  return files
+
+
+def _steps(out) -> list[int]:
+  with open(os.path.join(out, 'metrics.jsonl')) as f:
+    return [json.loads(line)['step'] for line in f]
+
+
+def _error_line(err: str) -> str:
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith('error: '), err
+  return lines[0]
+
+
+@pytest.fixture(scope='module')
+def finished(tmp_path_factory):
+  """A finished 4-step run with checkpoints at steps 2 and 4."""
+  out = tmp_path_factory.mktemp('finished') / 'run'
+  assert _train(out) == 0
+  return out
+
+
+@pytest.fixture
+def run_copy(finished, tmp_path):
+  out = tmp_path / 'run'
+  shutil.copytree(finished, out)
+  return out
+
+
+# -- the run lock ------------------------------------------------------------------------------
+
+def test_second_run_is_refused_naming_the_holder(tmp_path, capsys):
+  out = tmp_path / 'run'
+  with RunLock(str(out), command='first'):
+    assert _train(out) != 0
+  line = _error_line(capsys.readouterr().err)
+  assert f'pid {os.getpid()}' in line and str(out) in line and 'started' in line
+
+
+@pytest.mark.slow
+def test_second_run_is_refused_while_the_first_finishes_intact(tmp_path, capsys):
+  out = tmp_path / 'run'
+  env = {**os.environ, 'PYTHONPATH': ROOT, 'JAX_PLATFORMS': 'cpu'}
+  first = subprocess.Popen([sys.executable, '-m', 'maxnnx', 'train', f'output_dir={out}', *ARGS,
+                            'steps=4'], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  lock = RunLock(str(out))
+  deadline = time.time() + 120
+  while time.time() < deadline and lock.holder().get('pid') != first.pid:
+    time.sleep(0.05)
+  assert _train(out) != 0
+  assert f'pid {first.pid}' in _error_line(capsys.readouterr().err)
+  _, err = first.communicate(timeout=300)
+  assert first.returncode == 0, err.decode()[-2000:]
+  assert os.path.exists(out / 'final' / 'config.json') and _steps(out) == [1, 2, 3, 4]
+
+
+# -- resume is checked, never guessed ----------------------------------------------------------
+
+@pytest.mark.parametrize('change, line', [
+    ('model.num_layers=2', 'model.num_layers: 1 -> 2'),
+    ('learning_rate=1e-3', 'learning_rate: 0.003 -> 0.001'),
+    ('scan_layers=true', 'model.scan_layers: False -> True'),
+])
+def test_changed_config_is_refused_and_nothing_is_touched(run_copy, capsys, change, line):
+  before = _snapshot(run_copy)
+  assert _train(run_copy, change) != 0
+  err = capsys.readouterr().err
+  assert err.startswith('error: ') and line in err and 'resume=never' in err
+  assert 'Traceback' not in err
+  assert _snapshot(run_copy) == before
+
+
+@pytest.mark.slow
+def test_resume_never_moves_the_old_run_aside(run_copy, capsys):
+  before = _snapshot(run_copy)
+  assert cli.main(['train', f'output_dir={run_copy}', *ARGS, 'steps=2', 'model.num_layers=2',
+                   'resume=never']) == 0
+  out = capsys.readouterr().out
+  assert 'moved the earlier run to' in out
+  [previous] = glob.glob(str(run_copy / 'previous' / '*'))
+  assert _snapshot(previous) == before
+  assert _steps(run_copy) == [1, 2]
+
+
+def test_training_longer_resumes(run_copy, capsys):
+  assert _train(run_copy, 'steps=6') == 0
+  assert 'Resuming from the checkpoint of step 4' in capsys.readouterr().out
+  assert _steps(run_copy) == [1, 2, 3, 4, 5, 6]
+
+
+def test_metrics_are_trimmed_to_the_restored_step(run_copy, capsys):
+  shutil.rmtree(run_copy / 'checkpoints' / '4')  # as if killed before step 4's save
+  assert _train(run_copy) == 0
+  assert 'Resuming from the checkpoint of step 2' in capsys.readouterr().out
+  assert _steps(run_copy) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize('broken, message', [
+    ((4,), 'Resuming from the checkpoint of step 2'),
+    ((2, 4), 'starting from scratch'),
+])
+def test_corrupt_checkpoints_fall_back_cleanly(run_copy, capfd, caplog, broken, message):
+  for step in broken:
+    os.remove(run_copy / 'checkpoints' / str(step) / 'state' / 'manifest.ocdbt')
+  assert _train(run_copy) == 0
+  out, err = capfd.readouterr()
+  assert message in out
+  assert 'Traceback' not in err and 'Event loop is closed' not in err
+  assert caplog.text.count('is unusable') == len(broken)
+  assert _steps(run_copy) == [1, 2, 3, 4]
+
+
+# -- the tokenizer is pinned -------------------------------------------------------------------
+
+def test_resuming_on_another_corpus_is_refused(run_copy, tmp_path, capsys):
+  corpus = tmp_path / 'other.txt'
+  with open(DEFAULT_CORPUS) as f:
+    corpus.write_text(f.read()[:200_000].upper())
+  before = _snapshot(run_copy)
+  assert _train(run_copy, f'data={corpus}') != 0
+  err = capsys.readouterr().err
+  assert 'tokenizer:' in err and 'other.txt' in err and 'a different vocabulary' in err
+  assert _snapshot(run_copy) == before and not os.path.exists(run_copy / '.tokenizer-new')
+
+
+# -- idempotent finishing ----------------------------------------------------------------------
+
+def test_rerun_of_a_finished_run_writes_only_what_is_missing(run_copy, capsys):
+  for name in ('loss.png', 'train_options.json'):
+    os.remove(run_copy / name)
+  shutil.rmtree(run_copy / 'final')
+  before = _snapshot(run_copy)
+  assert _train(run_copy) == 0
+  assert 'wrote the missing final/, loss.png, train_options.json' in capsys.readouterr().out
+  after = _snapshot(run_copy)
+  assert {k: v for k, v in after.items() if k in before} == before
+  assert {'loss.png', 'train_options.json', 'final/config.json'} <= set(after)
+  assert _train(run_copy) == 0  # and once complete, a rerun changes nothing at all
+  assert _snapshot(run_copy) == after
+
+
+# -- preemption --------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sigterm_saves_and_the_restart_resumes_exactly(tmp_path, capsys):
+  steps = ['steps=300', 'checkpoint_every=1000']
+  reference = tmp_path / 'reference'
+  assert cli.main(['train', f'output_dir={reference}', *ARGS, *steps]) == 0
+  with open(reference / 'metrics.jsonl') as f:
+    expected = {m['step']: m['loss'] for m in map(json.loads, f)}
+  out = tmp_path / 'run'
+  env = {**os.environ, 'PYTHONPATH': ROOT, 'JAX_PLATFORMS': 'cpu'}
+  command = [sys.executable, '-m', 'maxnnx', 'train', f'output_dir={out}', *ARGS, *steps]
+  child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+  metrics, deadline = out / 'metrics.jsonl', time.time() + 120
+  while time.time() < deadline and not (metrics.exists() and len(_steps(out)) >= 5):
+    time.sleep(0.02)
+  child.send_signal(signal.SIGTERM)
+  stdout, stderr = child.communicate(timeout=120)
+  assert child.returncode == 0, stderr[-2000:]
+  assert 'Stopped by SIGTERM after step' in stdout
+  stopped = CheckpointManager(str(out / 'checkpoints')).all_steps()[-1]
+  assert 5 <= stopped < 300 and _steps(out) == list(range(1, stopped + 1))
+  capsys.readouterr()
+  assert cli.main(['train', f'output_dir={out}', *ARGS, *steps]) == 0
+  assert f'Resuming from the checkpoint of step {stopped}' in capsys.readouterr().out
+  with open(metrics) as f:
+    losses = {m['step']: m['loss'] for m in map(json.loads, f)}
+  assert sorted(losses) == list(range(1, 301))
+  for step, loss in losses.items():
+    assert loss == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
+
+
+def test_stop_request_restores_the_handlers():
+  from maxnnx.train.preemption import StopRequest
+  before = signal.getsignal(signal.SIGTERM)
+  with StopRequest() as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.01)
+    assert stop and stop.signal_name == 'SIGTERM'
+  assert signal.getsignal(signal.SIGTERM) is before
+
+
+# -- filesystem faults -------------------------------------------------------------------------
+
+def test_output_dir_that_is_a_file(tmp_path, capsys):
+  path = tmp_path / 'file'
+  path.write_text('x')
+  assert _train(path) != 0
+  assert 'is a file' in _error_line(capsys.readouterr().err)
+  assert _train(path / 'run') != 0
+  assert str(path) in _error_line(capsys.readouterr().err)
+
+
+def test_read_only_output_dir(tmp_path, capsys, monkeypatch):
+  out = tmp_path / 'run'
+  out.mkdir()
+  if os.geteuid() == 0:  # root writes anywhere: simulate the file system's answer
+    def read_only(path, *args, **kwargs):
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+    monkeypatch.setattr(run_dir, 'open', read_only, raising=False)
+  else:
+    os.chmod(out, 0o555)
+  try:
+    assert _train(out) != 0
+  finally:
+    os.chmod(out, 0o755)
+  line = _error_line(capsys.readouterr().err)
+  assert str(out) in line and ('Read-only' in line or 'Permission denied' in line)
+
+
+def test_full_disk_while_saving_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+  out = tmp_path / 'run'
+  save = CheckpointManager.save
+
+  def full_at_step_4(self, step, *args, **kwargs):
+    if step == 4:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(self.directory, '4'))
+    return save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(CheckpointManager, 'save', full_at_step_4)
+  assert _train(out) != 0
+  line = _error_line(capsys.readouterr().err)
+  assert 'No space left on device' in line and str(out / 'checkpoints' / '4') in line
+  assert CheckpointManager(str(out / 'checkpoints')).all_steps() == [2]
+  RunLock(str(out)).acquire().release()  # the lock went with the failed run
+
+
+# -- smaller faults ----------------------------------------------------------------------------
+
+def test_missing_text_file_is_reported_missing(tmp_path, capsys):
+  assert _train(tmp_path / 'run', f'data={tmp_path}/missing.txt') != 0
+  line = _error_line(capsys.readouterr().err)
+  assert 'missing.txt: no such file' in line
+
+
+def test_nan_learning_rate_is_refused(tmp_path, capsys):
+  assert _train(tmp_path / 'run', 'learning_rate=nan') != 0
+  assert 'learning_rate' in _error_line(capsys.readouterr().err)
+
+
+def test_batch_that_the_mesh_does_not_divide(tmp_path, capsys):
+  assert cli.main(['train', f'output_dir={tmp_path}/run', *ARGS, 'global_batch_size=12',
+                   'mesh.data=8', 'data=synthetic']) != 0
+  line = _error_line(capsys.readouterr().err)
+  assert 'global_batch_size=12' in line and 'mesh.data=8' in line
+
+
+def test_seq_len_past_the_positions(tmp_path, capsys):
+  assert _train(tmp_path / 'run', 'seq_len=1024', 'data=synthetic') != 0
+  line = _error_line(capsys.readouterr().err)
+  assert 'seq_len=1024' in line and 'max_position_embeddings=512' in line
+
+
+def test_top_k_past_the_vocabulary_is_clamped(finished, capsys, caplog):
+  with caplog.at_level(logging.WARNING):
+    assert cli.main(['generate', f'output_dir={finished}', 'top_k=100000',
+                     'max_new_tokens=2']) == 0
+  assert 'top_k=100000 is larger than the vocabulary (512 tokens)' in caplog.text
