@@ -31,6 +31,7 @@ import dataclasses
 import os
 import shutil
 import sys
+import tempfile
 
 import numpy as np
 
@@ -235,13 +236,15 @@ def _model_config(run: dict, changes: dict):
 
 
 def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None,
-                         pinned: dict | None = None):
+                         pinned: dict | None = None, data_fields: dict | None = None):
   """``(model, tokenizer, tokenizer record)``: the model to train (a ModelConfig or loaded
   model), its tokenizer (or None), and the tokenizer's fingerprint for the run's config.
 
   A tokenizer trained on a .txt corpus is pinned to the run: reused while the corpus is the
   one ``pinned`` (the stored record) names, else trained afresh into ``<out>/.tokenizer-new/``
-  for :func:`_pin_tokenizer` to move into place once the run's config is accepted.
+  for :func:`_pin_tokenizer` to move into place once the run's config is accepted. Document
+  data (JSONL, Parquet, a directory) without ``tokenizer=`` gets one trained the same way on
+  the text of its documents (``data.column``).
   """
   import maxnnx  # noqa: PLC0415
   from maxnnx.data import load_tokenizer  # noqa: PLC0415
@@ -258,15 +261,22 @@ def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None,
   if run['tokenizer']:
     return cfg, load_tokenizer(run['tokenizer']), {
         'sha256': file_fingerprint(run['tokenizer']), 'source': run['tokenizer']}
-  if not _is_text_file(corpus):
-    if corpus.endswith('.txt'):
-      raise FileNotFoundError(f'data={corpus}: no such file.')
-    raise UsageError(f"data={corpus} is not a .txt file: give its tokenizer with tokenizer=<path> "
-                     '(a sentencepiece model, tokenizer.json or tiktoken file).')
-  tokenizer, record = _corpus_tokenizer(cfg.vocab_size, out, corpus, pinned)
+  if corpus.endswith('.txt') and not os.path.exists(corpus):
+    raise FileNotFoundError(f'data={corpus}: no such file.')
+  if _is_text_file(corpus):
+    tokenizer, record = _corpus_tokenizer(cfg.vocab_size, out, corpus, pinned)
+  else:
+    with tempfile.TemporaryDirectory() as scratch:
+      text = _documents_as_text(corpus, data_fields or {}, os.path.join(scratch, 'corpus.txt'))
+      tokenizer, record = _corpus_tokenizer(cfg.vocab_size, out, text, pinned)
+    record = {**record, 'source': corpus}
   if tokenizer.vocab_size > cfg.vocab_size:
     raise UsageError(f'The tokenizer has {tokenizer.vocab_size} tokens but model '
                      f"{run['model']} only {cfg.vocab_size}.")
+  if tokenizer.vocab_size < cfg.vocab_size:  # a small corpus: fewer pieces than asked for
+    print(f'Note: the tokenizer has {tokenizer.vocab_size} tokens, fewer than the '
+          f'{cfg.vocab_size} asked for (a small corpus); model.vocab_size is set to match.')
+    cfg = cfg.replace(vocab_size=tokenizer.vocab_size)
   return (cfg.replace(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id), tokenizer,
           record)
 
@@ -286,6 +296,33 @@ def _corpus_tokenizer(vocab_size: int, out: str, corpus: str, pinned: dict | Non
                                   vocab_size)
   record = {'sha256': file_fingerprint(candidate), 'source': corpus, 'corpus_sha256': corpus_sha}
   return SentencePieceTokenizer(candidate), record
+
+
+def _documents_as_text(data: str, data_fields: dict, path: str,
+                       max_chars: int = 64 << 20) -> str:
+  """Write the text documents of ``data`` (its ``data.column``) to ``path`` for training a
+  tokenizer on them: up to ``max_chars`` characters, documents separated by blank lines."""
+  from maxnnx.data import DataConfig, resolve_source  # noqa: PLC0415
+  from maxnnx.data.sources import InMemorySource  # noqa: PLC0415
+  config = DataConfig.from_string(data, **data_fields)
+  if config.pretokenized:
+    raise UsageError(f'data={data} holds token ids: give its tokenizer with tokenizer=<path>.')
+  written = 0
+  with open(path, 'w', encoding='utf-8') as f:
+    for spec in config.sources:
+      resolved = resolve_source(spec)
+      if resolved.kind not in ('text', 'jsonl', 'parquet'):
+        raise UsageError(f'data={spec} ({resolved.kind}): give its tokenizer with '
+                         'tokenizer=<path> (a sentencepiece model, tokenizer.json or tiktoken '
+                         'file); a tokenizer is trained only on text, JSONL and Parquet data.')
+      source = InMemorySource(resolved.files, resolved.kind, column=config.column)
+      for index in range(len(source)):
+        if written >= max_chars:
+          return path
+        document = source[index]
+        f.write(document + '\n\n')
+        written += len(document) + 2
+  return path
 
 
 def _pin_tokenizer(out: str) -> None:
@@ -340,7 +377,7 @@ def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None):
   synthetic = run['data'] == 'synthetic' or not need_data
   corpus = None if synthetic else (run['data'] or DEFAULT_CORPUS)
   model, tokenizer, tokenizer_record = _model_and_tokenizer(
-      run, model_changes, out, corpus, (stored or {}).get('tokenizer'))
+      run, model_changes, out, corpus, (stored or {}).get('tokenizer'), data_fields)
   if run_dir is not None:
     model_config = model if hasattr(model, 'to_dict') else model.config
     try:

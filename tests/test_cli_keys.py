@@ -202,21 +202,26 @@ def test_help_lists_every_field_with_type_and_default(command, capsys):
 
 
 def test_train_end_to_end_with_dotted_keys(tmp_path, capsys):
-  from maxnnx.data import DEFAULT_CORPUS, train_sentencepiece
+  # The issue's command: no tokenizer is given, so one is trained on the documents' column.
   docs = tmp_path / 'docs.jsonl'
   docs.write_text(''.join(json.dumps({'content': f'Sir {i}, the quick brown fox is here. ' * 3})
                           + '\n' for i in range(100)))
-  tokenizer = train_sentencepiece(DEFAULT_CORPUS, str(tmp_path / 'sp'), 512)
   out = tmp_path / 'run'
   args = ['train', 'model=tiny', 'model.num_layers=2', f'data={docs}', 'data.column=content',
-          f'data.tokenizer={tokenizer}', 'steps=3', f'output_dir={out}', 'log_every=3',
-          'global_batch_size=4', 'seq_len=32', 'mesh.data=1', 'sample_tokens=0']
+          'steps=3', f'output_dir={out}', 'log_every=3', 'global_batch_size=4', 'seq_len=32',
+          'mesh.data=1', 'sample_tokens=12']
   assert cli.main(args) == 0, capsys.readouterr().err
   rows = [json.loads(line) for line in open(out / 'metrics.jsonl')]
   assert len(rows) == 3
-  assert json.load(open(out / 'final' / 'config.json'))['num_hidden_layers'] == 2
-  assert cli.main(args[:4] + args[5:]) == 2  # the default column 'text' is not in the file
-  assert "no column 'text'" in capsys.readouterr().err
+  config = json.load(open(out / 'final' / 'config.json'))
+  assert config['num_hidden_layers'] == 2
+  from maxnnx.data import SentencePieceTokenizer
+  tokenizer = SentencePieceTokenizer(str(out / 'tokenizer.model'))
+  assert config['vocab_size'] == tokenizer.vocab_size  # small corpus: the model matches it
+  assert 'Sir' in tokenizer.decode(tokenizer.encode('Sir 7, the quick brown fox'))
+  capsys.readouterr()
+  assert cli.main(args[:4] + args[5:] + ['output_dir=' + str(tmp_path / 'other')]) == 2
+  assert "no column 'text'" in capsys.readouterr().err  # the default column is not in the file
 
 
 @dataclasses.dataclass(frozen=True)
