@@ -331,3 +331,32 @@ def test_bad_record_names_its_line(tmp_path, checkpoint):
                            str(checkpoint), batch_size=1, seq_len=16)
   with pytest.raises(ValueError, match='line 2'):
     list(pipe)
+
+
+def test_split_keeps_loss_mask_aligned(tmp_path, checkpoint, tokenizer):
+  path, _ = _records(tmp_path)
+  config = DataConfig(sources=(path,), packing='none', shuffle=False, num_epochs=1,
+                      overlong='split')
+  batches = list(make_sft_pipeline(config, str(checkpoint), batch_size=1, seq_len=16))
+  ids, mask = encode_chat(tokenizer, 'chatml', CONVERSATION)
+  first_doc = batches[:-(-(len(ids) - 1) // 16)]  # its ceil(targets / 16) pieces
+  targets = np.concatenate([b['targets'][0][b['segment_ids'][0] > 0] for b in first_doc])
+  loss = np.concatenate([b['loss_mask'][0][b['segment_ids'][0] > 0] for b in first_doc])
+  np.testing.assert_array_equal(targets, ids[1:])
+  np.testing.assert_array_equal(loss, mask[1:])
+
+
+def test_sft_pipeline_resumes(tmp_path, checkpoint):
+  path, _ = _records(tmp_path)
+  config = DataConfig(sources=(path,), num_epochs=None, overlong='truncate')
+  make = lambda: make_sft_pipeline(config, str(checkpoint), batch_size=2, seq_len=64, seed=3)
+  pipe = make()
+  next(pipe)
+  state = json.loads(json.dumps(pipe.get_state()))
+  expected = [next(pipe) for _ in range(3)]
+  resumed = make()
+  resumed.set_state(state)
+  for want in expected:
+    got = next(resumed)
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key])
