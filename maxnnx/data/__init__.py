@@ -1,11 +1,19 @@
 """Training data: sources, tokenizers, packing and the grain pipeline.
 
 Start with :func:`make_pipeline` and :class:`DataConfig`; the batch contract is
-described in :mod:`maxnnx.data.pipeline`.
+described in :mod:`maxnnx.data.pipeline`. Chat templates and fine-tuning data:
+:mod:`maxnnx.data.chat` and :func:`make_sft_pipeline`.
 """
 
+from maxnnx.data.chat import (
+    ChatTemplate,
+    encode_chat,
+    encode_prompt_completion,
+    load_chat_template,
+)
 from maxnnx.data.config import DataConfig
 from maxnnx.data.pipeline import Pipeline, make_pipeline
+from maxnnx.data.sft import make_sft_pipeline
 from maxnnx.data.sources import resolve_source
 from maxnnx.data.text import DEFAULT_CORPUS, TokenWindows, train_sentencepiece
 from maxnnx.data.tokenizer import (
@@ -17,7 +25,8 @@ from maxnnx.data.tokenizer import (
 )
 
 __all__ = [
-    'DEFAULT_CORPUS', 'DataConfig', 'HFTokenizer', 'Pipeline', 'SentencePieceTokenizer',
-    'TiktokenTokenizer', 'TokenWindows', 'Tokenizer', 'load_tokenizer',
-    'make_pipeline', 'resolve_source', 'train_sentencepiece',
+    'DEFAULT_CORPUS', 'ChatTemplate', 'DataConfig', 'HFTokenizer', 'Pipeline',
+    'SentencePieceTokenizer', 'TiktokenTokenizer', 'TokenWindows', 'Tokenizer', 'encode_chat',
+    'encode_prompt_completion', 'load_chat_template', 'load_tokenizer', 'make_pipeline',
+    'make_sft_pipeline', 'resolve_source', 'train_sentencepiece',
 ]

@@ -32,7 +32,9 @@ class ExamplesIterDataset(grain.IterDataset):
   """Token documents -> ``{'inputs', 'targets'}`` examples of at most ``seq_len`` pairs.
 
   The parent yields dicts with ``ids`` (int32 ``[n]``) and ``where`` (a tuple
-  that ``describe(*where)`` turns into the document's name, for errors).
+  that ``describe(*where)`` turns into the document's name, for errors), and
+  optionally ``loss_mask`` (float32 ``[n]``, 1 on the ids trained on as targets):
+  the examples then carry ``loss_mask`` aligned with ``targets``.
   Documents with fewer than two ids have no target and are skipped (counted as
   ``empty_skipped``).
   """
@@ -82,14 +84,21 @@ class _ExamplesIterator(grain.DatasetIterator):
 
   def _examples(self, doc: dict) -> list[dict]:
     ids = doc['ids']
+    mask = doc.get('loss_mask')  # per id: 1 where that id is trained on as a target
     self.counts['documents'] += 1
     if len(ids) < 2:
       self.counts['empty_skipped'] += 1
       return []
-    inputs, targets = ids[:-1], ids[1:]
-    length = len(targets)
+    length = len(ids) - 1
+
+    def piece(start: int, end: int) -> dict:
+      example = {'inputs': ids[start:end], 'targets': ids[start + 1:end + 1]}
+      if mask is not None:
+        example['loss_mask'] = mask[start + 1:end + 1]
+      return example
+
     if length <= self.seq_len:
-      return [{'inputs': inputs, 'targets': targets}]
+      return [piece(0, length)]
     self.counts['overlong'] += 1
     if self.overlong == 'error':
       raise ValueError(
@@ -103,11 +112,10 @@ class _ExamplesIterator(grain.DatasetIterator):
     if self.overlong == 'truncate':
       self.counts['overlong_truncated'] += 1
       self.counts['targets_dropped'] += length - self.seq_len
-      return [{'inputs': inputs[:self.seq_len], 'targets': targets[:self.seq_len]}]
+      return [piece(0, self.seq_len)]
     starts = range(0, length, self.seq_len)
     self.counts['overlong_split_pieces'] += len(starts)
-    return [{'inputs': inputs[s:s + self.seq_len], 'targets': targets[s:s + self.seq_len]}
-            for s in starts]
+    return [piece(s, min(s + self.seq_len, length)) for s in starts]
 
   def get_state(self) -> dict:
     if self._next_piece < len(self._pieces):  # inside a split document
@@ -126,9 +134,10 @@ def pad_example(example: dict, seq_len: int) -> dict:
   """One example alone in a row: ids padded with 0, segment 1, positions 0.. (no packing)."""
   length = len(example['inputs'])
   row = {}
-  for key in ('inputs', 'targets'):
-    row[key] = np.zeros(seq_len, np.int32)
-    row[key][:length] = example[key]
+  for key in ('inputs', 'targets', 'loss_mask'):
+    if key in example:
+      row[key] = np.zeros(seq_len, np.float32 if key == 'loss_mask' else np.int32)
+      row[key][:length] = example[key]
   row['inputs_segment_ids'] = (np.arange(seq_len) < length).astype(np.int32)
   row['inputs_positions'] = np.where(row['inputs_segment_ids'] == 1,
                                      np.arange(seq_len, dtype=np.int32), 0).astype(np.int32)
@@ -136,18 +145,23 @@ def pad_example(example: dict, seq_len: int) -> dict:
 
 
 def pack(examples: grain.IterDataset, *, mode: str, seq_len: int, bins: int, seed: int,
-         shuffle: bool) -> grain.IterDataset:
+         shuffle: bool, loss_mask: bool = False) -> grain.IterDataset:
   """Rows ``{'inputs', 'targets', 'inputs_segment_ids', 'inputs_positions'}`` of ``seq_len``.
 
   ``mode`` is ``'first_fit'`` / ``'best_fit'`` (grain's packers, ``bins`` rows
   at a time, rows shuffled when ``shuffle``) or ``'none'`` (one example per row).
+  ``loss_mask``: the examples carry a ``loss_mask``, packed (0 on padding) like
+  ``targets``.
   """
   if mode == 'none':
     return examples.map(_PadExample(seq_len))
   packer = {'first_fit': grain.experimental.FirstFitPackIterDataset,
             'best_fit': grain.experimental.BestFitPackIterDataset}[mode]
-  return packer(examples, length_struct={'inputs': seq_len, 'targets': seq_len},
-                num_packing_bins=bins, seed=seed, shuffle_bins=shuffle)
+  length_struct = {'inputs': seq_len, 'targets': seq_len}
+  if loss_mask:
+    length_struct['loss_mask'] = seq_len
+  return packer(examples, length_struct=length_struct, num_packing_bins=bins, seed=seed,
+                shuffle_bins=shuffle)
 
 
 class _PadExample(grain.transforms.Map):
@@ -161,7 +175,11 @@ class _PadExample(grain.transforms.Map):
 
 
 class ToBatch(grain.transforms.Map):
-  """Packed rows (batched) -> the batch contract of :func:`maxnnx.data.make_pipeline`."""
+  """Packed rows (batched) -> the batch contract of :func:`maxnnx.data.make_pipeline`.
+
+  ``loss_mask`` is 1 on every real target, times the rows' own ``loss_mask`` if
+  they carry one.
+  """
 
   def __init__(self, pad_id: int):
     self.pad_id = pad_id
@@ -174,5 +192,6 @@ class ToBatch(grain.transforms.Map):
         'targets': np.where(real, rows['targets'], self.pad_id).astype(np.int32),
         'segment_ids': segment_ids,
         'positions': np.where(real, rows['inputs_positions'], 0).astype(np.int32),
-        'loss_mask': real.astype(np.float32),
+        'loss_mask': (real * np.asarray(rows.get('loss_mask', 1), np.float32)
+                      ).astype(np.float32),
     }

@@ -1,0 +1,230 @@
+"""Supervised fine-tuning data: chat and prompt/completion records -> packed batches.
+
+Records are JSON objects (JSONL lines, a JSON list, or Parquet rows), either
+
+* ``{"messages": [{"role": ..., "content": ...}, ...]}``: rendered with the chat
+  template; the loss covers the assistant turns (:func:`maxnnx.data.chat.encode_chat`);
+* ``{"prompt": ..., "completion": ...}``: the loss covers the completion only; the
+  prompt is text or a message list
+  (:func:`maxnnx.data.chat.encode_prompt_completion`).
+
+Each record becomes token ids and a per-id loss mask, then an example of
+``inputs = ids[:-1]``, ``targets = ids[1:]`` and ``loss_mask = mask[1:]`` (the
+mask shifted like the targets: a target counts when it is an assistant token).
+Examples are packed as in pre-training (segment ids and positions keep the
+records apart) and the batches follow the contract of
+:func:`maxnnx.data.make_pipeline`, with ``loss_mask`` 0 on prompt tokens as well
+as on padding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import grain
+import jax
+import numpy as np
+
+from maxnnx.config import ConfigError
+from maxnnx.data import packing
+from maxnnx.data.chat import (
+    ChatTemplate,
+    encode_chat,
+    encode_prompt_completion,
+    load_chat_template,
+    template_for,
+)
+from maxnnx.data.config import DataConfig
+from maxnnx.data.pipeline import Pipeline, _derived_seed, _jsonable
+from maxnnx.data.sources import resolve_source
+from maxnnx.data.tokenizer import Tokenizer, load_tokenizer
+
+
+class RecordSource:
+  """Every JSON object of some JSONL / JSON-list / Parquet files, in order (random access)."""
+
+  def __init__(self, files, kind: str):
+    self.records, self.where = [], []
+    for path in files:
+      for where, record in _read_records(path, kind):
+        self.records.append(record)
+        self.where.append(f'{path} {where}')
+    if not self.records:
+      raise ValueError(f'{", ".join(files)}: no records.')
+
+  def __len__(self) -> int:
+    return len(self.records)
+
+  def __getitem__(self, index: int) -> dict:
+    return self.records[index]
+
+  def describe(self, index: int) -> str:
+    """The file and line (or record number) of record ``index``."""
+    return self.where[index]
+
+
+def _read_records(path: str, kind: str):
+  if kind == 'parquet':
+    import pyarrow.parquet as pq
+    for number, record in enumerate(pq.read_table(path).to_pylist(), 1):
+      yield f'row {number}', record
+    return
+  if kind != 'jsonl':
+    raise ValueError(f'{path}: SFT records are read from JSONL, JSON or Parquet files, '
+                     f'not {kind}.')
+  with open(path, encoding='utf-8') as f:
+    raw = f.read()
+  if raw.lstrip()[:1] == '[':
+    try:
+      records = json.loads(raw)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{path}: not a valid JSON list ({e}).') from None
+    for number, record in enumerate(records, 1):
+      yield f'record {number}', record
+    return
+  for number, line in enumerate(raw.split('\n'), 1):
+    if line.strip():
+      try:
+        yield f'line {number}', json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{path} line {number}: not valid JSON ({e.msg}).') from None
+
+
+def encode_sft_record(tokenizer, template: ChatTemplate | str | None, record,
+                      *, add_bos: bool = True, add_eos: bool = True
+                      ) -> tuple[list[int], list[int]]:
+  """``(ids, loss_mask)`` of one ``messages`` or ``prompt``/``completion`` record.
+
+  ``add_bos`` / ``add_eos`` apply to text prompt/completion records only (a chat
+  template adds its own special tokens).
+  """
+  if not isinstance(record, dict):
+    raise ValueError(f'expected a JSON object, got {type(record).__name__}.')
+  if 'messages' in record:
+    messages = record['messages']
+    if not (isinstance(messages, list)
+            and all(isinstance(m, dict) and 'role' in m for m in messages)):
+      raise ValueError('"messages" must be a list of {"role", "content"} objects.')
+    if template is None:
+      raise ValueError('a "messages" record needs a chat template; the tokenizer directory '
+                       'has none: pass template= (e.g. "chatml").')
+    return encode_chat(tokenizer, template, messages)
+  if 'prompt' in record and 'completion' in record:
+    return encode_prompt_completion(tokenizer, record['prompt'], record['completion'],
+                                    template=template, add_bos=add_bos, add_eos=add_eos)
+  raise ValueError(f'expected "messages" or "prompt" and "completion", got keys '
+                   f'{sorted(record)}.')
+
+
+class EncodeSFT(grain.transforms.Map):
+  """``(source, record index, record)`` -> ``{'ids', 'loss_mask', 'where'}``."""
+
+  def __init__(self, tokenizer, template, sources, *, add_bos: bool, add_eos: bool,
+               vocab_size: int):
+    self.tokenizer, self.template, self.sources = tokenizer, template, sources
+    self.add_bos, self.add_eos, self.vocab_size = add_bos, add_eos, vocab_size
+
+  def map(self, element) -> dict:
+    source, index, record = element
+    try:
+      ids, mask = encode_sft_record(self.tokenizer, self.template, record,
+                                    add_bos=self.add_bos, add_eos=self.add_eos)
+    except ValueError as e:
+      raise ValueError(f'{self.sources[source].describe(index)}: {e}') from None
+    ids = np.asarray(ids, np.int32)
+    if ids.size and ids.max() >= self.vocab_size:
+      raise ValueError(f'{self.sources[source].describe(index)}: token id {int(ids.max())} is '
+                       f'outside the vocabulary [0, {self.vocab_size}).')
+    return {'ids': ids, 'loss_mask': np.asarray(mask, np.float32), 'where': (source, index)}
+
+
+def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
+                      template: ChatTemplate | str | None = None, *, batch_size: int,
+                      seq_len: int, seed: int = 0, shard_index: int | None = None,
+                      shard_count: int | None = None, vocab_size: int | None = None
+                      ) -> Pipeline:
+  """Packed SFT batches (the :func:`maxnnx.data.make_pipeline` contract) from records.
+
+  Args:
+    config: a :class:`DataConfig` (``sources`` are JSONL / JSON / Parquet record
+      files; ``column``, ``pretokenized`` and ``text_split`` are not used), or a
+      path string, which gets ``overlong='truncate'``. With ``overlong='truncate'``
+      a conversation longer than ``seq_len`` keeps its first ``seq_len``
+      targets (counted in ``Pipeline.stats``); ``'split'`` trains on every piece.
+    tokenizer: a tokenizer or a path for :func:`load_tokenizer`.
+    template: a :class:`ChatTemplate`, a built-in name or Jinja text; default the
+      template of the tokenizer's directory (:func:`load_chat_template`), if any.
+      Only ``messages`` records and message-list prompts need one.
+    batch_size, seq_len, seed, shard_index, shard_count, vocab_size: as for
+      :func:`maxnnx.data.make_pipeline`.
+  """
+  if isinstance(config, str):
+    config = DataConfig.from_string(config, overlong='truncate')
+  if not isinstance(config, DataConfig):
+    raise ConfigError(f'make_sft_pipeline needs a DataConfig or a string, got '
+                      f'{type(config).__name__}.')
+  for name, value in (('batch_size', batch_size), ('seq_len', seq_len)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f'{name} must be a positive int, got {value!r}.')
+  shard_index = jax.process_index() if shard_index is None else shard_index
+  shard_count = jax.process_count() if shard_count is None else shard_count
+  if isinstance(tokenizer, str):
+    tokenizer = load_tokenizer(tokenizer)
+  if template is None and getattr(tokenizer, 'path', None):
+    try:
+      template = load_chat_template(os.path.dirname(tokenizer.path) or '.')
+    except FileNotFoundError:
+      template = None
+  if template is not None:
+    template = template_for(tokenizer, template)
+  vocab_size = vocab_size or tokenizer.vocab_size
+
+  sources, datasets = [], []
+  for i, spec in enumerate(config.sources):
+    resolved = resolve_source(spec, config.kind)
+    source = RecordSource(resolved.files, resolved.kind)
+    if len(source) < shard_count:
+      raise ValueError(f'data source {spec!r} has {len(source)} records, fewer than '
+                       f'shard_count={shard_count}.')
+    sources.append(source)
+    ds = grain.MapDataset.source(source).map_with_index(_Tag(i, len(source)))
+    ds = ds[shard_index::shard_count]
+    if config.shuffle:
+      ds = ds.shuffle(seed=_derived_seed(seed, i, 2))
+    datasets.append(ds.repeat(config.num_epochs))
+  ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, config.weights)
+  ds = ds.map(EncodeSFT(tokenizer, template, sources, add_bos=config.add_bos,
+                        add_eos=config.add_eos, vocab_size=vocab_size))
+  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  examples = packing.ExamplesIterDataset(
+      ds, seq_len=seq_len, overlong=config.overlong,
+      describe=lambda source, index: sources[source].describe(index))
+  rows = packing.pack(examples, mode=config.packing, seq_len=seq_len,
+                      bins=config.packing_bins or batch_size, seed=_derived_seed(seed, 3),
+                      shuffle=config.shuffle, loss_mask=True)
+  pad = tokenizer.pad_id or 0
+  batches = rows.batch(batch_size, drop_remainder=True).map(packing.ToBatch(pad))
+  if config.worker_count:
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.worker_count))
+  fingerprint = _jsonable({
+      'kind': 'sft', 'config': config.to_dict(), 'batch_size': batch_size, 'seq_len': seq_len,
+      'seed': seed, 'shard_index': shard_index, 'shard_count': shard_count,
+      'vocab_size': vocab_size,
+      'template': hashlib.sha256(template.source.encode()).hexdigest()[:16] if template else None})
+  return Pipeline(batches, examples, fingerprint, config=config, tokenizer=tokenizer,
+                  batch_size=batch_size, seq_len=seq_len)
+
+
+class _Tag:
+  """Picklable ``(index, record) -> (source, index % length, record)``."""
+
+  def __init__(self, source: int, length: int):
+    self.source, self.length = source, length
+
+  def __call__(self, index: int, record):
+    return self.source, index % self.length, record
