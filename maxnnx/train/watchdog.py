@@ -155,11 +155,11 @@ class Watchdog:
           continue
         self._fired = True
         step, median = self._step, self._median
-      self._dump(step, elapsed, median)
+      self._dump(step, elapsed, median, limit)
 
-  def _dump(self, step: int, elapsed: float, median: float) -> None:
-    header = (f'maxnnx watchdog: step {step} has run {elapsed:.1f} s, over {self.factor:g}x '
-              f'the median step time {median:.3f} s; stacks of all threads follow '
+  def _dump(self, step: int, elapsed: float, median: float, limit: float) -> None:
+    header = (f'maxnnx watchdog: step {step} has run {elapsed:.1f} s (median step {median:.3f} s, '
+              f'limit {limit:.1f} s); stacks of all threads follow '
               f'(pid {os.getpid()}, {time.strftime("%Y-%m-%d %H:%M:%S")}).')
     logger.warning('%s%s', header.split(';')[0],
                    f'; stacks of all threads written to stderr and {self.path}' if self.path
