@@ -59,7 +59,8 @@ def test_summary_line_and_lost_steps():
     clock.advance(9.0)
   assert recorder.format() == (
       'goodput 75.0% of 12.0 s: productive 9.0 s, compile 0.0 s, data 0.0 s, checkpoint 0.0 s, '
-      'restore 0.0 s, eval 0.0 s, lost 3.0 s (3 steps re-done), other 0.0 s')
+      'restore 0.0 s, eval 0.0 s, lost 3.0 s (3 steps re-done), init 0.0 s, '
+      'other 0.0 s')
   with pytest.raises(ValueError, match='Unknown goodput category'):
     with recorder.time('sleeping'):
       pass

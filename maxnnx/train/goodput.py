@@ -15,7 +15,9 @@ always add up to the wall time of the outermost timers. ``productive`` is
 time in train steps that moved the run forward; ``lost`` is time in steps
 re-done after resuming from a checkpoint older than the furthest step an
 earlier run reached (the *high-water step*, kept in ``high_water.json`` in
-the checkpoint directory). Goodput is ``productive / wall``.
+the checkpoint directory). ``init`` is placing or initialising the parameters
+(compiling the initialiser included); ``other`` is what no category claims
+(logging, callbacks, set-up). Goodput is ``productive / wall``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-CATEGORIES = ('productive', 'compile', 'data', 'checkpoint', 'restore', 'eval', 'lost', 'other')
+CATEGORIES = ('productive', 'compile', 'data', 'checkpoint', 'restore', 'eval', 'lost', 'init',
+              'other')
 HIGH_WATER_FILE = 'high_water.json'
 
 
