@@ -173,7 +173,9 @@ class Trainer:
 
   Attributes:
     history: one metrics dict per step (``step``, ``loss``, ``lr``,
-      ``grad_norm``, ``tokens_per_s``, ``tflops_per_device``, ``mfu``,
+      ``grad_norm``, ``tokens_per_s``, ``step_time_s`` (seconds per step over
+      its ``log_every`` window), ``tflops_per_device``, ``mfu``, the
+      ``goodput/...`` totals in the last step of a ``fit``,
       ``mtp_loss`` with multi-token prediction (mean over depths, unscaled),
       and ``eval_loss`` where evaluated).
     mesh: the device mesh; ``rules`` the logical-axis rules in use.
