@@ -7,6 +7,7 @@ import math
 from typing import Literal
 
 from maxnnx.config import ConfigError, MeshConfig, ValidatedConfig
+from maxnnx.train.diagnostics import parse_profile_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,19 @@ class TrainConfig(ValidatedConfig):
       ``fit``); only with ``checkpoint_dir`` (the CLI defaults it to
       ``<output_dir>/checkpoints``).
     keep_checkpoints: how many of the newest checkpoints to keep.
+    profile: trace optimizer steps with ``jax.profiler``, as ``'steps:FIRST-LAST'``
+      (e.g. ``'steps:10-15'``), for TensorBoard's profile plugin or XProf.
+    profile_dir: where the trace goes; ``None``: ``profile/`` next to the
+      metrics file (or the checkpoint directory).
+    dump_hlo: write the train step's jaxpr, StableHLO and HLO text when it compiles.
+    dump_hlo_dir: where ``dump_hlo`` writes; ``None``: ``hlo/`` next to the metrics file.
+    watchdog_factor: dump every thread's stack when a step runs this many times
+      the median step time (0: no watchdog).
+    watchdog_min_seconds: the watchdog never fires before a step has run this long.
+    outlier_factor: log a warning for steps this many times slower than the
+      running median (0: never).
+    compile_cache: directory of JAX's persistent compilation cache; a restart
+      loads the compiled step from it instead of compiling (``None``: off).
     mesh: device mesh and parallelism (:class:`~maxnnx.config.MeshConfig`).
   """
 
@@ -108,6 +122,14 @@ class TrainConfig(ValidatedConfig):
   checkpoint_dir: str | None = None
   checkpoint_every: int = 0
   keep_checkpoints: int = 3
+  profile: str | None = None
+  profile_dir: str | None = None
+  dump_hlo: bool = False
+  dump_hlo_dir: str | None = None
+  watchdog_factor: float = 10.0
+  watchdog_min_seconds: float = 60.0
+  outlier_factor: float = 3.0
+  compile_cache: str | None = None
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
   def _validate(self):
@@ -137,6 +159,14 @@ class TrainConfig(ValidatedConfig):
         raise ConfigError(f'TrainConfig.{name} must be >= 0, got {getattr(self, name)}.')
     if self.skip_spike_factor is not None and self.skip_spike_factor <= 1:
       raise ConfigError('TrainConfig.skip_spike_factor must be > 1 (or None to never skip).')
+    if self.profile:
+      parse_profile_spec(self.profile)
+    for name in ('watchdog_factor', 'outlier_factor'):
+      value = getattr(self, name)
+      if value and not value > 1:
+        raise ConfigError(f'TrainConfig.{name} must be > 1 (or 0 for off), got {value}.')
+    if self.watchdog_min_seconds < 0:
+      raise ConfigError('TrainConfig.watchdog_min_seconds must be >= 0.')
 
   @property
   def resolved_warmup_steps(self) -> int:

@@ -57,7 +57,8 @@ def format_memory_report(report: dict) -> str:
   """A short human-readable memory report."""
   limit = (f"{format_gib(report['limit_bytes'])} ({report['limit_source']})"
            if report['limit_bytes'] else 'unknown')
-  return (f"compiled train step in {report.get('compile_seconds', 0):.1f}s; per device: "
+  cache = f" (compile cache {report['compile_cache']})" if report.get('compile_cache') else ''
+  return (f"compiled train step in {report.get('compile_seconds', 0):.1f}s{cache}; per device: "
           f"arguments {format_gib(report['argument_bytes'])}, "
           f"temporaries {format_gib(report['temp_bytes'])}, "
           f"peak {format_gib(report['peak_bytes'])} of {limit}")

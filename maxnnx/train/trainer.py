@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxnnx import sharding
 from maxnnx.config import ModelConfig
+from maxnnx.train import diagnostics
 from maxnnx.train import flops as flops_lib
 from maxnnx.train import step as step_lib
 from maxnnx.train.batches import (  # noqa: F401 (re-exported)
@@ -44,6 +45,7 @@ from maxnnx.train.batches import (  # noqa: F401 (re-exported)
   synthetic_batches,
 )
 from maxnnx.train.config import TrainConfig
+from maxnnx.train.goodput import GoodputRecorder, read_high_water, write_high_water
 from maxnnx.train.loss import cross_entropy_loss, masked_cross_entropy
 from maxnnx.train.memory import (
   device_memory_limit,
@@ -52,6 +54,7 @@ from maxnnx.train.memory import (
   overshoot_message,
 )
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
+from maxnnx.train.monitor import FitMonitor
 from maxnnx.train.objectives import Objective, PretrainObjective
 from maxnnx.train.optimizers import make_optimizer, make_schedule
 from maxnnx.train.preemption import StopRequest
@@ -100,7 +103,9 @@ class Trainer:
 
   Attributes:
     history: one metrics dict per step (``step``, ``loss``, ``lr``,
-      ``grad_norm``, ``tokens_per_s``, ``tflops_per_device``, ``mfu``,
+      ``grad_norm``, ``tokens_per_s``, ``step_time_s`` (seconds per step over
+      its ``log_every`` window), ``tflops_per_device``, ``mfu``, the
+      ``goodput/...`` totals in the last step of a ``fit``,
       ``mtp_loss`` with multi-token prediction (mean over depths, unscaled),
       and ``eval_loss`` where evaluated).
     mesh: the device mesh; ``rules`` the logical-axis rules in use.
@@ -129,6 +134,9 @@ class Trainer:
     self._checkpoints = None  # a CheckpointManager once checkpoint_dir is used
     self._step_offset = 0  # steps taken before the restored checkpoint, not in history
     self.stopped_by: str | None = None
+    self._goodput = GoodputRecorder()
+    self._high_water: int | None = None  # the furthest step any run of checkpoint_dir reached
+    self._high_water_saved, self._high_water_written = 0, -float('inf')
 
     if isinstance(model, str):
       from maxnnx.presets import get_preset  # noqa: PLC0415 (presets import models)
@@ -292,6 +300,24 @@ class Trainer:
     when the step needs more memory per device than the limit
     (``TrainConfig.memory_limit_gib`` or the device's own).
     """
+    with self._goodput.time('compile'):
+      report, compiled = self._compile_train_step()
+    self.memory = report
+    quantized = f'; {self.quantization} quantized training' if self.quantization != 'none' else ''
+    if verbose:
+      print(format_memory_report(report) + quantized)
+    else:
+      logger.info(format_memory_report(report) + quantized)
+    overshoot = overshoot_message(report)
+    if overshoot:
+      raise TrainingError(overshoot)
+    self._compiled = compiled
+    return report
+
+  def _compile_train_step(self) -> tuple[dict, Any]:
+    cfg = self.config
+    if cfg.compile_cache:
+      diagnostics.enable_compile_cache(cfg.compile_cache)
     start = time.perf_counter()
     train_step = functools.partial(step_lib.train_step, self._graphdef,
                                    frozen_graphdef=self._frozen_graphdef,
@@ -303,20 +329,18 @@ class Trainer:
                                      self._batch_sharding, self._frozen_shardings),
                        out_shardings=(self._state_shardings, self._extra_sharding, None),
                        donate_argnums=(0, 1))
-      lowered = jitted.lower(self._abstract_state, self._abstract_extra, self._abstract_batch(),
-                             self._frozen_state)
-      compiled = lowered.compile()
-    report = memory_report(compiled, self.mesh, self.config.memory_limit_gib)
+      args = (self._abstract_state, self._abstract_extra, self._abstract_batch(),
+              self._frozen_state)
+      traced = jitted.trace(*args) if cfg.dump_hlo else None
+      lowered = traced.lower() if traced is not None else jitted.lower(*args)
+      with diagnostics.CacheEvents().watch() as cache:
+        compiled = lowered.compile()
+    report = memory_report(compiled, self.mesh, cfg.memory_limit_gib)
     report['compile_seconds'] = time.perf_counter() - start
-    self.memory = report
-    if verbose:
-      quantized = f'; {self.quantization} quantized training' if self.quantization != 'none' else ''
-      print(format_memory_report(report) + quantized)
-    overshoot = overshoot_message(report)
-    if overshoot:
-      raise TrainingError(overshoot)
-    self._compiled = compiled
-    return report
+    report['compile_cache'] = cache.outcome
+    if cfg.dump_hlo:
+      diagnostics.dump_hlo(diagnostics.hlo_directory(cfg), 'train_step', traced, lowered, compiled)
+    return report, compiled
 
   # -- stepping ---------------------------------------------------------------------------
 
@@ -354,9 +378,12 @@ class Trainer:
       self.compile(verbose=False)
     self._sync_from_objects()
     self._materialise()
-    placed = self._place(_next_batch(self.data) if batch is None else batch)
     if not self._pending:
       self._window_start = time.perf_counter()
+    if batch is None:
+      with self._goodput.time('data'):
+        batch = _next_batch(self.data)
+    placed = self._place(batch)
     self._state, self._extra, metrics = self._compiled(self._state, self._extra, placed,
                                                        self._frozen_state)
     self._sync_to_objects()
@@ -388,7 +415,8 @@ class Trainer:
     tflops = self.flops_per_token * tokens_per_s / self.mesh.size / 1e12
     for (step, _), values in zip(pending, fetched):
       record = {'step': step, **{k: float(v) for k, v in values.items()},
-                'tokens_per_s': tokens_per_s, 'tflops_per_device': tflops,
+                'tokens_per_s': tokens_per_s, 'step_time_s': elapsed / len(pending),
+                'tflops_per_device': tflops,
                 'mfu': tflops * 1e12 / self.peak_flops}
       record['skipped'] = bool(values['skipped'])
       self.history.append(record)
@@ -405,6 +433,10 @@ class Trainer:
   def evaluate(self, num_batches: int | None = None) -> float:
     """Mean held-out loss over ``num_batches`` batches: the objective's ``eval_loss``
     totals over their weights (for the default, the cross-entropy per token)."""
+    with self._goodput.time('eval'):
+      return self._evaluate(num_batches)
+
+  def _evaluate(self, num_batches: int | None) -> float:
     num_batches = num_batches or self.config.eval_batches
     source = self.eval_data if self.eval_data is not None else self.data
     if hasattr(source, 'eval_batches'):
@@ -418,16 +450,20 @@ class Trainer:
     self._sync_from_objects()
     self._materialise()
     if self._eval_compiled is None:
+      self._compile_eval_step()
+    totals = [self._eval_compiled(self._state, self._place(b), self._frozen_state)
+              for b in batches]
+    total, count = map(sum, zip(*jax.device_get(totals)))
+    return float(total / max(count, 1.0))
+
+  def _compile_eval_step(self) -> None:
+    with self._goodput.time('compile'):
       eval_step = functools.partial(step_lib.eval_step, self._graphdef,
                                     frozen_graphdef=self._frozen_graphdef,
                                     objective=self.objective)
       with self._context():
         self._eval_compiled = jax.jit(eval_step).lower(
             self._abstract_state, self._abstract_batch(), self._frozen_state).compile()
-    totals = [self._eval_compiled(self._state, self._place(b), self._frozen_state)
-              for b in batches]
-    total, count = map(sum, zip(*jax.device_get(totals)))
-    return float(total / max(count, 1.0))
 
   def fit(self, steps: int | None = None, *, log: Callable[[str], None] | None = None
           ) -> list[dict]:
@@ -439,8 +475,29 @@ class Trainer:
     it first resumes from the newest complete checkpoint there, trains up to
     ``config.steps`` in total, and saves every ``checkpoint_every`` steps and
     at the end. SIGTERM or SIGINT (while ``fit`` runs in the main thread) ends it after the
-    current step, with a checkpoint, and sets :attr:`stopped_by`.
+    current step, with a checkpoint, and sets :attr:`stopped_by`. It ends with a goodput line
+    (:meth:`goodput`), whose totals are also in the last step's record (``goodput/...``);
+    ``config.profile``, ``outlier_factor`` and ``watchdog_factor`` watch the steps
+    (:mod:`maxnnx.train.monitor`).
     """
+    deferred: list[dict] = []  # the last step's records, emitted with the goodput totals
+    try:
+      with self._goodput.time('other'):  # everything the categories inside do not claim
+        self._fit(steps, log, deferred)
+    finally:
+      if self.history:
+        self.history[-1].update(self._goodput.metrics())
+      self._emit(deferred)
+      self._record_high_water(every=0)
+      if isinstance(self._writers, list):
+        for writer in self._writers:
+          if isinstance(writer, TensorBoardWriter):
+            writer.flush()
+    (log or print)(self._goodput.format())
+    return self.history
+
+  def _fit(self, steps: int | None, log: Callable[[str], None] | None,
+           deferred: list[dict]) -> None:
     cfg = self.config
     self.stopped_by = None
     if cfg.checkpoint_dir and self._checkpoints is None:
@@ -450,39 +507,79 @@ class Trainer:
     if self._compiled is None:
       self.compile(verbose=log is None)
     self._open_writers()
+    self._materialise()
+    high_water = self._load_high_water()
     bar = ProgressBar(self.step_count + steps)
     stop, saved = StopRequest(), None
+    monitor = FitMonitor(cfg)
     try:
       stop.__enter__()
       for i in range(1, steps + 1):
         last = i == steps
-        self._step(None, fetch=False)
-        evaluate = cfg.eval_every and (self.step_count % cfg.eval_every == 0 or last)
-        record = None
-        if evaluate or last or self.step_count % cfg.log_every == 0:
-          records = self._fetch()
-          record = records[-1]
-          if evaluate:
-            record['eval_loss'] = self.evaluate()
-          self._emit(records)
-        if record is not None:
-          if log is None:
-            bar.update(record)
+        step = self.step_count + 1
+        redo = step <= high_water  # re-doing a step an earlier run already took
+        self._goodput.lost_steps += redo
+        monitor.step_started(step, in_flight=len(self._pending) + 1)
+        with self._goodput.time('lost' if redo else 'productive'):
+          self._step(None, fetch=False)
+          monitor.step_dispatched(step, self._state)
+          evaluate = cfg.eval_every and (self.step_count % cfg.eval_every == 0 or last)
+          save = cfg.checkpoint_dir and (last or (cfg.checkpoint_every
+                                                  and self.step_count % cfg.checkpoint_every == 0))
+          records = []
+          if evaluate or last or self.step_count % cfg.log_every == 0:
+            records = self._fetch()
+            monitor.metrics_fetched(records)
+            self._record_high_water()
+          elif save:
+            jax.block_until_ready(self._state)  # the step's compute is not the checkpoint's
+        monitor.step_finished()
+        if records and evaluate:
+          records[-1]['eval_loss'] = self.evaluate()
+        if records:
+          if last:
+            deferred.extend(records)
           else:
-            log(format_metrics(record, bar.total))
-        if cfg.checkpoint_dir and (last or (cfg.checkpoint_every
-                                            and self.step_count % cfg.checkpoint_every == 0)):
+            self._emit(records)
+          if log is None:
+            bar.update(records[-1])
+          else:
+            log(format_metrics(records[-1], bar.total))
+        if save:
           saved = self.save_checkpoint()
         if stop and not last:
           self._stop_early(stop.signal_name, saved, bar, log)
           break
     finally:
       stop.__exit__(None, None, None)
-      if isinstance(self._writers, list):
-        for writer in self._writers:
-          if isinstance(writer, TensorBoardWriter):
-            writer.flush()
-    return self.history
+      monitor.close(self._state)
+
+  def goodput(self) -> dict[str, float]:
+    """Where this Trainer's time went (:mod:`maxnnx.train.goodput`).
+
+    ``goodput`` (productive step time over wall time), ``wall_s`` and seconds
+    per category: ``productive_s``, ``compile_s``, ``data_s`` (blocked in
+    ``next(data)``), ``checkpoint_s``, ``restore_s``, ``eval_s``, ``lost_s``
+    (steps re-done after a resume; ``lost_steps`` of them) and ``other_s``.
+    """
+    return self._goodput.summary()
+
+  def _load_high_water(self) -> int:
+    if self._high_water is None:
+      directory = self.config.checkpoint_dir
+      self._high_water = self._high_water_saved = read_high_water(directory) if directory else 0
+    return self._high_water
+
+  def _record_high_water(self, every: float = 5.0) -> None:
+    """Keep the furthest step reached; written to ``checkpoint_dir`` at most every ``every`` s."""
+    reached = self._step_offset + len(self.history)  # fetched steps are complete
+    self._high_water = max(self._load_high_water(), reached)
+    now = time.monotonic()
+    if (not self.config.checkpoint_dir or jax.process_index() != 0
+        or self._high_water <= self._high_water_saved or now - self._high_water_written < every):
+      return
+    write_high_water(self.config.checkpoint_dir, self._high_water)
+    self._high_water_saved, self._high_water_written = self._high_water, now
 
   def _stop_early(self, signal_name: str, saved: int | None, bar, log) -> None:
     """End ``fit`` on a stop request: flush the metrics and checkpoint the step just taken."""
@@ -532,6 +629,10 @@ class Trainer:
     Saves model and optimizer state, the loss average, the data position
     (when ``data`` has ``get_state``) and the step. Returns the step.
     """
+    with self._goodput.time('checkpoint'):
+      return self._save_checkpoint()
+
+  def _save_checkpoint(self) -> int:
     self._sync_from_objects()
     self._materialise()
     data_state = self.data.get_state() if hasattr(self.data, 'get_state') else None
@@ -548,7 +649,14 @@ class Trainer:
     Parameters, optimizer state and the data position are replaced and steps
     continue counting from there. A damaged newest checkpoint is reported and
     the one before it used. Returns the step, or ``None`` when there is none.
+    Steps taken again after it, up to the furthest step any run reached,
+    count as lost time in :meth:`goodput`.
     """
+    with self._goodput.time('restore'):
+      return self._restore_checkpoint(step)
+
+  def _restore_checkpoint(self, step: int | None) -> int | None:
+    self._high_water = max(self._load_high_water(), self._step_offset + len(self.history))
     manager = self._checkpoint_manager()
     restored = manager.restore(self._abstract_state, self._abstract_extra, step)
     if restored is None:
