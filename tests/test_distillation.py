@@ -11,7 +11,6 @@ from maxnnx.config import MeshConfig
 from maxnnx.train import DistillationObjective, TrainConfig, Trainer, as_batch
 from maxnnx.train.chunks import Head
 from maxnnx.train.distillation import distillation_sums, token_divergence
-from maxnnx.train.preference import frozen_copy
 
 BATCH, SEQ, VOCAB = 4, 16, 512
 TEMPERATURE = 2.0
@@ -121,7 +120,7 @@ def test_sharded_distillation_matches_one_device_and_keeps_the_teacher():
   teacher_before = _params(teacher)
   histories = []
   for mesh in (MeshConfig(data=1), MeshConfig(data=2, fsdp=2, tensor=2)):
-    objective = DistillationObjective(frozen_copy(teacher), temperature=TEMPERATURE,
+    objective = DistillationObjective(nnx.clone(teacher), temperature=TEMPERATURE,
                                       divergence='jsd', hard_label_weight=0.25, chunk_length=4)
     config = TrainConfig(steps=3, global_batch_size=BATCH, seq_len=SEQ, learning_rate=1e-2,
                          warmup_steps=0, log_every=1, grad_accum_steps=2, mesh=mesh)

@@ -2,7 +2,7 @@
 
 ::
 
-  reference = frozen_copy(policy)   # the policy as it starts (e.g. the SFT checkpoint)
+  reference = nnx.clone(policy)     # the policy as it starts (e.g. the SFT checkpoint)
   trainer = Trainer(policy, train_config, objective=DPOObjective(beta=0.1, reference=reference))
 
 Batch layout (the ordinary :data:`~maxnnx.train.batches.BATCH_KEYS`, no new
@@ -23,9 +23,9 @@ the chosen and rejected sequences) the per-pair losses are those of TRL:
   *averaged* over each sequence's completion tokens rather than summed;
 * ``hinge``: ``relu(1 - beta h)``.
 
-The reference must not share arrays with the policy: the Trainer donates the
-policy's buffers to its step. :func:`frozen_copy` copies a model (``nnx.clone``
-does not copy the arrays).
+The reference may share arrays with the policy (``nnx.clone`` does): the
+Trainer places frozen models on copies of their buffers, since it donates the
+policy's to its step.
 
 Gradient accumulation: the step splits its batch into ``grad_accum_steps``
 contiguous micro-batches of rows. A pair must not be split, so the rows per
@@ -82,12 +82,6 @@ def dpo_loss(policy_chosen_P: jax.Array, policy_rejected_P: jax.Array,
     losses_P = jax.nn.relu(1.0 - beta * h_P)
   rewards = jax.lax.stop_gradient((beta * chosen_ratio_P, beta * rejected_ratio_P))
   return losses_P, rewards[0], rewards[1]
-
-
-def frozen_copy(model: nnx.Module) -> nnx.Module:
-  """A copy of ``model`` with its own buffers, to serve as a frozen reference or teacher."""
-  graphdef, state = nnx.split(model)
-  return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
 
 
 class DPOObjective(Objective):
@@ -203,4 +197,4 @@ def _pairs(batch) -> int:
   return rows // 2
 
 
-__all__ = ['DPOObjective', 'LOSS_TYPES', 'dpo_loss', 'frozen_copy']
+__all__ = ['DPOObjective', 'LOSS_TYPES', 'dpo_loss']

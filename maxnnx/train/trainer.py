@@ -224,7 +224,9 @@ class Trainer:
     if frozen:
       self._frozen_graphdef, state = nnx.split(frozen)
       self._frozen_shardings = sharding.state_shardings(state, self.mesh, self.rules)
-      self._frozen_state = jax.device_put(state, self._frozen_shardings)
+      # Never alias: a frozen model may share arrays with the trained one (nnx.clone, or
+      # the policy itself as DPO's reference), whose buffers the step donates.
+      self._frozen_state = jax.device_put(state, self._frozen_shardings, may_alias=False)
     self._frozen_objects = None
 
   @property
