@@ -261,6 +261,7 @@ def test_nested_groups_are_walked_generically():
   assert any('model.moe.num_experts' in line for line in cli_keys.usage_lines(keys))
 
 
+@pytest.mark.slow
 def test_pipeline_stages_from_the_command_line_match_one_device(tmp_path, capsys):
   # mesh.stage=2 with mesh.fsdp=4 (8 simulated devices): scan_layers is switched on by itself
   # and every step's loss equals a one-device run of the same (scanned, so same init) model.

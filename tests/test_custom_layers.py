@@ -147,6 +147,7 @@ def _losses(mesh: MeshConfig, steps: int = 4):
   return trainer, np.array([m['loss'] for m in history])
 
 
+@pytest.mark.slow
 def test_gated_model_trains_and_a_mesh_gives_the_losses_of_one_device():
   _, reference = _losses(MeshConfig(data=1))
   assert reference[-1] < reference[0] - 0.5

@@ -115,6 +115,7 @@ def _params(model):
   return jax.tree.map(np.array, nnx.state(model, nnx.Param))
 
 
+@pytest.mark.slow
 def test_sharded_distillation_matches_one_device_and_keeps_the_teacher():
   teacher = maxnnx.Transformer(_model_config(), rngs=nnx.Rngs(1))
   teacher_before = _params(teacher)

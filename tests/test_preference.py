@@ -150,6 +150,7 @@ def test_dpo_reference_fn_hook():
   assert trainer.step(_pairs_batch(0))['loss'] == pytest.approx(math.log(2.0), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_dpo_gradient_accumulation_matches_one_batch():
   """Micro-batches of whole pairs give the whole batch's loss, metrics and gradient."""
   config = _model_config()
