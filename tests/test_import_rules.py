@@ -9,12 +9,11 @@ import textwrap
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CI_DIR = ROOT / '.ci'
 
 
 def _lint_imports(cwd: pathlib.Path, extra_path: str = '') -> subprocess.CompletedProcess:
   env = dict(os.environ)
-  env['PYTHONPATH'] = os.pathsep.join(p for p in (str(CI_DIR), extra_path, str(ROOT)) if p)
+  env['PYTHONPATH'] = os.pathsep.join(p for p in (extra_path, str(ROOT)) if p)
   code = 'from importlinter.cli import lint_imports_command; lint_imports_command()'
   return subprocess.run([sys.executable, '-c', code], cwd=cwd, env=env, capture_output=True,
                         text=True, timeout=300)
@@ -42,7 +41,7 @@ def _fake_package(tmp_path: pathlib.Path) -> pathlib.Path:
   (tmp_path / 'pyproject.toml').write_text(textwrap.dedent('''
       [tool.importlinter]
       root_package = "fakepkg"
-      contract_types = ["private_names: import_contracts.NoPrivateImportsContract"]
+      contract_types = ["private_names: tests.import_contracts.NoPrivateImportsContract"]
 
       [[tool.importlinter.contracts]]
       name = "layers never import models"

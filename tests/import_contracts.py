@@ -1,10 +1,11 @@
 """A custom import-linter contract: no private names imported across packages.
 
-``lint-imports`` loads this module (the ``contract_types`` entry in ``pyproject.toml``;
-``.ci`` must be on ``PYTHONPATH``). A name with a leading underscore is private to the
-package that defines it: ``from maxnnx.config import _Validated`` inside ``maxnnx.data``
-breaks the contract, the same import inside ``maxnnx.config`` does not. A "package" is the
-first component below the root (``maxnnx.models``, ``maxnnx.train``, ``maxnnx.config``).
+``lint-imports``, run from the repository root, loads this module (the ``contract_types``
+entry in ``pyproject.toml``; import-linter puts the working directory on ``sys.path``).
+A name with a leading underscore is private to the package that defines it:
+``from maxnnx.config import _base_helper`` inside ``maxnnx.data`` breaks the contract, the
+same import inside ``maxnnx.config`` does not. A "package" is the first component below the
+root (``maxnnx.models``, ``maxnnx.train``, ``maxnnx.config``).
 """
 
 from __future__ import annotations
