@@ -35,6 +35,7 @@ import tempfile
 
 import numpy as np
 
+from maxnnx.cli_finetune import PRETRAIN, RECIPES, Recipe
 from maxnnx.cli_keys import (
     Key,
     UsageError,
@@ -109,18 +110,23 @@ def _run_keys() -> dict[str, Key]:
   return {k: Key(d, doc, type(d), 'run') for k, (d, doc) in RUN_KEYS.items()}
 
 
-def train_keys() -> dict[str, Key]:
-  """Every key ``maxnnx train`` and ``maxnnx compile`` accept: ``{key: Key}``.
+def train_keys(recipe: Recipe = PRETRAIN) -> dict[str, Key]:
+  """Every key ``maxnnx train`` and ``maxnnx compile`` (or the fine-tuning command of
+  ``recipe``) accept: ``{key: Key}``.
 
-  The run keys, then every field of TrainConfig (bare), MeshConfig (``mesh.``),
-  ModelConfig (``model.``) and DataConfig (``data.``), nested configs as dotted keys.
+  The run keys, the recipe's own keys, then every field of TrainConfig (bare),
+  MeshConfig (``mesh.``), ModelConfig (``model.``) and DataConfig (``data.``),
+  nested configs as dotted keys.
   """
   from maxnnx.config import ModelConfig  # noqa: PLC0415
   from maxnnx.data import DataConfig  # noqa: PLC0415
   from maxnnx.train.config import TrainConfig  # noqa: PLC0415
-  keys = _run_keys()
+  keys = {k: key._replace(default=recipe.run_defaults.get(k, key.default))
+          for k, key in _run_keys().items()}
+  keys.update({k: Key(d, doc, type(d), recipe.name) for k, (d, doc) in recipe.keys.items()})
+  defaults = {**TRAIN_OVERRIDES, **recipe.train_defaults}
   for key, spec in config_keys(TrainConfig, '', 'train', skip=('mesh',)).items():
-    keys[key] = spec._replace(default=TRAIN_OVERRIDES.get(key, spec.default))
+    keys[key] = spec._replace(default=defaults.get(key, spec.default))
   keys.update(config_keys(MeshConfig, 'mesh.', 'mesh'))
   keys.update(config_keys(ModelConfig, 'model.', 'model', fill=False))
   keys.update(config_keys(DataConfig, 'data.', 'data', fill=False))
@@ -131,7 +137,7 @@ def _generate_keys() -> dict[str, Key]:
   return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in GENERATE_KEYS.items()}
 
 
-COMMANDS = ('train', 'generate', 'compile', 'convert')
+COMMANDS = ('train', 'sft', 'dpo', 'distill', 'generate', 'compile', 'convert')
 
 
 def parse_overrides(args: list[str], keys: dict[str, Key]) -> dict:
@@ -152,9 +158,14 @@ def _usage(command: str) -> str:
   head = {'train': 'maxnnx train [config=run.yml] [key=value ...]',
           'compile': 'maxnnx compile [config=run.yml] [key=value ...]  (same keys as train)',
           'generate': 'maxnnx generate [key=value ...]',
-          'convert': 'maxnnx convert src=DIR dst=DIR [format=hf|orbax] [scan_layers=...]'}[command]
+          'convert': 'maxnnx convert src=DIR dst=DIR [format=hf|orbax] [scan_layers=...]',
+          'sft': 'maxnnx sft model=HF_DIR data=chat.jsonl [key=value ...]',
+          'dpo': 'maxnnx dpo model=HF_DIR data=prefs.jsonl [beta=0.1] [key=value ...]',
+          'distill': 'maxnnx distill teacher=DIR model=PRESET|DIR [key=value ...]'}[command]
   lines = [f'usage: {head}']
-  if command in ('train', 'compile'):
+  if command in RECIPES:
+    lines += ['', f"{command} takes train's keys plus its own ({command}: below)."]
+  if command in ('train', 'compile', *RECIPES):
     lines += ['', 'A YAML file (config=run.yml, or given first) holds the same keys, as nested '
               'mappings',
               '(model: {num_layers: 2}) or dotted names; command-line keys override it.',
@@ -180,15 +191,16 @@ def _plot_loss(history: list[dict], path: str) -> None:
   plt.close(fig)
 
 
-def _split_options(options: dict):
+def _split_options(options: dict, recipe: Recipe = PRETRAIN):
   """``(run options, TrainConfig, model changes, data fields)`` from the parsed keys.
 
   Model changes and data fields are nested dicts of the ``model.*`` and ``data.*``
-  keys given.
+  keys given; the recipe's own keys stay in ``options``.
   """
   from maxnnx.train.config import TrainConfig  # noqa: PLC0415
   run = {k: options[k] for k in RUN_KEYS}
-  fields = {k: v for k, v in options.items() if k not in RUN_KEYS and '.' not in k}
+  fields = {k: v for k, v in options.items()
+            if k not in RUN_KEYS and k not in recipe.keys and '.' not in k}
   if fields.get('checkpoint_every') and not fields.get('checkpoint_dir'):
     fields['checkpoint_dir'] = os.path.join(run['output_dir'], 'checkpoints')
   train_config = TrainConfig.from_dict({**fields, 'mesh': subtree(options, 'mesh.')})
@@ -236,7 +248,8 @@ def _model_config(run: dict, changes: dict):
 
 
 def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None,
-                         pinned: dict | None = None, data_fields: dict | None = None):
+                         pinned: dict | None = None, data_fields: dict | None = None,
+                         recipe: Recipe = PRETRAIN, options: dict | None = None):
   """``(model, tokenizer, tokenizer record)``: the model to train (a ModelConfig or loaded
   model), its tokenizer (or None), and the tokenizer's fingerprint for the run's config.
 
@@ -250,14 +263,20 @@ def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None,
   from maxnnx.data import load_tokenizer  # noqa: PLC0415
   from maxnnx.train.run_dir import file_fingerprint  # noqa: PLC0415
   cfg, overrides = _model_config(run, changes)
+  cfg = recipe.adjust_model(cfg, options or {}, changes)
   if os.path.isdir(run['model']):
     model = maxnnx.from_pretrained(run['model'], **overrides)
     if corpus is None:
       return model, None, None
-    source = run['tokenizer'] or run['model']
-    return model, load_tokenizer(source), {'sha256': file_fingerprint(source), 'source': source}
+    tokenizer = load_tokenizer(run['tokenizer'] or run['model'])
+    source = getattr(tokenizer, 'path', None) or run['tokenizer'] or run['model']
+    return model, tokenizer, {'sha256': file_fingerprint(source), 'source': source}
   if corpus is None:
     return cfg, None, None
+  if recipe.records and not run['tokenizer']:
+    raise UsageError(f"{recipe.name} reads its records with the model's tokenizer: give "
+                     'model=<Hugging Face dir with its tokenizer> (e.g. the final/ of a '
+                     'maxnnx train run) or tokenizer=<path>.')
   if run['tokenizer']:
     return cfg, load_tokenizer(run['tokenizer']), {
         'sha256': file_fingerprint(run['tokenizer']), 'source': run['tokenizer']}
@@ -361,15 +380,17 @@ def _training_data(run: dict, data_fields: dict, corpus: str | None, model, toke
                        seed=train_config.seed, vocab_size=vocab), 0
 
 
-def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None):
+def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
+                   recipe: Recipe = PRETRAIN):
   """``(trainer, run options, tokenizer, token count)``; with ``run_dir`` (an opened
   :class:`~maxnnx.train.run_dir.RunDir`) the run's config is checked against the stored one
-  before any data is read."""
+  before any data is read. ``recipe`` is the command's (data, objective, own keys)."""
   from maxnnx.data import DEFAULT_CORPUS  # noqa: PLC0415
   from maxnnx.train import Trainer  # noqa: PLC0415
   from maxnnx.train.run_dir import check_writable, run_config  # noqa: PLC0415
 
-  run, train_config, model_changes, data_fields = _split_options(options)
+  run, train_config, model_changes, data_fields = _split_options(options, recipe)
+  recipe.prepare(run, options)
   out = run['output_dir']
   if run_dir is None:
     check_writable(out)
@@ -377,11 +398,13 @@ def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None):
   synthetic = run['data'] == 'synthetic' or not need_data
   corpus = None if synthetic else (run['data'] or DEFAULT_CORPUS)
   model, tokenizer, tokenizer_record = _model_and_tokenizer(
-      run, model_changes, out, corpus, (stored or {}).get('tokenizer'), data_fields)
+      run, model_changes, out, corpus, (stored or {}).get('tokenizer'), data_fields,
+      recipe, options)
   if run_dir is not None:
     model_config = model if hasattr(model, 'to_dict') else model.config
     try:
-      run_dir.check_config(run_config(model_config, train_config, tokenizer_record))
+      run_dir.check_config(run_config(model_config, train_config, tokenizer_record,
+                                      objective=recipe.record(options) or None))
     except ValueError:
       shutil.rmtree(os.path.join(out, '.tokenizer-new'), ignore_errors=True)
       raise
@@ -389,17 +412,23 @@ def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None):
     if tokenizer_record and '.tokenizer-new' in getattr(tokenizer, 'path', ''):
       tokenizer = type(tokenizer)(os.path.join(out, 'tokenizer.model'))
   data, num_tokens = None, 0
-  if need_data:
+  if need_data and recipe.records:
+    import jax  # noqa: PLC0415
+    vocab = model.vocab_size if hasattr(model, 'vocab_size') else model.config.vocab_size
+    data = recipe.data(options, run['data'], data_fields, tokenizer, vocab, train_config,
+                       train_config.global_batch_size // jax.process_count())
+  elif need_data:
     data, num_tokens = _training_data(run, data_fields, corpus, model, tokenizer, train_config)
   if train_config.eval_every and not hasattr(data, 'eval_batches'):
     if data is not None:
       print('Note: this data source has no held-out split; eval_every is set to 0.')
     train_config = dataclasses.replace(train_config, eval_every=0)
-  trainer = Trainer(model, train_config, data=data)
+  objective = recipe.objective(options, model, train_config)
+  trainer = Trainer(model, train_config, objective, data=data)
   return trainer, run, tokenizer, num_tokens
 
 
-def train(options: dict) -> dict:
+def train(options: dict, recipe: Recipe = PRETRAIN) -> dict:
   """Run ``maxnnx train`` with parsed ``options``; returns a summary dict.
 
   The output directory is locked for the run, its stored config checked before resuming
@@ -410,18 +439,20 @@ def train(options: dict) -> dict:
   with RunDir(options['output_dir'], resume=options['resume']) as run_dir:
     if run_dir.moved_to:
       print(f'resume=never: moved the earlier run to {run_dir.moved_to}.')
-    return _train_in(run_dir, options)
+    return _train_in(run_dir, options, recipe)
 
 
-def _train_in(run_dir, options: dict) -> dict:
+def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
   import maxnnx  # noqa: PLC0415
   from maxnnx.train.run_dir import checkpoint_steps  # noqa: PLC0415
 
-  trainer, run, tokenizer, num_tokens = _build_trainer(options, run_dir=run_dir)
+  trainer, run, tokenizer, num_tokens = _build_trainer(options, run_dir=run_dir, recipe=recipe)
   cfg, out = trainer.config, run['output_dir']
+  template = _run_template(recipe, options, tokenizer)
   source = (f'{num_tokens:,} tokens' if num_tokens else
             'synthetic tokens' if run['data'] == 'synthetic' else run['data'])
-  print(f"Training {run['model']} ({maxnnx.num_params(trainer.model_config):,} parameters) on "
+  print(f"{recipe.name.upper() + ': ' if recipe.records or recipe.name == 'distill' else ''}"
+        f"Training {run['model']} ({maxnnx.num_params(trainer.model_config):,} parameters) on "
         f'{source} for {cfg.steps} steps of {cfg.global_batch_size} x {cfg.seq_len} tokens; '
         f'mesh {dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}'
         + (f'; {trainer.quantization} quantized training.' if trainer.quantization != 'none'
@@ -450,11 +481,12 @@ def _train_in(run_dir, options: dict) -> dict:
             'stopped_by': trainer.stopped_by}
   if not history:
     written = _finish(trainer, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl),
-                      only_missing=True)
+                      only_missing=True, tokenizer=tokenizer, template=template)
     print(f'Nothing to train: the checkpoint is at step {trainer.step_count} of {cfg.steps}'
           + (f"; wrote the missing {', '.join(written)}." if written else '.'))
     return {'first_loss': None, 'last_loss': None, 'eval_loss': None}
-  _finish(trainer, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl) or history)
+  _finish(trainer, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl) or history,
+          tokenizer=tokenizer, template=template)
   trained_tokenizer = os.path.exists(os.path.join(out, 'tokenizer.model')) and not run['tokenizer']
   print(f'Wrote {out}/: metrics.jsonl, loss.png, final/ (Hugging Face format)'
         + (', tokenizer.model' if trained_tokenizer else '') + '.')
@@ -465,10 +497,11 @@ def _train_in(run_dir, options: dict) -> dict:
           'eval_loss': history[-1].get('eval_loss')}
 
 
-def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missing=False
-            ) -> list[str]:
+def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missing=False,
+            tokenizer=None, template=None) -> list[str]:
   """Write ``final/``, ``loss.png`` and ``train_options.json`` (with ``only_missing``: those
-  that are not there yet); returns the names written. ``final/`` appears whole or not at all."""
+  that are not there yet); returns the names written. ``final/`` appears whole or not at all,
+  with the run's tokenizer and chat template beside the weights."""
   import maxnnx  # noqa: PLC0415
   from maxnnx.train.run_dir import replace_dir, write_json  # noqa: PLC0415
   out, written = run_dir.directory, []
@@ -477,6 +510,7 @@ def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missin
     tmp = final + '.tmp'
     shutil.rmtree(tmp, ignore_errors=True)
     maxnnx.save_pretrained(trainer.model, tmp)
+    _save_tokenizer(tokenizer, template, tmp)
     replace_dir(tmp, final)
     written.append('final/')
   plot = os.path.join(out, 'loss.png')
@@ -488,6 +522,32 @@ def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missin
     write_json(options_path, options)
     written.append('train_options.json')
   return written
+
+
+def _run_template(recipe: Recipe, options: dict, tokenizer):
+  """The chat template a records run trained with (``None`` for the others)."""
+  if not recipe.records or tokenizer is None:
+    return None
+  from maxnnx.data.sft import resolve_tokenizer_and_template  # noqa: PLC0415
+  return resolve_tokenizer_and_template(tokenizer, recipe.template(options))[1]
+
+
+def _save_tokenizer(tokenizer, template, directory: str) -> None:
+  """Copy the tokenizer file (and a ``tokenizer.json``'s config files) into ``directory``
+  and write ``template`` (a :class:`~maxnnx.data.ChatTemplate`) as ``chat_template.jinja``."""
+  path = getattr(tokenizer, 'path', None)
+  if path and os.path.isfile(path):
+    if path.endswith('.json'):
+      shutil.copyfile(path, os.path.join(directory, 'tokenizer.json'))
+      for name in ('tokenizer_config.json', 'special_tokens_map.json'):
+        beside = os.path.join(os.path.dirname(path), name)
+        if os.path.isfile(beside):
+          shutil.copyfile(beside, os.path.join(directory, name))
+    else:
+      shutil.copyfile(path, os.path.join(directory, 'tokenizer.model'))
+  if template is not None:
+    with open(os.path.join(directory, 'chat_template.jinja'), 'w', encoding='utf-8') as f:
+      f.write(template.source)
 
 
 def compile_step(options: dict) -> dict:
@@ -566,7 +626,7 @@ def convert(options: dict) -> str:
 def _command_keys(command: str) -> dict[str, Key]:
   if command == 'convert':
     return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in CONVERT_KEYS.items()}
-  return _generate_keys() if command == 'generate' else train_keys()
+  return _generate_keys() if command == 'generate' else train_keys(RECIPES.get(command, PRETRAIN))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -586,8 +646,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   try:
     options = parse_overrides(rest, _command_keys(command))
-    {'train': train, 'generate': generate, 'compile': compile_step,
-     'convert': convert}[command](options)
+    if command in RECIPES:
+      train(options, RECIPES[command])
+    else:
+      {'generate': generate, 'compile': compile_step, 'convert': convert}[command](options)
   except (ValueError, FileNotFoundError, TrainingError) as e:  # UsageError, ConfigError…
     print(f'error: {e}', file=sys.stderr)
     return 2

@@ -38,3 +38,34 @@ def checkpoint_copy(tmp_path):
     return str(target)
 
   return make
+
+
+CHAT_SPECIALS = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|begin_of_text|>',
+                 '<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>']
+
+
+@pytest.fixture(scope='session')
+def chat_checkpoint(tmp_path_factory):
+  """A tokenizer directory like a chat model's: a byte-level BPE ``tokenizer.json`` (500
+  tokens, trained on the shipped corpus, with ChatML and Llama 3 special tokens) and a
+  ``tokenizer_config.json`` holding the ChatML template."""
+  import json
+
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  from maxnnx.data import DEFAULT_CORPUS
+  from maxnnx.data.chat import CHATML_TEMPLATE
+  directory = tmp_path_factory.mktemp('qwen_like')
+  with open(DEFAULT_CORPUS, encoding='utf-8') as f:
+    text = f.read()[:200_000]
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=CHAT_SPECIALS,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator([text], trainer)
+  tok.save(str(directory / 'tokenizer.json'))
+  with open(directory / 'tokenizer_config.json', 'w', encoding='utf-8') as f:
+    json.dump({'bos_token': '<|begin_of_text|>', 'eos_token': '<|im_end|>',
+               'chat_template': CHATML_TEMPLATE}, f)
+  return directory

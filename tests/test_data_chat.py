@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from maxnnx.data import (
-    DEFAULT_CORPUS,
     DataConfig,
     encode_chat,
     encode_prompt_completion,
@@ -24,9 +23,6 @@ from maxnnx.data.chat import (
     encode_with_specials,
 )
 
-SPECIALS = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|begin_of_text|>',
-            '<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>']
-
 CONVERSATION = [
     {'role': 'system', 'content': 'Be brief.'},
     {'role': 'user', 'content': 'Who art thou?'},
@@ -37,23 +33,8 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope='module')
-def checkpoint(tmp_path_factory):
-  """A directory with a byte-level BPE tokenizer.json trained on the shipped corpus."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  directory = tmp_path_factory.mktemp('qwen_like')
-  with open(DEFAULT_CORPUS, encoding='utf-8') as f:
-    text = f.read()[:200_000]
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIALS,
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator([text], trainer)
-  tok.save(str(directory / 'tokenizer.json'))
-  _write_json(directory / 'tokenizer_config.json',
-              {'bos_token': '<|begin_of_text|>', 'eos_token': '<|im_end|>',
-               'chat_template': CHATML_TEMPLATE})
-  return directory
+def checkpoint(chat_checkpoint):
+  return chat_checkpoint
 
 
 @pytest.fixture(scope='module')

@@ -2,7 +2,8 @@
 
 Start with :func:`make_pipeline` and :class:`DataConfig`; the batch contract is
 described in :mod:`maxnnx.data.pipeline`. Chat templates and fine-tuning data:
-:mod:`maxnnx.data.chat` and :func:`make_sft_pipeline`.
+:mod:`maxnnx.data.chat`, :func:`make_sft_pipeline` and (for DPO)
+:func:`make_preference_pipeline`.
 """
 
 from maxnnx.data.chat import (
@@ -13,6 +14,7 @@ from maxnnx.data.chat import (
 )
 from maxnnx.data.config import DataConfig
 from maxnnx.data.pipeline import Pipeline, make_pipeline
+from maxnnx.data.preference import make_preference_pipeline
 from maxnnx.data.sft import make_sft_pipeline
 from maxnnx.data.sources import resolve_source
 from maxnnx.data.text import DEFAULT_CORPUS, TokenWindows, train_sentencepiece
@@ -28,5 +30,5 @@ __all__ = [
     'DEFAULT_CORPUS', 'ChatTemplate', 'DataConfig', 'HFTokenizer', 'Pipeline',
     'SentencePieceTokenizer', 'TiktokenTokenizer', 'TokenWindows', 'Tokenizer', 'encode_chat',
     'encode_prompt_completion', 'load_chat_template', 'load_tokenizer', 'make_pipeline',
-    'make_sft_pipeline', 'resolve_source', 'train_sentencepiece',
+    'make_preference_pipeline', 'make_sft_pipeline', 'resolve_source', 'train_sentencepiece',
 ]

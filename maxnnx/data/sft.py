@@ -170,31 +170,10 @@ def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
       raise ValueError(f'{name} must be a positive int, got {value!r}.')
   shard_index = jax.process_index() if shard_index is None else shard_index
   shard_count = jax.process_count() if shard_count is None else shard_count
-  if isinstance(tokenizer, str):
-    tokenizer = load_tokenizer(tokenizer)
-  if template is None and getattr(tokenizer, 'path', None):
-    try:
-      template = load_chat_template(os.path.dirname(tokenizer.path) or '.')
-    except FileNotFoundError:
-      template = None
-  if template is not None:
-    template = template_for(tokenizer, template)
+  tokenizer, template = resolve_tokenizer_and_template(tokenizer, template)
   vocab_size = vocab_size or tokenizer.vocab_size
-
-  sources, datasets = [], []
-  for i, spec in enumerate(config.sources):
-    resolved = resolve_source(spec, config.kind)
-    source = RecordSource(resolved.files, resolved.kind)
-    if len(source) < shard_count:
-      raise ValueError(f'data source {spec!r} has {len(source)} records, fewer than '
-                       f'shard_count={shard_count}.')
-    sources.append(source)
-    ds = grain.MapDataset.source(source).map_with_index(_Tag(i, len(source)))
-    ds = ds[shard_index::shard_count]
-    if config.shuffle:
-      ds = ds.shuffle(seed=_derived_seed(seed, i, 2))
-    datasets.append(ds.repeat(config.num_epochs))
-  ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, config.weights)
+  sources, ds = record_dataset(config, seed=seed, shard_index=shard_index,
+                               shard_count=shard_count)
   ds = ds.map(EncodeSFT(tokenizer, template, sources, add_bos=config.add_bos,
                         add_eos=config.add_eos, vocab_size=vocab_size))
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
@@ -218,6 +197,44 @@ def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
       'template': hashlib.sha256(template.source.encode()).hexdigest()[:16] if template else None})
   return Pipeline(batches, examples, fingerprint, config=config, tokenizer=tokenizer,
                   batch_size=batch_size, seq_len=seq_len)
+
+
+def resolve_tokenizer_and_template(tokenizer: Tokenizer | str,
+                                   template: ChatTemplate | str | None):
+  """``(tokenizer, template)``: a path loaded, and the template defaulting to the chat
+  template stored beside the tokenizer (``None`` when there is none)."""
+  if isinstance(tokenizer, str):
+    tokenizer = load_tokenizer(tokenizer)
+  if template is None and getattr(tokenizer, 'path', None):
+    try:
+      template = load_chat_template(os.path.dirname(tokenizer.path) or '.')
+    except FileNotFoundError:
+      template = None
+  if template is not None:
+    template = template_for(tokenizer, template)
+  return tokenizer, template
+
+
+def record_dataset(config: DataConfig, *, seed: int, shard_index: int, shard_count: int
+                   ) -> tuple[list[RecordSource], grain.MapDataset]:
+  """``(sources, dataset)``: the records of ``config.sources`` as ``(source, index, record)``
+  elements, this shard's share, shuffled per source, repeated ``num_epochs`` and mixed by
+  ``config.weights``."""
+  sources, datasets = [], []
+  for i, spec in enumerate(config.sources):
+    resolved = resolve_source(spec, config.kind)
+    source = RecordSource(resolved.files, resolved.kind)
+    if len(source) < shard_count:
+      raise ValueError(f'data source {spec!r} has {len(source)} records, fewer than '
+                       f'shard_count={shard_count}.')
+    sources.append(source)
+    ds = grain.MapDataset.source(source).map_with_index(_Tag(i, len(source)))
+    ds = ds[shard_index::shard_count]
+    if config.shuffle:
+      ds = ds.shuffle(seed=_derived_seed(seed, i, 2))
+    datasets.append(ds.repeat(config.num_epochs))
+  ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, config.weights)
+  return sources, ds
 
 
 class _Tag:

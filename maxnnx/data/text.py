@@ -32,10 +32,16 @@ def read_text(path: str) -> str:
   return text
 
 
+#: Pieces :func:`train_sentencepiece` reserves for chat templates (ChatML's turn markers).
+CHAT_PIECES = ('<|im_start|>', '<|im_end|>')
+
+
 def train_sentencepiece(text_path: str, model_prefix: str, vocab_size: int) -> str:
   """Train a BPE sentencepiece model on ``text_path``; returns the ``.model`` path.
 
-  Byte fallback keeps every input encodable; ids 0-3 are pad, bos, eos and unk.
+  Byte fallback keeps every input encodable; ids 0-3 are pad, bos, eos and unk. ChatML's
+  ``<|im_start|>`` and ``<|im_end|>`` are single pieces (:data:`CHAT_PIECES`), so a model
+  pre-trained with it can be fine-tuned on chats with the ``chatml`` template.
   """
   read_text(text_path)  # validate before sentencepiece sees it
   try:
@@ -55,7 +61,7 @@ def _train(text_path: str, model_prefix: str, vocab_size: int) -> None:
       hard_vocab_limit=False, num_threads=2, minloglevel=2, split_digits=True,
       # Keep the text exactly (line breaks and spacing matter in verse and code).
       normalization_rule_name='identity', remove_extra_whitespaces=False,
-      user_defined_symbols=['\n'], allow_whitespace_only_pieces=True,
+      user_defined_symbols=['\n', *CHAT_PIECES], allow_whitespace_only_pieces=True,
       max_sentence_length=1 << 16)
 
 

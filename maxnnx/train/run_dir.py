@@ -46,12 +46,14 @@ class RunDirError(ValueError):
   """The run directory cannot be used as asked (the message says why and what to do)."""
 
 
-def run_config(model_config, train_config, tokenizer: dict | None = None) -> dict:
+def run_config(model_config, train_config, tokenizer: dict | None = None, *,
+               objective: dict | None = None) -> dict:
   """The part of a run's config a resume must match, as JSON-ready data.
 
   ``model_config`` is a :class:`~maxnnx.config.ModelConfig` (its runtime fields other than
   :data:`RUNTIME_FIELDS` are left out), ``train_config`` a ``TrainConfig`` (only
-  :data:`TRAIN_FIELDS`), ``tokenizer`` a fingerprint such as :func:`file_fingerprint` gives.
+  :data:`TRAIN_FIELDS`), ``tokenizer`` a fingerprint such as :func:`file_fingerprint` gives,
+  ``objective`` the settings of a fine-tuning objective (DPO's ``beta``…).
   """
   model = model_config.to_dict()
   runtime = model.pop('runtime', {})
@@ -59,6 +61,8 @@ def run_config(model_config, train_config, tokenizer: dict | None = None) -> dic
   record = {'model': model, 'train': {k: getattr(train_config, k) for k in TRAIN_FIELDS}}
   if tokenizer:
     record['tokenizer'] = tokenizer
+  if objective:
+    record['objective'] = objective
   return json.loads(json.dumps(record))  # tuples become lists, as they are read back
 
 

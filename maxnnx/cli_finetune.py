@@ -1,0 +1,206 @@
+"""The fine-tuning commands of the CLI: ``sft``, ``dpo`` and ``distill`` as recipes of ``train``.
+
+Each command is ``maxnnx train`` with a different objective and data (same keys,
+run directory, checkpoints, resume, metrics and meshes), described by a
+:class:`Recipe`: its own keys, the defaults it changes, how it reads its data and
+the objective it trains.
+
+* ``sft``: records ``{"messages": [...]}`` or ``{"prompt", "completion"}``
+  (:func:`maxnnx.data.make_sft_pipeline`), loss on the assistant tokens, with the
+  checkpoint's chat template (or ``template=``).
+* ``dpo``: records ``{"prompt", "chosen", "rejected"}``
+  (:func:`maxnnx.data.make_preference_pipeline`) and
+  :class:`~maxnnx.train.preference.DPOObjective`; the reference is the starting
+  policy, frozen.
+* ``distill``: the pre-training data and
+  :class:`~maxnnx.train.distillation.DistillationObjective` with ``teacher=``
+  (a Hugging Face directory, a ``maxnnx train`` output directory, an orbax
+  checkpoint or a preset) whose tokenizer the student uses by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from maxnnx.cli_keys import UsageError
+
+TEMPLATE_DOC = ("chat template: empty for the checkpoint's own (chat_template.jinja or "
+                "tokenizer_config.json), a built-in name (chatml, llama3, gemma), or a .jinja file")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """What a training command changes about ``maxnnx train``.
+
+  Attributes:
+    name: the command.
+    keys: its own keys, ``name -> (default, doc)``.
+    run_defaults: run keys whose defaults differ (``output_dir``…).
+    train_defaults: TrainConfig defaults that differ from ``train``'s.
+    records: the data is records (chat, preference) read with the run's tokenizer,
+      which must then come from ``tokenizer=`` or the checkpoint (none is trained).
+  """
+  name: str
+  keys: dict[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
+  run_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+  train_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+  records: bool = False
+
+  def prepare(self, run: dict, options: dict) -> None:
+    """Adjust the run keys before the model and tokenizer are made (``distill``: the
+    teacher's tokenizer by default)."""
+    if self.name == 'distill':
+      if not options['teacher']:
+        raise UsageError('distill needs teacher=<Hugging Face dir, run output dir, orbax '
+                         'checkpoint or preset>.')
+      if not run['tokenizer']:
+        run['tokenizer'] = teacher_tokenizer(options['teacher']) or ''
+
+  def adjust_model(self, cfg, options: dict, changes: dict):
+    """The student's config (``distill``: the teacher's vocabulary unless set)."""
+    if self.name != 'distill' or 'vocab_size' in changes:
+      return cfg
+    teacher_cfg = teacher_config(options['teacher'])
+    return cfg.replace(vocab_size=teacher_cfg.vocab_size)
+
+  def template(self, options: dict):
+    """The ``template=`` value as :func:`~maxnnx.data.make_sft_pipeline` takes it."""
+    value = options.get('template', '')
+    if not value:
+      return None
+    if value.endswith('.jinja') or os.path.isfile(value):
+      if not os.path.isfile(value):
+        raise FileNotFoundError(f'template={value}: no such file.')
+      from maxnnx.data import ChatTemplate  # noqa: PLC0415
+      with open(value, encoding='utf-8') as f:
+        return ChatTemplate(f.read(), origin=value)
+    return value
+
+  def data(self, options: dict, spec: str, data_fields: dict, tokenizer, vocab_size: int,
+           train_config, local_batch: int):
+    """The training batches of a records recipe."""
+    from maxnnx.data import DataConfig, make_preference_pipeline, make_sft_pipeline  # noqa
+    if not spec:
+      raise UsageError(f'{self.name} needs data=<records file or directory> (JSONL, JSON or '
+                       'Parquet).')
+    make = make_sft_pipeline if self.name == 'sft' else make_preference_pipeline
+    fields = {'overlong': 'truncate', **data_fields} if self.name == 'sft' else data_fields
+    config = DataConfig.from_string(spec, **fields)
+    return make(config, tokenizer, self.template(options), batch_size=local_batch,
+                seq_len=train_config.seq_len, seed=train_config.seed, vocab_size=vocab_size)
+
+  def objective(self, options: dict, model, train_config):
+    """The objective to train (``None``: the pre-training one)."""
+    if self.name == 'dpo':
+      from flax import nnx  # noqa: PLC0415
+
+      from maxnnx.train.preference import DPOObjective  # noqa: PLC0415
+      reference = model if isinstance(model, nnx.Module) else None
+      if reference is None:
+        raise UsageError('dpo starts from a trained policy: model=<Hugging Face dir> (a '
+                         'preset would be a random policy and reference).')
+      return DPOObjective(beta=options['beta'], loss_type=options['loss_type'],
+                          label_smoothing=options['label_smoothing'],
+                          reference=nnx.clone(reference))
+    if self.name == 'distill':
+      from maxnnx.train.distillation import DistillationObjective  # noqa: PLC0415
+      teacher = load_teacher(options['teacher'])
+      student_vocab = (model.vocab_size if hasattr(model, 'vocab_size')
+                       else model.config.vocab_size)
+      if teacher.config.vocab_size != student_vocab:
+        raise UsageError(
+            f"teacher={options['teacher']} has a vocabulary of {teacher.config.vocab_size} "
+            f'tokens and the student {student_vocab}: distillation compares their '
+            'distributions token by token, so both must use the same tokenizer (drop '
+            'model.vocab_size, or pick a student built for the teacher\'s tokenizer).')
+      return DistillationObjective(teacher, temperature=options['temperature'],
+                                   divergence=options['divergence'],
+                                   jsd_beta=options['jsd_beta'],
+                                   hard_label_weight=options['hard_label_weight'])
+    return None
+
+  def record(self, options: dict) -> dict:
+    """The recipe's keys, for the run's stored config (a resume must match them)."""
+    return {k: options[k] for k in self.keys}
+
+
+def _teacher_dir(teacher: str) -> str | None:
+  """The Hugging Face directory behind ``teacher`` (itself, or a run's ``final/``)."""
+  for candidate in (teacher, os.path.join(teacher, 'final')):
+    if os.path.isfile(os.path.join(candidate, 'config.json')):
+      return candidate
+  return None
+
+
+def teacher_tokenizer(teacher: str) -> str | None:
+  """The tokenizer file stored with ``teacher`` (a checkpoint or run directory), if any."""
+  for directory in filter(None, (_teacher_dir(teacher), teacher)):
+    for name in ('tokenizer.json', 'tokenizer.model'):
+      if os.path.isfile(os.path.join(directory, name)):
+        return os.path.join(directory, name)
+  return None
+
+
+def teacher_config(teacher: str):
+  """The teacher's ModelConfig without loading its weights."""
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.models.checkpoints import checkpoint_config  # noqa: PLC0415
+  from maxnnx.models.pretrained import config_from_pretrained  # noqa: PLC0415
+  hf_dir = _teacher_dir(teacher)
+  if hf_dir:
+    return config_from_pretrained(hf_dir)
+  if os.path.isdir(teacher):
+    return checkpoint_config(teacher)
+  return maxnnx.get_preset(teacher)
+
+
+def load_teacher(teacher: str):
+  """The teacher model: from a Hugging Face or run directory, an orbax checkpoint, or a
+  preset (randomly initialised, with a warning)."""
+  from flax import nnx  # noqa: PLC0415
+
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.models.checkpoints import load_params  # noqa: PLC0415
+  hf_dir = _teacher_dir(teacher)
+  if hf_dir:
+    return maxnnx.from_pretrained(hf_dir)
+  if os.path.isdir(teacher):
+    return load_params(maxnnx.Transformer(teacher_config(teacher), rngs=nnx.Rngs(0)), teacher)
+  print(f'Warning: teacher={teacher} is a preset: its weights are random.')
+  return maxnnx.Transformer(maxnnx.get_preset(teacher), rngs=nnx.Rngs(1))
+
+
+PRETRAIN = Recipe('train')
+SFT = Recipe(
+    'sft', keys={'template': ('', TEMPLATE_DOC)},
+    run_defaults={'output_dir': 'runs/sft', 'sample_tokens': 0},
+    train_defaults={'steps': 200, 'learning_rate': 1e-4, 'warmup_steps': 10,
+                    'eval_every': 0, 'checkpoint_every': 100},
+    records=True)
+DPO = Recipe(
+    'dpo', keys={
+        'template': ('', TEMPLATE_DOC),
+        'beta': (0.1, 'DPO temperature beta: how far the policy may move from the reference'),
+        'loss_type': ('sigmoid', 'sigmoid (DPO), ipo or hinge'),
+        'label_smoothing': (0.0, 'probability that a preference label is wrong (sigmoid loss '
+                            'only; conservative DPO)'),
+    },
+    run_defaults={'output_dir': 'runs/dpo', 'sample_tokens': 0},
+    train_defaults={'steps': 100, 'learning_rate': 1e-5, 'warmup_steps': 5, 'eval_every': 0,
+                    'checkpoint_every': 50},
+    records=True)
+DISTILL = Recipe(
+    'distill', keys={
+        'teacher': ('', 'the teacher: a Hugging Face dir, a maxnnx train output dir, an orbax '
+                    'checkpoint or a preset; its tokenizer is the default tokenizer='),
+        'divergence': ('forward_kl', 'forward_kl, reverse_kl or jsd'),
+        'temperature': (1.0, 'softmax temperature of both models (the loss is scaled by T^2)'),
+        'jsd_beta': (0.5, 'weight of the teacher in the jsd mixture'),
+        'hard_label_weight': (0.0, 'weight of the next-token cross-entropy mixed into the loss'),
+    },
+    run_defaults={'output_dir': 'runs/distill'},
+    train_defaults={'steps': 300})
+
+RECIPES = {r.name: r for r in (PRETRAIN, SFT, DPO, DISTILL)}

@@ -1,0 +1,140 @@
+"""The fine-tuning commands end to end: ``maxnnx sft``, ``dpo`` and ``distill``."""
+
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import maxnnx
+from maxnnx import cli
+from maxnnx.data import load_chat_template, load_tokenizer
+
+CHATS = [
+    {'messages': [{'role': 'user', 'content': f'Who speaks line {i}?'},
+                  {'role': 'assistant', 'content': name}]}
+    for i, name in enumerate(['ROMEO', 'JULIET', 'MERCUTIO', 'TYBALT'] * 4)]
+PREFS = [{'prompt': [{'role': 'user', 'content': f'Greet number {i}.'}],
+          'chosen': 'Good morrow, my lord.', 'rejected': 'Away!'} for i in range(8)]
+SMALL = ['global_batch_size=4', 'seq_len=32', 'log_every=1', 'mesh.data=1']
+
+
+def _jsonl(path, records):
+  path.write_text(''.join(json.dumps(r) + '\n' for r in records), encoding='utf-8')
+  return str(path)
+
+
+def _metrics(out):
+  with open(os.path.join(out, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope='module')
+def base(chat_checkpoint, tmp_path_factory):
+  """A small random chat model in Hugging Face format, with its tokenizer and template."""
+  directory = str(tmp_path_factory.mktemp('base'))
+  cfg = maxnnx.get_preset('tiny', vocab_size=512, num_layers=2)
+  maxnnx.save_pretrained(maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)), directory)
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    shutil.copy(os.path.join(chat_checkpoint, name), directory)
+  return directory
+
+
+@pytest.fixture(scope='module')
+def sft_run(base, tmp_path_factory):
+  tmp = tmp_path_factory.mktemp('sft')
+  out = str(tmp / 'run')
+  args = ['sft', f'model={base}', f"data={_jsonl(tmp / 'chat.jsonl', CHATS)}", 'steps=6',
+          'learning_rate=3e-3', 'warmup_steps=0', f'output_dir={out}', *SMALL]
+  assert cli.main(args) == 0
+  return out, args
+
+
+def test_sft_trains_on_assistant_tokens_and_exports_a_chat_model(sft_run, base):
+  out, _ = sft_run
+  losses = [m['loss'] for m in _metrics(out)]
+  assert len(losses) == 6 and losses[-1] < losses[0]
+  final = os.path.join(out, 'final')
+  assert {'config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json',
+          'chat_template.jinja'} <= set(os.listdir(final))
+  assert load_chat_template(final).source == load_chat_template(base).source
+  assert load_tokenizer(final).vocab_size == load_tokenizer(base).vocab_size
+  stored = json.load(open(os.path.join(out, 'run_config.json')))
+  assert stored['objective'] == {'template': ''}
+
+
+def test_sft_refuses_a_changed_template_on_resume(sft_run, capsys):
+  out, args = sft_run
+  assert cli.main([*args, 'template=llama3']) == 2
+  assert 'template' in capsys.readouterr().err
+
+
+def test_sft_without_a_tokenizer_is_refused(tmp_path, capsys):
+  data = _jsonl(tmp_path / 'chat.jsonl', CHATS)
+  assert cli.main(['sft', 'model=tiny', f'data={data}', f'output_dir={tmp_path}/o']) == 2
+  assert 'tokenizer=<path>' in capsys.readouterr().err
+
+
+def test_dpo_starts_at_ln2_and_moves_towards_chosen(sft_run, tmp_path):
+  policy = os.path.join(sft_run[0], 'final')
+  out = str(tmp_path / 'dpo')
+  args = ['dpo', f'model={policy}', f"data={_jsonl(tmp_path / 'prefs.jsonl', PREFS)}",
+          'steps=4', 'beta=0.5', 'learning_rate=1e-3', 'warmup_steps=0', f'output_dir={out}',
+          *SMALL]
+  assert cli.main(args) == 0
+  metrics = _metrics(out)
+  assert metrics[0]['loss'] == pytest.approx(math.log(2), abs=1e-5)
+  assert metrics[0]['rewards/margins'] == pytest.approx(0.0, abs=1e-5)
+  for name in ('rewards/chosen', 'rewards/rejected', 'rewards/accuracies', 'logps/chosen',
+               'logps/rejected'):
+    assert all(np.isfinite(m[name]) for m in metrics)
+  assert metrics[-1]['loss'] < metrics[0]['loss']
+  assert metrics[-1]['rewards/margins'] > 0
+
+
+def test_distill_uses_the_teachers_tokenizer_and_vocabulary(sft_run, tmp_path, capsys):
+  teacher = sft_run[0]  # a run directory: its final/ and tokenizer are found
+  text = tmp_path / 'text.txt'
+  text.write_text(open(maxnnx.data.DEFAULT_CORPUS, encoding='utf-8').read()[:20_000])
+  out = str(tmp_path / 'student')
+  args = ['distill', f'teacher={teacher}', 'model=tiny', 'model.num_layers=1', f'data={text}',
+          'steps=3', 'temperature=2.0', 'hard_label_weight=0.5', f'output_dir={out}',
+          'eval_every=0', *SMALL]
+  assert cli.main(args) == 0
+  metrics = _metrics(out)
+  assert all(np.isfinite([m['loss'], m['distill_loss'], m['ce_loss']]).all() for m in metrics)
+  for m in metrics:
+    assert m['loss'] == pytest.approx(0.5 * m['distill_loss'] + 0.5 * m['ce_loss'], rel=1e-5)
+  student = maxnnx.from_pretrained(os.path.join(out, 'final'))
+  assert student.config.vocab_size == 512
+  assert os.path.exists(os.path.join(out, 'final', 'tokenizer.json'))
+  capsys.readouterr()
+  bad = [*args, f'output_dir={tmp_path}/bad', 'model.vocab_size=600']
+  assert cli.main(bad) == 2
+  assert 'same tokenizer' in capsys.readouterr().err
+
+
+def test_distill_needs_a_teacher(tmp_path, capsys):
+  assert cli.main(['distill', f'output_dir={tmp_path}/o']) == 2
+  assert 'distill needs teacher=' in capsys.readouterr().err
+
+
+def test_help_lists_the_recipe_keys(capsys):
+  assert cli.main(['dpo', '--help']) == 0
+  text = capsys.readouterr().out
+  assert 'beta' in text and 'loss_type' in text and 'learning_rate' in text
+
+
+def test_train_continues_a_checkpoint_with_its_own_tokenizer(base, tmp_path):
+  text = tmp_path / 'text.txt'
+  text.write_text(open(maxnnx.data.DEFAULT_CORPUS, encoding='utf-8').read()[:20_000])
+  out = str(tmp_path / 'run')
+  assert cli.main(['train', f'model={base}', f'data={text}', 'steps=2', 'eval_every=0',
+                   f'output_dir={out}', *SMALL]) == 0
+  stored = json.load(open(os.path.join(out, 'run_config.json')))
+  assert stored['tokenizer']['source'] == os.path.join(base, 'tokenizer.json')
+  assert not os.path.exists(os.path.join(out, 'tokenizer.model'))  # none trained
+  assert load_tokenizer(os.path.join(out, 'final')).vocab_size == load_tokenizer(base).vocab_size
