@@ -30,6 +30,7 @@ from maxnnx.config import (
     RopeConfig,
     RuntimeConfig,
 )
+from maxnnx.inference.chat import chat
 from maxnnx.inference.generate import GenerationResult, generate
 from maxnnx.models.counting import num_active_params, num_params
 from maxnnx.models.hf import PretrainedError
@@ -63,6 +64,6 @@ __all__ = [
     'ConfigError', 'DataConfig', 'GenerationResult', 'MLAConfig', 'MTPConfig', 'MeshConfig',
     'ModelConfig', 'MoEConfig', 'PretrainedError', 'RopeConfig', 'RuntimeConfig',
     'SafetensorsError', 'TrainConfig', 'Trainer', 'Transformer', 'config_from_pretrained',
-    'from_pretrained', 'generate', 'get_preset', 'list_presets', 'make_pipeline',
+    'chat', 'from_pretrained', 'generate', 'get_preset', 'list_presets', 'make_pipeline',
     'num_active_params', 'num_params', 'save_pretrained',
 ]

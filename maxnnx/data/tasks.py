@@ -1,0 +1,114 @@
+"""A small fine-tuning task made from the shipped corpus: who speaks this line?
+
+Each speech of the Shakespeare corpus starts with its speaker's name on a line
+of its own. :func:`speaker_task` keeps the speeches of the most frequent
+speakers and turns each into a chat::
+
+  user:      Which character says: "Now is the winter of our discontent"?
+  assistant: GLOUCESTER
+
+split deterministically (by a hash of the line) into train and held-out
+records. The package ships the result as ``speakers_train.jsonl`` and
+``speakers_test.jsonl`` (:data:`SPEAKER_TASK`); ``python -m maxnnx.data.tasks
+OUT_DIR`` writes them again, byte for byte.
+
+:func:`accuracy` scores replies against the held-out answers (exact match after
+stripping whitespace).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from maxnnx.data.text import DEFAULT_CORPUS
+
+_CORPUS_DIR = os.path.dirname(DEFAULT_CORPUS)
+#: The shipped task files: ``{'train': path, 'test': path}``.
+SPEAKER_TASK = {split: os.path.join(_CORPUS_DIR, f'speakers_{split}.jsonl')
+                for split in ('train', 'test')}
+QUESTION = 'Which character says: "{line}"?'
+
+
+def _speeches(text: str) -> list[tuple[str, str]]:
+  """``(speaker, first line)`` of every speech (a block ``NAME:\\nline...``)."""
+  speeches = []
+  for block in text.split('\n\n'):
+    lines = block.strip('\n').split('\n')
+    if len(lines) >= 2 and lines[0].endswith(':') and lines[1].strip():
+      speeches.append((lines[0][:-1], lines[1].strip()))
+  return speeches
+
+
+def speaker_task(corpus: str = DEFAULT_CORPUS, *, speakers: int = 8, min_words: int = 4,
+                 test_fraction: float = 0.15) -> tuple[list[dict], list[dict]]:
+  """``(train records, test records)`` of the who-speaks-this-line task.
+
+  Args:
+    corpus: a text file of ``NAME:`` speeches separated by blank lines.
+    speakers: how many of the most frequent speakers to keep.
+    min_words: speeches whose first line has fewer words are left out.
+    test_fraction: share of the records held out (chosen by a hash of the line).
+
+  Records are chats ``{"messages": [user question, assistant answer]}``, each
+  question's line appearing once in the whole task.
+  """
+  with open(corpus, encoding='utf-8') as f:
+    speeches = _speeches(f.read())
+  counts = collections.Counter(name for name, _ in speeches)
+  kept = {name for name, _ in counts.most_common(speakers)}
+  seen, train, test = set(), [], []
+  for name, line in speeches:
+    if name not in kept or len(line.split()) < min_words or line in seen:
+      continue
+    seen.add(line)
+    record = {'messages': [{'role': 'user', 'content': QUESTION.format(line=line)},
+                           {'role': 'assistant', 'content': name}]}
+    bucket = int(hashlib.sha256(line.encode()).hexdigest()[:8], 16) / 0x100000000
+    (test if bucket < test_fraction else train).append(record)
+  return train, test
+
+
+def write_speaker_task(directory: str, **kwargs) -> dict[str, str]:
+  """Write ``speakers_train.jsonl`` and ``speakers_test.jsonl`` into ``directory``;
+  returns their paths by split. ``kwargs`` go to :func:`speaker_task`."""
+  os.makedirs(directory, exist_ok=True)
+  paths = {}
+  for split, records in zip(('train', 'test'), speaker_task(**kwargs)):
+    paths[split] = os.path.join(directory, f'speakers_{split}.jsonl')
+    with open(paths[split], 'w', encoding='utf-8') as f:
+      f.writelines(json.dumps(r, ensure_ascii=False) + '\n' for r in records)
+  return paths
+
+
+def read_records(path: str) -> list[dict]:
+  """The JSON records of a JSONL file."""
+  with open(path, encoding='utf-8') as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def accuracy(replies: Sequence[str], records: Sequence[dict]) -> float:
+  """Share of ``replies`` equal (whitespace stripped) to their record's last assistant turn."""
+  if len(replies) != len(records):
+    raise ValueError(f'{len(replies)} replies for {len(records)} records.')
+  answers = [r['messages'][-1]['content'].strip() for r in records]
+  return sum(a == b.strip() for a, b in zip(answers, replies)) / max(len(records), 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """``python -m maxnnx.data.tasks OUT_DIR``: write the speaker task files."""
+  argv = sys.argv[1:] if argv is None else argv
+  if len(argv) != 1:
+    print('usage: python -m maxnnx.data.tasks OUT_DIR', file=sys.stderr)
+    return 2
+  for split, path in write_speaker_task(argv[0]).items():
+    print(f'{split}: {path} ({len(read_records(path))} records)')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
