@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from maxnnx.data import (
+    DEFAULT_CORPUS,
     DataConfig,
     encode_chat,
     encode_prompt_completion,
@@ -341,3 +342,17 @@ def test_sft_pipeline_resumes(tmp_path, checkpoint):
     got = next(resumed)
     for key in want:
       np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_trained_sentencepiece_has_single_chatml_pieces(tmp_path):
+  from maxnnx.data import SentencePieceTokenizer, train_sentencepiece
+  from maxnnx.data.chat import special_tokens
+  text = tmp_path / 'text.txt'
+  with open(DEFAULT_CORPUS, encoding='utf-8') as f:
+    text.write_text(f.read()[:100_000], encoding='utf-8')
+  tokenizer = SentencePieceTokenizer(train_sentencepiece(str(text), str(tmp_path / 'sp'), 400))
+  specials = special_tokens(tokenizer)
+  assert {'<s>', '</s>', '<|im_start|>', '<|im_end|>'} <= set(specials) and '\n' not in specials
+  ids, mask = encode_chat(tokenizer, 'chatml', CONVERSATION[1:3])
+  assert ids.count(specials['<|im_start|>']) == 2 and ids.count(specials['<|im_end|>']) == 2
+  assert _trained_text(tokenizer, ids, mask) == ['A king.<|im_end|>']

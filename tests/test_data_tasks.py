@@ -33,3 +33,14 @@ def test_accuracy_is_exact_match():
   assert accuracy([' A\n', 'C'], records) == 0.5
   with pytest.raises(ValueError, match='1 replies for 2 records'):
     accuracy(['A'], records)
+
+
+def test_preferences_reject_another_speaker():
+  from maxnnx.data.tasks import speaker_preferences
+  records = read_records(SPEAKER_TASK['test'])
+  pairs = speaker_preferences(records, seed=1)
+  assert len(pairs) == len(records)
+  for pair, record in zip(pairs, records):
+    assert pair['prompt'] == record['messages'][:1]
+    assert pair['chosen'] == record['messages'][1]['content'] != pair['rejected']
+  assert speaker_preferences(records, seed=1) == pairs

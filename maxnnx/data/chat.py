@@ -294,10 +294,8 @@ def _specials(tokenizer) -> tuple[dict[str, int], re.Pattern | None]:
   processor = getattr(tokenizer, 'processor', None)
   if backend is not None and hasattr(backend, 'get_added_tokens_decoder'):
     found = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
-  elif processor is not None and hasattr(processor, 'is_control'):
-    found = {processor.id_to_piece(i): i for i in range(processor.get_piece_size())
-             if (processor.is_control(i) or processor.is_user_defined(i))
-             and processor.id_to_piece(i).strip()}
+  elif processor is not None and hasattr(processor, 'serialized_model_proto'):
+    found = _sentencepiece_specials(processor)
   elif isinstance(getattr(tokenizer, 'special_tokens', None), Mapping):
     found = dict(tokenizer.special_tokens)
   pattern = None
@@ -312,6 +310,17 @@ def _specials(tokenizer) -> tuple[dict[str, int], re.Pattern | None]:
 
 
 _SPECIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _sentencepiece_specials(processor) -> dict[str, int]:
+  """Control and user-defined pieces of a sentencepiece model (whitespace-only ones left
+  out), read from its model proto: the Python API tells control pieces only."""
+  from sentencepiece import sentencepiece_model_pb2  # noqa: PLC0415
+  proto = sentencepiece_model_pb2.ModelProto()
+  proto.ParseFromString(processor.serialized_model_proto())
+  kinds = (proto.SentencePiece.CONTROL, proto.SentencePiece.USER_DEFINED)
+  return {piece.piece: i for i, piece in enumerate(proto.pieces)
+          if piece.type in kinds and piece.piece.strip()}
 
 
 def special_tokens_by_id(tokenizer) -> dict[int, str]:

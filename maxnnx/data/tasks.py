@@ -12,7 +12,8 @@ records. The package ships the result as ``speakers_train.jsonl`` and
 ``speakers_test.jsonl`` (:data:`SPEAKER_TASK`); ``python -m maxnnx.data.tasks
 OUT_DIR`` writes them again, byte for byte.
 
-:func:`accuracy` scores replies against the held-out answers (exact match after
+:func:`speaker_preferences` turns the chats into DPO pairs (the right speaker chosen, another
+rejected). :func:`accuracy` scores replies against the held-out answers (exact match after
 stripping whitespace).
 """
 
@@ -83,6 +84,22 @@ def write_speaker_task(directory: str, **kwargs) -> dict[str, str]:
     with open(paths[split], 'w', encoding='utf-8') as f:
       f.writelines(json.dumps(r, ensure_ascii=False) + '\n' for r in records)
   return paths
+
+
+def speaker_preferences(records: Sequence[dict], *, seed: int = 0) -> list[dict]:
+  """Preference records for DPO from task chats: the prompt is the question, ``chosen``
+  the right speaker and ``rejected`` another of the task's speakers (picked with ``seed``)."""
+  import random  # noqa: PLC0415
+  rng = random.Random(seed)
+  names = sorted({r['messages'][-1]['content'] for r in records})
+  if len(names) < 2:
+    raise ValueError('speaker_preferences needs records of at least two speakers.')
+  pairs = []
+  for record in records:
+    answer = record['messages'][-1]['content']
+    wrong = rng.choice([n for n in names if n != answer])
+    pairs.append({'prompt': record['messages'][:-1], 'chosen': answer, 'rejected': wrong})
+  return pairs
 
 
 def read_records(path: str) -> list[dict]:
