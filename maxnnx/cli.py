@@ -414,8 +414,8 @@ def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
   data, num_tokens = None, 0
   if need_data and recipe.records:
     import jax  # noqa: PLC0415
-    vocab = model.vocab_size if hasattr(model, 'vocab_size') else model.config.vocab_size
-    data = recipe.data(options, run['data'], data_fields, tokenizer, vocab, train_config,
+    model_config = model if hasattr(model, 'to_dict') else model.config
+    data = recipe.data(options, run['data'], data_fields, tokenizer, model_config, train_config,
                        train_config.global_batch_size // jax.process_count())
   elif need_data:
     data, num_tokens = _training_data(run, data_fields, corpus, model, tokenizer, train_config)
@@ -448,7 +448,8 @@ def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
 
   trainer, run, tokenizer, num_tokens = _build_trainer(options, run_dir=run_dir, recipe=recipe)
   cfg, out = trainer.config, run['output_dir']
-  template = _run_template(recipe, options, tokenizer)
+  template = (recipe.template(options, tokenizer, trainer.model_config.family)
+              if recipe.records and tokenizer is not None else None)
   source = (f'{num_tokens:,} tokens' if num_tokens else
             'synthetic tokens' if run['data'] == 'synthetic' else run['data'])
   print(f"{recipe.name.upper() + ': ' if recipe.records or recipe.name == 'distill' else ''}"
@@ -522,14 +523,6 @@ def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missin
     write_json(options_path, options)
     written.append('train_options.json')
   return written
-
-
-def _run_template(recipe: Recipe, options: dict, tokenizer):
-  """The chat template a records run trained with (``None`` for the others)."""
-  if not recipe.records or tokenizer is None:
-    return None
-  from maxnnx.data.sft import resolve_tokenizer_and_template  # noqa: PLC0415
-  return resolve_tokenizer_and_template(tokenizer, recipe.template(options))[1]
 
 
 def _save_tokenizer(tokenizer, template, directory: str) -> None:

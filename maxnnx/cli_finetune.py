@@ -65,20 +65,29 @@ class Recipe:
     teacher_cfg = teacher_config(options['teacher'])
     return cfg.replace(vocab_size=teacher_cfg.vocab_size)
 
-  def template(self, options: dict):
-    """The ``template=`` value as :func:`~maxnnx.data.make_sft_pipeline` takes it."""
+  def template(self, options: dict, tokenizer, family: str | None = None):
+    """The run's chat template (a :class:`~maxnnx.data.ChatTemplate`, or ``None``):
+    ``template=`` (a built-in name, Jinja text or a ``.jinja`` file), else the one stored
+    beside the tokenizer, else the built-in template of the model's ``family`` if any."""
+    from maxnnx.data import ChatTemplate  # noqa: PLC0415
+    from maxnnx.data.chat import builtin_template  # noqa: PLC0415
+    from maxnnx.data.sft import resolve_tokenizer_and_template  # noqa: PLC0415
     value = options.get('template', '')
-    if not value:
-      return None
-    if value.endswith('.jinja') or os.path.isfile(value):
+    if value.endswith('.jinja') or (value and os.path.isfile(value)):
       if not os.path.isfile(value):
         raise FileNotFoundError(f'template={value}: no such file.')
-      from maxnnx.data import ChatTemplate  # noqa: PLC0415
       with open(value, encoding='utf-8') as f:
-        return ChatTemplate(f.read(), origin=value)
-    return value
+        value = ChatTemplate(f.read(), origin=value)
+    template = resolve_tokenizer_and_template(tokenizer, value or None)[1]
+    if template is None and family:
+      try:
+        builtin_template(family)
+      except ValueError:
+        return None
+      template = resolve_tokenizer_and_template(tokenizer, family)[1]
+    return template
 
-  def data(self, options: dict, spec: str, data_fields: dict, tokenizer, vocab_size: int,
+  def data(self, options: dict, spec: str, data_fields: dict, tokenizer, model_config,
            train_config, local_batch: int):
     """The training batches of a records recipe."""
     from maxnnx.data import DataConfig, make_preference_pipeline, make_sft_pipeline  # noqa
@@ -88,8 +97,9 @@ class Recipe:
     make = make_sft_pipeline if self.name == 'sft' else make_preference_pipeline
     fields = {'overlong': 'truncate', **data_fields} if self.name == 'sft' else data_fields
     config = DataConfig.from_string(spec, **fields)
-    return make(config, tokenizer, self.template(options), batch_size=local_batch,
-                seq_len=train_config.seq_len, seed=train_config.seed, vocab_size=vocab_size)
+    return make(config, tokenizer, self.template(options, tokenizer, model_config.family),
+                batch_size=local_batch, seq_len=train_config.seq_len, seed=train_config.seed,
+                vocab_size=model_config.vocab_size)
 
   def objective(self, options: dict, model, train_config):
     """The objective to train (``None``: the pre-training one)."""
@@ -176,7 +186,7 @@ PRETRAIN = Recipe('train')
 SFT = Recipe(
     'sft', keys={'template': ('', TEMPLATE_DOC)},
     run_defaults={'output_dir': 'runs/sft', 'sample_tokens': 0},
-    train_defaults={'steps': 200, 'learning_rate': 1e-4, 'warmup_steps': 10,
+    train_defaults={'steps': 200, 'learning_rate': 1e-4,
                     'eval_every': 0, 'checkpoint_every': 100},
     records=True)
 DPO = Recipe(
@@ -188,7 +198,7 @@ DPO = Recipe(
                             'only; conservative DPO)'),
     },
     run_defaults={'output_dir': 'runs/dpo', 'sample_tokens': 0},
-    train_defaults={'steps': 100, 'learning_rate': 1e-5, 'warmup_steps': 5, 'eval_every': 0,
+    train_defaults={'steps': 100, 'learning_rate': 1e-5, 'eval_every': 0,
                     'checkpoint_every': 50},
     records=True)
 DISTILL = Recipe(

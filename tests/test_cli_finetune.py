@@ -138,3 +138,16 @@ def test_train_continues_a_checkpoint_with_its_own_tokenizer(base, tmp_path):
   assert stored['tokenizer']['source'] == os.path.join(base, 'tokenizer.json')
   assert not os.path.exists(os.path.join(out, 'tokenizer.model'))  # none trained
   assert load_tokenizer(os.path.join(out, 'final')).vocab_size == load_tokenizer(base).vocab_size
+
+
+def test_sft_on_chats_without_any_template_names_the_key(base, tmp_path, capsys):
+  bare = tmp_path / 'bare'
+  bare.mkdir()
+  for name in ('config.json', 'model.safetensors', 'tokenizer.json'):
+    shutil.copy(os.path.join(base, name), bare)
+  args = ['sft', f'model={bare}', f"data={_jsonl(tmp_path / 'chat.jsonl', CHATS)}", 'steps=1',
+          f'output_dir={tmp_path}/out', *SMALL]
+  assert cli.main(args) == 2  # a llama checkpoint has no built-in template to fall back on
+  assert 'pass template=' in capsys.readouterr().err
+  assert cli.main([*args, 'template=chatml', f'output_dir={tmp_path}/out2']) == 0
+  assert load_chat_template(f'{tmp_path}/out2/final').origin.endswith('chat_template.jinja')
