@@ -23,6 +23,11 @@ memory, and fail fast when it cannot fit, without allocating any weights) and
 
 ``checkpoint_every=N`` saves to ``<output_dir>/checkpoints``; running the same
 command again resumes from the newest complete checkpoint.
+
+``output_dir`` and ``checkpoint_dir`` may be URLs (``gs://bucket/run``, see
+:mod:`maxnnx.paths`): what only a local file can hold (the trained tokenizer, the
+``final/`` export) is written locally first and copied up. ``model=``, ``data=`` and
+``tokenizer=`` are read from local paths.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import tempfile
 
 import numpy as np
 
+from maxnnx import paths
 from maxnnx.cli_finetune import PRETRAIN, RECIPES, Recipe
 from maxnnx.cli_keys import (
     Key,
@@ -187,7 +193,8 @@ def _plot_loss(history: list[dict], path: str) -> None:
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with paths.open_file(path, 'wb') as f:
+    fig.savefig(f, format='png', dpi=120)
   plt.close(fig)
 
 
@@ -199,10 +206,11 @@ def _split_options(options: dict, recipe: Recipe = PRETRAIN):
   """
   from maxnnx.train.config import TrainConfig  # noqa: PLC0415
   run = {k: options[k] for k in RUN_KEYS}
+  run['output_dir'] = paths.normalize(run['output_dir'])
   fields = {k: v for k, v in options.items()
             if k not in RUN_KEYS and k not in recipe.keys and '.' not in k}
   if fields.get('checkpoint_every') and not fields.get('checkpoint_dir'):
-    fields['checkpoint_dir'] = os.path.join(run['output_dir'], 'checkpoints')
+    fields['checkpoint_dir'] = paths.join(run['output_dir'], 'checkpoints')
   train_config = TrainConfig.from_dict({**fields, 'mesh': subtree(options, 'mesh.')})
   model_changes, data_fields = subtree(options, 'model.'), subtree(options, 'data.')
   if 'sources' in data_fields:
@@ -255,9 +263,9 @@ def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None,
 
   A tokenizer trained on a .txt corpus is pinned to the run: reused while the corpus is the
   one ``pinned`` (the stored record) names, else trained afresh into ``<out>/.tokenizer-new/``
-  for :func:`_pin_tokenizer` to move into place once the run's config is accepted. Document
-  data (JSONL, Parquet, a directory) without ``tokenizer=`` gets one trained the same way on
-  the text of its documents (``data.column``).
+  (:func:`_tokenizer_staging`) for :func:`_pin_tokenizer` to move into place once the run's
+  config is accepted. Document data (JSONL, Parquet, a directory) without ``tokenizer=`` gets
+  one trained the same way on the text of its documents (``data.column``).
   """
   import maxnnx  # noqa: PLC0415
   from maxnnx.data import load_tokenizer  # noqa: PLC0415
@@ -305,14 +313,14 @@ def _corpus_tokenizer(vocab_size: int, out: str, corpus: str, pinned: dict | Non
   from maxnnx.data import SentencePieceTokenizer, train_sentencepiece  # noqa: PLC0415
   from maxnnx.train.run_dir import file_fingerprint  # noqa: PLC0415
   corpus_sha = file_fingerprint(corpus)
-  path = os.path.join(out, 'tokenizer.model')
-  if (pinned and pinned.get('corpus_sha256') == corpus_sha and os.path.exists(path)
+  path = paths.join(out, 'tokenizer.model')
+  if (pinned and pinned.get('corpus_sha256') == corpus_sha and paths.exists(path)
       and file_fingerprint(path) == pinned.get('sha256')):
-    return SentencePieceTokenizer(path), pinned
+    return SentencePieceTokenizer(paths.local_copy(path)), pinned
   print(f'Training a {vocab_size}-token sentencepiece BPE tokenizer on {corpus} ...')
-  os.makedirs(os.path.join(out, '.tokenizer-new'), exist_ok=True)
-  candidate = train_sentencepiece(corpus, os.path.join(out, '.tokenizer-new', 'tokenizer'),
-                                  vocab_size)
+  staging = _tokenizer_staging(out)
+  os.makedirs(staging, exist_ok=True)
+  candidate = train_sentencepiece(corpus, os.path.join(staging, 'tokenizer'), vocab_size)
   record = {'sha256': file_fingerprint(candidate), 'source': corpus, 'corpus_sha256': corpus_sha}
   return SentencePieceTokenizer(candidate), record
 
@@ -344,13 +352,26 @@ def _documents_as_text(data: str, data_fields: dict, path: str,
   return path
 
 
+def _tokenizer_staging(out: str) -> str:
+  """Where a tokenizer trained for the run in ``out`` waits for the run's config to be
+  accepted: ``<out>/.tokenizer-new``, or a local directory of this process when ``out`` is a
+  URL (sentencepiece writes local files only)."""
+  if paths.is_remote(out):
+    return os.path.join(paths.scratch_dir(), '.tokenizer-new')
+  return os.path.join(out, '.tokenizer-new')
+
+
 def _pin_tokenizer(out: str) -> None:
   """Move a tokenizer trained for this run into ``out`` (``tokenizer.model``/``.vocab``)."""
-  new = os.path.join(out, '.tokenizer-new')
+  new = _tokenizer_staging(out)
   if not os.path.isdir(new):
     return
   for name in os.listdir(new):
-    os.replace(os.path.join(new, name), os.path.join(out, name))
+    if paths.is_remote(out):
+      paths.write_bytes(paths.join(out, name), paths.read_bytes(os.path.join(new, name)))
+      os.remove(os.path.join(new, name))
+    else:
+      os.replace(os.path.join(new, name), os.path.join(out, name))
   os.rmdir(new)
 
 
@@ -406,11 +427,11 @@ def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
       run_dir.check_config(run_config(model_config, train_config, tokenizer_record,
                                       objective=recipe.record(options) or None))
     except ValueError:
-      shutil.rmtree(os.path.join(out, '.tokenizer-new'), ignore_errors=True)
+      shutil.rmtree(_tokenizer_staging(out), ignore_errors=True)
       raise
     _pin_tokenizer(out)
     if tokenizer_record and '.tokenizer-new' in getattr(tokenizer, 'path', ''):
-      tokenizer = type(tokenizer)(os.path.join(out, 'tokenizer.model'))
+      tokenizer = type(tokenizer)(paths.local_copy(paths.join(out, 'tokenizer.model')))
   data, num_tokens = None, 0
   if need_data and recipe.records:
     import jax  # noqa: PLC0415
@@ -468,7 +489,7 @@ def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
             'starting from scratch.')
     if cfg.metrics_jsonl is None:
       trainer.config = cfg = dataclasses.replace(
-          cfg, metrics_jsonl=os.path.join(out, 'metrics.jsonl'))
+          cfg, metrics_jsonl=paths.join(out, 'metrics.jsonl'))
       run_dir.trim_metrics(cfg.metrics_jsonl, resumed)
     history = trainer.fit() if trainer.step_count < cfg.steps else []
   finally:
@@ -488,7 +509,7 @@ def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
     return {'first_loss': None, 'last_loss': None, 'eval_loss': None}
   _finish(trainer, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl) or history,
           tokenizer=tokenizer, template=template)
-  trained_tokenizer = os.path.exists(os.path.join(out, 'tokenizer.model')) and not run['tokenizer']
+  trained_tokenizer = paths.exists(paths.join(out, 'tokenizer.model')) and not run['tokenizer']
   print(f'Wrote {out}/: metrics.jsonl, loss.png, final/ (Hugging Face format)'
         + (', tokenizer.model' if trained_tokenizer else '') + '.')
   if run['sample_tokens'] and tokenizer is not None:
@@ -501,25 +522,25 @@ def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
 def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missing=False,
             tokenizer=None, template=None) -> list[str]:
   """Write ``final/``, ``loss.png`` and ``train_options.json`` (with ``only_missing``: those
-  that are not there yet); returns the names written. ``final/`` appears whole or not at all,
-  with the run's tokenizer and chat template beside the weights."""
+  that are not there yet); returns the names written. ``final/`` appears whole or not at all
+  (at a URL: its ``config.json`` is uploaded last), with the run's tokenizer and chat template
+  beside the weights."""
   import maxnnx  # noqa: PLC0415
-  from maxnnx.train.run_dir import replace_dir, write_json  # noqa: PLC0415
+  from maxnnx.train.run_dir import write_json  # noqa: PLC0415
   out, written = run_dir.directory, []
-  final = os.path.join(out, 'final')
-  if not (only_missing and os.path.exists(os.path.join(final, 'config.json'))):
-    tmp = final + '.tmp'
-    shutil.rmtree(tmp, ignore_errors=True)
-    maxnnx.save_pretrained(trainer.model, tmp)
-    _save_tokenizer(tokenizer, template, tmp)
-    replace_dir(tmp, final)
+  final = paths.join(out, 'final')
+  if not (only_missing and paths.exists(paths.join(final, 'config.json'))):
+    def export(directory):
+      maxnnx.save_pretrained(trainer.model, directory)
+      _save_tokenizer(tokenizer, template, directory)
+    paths.write_dir(final, export, last=('config.json',))
     written.append('final/')
-  plot = os.path.join(out, 'loss.png')
-  if history and not (only_missing and os.path.exists(plot)):
+  plot = paths.join(out, 'loss.png')
+  if history and not (only_missing and paths.exists(plot)):
     _plot_loss(history, plot)
     written.append('loss.png')
-  options_path = os.path.join(out, 'train_options.json')
-  if not (only_missing and os.path.exists(options_path)):
+  options_path = paths.join(out, 'train_options.json')
+  if not (only_missing and paths.exists(options_path)):
     write_json(options_path, options)
     written.append('train_options.json')
   return written
@@ -558,21 +579,22 @@ def _sample(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, 
 
 
 def generate(options: dict) -> str:
-  """Run ``maxnnx generate``: continue ``prompt`` with the model in ``output_dir``."""
+  """Run ``maxnnx generate``: continue ``prompt`` with the model in ``output_dir`` (local or
+  a URL, whose files are downloaded first)."""
   import maxnnx  # noqa: PLC0415
   from maxnnx.data import SentencePieceTokenizer  # noqa: PLC0415
-  out = options['output_dir']
-  model_dir, tok_path = os.path.join(out, 'final'), os.path.join(out, 'tokenizer.model')
-  checkpoints = os.path.join(out, 'checkpoints')
-  if not os.path.exists(model_dir) and os.path.isdir(checkpoints):
+  out = paths.normalize(options['output_dir'])
+  model_dir, tok_path = paths.join(out, 'final'), paths.join(out, 'tokenizer.model')
+  checkpoints = paths.join(out, 'checkpoints')
+  if not paths.exists(model_dir) and paths.isdir(checkpoints):
     model = _model_from_checkpoint(checkpoints)  # an unfinished run: its newest checkpoint
   else:
     model = None
   for path in (model_dir, tok_path)[model is not None:]:
-    if not os.path.exists(path):
+    if not paths.exists(path):
       raise UsageError(f'{path} is missing: is {out} a directory written by maxnnx train?')
-  model = model if model is not None else maxnnx.from_pretrained(model_dir)
-  text = _sample(model, SentencePieceTokenizer(tok_path),
+  model = model if model is not None else maxnnx.from_pretrained(paths.local_copy(model_dir))
+  text = _sample(model, SentencePieceTokenizer(paths.local_copy(tok_path)),
                  options['prompt'], options['max_new_tokens'], options['temperature'],
                  options['top_p'], options['seed'], options['top_k'])
   print(text)
@@ -596,18 +618,22 @@ def convert(options: dict) -> str:
   src, dst = options['src'], options['dst']
   if not src or not dst:
     raise UsageError('convert needs src=<directory> and dst=<directory>.')
-  if not os.path.isdir(src):
+  if not paths.isdir(src):
     raise FileNotFoundError(f'src={src}: no such directory.')
-  source = 'hf' if os.path.exists(os.path.join(src, 'config.json')) else 'orbax'
+  source = 'hf' if paths.exists(paths.join(src, 'config.json')) else 'orbax'
   target = options['format'] or {'hf': 'orbax', 'orbax': 'hf'}[source]
   if target not in ('hf', 'orbax'):
     raise UsageError(f"format={target!r}: expected 'hf' or 'orbax'.")
   scan = bool(options['scan_layers']) and target == 'orbax'
   if source == 'hf':
-    model = maxnnx.from_pretrained(src, scan_layers=scan)
+    model = maxnnx.from_pretrained(paths.local_copy(src), scan_layers=scan)
   else:
     model = _model_from_checkpoint(src, scan_layers=scan)
-  if target == 'hf':
+  if target == 'hf' and paths.is_remote(dst):
+    with tempfile.TemporaryDirectory() as scratch:
+      maxnnx.save_pretrained(model, os.path.join(scratch, 'hf'))
+      paths.copy_tree_to(os.path.join(scratch, 'hf'), dst, last=('config.json',))
+  elif target == 'hf':
     maxnnx.save_pretrained(model, dst)
   else:
     save_params(model, dst)

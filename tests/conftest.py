@@ -1,4 +1,5 @@
-"""Shared test fixtures: paths of the committed Hugging Face reference checkpoints.
+"""Shared test fixtures: paths of the committed Hugging Face reference checkpoints, and a fake
+``gs://`` bucket.
 
 The suite runs with 8 simulated CPU devices so the parallelism tests can build
 real meshes; single-device tests ask for ``MeshConfig(data=1)`` or never touch
@@ -69,3 +70,62 @@ def chat_checkpoint(tmp_path_factory):
     json.dump({'bos_token': '<|begin_of_text|>', 'eos_token': '<|im_end|>',
                'chat_template': CHATML_TEMPLATE}, f)
   return directory
+
+
+class FakeGCS:
+  """What the ``fake_gcs`` fixture yields: ``url(path)`` and the in-memory filesystem."""
+
+  def __init__(self, fs, bucket: str):
+    self.fs, self.bucket = fs, bucket
+
+  def url(self, *names: str) -> str:
+    """``gs://<bucket>/<names...>``."""
+    return '/'.join([f'gs://{self.bucket}', *names])
+
+  def files(self, prefix: str = '') -> dict[str, bytes]:
+    """``{path below the bucket: content}`` of every object under ``prefix``."""
+    root = f'/{self.bucket}/'
+    return {name[len(root):]: f.getvalue() for name, f in self.fs.store.items()
+            if name.startswith(root + prefix)}
+
+
+@pytest.fixture
+def fake_gcs(monkeypatch):
+  """``gs://`` served from memory for the test: an fsspec MemoryFileSystem with a store of its
+  own that, like Cloud Storage, refuses to append. Registered for the ``gcs`` and ``gs``
+  protocols (what ``etils.epath`` asks fsspec for) and unregistered afterwards."""
+  import importlib
+
+  import fsspec
+  from etils.epath import backend
+  from fsspec.implementations.memory import MemoryFileSystem
+  from fsspec.utils import stringify_path
+
+  class FakeBucket(MemoryFileSystem):
+    protocol = ('gs', 'gcs')
+    store: dict = {}
+    pseudo_dirs = ['']
+
+    def __init__(self, *args, finalize_on_close=None, **kwargs):
+      super().__init__(*args, **kwargs)
+
+    @classmethod
+    def _strip_protocol(cls, path):
+      path = stringify_path(path)
+      for prefix in ('gs://', 'gcs://'):
+        path = path.removeprefix(prefix)
+      return super()._strip_protocol(path)
+
+    def _open(self, path, mode='rb', *args, **kwargs):
+      if 'a' in mode:
+        raise NotImplementedError('Cloud Storage objects cannot be appended to')
+      return super()._open(path, mode, *args, **kwargs)
+
+  registry = importlib.import_module('fsspec.registry')._registry  # monkeypatch restores it
+  for name in ('gcs', 'gs'):
+    monkeypatch.setitem(registry, name, FakeBucket)
+  backend.fsspec_backend._get_filesystem.cache_clear()  # epath caches the filesystem it made
+  try:
+    yield FakeGCS(fsspec.filesystem('gcs', skip_instance_cache=True), 'fake-bucket')
+  finally:
+    backend.fsspec_backend._get_filesystem.cache_clear()

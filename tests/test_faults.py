@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from maxnnx import cli
+from maxnnx import cli, paths
 from maxnnx.checkpoint.manager import CheckpointManager
 from maxnnx.checkpoint.run_lock import RunLock
 from maxnnx.data import DEFAULT_CORPUS
@@ -242,7 +242,7 @@ def test_read_only_output_dir(tmp_path, capsys, monkeypatch):
   if os.geteuid() == 0:  # root writes anywhere: simulate the file system's answer
     def read_only(path, *args, **kwargs):
       raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
-    monkeypatch.setattr(run_dir, 'open', read_only, raising=False)
+    monkeypatch.setattr(paths, 'open', read_only, raising=False)
   else:
     os.chmod(out, 0o555)
   try:

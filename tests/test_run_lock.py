@@ -1,14 +1,19 @@
-"""One run per output directory: refusal naming the holder, stale-lock takeover."""
+"""One run per output directory: refusal naming the holder, stale-lock takeover; on an object
+store (the ``fake_gcs`` bucket), a renewed lock object."""
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
-from maxnnx.checkpoint.run_lock import RunLock, RunLockedError
+from maxnnx import paths
+from maxnnx.checkpoint.run_lock import LOCK_NAME, RunLock, RunLockedError
 
 HOLD = textwrap.dedent('''
     import sys, time
@@ -71,6 +76,38 @@ def test_same_process_twice_is_refused(tmp_path):
     first.release()
 
 
-def test_remote_directories_are_not_locked(caplog):
-  lock = RunLock('gs://bucket/run').acquire()
-  assert not lock.held and 'not locked' in caplog.text
+# -- the run lock on an object store ---------------------------------------------------------------
+
+def test_lock_object_is_refused_while_fresh_and_deleted_on_release(fake_gcs):
+  run = fake_gcs.url('run')
+  first = RunLock(run, command='first', heartbeat_seconds=0.05).acquire()
+  try:
+    holder = json.loads(paths.read_text(paths.join(run, LOCK_NAME)))
+    assert holder['command'] == 'first' and holder['pid'] == os.getpid()
+    renewed = holder['renewed']
+    time.sleep(0.3)
+    assert first.holder()['renewed'] > renewed  # the heartbeat renews it
+    with pytest.raises(RunLockedError, match='is in use by another run') as refused:
+      RunLock(run).acquire()
+    assert f'delete {run}/{LOCK_NAME}' in str(refused.value)
+  finally:
+    first.release()
+  assert not paths.exists(paths.join(run, LOCK_NAME)) and not first.held
+  RunLock(run).acquire().release()  # free again
+
+
+@pytest.mark.parametrize('host, pid, age', [
+    ('elsewhere', 1, 3600.0),  # not renewed for an hour
+    (socket.gethostname(), 2 ** 22 + 1, 0.0),  # renewed just now, by a process gone from here
+])
+def test_stale_lock_object_is_taken_over(fake_gcs, host, pid, age, caplog):
+  run = fake_gcs.url('run')
+  holder = {'host': host, 'pid': pid, 'renewed': time.time() - age}
+  paths.write_text(paths.join(run, LOCK_NAME), json.dumps(holder))
+  lock = RunLock(run).acquire()
+  try:
+    assert lock.held and lock.stale_holder == holder
+    assert 'Taking over the lock' in caplog.text
+    assert lock.holder()['pid'] == os.getpid()
+  finally:
+    lock.release()

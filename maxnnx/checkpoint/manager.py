@@ -17,12 +17,14 @@ Why this survives a crash at any moment:
   the devices when the step was saved). A step that fails to load or to verify
   is logged with its step and the problem, moved aside to ``corrupt-<step>``,
   and the previous step is tried.
+
+The directory may be a URL (``gs://bucket/run/checkpoints``): it is handed to orbax as it is
+(orbax and tensorstore write to Cloud Storage themselves); a local path is made absolute.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
 
@@ -30,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
+
+from maxnnx import paths
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +81,7 @@ class CheckpointManager:
   """Periodic, asynchronous, verified checkpoints of a training run.
 
   Args:
-    directory: where the steps go (created if missing).
+    directory: where the steps go (created if missing): a local path or a URL.
     keep: how many of the newest steps to keep (older ones are deleted once a
       newer one is complete).
     async_save: write files in the background (``wait`` blocks until done).
@@ -86,7 +90,7 @@ class CheckpointManager:
   def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
     if keep < 1:
       raise ValueError(f'keep must be >= 1 checkpoints, got {keep}.')
-    self.directory = os.path.abspath(directory)
+    self.directory = paths.absolute(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep,
                                            enable_async_checkpointing=async_save,
                                            cleanup_tmp_directories=True, create=True)
@@ -192,23 +196,23 @@ class CheckpointManager:
   def _check_files(self, step: int) -> None:
     """Fail early, before any read is started, when an item's index files are missing."""
     for item in ('meta', 'state', 'extra'):
-      path = os.path.join(self._step_dir(step), item)
+      path = paths.join(self._step_dir(step), item)
       needed = ['metadata'] if item == 'meta' else ['_METADATA', 'manifest.ocdbt']
-      missing = [name for name in needed if not os.path.exists(os.path.join(path, name))]
+      missing = [name for name in needed if not paths.exists(paths.join(path, name))]
       if missing:
-        raise CheckpointError(f'missing file {os.path.join(path, missing[0])}')
+        raise CheckpointError(f'missing file {paths.join(path, missing[0])}')
 
   def _step_dir(self, step: int) -> str:
-    return os.path.join(self.directory, str(step))
+    return paths.join(self.directory, str(step))
 
   def _quarantine(self, step: int) -> None:
     if jax.process_index() == 0:
-      target = os.path.join(self.directory, f'corrupt-{step}')
+      target = paths.join(self.directory, f'corrupt-{step}')
       suffix = 0
-      while os.path.exists(target):
+      while paths.exists(target):
         suffix += 1
-        target = os.path.join(self.directory, f'corrupt-{step}.{suffix}')
-      os.rename(self._step_dir(step), target)
+        target = paths.join(self.directory, f'corrupt-{step}.{suffix}')
+      paths.rename(self._step_dir(step), target)
     self._manager.reload()
 
 
@@ -288,7 +292,7 @@ def restore_params(directory: str, abstract_params: Any, step: int | None = None
   restore_args = ocp.checkpoint_utils.construct_restore_args(item)
   checkpointer = ocp.PyTreeCheckpointer()
   restored = checkpointer.restore(
-      os.path.join(directory, str(step), 'state'),
+      paths.join(directory, str(step), 'state'),
       args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
   params = restored[0] if 0 in restored else restored['0']
   expected = meta['checksums']['state']

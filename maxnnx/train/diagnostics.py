@@ -10,19 +10,23 @@
   cache, so a restarted run loads the compiled step instead of compiling it.
 
 Files go to the directory the setting names or, by default, next to the
-run's metrics (see :func:`run_directory`).
+run's metrics (see :func:`run_directory`). Any of them may be a URL (``gs://``): a
+profile is traced into a local directory and copied up when it stops, HLO text is
+written through :mod:`maxnnx.paths`, and JAX opens a remote compilation cache itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import jax
 
+from maxnnx import paths
 from maxnnx.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -46,9 +50,9 @@ def run_directory(config) -> str:
   """Where a run's diagnostics go by default: the directory of ``metrics_jsonl``, else
   the parent of ``checkpoint_dir``, else ``tensorboard_dir``, else ``maxnnx_diagnostics``."""
   if config.metrics_jsonl:
-    return os.path.dirname(os.path.abspath(config.metrics_jsonl))
+    return paths.parent(config.metrics_jsonl)
   if config.checkpoint_dir:
-    return os.path.dirname(os.path.abspath(config.checkpoint_dir.rstrip('/')))
+    return paths.parent(config.checkpoint_dir.rstrip('/'))
   if config.tensorboard_dir:
     return config.tensorboard_dir
   return 'maxnnx_diagnostics'
@@ -56,12 +60,12 @@ def run_directory(config) -> str:
 
 def profile_directory(config) -> str:
   """``config.profile_dir``, or ``<run directory>/profile``."""
-  return config.profile_dir or os.path.join(run_directory(config), 'profile')
+  return config.profile_dir or paths.join(run_directory(config), 'profile')
 
 
 def hlo_directory(config) -> str:
   """``config.dump_hlo_dir``, or ``<run directory>/hlo``."""
-  return config.dump_hlo_dir or os.path.join(run_directory(config), 'hlo')
+  return config.dump_hlo_dir or paths.join(run_directory(config), 'hlo')
 
 
 # -- profiling ------------------------------------------------------------------------------
@@ -71,19 +75,24 @@ class StepProfiler:
 
   Args:
     spec: a profile spec (:func:`parse_profile_spec`), or ``None`` for no profile.
-    directory: the trace's log directory (TensorBoard ``--logdir``).
+    directory: the trace's log directory (TensorBoard ``--logdir``); at a URL the trace is
+      written into a local directory and copied there when it stops.
   """
 
   def __init__(self, spec: str | None, directory: str):
     self.steps = parse_profile_spec(spec) if spec else None
     self.directory = directory
     self.active = False
+    self._local: str | None = None  # where a trace bound for a URL is written first
 
   def before_step(self, step: int) -> None:
     """Call before running optimizer step ``step`` (1-based)."""
     if self.steps and step == self.steps[0] and not self.active:
-      os.makedirs(self.directory, exist_ok=True)
-      jax.profiler.start_trace(self.directory)
+      if paths.is_remote(self.directory):
+        self._local = tempfile.mkdtemp(prefix='maxnnx-profile-')
+      else:
+        paths.makedirs(self.directory)
+      jax.profiler.start_trace(self._local or self.directory)
       self.active = True
 
   def after_step(self, step: int, state=None) -> None:
@@ -99,6 +108,10 @@ class StepProfiler:
       jax.block_until_ready(state)
     jax.profiler.stop_trace()
     self.active = False
+    if self._local is not None:
+      paths.copy_tree_to(self._local, self.directory)
+      shutil.rmtree(self._local, ignore_errors=True)
+      self._local = None
     first, last = self.steps
     logger.warning('Wrote the profile of steps %d-%d to %s (open it with tensorboard --logdir '
                    '%s, or xprof).', first, last, self.directory, self.directory)
@@ -108,33 +121,33 @@ class StepProfiler:
 
 def dump_hlo(directory: str, name: str, traced, lowered, compiled) -> list[str]:
   """Write ``name``'s jaxpr, StableHLO, HLO before and after XLA's passes; returns paths."""
-  os.makedirs(directory, exist_ok=True)
+  paths.makedirs(directory)
   texts = {
       f'{name}.jaxpr.txt': str(traced.jaxpr) if traced is not None else None,
       f'{name}.stablehlo.mlir': lowered.as_text(),
       f'{name}.hlo.txt': lowered.as_text(dialect='hlo'),
       f'{name}.optimized.hlo.txt': compiled.as_text(),
   }
-  paths = []
+  written = []
   for filename, text in texts.items():
     if text:
-      path = os.path.join(directory, filename)
-      with open(path, 'w') as f:
-        f.write(text)
-      paths.append(path)
+      path = paths.join(directory, filename)
+      paths.write_text(path, text)
+      written.append(path)
   logger.warning('Wrote the jaxpr and HLO of %s to %s.', name, directory)
-  return paths
+  return written
 
 
 # -- the persistent compilation cache ----------------------------------------------------------
 
 def enable_compile_cache(directory: str) -> None:
-  """Use ``directory`` as JAX's persistent compilation cache, caching every compile."""
+  """Use ``directory`` (local or a URL) as JAX's persistent compilation cache, caching every
+  compile."""
   from jax.experimental.compilation_cache import compilation_cache  # noqa: PLC0415
-  directory = os.path.abspath(directory)
+  directory = paths.absolute(directory)
   if jax.config.jax_compilation_cache_dir == directory:
     return
-  os.makedirs(directory, exist_ok=True)
+  paths.makedirs(directory)
   jax.config.update('jax_compilation_cache_dir', directory)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
+
+from maxnnx import paths
 
 CATEGORIES = ('productive', 'compile', 'data', 'checkpoint', 'restore', 'eval', 'lost', 'init',
               'other')
@@ -99,20 +100,16 @@ class GoodputRecorder:
 def read_high_water(directory: str) -> int:
   """The furthest step any run in checkpoint ``directory`` reached (0 when unknown)."""
   try:
-    with open(os.path.join(directory, HIGH_WATER_FILE)) as f:
-      return int(json.load(f)['step'])
+    return int(json.loads(paths.read_text(paths.join(directory, HIGH_WATER_FILE)))['step'])
   except (OSError, ValueError, KeyError, TypeError):
     return 0
 
 
 def write_high_water(directory: str, step: int) -> None:
   """Record ``step`` as the furthest step reached in ``directory`` (atomic replace)."""
-  os.makedirs(directory, exist_ok=True)
-  path = os.path.join(directory, HIGH_WATER_FILE)
-  temporary = f'{path}.tmp-{os.getpid()}'
-  with open(temporary, 'w') as f:
-    json.dump({'step': int(step), 'time': time.time()}, f)
-  os.replace(temporary, path)
+  paths.makedirs(directory)
+  paths.write_text(paths.join(directory, HIGH_WATER_FILE),
+                   json.dumps({'step': int(step), 'time': time.time()}))
 
 
 __all__ = ['CATEGORIES', 'HIGH_WATER_FILE', 'GoodputRecorder', 'read_high_water',

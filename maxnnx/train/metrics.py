@@ -3,17 +3,21 @@
 The TensorBoard writer is self-contained (event files are TFRecord-framed
 ``Event`` protocol buffers; we encode the few fields scalars need), so logging
 to TensorBoard needs neither TensorFlow nor an extra package.
+
+Both files may be at a URL (``gs://``): they are written through
+:class:`maxnnx.paths.AppendFile`, which rewrites the object every few seconds and at close.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 import struct
 import sys
 import time
+
+from maxnnx import paths
 
 # -- CRC32C (Castagnoli), as TFRecord framing needs -----------------------------
 
@@ -78,13 +82,13 @@ def _record(data: bytes) -> bytes:
 
 
 class TensorBoardWriter:
-  """Appends scalar summaries to a TensorBoard event file in ``logdir``."""
+  """Appends scalar summaries to a TensorBoard event file in ``logdir`` (local or a URL)."""
 
   def __init__(self, logdir: str):
-    os.makedirs(logdir, exist_ok=True)
+    paths.makedirs(logdir)
     name = f'events.out.tfevents.{int(time.time())}.{socket.gethostname()}.maxnnx'
-    self.path = os.path.join(logdir, name)
-    self._file = open(self.path, 'ab')  # noqa: SIM115 (closed in close())
+    self.path = paths.join(logdir, name)
+    self._file = paths.AppendFile(self.path, binary=True)
     version = _field(1, 1, struct.pack('<d', time.time())) + _length_delimited(
         3, b'brain.Event:2')
     self._file.write(_record(version))
@@ -107,8 +111,7 @@ class TensorBoardWriter:
 def read_tensorboard_scalars(path: str) -> list[tuple[int, dict[str, float]]]:
   """Decode an event file written by :class:`TensorBoardWriter` (checks CRCs)."""
   events = []
-  with open(path, 'rb') as f:
-    data = f.read()
+  data = paths.read_bytes(path)
   offset = 0
   while offset < len(data):
     header = data[offset:offset + 8]
@@ -166,13 +169,13 @@ def _parse_repeated(data: bytes, number: int) -> list[bytes]:
 
 
 class JsonlWriter:
-  """One JSON object per line, flushed at every write (survives a crash)."""
+  """One JSON object per line, flushed at every write (survives a crash; at a URL, the object
+  is rewritten at most every few seconds: :class:`maxnnx.paths.AppendFile`)."""
 
   def __init__(self, path: str):
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
+    paths.makedirs(paths.parent(path))
     self.path = path
-    self._file = open(path, 'a')  # noqa: SIM115 (closed in close())
+    self._file = paths.AppendFile(path)
 
   def write(self, record: dict) -> None:
     """Append ``record`` as one line."""

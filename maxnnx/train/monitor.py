@@ -7,10 +7,10 @@ The Trainer calls :class:`FitMonitor` around each step; the pieces live in
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 
+from maxnnx import paths
 from maxnnx.train.diagnostics import StepProfiler, profile_directory, run_directory
 from maxnnx.train.watchdog import StepTimes, Watchdog
 
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 def watchdog_path(config) -> str:
   """The file hang stacks are appended to: ``<run directory>/watchdog_stacks.txt``."""
   suffix = f'.{jax.process_index()}' if jax.process_count() > 1 else ''
-  return os.path.join(run_directory(config), f'watchdog_stacks{suffix}.txt')
+  return paths.join(run_directory(config), f'watchdog_stacks{suffix}.txt')
 
 
 class FitMonitor:

@@ -14,6 +14,9 @@ of one training run. :class:`RunDir` keeps that run whole across restarts:
   diff and the two ways out;
 * :meth:`RunDir.trim_metrics` cuts ``metrics.jsonl`` back to the restored step, so a resumed
   run lists every step once.
+
+The directory may be a URL (``gs://bucket/run``): every file goes through :mod:`maxnnx.paths`,
+and the lock is an object the holder renews (see :mod:`maxnnx.checkpoint.run_lock`).
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ import datetime
 import hashlib
 import json
 import os
-import shutil
 from typing import Any
 
 import jax
 
+from maxnnx import paths
 from maxnnx.checkpoint.run_lock import LOCK_NAME, RunLock, RunLockedError
 
 RUN_CONFIG = 'run_config.json'
@@ -67,14 +70,15 @@ def run_config(model_config, train_config, tokenizer: dict | None = None, *,
 
 
 def file_fingerprint(path: str) -> str:
-  """SHA-256 of a file, or of the files of a directory (names and bytes, sorted)."""
+  """SHA-256 of a file, or of the files of a directory (names and bytes, sorted); local or a
+  URL."""
   digest = hashlib.sha256()
-  files = [path] if os.path.isfile(path) else sorted(
-      os.path.join(path, name) for name in os.listdir(path)
-      if os.path.isfile(os.path.join(path, name)))
+  files = [path] if paths.isfile(path) else sorted(
+      paths.join(path, name) for name in paths.listdir(path)
+      if paths.isfile(paths.join(path, name)))
   for name in files:
-    digest.update(os.path.basename(name).encode())
-    with open(name, 'rb') as f:
+    digest.update(paths.basename(name).encode())
+    with paths.open_file(name, 'rb') as f:
       for block in iter(lambda: f.read(1 << 20), b''):
         digest.update(block)
   return digest.hexdigest()[:16]
@@ -112,34 +116,35 @@ def check_writable(directory: str) -> None:
   """Create ``directory`` if needed and make sure a file can be written in it.
 
   Raises:
-    RunDirError: it is a file, or it cannot be created or written (naming the path).
+    RunDirError: it is a file, or it cannot be created or written (naming the path), or it
+      is a URL whose filesystem is not installed.
   """
-  if os.path.exists(directory) and not os.path.isdir(directory):
-    raise RunDirError(f'output_dir {directory} is a file, not a directory.')
-  probe = os.path.join(directory, f'.write-test-{os.getpid()}')
   try:
-    os.makedirs(directory, exist_ok=True)
-    with open(probe, 'w'):
+    if paths.exists(directory) and not paths.isdir(directory):
+      raise RunDirError(f'output_dir {directory} is a file, not a directory.')
+    probe = paths.join(directory, f'.write-test-{os.getpid()}')
+    paths.makedirs(directory)
+    with paths.open_file(probe, 'w'):
       pass
-    os.remove(probe)
+    paths.remove(probe)
   except OSError as e:
     raise RunDirError(f'cannot write to {e.filename or directory}: '
                       f'{e.strerror or e}.') from None
+  except ImportError as e:  # fsspec's gs:// needs gcsfs
+    hint = ' (the maxnnx[gcs] extra installs it)' if str(directory).startswith('gs://') else ''
+    raise RunDirError(f'cannot open {directory}: {e}{hint}.') from None
 
 
 def write_json(path: str, data: Any) -> None:
   """Write ``data`` as JSON to ``path`` atomically (a reader sees the old or the new file)."""
-  tmp = f'{path}.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(data, f, indent=2, default=str)
-  os.replace(tmp, path)
+  paths.write_text(path, json.dumps(data, indent=2, default=str))
 
 
 class RunDir:
   """One training run's output directory.
 
   Args:
-    directory: the output directory.
+    directory: the output directory, local or a URL (``gs://bucket/run``).
     resume: ``'auto'`` continues an earlier run whose config matches (and refuses one that
       does not); ``'never'`` moves an earlier run aside and starts fresh.
     command: what this run is, written into the lock for a refused second run to show.
@@ -148,15 +153,15 @@ class RunDir:
   def __init__(self, directory: str, *, resume: str = 'auto', command: str | None = None):
     if resume not in RESUME_MODES:
       raise RunDirError(f"resume={resume!r}: expected one of {', '.join(RESUME_MODES)}.")
-    self.directory = directory
+    self.directory = paths.normalize(directory)
     self.resume = resume
-    self.lock = RunLock(directory, command=command)
+    self.lock = RunLock(self.directory, command=command)
     self.moved_to: str | None = None
 
   @property
   def config_path(self) -> str:
     """Where the run's config is stored."""
-    return os.path.join(self.directory, RUN_CONFIG)
+    return paths.join(self.directory, RUN_CONFIG)
 
   def open(self) -> RunDir:
     """Check the directory, take its lock (process 0) and, with ``resume='never'``, move an
@@ -186,25 +191,24 @@ class RunDir:
     self.close()
 
   def _move_aside(self) -> str | None:
-    entries = [n for n in os.listdir(self.directory) if n not in (LOCK_NAME, PREVIOUS)]
+    entries = [n for n in paths.listdir(self.directory) if n not in (LOCK_NAME, PREVIOUS)]
     if not entries:
       return None
     stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
-    target = os.path.join(self.directory, PREVIOUS, stamp)
+    target = paths.join(self.directory, PREVIOUS, stamp)
     suffix = 0
-    while os.path.exists(target):
+    while paths.exists(target):
       suffix += 1
-      target = os.path.join(self.directory, PREVIOUS, f'{stamp}.{suffix}')
-    os.makedirs(target)
+      target = paths.join(self.directory, PREVIOUS, f'{stamp}.{suffix}')
+    paths.makedirs(target)
     for name in entries:
-      os.rename(os.path.join(self.directory, name), os.path.join(target, name))
+      paths.rename(paths.join(self.directory, name), paths.join(target, name))
     return target
 
   def stored_config(self) -> dict | None:
     """The config stored by an earlier run, or ``None``."""
     try:
-      with open(self.config_path) as f:
-        return json.load(f)
+      return json.loads(paths.read_text(self.config_path))
     except FileNotFoundError:
       return None
     except ValueError as e:
@@ -224,56 +228,50 @@ class RunDir:
         raise RunDirError(
             f'{self.directory} holds a run with another config, so it is not resumed:\n  '
             + '\n  '.join(diff) + '\nUse a new output_dir, or resume=never to move that run to '
-            f'{os.path.join(self.directory, PREVIOUS)}/ and start fresh.')
+            f'{paths.join(self.directory, PREVIOUS)}/ and start fresh.')
     if jax.process_index() == 0 and stored != record:
       write_json(self.config_path, record)
 
   def trim_metrics(self, path: str, step: int | None) -> None:
     """Keep the lines of ``metrics.jsonl`` up to ``step`` (all of them go for a fresh run)."""
-    if jax.process_index() != 0 or not os.path.exists(path):
+    if jax.process_index() != 0 or not paths.exists(path):
       return
     if step is None:
-      os.remove(path)
+      paths.remove(path)
       return
     kept = []
-    with open(path) as f:
-      for line in f:
-        try:
-          if json.loads(line)['step'] <= step:
-            kept.append(line if line.endswith('\n') else line + '\n')
-        except (ValueError, KeyError, TypeError):
-          continue  # a line cut short by a crash
-    tmp = f'{path}.tmp'
-    with open(tmp, 'w') as f:
-      f.writelines(kept)
-    os.replace(tmp, path)
+    for line in paths.read_text(path).splitlines(keepends=True):
+      try:
+        if json.loads(line)['step'] <= step:
+          kept.append(line if line.endswith('\n') else line + '\n')
+      except (ValueError, KeyError, TypeError):
+        continue  # a line cut short by a crash
+    paths.write_text(path, ''.join(kept))
 
   def read_metrics(self, path: str) -> list[dict]:
     """The records of ``metrics.jsonl`` (none when it is missing)."""
-    if not os.path.exists(path):
+    if not paths.exists(path):
       return []
     records = []
-    with open(path) as f:
-      for line in f:
-        try:
-          records.append(json.loads(line))
-        except ValueError:
-          continue
+    for line in paths.read_text(path).splitlines():
+      try:
+        records.append(json.loads(line))
+      except ValueError:
+        continue
     return records
 
 
 def checkpoint_steps(directory: str | None) -> list[int]:
   """The complete steps in a checkpoint directory, without opening it (oldest first)."""
-  if not directory or not os.path.isdir(directory):
+  if not directory or not paths.isdir(directory):
     return []
-  return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+  return sorted(int(n) for n in paths.listdir(directory) if n.isdigit())
 
 
 def replace_dir(tmp: str, target: str) -> None:
   """Move directory ``tmp`` to ``target``, replacing what is there."""
-  if os.path.exists(target):
-    shutil.rmtree(target)
-  os.rename(tmp, target)
+  paths.rmtree(target, missing_ok=True)
+  paths.rename(tmp, target)
 
 
 __all__ = ['RESUME_MODES', 'RUN_CONFIG', 'RunDir', 'RunDirError', 'check_writable',

@@ -9,7 +9,8 @@ most one every ``min_interval`` seconds.
 ``factor`` times the median step time (times the steps still in flight, which
 the step may have to wait for) and at least ``min_seconds``, it writes the
 stack of every thread (``faulthandler``) to stderr and to a file, once per
-hang, and lets the run go on.
+hang, and lets the run go on. A file at a URL (``gs://``) gets the stacks written
+locally first (``faulthandler`` needs a real file) and then added to it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import logging
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+
+from maxnnx import paths
 
 logger = logging.getLogger(__name__)
 
@@ -167,9 +171,15 @@ class Watchdog:
     self.dumps += 1
     _write_stacks(self.stream or sys.stderr, header)
     if self.path:
-      os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-      with open(self.path, 'a') as f:
+      paths.makedirs(paths.parent(self.path))
+      if not paths.is_remote(self.path):
+        with open(self.path, 'a') as f:
+          _write_stacks(f, header)
+        return
+      with tempfile.TemporaryFile('w+') as f:
         _write_stacks(f, header)
+        f.seek(0)
+        paths.append_bytes(self.path, f.read().encode())
 
 
 def _write_stacks(stream, header: str) -> None:

@@ -1,0 +1,357 @@
+"""Local paths and URLs (``gs://bucket/run``) behind one small set of file operations.
+
+A run's output directory, its checkpoint directory and the files a run writes (metrics, the
+stored config, the goodput high-water mark, profiles, HLO dumps) may live in a local directory
+or at a URL that ``etils.epath`` understands: ``gs://`` (through fsspec; install ``gcsfs``, the
+``maxnnx[gcs]`` extra, or TensorFlow), ``s3://`` and ``az://``. ``file:///tmp/run`` is read as the
+local path ``/tmp/run``. Every writer of a run goes through these helpers:
+
+* local paths keep the operating system's semantics exactly: :func:`write_text` writes a
+  temporary file and renames it over the old one, :class:`AppendFile` appends;
+* a URL is written through ``epath``. An object store replaces an object atomically, so
+  :func:`write_text` writes it directly; there is no append, so :class:`AppendFile` keeps the
+  file's content in memory and rewrites the object (at most every ``upload_every`` seconds,
+  and at close);
+* what a library can only write to a local file (a sentencepiece model, the safetensors of an
+  export, a profiler trace) is written into a local directory and copied up with
+  :func:`copy_tree_to` (or :func:`write_dir`); :func:`local_copy` brings a file or directory
+  down for a library that only reads local files.
+
+Checkpoint arrays are written by orbax and tensorstore, which take the URL as it is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import posixpath
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+
+from etils import epath
+
+# URL schemes handed to epath (`hf://` is read-only there, so it is not a place to write runs).
+REMOTE_SCHEMES = ('gs', 's3', 'az')
+_SCHEME = re.compile(r'([A-Za-z][A-Za-z0-9+.-]*)://')
+
+
+def _scheme(path) -> str | None:
+  match = _SCHEME.match(os.fspath(path))
+  return match.group(1).lower() if match else None
+
+
+def is_remote(path) -> bool:
+  """True for URLs such as ``gs://bucket/run`` (anything with a scheme but ``file://``)."""
+  scheme = _scheme(path)
+  return scheme is not None and scheme != 'file'
+
+
+def normalize(path) -> str:
+  """``path`` as a string: ``file://`` URLs become the local path they name, other URLs and
+  local paths are returned as given.
+
+  Raises:
+    ValueError: a URL whose scheme is not one of :data:`REMOTE_SCHEMES`.
+  """
+  text = os.fspath(path)
+  scheme = _scheme(text)
+  if scheme == 'file':
+    return text[len('file://'):]
+  if scheme is not None and scheme not in REMOTE_SCHEMES:
+    raise ValueError(f'{text}: unsupported URL scheme {scheme}://; use a local path or one of '
+                     + ', '.join(f'{s}://' for s in REMOTE_SCHEMES) + '.')
+  return text
+
+
+def as_path(path) -> epath.Path:
+  """An ``epath.Path`` for a local path or a URL (see :func:`normalize`)."""
+  return epath.Path(normalize(path))
+
+
+def join(path, *names: str) -> str:
+  """``path/name/...`` for a local path (``os.path.join``) or a URL (``/``-joined)."""
+  text = normalize(path)
+  if is_remote(text):
+    return posixpath.join(text, *names)
+  return os.path.join(text, *names)
+
+
+def absolute(path) -> str:
+  """A local path made absolute; a URL as it is."""
+  text = normalize(path)
+  return text if is_remote(text) else os.path.abspath(text)
+
+
+def parent(path) -> str:
+  """The directory holding ``path`` (absolute for a local path; a bucket root is its own)."""
+  text = normalize(path)
+  if not is_remote(text):
+    return os.path.dirname(os.path.abspath(text))
+  text = text.rstrip('/')
+  head = posixpath.dirname(text)
+  return head if '/' in text.split('://', 1)[1] else text
+
+
+def basename(path) -> str:
+  """The last component of a local path or a URL."""
+  text = normalize(path)
+  if is_remote(text):
+    return posixpath.basename(text.rstrip('/'))
+  return os.path.basename(text)
+
+
+# -- queries ------------------------------------------------------------------------------------
+
+def exists(path) -> bool:
+  """Whether a file or directory is there."""
+  return as_path(path).exists() if is_remote(path) else os.path.exists(normalize(path))
+
+
+def isdir(path) -> bool:
+  """Whether ``path`` is a directory (on an object store: a prefix holding objects)."""
+  return as_path(path).is_dir() if is_remote(path) else os.path.isdir(normalize(path))
+
+
+def isfile(path) -> bool:
+  """Whether ``path`` is a file (an object)."""
+  return as_path(path).is_file() if is_remote(path) else os.path.isfile(normalize(path))
+
+
+def listdir(path) -> list[str]:
+  """The names in directory ``path`` (unsorted, like ``os.listdir``)."""
+  if is_remote(path):
+    return [p.name for p in as_path(path).iterdir()]
+  return os.listdir(normalize(path))
+
+
+# -- changes ------------------------------------------------------------------------------------
+
+def makedirs(path) -> None:
+  """Create directory ``path`` and its parents if missing (on an object store: nothing to do
+  but what the backend records)."""
+  if is_remote(path):
+    as_path(path).mkdir(parents=True, exist_ok=True)
+  else:
+    os.makedirs(normalize(path), exist_ok=True)
+
+
+def remove(path) -> None:
+  """Delete file ``path``."""
+  if is_remote(path):
+    as_path(path).unlink()
+  else:
+    os.remove(normalize(path))
+
+
+def rmtree(path, *, missing_ok: bool = False) -> None:
+  """Delete directory ``path`` and everything in it."""
+  if missing_ok and not exists(path):
+    return
+  if is_remote(path):
+    as_path(path).rmtree()
+  else:
+    shutil.rmtree(normalize(path))
+
+
+def rename(source, target) -> None:
+  """Move ``source`` to ``target`` (which must not exist). Local: one atomic ``os.rename``;
+  on an object store a directory moves object by object."""
+  if is_remote(source) or is_remote(target):
+    as_path(source).rename(as_path(target))
+  else:
+    os.rename(normalize(source), normalize(target))
+
+
+def read_bytes(path) -> bytes:
+  """The content of file ``path``."""
+  if is_remote(path):
+    return as_path(path).read_bytes()
+  with open(normalize(path), 'rb') as f:
+    return f.read()
+
+
+def read_text(path) -> str:
+  """The UTF-8 text of file ``path``."""
+  if is_remote(path):
+    return as_path(path).read_bytes().decode()
+  with open(normalize(path), encoding='utf-8') as f:
+    return f.read()
+
+
+def write_bytes(path, data: bytes) -> None:
+  """Write ``data`` to ``path`` so that a reader sees the old or the new file, never a part:
+  a local file is written beside it and renamed over it; an object is replaced whole."""
+  if is_remote(path):
+    as_path(path).write_bytes(data)
+    return
+  path = normalize(path)
+  temporary = f'{path}.tmp-{os.getpid()}'
+  with open(temporary, 'wb') as f:
+    f.write(data)
+  os.replace(temporary, path)
+
+
+def write_text(path, text: str) -> None:
+  """Write ``text`` (UTF-8) to ``path`` whole (see :func:`write_bytes`)."""
+  write_bytes(path, text.encode())
+
+
+def append_bytes(path, data: bytes) -> None:
+  """Add ``data`` at the end of file ``path`` (created if missing; on an object store the
+  object is read and written again)."""
+  if is_remote(path):
+    old = read_bytes(path) if exists(path) else b''
+    as_path(path).write_bytes(old + data)
+    return
+  with open(normalize(path), 'ab') as f:
+    f.write(data)
+
+
+def open_file(path, mode: str = 'r'):
+  """``open(path, mode)`` for a local path or a URL (no append modes on a URL: see
+  :class:`AppendFile`)."""
+  if is_remote(path):
+    if 'a' in mode or '+' in mode:
+      raise ValueError(f'{path}: an object store cannot append or update in place '
+                       f'(mode {mode!r}).')
+    return as_path(path).open(mode)
+  return open(normalize(path), mode)
+
+
+class AppendFile:
+  """A file written by appending, flushed as it goes.
+
+  A local file is the operating system's file opened for appending, flushed at every
+  :meth:`flush`. An object store has no append: the file's content (what was there plus what
+  was written) is kept in memory and the object is rewritten by :meth:`flush` at most every
+  ``upload_every`` seconds, and by :meth:`close`, so a crash loses at most that much.
+
+  Args:
+    path: a local path or a URL.
+    binary: write ``bytes`` (else ``str``).
+    upload_every: seconds between two uploads of a remote file.
+  """
+
+  def __init__(self, path, *, binary: bool = False, upload_every: float = 10.0):
+    self.path = normalize(path)
+    self.binary = binary
+    self.upload_every = upload_every
+    self.remote = is_remote(self.path)
+    self._file = None
+    if self.remote:
+      self._content = bytearray(read_bytes(self.path) if exists(self.path) else b'')
+      self._pending, self._uploaded = False, -float('inf')
+    else:
+      self._file = open(self.path, 'ab' if binary else 'a')  # noqa: SIM115 (closed in close())
+
+  def write(self, data) -> None:
+    """Append ``data`` (``bytes`` when binary, else ``str``)."""
+    if not self.remote:
+      self._file.write(data)
+      return
+    self._content += data if self.binary else data.encode()
+    self._pending = True
+
+  def flush(self, force: bool = False) -> None:
+    """Push what was written: a local file at once; a remote one when ``upload_every``
+    seconds have passed since its last upload (or ``force``)."""
+    if not self.remote:
+      self._file.flush()
+      return
+    if self._pending and (force or time.monotonic() - self._uploaded >= self.upload_every):
+      as_path(self.path).write_bytes(bytes(self._content))
+      self._pending, self._uploaded = False, time.monotonic()
+
+  def close(self) -> None:
+    """Flush everything and close."""
+    if self.remote:
+      self.flush(force=True)
+    elif self._file is not None:
+      self._file.close()
+      self._file = None
+
+
+# -- local <-> remote ------------------------------------------------------------------------------
+
+def copy_tree_to(local_dir: str, target, *, last: Iterable[str] = ()) -> None:
+  """Copy the files under local directory ``local_dir`` into ``target`` (a local path or a
+  URL), sub-directories included; files whose name is in ``last`` are copied after the others
+  (a reader that waits for ``config.json`` then finds the rest)."""
+  last = set(last)
+  files = []
+  for root, _, names in os.walk(local_dir):
+    for name in names:
+      files.append(os.path.relpath(os.path.join(root, name), local_dir))
+  files.sort(key=lambda rel: (os.path.basename(rel) in last, rel))
+  for rel in files:
+    destination = join(target, *rel.split(os.sep))
+    makedirs(parent(destination))
+    if is_remote(destination):
+      as_path(destination).write_bytes(read_bytes(os.path.join(local_dir, rel)))
+    else:
+      shutil.copyfile(os.path.join(local_dir, rel), destination)
+
+
+def write_dir(target, write: Callable[[str], object], *, last: Iterable[str] = ()) -> None:
+  """Have ``write(directory)`` create and fill a local directory, then put it at ``target``,
+  replacing what is there.
+
+  Local: ``write`` fills ``<target>.tmp``, which is renamed to ``target``, so the directory
+  appears whole or not at all. A URL: ``write`` fills a local scratch directory whose files are
+  uploaded to ``target`` after the old one is deleted, the files named in ``last`` at the end.
+  """
+  target = normalize(target)
+  if is_remote(target):
+    with tempfile.TemporaryDirectory() as scratch:
+      staged = os.path.join(scratch, basename(target) or 'dir')
+      write(staged)
+      rmtree(target, missing_ok=True)
+      copy_tree_to(staged, target, last=last)
+    return
+  staged = target + '.tmp'
+  shutil.rmtree(staged, ignore_errors=True)
+  write(staged)
+  if os.path.exists(target):
+    shutil.rmtree(target)
+  os.rename(staged, target)
+
+
+_SCRATCH: list[str] = []
+
+
+def scratch_dir() -> str:
+  """A local directory of this process for downloaded and staged files, deleted at exit."""
+  if not _SCRATCH:
+    _SCRATCH.append(tempfile.mkdtemp(prefix='maxnnx-'))
+    atexit.register(shutil.rmtree, _SCRATCH[0], ignore_errors=True)
+  return _SCRATCH[0]
+
+
+def local_copy(path) -> str:
+  """A local path holding file or directory ``path``: ``path`` itself when it is local, else
+  a copy downloaded into :func:`scratch_dir` (a fresh one at every call)."""
+  if not is_remote(path):
+    return normalize(path)
+  target = tempfile.mkdtemp(dir=scratch_dir())
+  target = os.path.join(target, basename(path) or 'download')
+  _download(normalize(path), target)
+  return target
+
+
+def _download(source: str, target: str) -> None:
+  if not isdir(source):
+    with open(target, 'wb') as f:
+      f.write(read_bytes(source))
+    return
+  os.makedirs(target, exist_ok=True)
+  for name in listdir(source):
+    _download(join(source, name), os.path.join(target, name))
+
+
+__all__ = ['REMOTE_SCHEMES', 'AppendFile', 'absolute', 'append_bytes', 'as_path', 'basename',
+           'copy_tree_to', 'exists', 'is_remote', 'isdir', 'isfile', 'join', 'listdir',
+           'local_copy', 'makedirs', 'normalize', 'open_file', 'parent', 'read_bytes', 'read_text',
+           'remove', 'rename', 'rmtree', 'scratch_dir', 'write_bytes', 'write_dir', 'write_text']
