@@ -191,7 +191,8 @@ def _split_options(options: dict):
   fields = {k: v for k, v in options.items() if k not in RUN_KEYS and '.' not in k}
   if fields.get('checkpoint_every') and not fields.get('checkpoint_dir'):
     fields['checkpoint_dir'] = os.path.join(run['output_dir'], 'checkpoints')
-  train_config = TrainConfig.from_dict({**fields, 'mesh': subtree(options, 'mesh.')})
+  train_config = TrainConfig.from_dict({**fields, 'mesh': subtree(options, 'mesh.'),
+                                        'lora': subtree(options, 'lora.')})
   model_changes, data_fields = subtree(options, 'model.'), subtree(options, 'data.')
   if 'sources' in data_fields:
     run['data'] = ','.join(data_fields.pop('sources'))
@@ -468,15 +469,27 @@ def _train_in(run_dir, options: dict) -> dict:
 def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missing=False
             ) -> list[str]:
   """Write ``final/``, ``loss.png`` and ``train_options.json`` (with ``only_missing``: those
-  that are not there yet); returns the names written. ``final/`` appears whole or not at all."""
+  that are not there yet); returns the names written. ``final/`` appears whole or not at all.
+  A LoRA run also writes ``adapter/`` (PEFT's format) and ``final/`` holds the merged model."""
   import maxnnx  # noqa: PLC0415
+  from maxnnx.train.lora import has_adapters, merge_adapters, save_adapter  # noqa: PLC0415
   from maxnnx.train.run_dir import replace_dir, write_json  # noqa: PLC0415
   out, written = run_dir.directory, []
+  model = trainer.model
+  if has_adapters(model):  # LoRA: the adapter in PEFT's format, and final/ merged
+    adapter = os.path.join(out, 'adapter')
+    if not (only_missing and os.path.exists(os.path.join(adapter, 'adapter_config.json'))):
+      tmp = adapter + '.tmp'
+      shutil.rmtree(tmp, ignore_errors=True)
+      save_adapter(model, tmp)
+      replace_dir(tmp, adapter)
+      written.append('adapter/')
+    model = merge_adapters(model)
   final = os.path.join(out, 'final')
   if not (only_missing and os.path.exists(os.path.join(final, 'config.json'))):
     tmp = final + '.tmp'
     shutil.rmtree(tmp, ignore_errors=True)
-    maxnnx.save_pretrained(trainer.model, tmp)
+    maxnnx.save_pretrained(model, tmp)
     replace_dir(tmp, final)
     written.append('final/')
   plot = os.path.join(out, 'loss.png')
