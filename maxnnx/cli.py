@@ -211,7 +211,8 @@ def _split_options(options: dict, recipe: Recipe = PRETRAIN):
             if k not in RUN_KEYS and k not in recipe.keys and '.' not in k}
   if fields.get('checkpoint_every') and not fields.get('checkpoint_dir'):
     fields['checkpoint_dir'] = paths.join(run['output_dir'], 'checkpoints')
-  train_config = TrainConfig.from_dict({**fields, 'mesh': subtree(options, 'mesh.')})
+  train_config = TrainConfig.from_dict({**fields, 'mesh': subtree(options, 'mesh.'),
+                                        'lora': subtree(options, 'lora.')})
   model_changes, data_fields = subtree(options, 'model.'), subtree(options, 'data.')
   if 'sources' in data_fields:
     run['data'] = ','.join(data_fields.pop('sources'))
@@ -524,14 +525,24 @@ def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missin
   """Write ``final/``, ``loss.png`` and ``train_options.json`` (with ``only_missing``: those
   that are not there yet); returns the names written. ``final/`` appears whole or not at all
   (at a URL: its ``config.json`` is uploaded last), with the run's tokenizer and chat template
-  beside the weights."""
+  beside the weights. A LoRA run also writes ``adapter/`` (PEFT's format), and ``final/`` holds
+  the merged model."""
   import maxnnx  # noqa: PLC0415
+  from maxnnx.train.lora import has_adapters, merge_adapters, save_adapter  # noqa: PLC0415
   from maxnnx.train.run_dir import write_json  # noqa: PLC0415
   out, written = run_dir.directory, []
+  model = trainer.model
+  if has_adapters(model):  # LoRA: the adapter in PEFT's format, and final/ merged
+    adapter = paths.join(out, 'adapter')
+    if not (only_missing and paths.exists(paths.join(adapter, 'adapter_config.json'))):
+      paths.write_dir(adapter, lambda directory: save_adapter(model, directory),
+                      last=('adapter_config.json',))
+      written.append('adapter/')
+    model = merge_adapters(model)
   final = paths.join(out, 'final')
   if not (only_missing and paths.exists(paths.join(final, 'config.json'))):
     def export(directory):
-      maxnnx.save_pretrained(trainer.model, directory)
+      maxnnx.save_pretrained(model, directory)
       _save_tokenizer(tokenizer, template, directory)
     paths.write_dir(final, export, last=('config.json',))
     written.append('final/')

@@ -11,7 +11,12 @@ the objective it trains.
 * ``dpo``: records ``{"prompt", "chosen", "rejected"}``
   (:func:`maxnnx.data.make_preference_pipeline`) and
   :class:`~maxnnx.train.preference.DPOObjective`; the reference is the starting
-  policy, frozen.
+  policy, frozen (with ``lora.rank > 0``: the same weights with the adapters off).
+
+``sft`` and ``dpo`` (and ``train``) take ``lora.*`` keys
+(:class:`~maxnnx.train.lora.LoraConfig`): the Trainer adds the adapters and trains
+only them, and the run writes ``adapter/`` in PEFT's format next to the merged
+``final/``.
 * ``distill``: the pre-training data and
   :class:`~maxnnx.train.distillation.DistillationObjective` with ``teacher=``
   (a Hugging Face directory, a ``maxnnx train`` output directory, an orbax
@@ -107,13 +112,15 @@ class Recipe:
       from flax import nnx  # noqa: PLC0415
 
       from maxnnx.train.preference import DPOObjective  # noqa: PLC0415
-      reference = model if isinstance(model, nnx.Module) else None
-      if reference is None:
+      if not isinstance(model, nnx.Module):
         raise UsageError('dpo starts from a trained policy: model=<Hugging Face dir> (a '
                          'preset would be a random policy and reference).')
-      return DPOObjective(beta=options['beta'], loss_type=options['loss_type'],
-                          label_smoothing=options['label_smoothing'],
-                          reference=nnx.clone(reference))
+      settings = {'beta': options['beta'], 'loss_type': options['loss_type'],
+                  'label_smoothing': options['label_smoothing']}
+      if train_config.lora.enabled:  # the reference: the same weights with the adapters off
+        from maxnnx.train.lora import without_adapters_logps  # noqa: PLC0415
+        return DPOObjective(**settings, reference_fn=without_adapters_logps)
+      return DPOObjective(**settings, reference=nnx.clone(model))
     if self.name == 'distill':
       from maxnnx.train.distillation import DistillationObjective  # noqa: PLC0415
       teacher = load_teacher(options['teacher'])

@@ -284,7 +284,9 @@ def resolve(key: str, keys: dict[str, Key], aliases: dict[str, str]) -> str:
     matches = [k for k in keys if k.startswith(head + '.') and k.rsplit('.', 1)[-1] == leaf]
     if len(matches) == 1:
       return matches[0]
-  hint = nearest_hint(key, keys)
+  plain = next((target + key[len(alias):] for alias, target in aliases.items()
+                if key.startswith(alias)), key)  # compare 'train.stesp' as 'stesp'
+  hint = nearest_hint(plain, keys)
   raise UsageError(f"unknown key '{key}'." + (hint or ' Run with --help for the keys.'))
 
 

@@ -67,13 +67,20 @@ class DenseGeneral(nnx.Module):
   Attributes:
     kernel: ``nnx.Param`` of shape ``in_shape + out_shape``.
     bias: ``nnx.Param`` of shape ``out_shape`` or ``None``.
+    custom_gradient: ``True`` (default) runs the matmul through :func:`dense_dot`'s
+      custom VJP; ``False`` runs a plain ``lax.dot_general`` that JAX
+      differentiates. Adapters that add their own terms to the intercepted matmul
+      (LoRA, :mod:`maxnnx.train.lora`) need ``False``: a custom VJP knows only
+      ``x`` and ``kernel``, so their parameters would get no gradient. With it the
+      kernel may also be a quantized array of the intercepting library (QLoRA).
   """
 
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], *,
                axes: Sequence[str], use_bias: bool = False, dtype=jnp.float32,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+               param_dtype=jnp.float32, rngs: nnx.Rngs, custom_gradient: bool = True):
     self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
     self.dtype = dtype
+    self.custom_gradient = custom_gradient
     if len(axes) != len(self.in_shape) + len(self.out_shape):
       raise ValueError(f'axes {tuple(axes)} must name every dimension of '
                        f'{self.in_shape + self.out_shape}.')
@@ -88,7 +95,17 @@ class DenseGeneral(nnx.Module):
     n_in = len(self.in_shape)
     if x.shape[x.ndim - n_in:] != self.in_shape:
       raise ValueError(f'DenseGeneral expects trailing dims {self.in_shape}, got {x.shape}.')
-    y = dense_dot(x, self.kernel[...], n_in, jnp.dtype(self.dtype))
+    dtype = jnp.dtype(self.dtype)
+    if self.custom_gradient:
+      y = dense_dot(x, self.kernel[...], n_in, dtype)
+    else:
+      contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+      kernel = self.kernel[...]
+      if isinstance(kernel, jax.Array):  # a quantized kernel stays as its library holds it
+        kernel = kernel.astype(dtype)
+      y = jax.lax.dot_general(x.astype(dtype), kernel, (contract, ((), ())),
+                              preferred_element_type=jnp.float32)
+      y = y.astype(dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return y

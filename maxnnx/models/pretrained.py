@@ -135,6 +135,10 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
   if family is None:
     raise PretrainedError(f"ModelConfig.family '{cfg.family}' has no Hugging Face mapping; "
                           f'known: {", ".join(sorted(FAMILIES))}.')
+  if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
+    raise PretrainedError('This model carries LoRA adapters: save merge_adapters(model) '
+                          '(maxnnx.train.lora) for the merged weights, or the adapters alone '
+                          'with save_adapter.')
   if cfg.mtp.num_layers and not family.mtp:
     raise PretrainedError(f'{cfg.family} checkpoints have no multi-token-prediction layers; '
                           'save a model with mtp.num_layers=0 (model.mtp is then dropped).')

@@ -8,6 +8,7 @@ from typing import Literal
 
 from maxnnx.config import ConfigError, MeshConfig, ValidatedConfig
 from maxnnx.train.diagnostics import parse_profile_spec
+from maxnnx.train.lora.config import LoraConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,8 @@ class TrainConfig(ValidatedConfig):
     compile_cache: directory of JAX's persistent compilation cache; a restart
       loads the compiled step from it instead of compiling (``None``: off).
     mesh: device mesh and parallelism (:class:`~maxnnx.config.MeshConfig`).
+    lora: LoRA / QLoRA adapters (:class:`~maxnnx.train.lora.LoraConfig`); with
+      ``lora.rank > 0`` the Trainer adds them to the model and trains only them.
   """
 
   steps: int = 100
@@ -131,6 +134,7 @@ class TrainConfig(ValidatedConfig):
   outlier_factor: float = 3.0
   compile_cache: str | None = None
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
   def _validate(self):
     for name in ('steps', 'global_batch_size', 'seq_len', 'grad_accum_steps', 'log_every',

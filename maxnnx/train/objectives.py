@@ -16,7 +16,8 @@ An objective has three parts:
 
 ``loss(model, batch, *, frozen, norm) -> (loss, metrics)``
   Traced inside the jitted step, once per micro-batch. ``model`` is the model
-  being trained (gradients are taken with respect to its ``nnx.Param``\\ s),
+  being trained (gradients are taken with respect to its trainable parameters:
+  every ``nnx.Param``, or only the LoRA adapters of an adapted model),
   ``batch`` the (micro-)batch dict (see :func:`maxnnx.train.as_batch`),
   ``norm`` what ``normalizers`` gave for the whole batch, and ``frozen`` a dict
   ``name -> nnx.Module`` with the same names as :attr:`Objective.frozen_models`:

@@ -5,6 +5,12 @@
   reference = nnx.clone(policy)     # the policy as it starts (e.g. the SFT checkpoint)
   trainer = Trainer(policy, train_config, objective=DPOObjective(beta=0.1, reference=reference))
 
+With LoRA the reference is the policy with its adapters off, so no second model is held::
+
+  policy = apply_lora(policy, LoraConfig(rank=8))           # maxnnx.train.lora
+  trainer = Trainer(policy, train_config,
+                    objective=DPOObjective(beta=0.1, reference_fn=without_adapters_logps))
+
 Batch layout (the ordinary :data:`~maxnnx.train.batches.BATCH_KEYS`, no new
 keys): rows come in pairs, row ``2i`` the *chosen* and row ``2i + 1`` the
 *rejected* sequence of pair ``i``, each the prompt followed by the completion,
@@ -96,15 +102,15 @@ class DPOObjective(Objective):
       ``hidden_states``/``head_weight``), placed by the Trainer on its mesh as
       ``frozen['reference']``.
     reference_fn: instead of ``reference``, ``reference_fn(model, batch) ->
-      logps_B``: the reference log-probs of each row, computed from the policy
-      being trained (e.g. with its adapters switched off); its result is not
-      differentiated.
+      logps_B``: the reference's summed log-probs of each row, computed from the
+      policy being trained, e.g. :func:`maxnnx.train.lora.without_adapters_logps`
+      (the policy with its LoRA adapters switched off, so no second model is
+      held); its result is not differentiated, and for ``ipo`` it is averaged over
+      the completion tokens like the policy's.
     chunk_length: sequence positions per head slice; ``None`` picks one that
       keeps a slice's logits small.
 
-  Exactly one of ``reference`` and ``reference_fn`` is needed; the default of
-  using the policy itself without its LoRA adapters will come with adapters, as a
-  ``reference_fn``.
+  Exactly one of ``reference`` and ``reference_fn`` is needed.
 
   Metrics (TRL's names, means over the batch's pairs): ``loss``,
   ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
@@ -170,7 +176,7 @@ class DPOObjective(Objective):
     _pairs(batch)
     policy_B = self._logps(model, batch)
     if self.reference_fn is not None:
-      reference_B = self.reference_fn(model, batch)
+      reference_B = self._averaged(self.reference_fn(model, batch), batch)
     else:
       if 'reference' not in frozen:
         raise ValueError("DPOObjective: frozen['reference'] is missing; pass the objective "
@@ -185,6 +191,9 @@ class DPOObjective(Objective):
 
   def _logps(self, model, batch):
     logps_B = model_sequence_logps(model, batch, chunk_length=self.chunk_length)
+    return self._averaged(logps_B, batch)
+
+  def _averaged(self, logps_B, batch):
     if self.loss_type == 'ipo':  # TRL averages over the completion tokens for IPO
       logps_B = logps_B / jnp.maximum(batch['loss_mask'].sum(-1), 1.0)
     return logps_B

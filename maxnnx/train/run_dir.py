@@ -62,6 +62,9 @@ def run_config(model_config, train_config, tokenizer: dict | None = None, *,
   runtime = model.pop('runtime', {})
   model.update({k: runtime[k] for k in RUNTIME_FIELDS if k in runtime})
   record = {'model': model, 'train': {k: getattr(train_config, k) for k in TRAIN_FIELDS}}
+  lora = getattr(train_config, 'lora', None)
+  if lora is not None and lora.enabled:  # recorded only when on: older runs stay resumable
+    record['train']['lora'] = lora.to_dict()
   if tokenizer:
     record['tokenizer'] = tokenizer
   if objective:

@@ -106,16 +106,19 @@ def step_metrics(objective_metrics: Metrics, grad_norm: jax.Array, lr: jax.Array
 
 def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, frozen_state=None,
                *, frozen_graphdef=None, objective: Objective, config: TrainConfig,
-               schedule: Callable) -> tuple[Any, dict[str, jax.Array], Metrics]:
+               schedule: Callable, trainable=nnx.Param
+               ) -> tuple[Any, dict[str, jax.Array], Metrics]:
   """One optimizer step: ``(state, extra, batch) -> (new_state, new_extra, metrics)``.
 
   ``graphdef``/``state`` are ``nnx.split((model, optimizer))``; ``frozen_graphdef``
   and ``frozen_state`` split the objective's frozen models (a dict), which the
-  loss sees merged and which are never updated.
+  loss sees merged and which are never updated. ``trainable`` is the nnx filter
+  of the parameters differentiated (the optimizer's ``wrt``): every ``nnx.Param``,
+  or e.g. ``nnx.LoRAParam`` when only adapters train; the rest is held constant.
   """
   model, optimizer = nnx.merge(graphdef, state)
   step = optimizer.step[...]
-  model_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  model_graphdef, params, rest = nnx.split(model, trainable, ...)
   norm = objective.normalizers(model, batch)
 
   def loss_fn(params, micro):

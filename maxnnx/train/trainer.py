@@ -46,6 +46,7 @@ from maxnnx.train.batches import (  # noqa: F401 (re-exported)
 )
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.goodput import GoodputRecorder, read_high_water, write_high_water
+from maxnnx.train.lora.adapters import apply_lora, has_adapters, trainable_filter
 from maxnnx.train.loss import cross_entropy_loss, masked_cross_entropy
 from maxnnx.train.memory import (
   device_memory_limit,
@@ -100,6 +101,11 @@ class Trainer:
     mesh: a ``jax.sharding.Mesh`` overriding the one ``config.mesh`` describes.
     callbacks: functions ``callback(trainer, metrics)`` called for every step
       once its metrics reach the host.
+    trainable: the nnx filter of the parameters to train (differentiated and in
+      the optimizer); ``None`` derives it from the model: its LoRA adapters
+      (``nnx.LoRAParam``) when it has some, else every ``nnx.Param``. With
+      ``config.lora.rank > 0`` the Trainer first adds adapters to the model
+      (:func:`maxnnx.train.lora.apply_lora`).
 
   Attributes:
     history: one metrics dict per step (``step``, ``loss``, ``lr``,
@@ -112,6 +118,7 @@ class Trainer:
     model_config: the model's :class:`ModelConfig`.
     quantization: ``config.quantization``, or ``custom`` when ``model`` came
       quantized (see :mod:`maxnnx.train.quantization`).
+    trainable: the nnx filter of the trained parameters.
     objective: the objective in use, bound to ``config``.
     stopped_by: the signal (``'SIGTERM'``, ``'SIGINT'``) that ended the last ``fit`` early,
       after finishing its step and saving a checkpoint (with ``checkpoint_dir``); else ``None``.
@@ -120,7 +127,7 @@ class Trainer:
   def __init__(self, model: nnx.Module | ModelConfig | str, config: TrainConfig | None = None,
                objective: Objective | None = None, *, data=None, eval_data=None,
                optimizer: optax.GradientTransformation | None = None,
-               mesh: Mesh | None = None, callbacks: Iterable[Callable] = ()):
+               mesh: Mesh | None = None, callbacks: Iterable[Callable] = (), trainable=None):
     self.config = config = config or TrainConfig()
     self.mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
     self.rules = sharding.logical_rules(config.mesh)
@@ -158,6 +165,13 @@ class Trainer:
     self.quantization = _quantization_name(config, self.model_config, concrete, self.mesh)
     if concrete is not None and config.quantization != 'none':
       concrete = quantize(concrete, config.quantization)
+    if config.lora.enabled:
+      if concrete is not None:
+        concrete = abstract_model = apply_lora(concrete, config.lora, seed=config.seed)
+      else:
+        abstract_model = nnx.eval_shape(lambda: apply_lora(_new_model(model, config.seed),
+                                                           config.lora, seed=config.seed))
+    self.trainable = trainable if trainable is not None else trainable_filter(abstract_model)
     if (self.model_config.mtp.num_layers and config.mesh.context_load_balance
         and dict(self.mesh.shape).get('context', 1) > 1):
       raise ValueError('Multi-token prediction shifts tokens along the sequence, which the '
@@ -168,7 +182,7 @@ class Trainer:
 
     # Built outside the mesh context: flax would read logical names as mesh axes there.
     if concrete is not None:
-      optimizer_obj = nnx.Optimizer(concrete, self.tx, wrt=nnx.Param)
+      optimizer_obj = nnx.Optimizer(concrete, self.tx, wrt=self.trainable)
       self._graphdef, state = nnx.split((concrete, optimizer_obj))
     else:
       self._graphdef, state = nnx.split(nnx.eval_shape(build))
@@ -200,15 +214,16 @@ class Trainer:
   # -- construction helpers ------------------------------------------------------
 
   def _builder(self, model_config: ModelConfig) -> Callable:
-    seed, tx = self.config.seed, self.tx
-
-    recipe = self.config.quantization
+    seed, tx, trainable = self.config.seed, self.tx, self.trainable
+    recipe, lora = self.config.quantization, self.config.lora
 
     def build():
       model = _new_model(model_config, seed)
       if recipe != 'none':
         model = quantize(model, recipe)
-      return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+      if lora.enabled:
+        model = apply_lora(model, lora, seed=seed)
+      return model, nnx.Optimizer(model, tx, wrt=trainable)
 
     return build
 
@@ -324,7 +339,7 @@ class Trainer:
     train_step = functools.partial(step_lib.train_step, self._graphdef,
                                    frozen_graphdef=self._frozen_graphdef,
                                    objective=self.objective, config=self.config,
-                                   schedule=self.schedule)
+                                   schedule=self.schedule, trainable=self.trainable)
     with self._context():
       jitted = jax.jit(train_step,
                        in_shardings=(self._state_shardings, self._extra_sharding,
@@ -703,6 +718,16 @@ def _abstract_tree(state, shardings):
 
 def _quantization_name(config: TrainConfig, model_config: ModelConfig, model, mesh) -> str:
   """``config.quantization``, or ``custom`` for a model quantized by the caller."""
+  if config.quantization != 'none' and (config.lora.enabled or (model is not None
+                                                                and has_adapters(model))):
+    raise ValueError(f"TrainConfig.quantization='{config.quantization}' (quantization-aware "
+                     'training) does not combine with LoRA adapters; set quantization=\'none\' '
+                     "and keep the base quantized with lora.base_quantization='int8' or 'int4'.")
+  if model is not None and has_adapters(model):
+    if config.lora.enabled:
+      raise ValueError('The model already has LoRA adapters and TrainConfig.lora.rank > 0 '
+                       'would add more: set lora.rank=0 to train the adapters it has.')
+    return 'none'  # qwix's LoRA wrapper, not quantization-aware training
   if model is not None and is_quantized(model):
     if config.quantization != 'none':
       raise ValueError(f"TrainConfig.quantization='{config.quantization}' but the model is "

@@ -1,0 +1,117 @@
+"""Make the PEFT LoRA adapter fixture, and check maxnnx-exported adapters with PEFT.
+
+A developer tool, run by hand where torch, transformers and peft are installed
+(the test suite never imports them):
+
+    python tests/hf_parity/make_lora_fixture.py
+    python tests/hf_parity/make_lora_fixture.py --verify-export DIR REFERENCE_NPZ
+
+The first form rewrites ``tests/fixtures/peft/llama_lora/``: a LoRA adapter that
+peft makes on the tiny Llama fixture (``tests/fixtures/hf/llama``) with rank 4,
+``lora_alpha`` 8 and all seven projections as targets, ``B`` set to random
+nonzero values (peft starts it at zero, which would hide a loader that drops
+it), saved with ``save_pretrained`` (``adapter_config.json`` +
+``adapter_model.safetensors``), and ``reference.npz``: the Llama fixture's
+``input_ids`` int32 [2, 40] and peft's ``logits`` float32 [2, 40, 256] with the
+adapter on. Seeded, so reruns give identical files.
+
+The second form loads the Llama fixture with the adapter directory DIR through
+``peft.PeftModel.from_pretrained`` and compares its logits on the npz's
+``input_ids`` with the npz's ``logits`` (max abs difference < 1e-4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parent.parent / 'fixtures'
+BASE_DIR = ROOT / 'hf' / 'llama'
+OUT_DIR = ROOT / 'peft' / 'llama_lora'
+TARGETS = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']
+RANK, ALPHA, B_STD = 4, 8, 0.05
+TOLERANCE = 1e-4
+
+
+def base_model() -> torch.nn.Module:
+  return AutoModelForCausalLM.from_pretrained(BASE_DIR, dtype=torch.float32).eval()
+
+
+def logits_of(model: torch.nn.Module, input_ids: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.from_numpy(input_ids).long()).logits.float().numpy()
+
+
+def make() -> None:
+  torch.manual_seed(1234)
+  config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.05,
+                      task_type='CAUSAL_LM')
+  model = get_peft_model(base_model(), config)
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      if 'lora_B' in name:
+        param.normal_(0.0, B_STD)
+  model.eval()
+  OUT_DIR.mkdir(parents=True, exist_ok=True)
+  model.save_pretrained(OUT_DIR)
+  tidy(OUT_DIR)
+  input_ids = np.load(BASE_DIR / 'reference.npz')['input_ids']
+  logits = logits_of(model, input_ids)
+  base_logits = logits_of(base_model(), input_ids)
+  effect = float(np.abs(logits - base_logits).max())
+  if effect < 0.1:
+    sys.exit(f'the adapter barely changes the logits ({effect}); raise B_STD')
+  np.savez(OUT_DIR / 'reference.npz', input_ids=input_ids.astype(np.int32),
+           logits=logits.astype(np.float32))
+  reloaded = PeftModel.from_pretrained(base_model(), OUT_DIR).eval()
+  diff = float(np.abs(logits_of(reloaded, input_ids) - logits).max())
+  if diff > 1e-6:
+    sys.exit(f'peft does not reload its own adapter to the same logits ({diff})')
+  for path in sorted(OUT_DIR.iterdir()):
+    print(f'{path.name}: {path.stat().st_size:,} bytes')
+  print(f'adapter effect on the logits: max {effect:.3f}')
+
+
+def tidy(directory: Path) -> None:
+  """Make the saved files reproducible and free of this machine: no model card, the base
+  named relative to the repository, ``target_modules`` sorted (peft writes a set)."""
+  (directory / 'README.md').unlink(missing_ok=True)
+  path = directory / 'adapter_config.json'
+  config = json.loads(path.read_text())
+  config['base_model_name_or_path'] = 'tests/fixtures/hf/llama'
+  config['target_modules'] = sorted(config['target_modules'])
+  path.write_text(json.dumps(config, indent=2, sort_keys=True) + '\n')
+  for file in directory.iterdir():
+    file.chmod(0o644)
+
+
+def verify_export(directory: str, reference: str) -> float:
+  """Max abs logit difference of PEFT loading ``directory`` against ``reference``'s logits."""
+  data = np.load(reference)
+  model = PeftModel.from_pretrained(base_model(), directory).eval()
+  diff = float(np.abs(logits_of(model, data['input_ids']) - data['logits']).max())
+  print(f'{directory}: peft loads it; max abs logit difference {diff:.2e}')
+  if diff > TOLERANCE:
+    sys.exit(f'difference {diff} exceeds {TOLERANCE}')
+  return diff
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--verify-export', nargs=2, metavar=('DIR', 'REFERENCE_NPZ'))
+  args = parser.parse_args()
+  if args.verify_export:
+    verify_export(*args.verify_export)
+  else:
+    make()
+
+
+if __name__ == '__main__':
+  main()
