@@ -151,3 +151,33 @@ def test_sft_on_chats_without_any_template_names_the_key(base, tmp_path, capsys)
   assert 'pass template=' in capsys.readouterr().err
   assert cli.main([*args, 'template=chatml', f'output_dir={tmp_path}/out2']) == 0
   assert load_chat_template(f'{tmp_path}/out2/final').origin.endswith('chat_template.jinja')
+
+
+def test_sft_and_dpo_with_lora_write_a_peft_adapter_and_a_merged_model(base, tmp_path):
+  from safetensors.numpy import load_file
+
+  from maxnnx.train.lora import load_adapter
+  data = _jsonl(tmp_path / 'chat.jsonl', CHATS)
+  out = str(tmp_path / 'sft')
+  assert cli.main(['sft', f'model={base}', f'data={data}', 'steps=4', 'learning_rate=1e-2',
+                   'lora.rank=4', 'lora.alpha=8', 'lora.targets=q_proj,v_proj',
+                   f'output_dir={out}', *SMALL]) == 0
+  config = json.load(open(os.path.join(out, 'adapter', 'adapter_config.json')))
+  assert config['r'] == 4 and config['lora_alpha'] == 8
+  assert sorted(config['target_modules']) == ['q_proj', 'v_proj']
+  tensors = load_file(os.path.join(out, 'adapter', 'adapter_model.safetensors'))
+  assert 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' in tensors
+  # final/ is the merged model: base + adapter gives the same logits
+  ids = np.arange(1, 17)[None]
+  merged = maxnnx.from_pretrained(os.path.join(out, 'final'))
+  adapted = load_adapter(maxnnx.from_pretrained(base), os.path.join(out, 'adapter'))
+  np.testing.assert_allclose(merged(ids), adapted(ids), rtol=1e-4, atol=1e-4)
+  assert not np.allclose(merged(ids), maxnnx.from_pretrained(base)(ids), atol=1e-4)
+  dpo_out = str(tmp_path / 'dpo')
+  assert cli.main(['dpo', f'model={out}/final', f"data={_jsonl(tmp_path / 'p.jsonl', PREFS)}",
+                   'steps=3', 'learning_rate=1e-2', 'lora.rank=4', f'output_dir={dpo_out}',
+                   *SMALL]) == 0
+  metrics = _metrics(dpo_out)
+  assert metrics[0]['loss'] == pytest.approx(math.log(2), abs=1e-5)  # adapters off = policy
+  assert metrics[-1]['rewards/margins'] != 0
+  assert os.path.exists(os.path.join(dpo_out, 'adapter', 'adapter_model.safetensors'))
