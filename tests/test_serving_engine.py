@@ -197,6 +197,27 @@ def test_stop_ids_strings_and_length(engine):
   _assert_idle(engine)
 
 
+def test_load_weights_serves_the_new_parameters(model, engine):
+  """After load_weights, the engine generates what the new weights generate."""
+  changed = nnx.clone(model)
+  changed.lm_head.kernel[...] = -changed.lm_head.kernel[...]
+  prompts = [[8, 9, 10, 11, 12, 13, 14, 15, 16], [4, 2]]
+  old = engine.generate(prompts, _greedy(5))
+  before = engine.compile_count
+  try:
+    engine.load_weights(changed)
+    got = engine.generate(prompts, _greedy(5))
+  finally:
+    engine.load_weights(model)
+  want = maxnnx.generate(changed, prompts, max_new_tokens=5, eos_ids=None)
+  assert [list(c.token_ids) for c in got] == want.tokens.tolist()
+  assert [c.token_ids for c in got] != [c.token_ids for c in old]
+  assert engine.compile_count == before  # parameters are arguments: nothing recompiles
+  with pytest.raises(ValueError, match='same architecture'):
+    engine.load_weights(_model(num_layers=2))
+  _assert_idle(engine)
+
+
 def test_requests_the_engine_cannot_serve_are_refused(engine):
   """Bad prompts and parameters fail at add_request with the reason."""
   with pytest.raises(ValueError, match=r'in \[0, 97\)'):

@@ -113,7 +113,7 @@ class Engine:
     self.max_batch = max_batch
     self.token_budget = token_budget
     self.max_model_len = max_model_len or cfg.max_position_embeddings
-    self.max_logprobs = max_logprobs
+    self.max_logprobs = min(max_logprobs, cfg.vocab_size)
     self.seed = seed
     self.pages_per_request = math.ceil(self.max_model_len / page_size)
     self.max_pages = (max_batch * self.pages_per_request if max_pages is None else max_pages)
