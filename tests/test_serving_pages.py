@@ -130,3 +130,9 @@ def test_thousand_random_requests_leave_no_page_behind():
     alloc.check()
   assert alloc.num_available == alloc.num_usable and not any(alloc.ref_counts)
   assert sched.num_preemptions > 0 and alloc.evictions > 0 and cached > 0
+
+
+def test_scheduler_needs_a_budget_for_every_row():
+  """A budget smaller than the batch would starve running requests: refused."""
+  with pytest.raises(ValueError, match='token_budget >= max_batch'):
+    Scheduler(PageAllocator(4), page_size=2, max_batch=4, token_budget=3)

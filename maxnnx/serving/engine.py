@@ -46,6 +46,7 @@ block-table entries point there (masked by the row lengths).
 """
 
 import functools
+import logging
 import math
 from collections.abc import Sequence
 
@@ -65,6 +66,8 @@ from maxnnx.serving.params import (
 )
 from maxnnx.serving.sampling import row_keys, sample_rows
 from maxnnx.serving.scheduler import Request, Scheduler
+
+logger = logging.getLogger(__name__)
 
 MIN_TOKEN_BUCKET = 8
 
@@ -93,13 +96,21 @@ class Engine:
     page_size: tokens per page.
     max_batch: requests computed in one step at most.
     token_budget: tokens computed in one step at most (decode tokens plus
-      prefill chunks).
+      prefill chunks); at least ``max_batch``.
     max_model_len: prompt plus output tokens of one request at most; default
       ``model.config.max_position_embeddings``.
     prefix_caching: reuse the pages of full prompt pages already computed by an
       earlier or concurrent request with the same prefix.
     max_logprobs: the largest ``SamplingParams.logprobs`` accepted.
     seed: derives the seed of requests that give none.
+
+  Attributes:
+    scheduler: the :class:`~maxnnx.serving.scheduler.Scheduler` (queues, preemption count).
+    allocator: the :class:`~maxnnx.serving.pages.PageAllocator` of the pool.
+    tokenizer: the tokenizer, or ``None``.
+    eos_ids: ids that end a request unless ``ignore_eos``: ``model.config.eos_token_id``,
+      else the tokenizer's ``eos_id``.
+    step_shapes: the ``(tokens, max_q, pages per row)`` buckets run so far.
   """
 
   def __init__(self, model, tokenizer=None, *, max_pages: int | None = None,
@@ -121,18 +132,22 @@ class Engine:
         max_logprobs < 0):
       raise ValueError('page_size, max_batch, token_budget, max_pages and max_model_len must '
                        'be >= 1 and max_logprobs >= 0.')
+    if self.max_model_len > cfg.max_position_embeddings:
+      logger.warning('max_model_len=%d is beyond the model\'s max_position_embeddings=%d; '
+                     'positions beyond it were never trained.', self.max_model_len,
+                     cfg.max_position_embeddings)
     for rotary in (model.rotary, model.local_rotary):
       if rotary.long_inv_freq is not None and self.max_model_len > rotary.long_threshold:
         raise NotImplementedError(
             f'LongRoPE switches every position to its long factors once a sequence passes '
             f'{rotary.long_threshold} tokens, which a batch of independent requests cannot do; '
             f'serve this model with max_model_len <= {rotary.long_threshold}.')
-    work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
-    work.init_paged_cache(self.max_pages + 1, page_size)
-    self._graphdef, self._params, self._cache = nnx.split(work, nnx.Param, ...)
     self.allocator = PageAllocator(self.max_pages + 1, reserved=1)
     self.scheduler = Scheduler(self.allocator, page_size=page_size, max_batch=max_batch,
                                token_budget=token_budget, prefix_caching=prefix_caching)
+    work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
+    work.init_paged_cache(self.max_pages + 1, page_size)
+    self._graphdef, self._params, self._cache = nnx.split(work, nnx.Param, ...)
     eos = cfg.eos_token_id
     if eos is None and tokenizer is not None:
       eos = getattr(tokenizer, 'eos_id', None)

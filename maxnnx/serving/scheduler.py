@@ -81,15 +81,16 @@ class Scheduler:
     allocator: the page pool.
     page_size: tokens per page.
     max_batch: requests running at once at most (rows of a step).
-    token_budget: tokens computed per step at most.
+    token_budget: tokens computed per step at most; at least ``max_batch``.
     prefix_caching: share full prompt pages between requests by content hash.
   """
 
   def __init__(self, allocator: PageAllocator, *, page_size: int, max_batch: int,
                token_budget: int, prefix_caching: bool = True):
-    if max_batch < 1 or token_budget < 1 or page_size < 1:
-      raise ValueError(f'Need max_batch, token_budget and page_size >= 1; got {max_batch}, '
-                       f'{token_budget}, {page_size}.')
+    if min(max_batch, token_budget, page_size) < 1 or token_budget < max_batch:
+      raise ValueError(f'Need page_size >= 1 and token_budget >= max_batch >= 1 (every running '
+                       f'request can decode in each step); got page_size={page_size}, '
+                       f'max_batch={max_batch}, token_budget={token_budget}.')
     self.allocator = allocator
     self.page_size = page_size
     self.max_batch = max_batch
