@@ -243,6 +243,9 @@ class RuntimeConfig(ValidatedConfig):
     attention_impl: attention kernel strategy by name. ``xla_flash`` (the default:
       plain XLA, skips the masked causal blocks and recomputes the softmax in the
       backward pass) and ``xla`` (the reference) run everywhere.
+    paged_attention_impl: attention strategy of the serving engine's paged KV cache
+      by name (``xla``, the reference, runs everywhere; see
+      :mod:`maxnnx.kernels.paged_attention`).
     ragged_dot_impl: grouped-matmul strategy of MoE layers by name (``lax``, the
       ``dense`` reference and ``tiled`` always exist; ``tiled`` is about 2x faster
       than ``lax`` on CPUs, whose ``ragged_dot`` multiplies every row by every expert).
@@ -263,6 +266,7 @@ class RuntimeConfig(ValidatedConfig):
   logits_dtype: Literal[_DTYPES] = 'float32'
   scan_layers: bool = False
   attention_impl: str = 'xla_flash'
+  paged_attention_impl: str = 'xla'
   ragged_dot_impl: str = 'lax'
   remat_policy: RematPolicy = 'none'
   kernel_on_unsupported: Literal['fallback', 'error'] = 'fallback'

@@ -19,12 +19,22 @@ from maxnnx.kernels.capabilities import (
   AttentionCapabilities,
   AttentionRequest,
   KernelUnsupportedError,
+  PagedAttentionCapabilities,
+  PagedAttentionRequest,
   RaggedDotCapabilities,
   RaggedDotRequest,
 )
 from maxnnx.kernels.lookup import KERNEL_REGISTRIES, get_kernel, kernel_for
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions, RaggedDotOptions
+from maxnnx.kernels.paged_attention import (
+  PAGED_ATTENTION_IMPLEMENTATIONS,
+  PagedAttentionKernel,
+  PagedBatch,
+  XlaPagedAttention,
+  get_paged_attention_kernel,
+  register_paged_attention_kernel,
+)
 from maxnnx.kernels.ragged_dot import (
   RAGGED_DOT_IMPLEMENTATIONS,
   DenseRaggedDot,
@@ -39,9 +49,12 @@ from maxnnx.kernels.ragged_dot import (
 __all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionCapabilities', 'AttentionKernel',
            'AttentionMask', 'AttentionOptions', 'AttentionRequest', 'BlockwiseAttention',
            'DenseRaggedDot', 'JaxNnAttention', 'KERNEL_REGISTRIES',
-           'KernelUnsupportedError', 'LaxRaggedDot', 'PallasFlashAttention',
+           'KernelUnsupportedError', 'LaxRaggedDot', 'PAGED_ATTENTION_IMPLEMENTATIONS',
+           'PagedAttentionCapabilities', 'PagedAttentionKernel', 'PagedAttentionRequest',
+           'PagedBatch', 'PallasFlashAttention',
            'RAGGED_DOT_IMPLEMENTATIONS', 'RaggedDotCapabilities', 'RaggedDotKernel',
            'RaggedDotOptions', 'RaggedDotRequest', 'TiledRaggedDot', 'TokamaxAttention',
-           'TokamaxRaggedDot', 'XlaAttention',
-           'get_attention_kernel', 'get_kernel', 'get_ragged_dot_kernel', 'kernel_for',
-           'register_attention_kernel', 'register_ragged_dot_kernel']
+           'TokamaxRaggedDot', 'XlaAttention', 'XlaPagedAttention',
+           'get_attention_kernel', 'get_kernel', 'get_paged_attention_kernel',
+           'get_ragged_dot_kernel', 'kernel_for', 'register_attention_kernel',
+           'register_paged_attention_kernel', 'register_ragged_dot_kernel']

@@ -1,8 +1,9 @@
 """What a kernel strategy can do, what a call asks of it, and what happens when they differ.
 
 Every strategy declares its abilities once (:class:`AttentionCapabilities`,
-:class:`RaggedDotCapabilities`). Each call is summarised, at trace time and from
-static facts only (shapes, dtypes, platform, which options are set), as a
+:class:`PagedAttentionCapabilities`, :class:`RaggedDotCapabilities`). Each call
+is summarised, at trace time and from static facts only (shapes, dtypes,
+platform, which options are set), as a
 request; the strategy compares the two before it runs. When it cannot serve the
 request, its ``on_unsupported`` policy decides:
 
@@ -230,6 +231,92 @@ class AttentionCapabilities:
     if request.q_length != request.kv_length and not self.decode:
       reasons.append(f'query length {request.q_length} != key length {request.kv_length} '
                      '(decoding) is not supported')
+    if request.window == 'static' and not self.sliding_window:
+      reasons.append('sliding windows are not supported')
+    if request.window == 'traced' and not self.traced_window:
+      reasons.append('traced (per-layer array) sliding windows are not supported')
+    if request.softcap and not self.softcap:
+      reasons.append('logit soft-capping is not supported')
+    if request.sinks and not self.sinks:
+      reasons.append('attention sinks are not supported')
+    if request.head_dim != request.v_head_dim and not self.distinct_v_head_dim:
+      reasons.append(f'v head size {request.v_head_dim} != q/k head size {request.head_dim} '
+                     'is not supported')
+    return reasons
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionRequest:
+  """The static facts of one paged-attention call (attention over a page pool).
+
+  Attributes:
+    platform: ``cpu``, ``gpu`` or ``tpu``.
+    dtype: dtype name of ``q``.
+    num_heads, num_kv_heads: query heads and key/value heads (GQA when different).
+    head_dim, v_head_dim: head size of ``q``/``k`` and of ``v``.
+    page_size: tokens per page.
+    window: ``none``, ``static`` or ``traced`` (see :class:`AttentionRequest`).
+    softcap: a logit soft-cap is set.
+    sinks: attention-sink logits are given.
+  """
+
+  platform: str
+  dtype: str
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  v_head_dim: int
+  page_size: int
+  window: Literal['none', 'static', 'traced']
+  softcap: bool
+  sinks: bool
+
+  @classmethod
+  def of(cls, q_TNH, k_pages_PSKH, v_pages_PSKH,
+         options: AttentionOptions) -> 'PagedAttentionRequest':
+    """Summarise a call's arguments."""
+    return cls(platform=current_platform(), dtype=np.dtype(q_TNH.dtype).name,
+               num_heads=q_TNH.shape[1], num_kv_heads=k_pages_PSKH.shape[2],
+               head_dim=q_TNH.shape[2], v_head_dim=v_pages_PSKH.shape[3],
+               page_size=k_pages_PSKH.shape[1], window=_window_kind(options.sliding_window),
+               softcap=options.softcap is not None, sinks=options.sinks_N is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionCapabilities:
+  """What a paged-attention strategy supports; every field must be declared.
+
+  Limits on page sizes or shapes go in the strategy's ``unsupported_reasons``.
+
+  Attributes:
+    platforms: platforms it runs on.
+    dtypes: dtype names of ``q`` and the pages it accepts.
+    gqa: fewer key/value heads than query heads (GQA/MQA).
+    sliding_window: a sliding window given as a Python int.
+    traced_window: a sliding window given as an array (scanned mixed layers).
+    softcap: logit soft-capping.
+    sinks: attention-sink logits (GPT-OSS).
+    distinct_v_head_dim: ``v`` head size different from the ``q``/``k`` one.
+  """
+
+  platforms: tuple[str, ...]
+  dtypes: tuple[str, ...]
+  gqa: bool
+  sliding_window: bool
+  traced_window: bool
+  softcap: bool
+  sinks: bool
+  distinct_v_head_dim: bool
+
+  def missing(self, request: PagedAttentionRequest) -> list[str]:
+    """Why ``request`` cannot be served; empty when it can."""
+    reasons = []
+    if request.platform not in self.platforms:
+      reasons.append(f"platform '{request.platform}' is not one of {self.platforms}")
+    if request.dtype not in self.dtypes:
+      reasons.append(f"dtype {request.dtype} is not one of {self.dtypes}")
+    if request.num_heads != request.num_kv_heads and not self.gqa:
+      reasons.append('grouped key/value heads (GQA/MQA) are not supported')
     if request.window == 'static' and not self.sliding_window:
       reasons.append('sliding windows are not supported')
     if request.window == 'traced' and not self.traced_window:

@@ -1,4 +1,14 @@
-"""Multi-head attention with GQA/MQA, q/k norms, sinks, rotary embeddings and a KV cache."""
+"""Multi-head attention with GQA/MQA, q/k norms, sinks, rotary embeddings and a KV cache.
+
+Two caches exist side by side: the contiguous one of :meth:`Attention.init_cache`
+(``[B, S]`` slots per row, used by ``maxnnx.generate``) and the paged one of
+:meth:`Attention.init_paged_cache` (a pool of pages shared by every request, used
+by the serving engine). A paged call gets a
+:class:`~maxnnx.kernels.paged_attention.PagedBatch` that says where this step's
+tokens go; the layer writes their keys and values into the pages and calls the
+paged-attention strategy (``cfg.runtime.paged_attention_impl``). Nothing here knows
+about requests or scheduling.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +19,7 @@ from maxnnx.config import ModelConfig
 from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
+from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.params import logical_param
@@ -31,8 +42,11 @@ class Attention(nnx.Module):
     q_norm, k_norm: optional RMSNorms (per head or over the whole projection).
     sinks: ``[heads]`` learned attention-sink logits (``cfg.attention_sinks``) or ``None``.
     kernel: the attention strategy (``cfg.runtime.attention_impl``), shown in treescope.
+    paged_kernel: the paged-attention strategy (``cfg.runtime.paged_attention_impl``).
     cache_k, cache_v: ``nnx.Cache`` ``[B, S, kv_heads, head_dim]`` once
       :meth:`init_cache` has been called; ``None`` otherwise.
+    pages_k, pages_v: ``nnx.Cache`` ``[num_pages, page_size, kv_heads, head_dim]``
+      once :meth:`init_paged_cache` has been called; ``None`` otherwise.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -58,10 +72,13 @@ class Attention(nnx.Module):
                                 (h,), cfg.jnp_dtype('param_dtype'), ('heads',))
                   if cfg.attention_sinks else None)
     self.kernel = kernel_for(cfg, 'attention')
+    self.paged_kernel = kernel_for(cfg, 'paged_attention')
     self.scale = cfg.resolved_query_scale
     self.softcap = cfg.attn_logit_softcap
     self.cache_k = nnx.data(None)
     self.cache_v = nnx.data(None)
+    self.pages_k = nnx.data(None)
+    self.pages_v = nnx.data(None)
 
   def init_cache(self, batch: int, max_length: int, dtype) -> None:
     """Allocate an empty KV cache for ``batch`` rows of ``max_length`` tokens."""
@@ -70,15 +87,30 @@ class Attention(nnx.Module):
     self.cache_k = nnx.Cache(jnp.zeros(shape, dtype))
     self.cache_v = nnx.Cache(jnp.zeros(shape, dtype))
 
+  def init_paged_cache(self, num_pages: int, page_size: int, dtype) -> None:
+    """Allocate an empty pool of ``num_pages`` pages of ``page_size`` tokens."""
+    kv_heads, head_dim = self.k_proj.out_shape
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    self.pages_k = nnx.Cache(jnp.zeros(shape, dtype))
+    self.pages_v = nnx.Cache(jnp.zeros(shape, dtype))
+
   def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
-               mask: AttentionMask, *, sliding_window: int | jax.Array | None = None,
-               cache_index: jax.Array | None = None) -> jax.Array:
+               mask: AttentionMask | None, *, sliding_window: int | jax.Array | None = None,
+               cache_index: jax.Array | None = None,
+               paged: PagedBatch | None = None) -> jax.Array:
     """Attention output ``[B, T, d_model]``.
 
     With ``cache_index`` (decoding), this step's keys and values are written
     into the cache at that slot and the queries attend over the whole cache;
     ``mask`` then describes the cache slots as keys.
+
+    With ``paged`` (serving), ``x`` is ``[1, T, d_model]``: the flat tokens of
+    every scheduled request. Their keys and values are written into the page
+    pool at ``paged.slots_T`` and each token attends over its request's pages;
+    ``mask`` is not used.
     """
+    if paged is not None:
+      return self._paged(x_BTD, cos_sin, paged, sliding_window)
     q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
     if self.q_norm is not None:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
@@ -103,3 +135,20 @@ class Attention(nnx.Module):
     out_BTNH = self.kernel(q_BTNH, k_BTKH, v_BTKH, mask, options)
     out_BTNH = checkpoint_name(constrain(out_BTNH, Q_AXES), 'attention_out')
     return checkpoint_name(constrain(self.o_proj(out_BTNH), OUT_AXES), 'out_proj')
+
+  def _paged(self, x_1TD, cos_sin, paged: PagedBatch, sliding_window) -> jax.Array:
+    if self.pages_k is None:
+      raise ValueError('Paged attention needs a page pool: call '
+                       'model.init_paged_cache(num_pages, page_size).')
+    q_1TNH, k_1TKH, v_1TKH = self.q_proj(x_1TD), self.k_proj(x_1TD), self.v_proj(x_1TD)
+    if self.q_norm is not None:
+      q_1TNH, k_1TKH = self.q_norm(q_1TNH), self.k_norm(k_1TKH)
+    q_1TNH = apply_rope(q_1TNH, *cos_sin)
+    k_1TKH = apply_rope(k_1TKH, *cos_sin)
+    self.pages_k[...] = paged.write(self.pages_k[...], k_1TKH[0])
+    self.pages_v[...] = paged.write(self.pages_v[...], v_1TKH[0])
+    sinks_N = None if self.sinks is None else self.sinks[...]
+    options = AttentionOptions(scale=self.scale, softcap=self.softcap,
+                               sliding_window=sliding_window, sinks_N=sinks_N)
+    out_TNH = self.paged_kernel(q_1TNH[0], self.pages_k[...], self.pages_v[...], paged, options)
+    return self.o_proj(out_TNH[None].astype(q_1TNH.dtype))

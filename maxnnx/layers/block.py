@@ -50,11 +50,19 @@ class DecoderBlock(nnx.Module):
       self.mlp = build_part(custom_mlp, cfg, rngs, 'moe' if use_moe else 'mlp')
     self.mlp_post_norm = norm(cfg.post_norm)
 
-  def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask, *,
-               sliding_window=None, cache_index=None) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask | None, *,
+               sliding_window=None, cache_index=None, paged=None) -> jax.Array:
+    """The block's output ``[B, T, d_model]``; the keywords go to the attention.
+
+    ``paged`` (a :class:`~maxnnx.kernels.paged_attention.PagedBatch`) is passed
+    on only when set, so custom attention parts without a paged path keep working
+    everywhere else.
+    """
     x_BTD = constrain(x_BTD, RESIDUAL_AXES)
     h = self.attn_pre_norm(x_BTD) if self.attn_pre_norm is not None else x_BTD
-    h = self.attn(h, cos_sin, mask, sliding_window=sliding_window, cache_index=cache_index)
+    extra = {} if paged is None else {'paged': paged}
+    h = self.attn(h, cos_sin, mask, sliding_window=sliding_window, cache_index=cache_index,
+                  **extra)
     if self.attn_post_norm is not None:
       h = self.attn_post_norm(h)
     x_BTD = x_BTD + h

@@ -10,6 +10,8 @@ low-rank too (``q_lora_rank``): ``q = norm(x · W_q_a) · W_q_b``; only their la
 When decoding, the cache holds ``c`` and the rotated ``k_rope``
 (``kv_lora_rank + qk_rope_head_dim`` numbers per token instead of
 ``2 * heads * head_dim``); full keys and values are rebuilt from it each step.
+The serving engine's paged cache holds the same two parts in pages
+(:meth:`MLA.init_paged_cache`).
 Any attention kernel works: values are zero-padded to the query/key width when
 narrower (and sliced back), so the kernel sees one head width.
 
@@ -29,6 +31,7 @@ from maxnnx.config import ModelConfig
 from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
+from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.attention import KV_AXES, OUT_AXES, Q_AXES
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norms import RMSNorm
@@ -70,6 +73,8 @@ class MLA(nnx.Module):
     kernel: the attention strategy (``cfg.runtime.attention_impl``).
     cache_latent, cache_k_rope: ``nnx.Cache`` ``[B, S, kv_lora_rank]`` and
       ``[B, S, qk_rope_head_dim]`` after :meth:`init_cache`.
+    pages_latent, pages_k_rope: ``nnx.Cache`` ``[num_pages, page_size, kv_lora_rank]``
+      and ``[num_pages, page_size, qk_rope_head_dim]`` after :meth:`init_paged_cache`.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -105,16 +110,46 @@ class MLA(nnx.Module):
     self.interleaved = cfg.rope_interleave
     self.cache_latent = nnx.data(None)
     self.cache_k_rope = nnx.data(None)
+    self.pages_latent = nnx.data(None)
+    self.pages_k_rope = nnx.data(None)
 
   def init_cache(self, batch: int, max_length: int, dtype) -> None:
     """Allocate an empty compressed cache (latent + rotated key part)."""
     self.cache_latent = nnx.Cache(jnp.zeros((batch, max_length, self.kv_lora_rank), dtype))
     self.cache_k_rope = nnx.Cache(jnp.zeros((batch, max_length, self.rope), dtype))
 
+  def init_paged_cache(self, num_pages: int, page_size: int, dtype) -> None:
+    """Allocate an empty pool of pages holding the latent and the rotated key part."""
+    self.pages_latent = nnx.Cache(jnp.zeros((num_pages, page_size, self.kv_lora_rank), dtype))
+    self.pages_k_rope = nnx.Cache(jnp.zeros((num_pages, page_size, self.rope), dtype))
+
   def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
-               mask: AttentionMask, *, sliding_window: int | jax.Array | None = None,
-               cache_index: jax.Array | None = None) -> jax.Array:
-    """Attention output ``[B, T, d_model]`` (see :class:`~maxnnx.layers.Attention`)."""
+               mask: AttentionMask | None, *, sliding_window: int | jax.Array | None = None,
+               cache_index: jax.Array | None = None,
+               paged: PagedBatch | None = None) -> jax.Array:
+    """Attention output ``[B, T, d_model]`` (see :class:`~maxnnx.layers.Attention`).
+
+    With ``paged``, the pages hold the compressed cache; each request's latents are
+    gathered, expanded to keys and values and attended with the layer's dense kernel.
+    """
+    q_BTNQ, latent_BTL, k_rot_BT1R = self._project(x_BTD, cos_sin)
+    if paged is not None:
+      return self._paged(q_BTNQ, latent_BTL, k_rot_BT1R, paged, sliding_window)
+    if cache_index is not None:
+      if self.cache_latent is None:
+        raise ValueError('Decoding needs a KV cache: call model.init_cache(batch, max_length).')
+      self.cache_latent[...] = jax.lax.dynamic_update_slice(
+          self.cache_latent[...], latent_BTL.astype(self.cache_latent.dtype), (0, cache_index, 0))
+      self.cache_k_rope[...] = jax.lax.dynamic_update_slice(
+          self.cache_k_rope[...], k_rot_BT1R[:, :, 0].astype(self.cache_k_rope.dtype),
+          (0, cache_index, 0))
+      latent_BTL = self.cache_latent[...].astype(x_BTD.dtype)
+      k_rot_BT1R = self.cache_k_rope[...][:, :, None].astype(x_BTD.dtype)
+    out_BTNV = self._attend(q_BTNQ, latent_BTL, k_rot_BT1R, mask, sliding_window)
+    return checkpoint_name(constrain(self.o_proj(out_BTNV), OUT_AXES), 'out_proj')
+
+  def _project(self, x_BTD, cos_sin):
+    """Rotated queries ``[B, T, N, qk]``, latents ``[B, T, L]``, key parts ``[B, T, 1, R]``."""
     if self.q_proj is not None:
       q_BTNQ = self.q_proj(x_BTD)
     else:
@@ -127,21 +162,15 @@ class MLA(nnx.Module):
       q_rot, k_rot_BT1R = deinterleave(q_rot), deinterleave(k_rot_BT1R)
     q_rot = apply_rope(q_rot, *cos_sin)
     k_rot_BT1R = apply_rope(k_rot_BT1R, *cos_sin)
-    if cache_index is not None:
-      if self.cache_latent is None:
-        raise ValueError('Decoding needs a KV cache: call model.init_cache(batch, max_length).')
-      self.cache_latent[...] = jax.lax.dynamic_update_slice(
-          self.cache_latent[...], latent_BTL.astype(self.cache_latent.dtype), (0, cache_index, 0))
-      self.cache_k_rope[...] = jax.lax.dynamic_update_slice(
-          self.cache_k_rope[...], k_rot_BT1R[:, :, 0].astype(self.cache_k_rope.dtype),
-          (0, cache_index, 0))
-      latent_BTL = self.cache_latent[...].astype(x_BTD.dtype)
-      k_rot_BT1R = self.cache_k_rope[...][:, :, None].astype(x_BTD.dtype)
-    kv_BSNX = self.kv_b_proj(latent_BTL)
-    k_nope, v_BSNV = kv_BSNX[..., :self.nope], kv_BSNX[..., self.nope:]
-    k_rot_BSNR = jnp.broadcast_to(k_rot_BT1R, k_nope.shape[:3] + (self.rope,))
-    k_BSNQ = jnp.concatenate([k_nope, k_rot_BSNR.astype(k_nope.dtype)], axis=-1)
     q_BTNQ = jnp.concatenate([q_nope, q_rot.astype(q_nope.dtype)], axis=-1)
+    return q_BTNQ, latent_BTL, k_rot_BT1R
+
+  def _attend(self, q_BTNQ, latent_BSL, k_rot_BS1R, mask, sliding_window):
+    """Rebuild keys and values from the latents and attend: ``[B, T, N, v_head_dim]``."""
+    kv_BSNX = self.kv_b_proj(latent_BSL)
+    k_nope, v_BSNV = kv_BSNX[..., :self.nope], kv_BSNX[..., self.nope:]
+    k_rot_BSNR = jnp.broadcast_to(k_rot_BS1R, k_nope.shape[:3] + (self.rope,))
+    k_BSNQ = jnp.concatenate([k_nope, k_rot_BSNR.astype(k_nope.dtype)], axis=-1)
     width = max(self.nope + self.rope, self.v_dim)  # kernels take one head width
 
     def pad(a):
@@ -154,5 +183,19 @@ class MLA(nnx.Module):
     options = AttentionOptions(scale=self.scale, softcap=self.softcap,
                                sliding_window=sliding_window)
     out = self.kernel(q_BTNQ, k_BSNQ, v_BSNQ, mask, options)
-    out_BTNV = checkpoint_name(constrain(out[..., :self.v_dim], Q_AXES), 'attention_out')
-    return checkpoint_name(constrain(self.o_proj(out_BTNV), OUT_AXES), 'out_proj')
+    return checkpoint_name(constrain(out[..., :self.v_dim], Q_AXES), 'attention_out')
+
+  def _paged(self, q_1TNQ, latent_1TL, k_rot_1T1R, paged: PagedBatch, sliding_window):
+    if self.pages_latent is None:
+      raise ValueError('Paged attention needs a page pool: call '
+                       'model.init_paged_cache(num_pages, page_size).')
+    self.pages_latent[...] = paged.write(self.pages_latent[...], latent_1TL[0])
+    self.pages_k_rope[...] = paged.write(self.pages_k_rope[...], k_rot_1T1R[0, :, 0])
+    dtype = q_1TNQ.dtype
+    latent_BSL = paged.gather_pages(self.pages_latent[...]).astype(dtype)
+    k_rot_BS1R = paged.gather_pages(self.pages_k_rope[...])[:, :, None].astype(dtype)
+    q_BQNQ = paged.gather_rows(q_1TNQ[0])
+    mask = paged.row_mask(latent_BSL.shape[1])
+    out_BQNV = self._attend(q_BQNQ, latent_BSL, k_rot_BS1R, mask, sliding_window)
+    out_TNV = paged.scatter_rows(out_BQNV, q_1TNQ.shape[1])
+    return self.o_proj(out_TNV[None])

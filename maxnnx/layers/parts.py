@@ -19,12 +19,15 @@ A replacement must be called like the part it replaces:
   -> ``[B, T, d_model]``, where ``cos_sin`` is the ``(cos, sin)`` pair of the
   layer's rotary embedding and ``mask`` an
   :class:`~maxnnx.kernels.masks.AttentionMask`. For KV-cache decoding it also
-  needs ``init_cache(batch, max_length, dtype)`` (subclass
-  :class:`~maxnnx.layers.attention.Attention` to inherit both).
+  needs ``init_cache(batch, max_length, dtype)``; for the serving engine,
+  ``init_paged_cache(num_pages, page_size, dtype)`` and a ``paged=`` keyword taking a
+  :class:`~maxnnx.kernels.paged_attention.PagedBatch` (subclass
+  :class:`~maxnnx.layers.attention.Attention` to inherit all three).
 * mlp, moe: ``mlp(x_BTD)`` -> ``[B, T, d_model]``.
 * norm: ``norm(x_BTD)`` -> ``[B, T, d_model]``.
 * block: ``block(x_BTD, cos_sin, mask, *, sliding_window=None, cache_index=None)``
-  with an ``attn`` attribute (the KV cache lives there).
+  with an ``attn`` attribute (the KV cache lives there); the serving engine also
+  passes ``paged=``.
 
 Every parameter of a replacement must carry logical axis names (create it with
 :func:`maxnnx.layers.params.logical_param` or

@@ -18,6 +18,7 @@ from flax import nnx
 
 from maxnnx.config import ModelConfig
 from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions
+from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock, make_block
 from maxnnx.layers.embedding import Embed
 from maxnnx.layers.linear import DenseGeneral
@@ -130,10 +131,34 @@ class Transformer(nnx.Module):
     self.cache_positions = nnx.Cache(jnp.zeros((batch, max_length), jnp.int32))
     self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
+  def init_paged_cache(self, num_pages: int, page_size: int, dtype=None) -> None:
+    """Allocate every layer's pool of ``num_pages`` KV pages of ``page_size`` tokens.
+
+    The pools are ``nnx.Cache`` variables of the attention layers, read and written
+    by ``hidden_states(..., paged=batch)``; which page holds what is the caller's
+    business (see :mod:`maxnnx.serving`).
+    """
+    dtype = dtype or self.config.jnp_dtype()
+    scanned = self.config.runtime.scan_layers
+    blocks = ([getattr(self, name) for name, *_ in layer_stacks(self.config)] if scanned
+              else list(self.layers))
+    for block in blocks:
+      if not hasattr(block.attn, 'init_paged_cache'):
+        raise NotImplementedError(
+            f'{type(block.attn).__name__} has no paged KV cache (init_paged_cache); paged '
+            'serving needs attention layers that take a PagedBatch.')
+    init = lambda block: block.attn.init_paged_cache(num_pages, page_size, dtype)
+    for block in blocks:
+      if scanned:
+        nnx.vmap(init, in_axes=0, out_axes=0)(block)
+      else:
+        init(block)
+
   # -- forward ----------------------------------------------------------------
 
   def __call__(self, input_ids_BT: jax.Array, *, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None, decode: bool = False, mtp: bool = False
+               positions: jax.Array | None = None, decode: bool = False, mtp: bool = False,
+               paged: PagedBatch | None = None
                ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """Logits ``[B, T, vocab]`` (in ``config.runtime.logits_dtype``).
 
@@ -144,14 +169,15 @@ class Transformer(nnx.Module):
     :func:`maxnnx.layers.mtp.mtp_targets`).
     """
     out = self.hidden_states(input_ids_BT, segment_ids=segment_ids, positions=positions,
-                             decode=decode, mtp=mtp)
+                             decode=decode, mtp=mtp, paged=paged)
     if not mtp:
       return self.logits(out)
     x_BTD, mtp_hidden = out
     return self.logits(x_BTD), tuple(self.logits(h_BTD) for h_BTD in mtp_hidden)
 
   def hidden_states(self, input_ids_BT: jax.Array, *, segment_ids: jax.Array | None = None,
-                    positions: jax.Array | None = None, decode: bool = False, mtp: bool = False
+                    positions: jax.Array | None = None, decode: bool = False, mtp: bool = False,
+                    paged: PagedBatch | None = None
                     ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """Final hidden states ``[B, T, d_model]``, after the final norm and before the head.
 
@@ -168,6 +194,11 @@ class Transformer(nnx.Module):
       decode: append to the KV cache (see :meth:`init_cache`) and attend over it.
       mtp: also return each MTP depth's final hidden states (after its own norm):
         ``(hidden, mtp_hidden)``. Training only.
+      paged: a :class:`~maxnnx.kernels.paged_attention.PagedBatch` (serving, after
+        :meth:`init_paged_cache`): ``input_ids_BT`` is ``[1, T]``, the flat tokens
+        of many requests, ``positions`` each token's position in its request
+        (required), and every layer writes and reads the page pools.
+        ``segment_ids`` is ignored.
     """
     cfg = self.config
     if mtp and (self.mtp is None or decode):
@@ -179,7 +210,12 @@ class Transformer(nnx.Module):
     positions = None if positions is None else positions.astype(jnp.int32)
 
     cache_index = None
-    if decode:
+    if paged is not None:
+      if decode or mtp or positions is None or input_ids_BT.shape[0] != 1:
+        raise ValueError('paged=... takes input_ids [1, T] with their positions, and no '
+                         'decode=True or mtp=True.')
+      mask = None
+    elif decode:
       if self.cache_index is None:
         raise ValueError('decode=True needs a KV cache: call model.init_cache(batch, max_length).')
       cache_index = self.cache_index[...]
@@ -204,18 +240,19 @@ class Transformer(nnx.Module):
     x_BTD = self._embed(input_ids_BT)
     stages = mesh_axis_size('stage')
     if stages > 1:
-      if not cfg.runtime.scan_layers or cache_index is not None:
+      if not cfg.runtime.scan_layers or cache_index is not None or paged is not None:
         raise ValueError('Pipeline parallelism (mesh stage > 1) needs scan_layers=True and '
                          'runs training/scoring only, not KV-cache decoding.')
       x_BTD = self._pipeline_layers(x_BTD, segment_ids, positions, stages)
     else:
       cos_sin = self._cos_sin(positions)
       if cfg.runtime.scan_layers:
-        x_BTD = self._scan_layers(x_BTD, cos_sin, mask, cache_index)
+        x_BTD = self._scan_layers(x_BTD, cos_sin, mask, cache_index, paged)
       else:
         for block, layer_type in zip(self.layers, cfg.resolved_layer_types):
           window = cfg.sliding_window if layer_type == 'sliding' else None
-          x_BTD = self._apply_block(block, x_BTD, cos_sin[layer_type], mask, window, cache_index)
+          x_BTD = self._apply_block(block, x_BTD, cos_sin[layer_type], mask, window, cache_index,
+                                    paged)
     if not mtp:
       return self.final_norm(x_BTD)
     return self.final_norm(x_BTD), self._mtp_hidden(x_BTD, input_ids_BT, positions, mask)
@@ -245,8 +282,10 @@ class Transformer(nnx.Module):
                           if self.local_rotary is not self.rotary else cos_sin['full'])
     return cos_sin
 
-  def _apply_block(self, block, x_BTD, cos_sin, mask, window, cache_index):
+  def _apply_block(self, block, x_BTD, cos_sin, mask, window, cache_index, paged=None):
     """One block, rematerialised per ``config.runtime.remat_policy`` when training."""
+    if paged is not None:
+      return block(x_BTD, cos_sin, mask, sliding_window=window, paged=paged)
     if cache_index is not None or self.config.runtime.remat_policy == 'none':
       return block(x_BTD, cos_sin, mask, sliding_window=window, cache_index=cache_index)
     graphdef, state = nnx.split(block)
@@ -259,14 +298,15 @@ class Transformer(nnx.Module):
     nnx.update(block, aux)  # MoE routing statistics computed inside the remat
     return x_BTD
 
-  def _scan_layers(self, x_BTD, cos_sin, mask, cache_index):
+  def _scan_layers(self, x_BTD, cos_sin, mask, cache_index, paged=None):
     for name, start, count, _ in layer_stacks(self.config):
       types = self.config.resolved_layer_types[start:start + count]
-      x_BTD = self._scan_stack(getattr(self, name), types, x_BTD, cos_sin, mask, cache_index)
+      x_BTD = self._scan_stack(getattr(self, name), types, x_BTD, cos_sin, mask, cache_index,
+                               paged=paged)
     return x_BTD
 
   def _scan_stack(self, layers, layer_types, x_BTD, cos_sin, mask, cache_index,
-                  is_sliding_L=None):
+                  is_sliding_L=None, paged=None):
     """Run stacked ``layers`` (leading axis = layers) over ``x`` with ``lax.scan``.
 
     ``is_sliding_L`` may be traced (a pipeline stage's share of the layers).
@@ -287,7 +327,7 @@ class Transformer(nnx.Module):
                                      cos_sin['sliding'], cos_sin['full'])
       else:
         window, layer_cos_sin = static_window, cos_sin[layer_types[0]]
-      x = self._apply_block(block, x, layer_cos_sin, mask, window, cache_index)
+      x = self._apply_block(block, x, layer_cos_sin, mask, window, cache_index, paged)
       return x, nnx.state(block, (nnx.Cache, MoeAux))
 
     x_BTD, carried_state = jax.lax.scan(body, x_BTD, (state, is_sliding_L))

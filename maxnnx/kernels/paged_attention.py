@@ -1,0 +1,218 @@
+"""Paged attention: queries of many requests against keys and values held in a pool of pages.
+
+A serving engine keeps every request's keys and values in fixed-size pages of one
+pool, ``k_pages [num_pages, page_size, kv_heads, head_dim]`` per layer, and a
+block table per request listing its pages in order. One engine step runs the
+tokens of all scheduled requests as one flat sequence of ``T`` tokens (decode
+steps contribute one token, prefill chunks several); :class:`PagedBatch` says
+where each token goes:
+
+* row ``b`` (a request) owns the flat tokens ``q_starts[b] : q_starts[b] + q_lens[b]``;
+* those tokens are its sequence positions ``kv_lens[b] - q_lens[b] … kv_lens[b] - 1``
+  (they are appended to what the cache already holds), and key ``i`` of a row
+  is at position ``i``;
+* token ``t``'s key and value are written at flat slot ``slots[t]``
+  (``page * page_size + offset``) before attention reads them;
+* the row's pages are ``page_table[b, :ceil(kv_lens[b] / page_size)]``.
+
+Padding tokens (the flat length is bucketed) and empty rows write to a scratch
+page of the engine's choosing and are ignored.
+
+A paged-attention strategy is a frozen dataclass like the dense ones
+(:mod:`maxnnx.kernels.attention`): it declares
+:class:`~maxnnx.kernels.capabilities.PagedAttentionCapabilities`, implements
+``attend(q_TNH, k_pages, v_pages, batch, options)`` and is registered by name
+(``cfg.runtime.paged_attention_impl``). ``xla`` gathers each row's pages into a
+contiguous ``[B, pages * page_size]`` key range and calls the dense ``xla``
+reference with the mask the batch implies; it supports every feature and is the
+fallback. A ragged paged kernel (Pallas on GPU/TPU) can be registered beside it.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from maxnnx.kernels.attention import XlaAttention
+from maxnnx.kernels.capabilities import (
+  ALL_PLATFORMS,
+  FLOAT_DTYPES,
+  PagedAttentionCapabilities,
+  PagedAttentionRequest,
+  check_policy,
+  lookup_kernel,
+  refuse,
+)
+from maxnnx.kernels.masks import AttentionMask
+from maxnnx.kernels.options import AttentionOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedBatch:
+  """Where one step's flat tokens sit in the page pool (see the module docstring).
+
+  A pytree: the arrays are traced, ``max_q`` is static (part of the compiled shape).
+
+  Attributes:
+    page_table_BM: ``[B, M]`` int32 page ids of each row, in sequence order.
+    kv_lens_B: ``[B]`` int32 tokens of each row in the cache once this step is written.
+    q_starts_B: ``[B]`` int32 index of each row's first token in the flat sequence.
+    q_lens_B: ``[B]`` int32 tokens each row adds this step (0 for an empty row).
+    slots_T: ``[T]`` int32 flat slot (``page * page_size + offset``) of each token.
+    max_q: a bound on ``q_lens_B`` (static): rows are gathered ``max_q`` tokens wide.
+  """
+
+  page_table_BM: jax.Array
+  kv_lens_B: jax.Array
+  q_starts_B: jax.Array
+  q_lens_B: jax.Array
+  slots_T: jax.Array
+  max_q: int
+
+  def _row_index(self):
+    """``[B, Q]`` flat index of each row's tokens, and which of them exist."""
+    offsets_Q = jnp.arange(self.max_q, dtype=jnp.int32)
+    valid_BQ = offsets_Q[None] < self.q_lens_B[:, None]
+    return self.q_starts_B[:, None] + offsets_Q[None], valid_BQ
+
+  def gather_rows(self, x_T: jax.Array) -> jax.Array:
+    """``[T, ...] -> [B, max_q, ...]``: each row's tokens; rows shorter than ``max_q``
+    are padded with token 0 (masked by :meth:`row_mask`)."""
+    index_BQ, valid_BQ = self._row_index()
+    return jnp.take(x_T, jnp.where(valid_BQ, index_BQ, 0), axis=0)
+
+  def scatter_rows(self, x_BQ: jax.Array, num_tokens: int) -> jax.Array:
+    """``[B, max_q, ...] -> [num_tokens, ...]``: the inverse of :meth:`gather_rows`;
+    padding tokens get zeros."""
+    index_BQ, valid_BQ = self._row_index()
+    out = jnp.zeros((num_tokens,) + x_BQ.shape[2:], x_BQ.dtype)
+    return out.at[jnp.where(valid_BQ, index_BQ, num_tokens)].set(x_BQ, mode='drop')
+
+  def gather_pages(self, pages_PS: jax.Array) -> jax.Array:
+    """``[num_pages, page_size, ...] -> [B, M * page_size, ...]``: each row's cache in order."""
+    rows = pages_PS[self.page_table_BM]
+    return rows.reshape((rows.shape[0], -1) + pages_PS.shape[2:])
+
+  def write(self, pages_PS: jax.Array, new_T: jax.Array) -> jax.Array:
+    """``pages`` with token ``t``'s entry ``new_T[t]`` stored at slot ``slots_T[t]``."""
+    num_pages, page_size = pages_PS.shape[:2]
+    flat = pages_PS.reshape((num_pages * page_size,) + pages_PS.shape[2:])
+    flat = flat.at[self.slots_T].set(new_T.astype(pages_PS.dtype))
+    return flat.reshape(pages_PS.shape)
+
+  def row_mask(self, kv_length: int) -> AttentionMask:
+    """The mask of :meth:`gather_rows` queries against :meth:`gather_pages` keys.
+
+    Segment 1 marks real tokens and filled cache slots, 0 padding; positions
+    follow the module docstring's rule, so causality and sliding windows apply
+    as in any :class:`~maxnnx.kernels.masks.AttentionMask`.
+    """
+    _, valid_BQ = self._row_index()
+    offsets_Q = jnp.arange(self.max_q, dtype=jnp.int32)
+    q_positions_BQ = (self.kv_lens_B - self.q_lens_B)[:, None] + offsets_Q[None]
+    kv_positions_S = jnp.arange(kv_length, dtype=jnp.int32)
+    kv_valid_BS = kv_positions_S[None] < self.kv_lens_B[:, None]
+    batch = self.kv_lens_B.shape[0]
+    return AttentionMask(valid_BQ.astype(jnp.int32), q_positions_BQ,
+                         kv_valid_BS.astype(jnp.int32),
+                         jnp.broadcast_to(kv_positions_S, (batch, kv_length)))
+
+
+jax.tree_util.register_dataclass(
+    PagedBatch, data_fields=['page_table_BM', 'kv_lens_B', 'q_starts_B', 'q_lens_B', 'slots_T'],
+    meta_fields=['max_q'])
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionKernel:
+  """Base class of paged-attention strategies; instances are stateless and hashable.
+
+  A strategy declares :attr:`capabilities` and implements :meth:`attend`;
+  ``__call__`` checks each call first and applies the ``on_unsupported`` policy
+  (``fallback`` to the ``xla`` paged reference, or ``error``).
+
+  Attributes:
+    name: the registered name.
+    on_unsupported: ``fallback`` or ``error``.
+  """
+
+  name: str = 'base'
+  on_unsupported: str = 'fallback'
+
+  def __post_init__(self):
+    check_policy(self.on_unsupported)
+
+  @property
+  def capabilities(self) -> PagedAttentionCapabilities:
+    """What this strategy supports."""
+    raise TypeError(f'{type(self).__name__} must declare its capabilities.')
+
+  def unsupported_reasons(self, request: PagedAttentionRequest) -> list[str]:
+    """Why this strategy cannot serve ``request`` (empty when it can)."""
+    return self.capabilities.missing(request)
+
+  def __call__(self, q_TNH: jax.Array, k_pages_PSKH: jax.Array, v_pages_PSKH: jax.Array,
+               batch: PagedBatch, options: AttentionOptions) -> jax.Array:
+    """Attention output ``[T, heads, v_head_dim]`` of the flat tokens ``q_TNH``.
+
+    The pages must already hold this step's keys and values (:meth:`PagedBatch.write`).
+    Padding tokens' output is unspecified.
+    """
+    request = PagedAttentionRequest.of(q_TNH, k_pages_PSKH, v_pages_PSKH, options)
+    reasons = self.unsupported_reasons(request)
+    if not reasons:
+      try:
+        return self.attend(q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options)
+      except NotImplementedError as e:
+        reasons = [f'the backend raised NotImplementedError: {e}']
+    refuse('paged_attention', self.name, reasons, self.on_unsupported, 'xla')
+    return XlaPagedAttention().attend(q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options)
+
+  def attend(self, q_TNH: jax.Array, k_pages_PSKH: jax.Array, v_pages_PSKH: jax.Array,
+             batch: PagedBatch, options: AttentionOptions) -> jax.Array:
+    """Compute paged attention for a call already checked against the capabilities."""
+    raise TypeError(f'{type(self).__name__} must implement attend().')
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaPagedAttention(PagedAttentionKernel):
+  """Reference: gather each row's pages, then the dense ``xla`` reference.
+
+  Work and memory are those of dense attention over ``[B, max_q]`` queries and
+  ``[B, M * page_size]`` keys, whatever the rows' real lengths.
+  """
+
+  name: str = 'xla'
+
+  @property
+  def capabilities(self) -> PagedAttentionCapabilities:
+    """Everything, everywhere."""
+    return PagedAttentionCapabilities(
+        platforms=ALL_PLATFORMS, dtypes=FLOAT_DTYPES, gqa=True, sliding_window=True,
+        traced_window=True, softcap=True, sinks=True, distinct_v_head_dim=True)
+
+  def attend(self, q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options):
+    """Rows of queries, contiguous keys per row, dense attention, back to flat tokens."""
+    q_BQNH = batch.gather_rows(q_TNH)
+    k_BSKH = batch.gather_pages(k_pages_PSKH).astype(q_TNH.dtype)
+    v_BSKH = batch.gather_pages(v_pages_PSKH).astype(q_TNH.dtype)
+    mask = batch.row_mask(k_BSKH.shape[1])
+    out_BQNH = XlaAttention().attend(q_BQNH, k_BSKH, v_BSKH, mask, options)
+    return batch.scatter_rows(out_BQNH, q_TNH.shape[0])
+
+
+PAGED_ATTENTION_IMPLEMENTATIONS: dict[str, Callable[[], PagedAttentionKernel]] = {
+    'xla': XlaPagedAttention}
+
+
+def register_paged_attention_kernel(name: str,
+                                    factory: Callable[[], PagedAttentionKernel]) -> None:
+  """Make ``factory`` available as ``ModelConfig.runtime.paged_attention_impl = name``."""
+  PAGED_ATTENTION_IMPLEMENTATIONS[name] = factory
+
+
+def get_paged_attention_kernel(name: str, *,
+                               on_unsupported: str | None = None) -> PagedAttentionKernel:
+  """The paged strategy registered as ``name``; ``on_unsupported`` overrides its policy."""
+  return lookup_kernel(PAGED_ATTENTION_IMPLEMENTATIONS, 'paged_attention', name, on_unsupported)

@@ -1,0 +1,397 @@
+"""``Engine``: continuous batching over a paged KV cache, one jitted step at a time.
+
+The caller drives it from one thread::
+
+  engine = Engine(model, max_batch=8, token_budget=256)
+  rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=64, temperature=0.7))
+  while engine.has_unfinished():
+    for out in engine.step():          # new tokens of each request that produced one
+      ...
+  engine.cancel(rid)                   # any time; its pages are released at once
+
+Each :meth:`Engine.step` asks the :class:`~maxnnx.serving.scheduler.Scheduler`
+for the next batch (decoding requests first, then prefill chunks, within the
+token budget), lays the tokens of every scheduled request out as one flat
+sequence, runs the model once over it, samples one token for every request whose
+tokens are all computed, and applies the stop rules on the host.
+
+**Where the KV cache lives.** The page pools are ``nnx.Cache`` variables of the
+attention layers of a private working copy of the model
+(``Transformer.init_paged_cache``; the caller's model gets no new variables). The
+engine splits that copy once into parameters and a cache state, owns both, and
+passes the cache state through its jitted step, which donates and returns it,
+as ``maxnnx.generate`` does with its contiguous cache. Keeping the pools inside
+the layers, rather than threading explicit arrays through every layer call,
+means the layers carry them through both layer layouts (a list, or ``lax.scan``
+over stacked layers) with the code that already carries ``nnx.Cache``, and the
+engine never needs a family's cache layout: GQA pages hold keys and values,
+MLA pages the compressed latent and rotated key part. What changes every step,
+the block tables, write slots and lengths, is a plain argument
+(:class:`~maxnnx.kernels.paged_attention.PagedBatch`) built on the host.
+
+**Compiled shapes.** A step is two jitted calls: the model, whose shapes are
+bucketed so that it compiles once per bucket, not per request mix, and the
+sampler, whose ``[max_batch, vocab]`` logits never change shape (it compiles
+once; the logits stay on the device between the two). The model's buckets:
+the flat token count ``T`` is a power of two from 8 up to ``token_budget``; the
+widest row ``max_q`` is 1 (a pure decode step) or a power of two from 8 up to
+``T``; the pages gathered per row ``M`` is a power of two up to
+``ceil(max_model_len / page_size)``; the rows are always ``max_batch``.
+:attr:`Engine.compile_count` counts the model step's traces,
+:attr:`Engine.step_shapes` lists the buckets run, and
+:meth:`Engine.max_compiles` is the bound.
+
+Page 0 of the pool is a scratch page: padding tokens write there and empty
+block-table entries point there (masked by the row lengths).
+"""
+
+import functools
+import logging
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maxnnx.kernels.paged_attention import PagedBatch
+from maxnnx.serving.pages import PageAllocator
+from maxnnx.serving.params import (
+  MAX_SEED,
+  Completion,
+  RequestOutput,
+  SamplingParams,
+  TokenLogprobs,
+)
+from maxnnx.serving.sampling import row_keys, sample_rows
+from maxnnx.serving.scheduler import Request, Scheduler
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKEN_BUCKET = 8
+
+
+def bucket(n: int, floor: int, cap: int) -> int:
+  """The smallest power of two ``>= n`` (at least ``floor``), but at most ``cap``."""
+  size = floor
+  while size < n:
+    size *= 2
+  return min(size, cap)
+
+
+class Engine:
+  """Serves many requests at once from one model, with a paged KV cache.
+
+  Args:
+    model: a :class:`~maxnnx.Transformer` (not modified; its parameters are
+      shared, not copied). Attention layers must have a paged path
+      (``init_paged_cache``): multi-head / GQA attention and MLA do.
+    tokenizer: optional; with one, prompts may be strings (encoded as they are,
+      no BOS added), outputs carry ``text`` and stop strings work. Anything with
+      ``encode(str) -> ids``, ``decode(ids) -> str`` and ``eos_id``.
+    max_pages: pages in the pool (per layer), each ``page_size`` tokens; default
+      enough for ``max_batch`` requests of ``max_model_len`` tokens. One more
+      page is allocated as scratch.
+    page_size: tokens per page.
+    max_batch: requests computed in one step at most.
+    token_budget: tokens computed in one step at most (decode tokens plus
+      prefill chunks); at least ``max_batch``.
+    max_model_len: prompt plus output tokens of one request at most; default
+      ``model.config.max_position_embeddings``.
+    prefix_caching: reuse the pages of full prompt pages already computed by an
+      earlier or concurrent request with the same prefix.
+    max_logprobs: the largest ``SamplingParams.logprobs`` accepted.
+    seed: derives the seed of requests that give none.
+
+  Attributes:
+    scheduler: the :class:`~maxnnx.serving.scheduler.Scheduler` (queues, preemption count).
+    allocator: the :class:`~maxnnx.serving.pages.PageAllocator` of the pool.
+    tokenizer: the tokenizer, or ``None``.
+    eos_ids: ids that end a request unless ``ignore_eos``: ``model.config.eos_token_id``,
+      else the tokenizer's ``eos_id``.
+    step_shapes: the ``(tokens, max_q, pages per row)`` buckets run so far.
+  """
+
+  def __init__(self, model, tokenizer=None, *, max_pages: int | None = None,
+               page_size: int = 16, max_batch: int = 8, token_budget: int = 256,
+               max_model_len: int | None = None, prefix_caching: bool = True,
+               max_logprobs: int = 5, seed: int = 0):
+    cfg = model.config
+    self.model_config = cfg
+    self.tokenizer = tokenizer
+    self.page_size = page_size
+    self.max_batch = max_batch
+    self.token_budget = token_budget
+    self.max_model_len = max_model_len or cfg.max_position_embeddings
+    self.max_logprobs = min(max_logprobs, cfg.vocab_size)
+    self.seed = seed
+    self.pages_per_request = math.ceil(self.max_model_len / page_size)
+    self.max_pages = (max_batch * self.pages_per_request if max_pages is None else max_pages)
+    if min(page_size, max_batch, token_budget, self.max_pages, self.max_model_len) < 1 or (
+        max_logprobs < 0):
+      raise ValueError('page_size, max_batch, token_budget, max_pages and max_model_len must '
+                       'be >= 1 and max_logprobs >= 0.')
+    if self.max_model_len > cfg.max_position_embeddings:
+      logger.warning('max_model_len=%d is beyond the model\'s max_position_embeddings=%d; '
+                     'positions beyond it were never trained.', self.max_model_len,
+                     cfg.max_position_embeddings)
+    for rotary in (model.rotary, model.local_rotary):
+      if rotary.long_inv_freq is not None and self.max_model_len > rotary.long_threshold:
+        raise NotImplementedError(
+            f'LongRoPE switches every position to its long factors once a sequence passes '
+            f'{rotary.long_threshold} tokens, which a batch of independent requests cannot do; '
+            f'serve this model with max_model_len <= {rotary.long_threshold}.')
+    self.allocator = PageAllocator(self.max_pages + 1, reserved=1)
+    self.scheduler = Scheduler(self.allocator, page_size=page_size, max_batch=max_batch,
+                               token_budget=token_budget, prefix_caching=prefix_caching)
+    work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
+    work.init_paged_cache(self.max_pages + 1, page_size)
+    self._graphdef, self._params, self._cache = nnx.split(work, nnx.Param, ...)
+    eos = cfg.eos_token_id
+    if eos is None and tokenizer is not None:
+      eos = getattr(tokenizer, 'eos_id', None)
+    self.eos_ids = frozenset(int(i) for i in np.atleast_1d(eos)) if eos is not None else frozenset()
+    self._requests: dict[int, Request] = {}
+    self._cancelled: list[RequestOutput] = []
+    self._next_id = 0
+    self._traces = [0]
+    self.step_shapes: set[tuple[int, int, int]] = set()
+    self._step_fn = _make_step(self._graphdef, self._traces)
+
+  # -- requests ---------------------------------------------------------------
+
+  def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None,
+                  ) -> int:
+    """Queue a request; returns its id. It starts at the next :meth:`step` with room.
+
+    Raises:
+      ValueError: for an empty prompt, ids outside the vocabulary, a prompt that
+        leaves no room under ``max_model_len``, a request that could never fit in
+        the page pool, or parameters the engine cannot honour.
+    """
+    params = SamplingParams() if params is None else params
+    if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise ValueError('A text prompt needs an Engine with a tokenizer.')
+      prompt = self.tokenizer.encode(prompt)
+    ids = [int(i) for i in np.asarray(prompt).reshape(-1)]
+    vocab = self.model_config.vocab_size
+    if not ids or min(ids) < 0 or max(ids) >= vocab:
+      raise ValueError(f'A prompt needs at least one token, each in [0, {vocab}).')
+    if len(ids) >= self.max_model_len:
+      raise ValueError(f'The prompt has {len(ids)} tokens; max_model_len={self.max_model_len} '
+                       'leaves no room for output.')
+    longest = min(len(ids) + params.max_tokens, self.max_model_len) - 1  # tokens ever cached
+    if math.ceil(longest / self.page_size) > self.max_pages:
+      raise ValueError(f'The request can reach {longest} cached tokens, more than the pool '
+                       f'holds ({self.max_pages} pages of {self.page_size}).')
+    if params.logprobs is not None and params.logprobs > self.max_logprobs:
+      raise ValueError(f'logprobs={params.logprobs} is more than the engine returns '
+                       f'(max_logprobs={self.max_logprobs}).')
+    if params.stop and self.tokenizer is None:
+      raise ValueError('Stop strings need an Engine with a tokenizer.')
+    request_id = self._next_id
+    self._next_id += 1
+    seed = params.seed
+    if seed is None:
+      seed = (self.seed * 1_000_003 + request_id * 7_919) % (MAX_SEED + 1)
+    request = Request(request_id=request_id, token_ids=ids, num_prompt=len(ids), params=params,
+                      seed=seed)
+    self._requests[request_id] = request
+    self.scheduler.add(request)
+    return request_id
+
+  def cancel(self, request_id: int) -> bool:
+    """Stop a request now and release its pages; ``False`` if it is unknown or finished.
+
+    The next :meth:`step` reports it as finished with reason ``cancelled``.
+    """
+    request = self._requests.pop(request_id, None)
+    if request is None:
+      return False
+    self.scheduler.finish(request, 'cancelled')
+    self._cancelled.append(self._output(request, (), None))
+    return True
+
+  def has_unfinished(self) -> bool:
+    """Whether any request waits or runs (or a cancellation is still to be reported)."""
+    return self.scheduler.has_unfinished() or bool(self._cancelled)
+
+  @property
+  def compile_count(self) -> int:
+    """How many times the step function was traced (one compile per bucketed shape).
+
+    Equals ``len(step_shapes)``, the ``(tokens, max_q, pages per row)`` buckets run so far.
+    """
+    return self._traces[0]
+
+  def max_compiles(self) -> int:
+    """How many bucketed step shapes exist, hence compiles at most."""
+    def sizes(floor, cap):
+      return len({bucket(n, floor, cap) for n in range(1, cap + 1)})
+
+    tokens = sizes(MIN_TOKEN_BUCKET, self.token_budget)
+    return tokens * (1 + tokens) * sizes(1, self.pages_per_request)
+
+  # -- stepping ---------------------------------------------------------------
+
+  def step(self) -> list[RequestOutput]:
+    """Run one batch; returns an output for every request that got a token or ended."""
+    outputs, self._cancelled = self._cancelled, []
+    scheduled = self.scheduler.schedule()
+    if not scheduled:
+      return outputs
+    model_inputs, sampling_inputs = self._inputs(scheduled)
+    logits_BV, self._cache = self._step_fn(self._params, self._cache, *model_inputs)
+    tokens_B, chosen_B, top_ids_BN, top_lps_BN = _sample(max(self.max_logprobs, 1), logits_BV,
+                                                         *sampling_inputs)
+    tokens_B, chosen_B = np.asarray(tokens_B), np.asarray(chosen_B)
+    top_ids_BN, top_lps_BN = np.asarray(top_ids_BN), np.asarray(top_lps_BN)
+    for row, (request, count) in enumerate(scheduled):
+      self.scheduler.advance(request, count)
+      if request.num_computed < request.num_tokens:
+        continue  # a prefill chunk: no token yet
+      token = int(tokens_B[row])
+      self.scheduler.append_token(request, token)
+      logprobs = None
+      n = request.params.logprobs
+      if n is not None:
+        top = tuple(zip(top_ids_BN[row, :n].tolist(), top_lps_BN[row, :n].tolist()))
+        logprobs = (TokenLogprobs(token, float(chosen_B[row]), top),)
+        request.logprobs.extend(logprobs)
+      reason = self._finish_reason(request, token)
+      if reason is not None:
+        self.scheduler.finish(request, reason)
+        del self._requests[request.request_id]
+      outputs.append(self._output(request, (token,), logprobs))
+    return outputs
+
+  def generate(self, prompts: Sequence[Sequence[int] | str],
+               params: SamplingParams | Sequence[SamplingParams] | None = None,
+               ) -> list[Completion]:
+    """Run ``prompts`` to completion; one :class:`Completion` per prompt, in order.
+
+    ``params`` is one :class:`SamplingParams` for all prompts or one per prompt.
+    The engine must be idle (no request of its own would be reported otherwise).
+    """
+    if self.has_unfinished():
+      raise RuntimeError('generate() needs an idle engine; step() until has_unfinished() is '
+                         'False, or cancel the running requests.')
+    if params is None or isinstance(params, SamplingParams):
+      params = [params] * len(prompts)
+    if len(params) != len(prompts):
+      raise ValueError(f'{len(prompts)} prompts but {len(params)} SamplingParams.')
+    requests = [self._requests[self.add_request(p, sp)] for p, sp in zip(prompts, params)]
+    while self.has_unfinished():
+      self.step()
+    return [Completion(request_id=r.request_id, prompt_ids=tuple(r.token_ids[:r.num_prompt]),
+                       token_ids=tuple(r.output_ids), finish_reason=r.finish_reason,
+                       logprobs=None if r.params.logprobs is None else tuple(r.logprobs),
+                       text=r.text, num_cached_tokens=r.num_cached_tokens) for r in requests]
+
+  def load_weights(self, model) -> None:
+    """Serve ``model``'s current parameters from now on (same architecture and shapes).
+
+    For a policy being trained between rollouts. The prefix cache is emptied
+    (its keys and values came from the old weights); no request may be unfinished.
+    """
+    if self.has_unfinished():
+      raise RuntimeError('load_weights() needs an idle engine.')
+    params = nnx.state(model, nnx.Param)
+    same = jax.tree.structure(params) == jax.tree.structure(self._params) and all(
+        a.shape == b.shape and a.dtype == b.dtype
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(self._params)))
+    if not same:
+      raise ValueError('load_weights() needs a model of the same architecture and shapes.')
+    self._params = params
+    self.allocator.clear_cache()
+
+  # -- internals --------------------------------------------------------------
+
+  def _inputs(self, scheduled: list[tuple[Request, int]]):
+    """The model step's arrays (see :class:`PagedBatch`) and the sampler's, for ``scheduled``."""
+    ps, rows = self.page_size, self.max_batch
+    total = sum(count for _, count in scheduled)
+    width = bucket(total, MIN_TOKEN_BUCKET, self.token_budget)
+    widest = max(count for _, count in scheduled)
+    max_q = 1 if widest == 1 else bucket(widest, MIN_TOKEN_BUCKET, width)
+    num_pages = bucket(max(len(r.pages) for r, _ in scheduled), 1, self.pages_per_request)
+    ids_T, positions_T, slots_T = (np.zeros(width, np.int32) for _ in range(3))
+    page_table_BM = np.zeros((rows, num_pages), np.int32)
+    kv_lens_B, q_starts_B, q_lens_B, last_B, seeds_B, counters_B, top_k_B = (
+        np.zeros(rows, np.int32) for _ in range(7))
+    temperature_B, top_p_B = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+    offset = 0
+    for row, (request, count) in enumerate(scheduled):
+      positions = np.arange(request.num_computed, request.num_computed + count)
+      pages = np.asarray(request.pages, np.int32)
+      span = slice(offset, offset + count)
+      ids_T[span] = request.token_ids[request.num_computed:request.num_computed + count]
+      positions_T[span] = positions
+      slots_T[span] = pages[positions // ps] * ps + positions % ps
+      page_table_BM[row, :len(pages)] = pages
+      kv_lens_B[row], q_starts_B[row], q_lens_B[row] = positions[-1] + 1, offset, count
+      last_B[row] = offset + count - 1
+      params = request.params
+      temperature_B[row] = params.temperature
+      top_k_B[row] = params.top_k or 0
+      top_p_B[row] = 1.0 if params.top_p is None else params.top_p
+      seeds_B[row], counters_B[row] = request.seed, len(request.output_ids)
+      offset += count
+    batch = PagedBatch(page_table_BM, kv_lens_B, q_starts_B, q_lens_B, slots_T, max_q)
+    self.step_shapes.add((width, max_q, num_pages))
+    return ((ids_T, positions_T, batch, last_B),
+            (temperature_B, top_k_B, top_p_B, seeds_B, counters_B))
+
+  def _finish_reason(self, request: Request, token: int) -> str | None:
+    params = request.params
+    stop = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids)
+    if self.tokenizer is not None:
+      request.text = self.tokenizer.decode(request.output_ids)
+      if not stop and params.stop:
+        found = [i for i in (request.text.find(s) for s in params.stop) if i >= 0]
+        if found:
+          request.text = request.text[:min(found)]
+          stop = True
+    if stop:
+      return 'stop'
+    if len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+      return 'length'
+    return None
+
+  def _output(self, request: Request, new_ids, new_logprobs) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id, new_token_ids=tuple(new_ids), new_logprobs=new_logprobs,
+        token_ids=tuple(request.output_ids), finished=request.finish_reason is not None,
+        finish_reason=request.finish_reason, text=request.text,
+        num_cached_tokens=request.num_cached_tokens)
+
+
+def _make_step(graphdef, traces: list[int]):
+  """The jitted model step over ``graphdef``'s model; ``traces[0]`` counts its traces.
+
+  Returns the logits of each row's last token ``[B, vocab]`` and the new cache state.
+  """
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def step(params, cache, ids_T, positions_T, batch, last_B):
+    traces[0] += 1
+    model = nnx.merge(graphdef, params, cache)
+    x_1TD = model.hidden_states(ids_T[None], positions=positions_T[None], paged=batch)
+    logits_BV = model.logits(x_1TD[:, last_B])[0]  # the head on each row's last token only
+    return logits_BV, nnx.state(model, nnx.Not(nnx.Param))
+
+  return step
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _sample(num_logprobs, logits_BV, temperature_B, top_k_B, top_p_B, seeds_B, counters_B):
+  """Tokens, their log-probabilities and the top ones; ``[B, vocab]`` never changes shape,
+  so this compiles once, apart from the bucketed model step."""
+  tokens_B = sample_rows(logits_BV, row_keys(seeds_B, counters_B), temperature_B, top_k_B,
+                         top_p_B)
+  logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+  chosen_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
+  top_lps_BN, top_ids_BN = jax.lax.top_k(logprobs_BV, num_logprobs)
+  return tokens_B, chosen_B, top_ids_BN, top_lps_BN

@@ -1,0 +1,212 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+A request is a list of tokens (prompt, then generated ones) of which the first
+``num_computed`` have their keys and values in the cache. Prefill, chunked
+prefill, decoding, recomputation after preemption and prefix-cache hits are all
+the same thing: the next step computes some of the remaining tokens, and once a
+request's tokens are all computed, the step's logits at its last token give the
+next token (sampled by the engine, appended with :meth:`Scheduler.append_token`).
+
+Each :meth:`Scheduler.schedule` fills a budget of ``token_budget`` tokens:
+
+1. running requests first, in the order they were admitted; a decoding request
+   takes one token, a request still prefilling takes what is left of its prompt,
+   cut to the budget that remains (chunked prefill);
+2. then waiting requests, first come first served, while the budget, the
+   ``max_batch`` rows and the free pages last. A new request first takes the
+   pages of the longest prefix of full pages already in the prefix cache.
+
+When a running request needs a page and none is left, the most recently admitted
+running request is preempted: its pages are released (they stay in the prefix
+cache while nothing evicts them) and it goes back to the front of the queue, to be
+recomputed from its tokens. No new request is admitted in a step that preempted.
+
+This module runs no model and is tested on its own.
+"""
+
+import collections
+import dataclasses
+
+from maxnnx.serving.pages import PageAllocator, page_hashes
+from maxnnx.serving.params import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One request's state, owned by the scheduler.
+
+  Attributes:
+    request_id: the engine's id.
+    token_ids: prompt then generated tokens.
+    num_prompt: prompt length.
+    params: its :class:`SamplingParams`.
+    seed: the seed of its samples.
+    num_computed: leading tokens whose keys and values are in the cache.
+    pages: its pages, in sequence order.
+    hashes: content hashes of its first ``len(hashes)`` pages (full and computed).
+    num_cached_tokens: prompt tokens taken from the prefix cache at admission.
+    finish_reason: ``None`` until finished.
+    logprobs: the :class:`~maxnnx.serving.params.TokenLogprobs` of its tokens so far.
+    text: its decoded output so far (only with a tokenizer).
+  """
+
+  request_id: int
+  token_ids: list[int]
+  num_prompt: int
+  params: SamplingParams
+  seed: int
+  num_computed: int = 0
+  pages: list[int] = dataclasses.field(default_factory=list)
+  hashes: list[bytes] = dataclasses.field(default_factory=list)
+  num_cached_tokens: int = 0
+  finish_reason: str | None = None
+  logprobs: list = dataclasses.field(default_factory=list)
+  text: str | None = None
+
+  @property
+  def num_tokens(self) -> int:
+    """Prompt plus generated tokens."""
+    return len(self.token_ids)
+
+  @property
+  def output_ids(self) -> list[int]:
+    """The generated tokens."""
+    return self.token_ids[self.num_prompt:]
+
+
+class Scheduler:
+  """Admits, schedules, preempts and retires requests over one :class:`PageAllocator`.
+
+  Args:
+    allocator: the page pool.
+    page_size: tokens per page.
+    max_batch: requests running at once at most (rows of a step).
+    token_budget: tokens computed per step at most; at least ``max_batch``.
+    prefix_caching: share full prompt pages between requests by content hash.
+  """
+
+  def __init__(self, allocator: PageAllocator, *, page_size: int, max_batch: int,
+               token_budget: int, prefix_caching: bool = True):
+    if min(max_batch, token_budget, page_size) < 1 or token_budget < max_batch:
+      raise ValueError(f'Need page_size >= 1 and token_budget >= max_batch >= 1 (every running '
+                       f'request can decode in each step); got page_size={page_size}, '
+                       f'max_batch={max_batch}, token_budget={token_budget}.')
+    self.allocator = allocator
+    self.page_size = page_size
+    self.max_batch = max_batch
+    self.token_budget = token_budget
+    self.prefix_caching = prefix_caching
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self.num_preemptions = 0
+
+  def add(self, request: Request) -> None:
+    """Queue a new request."""
+    self.waiting.append(request)
+
+  def has_unfinished(self) -> bool:
+    """Whether any request waits or runs."""
+    return bool(self.waiting or self.running)
+
+  def schedule(self) -> list[tuple[Request, int]]:
+    """The next step's requests, each with the number of its tokens to compute."""
+    budget = self.token_budget
+    scheduled: list[tuple[Request, int]] = []
+    preempted = False
+    index = 0
+    while index < len(self.running) and budget > 0:
+      request = self.running[index]
+      count = min(request.num_tokens - request.num_computed, budget)
+      while not self._reserve(request, count):
+        victim = self.running[-1]
+        self._preempt(victim)
+        preempted = True
+        if victim is request:
+          break
+      else:
+        scheduled.append((request, count))
+        budget -= count
+        index += 1
+    while (self.waiting and budget > 0 and not preempted
+           and len(self.running) < self.max_batch):
+      request = self.waiting[0]
+      if self.prefix_caching and request.num_computed == 0 and not request.pages:
+        self._take_cached_prefix(request)
+      count = min(request.num_tokens - request.num_computed, budget)
+      if not self._reserve(request, count):
+        self._drop_pages(request)
+        break
+      self.waiting.popleft()
+      self.running.append(request)
+      scheduled.append((request, count))
+      budget -= count
+    return scheduled
+
+  def advance(self, request: Request, count: int) -> None:
+    """Record that a step computed ``count`` more of ``request``'s tokens.
+
+    Newly completed pages get their content hash, and join the prefix cache.
+    """
+    request.num_computed += count
+    full = request.num_computed // self.page_size
+    if len(request.hashes) < full:
+      parent = request.hashes[-1] if request.hashes else b''
+      new = page_hashes(request.token_ids[:full * self.page_size], self.page_size,
+                        start=len(request.hashes), parent=parent)
+      for page, content_hash in zip(request.pages[len(request.hashes):full], new):
+        if self.prefix_caching:
+          self.allocator.register(page, content_hash)
+      request.hashes.extend(new)
+
+  def append_token(self, request: Request, token_id: int) -> None:
+    """Append a generated token; it is computed in a later step."""
+    request.token_ids.append(int(token_id))
+
+  def finish(self, request: Request, reason: str) -> None:
+    """Retire ``request`` (running or waiting) and release its pages."""
+    if request in self.running:
+      self.running.remove(request)
+    elif request in self.waiting:
+      self.waiting.remove(request)
+    self._drop_pages(request)
+    request.finish_reason = reason
+
+  def _reserve(self, request: Request, count: int) -> bool:
+    """Make ``request``'s pages cover ``num_computed + count`` tokens, if pages are left."""
+    needed = -(-(request.num_computed + count) // self.page_size) - len(request.pages)
+    if needed <= 0:
+      return True
+    pages = self.allocator.allocate(needed)
+    if pages is None:
+      return False
+    request.pages.extend(pages)
+    return True
+
+  def _take_cached_prefix(self, request: Request) -> None:
+    """Start ``request`` on the cached pages of its longest cached prefix.
+
+    The last prompt token is always computed (its logits give the first output),
+    so a prompt of whole pages takes at most all pages but the last.
+    """
+    hashes = page_hashes(request.token_ids[:request.num_tokens - 1], self.page_size)
+    for content_hash in hashes:
+      page = self.allocator.lookup(content_hash)
+      if page is None:
+        break
+      self.allocator.retain(page)
+      request.pages.append(page)
+      request.hashes.append(content_hash)
+    request.num_computed = len(request.pages) * self.page_size
+    if request.num_tokens == request.num_prompt:  # not a recomputation after preemption
+      request.num_cached_tokens = request.num_computed
+
+  def _drop_pages(self, request: Request) -> None:
+    self.allocator.release(request.pages)
+    request.pages, request.hashes = [], []
+    request.num_computed = 0
+
+  def _preempt(self, request: Request) -> None:
+    self.running.remove(request)
+    self._drop_pages(request)
+    self.waiting.appendleft(request)
+    self.num_preemptions += 1

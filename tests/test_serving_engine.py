@@ -1,0 +1,270 @@
+"""The serving engine against maxnnx.generate: continuous batching, chunked prefill, prefix
+caching, preemption, sliding windows, MLA and MoE, sampling, stopping, cancellation, compiles."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import maxnnx
+from maxnnx.serving import Engine, SamplingParams
+
+VOCAB = 97
+MODEL = dict(vocab_size=VOCAB, d_model=48, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=96,
+             max_position_embeddings=128, initializer_range=1.0)
+
+
+def _model(**overrides):
+  return maxnnx.Transformer(maxnnx.ModelConfig.from_dict({**MODEL, **overrides}),
+                            rngs=nnx.Rngs(3))
+
+
+@pytest.fixture(scope='module')
+def model():
+  return _model()
+
+
+@pytest.fixture(scope='module')
+def engine(model):
+  """One engine for the module, so its compiled steps are reused across tests.
+
+  40 pages of 4 tokens for 6 rows of up to 64 tokens: full batches run out of
+  pages and preempt.
+  """
+  return Engine(model, page_size=4, max_batch=6, token_budget=32, max_model_len=64,
+                max_pages=40)
+
+
+def _greedy(max_tokens):
+  return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def _assert_idle(engine):
+  assert not engine.has_unfinished()
+  engine.allocator.check()
+  assert engine.allocator.num_available == engine.max_pages  # nothing held: no leak
+
+
+def _run_staggered(engine, prompts, params, arrivals):
+  """Add request ``i`` at the step ``arrivals[i]`` names; collect streamed tokens."""
+  ids, streamed, finals, step = {}, {}, {}, 0
+  while len(ids) < len(prompts) or engine.has_unfinished():
+    for i, arrival in enumerate(arrivals):
+      if arrival == step:
+        ids[engine.add_request(prompts[i], params[i])] = i
+    for out in engine.step():
+      i = ids[out.request_id]
+      streamed.setdefault(i, []).extend(out.new_token_ids)
+      if out.finished:
+        finals[i] = out
+    step += 1
+  return streamed, finals
+
+
+def test_greedy_matches_generate_for_staggered_requests(model, engine):
+  """16 requests of different lengths arriving at different steps, batched continuously with
+  chunked prefill (and preemption when pages run out), equal generate token for token."""
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in rng.integers(1, 40, 16)]
+  max_tokens = [int(m) for m in rng.integers(1, 20, 16)]
+  arrivals = [0] * 5 + [2] * 4 + [3] * 3 + [7] * 4
+  want = maxnnx.generate(model, prompts, max_new_tokens=max(max_tokens), eos_ids=None)
+  streamed, finals = _run_staggered(engine, prompts, [_greedy(m) for m in max_tokens], arrivals)
+  for i, m in enumerate(max_tokens):
+    assert streamed[i] == want.tokens[i, :m].tolist(), i
+    assert finals[i].finish_reason == 'length' and list(finals[i].token_ids) == streamed[i]
+  assert engine.scheduler.num_preemptions > 0
+  _assert_idle(engine)
+
+
+def test_prefix_cache_hits_give_identical_outputs(model, engine):
+  """Prompts sharing a prefix reuse its full pages, and generate what they would alone."""
+  rng = np.random.default_rng(1)
+  shared = rng.integers(0, VOCAB, 13).tolist()
+  prompts = [shared + rng.integers(0, VOCAB, n).tolist() for n in (1, 2, 5, 6)] + [shared[:8]]
+  want = maxnnx.generate(model, prompts, max_new_tokens=6, eos_ids=None)
+  first = engine.generate(prompts[:1], _greedy(6))
+  rest = engine.generate(prompts[1:], _greedy(6))
+  assert first[0].num_cached_tokens == 0
+  # 3 full pages (12 tokens) are shared; an 8-token prompt reuses 1 page: its last token
+  # must be computed again for the first output's logits.
+  assert [c.num_cached_tokens for c in rest] == [12, 12, 12, 4]
+  for completion, row in zip(first + rest, want.tokens):
+    assert list(completion.token_ids) == row.tolist()
+  _assert_idle(engine)
+
+
+def test_cancel_frees_pages_and_reports_once(engine):
+  """A cancelled request gives its pages back at once and is reported as cancelled."""
+  long = engine.add_request(list(range(1, 30)), _greedy(30))
+  other = engine.add_request(list(range(40, 50)), _greedy(5))
+  engine.step()
+  engine.step()
+  free_before = engine.allocator.num_available
+  assert engine.cancel(long)
+  assert engine.allocator.num_available > free_before
+  queued = engine.add_request([5, 6, 7], _greedy(3))
+  assert engine.cancel(queued)  # cancelled before it ever ran
+  outs = engine.step()
+  cancelled = {o.request_id: o for o in outs if o.finish_reason == 'cancelled'}
+  assert set(cancelled) == {long, queued}
+  assert all(o.finished and o.new_token_ids == () for o in cancelled.values())
+  assert len(cancelled[long].token_ids) == 2
+  assert not engine.cancel(long)
+  while engine.has_unfinished():
+    assert all(o.request_id == other for o in engine.step())
+  _assert_idle(engine)
+
+
+def test_compile_count_stays_bounded_across_request_mixes(engine):
+  """Random mixes compile once per bucketed shape, never per mix, within the bound."""
+  rng = np.random.default_rng(2)
+  for _ in range(3):
+    n = int(rng.integers(4, 12))
+    prompts = [rng.integers(0, VOCAB, k).tolist() for k in rng.integers(1, 50, n)]
+    params = [_greedy(int(m)) for m in rng.integers(1, 12, n)]
+    _run_staggered(engine, prompts, params, rng.integers(0, 6, n).tolist())
+  assert engine.compile_count == len(engine.step_shapes) <= engine.max_compiles()
+  before = engine.compile_count
+  prompts = [rng.integers(0, VOCAB, k).tolist() for k in rng.integers(1, 50, 8)]
+  engine.generate(prompts, [_greedy(int(m)) for m in rng.integers(1, 12, 8)])
+  assert engine.compile_count == len(engine.step_shapes)
+  assert engine.compile_count - before <= 2  # almost every bucket exists by now
+  _assert_idle(engine)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(engine):
+  """A request's samples depend on its seed only, not on what runs beside it."""
+  prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+  sampled = SamplingParams(max_tokens=8, temperature=1.0, top_k=20, top_p=0.9, seed=123,
+                           ignore_eos=True)
+  alone = engine.generate([prompt], sampled)[0].token_ids
+  crowd = engine.generate([[7, 7, 7], prompt, list(range(20))],
+                          [_greedy(5), sampled, SamplingParams(max_tokens=9, temperature=0.7,
+                                                               seed=5, ignore_eos=True)])
+  assert crowd[1].token_ids == alone
+  other_seed = SamplingParams(max_tokens=8, temperature=1.0, seed=124, ignore_eos=True)
+  assert engine.generate([prompt], other_seed)[0].token_ids != alone
+  top1 = SamplingParams(max_tokens=8, temperature=1.0, top_k=1, seed=9, ignore_eos=True)
+  assert engine.generate([prompt], top1)[0].token_ids == engine.generate([prompt], _greedy(8))[
+      0].token_ids
+  _assert_idle(engine)
+
+
+def test_logprobs_are_the_models(model, engine):
+  """Chosen and top-n log-probabilities equal a log-softmax of the model's logits."""
+  prompt = [11, 12, 13, 14, 15]
+  [done] = engine.generate([prompt], SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True))
+  seq = np.asarray(prompt + list(done.token_ids[:-1]))[None]
+  logprobs = np.asarray(jax.nn.log_softmax(model(seq)[0, len(prompt) - 1:], axis=-1))
+  for step, entry in enumerate(done.logprobs):
+    assert entry.token_id == done.token_ids[step]
+    np.testing.assert_allclose(entry.logprob, logprobs[step, entry.token_id], atol=1e-4)
+    top_ids = [i for i, _ in entry.top]
+    assert top_ids == np.argsort(-logprobs[step])[:3].tolist()
+    assert top_ids[0] == entry.token_id  # greedy
+  _assert_idle(engine)
+
+
+class _DigitsTokenizer:
+  """Token ``i`` decodes to ``<i>``."""
+
+  eos_id = None
+
+  def encode(self, text):
+    return [int(t) for t in text.strip('<>').split('><')]
+
+  def decode(self, ids):
+    return ''.join(f'<{i}>' for i in ids)
+
+
+def test_stop_ids_strings_and_length(engine):
+  """Stop ids end a request (kept), stop strings cut the text, max_tokens ends it too."""
+  prompt = [21, 22, 23]
+  free = engine.generate([prompt], _greedy(8))[0]
+  assert free.finish_reason == 'length' and len(free.token_ids) == 8
+  third = free.token_ids[2]
+  first_hit = free.token_ids.index(third)
+  by_id = engine.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=[third]))[0]
+  assert by_id.finish_reason == 'stop' and by_id.token_ids == free.token_ids[:first_hit + 1]
+  engine.tokenizer = _DigitsTokenizer()
+  try:
+    [text] = engine.generate(['<21><22><23>'], SamplingParams(max_tokens=8, stop=f'<{third}>'))
+  finally:
+    engine.tokenizer = None
+  assert text.finish_reason == 'stop' and text.token_ids == free.token_ids[:first_hit + 1]
+  assert text.text == ''.join(f'<{i}>' for i in free.token_ids[:first_hit])
+  _assert_idle(engine)
+
+
+def test_load_weights_serves_the_new_parameters(model, engine):
+  """After load_weights, the engine generates what the new weights generate."""
+  changed = nnx.clone(model)
+  changed.lm_head.kernel[...] = -changed.lm_head.kernel[...]
+  prompts = [[8, 9, 10, 11, 12, 13, 14, 15, 16], [4, 2]]
+  old = engine.generate(prompts, _greedy(5))
+  before = engine.compile_count
+  try:
+    engine.load_weights(changed)
+    got = engine.generate(prompts, _greedy(5))
+  finally:
+    engine.load_weights(model)
+  want = maxnnx.generate(changed, prompts, max_new_tokens=5, eos_ids=None)
+  assert [list(c.token_ids) for c in got] == want.tokens.tolist()
+  assert [c.token_ids for c in got] != [c.token_ids for c in old]
+  assert engine.compile_count == before  # parameters are arguments: nothing recompiles
+  with pytest.raises(ValueError, match='same architecture'):
+    engine.load_weights(_model(num_layers=2))
+  _assert_idle(engine)
+
+
+def test_requests_the_engine_cannot_serve_are_refused(engine):
+  """Bad prompts and parameters fail at add_request with the reason."""
+  with pytest.raises(ValueError, match=r'in \[0, 97\)'):
+    engine.add_request([1, 200])
+  with pytest.raises(ValueError, match='no room for output'):
+    engine.add_request(list(range(64)))
+  with pytest.raises(ValueError, match='max_logprobs=5'):
+    engine.add_request([1], SamplingParams(logprobs=6))
+  with pytest.raises(ValueError, match='tokenizer'):
+    engine.add_request([1], SamplingParams(stop='x'))
+  with pytest.raises(ValueError, match='top_p=0'):
+    SamplingParams(top_p=0)
+  small = Engine(_model(), page_size=4, max_batch=2, token_budget=8, max_model_len=64, max_pages=3)
+  with pytest.raises(ValueError, match='more than the pool holds'):
+    small.add_request(list(range(10)), _greedy(8))
+  assert not engine.has_unfinished()
+
+
+SLIDING = dict(vocab_size=VOCAB, d_model=48, num_layers=4, num_heads=4, num_kv_heads=2,
+               head_dim=12, mlp_dim=96, sliding_window=6,
+               layer_types=('sliding', 'full', 'sliding', 'full'), attn_logit_softcap=5.0,
+               final_logit_softcap=10.0, max_position_embeddings=128, initializer_range=1.0)
+
+
+@pytest.mark.parametrize('family', [
+    pytest.param(dict(preset='gemma2-2b', scan_layers=True, **SLIDING), id='gemma2_scanned'),
+    pytest.param(dict(preset='gemma3-1b', **SLIDING), id='gemma3_list', marks=pytest.mark.slow),
+    pytest.param(dict(attention_type='mla', head_dim=None, kv_lora_rank=8, qk_nope_head_dim=8,
+                      qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12), id='mla'),
+    pytest.param(dict(num_experts=4, num_experts_per_tok=2, moe_mlp_dim=32, scan_layers=True),
+                 id='moe', marks=pytest.mark.slow),
+])
+def test_family_under_paging_equals_its_unpaged_decode(family):
+  """Sliding windows with soft-caps (Gemma 2/3 style), MLA's compressed cache and MoE layers
+  give generate's tokens under paging, with prompts and outputs longer than the window."""
+  family = dict(family)
+  preset = family.pop('preset', None)
+  if preset is None:
+    model = _model(**family)
+  else:
+    model = maxnnx.Transformer(maxnnx.get_preset(preset, **family), rngs=nnx.Rngs(5))
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 9, 14, 20)]
+  max_tokens = [12, 5, 10, 8]
+  want = maxnnx.generate(model, prompts, max_new_tokens=12, eos_ids=None)
+  engine = Engine(model, page_size=4, max_batch=3, token_budget=8, max_model_len=32)
+  got = engine.generate(prompts, [_greedy(m) for m in max_tokens])
+  for completion, row, m in zip(got, want.tokens, max_tokens):
+    assert list(completion.token_ids) == row[:m].tolist()
+  _assert_idle(engine)
