@@ -70,10 +70,13 @@ class Attention(nnx.Module):
     self.cache_k = nnx.Cache(jnp.zeros(shape, dtype))
     self.cache_v = nnx.Cache(jnp.zeros(shape, dtype))
 
-  def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
+  def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None,
                mask: AttentionMask, *, sliding_window: int | jax.Array | None = None,
                cache_index: jax.Array | None = None) -> jax.Array:
     """Attention output ``[B, T, d_model]``.
+
+    ``cos_sin`` is the layer's rotary ``(cos, sin)``, or ``None`` to rotate
+    nothing (models with learned absolute positions).
 
     With ``cache_index`` (decoding), this step's keys and values are written
     into the cache at that slot and the queries attend over the whole cache;
@@ -82,8 +85,9 @@ class Attention(nnx.Module):
     q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
     if self.q_norm is not None:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-    q_BTNH = apply_rope(q_BTNH, *cos_sin)
-    k_BTKH = apply_rope(k_BTKH, *cos_sin)
+    if cos_sin is not None:  # None: positions were added to the embeddings instead
+      q_BTNH = apply_rope(q_BTNH, *cos_sin)
+      k_BTKH = apply_rope(k_BTKH, *cos_sin)
     if cache_index is not None:
       if self.cache_k is None:
         raise ValueError('Decoding needs a KV cache: call model.init_cache(batch, max_length).')
