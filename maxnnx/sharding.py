@@ -43,6 +43,7 @@ MeshAxes = str | tuple[str, ...] | None
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     # parameters
     ('vocab', 'tensor'),
+    ('position', None),
     ('embed', ('fsdp', 'context', 'expert')),
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),

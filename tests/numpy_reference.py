@@ -300,12 +300,19 @@ def transformer(ids_BT, p, cfg, *, segment_ids=None, positions=None):
   x = f64(p['embed']['embedding'])[ids]
   if cfg.scale_embeddings:
     x = x * math.sqrt(cfg.d_model)
+  learned = cfg.position_embedding == 'learned'
+  if learned:  # GPT-2/3: a row of the position table added per token, no rotation
+    table = f64(p['pos_embed']['embedding'])
+    x = x + np.stack([np.stack([table[pos] for pos in row]) for row in positions])
   layer_types = cfg.layer_types or (('sliding' if cfg.sliding_window else 'full'),) * cfg.num_layers
   for i, layer_type in enumerate(layer_types):
     lp = p['layers'][i]
     sliding = layer_type == 'sliding'
     rope_cfg = cfg.local_rope if (sliding and cfg.local_rope is not None) else cfg.rope
-    inv_freq, att = rope_tables(rope_cfg, head_dim, cfg.max_position_embeddings, positions)
+    if learned:  # no frequencies: the rotation is the identity
+      inv_freq, att = np.zeros(0), 1.0
+    else:
+      inv_freq, att = rope_tables(rope_cfg, head_dim, cfg.max_position_embeddings, positions)
     h = norm(x, lp['attn_pre_norm']) if cfg.pre_norm else x
     h = attention_module(h, lp['attn'], positions=positions, segment_ids=segment_ids,
                          inv_freq=inv_freq, attention_factor=att, scale=cfg.resolved_query_scale,

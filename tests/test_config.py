@@ -135,6 +135,18 @@ def test_rotated_dims_must_be_even():
     _tiny(head_dim=6, rope={'partial_rotary_factor': 0.5})
 
 
+def test_learned_positions_refuse_what_they_cannot_use():
+  """position_embedding='learned' refuses latent attention and an unused local_rope;
+  unknown kinds are refused by the annotation."""
+  assert _tiny(position_embedding='learned').position_embedding == 'learned'
+  with pytest.raises(ConfigError, match="attention_type='mha'"):
+    _tiny(position_embedding='learned', attention_type='mla')
+  with pytest.raises(ConfigError, match='local_rope'):
+    _tiny(position_embedding='learned', local_rope={'theta': 100.0})
+  with pytest.raises(ConfigError, match='position_embedding'):
+    _tiny(position_embedding='absolute')
+
+
 def test_longrope_needs_factors():
   """scaling='longrope' without short/long factors is rejected."""
   with pytest.raises(ConfigError, match='short_factor'):

@@ -6,7 +6,9 @@ Each case uses non-default settings of its family (GQA, explicit head_dim, rope
 scaling, windows shorter than the 40-token input, soft-caps…).
 """
 
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -28,7 +30,7 @@ def _rel_error(ours, ref):
 def test_every_family_has_a_fixture():
   """The parity suite covers every family the issue names."""
   assert set(HF_CASES) >= {'llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3',
-                           'phi3', 'olmo2', 'gpt_oss'}
+                           'phi3', 'olmo2', 'olmo3', 'gpt2', 'gpt_oss'}
 
 
 @pytest.mark.parametrize('scan_layers', [False, True], ids=['list', 'scan'])
@@ -67,7 +69,7 @@ def test_save_load_round_trip(case, tmp_path):
     np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
 
 
-@pytest.mark.parametrize('case', ['llama', 'phi3', 'gemma3', 'gpt_oss'])
+@pytest.mark.parametrize('case', ['llama', 'phi3', 'gemma3', 'gpt_oss', 'olmo3', 'gpt2'])
 def test_export_keeps_hugging_face_tensor_names(case, tmp_path):
   """save_pretrained writes exactly the tensor names and shapes of the original checkpoint."""
   from maxnnx.checkpoint.safetensors import read_safetensors
@@ -78,3 +80,38 @@ def test_export_keeps_hugging_face_tensor_names(case, tmp_path):
   assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in original.items()}
   for name in original:
     np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+
+
+def test_gpt2_checkpoint_of_a_bare_gpt2_model_loads(tmp_path):
+  """Hub GPT-2 files come from GPT2Model: no ``transformer.`` prefix, and the old causal-mask
+  buffers (``attn.bias``, ``attn.masked_bias``) beside the weights. They load to the same
+  logits as the fixture."""
+  from maxnnx.checkpoint.safetensors import read_safetensors, write_safetensors
+  tensors = read_safetensors(os.path.join(FIXTURES, 'gpt2', 'model.safetensors'))
+  bare = {name.removeprefix('transformer.'): array for name, array in tensors.items()}
+  for i in range(2):
+    bare[f'h.{i}.attn.bias'] = np.tril(np.ones((1, 1, 64, 64), np.float32))
+    bare[f'h.{i}.attn.masked_bias'] = np.asarray(-1e4, np.float32)
+  write_safetensors(str(tmp_path / 'model.safetensors'), bare)
+  shutil.copy(os.path.join(FIXTURES, 'gpt2', 'legacy', 'config.json'), tmp_path)
+  ref = _reference('gpt2')
+  model = maxnnx.from_pretrained(str(tmp_path))
+  assert model.config.family == 'gpt3' and model.config.position_embedding == 'learned'
+  assert _rel_error(model(ref['input_ids']), ref['logits']) < REL_TOL
+
+
+def test_olmo3_layer_pattern_and_rope_per_layer_type():
+  """OLMo 3's config maps to per-layer windows and ropes; without layer_types the pattern is
+  three sliding layers then a full one."""
+  from maxnnx.models.hf import HFConfig
+  from maxnnx.models.olmo3 import SPEC
+  with open(os.path.join(FIXTURES, 'olmo3', 'config.json')) as f:
+    data = json.load(f)
+  cfg = maxnnx.config_from_pretrained(os.path.join(FIXTURES, 'olmo3'))
+  assert cfg.layer_types == ('sliding', 'full', 'sliding', 'sliding')
+  assert (cfg.rope.scaling, cfg.rope.attention_factor, cfg.local_rope.scaling) == (
+      'yarn', 1.2, 'none')
+  data['num_hidden_layers'] = 8
+  del data['layer_types']
+  derived = SPEC.hf.config_from_hf(HFConfig(data, 'config.json', SPEC.hf.defaults))
+  assert derived.layer_types == ('sliding',) * 3 + ('full',) + ('sliding',) * 3 + ('full',)

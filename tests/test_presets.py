@@ -19,7 +19,8 @@ EXPECTED_NAMES = {
     'gemma2-2b', 'gemma2-9b', 'gemma2-27b', 'gemma3-1b', 'gemma3-4b', 'gemma3-12b', 'gemma3-27b',
     'qwen2.5-0.5b', 'qwen2.5-1.5b', 'qwen2.5-3b', 'qwen2.5-7b', 'qwen2.5-14b', 'qwen2.5-32b',
     'qwen2.5-72b', 'qwen3-0.6b', 'qwen3-1.7b', 'qwen3-4b', 'qwen3-8b', 'qwen3-14b', 'qwen3-32b',
-    'phi3-mini', 'olmo2-7b'}
+    'phi3-mini', 'olmo2-7b', 'olmo3-7b', 'olmo3-32b', 'gpt3-52k', 'gpt3-6b', 'gpt3-22b',
+    'gpt3-175b'}
 EXPECTED_NAMES |= {'tiny-moe', 'mixtral-8x7b', 'mixtral-8x22b', 'qwen3-30b-a3b',
                    'qwen3-235b-a22b', 'deepseek-v2-lite', 'deepseek-v2', 'deepseek-v3',
                    'kimi-k2', 'gpt-oss-20b', 'gpt-oss-120b'}  # test_presets_moe.py checks sizes
@@ -45,6 +46,9 @@ PUBLISHED_BILLIONS = {
     'qwen3-32b': 32.8,
     'phi3-mini': 3.82,
     'olmo2-7b': 7.30,
+    'olmo3-7b': 7.30,
+    'olmo3-32b': 32.2,
+    'gpt3-175b': 175.0,  # the paper's count (50,257 tokens, 2,048 positions); see below
 }
 
 
@@ -86,6 +90,40 @@ def test_num_params_matches_published_total(name, billions):
   assert count == pytest.approx(billions * 1e9, rel=5e-3)
 
 
+def _gpt3_closed_form(v, d, layers, m, positions):
+  """GPT-2/3 parameters from the architecture: token and position tables, per layer
+  q/k/v/o with biases, two-layer MLP with biases and two LayerNorms, a final LayerNorm."""
+  per_layer = (4 * d * d + 4 * d) + (2 * d * m + m + d) + 2 * (2 * d)
+  return v * d + positions * d + layers * per_layer + 2 * d
+
+
+def _olmo3_closed_form(v, d, layers, heads, kv_heads, head_dim, m):
+  """OLMo 3 parameters: untied embedding and head, per layer q/k/v/o without biases,
+  projection-wide q/k RMSNorms, a SwiGLU MLP and two post-norms, a final RMSNorm."""
+  q, kv = heads * head_dim, kv_heads * head_dim
+  per_layer = 2 * d * q + 2 * d * kv + (q + kv) + 3 * d * m + 2 * d
+  return 2 * v * d + layers * per_layer + d
+
+
+# Sizes MaxText's gpt3-*.yml and the OLMo 3 config.json files give, counted by the formula
+# above independently of the model: MaxText's gpt3-6b/22b have no published total, and
+# the OLMo 3 totals above are rounded.
+CLOSED_FORM = {
+    'gpt3-52k': _gpt3_closed_form(1024, 16, 1, 64, 2048),  # 52,464: the "52k"
+    'gpt3-6b': _gpt3_closed_form(32_768, 3072, 48, 12_288, 16_384),
+    'gpt3-22b': _gpt3_closed_form(32_768, 6144, 48, 24_576, 16_384),
+    'gpt3-175b': _gpt3_closed_form(50_304, 12_288, 96, 49_152, 16_384),
+    'olmo3-7b': _olmo3_closed_form(100_278, 4096, 32, 32, 32, 128, 11_008),
+    'olmo3-32b': _olmo3_closed_form(100_278, 5120, 64, 40, 8, 128, 27_648),
+}
+
+
+@pytest.mark.parametrize('name', sorted(CLOSED_FORM))
+def test_num_params_matches_closed_form(name):
+  assert num_params(get_preset(name)) == CLOSED_FORM[name]
+  assert CLOSED_FORM['gpt3-52k'] == 52_464
+
+
 def test_architecture_details():
   assert get_preset('llama3.1-8b').rope.scaling == 'llama3'
   assert get_preset('llama3-8b').rope.scaling == 'none'
@@ -94,17 +132,24 @@ def test_architecture_details():
   assert [i for i, t in enumerate(gemma3.layer_types) if t == 'full'][:2] == [5, 11]
   assert gemma3.rope.factor == 8.0 and gemma3.local_rope.theta == 10_000.0
   assert get_preset('gemma3-1b').rope.scaling == 'none'
+  olmo3 = get_preset('olmo3-32b')
+  assert olmo3.layer_types[:4] == ('sliding', 'sliding', 'sliding', 'full')
+  assert (olmo3.rope.scaling, olmo3.rope.factor, olmo3.local_rope.scaling) == ('yarn', 8.0, 'none')
+  gpt3 = get_preset('gpt3-175b')
+  assert (gpt3.position_embedding, gpt3.norm_type, gpt3.mlp_gated) == ('learned', 'layer', False)
+  assert gpt3.resolved_head_dim == 128 and gpt3.max_position_embeddings == 16_384
   tied = {n for n in EXPECTED_NAMES if get_preset(n).tie_word_embeddings}
   assert {'qwen2.5-0.5b', 'qwen2.5-1.5b', 'qwen2.5-3b', 'qwen3-0.6b', 'qwen3-1.7b',
-          'qwen3-4b'} <= tied
+          'qwen3-4b', 'gpt3-6b', 'gpt3-175b'} <= tied
   assert not tied & {'qwen2.5-7b', 'qwen3-8b', 'llama3-8b', 'tiny'}
 
 
 # One preset per architectural feature counted by num_params(): GQA + untied
 # (tiny), sandwich norms (gemma2), per-head q/k norms (gemma3, qwen3), q/k/v
-# biases + tied embeddings (qwen2.5), post-norms + projection q/k norms (olmo2).
+# biases + tied embeddings (qwen2.5), post-norms + projection q/k norms (olmo2), learned
+# positions + LayerNorm biases + plain MLP (gpt3).
 @pytest.mark.parametrize('name', ['tiny', 'gemma2-2b', 'gemma3-1b', 'qwen2.5-0.5b', 'qwen3-0.6b',
-                                  'olmo2-7b'])
+                                  'olmo2-7b', 'gpt3-52k'])
 def test_num_params_equals_abstract_model_size(name):
   cfg = get_preset(name, scan_layers=True)
   assert _param_count(_abstract(cfg)) == num_params(cfg)

@@ -149,3 +149,21 @@ def test_config_overrides_and_bad_override(checkpoint_copy):
   assert model.config.runtime.dtype == 'bfloat16' and model.config.runtime.scan_layers
   with pytest.raises(maxnnx.PretrainedError, match="Did you mean 'sliding_window'"):
     maxnnx.from_pretrained(path, sliding_windw=4)
+
+
+@pytest.mark.parametrize('key', ['scale_attn_by_inverse_layer_idx', 'add_cross_attention'])
+def test_gpt2_options_maxnnx_lacks_are_refused(checkpoint_copy, key):
+  """GPT-2 configs that scale attention per layer or add cross-attention are refused."""
+  path = checkpoint_copy('gpt2')
+  _edit_config(path, **{key: True})
+  with pytest.raises(maxnnx.PretrainedError, match=key):
+    maxnnx.from_pretrained(path)
+
+
+def test_gpt2_export_refuses_what_its_config_cannot_say(tmp_path):
+  """A gpt3-family model whose fields GPT-2 has no key for is not exported as GPT-2."""
+  from flax import nnx
+  cfg = maxnnx.get_preset('gpt3-52k', mlp_gated=True, num_kv_heads=1)
+  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
+  with pytest.raises(maxnnx.PretrainedError, match=r'mlp_gated=True.*num_kv_heads=1'):
+    maxnnx.save_pretrained(model, str(tmp_path))

@@ -26,6 +26,17 @@ REFERENCE_CASES = {
     'phi': dict(BASE, norm_type='layer', qkv_bias=True, out_bias=True, mlp_gated=False,
                 mlp_activation='gelu', mlp_bias=True, num_kv_heads=1,
                 rope={'partial_rotary_factor': 0.5, 'scaling': 'linear', 'factor': 2.0}),
+    # GPT-3 (MaxText's gpt3 block): learned positions, LayerNorm with biases, biased
+    # projections, plain tanh-GELU MLP, tied output.
+    'gpt3': dict(BASE, position_embedding='learned', norm_type='layer', norm_eps=1e-5,
+                 qkv_bias=True, out_bias=True, mlp_gated=False, mlp_activation='gelu_tanh',
+                 mlp_bias=True, num_kv_heads=4, tie_word_embeddings=True),
+    # OLMo 3: OLMo 2's post-norms and projection q/k norms, sliding layers with their own
+    # unscaled rope, YaRN on the full layer.
+    'olmo3': dict(BASE, pre_norm=False, post_norm=True, qk_norm='projection', sliding_window=3,
+                  layer_types=('sliding', 'sliding', 'full'), local_rope={'theta': 500.0},
+                  rope={'theta': 500.0, 'scaling': 'yarn', 'factor': 4.0,
+                        'original_max_position_embeddings': 16}),
 }
 
 PACKED_SEGMENTS = np.array([[1, 1, 1, 2, 2, 3, 3, 3]])
@@ -101,6 +112,31 @@ def test_packed_logits_match_numpy_reference():
                              positions=PACKED_POSITIONS)
   got = _logits(model, ids, PACKED_SEGMENTS, PACKED_POSITIONS)
   ref.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_learned_positions_restart_per_document_and_skip_rope():
+  """Learned positions: packed documents each read the table from row 0; the scanned
+  stack computes the same; no rotary tables are built."""
+  model = _model(REFERENCE_CASES['gpt3'])
+  assert model.rotary is None and model.pos_embed.embedding.shape == (64, 32)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  ids = _ids(2, (1, 8))
+  expected = ref.transformer(ids, params, model.config, segment_ids=PACKED_SEGMENTS,
+                             positions=PACKED_POSITIONS)
+  ref.assert_close(_logits(model, ids, PACKED_SEGMENTS, PACKED_POSITIONS), expected,
+                   rtol=1e-5, atol=1e-5)
+  ref.assert_close(_logits(_scanned_copy(model), ids, PACKED_SEGMENTS, PACKED_POSITIONS),
+                   expected, rtol=1e-5, atol=1e-5)
+
+
+def test_learned_positions_change_the_logits():
+  """The position table is used: reversing its rows changes the logits."""
+  model = _model(REFERENCE_CASES['gpt3'])
+  ids = _ids(3, (1, 8))
+  before = np.asarray(_logits(model, ids))
+  table = model.pos_embed.embedding[...]
+  model.pos_embed.embedding[...] = table[::-1]
+  assert np.abs(np.asarray(_logits(model, ids)) - before).max() > 1e-3
 
 
 # -- scan layouts ----------------------------------------------------------------------
@@ -271,6 +307,17 @@ def test_kv_cache_decoding_equals_full_forward(scan):
   ref.assert_close(_decode_incrementally(model, ids, prefix=5, max_length=12), full,
                    rtol=1e-5, atol=1e-5)
   assert int(model.cache_index[...]) == 12
+
+
+@pytest.mark.parametrize('case', ['gpt3', 'olmo3'])
+def test_kv_cache_decoding_equals_full_forward_per_family(case):
+  """Learned positions (looked up per decoded token) and OLMo 3's mixed layers decode like
+  the full pass."""
+  model = _model(REFERENCE_CASES[case])
+  ids = _ids(13, (2, 12))
+  full = np.asarray(_logits(model, ids))
+  ref.assert_close(_decode_incrementally(model, ids, prefix=5, max_length=12), full,
+                   rtol=1e-5, atol=1e-5)
 
 
 def test_kv_cache_decoding_from_empty_cache():

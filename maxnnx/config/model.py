@@ -81,8 +81,12 @@ class ModelConfig(ValidatedConfig):
       visible in sliding layers.
     layer_types: ``full`` or ``sliding`` per layer; ``None`` means all sliding
       when ``sliding_window`` is set, else all full.
+    position_embedding: how token positions enter the model: ``rope`` rotates
+      queries and keys in every attention layer (``rope``, ``local_rope``);
+      ``learned`` adds a trained ``[max_position_embeddings, d_model]`` table to
+      the token embeddings and rotates nothing (GPT-2, GPT-3).
     rope: rotary embedding of full-attention layers (and of all layers unless
-      ``local_rope`` is set).
+      ``local_rope`` is set); unused when ``position_embedding='learned'``.
     local_rope: rotary embedding of sliding layers when it differs (Gemma 3).
     rope_interleave: rotary pairs are adjacent dims ``(x0, x1), (x2, x3)…``
       rather than the two halves (DeepSeek checkpoints).
@@ -129,6 +133,7 @@ class ModelConfig(ValidatedConfig):
   attention_sinks: bool = False
   sliding_window: int | None = None
   layer_types: tuple[LayerType, ...] | None = None
+  position_embedding: Literal['rope', 'learned'] = 'rope'
   rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
   local_rope: RopeConfig | None = None
   rope_interleave: bool = False
@@ -188,6 +193,13 @@ class ModelConfig(ValidatedConfig):
       raise ConfigError('ModelConfig: the rotated part of head_dim '
                         f'({self.rope.partial_rotary_factor} * {self.resolved_head_dim}) '
                         'must be even.')
+    if self.position_embedding == 'learned':
+      if self.attention_type != 'mha':
+        raise ConfigError("ModelConfig.position_embedding='learned' needs attention_type='mha' "
+                          '(latent attention rotates part of every key).')
+      if self.local_rope is not None:
+        raise ConfigError("ModelConfig.local_rope is set but position_embedding='learned' "
+                          'rotates nothing; set local_rope=None.')
     if self.attention_sinks and self.attention_type != 'mha':
       raise ConfigError("ModelConfig.attention_sinks needs attention_type='mha'.")
     if self.moe.num_experts:

@@ -115,7 +115,7 @@ def _longrope_switch_step(model, prompt_width: int, max_new_tokens: int) -> int 
   context has been fed.
   """
   thresholds = [r.long_threshold for r in (model.rotary, model.local_rotary)
-                if r.long_inv_freq is not None]
+                if r is not None and r.long_inv_freq is not None]
   if not thresholds or prompt_width > min(thresholds):
     return None
   steps = min(thresholds) - prompt_width + 1

@@ -94,11 +94,14 @@ class Attention(nnx.Module):
     self.pages_k = nnx.Cache(jnp.zeros(shape, dtype))
     self.pages_v = nnx.Cache(jnp.zeros(shape, dtype))
 
-  def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
+  def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None,
                mask: AttentionMask | None, *, sliding_window: int | jax.Array | None = None,
                cache_index: jax.Array | None = None,
                paged: PagedBatch | None = None) -> jax.Array:
     """Attention output ``[B, T, d_model]``.
+
+    ``cos_sin`` is the layer's rotary ``(cos, sin)``, or ``None`` to rotate
+    nothing (models with learned absolute positions).
 
     With ``cache_index`` (decoding), this step's keys and values are written
     into the cache at that slot and the queries attend over the whole cache;
@@ -114,8 +117,9 @@ class Attention(nnx.Module):
     q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
     if self.q_norm is not None:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-    q_BTNH = apply_rope(q_BTNH, *cos_sin)
-    k_BTKH = apply_rope(k_BTKH, *cos_sin)
+    if cos_sin is not None:  # None: positions were added to the embeddings instead
+      q_BTNH = apply_rope(q_BTNH, *cos_sin)
+      k_BTKH = apply_rope(k_BTKH, *cos_sin)
     if cache_index is not None:
       if self.cache_k is None:
         raise ValueError('Decoding needs a KV cache: call model.init_cache(batch, max_length).')
@@ -143,8 +147,9 @@ class Attention(nnx.Module):
     q_1TNH, k_1TKH, v_1TKH = self.q_proj(x_1TD), self.k_proj(x_1TD), self.v_proj(x_1TD)
     if self.q_norm is not None:
       q_1TNH, k_1TKH = self.q_norm(q_1TNH), self.k_norm(k_1TKH)
-    q_1TNH = apply_rope(q_1TNH, *cos_sin)
-    k_1TKH = apply_rope(k_1TKH, *cos_sin)
+    if cos_sin is not None:  # None: learned positions, added to the embeddings
+      q_1TNH = apply_rope(q_1TNH, *cos_sin)
+      k_1TKH = apply_rope(k_1TKH, *cos_sin)
     self.pages_k[...] = paged.write(self.pages_k[...], k_1TKH[0])
     self.pages_v[...] = paged.write(self.pages_v[...], v_1TKH[0])
     sinks_N = None if self.sinks is None else self.sinks[...]

@@ -1,4 +1,4 @@
-"""Token embedding, optionally reused as the output projection."""
+"""Token embedding (optionally reused as the output projection) and learned position tables."""
 
 import jax
 import jax.numpy as jnp
@@ -29,3 +29,26 @@ class Embed(nnx.Module):
     dtype = dtype or self.dtype
     return jnp.einsum('btd,vd->btv', x_BTD.astype(dtype), self.embedding[...].astype(dtype),
                       preferred_element_type=jnp.float32).astype(dtype)
+
+
+class LearnedPositions(nnx.Module):
+  """A trained table ``[max_positions, d_model]`` looked up by token position (GPT-2/3).
+
+  The model adds its rows to the token embeddings. Positions are those of the
+  :class:`~maxnnx.kernels.masks.AttentionMask` (restarting per packed document,
+  counting from each row's first real token in left-padded batches); positions
+  past the table reuse its last row (``generate`` warns before that happens).
+
+  Attributes:
+    embedding: ``nnx.Param`` of shape ``[max_positions, d_model]``.
+  """
+
+  def __init__(self, max_positions: int, d_model: int, *, init_std: float = 0.02,
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.dtype = dtype
+    self.embedding = logical_param(nnx.initializers.normal(init_std), rngs.params(),
+                                   (max_positions, d_model), param_dtype, ('position', 'embed'))
+
+  def __call__(self, positions_BT: jax.Array) -> jax.Array:
+    """Position embeddings ``[B, T, d_model]`` of integer positions ``[B, T]``."""
+    return jnp.take(self.embedding[...], positions_BT, axis=0, mode='clip').astype(self.dtype)

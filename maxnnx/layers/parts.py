@@ -17,7 +17,7 @@ A replacement must be called like the part it replaces:
 
 * attention: ``attn(x_BTD, cos_sin, mask, *, sliding_window=None, cache_index=None)``
   -> ``[B, T, d_model]``, where ``cos_sin`` is the ``(cos, sin)`` pair of the
-  layer's rotary embedding and ``mask`` an
+  layer's rotary embedding (``None`` in models with learned positions) and ``mask`` an
   :class:`~maxnnx.kernels.masks.AttentionMask`. For KV-cache decoding it also
   needs ``init_cache(batch, max_length, dtype)``; for the serving engine,
   ``init_paged_cache(num_pages, page_size, dtype)`` and a ``paged=`` keyword taking a

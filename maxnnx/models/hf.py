@@ -93,8 +93,13 @@ class HFConfig:
     except ConfigError as e:
       raise PretrainedError(f'{self.path}: {e}') from None
 
-  def activation(self) -> str:
-    name = self.get('hidden_activation') or self.get('hidden_act') or 'silu'
+  def activation(self, key: str | None = None) -> str:
+    """Our ``mlp_activation`` for the config's activation name (read from ``key``, by
+    default ``hidden_activation`` or ``hidden_act``)."""
+    if key is not None:
+      name = self.require(key)
+    else:
+      name = self.get('hidden_activation') or self.get('hidden_act') or 'silu'
     if name not in _ACTIVATIONS:
       raise PretrainedError(f"{self.path}: activation '{name}' is not supported "
                             f'(supported: {", ".join(sorted(_ACTIVATIONS))}).')

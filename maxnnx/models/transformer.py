@@ -20,7 +20,7 @@ from maxnnx.config import ModelConfig
 from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock, make_block
-from maxnnx.layers.embedding import Embed
+from maxnnx.layers.embedding import Embed, LearnedPositions
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.moe import MoeAux
 from maxnnx.layers.mtp import MTPLayer, shift_left
@@ -76,6 +76,7 @@ class Transformer(nnx.Module):
     config: the model's :class:`ModelConfig`.
     parts: the :class:`~maxnnx.layers.parts.BlockParts` the model was built with.
     embed: token embedding (also the output projection when tied).
+    pos_embed: learned position table (``position_embedding='learned'``) or ``None``.
     layers: ``nnx.List`` of :class:`DecoderBlock`, or one stacked block.
     final_norm: norm before the output projection.
     lm_head: untied output projection ``[d_model] -> [vocab]`` or ``None``.
@@ -89,6 +90,10 @@ class Transformer(nnx.Module):
     dtype, param_dtype = config.jnp_dtype(), config.jnp_dtype('param_dtype')
     self.embed = Embed(config.vocab_size, config.d_model, init_std=config.initializer_range,
                        dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.pos_embed = (LearnedPositions(config.max_position_embeddings, config.d_model,
+                                       init_std=config.initializer_range, dtype=dtype,
+                                       param_dtype=param_dtype, rngs=rngs)
+                      if config.position_embedding == 'learned' else None)
     self.dense_layers = nnx.data(None)  # the first_k_dense_layers stack when scanned
     if config.runtime.scan_layers:
       for name, _, count, use_moe in layer_stacks(config):
@@ -105,8 +110,9 @@ class Transformer(nnx.Module):
                           for _ in range(config.mtp.num_layers)])
                 if config.mtp.num_layers else nnx.data(None))
     head_dim = config.rope_head_dim
-    self.rotary = RotaryEmbedding.from_config(config.rope, head_dim,
-                                              config.max_position_embeddings)
+    self.rotary = (RotaryEmbedding.from_config(config.rope, head_dim,
+                                               config.max_position_embeddings)
+                   if config.position_embedding == 'rope' else None)
     self.local_rotary = (RotaryEmbedding.from_config(config.local_rope, head_dim,
                                                      config.max_position_embeddings)
                          if config.local_rope is not None else self.rotary)
@@ -237,7 +243,7 @@ class Transformer(nnx.Module):
       positions = default_positions if positions is None else positions
       mask = AttentionMask.causal(segment_ids, positions)
 
-    x_BTD = self._embed(input_ids_BT)
+    x_BTD = self._embed(input_ids_BT, positions)
     stages = mesh_axis_size('stage')
     if stages > 1:
       if not cfg.runtime.scan_layers or cache_index is not None or paged is not None:
@@ -257,11 +263,13 @@ class Transformer(nnx.Module):
       return self.final_norm(x_BTD)
     return self.final_norm(x_BTD), self._mtp_hidden(x_BTD, input_ids_BT, positions, mask)
 
-  def _embed(self, ids_BT):
-    x_BTD = constrain(self.embed(ids_BT), RESIDUAL_AXES)
+  def _embed(self, ids_BT, positions_BT):
+    x_BTD = self.embed(ids_BT)
     if self.config.scale_embeddings:
       x_BTD = x_BTD * jnp.asarray(self.config.d_model**0.5, x_BTD.dtype)
-    return x_BTD
+    if self.pos_embed is not None:
+      x_BTD = x_BTD + self.pos_embed(positions_BT)
+    return constrain(x_BTD, RESIDUAL_AXES)
 
   def _mtp_hidden(self, h_BTD, input_ids_BT, positions_BT, mask):
     """Normed hidden states of every MTP depth; ``h_BTD`` is the last block's output."""
@@ -271,12 +279,15 @@ class Transformer(nnx.Module):
     cos_sin = self._cos_sin(positions_BT)[layer_type]
     out = []
     for k, layer in enumerate(self.mtp, start=1):
-      h_BTD = layer(h_BTD, self._embed(shift_left(input_ids_BT, k)))
+      h_BTD = layer(h_BTD, self._embed(shift_left(input_ids_BT, k), positions_BT))
       h_BTD = self._apply_block(layer.block, h_BTD, cos_sin, mask, window, None)
       out.append(layer.final_norm(h_BTD))
     return tuple(out)
 
   def _cos_sin(self, positions_BT):
+    """Each layer type's ``(cos, sin)``; ``None`` when the model has no rotary embedding."""
+    if self.rotary is None:
+      return {'full': None, 'sliding': None}
     cos_sin = {'full': self.rotary.cos_sin(positions_BT)}
     cos_sin['sliding'] = (self.local_rotary.cos_sin(positions_BT)
                           if self.local_rotary is not self.rotary else cos_sin['full'])

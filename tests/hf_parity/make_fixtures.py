@@ -76,6 +76,7 @@ class Case:
     legacy: dict  # keys set in legacy/config.json after `rope_parameters` is removed
     legacy_drop: tuple[str, ...] = ()  # further keys old Hub configs did not have
     weight_scale: dict[str, float] = field(default_factory=dict)  # name fragment -> multiplier
+    base_drop: tuple[str, ...] = ()  # BASE_CONFIG keys the family spells differently
 
 
 # --------------------------------------------------------------------------- cases
@@ -273,8 +274,62 @@ def olmo2() -> Case:
     )
 
 
+def olmo3() -> Case:
+    # YaRN on the full-attention layer only; sliding layers keep plain rope at the same base.
+    # head_dim 32 and original 64 give a graded YaRN ramp (extrapolation weights 1, 2/3, 1/3, 0,
+    # ...), and the explicit attention_factor differs from the derived 0.1 ln 4 + 1.
+    # layer_types is not OLMo 3's default pattern, so a loader that ignores it fails.
+    scaling = dict(factor=4.0, original_max_position_embeddings=64, attention_factor=1.2,
+                   beta_fast=32.0, beta_slow=1.0)
+    return Case(
+        config=dict(
+            model_type="olmo3",
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=256,  # = factor * original
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                         "sliding_attention"],
+            rope_parameters=dict(
+                full_attention=dict(rope_type="yarn", rope_theta=500000.0, **scaling),
+                sliding_attention=dict(rope_type="default", rope_theta=500000.0),
+            ),
+        ),
+        # The Hub's OLMo 3 configs (written by transformers 4.57) keep layer_types and give
+        # rope_theta + rope_scaling. transformers 5.23 then gives sliding layers its class
+        # default theta (5e5) whatever rope_theta says; every release uses 5e5, as here.
+        legacy=dict(rope_theta=500000.0, rope_scaling=dict(rope_type="yarn", **scaling)),
+    )
+
+
+def gpt2() -> Case:
+    # The GPT-2 layout of maxnnx's gpt3 family: learned positions, LayerNorm with biases,
+    # Conv1D weights [in, out] with q/k/v fused in attn.c_attn, tied output.
+    return Case(
+        config=dict(
+            model_type="gpt2",
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_inner=96,  # not 4 * n_embd
+            n_positions=64,
+            layer_norm_epsilon=1e-4,
+            activation_function="gelu_new",
+            tie_word_embeddings=True,
+            initializer_range=0.4,  # below ~0.3 greedy decoding repeats one token
+        ),
+        # Hub GPT-2 configs also carry n_ctx and leave tie_word_embeddings to the default.
+        legacy=dict(n_ctx=64),
+        legacy_drop=("tie_word_embeddings",),
+        base_drop=("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "max_position_embeddings", "initializer_range"),
+    )
+
+
 CASES = {
-    f.__name__: f for f in (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2)
+    f.__name__: f
+    for f in (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, olmo3, gpt2)
 }
 
 
@@ -287,7 +342,8 @@ def case_seed(name: str) -> int:
 
 def build_model(name: str, case: Case) -> torch.nn.Module:
     torch.manual_seed(case_seed(name))
-    config = AutoConfig.for_model(**{**BASE_CONFIG, **case.config})
+    base = {k: v for k, v in BASE_CONFIG.items() if k not in case.base_drop}
+    config = AutoConfig.for_model(**{**base, **case.config})
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():  # tied weights appear once
