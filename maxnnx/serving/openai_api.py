@@ -214,6 +214,7 @@ def _sampling(body, served: ServedModel, kind: str, prompts, max_tokens_name: st
   if top_k < -1:
     raise ApiError(f'top_k={top_k} must be -1 or 0 (no cut) or at least 1.', param='top_k',
                    code='invalid_value')
+  top_k = min(top_k, served.vocab_size)  # the engine's arrays are int32
   seed = _field(body, 'seed', (int,), None)
   stop = _field(body, 'stop', (str, list), [])
   stop = [stop] if isinstance(stop, str) else stop
