@@ -16,7 +16,8 @@ YAML file (``config=run.yml``, or given first) holds the same keys as nested
 mappings or dotted names, and ``key=value`` arguments override it.
 ``maxnnx train --help`` lists every key with its type, default and meaning.
 
-Other commands: ``generate`` (continue a prompt from a trained run),
+Other commands: ``generate`` (continue a prompt from a trained run), ``serve`` (an
+OpenAI-compatible HTTP server over a Hugging Face checkpoint, :mod:`maxnnx.serving.server`),
 ``compile`` (lower and compile the train step for the mesh, report per-device
 memory, and fail fast when it cannot fit, without allocating any weights) and
 ``convert`` (Hugging Face <-> orbax checkpoints, scanned <-> per-layer layout).
@@ -89,6 +90,29 @@ GENERATE_KEYS = {
               'clamped to it with a warning)'),
     'seed': (0, 'sampling seed'),
 }
+SERVE_KEYS = {
+    'model': ('', 'a Hugging Face checkpoint directory with its tokenizer (and chat template), '
+              'e.g. the final/ of a maxnnx train or sft run'),
+    'host': ('127.0.0.1', 'address to listen on (0.0.0.0: every interface)'),
+    'port': (8000, 'TCP port to listen on'),
+    'served_model_name': ('', 'the name clients send as "model" (empty: model= as given)'),
+    'max_batch': (8, 'requests computed in one engine step at most'),
+    'token_budget': (256, 'tokens computed in one engine step at most (decode tokens plus '
+                     'prompt chunks); at least max_batch'),
+    'page_size': (16, 'tokens per KV-cache page'),
+    'max_pages': (0, 'KV-cache pages in the pool (0: enough for max_batch requests of '
+                  'max_model_len tokens)'),
+    'max_model_len': (0, "prompt plus output tokens of one request (0: the model's "
+                      'max_position_embeddings)'),
+    'max_queue': (64, 'requests waiting beyond the max_batch running ones; more are answered '
+                  'with HTTP 429'),
+    'prefix_caching': (True, 'reuse the KV-cache pages of prompt prefixes already computed'),
+    'max_logprobs': (5, 'the most log-probabilities per token a request may ask for'),
+    'add_bos': (True, "start text prompts of /v1/completions with the tokenizer's BOS token"),
+    'dtype': ('', "compute dtype (empty: the checkpoint's)"),
+    'seed': (0, 'seed of requests that give none'),
+    'log_level': ('info', 'uvicorn log level: critical, error, warning, info, debug, trace'),
+}
 CONVERT_KEYS = {
     'src': ('', 'a Hugging Face directory (config.json + safetensors) or an orbax checkpoint '
             'directory (training or parameter-only)'),
@@ -143,7 +167,7 @@ def _generate_keys() -> dict[str, Key]:
   return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in GENERATE_KEYS.items()}
 
 
-COMMANDS = ('train', 'sft', 'dpo', 'distill', 'generate', 'compile', 'convert')
+COMMANDS = ('train', 'sft', 'dpo', 'distill', 'generate', 'compile', 'convert', 'serve')
 
 
 def parse_overrides(args: list[str], keys: dict[str, Key]) -> dict:
@@ -165,6 +189,7 @@ def _usage(command: str) -> str:
           'compile': 'maxnnx compile [config=run.yml] [key=value ...]  (same keys as train)',
           'generate': 'maxnnx generate [key=value ...]',
           'convert': 'maxnnx convert src=DIR dst=DIR [format=hf|orbax] [scan_layers=...]',
+          'serve': 'maxnnx serve model=HF_DIR [host=127.0.0.1] [port=8000] [key=value ...]',
           'sft': 'maxnnx sft model=HF_DIR data=chat.jsonl [key=value ...]',
           'dpo': 'maxnnx dpo model=HF_DIR data=prefs.jsonl [beta=0.1] [key=value ...]',
           'distill': 'maxnnx distill teacher=DIR model=PRESET|DIR [key=value ...]'}[command]
@@ -653,9 +678,32 @@ def convert(options: dict) -> str:
   return dst
 
 
+def serve(options: dict) -> None:
+  """Run ``maxnnx serve``: an OpenAI-compatible HTTP server over the serving engine
+  (:mod:`maxnnx.serving.server`) until SIGTERM or Ctrl-C, which let the requests in flight
+  finish."""
+  model = options['model']
+  if not model:
+    raise UsageError('serve needs model=<a Hugging Face checkpoint directory with its '
+                     'tokenizer>, e.g. model=runs/tiny-shakespeare/final.')
+  if not os.path.isdir(model):
+    raise FileNotFoundError(f'model={model}: no such directory.')
+  from maxnnx.serving.server import serve as serve_http  # noqa: PLC0415
+  serve_http(model, host=options['host'], port=options['port'],
+             log_level=options['log_level'], model_name=options['served_model_name'] or None,
+             max_queue=options['max_queue'], add_bos=options['add_bos'],
+             dtype=options['dtype'] or None, max_batch=options['max_batch'],
+             token_budget=options['token_budget'], page_size=options['page_size'],
+             max_pages=options['max_pages'] or None,
+             max_model_len=options['max_model_len'] or None,
+             prefix_caching=options['prefix_caching'], max_logprobs=options['max_logprobs'],
+             seed=options['seed'])
+
+
 def _command_keys(command: str) -> dict[str, Key]:
-  if command == 'convert':
-    return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in CONVERT_KEYS.items()}
+  if command in ('convert', 'serve'):
+    keys = CONVERT_KEYS if command == 'convert' else SERVE_KEYS
+    return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in keys.items()}
   return _generate_keys() if command == 'generate' else train_keys(RECIPES.get(command, PRETRAIN))
 
 
@@ -679,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     if command in RECIPES:
       train(options, RECIPES[command])
     else:
-      {'generate': generate, 'compile': compile_step, 'convert': convert}[command](options)
+      {'generate': generate, 'compile': compile_step, 'convert': convert,
+       'serve': serve}[command](options)
   except (ValueError, FileNotFoundError, TrainingError) as e:  # UsageError, ConfigError…
     print(f'error: {e}', file=sys.stderr)
     return 2

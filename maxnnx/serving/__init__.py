@@ -6,6 +6,10 @@ completion. :class:`SamplingParams` sets each request's sampling and stopping;
 :class:`RequestOutput` and :class:`Completion` are what comes back. The page
 bookkeeping (:class:`PageAllocator`) and the batching policy (:class:`Scheduler`)
 run no model and can be used or tested on their own.
+
+:mod:`maxnnx.serving.server` puts an OpenAI-compatible HTTP server on top
+(``python -m maxnnx serve model=DIR``, or ``make_app`` for an ASGI app); it is not
+imported here, so using the engine does not load the web stack.
 """
 
 from maxnnx.serving.engine import Engine

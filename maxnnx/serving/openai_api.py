@@ -1,0 +1,558 @@
+"""The OpenAI HTTP API's requests and responses: validation, streaming text, JSON bodies.
+
+Nothing here runs a model or opens a socket. :func:`parse_completion` and
+:func:`parse_chat` turn a request body into a :class:`ParsedRequest` (prompts as
+token ids, one :class:`~maxnnx.serving.SamplingParams` per choice) or raise an
+:class:`ApiError` whose :meth:`~ApiError.body` is OpenAI's error object.
+:class:`ChoiceStream` follows one choice's engine outputs and says which new text
+is safe to send (never text a stop string could still take back, never half a
+UTF-8 character); the ``*_body`` and ``*_chunk`` functions build the JSON of a
+whole response and of a streamed chunk.
+
+Accepted beyond OpenAI's fields, as other OpenAI-compatible servers name them:
+``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (each choice
+then carries ``token_ids`` and ``prompt_token_ids``). Fields with no effect here
+(``user``, ``metadata``, ...) are ignored; fields that would change the output in
+a way the engine cannot honour (penalties, ``logit_bias``, ``echo``, tools, ...)
+are refused with 400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from maxnnx.data.chat import ChatTemplate, encode_with_specials
+from maxnnx.serving.params import MAX_SEED, RequestOutput, SamplingParams, TokenLogprobs
+
+MAX_STOP_STRINGS = 4
+MAX_CHOICES = 64  # n times the number of prompts, per request
+CHAT_ROLES = ('system', 'developer', 'user', 'assistant', 'tool')
+
+
+class ApiError(Exception):
+  """A request the server refuses; becomes an HTTP error with OpenAI's error body.
+
+  Args:
+    message: what is wrong, for the client.
+    status: the HTTP status (400 bad request, 429 queue full, 503 shutting down...).
+    type: OpenAI's error type (``invalid_request_error``, ...).
+    param: the request field at fault, or ``None``.
+    code: a short machine-readable code, or ``None``.
+  """
+
+  def __init__(self, message: str, *, status: int = 400, type: str = 'invalid_request_error',
+               param: str | None = None, code: str | None = None):
+    super().__init__(message)
+    self.message, self.status, self.type, self.param, self.code = (
+        message, status, type, param, code)
+
+  def body(self) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}``."""
+    return {'error': {'message': self.message, 'type': self.type, 'param': self.param,
+                      'code': self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+  """What validating a request needs to know of the model being served.
+
+  Attributes:
+    name: the model name clients send (``/v1/models`` lists it).
+    tokenizer: the model's tokenizer (``encode``, ``decode``, ``bos_id``).
+    template: its :class:`~maxnnx.data.ChatTemplate`, or ``None`` (no chat endpoint).
+    max_model_len: prompt plus output tokens of one request at most.
+    vocab_size: token ids of a prompt must be below it.
+    max_logprobs: the most log-probabilities per token a request may ask for.
+    chat_stop_ids: ids that end an assistant turn (the chat endpoint stops at them).
+    add_bos: text prompts of ``/v1/completions`` start with the tokenizer's BOS id.
+  """
+
+  name: str
+  tokenizer: Any
+  template: ChatTemplate | None
+  max_model_len: int
+  vocab_size: int
+  max_logprobs: int
+  chat_stop_ids: tuple[int, ...] = ()
+  add_bos: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+  """A validated request: what the engine runs and how the answer is shaped.
+
+  Attributes:
+    kind: ``'completion'`` or ``'chat'``.
+    prompts: the prompts' token ids (a chat has one).
+    params: one :class:`SamplingParams` per choice; choice ``i`` continues
+      ``prompts[i // n]``.
+    n: choices per prompt.
+    stream: answer with server-sent events.
+    include_usage: a streamed answer ends with a chunk holding the token counts.
+    logprobs: log-probabilities to return per token (``None``: none).
+    return_token_ids: choices carry ``token_ids`` and ``prompt_token_ids``.
+  """
+
+  kind: str
+  prompts: tuple[tuple[int, ...], ...]
+  params: tuple[SamplingParams, ...]
+  n: int = 1
+  stream: bool = False
+  include_usage: bool = False
+  logprobs: int | None = None
+  return_token_ids: bool = False
+
+  def prompt_of(self, choice: int) -> tuple[int, ...]:
+    """The prompt choice ``choice`` continues."""
+    return self.prompts[choice // self.n]
+
+
+# -- field readers ---------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _field(body: Mapping, name: str, kinds: tuple[type, ...], default=None, *,
+           what: str | None = None):
+  """``body[name]`` if of one of ``kinds`` (``None`` gives ``default``); bools are not ints."""
+  value = body.get(name, _MISSING)
+  if value is _MISSING or value is None:
+    return default
+  numeric = int in kinds or float in kinds
+  if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds) or (
+      numeric and isinstance(value, float) and not math.isfinite(value)):
+    raise ApiError(f'{name} must be {what or _describe(kinds)}, got {_json_type(value)}.',
+                   param=name, code='invalid_type')
+  return value
+
+
+def _describe(kinds: tuple[type, ...]) -> str:
+  names = {bool: 'a boolean', int: 'an integer', float: 'a number', str: 'a string',
+           list: 'an array', dict: 'an object'}
+  return ' or '.join(names[k] for k in kinds if not (k is int and float in kinds))
+
+
+def _json_type(value) -> str:
+  for kind, name in ((bool, 'a boolean'), (int, 'an integer'), (float, 'a number'),
+                     (str, 'a string'), (list, 'an array'), (dict, 'an object')):
+    if isinstance(value, kind):
+      return f'{name} ({value!r})' if kind in (int, float) else name
+  return type(value).__name__
+
+
+def _number(body, name, default, low, high, *, low_open=False):
+  value = _field(body, name, (int, float), default)
+  if value is None:
+    return None
+  if value < low or value > high or (low_open and value == low):
+    bound = f'> {low}' if low_open else f'>= {low}'
+    raise ApiError(f'{name}={value} is out of range (need {bound} and <= {high}).', param=name,
+                   code='invalid_value')
+  return float(value)
+
+
+def _unsupported(body, name, allowed=(None,)):
+  """Refuse ``body[name]`` unless it is absent, empty or one of ``allowed``."""
+  value = body.get(name)
+  if not (value in ({}, []) or any(value is a or value == a for a in allowed)):
+    raise ApiError(f'{name} is not supported by this server.', param=name,
+                   code='unsupported_parameter')
+
+
+def _check_model(body, served: ServedModel) -> None:
+  model = _field(body, 'model', (str,), '')
+  if not model:
+    raise ApiError('model is required.', param='model', code='missing_required_parameter')
+  if model != served.name:
+    raise ApiError(f'The model {model!r} does not exist; this server serves {served.name!r}.',
+                   param='model', code='model_not_found')
+
+
+def _token_ids(value, served: ServedModel, param: str) -> tuple[int, ...]:
+  if not value:
+    raise ApiError(f'{param} is empty.', param=param, code='invalid_value')
+  if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+    raise ApiError(f'{param} must hold strings or token ids (integers).', param=param,
+                   code='invalid_type')
+  if min(value) < 0 or max(value) >= served.vocab_size:
+    raise ApiError(f'{param} holds token ids outside [0, {served.vocab_size}).', param=param,
+                   code='invalid_value')
+  return tuple(value)
+
+
+def _check_length(ids: Sequence[int], served: ServedModel, param: str) -> None:
+  if len(ids) >= served.max_model_len:
+    raise ApiError(f"This model's maximum context length is {served.max_model_len} tokens; the "
+                   f'prompt has {len(ids)}, which leaves no room for output.', param=param,
+                   code='context_length_exceeded')
+
+
+def _sampling(body, served: ServedModel, kind: str, prompts, max_tokens_name: str,
+              default_max_tokens: int | None, logprobs: int | None) -> tuple[int, list]:
+  """``(n, one SamplingParams per choice)`` from the shared sampling fields."""
+  for name in ('presence_penalty', 'frequency_penalty'):
+    if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
+      raise ApiError(f'{name} is not supported by this server (only 0).', param=name,
+                     code='unsupported_parameter')
+  _unsupported(body, 'logit_bias')
+  n = _field(body, 'n', (int,), 1)
+  if n < 1 or n * len(prompts) > MAX_CHOICES:
+    raise ApiError(f'n={n} is out of range (need 1 <= n, and at most {MAX_CHOICES} choices in '
+                   'all).', param='n', code='invalid_value')
+  max_tokens = _field(body, max_tokens_name, (int,), default_max_tokens)
+  if max_tokens is not None and max_tokens <= 0:
+    raise ApiError(f'{max_tokens_name}={max_tokens} must be at least 1.', param=max_tokens_name,
+                   code='invalid_value')
+  temperature = _number(body, 'temperature', 1.0, 0.0, 2.0)
+  top_p = _number(body, 'top_p', 1.0, 0.0, 1.0, low_open=True)
+  top_k = _field(body, 'top_k', (int,), -1)
+  if top_k < -1:
+    raise ApiError(f'top_k={top_k} must be -1 or 0 (no cut) or at least 1.', param='top_k',
+                   code='invalid_value')
+  top_k = min(top_k, served.vocab_size)  # the engine's arrays are int32
+  seed = _field(body, 'seed', (int,), None)
+  stop = _field(body, 'stop', (str, list), [])
+  stop = [stop] if isinstance(stop, str) else stop
+  if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+    raise ApiError(f'stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} '
+                   'of them.', param='stop', code='invalid_value')
+  stop_ids = _field(body, 'stop_token_ids', (list,), [])
+  if not all(isinstance(i, int) and not isinstance(i, bool) for i in stop_ids):
+    raise ApiError('stop_token_ids must be a list of integers.', param='stop_token_ids',
+                   code='invalid_type')
+  ignore_eos = _field(body, 'ignore_eos', (bool,), False)
+  if kind == 'chat':
+    stop_ids = [*stop_ids, *served.chat_stop_ids]
+  params = []
+  for prompt in prompts:
+    room = served.max_model_len - len(prompt)
+    for j in range(n):
+      choice_seed = None if seed is None else (seed + j) % (MAX_SEED + 1)
+      try:
+        params.append(SamplingParams(
+            max_tokens=min(max_tokens or room, room), temperature=temperature,
+            top_k=top_k if top_k > 0 else None, top_p=None if top_p >= 1.0 else top_p,
+            seed=choice_seed, stop_token_ids=tuple(stop_ids), stop=tuple(stop),
+            ignore_eos=ignore_eos, logprobs=logprobs))
+      except ValueError as e:
+        raise ApiError(str(e), code='invalid_value') from None
+  return n, params
+
+
+def _check_logprobs(value: int | None, served: ServedModel, param: str) -> int | None:
+  if value is not None and not 0 <= value <= served.max_logprobs:
+    raise ApiError(f'{param}={value} is out of range (this server returns 0 to '
+                   f'{served.max_logprobs}).', param=param, code='invalid_value')
+  return value
+
+
+def _stream_fields(body) -> tuple[bool, bool]:
+  stream = _field(body, 'stream', (bool,), False)
+  options = _field(body, 'stream_options', (dict,), {})
+  include_usage = _field(options, 'include_usage', (bool,), False) if stream else False
+  return stream, include_usage
+
+
+# -- requests ---------------------------------------------------------------------------
+
+
+def parse_completion(body: Any, served: ServedModel) -> ParsedRequest:
+  """Validate a ``/v1/completions`` body.
+
+  ``prompt`` is a string, a list of strings, a list of token ids or a list of such
+  lists; each prompt gets ``n`` choices.
+
+  Raises:
+    ApiError: (400) for an unknown model, a field of the wrong type or out of
+      range, a prompt that leaves no room under the context, or a field this
+      server cannot honour.
+  """
+  body = _object(body)
+  _check_model(body, served)
+  _unsupported(body, 'echo', (None, False))
+  _unsupported(body, 'suffix', (None, ''))
+  prompt = body.get('prompt')
+  if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
+                                 all(isinstance(i, int) for i in prompt)):
+    prompt = [prompt]
+  if not isinstance(prompt, list) or not prompt:
+    raise ApiError('prompt must be a string, a list of strings, a list of token ids or a list '
+                   'of such lists.', param='prompt', code='invalid_type')
+  prompts = []
+  for p in prompt:
+    if isinstance(p, str):
+      bos = served.tokenizer.bos_id if served.add_bos else None
+      ids = ([bos] if bos is not None else []) + list(served.tokenizer.encode(p))
+      if not ids:
+        raise ApiError('prompt is empty.', param='prompt', code='invalid_value')
+      prompts.append(tuple(ids))
+    elif isinstance(p, list):
+      prompts.append(_token_ids(p, served, 'prompt'))
+    else:
+      raise ApiError('prompt must be a string, a list of strings, a list of token ids or a '
+                     'list of such lists.', param='prompt', code='invalid_type')
+    _check_length(prompts[-1], served, 'prompt')
+  logprobs = _check_logprobs(_field(body, 'logprobs', (int,), None), served, 'logprobs')
+  n, params = _sampling(body, served, 'completion', prompts, 'max_tokens', 16, logprobs)
+  best_of = _field(body, 'best_of', (int,), n)
+  if best_of != n:
+    raise ApiError('best_of other than n is not supported by this server.', param='best_of',
+                   code='unsupported_parameter')
+  stream, include_usage = _stream_fields(body)
+  return ParsedRequest('completion', tuple(prompts), tuple(params), n, stream, include_usage,
+                       logprobs, _field(body, 'return_token_ids', (bool,), False))
+
+
+def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
+  """Validate a ``/v1/chat/completions`` body and render its messages with the chat template.
+
+  A message's ``content`` is a string or a list of ``{"type": "text", "text": ...}``
+  parts. The rendered conversation (with the generation prompt) is encoded with its
+  special-token strings as their ids; the reply stops at an end-of-turn token.
+  Without ``max_tokens`` / ``max_completion_tokens`` it may run to the end of the context.
+
+  Raises:
+    ApiError: (400) as :func:`parse_completion`, and for malformed messages, a
+      template that refuses them, or a model without a chat template.
+  """
+  body = _object(body)
+  _check_model(body, served)
+  if served.template is None:
+    raise ApiError('This model has no chat template (chat_template.jinja or tokenizer_config.'
+                   "json's chat_template); use /v1/completions.", param='messages',
+                   code='no_chat_template')
+  for name in ('tools', 'functions', 'audio', 'prediction'):
+    _unsupported(body, name)
+  for name in ('tool_choice', 'function_call'):
+    _unsupported(body, name, (None, 'none', 'auto'))
+  _unsupported(body, 'modalities', (None, ['text']))
+  response_format = _field(body, 'response_format', (dict,), {'type': 'text'})
+  if response_format.get('type') != 'text':
+    raise ApiError('response_format other than {"type": "text"} is not supported by this '
+                   'server.', param='response_format', code='unsupported_parameter')
+  messages = _messages(body.get('messages'))
+  try:
+    text = served.template.render(messages, add_generation_prompt=True)
+  except Exception as e:  # the template's own raise_exception, or a template bug
+    raise ApiError(f'The chat template refused the messages: {e}', param='messages',
+                   code='invalid_value') from None
+  ids = tuple(encode_with_specials(served.tokenizer, text))
+  if not ids:
+    raise ApiError('The rendered conversation is empty.', param='messages', code='invalid_value')
+  _check_length(ids, served, 'messages')
+  logprobs = None
+  if _field(body, 'logprobs', (bool,), False):
+    logprobs = _check_logprobs(_field(body, 'top_logprobs', (int,), 0), served, 'top_logprobs')
+  elif body.get('top_logprobs') is not None:
+    raise ApiError('top_logprobs needs logprobs=true.', param='top_logprobs',
+                   code='invalid_value')
+  name = 'max_completion_tokens' if body.get('max_completion_tokens') is not None else (
+      'max_tokens')
+  n, params = _sampling(body, served, 'chat', [ids], name, None, logprobs)
+  stream, include_usage = _stream_fields(body)
+  return ParsedRequest('chat', (ids,), tuple(params), n, stream, include_usage, logprobs,
+                       _field(body, 'return_token_ids', (bool,), False))
+
+
+def _object(body) -> Mapping:
+  if not isinstance(body, dict):
+    raise ApiError(f'The request body must be a JSON object, got {_json_type(body)}.',
+                   code='invalid_type')
+  return body
+
+
+def _messages(value) -> list[dict]:
+  if not isinstance(value, list) or not value:
+    raise ApiError('messages must be a non-empty array of {"role", "content"} objects.',
+                   param='messages', code='invalid_type')
+  messages = []
+  for i, message in enumerate(value):
+    where = f'messages[{i}]'
+    if not isinstance(message, dict):
+      raise ApiError(f'{where} must be an object.', param=where, code='invalid_type')
+    role = message.get('role')
+    if role not in CHAT_ROLES:
+      raise ApiError(f'{where}.role must be one of {", ".join(CHAT_ROLES)}; got {role!r}.',
+                     param=f'{where}.role', code='invalid_value')
+    content = message.get('content')
+    if isinstance(content, list):
+      texts = []
+      for part in content:
+        if not (isinstance(part, dict) and part.get('type') == 'text'
+                and isinstance(part.get('text'), str)):
+          raise ApiError(f'{where}.content: only {{"type": "text", "text": ...}} parts are '
+                         'supported.', param=f'{where}.content', code='invalid_value')
+        texts.append(part['text'])
+      content = ''.join(texts)
+    elif content is None and role == 'assistant':
+      content = ''
+    elif not isinstance(content, str):
+      raise ApiError(f'{where}.content must be a string or an array of text parts.',
+                     param=f'{where}.content', code='invalid_type')
+    entry = {'role': role, 'content': content}
+    if isinstance(message.get('name'), str):
+      entry['name'] = message['name']
+    messages.append(entry)
+  return messages
+
+
+# -- streaming text -----------------------------------------------------------------------
+
+
+def stable_text(text: str, stops: Sequence[str]) -> str:
+  """The part of a growing ``text`` that later tokens cannot change: without a trailing
+  replacement character (half a UTF-8 sequence) or a tail that could begin a stop string."""
+  text = text.rstrip('\ufffd')
+  hold = 0
+  for stop in stops:
+    for k in range(min(len(stop) - 1, len(text)), hold, -1):
+      if text.endswith(stop[:k]):
+        hold = k
+        break
+  return text[:len(text) - hold]
+
+
+class ChoiceStream:
+  """One choice's text, tokens and log-probabilities, fed the engine's outputs in order.
+
+  Args:
+    index: the choice's index in the response.
+    tokenizer: decodes tokens (the finished text without its stop token, token strings).
+    params: the choice's :class:`SamplingParams`.
+    eos_ids: the engine's end-of-sequence ids.
+  """
+
+  def __init__(self, index: int, tokenizer, params: SamplingParams, eos_ids=()):
+    self.index = index
+    self.tokenizer = tokenizer
+    self.params = params
+    self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    self.text = ''                 # the text sent (streaming) or known safe so far
+    self.token_ids: tuple[int, ...] = ()
+    self.logprobs: list[TokenLogprobs] = []
+    self.finish_reason: str | None = None
+    self.num_cached_tokens = 0
+    self.text_offset = 0           # completions logprobs: where the next token's text starts
+
+  @property
+  def finished(self) -> bool:
+    """Whether the engine reported the choice finished."""
+    return self.finish_reason is not None
+
+  def update(self, out: RequestOutput) -> tuple[str, list[TokenLogprobs]]:
+    """Take one output; returns ``(new text to send, new log-probabilities)``."""
+    self.token_ids = out.token_ids
+    self.num_cached_tokens = out.num_cached_tokens
+    new_logprobs = list(out.new_logprobs or ())
+    if out.finished:
+      self.finish_reason = out.finish_reason
+      text = out.text or ''
+      if out.finish_reason == 'stop' and out.token_ids and out.token_ids[-1] in self.stop_ids:
+        text = self.tokenizer.decode(out.token_ids[:-1])  # the stop token is not output text
+        new_logprobs = new_logprobs[:-1]  # nor are its log-probabilities
+    else:
+      text = stable_text(out.text or '', self.params.stop)
+    self.logprobs.extend(new_logprobs)
+    if not text.startswith(self.text):  # a tokenizer that rewrites earlier text: send nothing
+      return '', new_logprobs
+    delta, self.text = text[len(self.text):], text
+    return delta, new_logprobs
+
+  def token_text(self, token_id: int) -> str:
+    """One token's text."""
+    return self.tokenizer.decode([token_id])
+
+
+# -- response bodies ------------------------------------------------------------------------
+
+
+def new_id(kind: str) -> str:
+  """A response id: ``cmpl-...`` or ``chatcmpl-...``."""
+  return ('chatcmpl-' if kind == 'chat' else 'cmpl-') + uuid.uuid4().hex
+
+
+def usage(request: ParsedRequest, choices: Sequence[ChoiceStream]) -> dict:
+  """OpenAI's ``usage`` object (each prompt counted once, whatever ``n``)."""
+  prompt = sum(len(p) for p in request.prompts)
+  completion = sum(len(c.token_ids) for c in choices)
+  cached = sum(c.num_cached_tokens for c in choices[::request.n])
+  return {'prompt_tokens': prompt, 'completion_tokens': completion,
+          'total_tokens': prompt + completion,
+          'prompt_tokens_details': {'cached_tokens': cached}}
+
+
+def completion_logprobs(choice: ChoiceStream, logprobs: Sequence[TokenLogprobs]) -> dict:
+  """The completions API's ``logprobs`` object for ``logprobs`` (advancing the offsets)."""
+  tokens, offsets = [], []
+  for lp in logprobs:
+    tokens.append(choice.token_text(lp.token_id))
+    offsets.append(choice.text_offset)
+    choice.text_offset += len(tokens[-1])
+  return {'tokens': tokens, 'token_logprobs': [lp.logprob for lp in logprobs],
+          'top_logprobs': [{choice.token_text(i): p for i, p in lp.top} for lp in logprobs],
+          'text_offset': offsets}
+
+
+def chat_logprobs(choice: ChoiceStream, logprobs: Sequence[TokenLogprobs]) -> dict:
+  """The chat API's ``logprobs`` object:
+  ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}``."""
+  def entry(token_id, logprob):
+    text = choice.token_text(token_id)
+    return {'token': text, 'logprob': logprob, 'bytes': list(text.encode('utf-8'))}
+
+  return {'content': [{**entry(lp.token_id, lp.logprob),
+                       'top_logprobs': [entry(i, p) for i, p in lp.top]} for lp in logprobs]}
+
+
+def _token_fields(request: ParsedRequest, choice: ChoiceStream) -> dict:
+  if not request.return_token_ids:
+    return {}
+  return {'token_ids': list(choice.token_ids),
+          'prompt_token_ids': list(request.prompt_of(choice.index))}
+
+
+def response_body(request: ParsedRequest, response_id: str, model: str,
+                  choices: Sequence[ChoiceStream]) -> dict:
+  """The whole (non-streamed) response of a finished request."""
+  created = int(time.time())
+  out = []
+  for c in choices:
+    if request.kind == 'chat':
+      lp = chat_logprobs(c, c.logprobs) if request.logprobs is not None else None
+      out.append({'index': c.index, 'message': {'role': 'assistant', 'content': c.text},
+                  'logprobs': lp, 'finish_reason': c.finish_reason, **_token_fields(request, c)})
+    else:
+      lp = completion_logprobs(c, c.logprobs) if request.logprobs is not None else None
+      out.append({'index': c.index, 'text': c.text, 'logprobs': lp,
+                  'finish_reason': c.finish_reason, **_token_fields(request, c)})
+  return {'id': response_id, 'object': 'chat.completion' if request.kind == 'chat' else
+          'text_completion', 'created': created, 'model': model, 'choices': out,
+          'usage': usage(request, choices)}
+
+
+def chunk(request: ParsedRequest, response_id: str, model: str, choice: ChoiceStream | None,
+          text: str = '', logprobs: Sequence[TokenLogprobs] = (), *, first: bool = False,
+          usage_of: Sequence[ChoiceStream] | None = None) -> dict:
+  """One streamed chunk: ``choice``'s new ``text`` (and its finish reason once finished),
+  or, with ``usage_of``, the closing chunk with no choices and the token counts."""
+  kind = 'chat.completion.chunk' if request.kind == 'chat' else 'text_completion'
+  body = {'id': response_id, 'object': kind, 'created': int(time.time()), 'model': model}
+  if usage_of is not None:
+    return {**body, 'choices': [], 'usage': usage(request, usage_of)}
+  finish = choice.finish_reason
+  extra = _token_fields(request, choice) if finish is not None else {}
+  if request.kind == 'chat':
+    delta = {'role': 'assistant', 'content': text} if first else (
+        {'content': text} if text or finish is None else {})
+    lp = chat_logprobs(choice, logprobs) if request.logprobs is not None and logprobs else None
+    entry = {'index': choice.index, 'delta': delta, 'logprobs': lp, 'finish_reason': finish}
+  else:
+    lp = (completion_logprobs(choice, logprobs) if request.logprobs is not None and logprobs
+          else None)
+    entry = {'index': choice.index, 'text': text, 'logprobs': lp, 'finish_reason': finish}
+  return {**body, 'choices': [{**entry, **extra}]}

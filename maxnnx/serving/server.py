@@ -1,0 +1,578 @@
+"""An OpenAI-compatible HTTP server over the :class:`~maxnnx.serving.Engine`.
+
+::
+
+  python -m maxnnx serve model=runs/sft/final port=8000
+
+or from Python, ``uvicorn.run(make_app('runs/sft/final'))``. Endpoints:
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (with ``"stream": true``:
+server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``),
+``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text).
+
+**Threads.** The engine is driven from one thread only: :class:`EngineLoop` owns
+it on a thread of its own, takes commands (add, cancel) from a thread-safe queue,
+and runs ``step()`` while any request is unfinished (it sleeps on the queue
+otherwise). The HTTP handlers run on uvicorn's asyncio loop: a request is parsed
+and validated there (:mod:`~maxnnx.serving.openai_api`; a bad one is answered 400
+before the engine sees it), each of its choices is submitted with a *sink*, a
+callable the engine thread calls with every output, which hands the output to the
+handler's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. A handler that
+sees its client disconnect (a task waiting on the ASGI ``receive``) cancels its
+choices in the engine, which releases their pages at once.
+
+**Admission.** The server holds at most ``max_batch + max_queue`` requests
+(choices) at a time, running or queued; beyond that it answers 429. After SIGTERM
+(or Ctrl-C) uvicorn stops accepting connections and waits for the requests in
+flight to finish; the lifespan shutdown then stops the engine thread, and the
+process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from maxnnx.data.chat import ChatTemplate, load_chat_template, template_for
+from maxnnx.inference.chat import end_of_turn_ids
+from maxnnx.serving.engine import Engine
+from maxnnx.serving.metrics import ServerMetrics
+from maxnnx.serving.openai_api import (
+  ApiError,
+  ChoiceStream,
+  ParsedRequest,
+  ServedModel,
+  chunk,
+  new_id,
+  parse_chat,
+  parse_completion,
+  response_body,
+)
+from maxnnx.serving.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ACCEPTED = 'accepted'  # what a sink receives once the engine has taken its request
+_DISCONNECTED = 'disconnected'
+
+
+class Ticket:
+  """A submitted request; ``request_id`` is the engine's id once the engine thread added it."""
+
+  __slots__ = ('request_id',)
+
+  def __init__(self):
+    self.request_id: int | None = None
+
+
+class EngineLoop:
+  """Owns an :class:`~maxnnx.serving.Engine` and drives it from a thread of its own.
+
+  Every method may be called from any thread. A sink (given to :meth:`submit`) is
+  called on the engine thread with :data:`ACCEPTED` once the request is in the
+  engine, then with each :class:`~maxnnx.serving.RequestOutput` of it, or once with
+  an :class:`~maxnnx.serving.openai_api.ApiError` if the engine refused it (400) or
+  failed (500). Sinks must not block.
+
+  Attributes:
+    engine: the engine (touch it only through this loop while it runs).
+    stats: a snapshot published after each step: ``running``, ``waiting``,
+      ``pages_used``, ``pages_total``, ``preemptions``, ``steps``.
+  """
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+    self._commands: queue.SimpleQueue = queue.SimpleQueue()
+    self._sinks: dict[int, Callable] = {}
+    self._stopping = threading.Event()
+    self._thread: threading.Thread | None = None
+    self._lock = threading.Lock()
+    self._steps = 0
+    self._failures = 0
+    self.broken: str | None = None
+    self.stats: dict = {}
+    self._publish()
+
+  def start(self) -> None:
+    """Start the engine thread (once; later calls do nothing)."""
+    with self._lock:
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._run, name='maxnnx-engine', daemon=True)
+        self._thread.start()
+
+  @property
+  def healthy(self) -> bool:
+    """Whether the engine thread runs and takes requests."""
+    return (self._thread is not None and self._thread.is_alive() and self.broken is None
+            and not self._stopping.is_set())
+
+  def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Callable) -> Ticket:
+    """Queue a request for the engine thread; its events go to ``sink``.
+
+    Raises:
+      ApiError: (503) when the loop is stopping or its engine failed.
+    """
+    if self._stopping.is_set() or self.broken is not None:
+      raise ApiError('The server is shutting down.' if self.broken is None else
+                     f'The engine failed: {self.broken}', status=503, type='server_error',
+                     code='unavailable')
+    self.start()
+    ticket = Ticket()
+    self._commands.put(('add', ticket, prompt, params, sink))
+    return ticket
+
+  def cancel(self, ticket: Ticket) -> None:
+    """Cancel a submitted request (nothing happens if it already finished)."""
+    self._commands.put(('cancel', ticket, None, None, None))
+
+  def stop(self, timeout: float | None = None) -> None:
+    """Stop taking requests, let the engine finish the ones it has, and end the thread."""
+    self._stopping.set()
+    self._commands.put(None)  # wakes the thread if it sleeps on the queue
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  # -- the engine thread ----------------------------------------------------------
+
+  def _run(self) -> None:
+    while True:
+      busy = self.engine.has_unfinished()
+      if not busy and self._stopping.is_set() and self._commands.empty():
+        break
+      self._take_commands(wait=not busy)
+      if self.engine.has_unfinished():
+        self._step()
+    for sink in self._sinks.values():  # only left if the engine failed
+      _deliver(sink, ApiError('The server stopped.', status=503, type='server_error'))
+
+  def _take_commands(self, wait: bool) -> None:
+    try:
+      command = self._commands.get(timeout=0.5) if wait else self._commands.get_nowait()
+    except queue.Empty:
+      return
+    while True:
+      if command is not None:
+        self._apply(*command)
+      try:
+        command = self._commands.get_nowait()
+      except queue.Empty:
+        return
+
+  def _apply(self, kind: str, ticket: Ticket, prompt, params, sink) -> None:
+    if kind == 'cancel':
+      if ticket.request_id in self._sinks:
+        self.engine.cancel(ticket.request_id)
+      return
+    if self.broken is not None:
+      _deliver(sink, ApiError(f'The engine failed: {self.broken}', status=503,
+                              type='server_error', code='unavailable'))
+      return
+    try:
+      request_id = self.engine.add_request(list(prompt), params)
+    except ValueError as e:
+      _deliver(sink, ApiError(str(e), code='invalid_value'))
+      return
+    ticket.request_id = request_id
+    self._sinks[request_id] = sink
+    _deliver(sink, ACCEPTED)
+
+  def _step(self) -> None:
+    try:
+      outputs = self.engine.step()
+    except Exception as e:  # keep serving: fail this step's requests, not the server
+      logger.exception('An engine step failed; its requests are answered with an error.')
+      self._fail(e)
+      return
+    self._failures = 0
+    self._steps += 1
+    for out in outputs:
+      sink = (self._sinks.pop(out.request_id, None) if out.finished else
+              self._sinks.get(out.request_id))
+      if sink is not None:
+        _deliver(sink, out)
+    self._publish()
+
+  def _fail(self, error: Exception) -> None:
+    self._failures += 1
+    for request_id, sink in self._sinks.items():
+      _deliver(sink, ApiError(f'The engine failed: {error}', status=500, type='server_error',
+                              code='engine_error'))
+      with contextlib.suppress(Exception):
+        self.engine.cancel(request_id)
+    self._sinks.clear()
+    try:
+      self.engine.step()  # reports the cancellations; runs nothing (no request is left)
+    except Exception:
+      self._failures += 1
+    if self._failures > 1:  # the engine cannot recover: refuse new requests with 503
+      self.broken = f'{type(error).__name__}: {error}'
+      self._stopping.set()
+
+  def _publish(self) -> None:
+    engine = self.engine
+    self.stats = {
+        'running': len(engine.scheduler.running), 'waiting': len(engine.scheduler.waiting),
+        'pages_used': engine.max_pages - engine.allocator.num_available,
+        'pages_total': engine.max_pages, 'preemptions': engine.scheduler.num_preemptions,
+        'steps': self._steps}
+
+
+def _deliver(sink: Callable, event) -> None:
+  try:
+    sink(event)
+  except Exception:  # e.g. the handler's event loop has closed
+    logger.debug('Dropped an engine event for a closed handler.', exc_info=True)
+
+
+def _post(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int, event) -> None:
+  """A sink: hand ``event`` of choice ``index`` to a handler's queue on its event loop."""
+  loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+
+class _Job:
+  """One HTTP request's choices in the engine: submitted together, followed output by output,
+  and cancelled by :meth:`close` if the handler leaves before they finish."""
+
+  def __init__(self, api: _Api, parsed: ParsedRequest, arrival: float):
+    self.api, self.parsed, self.arrival = api, parsed, arrival
+    self.events: asyncio.Queue = asyncio.Queue()
+    tokenizer, eos = api.loop.engine.tokenizer, api.loop.engine.eos_ids
+    self.choices = [ChoiceStream(i, tokenizer, p, eos) for i, p in enumerate(parsed.params)]
+    self.open = set(range(len(self.choices)))
+    self.disconnected = False
+    self._early: list = []
+    self._started: set[int] = set()
+    self._watcher: asyncio.Task | None = None
+    loop = asyncio.get_running_loop()
+    self.tickets = []
+    api.in_flight += len(self.choices)
+    try:
+      for i, params in enumerate(parsed.params):
+        sink = functools.partial(_post, loop, self.events, i)
+        self.tickets.append(api.loop.submit(parsed.prompt_of(i), params, sink))
+    except ApiError:
+      self.close()
+      raise
+
+  async def accepted(self) -> None:
+    """Wait until the engine took every choice.
+
+    Raises:
+      ApiError: the engine refused one (the others are cancelled by :meth:`close`).
+    """
+    waiting = len(self.choices)
+    while waiting:
+      index, event = await self.events.get()
+      if isinstance(event, ApiError):
+        self._release(index, None)  # refused: never ran
+        raise event
+      if event is ACCEPTED:
+        waiting -= 1
+      else:
+        self._early.append((index, event))  # an output of a choice accepted earlier
+
+  def watch(self, receive) -> None:
+    """Watch the ASGI ``receive`` channel; a client disconnect ends :meth:`next`."""
+    async def wait_for_disconnect():
+      while (await receive())['type'] != 'http.disconnect':
+        pass
+      self.events.put_nowait((None, _DISCONNECTED))
+
+    self._watcher = asyncio.ensure_future(wait_for_disconnect())
+
+  async def next(self) -> tuple[ChoiceStream, str, list] | None:
+    """The next ``(choice, new text, new log-probabilities)``; ``None`` once every choice
+    finished or the client left (:attr:`disconnected`).
+
+    Raises:
+      ApiError: the engine failed (500).
+    """
+    while self.open:
+      index, event = self._early.pop(0) if self._early else await self.events.get()
+      if event is _DISCONNECTED:
+        self.disconnected = True
+        return None
+      if isinstance(event, ApiError):
+        raise event
+      if event is ACCEPTED or index not in self.open:
+        continue
+      choice = self.choices[index]
+      if index not in self._started and event.new_token_ids:
+        self._started.add(index)
+        self.api.metrics.first_token(time.monotonic() - self.arrival)
+      text, logprobs = choice.update(event)
+      if event.finished:
+        self._release(index, event.finish_reason)
+      return choice, text, logprobs
+    return None
+
+  def close(self) -> None:
+    """Cancel the unfinished choices and stop watching the client."""
+    for index in sorted(self.open):
+      submitted = index < len(self.tickets)
+      if submitted:
+        self.api.loop.cancel(self.tickets[index])
+      self._release(index, 'cancelled' if submitted else None)
+    if self._watcher is not None:
+      self._watcher.cancel()
+
+  def _release(self, index: int, reason: str | None) -> None:
+    """Give back the choice's place in the server; count it in the metrics if it ran."""
+    if index not in self.open:
+      return
+    self.open.discard(index)
+    self.api.in_flight -= 1
+    if reason is None:
+      return
+    choice = self.choices[index]
+    self.api.metrics.choice_done(reason, len(self.parsed.prompt_of(index)),
+                                 len(choice.token_ids), choice.num_cached_tokens,
+                                 time.monotonic() - self.arrival)
+
+
+class _EventStream:
+  """An ASGI response streaming a job's chunks as server-sent events."""
+
+  def __init__(self, api: _Api, job: _Job, endpoint: str):
+    self.api, self.job, self.endpoint = api, job, endpoint
+
+  async def __call__(self, scope, receive, send) -> None:
+    job, parsed = self.job, self.job.parsed
+    response_id, name = new_id(parsed.kind), self.api.served.name
+    job.watch(receive)
+    self.api.metrics.answered(self.endpoint, 200)
+
+    async def event(data) -> None:
+      text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+      await send({'type': 'http.response.body', 'body': f'data: {text}\n\n'.encode(),
+                  'more_body': True})
+
+    try:
+      await send({'type': 'http.response.start', 'status': 200,
+                  'headers': [(b'content-type', b'text/event-stream; charset=utf-8'),
+                              (b'cache-control', b'no-cache')]})
+      if parsed.kind == 'chat':
+        for choice in job.choices:
+          await event(chunk(parsed, response_id, name, choice, first=True))
+      try:
+        while (update := await job.next()) is not None:
+          choice, text, logprobs = update
+          if text or logprobs or choice.finished:
+            await event(chunk(parsed, response_id, name, choice, text, logprobs))
+        if job.disconnected:
+          return
+        if parsed.include_usage:
+          await event(chunk(parsed, response_id, name, None, usage_of=job.choices))
+      except ApiError as e:
+        await event(e.body())
+      await event('[DONE]')
+      await send({'type': 'http.response.body', 'body': b'', 'more_body': False})
+    except OSError:  # the client went away while we wrote
+      pass
+    finally:
+      job.close()
+
+
+class _Api:
+  """The endpoints, sharing the engine loop, the served model and the metrics."""
+
+  def __init__(self, loop: EngineLoop, served: ServedModel, metrics: ServerMetrics,
+               max_queue: int):
+    self.loop, self.served, self.metrics = loop, served, metrics
+    self.capacity = loop.engine.max_batch + max_queue
+    self.in_flight = 0  # choices submitted and not finished (touched on the event loop only)
+
+  async def completions(self, request: Request) -> Response:
+    return await self._generate(request, parse_completion, 'completions')
+
+  async def chat_completions(self, request: Request) -> Response:
+    return await self._generate(request, parse_chat, 'chat_completions')
+
+  async def _generate(self, request: Request, parse, endpoint: str):
+    arrival = time.monotonic()
+    job = None
+    try:
+      parsed = parse(await _json_body(request), self.served)
+      if self.in_flight + len(parsed.params) > self.capacity:
+        raise ApiError(f'The server is full ({self.in_flight} requests in flight, at most '
+                       f'{self.capacity}); retry later.', status=429, type='rate_limit_error',
+                       code='queue_full')
+      job = _Job(self, parsed, arrival)
+      await job.accepted()
+    except ApiError as e:
+      if job is not None:
+        job.close()
+      return self.error(endpoint, e)
+    if parsed.stream:
+      return _EventStream(self, job, endpoint)
+    job.watch(request.receive)
+    try:
+      while await job.next() is not None:
+        pass
+    except ApiError as e:
+      return self.error(endpoint, e)
+    finally:
+      job.close()
+    if job.disconnected:
+      return Response(status_code=499)  # nobody reads it; the choices were cancelled
+    self.metrics.answered(endpoint, 200)
+    return JSONResponse(response_body(parsed, new_id(parsed.kind), self.served.name,
+                                      job.choices))
+
+  def error(self, endpoint: str, error: ApiError) -> JSONResponse:
+    self.metrics.answered(endpoint, error.status)
+    return JSONResponse(error.body(), status_code=error.status)
+
+  def _model_card(self) -> dict:
+    return {'id': self.served.name, 'object': 'model', 'created': 0, 'owned_by': 'maxnnx',
+            'max_model_len': self.served.max_model_len}
+
+  async def models(self, request: Request) -> Response:
+    return JSONResponse({'object': 'list', 'data': [self._model_card()]})
+
+  async def model(self, request: Request) -> Response:
+    if request.path_params['name'] != self.served.name:
+      return self.error('models', ApiError(
+          f"The model {request.path_params['name']!r} does not exist.", status=404,
+          param='model', code='model_not_found'))
+    return JSONResponse(self._model_card())
+
+  async def health(self, request: Request) -> Response:
+    if self.loop.healthy:
+      return JSONResponse({'status': 'ok'})
+    return JSONResponse({'status': 'unavailable', 'reason': self.loop.broken or 'stopping'},
+                        status_code=503)
+
+  async def metrics_text(self, request: Request) -> Response:
+    return PlainTextResponse(self.metrics.render(self.in_flight, self.loop.stats),
+                             media_type='text/plain; version=0.0.4')
+
+
+async def _json_body(request: Request):
+  try:
+    return json.loads(await request.body())
+  except ValueError as e:
+    raise ApiError(f'The request body is not valid JSON: {e}', code='invalid_json') from None
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+  kind = 'not_found_error' if exc.status_code == 404 else 'invalid_request_error'
+  return JSONResponse(ApiError(str(exc.detail), status=exc.status_code, type=kind).body(),
+                      status_code=exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+  return JSONResponse(ApiError(f'Internal server error: {type(exc).__name__}', status=500,
+                               type='server_error').body(), status_code=500)
+
+
+def load_engine(model_dir: str, *, dtype: str | None = None, **engine_kwargs) -> Engine:
+  """An :class:`~maxnnx.serving.Engine` over the Hugging Face checkpoint in ``model_dir``
+  and the tokenizer stored with it (``engine_kwargs`` go to the engine)."""
+  from maxnnx.data import load_tokenizer  # noqa: PLC0415
+  from maxnnx.models.pretrained import from_pretrained  # noqa: PLC0415
+  model = from_pretrained(model_dir, dtype=dtype)
+  return Engine(model, load_tokenizer(model_dir), **engine_kwargs)
+
+
+def _template(tokenizer, chat_template: ChatTemplate | str | None) -> ChatTemplate | None:
+  if chat_template is None:
+    path = getattr(tokenizer, 'path', None)
+    if not path:
+      return None
+    try:
+      chat_template = load_chat_template(os.path.dirname(path) or '.')
+    except FileNotFoundError:
+      return None
+  return template_for(tokenizer, chat_template)
+
+
+def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str | None = None,
+             max_queue: int = 64, chat_template: ChatTemplate | str | None = None,
+             add_bos: bool = True, dtype: str | None = None, **engine_kwargs) -> Starlette:
+  """The server as an ASGI app (run it with uvicorn); nothing starts until the app does.
+
+  Args:
+    engine_or_model_dir: an :class:`~maxnnx.serving.Engine` with a tokenizer, or a
+      Hugging Face checkpoint directory holding the tokenizer (and chat template),
+      such as the ``final/`` of ``maxnnx train`` / ``maxnnx sft``.
+    model_name: the name clients send as ``model``; default the directory as given,
+      or ``'maxnnx'`` for an engine.
+    max_queue: requests (choices) held beyond the ``max_batch`` running ones; more
+      are answered 429.
+    chat_template: a :class:`~maxnnx.data.ChatTemplate`, built-in name or Jinja text;
+      default the template stored beside the tokenizer (none: the chat endpoint
+      answers 400).
+    add_bos: start text prompts of ``/v1/completions`` with the tokenizer's BOS id
+      (as ``maxnnx generate`` does); token-id prompts are taken as they are.
+    dtype: compute dtype of a model loaded from a directory (default the checkpoint's).
+    **engine_kwargs: :class:`~maxnnx.serving.Engine` arguments (``max_batch``,
+      ``token_budget``, ``page_size``, ``max_pages``, ``max_model_len``, ...) for a
+      model loaded from a directory.
+
+  The app's ``state.engine_loop`` is the :class:`EngineLoop` and ``state.metrics`` the
+  :class:`~maxnnx.serving.metrics.ServerMetrics`.
+  """
+  if isinstance(engine_or_model_dir, Engine):
+    if engine_kwargs or dtype is not None:
+      raise TypeError('Engine arguments and dtype apply to a model directory, not to an Engine.')
+    engine, name = engine_or_model_dir, model_name or 'maxnnx'
+  else:
+    directory = os.fspath(engine_or_model_dir)
+    engine, name = load_engine(directory, dtype=dtype, **engine_kwargs), model_name or directory
+  tokenizer = engine.tokenizer
+  if tokenizer is None:
+    raise ValueError('The server needs an Engine with a tokenizer.')
+  if max_queue < 0:
+    raise ValueError(f'max_queue={max_queue} must be >= 0.')
+  served = ServedModel(name=name, tokenizer=tokenizer, template=_template(tokenizer, chat_template),
+                       max_model_len=engine.max_model_len,
+                       vocab_size=engine.model_config.vocab_size,
+                       max_logprobs=engine.max_logprobs,
+                       chat_stop_ids=tuple(end_of_turn_ids(tokenizer)), add_bos=add_bos)
+  loop, metrics = EngineLoop(engine), ServerMetrics()
+  api = _Api(loop, served, metrics, max_queue)
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    loop.start()
+    try:
+      yield
+    finally:
+      await asyncio.to_thread(loop.stop)
+
+  app = Starlette(routes=[
+      Route('/v1/completions', api.completions, methods=['POST']),
+      Route('/v1/chat/completions', api.chat_completions, methods=['POST']),
+      Route('/v1/models', api.models, methods=['GET']),
+      Route('/v1/models/{name:path}', api.model, methods=['GET']),
+      Route('/health', api.health, methods=['GET']),
+      Route('/metrics', api.metrics_text, methods=['GET']),
+  ], lifespan=lifespan, exception_handlers={HTTPException: _http_error, 500: _server_error})
+  app.state.engine_loop, app.state.metrics = loop, metrics
+  return app
+
+
+def serve(model_dir: str, *, host: str = '127.0.0.1', port: int = 8000,
+          log_level: str = 'info', **app_kwargs) -> None:
+  """Serve the checkpoint in ``model_dir`` over HTTP until SIGTERM or Ctrl-C.
+
+  Either signal stops accepting connections and lets the requests in flight
+  finish before the process exits. ``app_kwargs`` go to :func:`make_app`.
+  """
+  import uvicorn  # noqa: PLC0415
+  app = make_app(model_dir, **app_kwargs)
+  uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan='on')

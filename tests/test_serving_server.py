@@ -1,0 +1,380 @@
+"""The OpenAI-compatible HTTP server, queried with the ``openai`` client package against live
+uvicorn servers on a tiny model: greedy parity with maxnnx.generate under concurrency, streaming,
+the chat template, bad requests, a full queue, client disconnects, metrics, and SIGTERM."""
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from flax import nnx
+
+import maxnnx
+from maxnnx.data import load_tokenizer
+from maxnnx.data.chat import encode_with_specials, load_chat_template
+from maxnnx.serving import Engine
+from maxnnx.serving.openai_api import stable_text
+from maxnnx.serving.server import make_app
+
+NAME = 'tiny-chat'
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope='module')
+def model_dir(tmp_path_factory, chat_checkpoint):
+  """A Hugging Face directory like the final/ of an sft run: weights, tokenizer, template."""
+  directory = tmp_path_factory.mktemp('served')
+  model = maxnnx.Transformer(maxnnx.get_preset('tiny', vocab_size=512, num_layers=1),
+                             rngs=nnx.Rngs(0))
+  maxnnx.save_pretrained(model, str(directory))
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    shutil.copy(chat_checkpoint / name, directory / name)
+  return str(directory)
+
+
+@pytest.fixture(scope='module')
+def reference(model_dir):
+  return maxnnx.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope='module')
+def tokenizer(model_dir):
+  return load_tokenizer(model_dir)
+
+
+@contextlib.contextmanager
+def _running(app):
+  """``app`` served by uvicorn on a free port in a thread; yields ``(base url, server)``."""
+  sock = socket.socket()
+  sock.bind(('127.0.0.1', 0))
+  server = uvicorn.Server(uvicorn.Config(app, log_level='warning'))
+  thread = threading.Thread(target=server.run, kwargs={'sockets': [sock]}, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 60
+  while not server.started:
+    assert thread.is_alive() and time.monotonic() < deadline, 'the server did not start'
+    time.sleep(0.01)
+  try:
+    yield f'http://127.0.0.1:{sock.getsockname()[1]}', server
+  finally:
+    server.should_exit = True
+    thread.join(60)
+    sock.close()
+
+
+@pytest.fixture(scope='module')
+def server(model_dir):
+  """The server as ``maxnnx serve`` builds it (from the directory): 4 rows, 12 more queued."""
+  app = make_app(model_dir, model_name=NAME, max_queue=12, max_batch=4, token_budget=32,
+                 page_size=8, max_model_len=MAX_MODEL_LEN)
+  with _running(app) as (url, _):
+    yield url
+
+
+class Gate:
+  """Holds the engine thread before each step while closed."""
+
+  def __init__(self, engine):
+    self.opened = threading.Event()
+    self.opened.set()
+    step = engine.step
+
+    def gated_step():
+      self.opened.wait(60)
+      return step()
+
+    engine.step = gated_step
+
+
+@pytest.fixture(scope='module')
+def small(model_dir, tokenizer):
+  """A server from an Engine, with room for 2 requests (1 running, 1 queued) and a gate."""
+  engine = Engine(maxnnx.from_pretrained(model_dir), tokenizer, max_batch=1, token_budget=8,
+                  page_size=8, max_model_len=64)
+  app = make_app(engine, model_name=NAME, max_queue=1)
+  with _running(app) as (url, uvicorn_server):
+    yield url, Gate(engine), app.state.engine_loop
+
+
+def _client(url, **kwargs):
+  return openai.OpenAI(base_url=f'{url}/v1', api_key='unused', max_retries=0, **kwargs)
+
+
+def _metric(url, name):
+  text = httpx.get(f'{url}/metrics').text
+  found = re.search(rf'^maxnnx_{re.escape(name)} (\S+)$', text, re.M)
+  return float(found.group(1)) if found else 0.0
+
+
+def _wait_for(condition, timeout=30):
+  deadline = time.monotonic() + timeout
+  while not condition():
+    assert time.monotonic() < deadline, 'timed out'
+    time.sleep(0.02)
+
+
+def test_greedy_completions_match_generate_for_16_concurrent_requests(server, reference,
+                                                                       tokenizer):
+  """16 requests at once (4 run, 12 queue; text and token-id prompts of different lengths)
+  give maxnnx.generate's greedy tokens, and their text is those tokens decoded."""
+  rng = np.random.default_rng(0)
+  corpus = open(maxnnx.data.DEFAULT_CORPUS, encoding='utf-8').read()[:5000]
+  prompts, ids = [], []
+  for i in range(16):
+    if i % 2:
+      prompt = rng.integers(0, tokenizer.vocab_size, int(rng.integers(1, 50))).tolist()
+      ids.append(prompt)
+    else:
+      start = int(rng.integers(0, 4000))
+      prompt = corpus[start:start + int(rng.integers(1, 200))]
+      ids.append([tokenizer.bos_id, *tokenizer.encode(prompt)])
+    prompts.append(prompt)
+  max_tokens = [int(m) for m in rng.integers(1, 13, 16)]
+  want = maxnnx.generate(reference, ids, max_new_tokens=max(max_tokens), eos_ids=None)
+  client = openai.AsyncOpenAI(base_url=f'{server}/v1', api_key='unused', max_retries=0)
+
+  async def ask_all():
+    return await asyncio.gather(*(client.completions.create(
+        model=NAME, prompt=p, max_tokens=m, temperature=0,
+        extra_body={'ignore_eos': True, 'return_token_ids': True})
+        for p, m in zip(prompts, max_tokens)))
+
+  responses = asyncio.run(ask_all())
+  for i, (response, m) in enumerate(zip(responses, max_tokens)):
+    choice = response.choices[0]
+    assert choice.token_ids == want.tokens[i, :m].tolist(), i
+    assert choice.prompt_token_ids == ids[i]
+    assert choice.text == tokenizer.decode(choice.token_ids)
+    assert choice.finish_reason == 'length'
+    assert response.usage.prompt_tokens == len(ids[i]) and response.usage.completion_tokens == m
+
+
+def test_streamed_chunks_join_to_the_same_text(server):
+  client = _client(server)
+  args = dict(model=NAME, prompt='ROMEO: what say you', max_tokens=24, temperature=0,
+              extra_body={'ignore_eos': True})
+  whole = client.completions.create(**args).choices[0].text
+  chunks = list(client.completions.create(**args, stream=True,
+                                          stream_options={'include_usage': True}))
+  assert ''.join(c.choices[0].text for c in chunks if c.choices) == whole
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == 'length'
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+  stop = whole[10:13]  # text a stop string takes back must never have been streamed
+  cut = client.completions.create(**args, stop=[stop]).choices[0]
+  assert cut.text == whole[:whole.index(stop)] and cut.finish_reason == 'stop'
+  streamed = client.completions.create(**args, stop=[stop], stream=True)
+  assert ''.join(c.choices[0].text for c in streamed) == cut.text
+  messages = [{'role': 'user', 'content': 'Speak, speak.'}]
+  reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12,
+                                         temperature=0).choices[0].message.content
+  deltas = [c.choices[0].delta for c in client.chat.completions.create(
+      model=NAME, messages=messages, max_tokens=12, temperature=0, stream=True)]
+  assert deltas[0].role == 'assistant'
+  assert ''.join(d.content or '' for d in deltas) == reply
+
+
+def test_chat_completions_use_the_checkpoint_template(server, reference, tokenizer, model_dir):
+  messages = [{'role': 'system', 'content': 'Be brief.'},
+              {'role': 'user', 'content': [{'type': 'text', 'text': 'Who art thou?'}]}]
+  response = _client(server).chat.completions.create(
+      model=NAME, messages=messages, max_tokens=8, temperature=0,
+      extra_body={'return_token_ids': True})
+  choice = response.choices[0]
+  flat = [messages[0], {'role': 'user', 'content': 'Who art thou?'}]
+  rendered = load_chat_template(model_dir).render(flat, add_generation_prompt=True)
+  assert rendered.startswith('<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n')
+  assert choice.prompt_token_ids == encode_with_specials(tokenizer, rendered)
+  assert choice.message.content == maxnnx.chat(reference, tokenizer, [flat],
+                                               max_new_tokens=8)[0]
+  assert choice.message.role == 'assistant' and response.object == 'chat.completion'
+
+
+BAD_REQUESTS = [  # (endpoint, body, param)
+    ('completions', {'model': 'gpt-4', 'prompt': 'hi'}, 'model'),
+    ('completions', {'prompt': 'hi'}, 'model'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'max_tokens': 0}, 'max_tokens'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'max_tokens': -3}, 'max_tokens'),
+    ('chat/completions', {'model': NAME, 'messages': [{'role': 'user', 'content': 'hi'}],
+                          'max_tokens': 0}, 'max_tokens'),
+    ('completions', {'model': NAME, 'prompt': [5] * MAX_MODEL_LEN}, 'prompt'),
+    ('completions', {'model': NAME, 'prompt': 'To be ' * 200}, 'prompt'),
+    ('chat/completions', {'model': NAME, 'messages': [{'role': 'user',
+                                                       'content': 'To be ' * 200}]}, 'messages'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'max_tokens': '8'}, 'max_tokens'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'max_tokens': True}, 'max_tokens'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'temperature': 'hot'}, 'temperature'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'temperature': 3}, 'temperature'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'top_p': 0}, 'top_p'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'n': 1.5}, 'n'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'stream': 'yes'}, 'stream'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'stop': ['']}, 'stop'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'logprobs': 99}, 'logprobs'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'presence_penalty': 0.5},
+     'presence_penalty'),
+    ('completions', {'model': NAME, 'prompt': 5}, 'prompt'),
+    ('completions', {'model': NAME, 'prompt': []}, 'prompt'),
+    ('completions', {'model': NAME, 'prompt': [1, 100000]}, 'prompt'),
+    ('chat/completions', {'model': NAME, 'messages': 'hi'}, 'messages'),
+    ('chat/completions', {'model': NAME, 'messages': [{'role': 'wizard', 'content': 'hi'}]},
+     'messages[0].role'),
+    ('chat/completions', {'model': NAME, 'messages': [{'role': 'user', 'content': 7}]},
+     'messages[0].content'),
+    ('chat/completions', {'model': NAME, 'messages': [{'role': 'user', 'content': 'hi'}],
+                          'tools': [{'type': 'function', 'function': {'name': 'f'}}]}, 'tools'),
+]
+
+
+def test_bad_requests_answer_400_and_the_server_goes_on(server):
+  with httpx.Client(base_url=f'{server}/v1', timeout=30) as http:
+    for endpoint, body, param in BAD_REQUESTS:
+      response = http.post(f'/{endpoint}', json=body)
+      assert response.status_code == 400, (body, response.text)
+      error = response.json()['error']
+      assert set(error) == {'message', 'type', 'param', 'code'} and error['message']
+      assert error['type'] == 'invalid_request_error' and error['param'] == param, error
+    for raw in (b'{"model": "tiny-chat", "prompt": ', b'\xff\xfe', b'[1, 2]', b'"text"'):
+      response = http.post('/completions', content=raw,
+                           headers={'content-type': 'application/json'})
+      assert response.status_code == 400 and response.json()['error']['message'], raw
+    missing = http.get('/no-such-endpoint')
+    assert missing.status_code == 404 and missing.json()['error']['type'] == 'not_found_error'
+  client = _client(server)
+  with pytest.raises(openai.BadRequestError, match='max_tokens'):
+    client.completions.create(model=NAME, prompt='hi', max_tokens=0)
+  with pytest.raises(openai.BadRequestError, match='does not exist'):
+    client.chat.completions.create(model='gpt-4o', messages=[{'role': 'user', 'content': 'x'}])
+  ok = client.completions.create(model=NAME, prompt='hi', max_tokens=3, temperature=0,
+                                 extra_body={'ignore_eos': True})
+  assert ok.choices[0].finish_reason == 'length' and ok.usage.completion_tokens == 3
+
+
+def test_a_full_queue_answers_429_then_serves_again(small):
+  url, gate, _ = small
+  client = _client(url, timeout=60)
+  results = []
+
+  def ask():
+    results.append(client.completions.create(model=NAME, prompt='hi', max_tokens=2,
+                                              temperature=0, extra_body={'ignore_eos': True}))
+
+  gate.opened.clear()
+  threads = [threading.Thread(target=ask) for _ in range(2)]
+  try:
+    for thread in threads:
+      thread.start()
+    _wait_for(lambda: _metric(url, 'requests_in_flight') == 2)
+    with pytest.raises(openai.RateLimitError) as caught:
+      client.completions.create(model=NAME, prompt='hi', max_tokens=2)
+    assert caught.value.status_code == 429
+    assert caught.value.body['code'] == 'queue_full'
+  finally:
+    gate.opened.set()
+  for thread in threads:
+    thread.join(60)
+  assert [r.usage.completion_tokens for r in results] == [2, 2]
+  assert client.completions.create(model=NAME, prompt='hi', max_tokens=2).choices
+
+
+def _cancelled(url):
+  return _metric(url, 'requests_finished_total{finish_reason="cancelled"}')
+
+
+def test_a_client_disconnect_cancels_its_request(small):
+  url, gate, loop = small
+  before = _cancelled(url)
+  gate.opened.clear()
+  try:  # a client that gives up waiting for a whole response
+    with pytest.raises(httpx.ReadTimeout):
+      httpx.post(f'{url}/v1/completions', timeout=0.5,
+                 json={'model': NAME, 'prompt': 'hi', 'max_tokens': 50, 'ignore_eos': True})
+    _wait_for(lambda: _cancelled(url) == before + 1)
+  finally:
+    gate.opened.set()
+  body = {'model': NAME, 'prompt': 'hi', 'max_tokens': 60, 'ignore_eos': True, 'stream': True}
+  with httpx.stream('POST', f'{url}/v1/completions', json=body, timeout=30) as response:
+    next(response.iter_lines())  # a client that leaves in the middle of a stream
+  _wait_for(lambda: _cancelled(url) == before + 2)
+  _wait_for(lambda: not loop.engine.has_unfinished() and loop.stats['running'] == 0)
+  assert loop.engine.allocator.num_available == loop.engine.max_pages  # pages released
+  assert _metric(url, 'requests_in_flight') == 0
+
+
+def test_health_models_and_metrics(server):
+  assert httpx.get(f'{server}/health').json() == {'status': 'ok'}
+  client = _client(server)
+  assert [m.id for m in client.models.list()] == [NAME]
+  assert client.models.retrieve(NAME).id == NAME
+  client.completions.create(model=NAME, prompt='hi', max_tokens=2)
+  response = httpx.get(f'{server}/metrics')
+  assert response.status_code == 200 and response.headers['content-type'].startswith('text/plain')
+  text = response.text
+  for family, kind in [('http_requests_total', 'counter'), ('requests_finished_total', 'counter'),
+                       ('prompt_tokens_total', 'counter'), ('generation_tokens_total', 'counter'),
+                       ('time_to_first_token_seconds', 'histogram'),
+                       ('request_duration_seconds', 'histogram'), ('queue_depth', 'gauge'),
+                       ('requests_running', 'gauge'), ('kv_pages_used', 'gauge')]:
+    assert f'# TYPE maxnnx_{family} {kind}\n' in text, family
+  assert 'maxnnx_http_requests_total{endpoint="completions",status="200"}' in text
+  assert _metric(server, 'generation_tokens_total') >= 2
+  assert _metric(server, 'time_to_first_token_seconds_count') >= 1
+  assert _metric(server, 'queue_depth') == 0
+
+
+def test_stable_text_holds_back_what_may_change():
+  assert stable_text('abc\ufffd', []) == 'abc'
+  assert stable_text('hello\n', ['\n\n']) == 'hello'
+  assert stable_text('hello wo', ['world', 'x']) == 'hello '
+  assert stable_text('hello', ['lo!']) == 'hel'
+
+
+def test_sigterm_lets_the_requests_in_flight_finish(model_dir):
+  """``maxnnx serve`` in a process of its own: SIGTERM during a stream; the stream still ends
+  with [DONE], then the process exits."""
+  with socket.socket() as sock:
+    sock.bind(('127.0.0.1', 0))
+    port = sock.getsockname()[1]
+  env = {**os.environ, 'PYTHONPATH': os.pathsep.join(
+      [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get(
+          'PYTHONPATH', '')])}
+  process = subprocess.Popen([sys.executable, '-m', 'maxnnx', 'serve', f'model={model_dir}',
+                              f'port={port}', f'served_model_name={NAME}', 'max_model_len=128'],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  try:
+    url = f'http://127.0.0.1:{port}'
+    deadline = time.monotonic() + 120
+    while True:
+      assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+      with contextlib.suppress(httpx.TransportError):
+        if httpx.get(f'{url}/health').status_code == 200:
+          break
+      time.sleep(0.2)
+    body = {'model': NAME, 'prompt': 'hi', 'max_tokens': 120, 'ignore_eos': True,
+            'temperature': 0, 'stream': True}
+    with httpx.stream('POST', f'{url}/v1/completions', json=body, timeout=60) as response:
+      lines = response.iter_lines()
+      first = next(line for line in lines if line)
+      process.send_signal(signal.SIGTERM)
+      rest = [line for line in lines if line]
+    chunks = [json.loads(line[6:]) for line in [first, *rest[:-1]]]
+    assert rest[-1] == 'data: [DONE]' and chunks[-1]['choices'][0]['finish_reason'] == 'length'
+    process.wait(60)
+    assert process.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught
+    log = process.stdout.read().decode()
+    assert 'Waiting for connections to close' in log  # the signal came while the stream ran
+    assert log.index('Waiting for connections') < log.index('Application shutdown complete')
+  finally:
+    if process.poll() is None:
+      process.kill()
