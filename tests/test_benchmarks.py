@@ -12,7 +12,7 @@ import pytest
 from jax import monitoring
 
 import maxnnx
-from benchmarks import compare, decode, results, train_throughput
+from benchmarks import compare, decode, results, serving, serving_load, train_throughput
 from benchmarks.configs import BENCH_CONFIGS, get_config, train_flops_per_token
 from benchmarks.model import model_config
 from maxnnx.config import MeshConfig
@@ -213,3 +213,80 @@ def test_decode_harness_smoke():
   assert row['fraction_of_bound'] == pytest.approx(
       row['decode_tokens_per_s'] / row['bound_decode_tokens_per_s'])
   assert row['bandwidth_gbs'] > 0 and np.isfinite(row['fraction_of_bound'])
+
+
+class _FakeClock:
+  """A clock that only moves when the loop sleeps or a batch runs."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+  def sleep(self, seconds):
+    self.now += seconds
+
+
+def test_serving_load_closed_loop_batches_and_statistics():
+  """Closed loop: a client sends its next request when the previous one completes; the batch
+  server takes full batches (or what waits when nothing else can arrive); the statistics
+  follow from the recorded times."""
+  workload = serving_load.make_workload(5, 100, (3, 6), (2, 4), seed=1)
+  assert [len(p) for p in serving_load.same_lengths(workload, 100, 2).prompts] == [
+      len(p) for p in workload.prompts]
+  clock, groups = _FakeClock(), []
+
+  def run_batch(indices):  # 0.25 s to the first token, 1 s in all
+    groups.append(indices)
+    first = clock.now + 0.25
+    clock.now += 1.0
+    return first, [[7] * workload.output_lens[i] for i in indices]
+
+  arrivals = serving_load.Arrivals(5, concurrency=2)
+  records = serving_load.serve_in_batches(workload, arrivals, 2, run_batch, clock, clock.sleep)
+  assert groups == [[0, 1], [2, 3], [4]]  # the last batch runs alone: nothing else can come
+  assert [r.arrival for r in records] == [0, 0, 1, 1, 2]
+  assert [r.last for r in records] == [1, 1, 2, 2, 3]
+  stats = serving_load.summarize(records)
+  assert stats['output_tokens'] == sum(workload.output_lens)
+  assert stats['output_tokens_per_s'] == pytest.approx(sum(workload.output_lens) / 3)
+  assert stats['ttft_p50_s'] == pytest.approx(0.25) and stats['latency_p99_s'] == 1.0
+  tpot = sorted(0.75 / (n - 1) for n in workload.output_lens)
+  assert stats['tpot_p50_s'] == pytest.approx(tpot[2])
+
+  clock.now = 10.0  # open loop: Poisson arrivals one at a time, in index order
+  poisson = serving_load.Arrivals(5, rate=2.0, seed=3)
+  groups.clear()
+  records = serving_load.serve_in_batches(workload, poisson, 1, run_batch, clock, clock.sleep)
+  assert groups == [[0], [1], [2], [3], [4]]
+  arrived = [r.arrival for r in records]
+  assert arrived == sorted(arrived) and arrived[0] == 10.0
+  assert all(r.first >= r.arrival for r in records)
+  assert serving_load.percentile([1, 2, 3, 4], 50) == 2.5
+
+
+def test_serving_harness_smoke(tmp_path):
+  """The serving benchmark on a micro config: the engine and generate serve every request with
+  exactly its output length, greedy engine tokens equal generate's, nothing compiles in the
+  timed run, and a transformers run that cannot start is a row saying why."""
+  path = tmp_path / 'serving.jsonl'
+  rows = serving.run(MICRO, name='micro', systems=('engine', 'single', 'hf-single'),
+                     num_requests=4, concurrency=2, prompt_lens=(4, 6), output_lens=(2, 4),
+                     batch_size=2, max_batch=2, token_budget=16, page_size=4,
+                     checkpoint=str(tmp_path / 'ckpt'), hf_python_path=str(tmp_path / 'none'),
+                     json_path=str(path), log=lambda line: None)
+  saved = [json.loads(line) for line in path.read_text().splitlines()]
+  assert [r['system'] for r in saved] == ['engine', 'single', 'hf-single']
+  by = {r['system']: r for r in saved}
+  assert 'no such file' in by['hf-single']['error'].lower()
+  for name in ('engine', 'single'):
+    r = by[name]
+    assert r['kind'] == 'serving' and r['num_requests'] == 4 and r['compiles_timed'] == 0
+    assert r['output_tokens_per_s'] == pytest.approx(r['output_tokens'] / r['duration_s'])
+    assert 0 < r['ttft_p50_s'] <= r['ttft_p99_s'] <= r['latency_p99_s']
+    assert r['tpot_p50_s'] > 0 and r['same_tokens'] == 4
+  assert by['single']['vs_single'] == 1.0
+  assert by['engine']['engine_step_compiles'] <= by['engine']['engine_max_compiles']
+  expected = sum(serving_load.make_workload(4, MICRO['vocab_size'], (4, 6), (2, 4)).output_lens)
+  assert rows[0]['output_tokens'] == by['single']['output_tokens'] == expected
