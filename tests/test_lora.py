@@ -340,7 +340,8 @@ def _frozen_leaves(model):
   return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Not(nnx.LoRAParam)))]
 
 
-@pytest.mark.parametrize('base_quantization', ['none', 'int8', pytest.param('int4', marks=SLOW)])
+@pytest.mark.parametrize('base_quantization', ['none', pytest.param('int8', marks=SLOW),
+                                               pytest.param('int4', marks=SLOW)])
 def test_training_changes_adapters_only(base_quantization):
   """Loss falls, the optimizer holds the adapters alone, and the (quantized) base is
   bit-identical after the steps."""
