@@ -134,13 +134,12 @@ class Recipe:
     if self.name == 'grpo':
       from flax import nnx  # noqa: PLC0415
 
-      from maxnnx.rl import grpo_objective  # noqa: PLC0415
+      from maxnnx.rl.grpo import grpo_objective, reference_policy  # noqa: PLC0415
       if not isinstance(model, nnx.Module):
         raise UsageError('grpo starts from a trained policy: model=<Hugging Face dir or a run\'s '
                          'final/> (a preset would sample random text).')
       config = grpo_config(options)
-      reference = nnx.clone(model) if config.beta and not train_config.lora.enabled else None
-      return grpo_objective(config, reference)
+      return grpo_objective(config, reference_policy(model, config, train_config))
     if self.name == 'distill':
       from maxnnx.train.distillation import DistillationObjective  # noqa: PLC0415
       teacher = load_teacher(options['teacher'])

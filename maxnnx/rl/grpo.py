@@ -87,10 +87,19 @@ class GRPOConfig(ValidatedConfig):
 
 
 def grpo_objective(config: GRPOConfig, reference: nnx.Module | None = None) -> GRPOObjective:
-  """The objective ``config`` describes."""
+  """The objective ``config`` describes (``reference``: see :func:`reference_policy`)."""
   return GRPOObjective(config.loss_type, beta=config.beta, epsilon=config.epsilon,
                        epsilon_high=config.upper_clip, temperature=config.temperature,
                        max_completion_length=config.max_new_tokens, reference=reference)
+
+
+def reference_policy(model: nnx.Module, config: GRPOConfig,
+                     train_config: TrainConfig) -> nnx.Module | None:
+  """The frozen reference the KL needs: a copy of the starting ``model`` when ``beta > 0``;
+  ``None`` without a KL, or under LoRA (the base with its adapters off is the reference)."""
+  if config.beta and not train_config.lora.enabled:
+    return nnx.clone(model)
+  return None
 
 
 def make_rollouts(config: GRPOConfig, prompts: Prompts, rewards: Rewards, tokenizer, *,
@@ -139,10 +148,7 @@ class GRPO:
       prompts = Prompts(prompts, tokenizer, template, seed=train_config.seed)
     if not isinstance(rewards, Rewards):
       rewards = Rewards(rewards, reward_weights)
-    reference = None
-    if config.beta and not train_config.lora.enabled:
-      reference = nnx.clone(model)
-    self.objective = grpo_objective(config, reference)
+    self.objective = grpo_objective(config, reference_policy(model, config, train_config))
     self.rollouts = make_rollouts(config, prompts, rewards, tokenizer, seed=train_config.seed)
     self.trainer = Trainer(model, train_config, self.objective, data=self.rollouts, mesh=mesh,
                            callbacks=callbacks)
@@ -177,4 +183,4 @@ class GRPO:
     self.close()
 
 
-__all__ = ['GRPO', 'GRPOConfig', 'grpo_objective', 'make_rollouts']
+__all__ = ['GRPO', 'GRPOConfig', 'grpo_objective', 'make_rollouts', 'reference_policy']
