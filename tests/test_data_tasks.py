@@ -5,8 +5,14 @@ import filecmp
 
 import pytest
 
-from maxnnx.data.tasks import (LAST_WORD_TASK, SPEAKER_TASK, accuracy, main, read_records,
-                               write_speaker_task)
+from maxnnx.data.tasks import (
+  LAST_WORD_TASK,
+  SPEAKER_TASK,
+  accuracy,
+  main,
+  read_records,
+  write_speaker_task,
+)
 
 
 def test_the_script_rewrites_the_shipped_files(tmp_path):
