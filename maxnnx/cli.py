@@ -64,9 +64,9 @@ RUN_KEYS = {
     'tokenizer': ('', 'tokenizer file or directory (sentencepiece, tokenizer.json, tiktoken); '
                   'default: the checkpoint\'s own, or one trained on a .txt corpus'),
     'output_dir': ('runs/tiny-shakespeare', 'where tokenizer, metrics, plot and model go'),
-    'dtype': ('bfloat16', 'compute dtype: bfloat16 (default: the faster one on CPUs with bf16 '
-                          'matmuls and on GPUs; matmuls accumulate in float32) or float32 '
-                          '(parameters stay float32 either way)'),
+    'dtype': ('auto', 'compute dtype: auto (bfloat16 on GPUs/TPUs and on CPUs with native '
+                      'bf16 (AVX-512 BF16, AMX), else float32; printed at the start), bfloat16 '
+                      '(matmuls accumulate in float32) or float32; parameters stay float32'),
     'scan_layers': (False, 'run the layer stack as one scanned block (mesh.stage > 1 sets it)'),
     'remat_policy': ('', 'activation rematerialisation: none, minimal, save_dot_except_mlp, '
                      'save_qkv_proj, save_out_proj, full (empty: the model default)'),
@@ -502,6 +502,15 @@ def train(options: dict, recipe: Recipe = PRETRAIN) -> dict:
     return _train_in(run_dir, options, recipe)
 
 
+def _compute_line(trainer) -> str:
+  """The compute dtype (and why, for ``dtype=auto``) and the ceiling MFU divides by."""
+  from maxnnx.hardware import auto_compute_dtype, resolve_compute_dtype  # noqa: PLC0415
+  chosen = trainer.model_config.runtime.dtype
+  why = f' (dtype=auto: {auto_compute_dtype()[1]})' if chosen == 'auto' else ''
+  return (f'Compute dtype {resolve_compute_dtype(chosen)}{why}; MFU against '
+          f'{trainer.peak_flops / 1e12:.4g} TFLOP/s per device, {trainer.peak_source}.')
+
+
 def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
   import maxnnx  # noqa: PLC0415
   from maxnnx.train.run_dir import checkpoint_steps  # noqa: PLC0415
@@ -519,6 +528,7 @@ def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
         f'mesh {dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}'
         + (f'; {trainer.quantization} quantized training.' if trainer.quantization != 'none'
            else '.'))
+  print(_compute_line(trainer))
   try:
     saved = checkpoint_steps(cfg.checkpoint_dir)
     resumed = trainer.restore_checkpoint() if cfg.checkpoint_dir else None

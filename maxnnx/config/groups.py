@@ -13,6 +13,7 @@ from typing import Literal
 import jax.numpy as jnp
 
 from maxnnx.config.base import _DTYPES, ConfigError, ValidatedConfig
+from maxnnx.hardware import resolve_compute_dtype
 
 RopeScaling = Literal['none', 'linear', 'llama3', 'yarn', 'longrope']
 
@@ -236,7 +237,9 @@ class RuntimeConfig(ValidatedConfig):
 
   Attributes:
     param_dtype: dtype parameters are stored in.
-    dtype: dtype activations and matmuls are computed in.
+    dtype: dtype activations and matmuls are computed in; ``'auto'`` is the one this
+      machine is fastest at (bfloat16 on GPU/TPU and on CPUs with native bf16, else
+      float32; see :mod:`maxnnx.hardware`), decided when the model computes.
     logits_dtype: dtype of the returned logits.
     scan_layers: hold the layer stack as one scanned module (fast compile for deep
       models) instead of a list of modules (easy to inspect and edit).
@@ -262,7 +265,7 @@ class RuntimeConfig(ValidatedConfig):
   _PATH = 'ModelConfig.runtime'
 
   param_dtype: Literal[_DTYPES] = 'float32'
-  dtype: Literal[_DTYPES] = 'float32'
+  dtype: Literal[(*_DTYPES, 'auto')] = 'float32'
   logits_dtype: Literal[_DTYPES] = 'float32'
   scan_layers: bool = False
   attention_impl: str = 'xla_flash'
@@ -272,5 +275,6 @@ class RuntimeConfig(ValidatedConfig):
   kernel_on_unsupported: Literal['fallback', 'error'] = 'fallback'
 
   def jnp_dtype(self, which: Literal['dtype', 'param_dtype', 'logits_dtype'] = 'dtype'):
-    """The ``jnp`` dtype of ``dtype``, ``param_dtype`` or ``logits_dtype``."""
-    return jnp.dtype(getattr(self, which))
+    """The ``jnp`` dtype of ``dtype``, ``param_dtype`` or ``logits_dtype`` (``'auto'``
+    resolved for this machine)."""
+    return jnp.dtype(resolve_compute_dtype(getattr(self, which)))

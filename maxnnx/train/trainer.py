@@ -210,8 +210,7 @@ class Trainer:
     self.flops_per_token = flops_lib.training_flops_per_token(self.model_config, config.seq_len)
     self.peak_flops, self.peak_source = (
         (config.peak_tflops * 1e12, 'TrainConfig.peak_tflops') if config.peak_tflops
-        else flops_lib.peak_flops_per_device(self.mesh.devices.flat[0],
-                                             self.model_config.runtime.dtype))
+        else flops_lib.peak_flops_per_device(self.mesh.devices.flat[0]))
 
   # -- construction helpers ------------------------------------------------------
 
