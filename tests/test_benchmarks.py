@@ -213,3 +213,28 @@ def test_decode_harness_smoke():
   assert row['fraction_of_bound'] == pytest.approx(
       row['decode_tokens_per_s'] / row['bound_decode_tokens_per_s'])
   assert row['bandwidth_gbs'] > 0 and np.isfinite(row['fraction_of_bound'])
+
+
+def test_collective_census_counts_what_a_sharded_program_exchanges():
+  """A gradient summed over devices (all-reduce) and gathered whole (all-gather) are found,
+  each once, with their result bytes per device."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from benchmarks.collectives import census, type_bytes
+  assert type_bytes('(f32[8,128]{1,0}, bf16[4]{0})') == 8 * 128 * 4 + 4 * 2
+  mesh = jax.make_mesh((8,), ('d',))
+  w = jax.ShapeDtypeStruct((64, 32), np.float32, sharding=NamedSharding(mesh, P('d', None)))
+  x = jax.ShapeDtypeStruct((16, 64), np.float32, sharding=NamedSharding(mesh, P('d', None)))
+
+  def step(w, x):  # rows of x on each device: partial gradients of the whole w, summed
+    return jax.grad(lambda w: (x @ w).sum())(w)
+
+  out = NamedSharding(mesh, P())
+  counts = census(jax.jit(step, out_shardings=out).lower(w, x).compile().as_text())
+  whole = {'count': 1, 'bytes': 64 * 32 * 4, 'count_in_loops': 0, 'bytes_in_loops': 0}
+  assert counts == {'all-gather': whole, 'all-reduce': whole}
+  replicated = NamedSharding(mesh, P())
+  w1 = jax.ShapeDtypeStruct((64, 32), np.float32, sharding=replicated)
+  x1 = jax.ShapeDtypeStruct((16, 64), np.float32, sharding=replicated)
+  assert census(jax.jit(step).lower(w1, x1).compile().as_text()) == {}
