@@ -10,6 +10,10 @@ tiny models' train and decode steps), so the run shares one JAX persistent compi
 cache: a fresh directory per run (removed at its end), which the pytest-xdist workers and
 the processes the tests start inherit through the environment. A ``JAX_COMPILATION_CACHE_DIR``
 already set is used as it is and kept.
+
+On a GPU the suite checks the same arithmetic as on a CPU: float32 matmuls run at full
+precision (jax's GPU default is TF32, about 1e-3 relative, which the float32 tolerances here are
+tighter than), and no process preallocates the GPU's memory, so pytest-xdist workers can share it.
 """
 
 import os
@@ -27,6 +31,12 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
       prefix='maxnnx-tests-jit-')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
+os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
+
+import jax  # noqa: E402  (after the flags above)
+
+if jax.default_backend() == 'gpu':
+  jax.config.update('jax_default_matmul_precision', 'highest')
 
 
 def pytest_sessionfinish(session):

@@ -243,9 +243,11 @@ class RuntimeConfig(ValidatedConfig):
     logits_dtype: dtype of the returned logits.
     scan_layers: hold the layer stack as one scanned module (fast compile for deep
       models) instead of a list of modules (easy to inspect and edit).
-    attention_impl: attention kernel strategy by name. ``xla_flash`` (the default:
-      plain XLA, skips the masked causal blocks and recomputes the softmax in the
-      backward pass) and ``xla`` (the reference) run everywhere.
+    attention_impl: attention kernel strategy by name. ``auto`` (the default) runs
+      ``cudnn`` for bf16/f16 on NVIDIA GPUs and ``xla_flash`` elsewhere (see
+      :mod:`maxnnx.kernels.attention_auto`); ``xla_flash`` (plain XLA, skips the
+      masked causal blocks and recomputes the softmax in the backward pass) and
+      ``xla`` (the reference) run everywhere.
     paged_attention_impl: attention strategy of the serving engine's paged KV cache
       by name (``xla``, the reference, runs everywhere; see
       :mod:`maxnnx.kernels.paged_attention`).
@@ -268,7 +270,7 @@ class RuntimeConfig(ValidatedConfig):
   dtype: Literal[(*_DTYPES, 'auto')] = 'float32'
   logits_dtype: Literal[_DTYPES] = 'float32'
   scan_layers: bool = False
-  attention_impl: str = 'xla_flash'
+  attention_impl: str = 'auto'
   paged_attention_impl: str = 'xla'
   ragged_dot_impl: str = 'lax'
   remat_policy: RematPolicy = 'none'
