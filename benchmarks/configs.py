@@ -19,11 +19,14 @@ BENCH_CONFIGS: dict[str, dict] = {
     'gpu-1b': dict(d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
                    mlp_dim=8192, vocab_size=128_256, seq=2048, batch=8, rope_theta=500_000.0,
                    device='gpu'),
-    # Llama 3.1 8B at seq 4096 (batch: as large as fits on one GPU; FSDP over several).
+    # Llama 3.1 8B at seq 4096. With float32 weights and AdamW its 8.0 B parameters need 128 GB
+    # before activations: FSDP over 2+ 80 GB GPUs.
     'gpu-8b': dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                    mlp_dim=14_336, vocab_size=128_256, seq=4096, batch=2, rope_theta=500_000.0,
                    device='gpu'),
-    # A larger MoE for one GPU: 16 layers, 64 experts top-8 (Qwen3-MoE-like, ~7B total).
+    # A larger MoE: 16 layers, 64 experts top-8 (Qwen3-MoE-like, 5.6 B parameters). With float32
+    # weights and AdamW it needs 90 GB before activations (measured on an H100: 100.7 GiB with
+    # full remat), so FSDP over 2+ 80 GB GPUs.
     'gpu-moe': dict(d_model=2048, num_layers=16, num_heads=32, num_kv_heads=4, head_dim=64,
                     mlp_dim=768, vocab_size=151_936, seq=2048, batch=8, num_experts=64,
                     num_experts_per_tok=8, rope_theta=1_000_000.0, device='gpu'),

@@ -57,7 +57,8 @@ def bytes_per_decode_step(cfg: dict, batch: int, context: float, *, param_bytes:
   return {'weights': weights * param_bytes, 'kv_cache': kv_cache * cache_bytes}
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
+  """Median wall seconds of ``repeats`` calls of ``fn`` after one untimed (compiling) call."""
   fn()  # compile and warm
   times = []
   for _ in range(repeats):
@@ -87,8 +88,8 @@ def run(cfg: dict, *, name: str, batches=(1, 32), prefill: int = 512, decode: in
   timings = []
   for batch in batches:
     prompts = rng.integers(0, mcfg.vocab_size, (batch, prefill), dtype=np.int32)
-    short = _median_seconds(lambda p=prompts: generate(model, p, 1, eos_ids=None), repeats)
-    full = _median_seconds(lambda p=prompts: generate(model, p, decode + 1, eos_ids=None),
+    short = median_seconds(lambda p=prompts: generate(model, p, 1, eos_ids=None), repeats)
+    full = median_seconds(lambda p=prompts: generate(model, p, decode + 1, eos_ids=None),
                            repeats)
     timings.append((batch, short, full))
   bandwidth_after = measure.memory_bandwidth_gbs(bandwidth_mib, bandwidth_seconds)

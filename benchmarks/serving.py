@@ -73,7 +73,6 @@ from maxnnx.models.transformer import Transformer
 from maxnnx.serving import Engine, SamplingParams
 
 SYSTEMS = ('engine', 'static', 'single', 'hf-single', 'hf-static')
-HF_PACKAGES = ['torch==2.13.0', 'transformers==5.23.0', 'safetensors', 'numpy']
 HF_INNER = Path(__file__).resolve().parent / 'peers' / '_transformers_serving.py'
 _COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
 
@@ -241,14 +240,6 @@ def run_maxnnx(system: str, model, timed: serving_load.Workload, warm: serving_l
               compiles_timed=timed_compiles.count, **extra)
 
 
-def hf_python(spec: str | None, log=print) -> str:
-  """The interpreter of the transformers run: ``spec``, or ``benchmarks/.peer-envs/transformers``
-  (created once with ``HF_PACKAGES``)."""
-  if spec:
-    return spec
-  return str(_common.ensure_env('transformers', HF_PACKAGES, log=log))
-
-
 def run_transformers(systems: list[str], checkpoint: str, timed: serving_load.Workload,
                      warm: serving_load.Workload, arrival_kwargs: dict, *, batch_size: int,
                      python: str, threads: int, timeout: float, log=print) -> dict:
@@ -320,7 +311,7 @@ def run(cfg: dict, *, name: str, systems=SYSTEMS, num_requests: int = 64,
     if hf:
       threads = hf_threads or _common.usable_cores()
       try:
-        python = hf_python(hf_python_path, log=log)
+        python = _common.transformers_python(hf_python_path, log=log)
       except (OSError, subprocess.CalledProcessError) as e:
         found.update({s: {'error': f'no transformers environment: {e}'} for s in hf})
       else:

@@ -79,7 +79,8 @@ def _timed_steps(trainer: Trainer, batches: list[dict], count: int) -> list[floa
 
 
 def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warmup: int = 3,
-        remat: str = 'none', scan: bool = False, attention_impl: str = 'xla_flash',
+        remat: str = 'none', scan: bool = False, attention_impl: str = 'auto',
+        ragged_dot_impl: str | None = None,
         ceiling_seconds: float = 1.0, ceiling_size: int | None = None,
         json_path: str | None = None, stall_check: bool = False, stall_steps: int = 10,
         checkpoint_every: int = 5, mesh: MeshConfig | None = None, log=print) -> dict:
@@ -93,7 +94,8 @@ def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warm
   if steps < 1 or warmup < 0:
     raise ValueError(f'--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}')
   dtype = dtype or default_dtype()
-  mcfg = model_config(cfg, dtype=dtype, remat=remat, scan=scan, attention_impl=attention_impl)
+  mcfg = model_config(cfg, dtype=dtype, remat=remat, scan=scan, attention_impl=attention_impl,
+                      ragged_dot_impl=ragged_dot_impl)
   batch, seq = cfg['batch'], cfg['seq']
   tcfg = TrainConfig(steps=max(warmup + steps, 1), global_batch_size=batch, seq_len=seq,
                      log_every=1000, learning_rate=1e-4, warmup_steps=0,
@@ -128,7 +130,8 @@ def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warm
       step_time_p10_s=stats['p10'], step_time_p90_s=stats['p90'],
       ceiling_tflops_before=ceiling_before, ceiling_tflops_after=ceiling_after,
       nominal_peak_tflops=nominal, peak_memory_kind=memory_kind,
-      remat=remat, scan=scan, attention_impl=attention_impl, loss_first_last=losses,
+      remat=remat, scan=scan, attention_impl=attention_impl,
+      ragged_dot_impl=mcfg.runtime.ragged_dot_impl, loss_first_last=losses,
       host_memory=host_memory_status())
   if nominal:
     record['mfu_nominal'] = record['tflops_per_device'] / nominal
@@ -291,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--remat', choices=REMAT_POLICIES, default='none')
   parser.add_argument('--scan', action=argparse.BooleanOptionalAction, default=False,
                       help='scan the layer stack (default: a list of layers)')
-  parser.add_argument('--attention-impl', default='xla_flash', help='attention kernel strategy')
+  parser.add_argument('--attention-impl', default='auto',
+                      help='attention strategy (default auto: cudnn on GPU, xla_flash elsewhere)')
+  parser.add_argument('--ragged-dot-impl', default=None,
+                      help='MoE grouped-matmul strategy (default: tiled on CPU configs, else lax)')
   parser.add_argument('--ceiling-seconds', type=float, default=1.0,
                       help='seconds each matmul-ceiling measurement runs (before and after)')
   parser.add_argument('--json', default=None, help='append the result line to this JSONL file')
@@ -304,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update('jax_platforms', {'gpu': 'cuda', 'cpu': 'cpu'}[args.device])
   run(get_config(args.config), name=args.config, dtype=args.dtype, steps=args.steps,
       warmup=args.warmup, remat=args.remat, scan=args.scan, attention_impl=args.attention_impl,
+      ragged_dot_impl=args.ragged_dot_impl,
       ceiling_seconds=args.ceiling_seconds, json_path=args.json, stall_check=args.stall_check,
       stall_steps=args.stall_steps, checkpoint_every=args.checkpoint_every)
   return 0

@@ -64,9 +64,9 @@ RUN_KEYS = {
     'tokenizer': ('', 'tokenizer file or directory (sentencepiece, tokenizer.json, tiktoken); '
                   'default: the checkpoint\'s own, or one trained on a .txt corpus'),
     'output_dir': ('runs/tiny-shakespeare', 'where tokenizer, metrics, plot and model go'),
-    'dtype': ('bfloat16', 'compute dtype: bfloat16 (default: the faster one on CPUs with bf16 '
-                          'matmuls and on GPUs; matmuls accumulate in float32) or float32 '
-                          '(parameters stay float32 either way)'),
+    'dtype': ('auto', 'compute dtype: auto (bfloat16 on GPUs/TPUs and on CPUs with native '
+                      'bf16 (AVX-512 BF16, AMX), else float32; printed at the start), bfloat16 '
+                      '(matmuls accumulate in float32) or float32; parameters stay float32'),
     'scan_layers': (False, 'run the layer stack as one scanned block (mesh.stage > 1 sets it)'),
     'remat_policy': ('', 'activation rematerialisation: none, minimal, save_dot_except_mlp, '
                      'save_qkv_proj, save_out_proj, full (empty: the model default)'),
@@ -167,7 +167,7 @@ def _generate_keys() -> dict[str, Key]:
   return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in GENERATE_KEYS.items()}
 
 
-COMMANDS = ('train', 'sft', 'dpo', 'distill', 'generate', 'compile', 'convert', 'serve')
+COMMANDS = ('train', 'sft', 'dpo', 'distill', 'grpo', 'generate', 'compile', 'convert', 'serve')
 
 
 def parse_overrides(args: list[str], keys: dict[str, Key]) -> dict:
@@ -192,7 +192,9 @@ def _usage(command: str) -> str:
           'serve': 'maxnnx serve model=HF_DIR [host=127.0.0.1] [port=8000] [key=value ...]',
           'sft': 'maxnnx sft model=HF_DIR data=chat.jsonl [key=value ...]',
           'dpo': 'maxnnx dpo model=HF_DIR data=prefs.jsonl [beta=0.1] [key=value ...]',
-          'distill': 'maxnnx distill teacher=DIR model=PRESET|DIR [key=value ...]'}[command]
+          'distill': 'maxnnx distill teacher=DIR model=PRESET|DIR [key=value ...]',
+          'grpo': 'maxnnx grpo model=HF_DIR prompts=prompts.jsonl reward=file.py:function '
+                  '[num_generations=8] [key=value ...]'}[command]
   lines = [f'usage: {head}']
   if command in RECIPES:
     lines += ['', f"{command} takes train's keys plus its own ({command}: below)."]
@@ -205,18 +207,27 @@ def _usage(command: str) -> str:
 
 
 def _plot_loss(history: list[dict], path: str) -> None:
+  """``loss.png``: the training (and held-out) loss; RL runs add the mean reward beside it."""
   import matplotlib  # noqa: PLC0415
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # noqa: PLC0415
-  fig, ax = plt.subplots(figsize=(6, 3.5))
+  rl = any('reward' in m for m in history)
+  fig, axes = plt.subplots(1, 2 if rl else 1, figsize=(11 if rl else 6, 3.5), squeeze=False)
+  ax = axes[0, 0]
   ax.plot([m['step'] for m in history], [m['loss'] for m in history], label='train')
   evals = [m for m in history if 'eval_loss' in m]
   if evals:
     ax.plot([m['step'] for m in evals], [m['eval_loss'] for m in evals], 'o-', label='held-out')
   ax.set_xlabel('step')
-  ax.set_ylabel('cross-entropy (nats/token)')
+  ax.set_ylabel('policy loss' if rl else 'cross-entropy (nats/token)')
   ax.grid(alpha=0.3)
   ax.legend()
+  if rl:
+    rewarded = [m for m in history if 'reward' in m]
+    axes[0, 1].plot([m['step'] for m in rewarded], [m['reward'] for m in rewarded])
+    axes[0, 1].set_xlabel('step')
+    axes[0, 1].set_ylabel('mean reward')
+    axes[0, 1].grid(alpha=0.3)
   fig.tight_layout()
   with paths.open_file(path, 'wb') as f:
     fig.savefig(f, format='png', dpi=120)
@@ -472,6 +483,8 @@ def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
     train_config = dataclasses.replace(train_config, eval_every=0)
   objective = recipe.objective(options, model, train_config)
   trainer = Trainer(model, train_config, objective, data=data)
+  if hasattr(data, 'attach'):  # RL rollouts sample from the trainer's own model
+    data.attach(trainer)
   return trainer, run, tokenizer, num_tokens
 
 
@@ -489,6 +502,15 @@ def train(options: dict, recipe: Recipe = PRETRAIN) -> dict:
     return _train_in(run_dir, options, recipe)
 
 
+def _compute_line(trainer) -> str:
+  """The compute dtype (and why, for ``dtype=auto``) and the ceiling MFU divides by."""
+  from maxnnx.hardware import auto_compute_dtype, resolve_compute_dtype  # noqa: PLC0415
+  chosen = trainer.model_config.runtime.dtype
+  why = f' (dtype=auto: {auto_compute_dtype()[1]})' if chosen == 'auto' else ''
+  return (f'Compute dtype {resolve_compute_dtype(chosen)}{why}; MFU against '
+          f'{trainer.peak_flops / 1e12:.4g} TFLOP/s per device, {trainer.peak_source}.')
+
+
 def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
   import maxnnx  # noqa: PLC0415
   from maxnnx.train.run_dir import checkpoint_steps  # noqa: PLC0415
@@ -498,13 +520,15 @@ def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
   template = (recipe.template(options, tokenizer, trainer.model_config.family)
               if recipe.records and tokenizer is not None else None)
   source = (f'{num_tokens:,} tokens' if num_tokens else
-            'synthetic tokens' if run['data'] == 'synthetic' else run['data'])
+            'synthetic tokens' if run['data'] == 'synthetic' else
+            run['data'] or options.get('prompts', ''))
   print(f"{recipe.name.upper() + ': ' if recipe.records or recipe.name == 'distill' else ''}"
         f"Training {run['model']} ({maxnnx.num_params(trainer.model_config):,} parameters) on "
         f'{source} for {cfg.steps} steps of {cfg.global_batch_size} x {cfg.seq_len} tokens; '
         f'mesh {dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}'
         + (f'; {trainer.quantization} quantized training.' if trainer.quantization != 'none'
            else '.'))
+  print(_compute_line(trainer))
   try:
     saved = checkpoint_steps(cfg.checkpoint_dir)
     resumed = trainer.restore_checkpoint() if cfg.checkpoint_dir else None
@@ -517,6 +541,9 @@ def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
       trainer.config = cfg = dataclasses.replace(
           cfg, metrics_jsonl=paths.join(out, 'metrics.jsonl'))
       run_dir.trim_metrics(cfg.metrics_jsonl, resumed)
+    rollouts_jsonl = getattr(trainer.data, 'rollouts_jsonl', None)
+    if rollouts_jsonl:
+      run_dir.trim_metrics(rollouts_jsonl, resumed)
     history = trainer.fit() if trainer.step_count < cfg.steps else []
   finally:
     trainer.close()

@@ -17,6 +17,10 @@ the objective it trains.
 (:class:`~maxnnx.train.lora.LoraConfig`): the Trainer adds the adapters and trains
 only them, and the run writes ``adapter/`` in PEFT's format next to the merged
 ``final/``.
+* ``grpo``: prompt records (``prompts=``) and Python reward functions (``reward=``); the
+  data are rollouts of the policy being trained (:class:`~maxnnx.rl.Rollouts`) and the
+  objective :class:`~maxnnx.rl.GRPOObjective` (``loss_type=grpo|dr_grpo|dapo|gspo``); every
+  completion is appended to ``rollouts.jsonl``.
 * ``distill``: the pre-training data and
   :class:`~maxnnx.train.distillation.DistillationObjective` with ``teacher=``
   (a Hugging Face directory, a ``maxnnx train`` output directory, an orbax
@@ -29,6 +33,7 @@ import dataclasses
 import os
 from typing import Any
 
+from maxnnx import paths
 from maxnnx.cli_keys import UsageError
 
 TEMPLATE_DOC = ("chat template: empty for the checkpoint's own (chat_template.jinja or "
@@ -94,8 +99,13 @@ class Recipe:
 
   def data(self, options: dict, spec: str, data_fields: dict, tokenizer, model_config,
            train_config, local_batch: int):
-    """The training batches of a records recipe."""
+    """The training batches of a records recipe (``grpo``: rollouts of the policy, which the
+    CLI attaches to the trainer once it exists)."""
     from maxnnx.data import DataConfig, make_preference_pipeline, make_sft_pipeline  # noqa
+    if self.name == 'grpo':
+      return grpo_rollouts(options, spec, tokenizer, self.template(options, tokenizer,
+                                                                   model_config.family),
+                           train_config)
     if not spec:
       raise UsageError(f'{self.name} needs data=<records file or directory> (JSONL, JSON or '
                        'Parquet).')
@@ -121,6 +131,15 @@ class Recipe:
         from maxnnx.train.lora import without_adapters_logps  # noqa: PLC0415
         return DPOObjective(**settings, reference_fn=without_adapters_logps)
       return DPOObjective(**settings, reference=nnx.clone(model))
+    if self.name == 'grpo':
+      from flax import nnx  # noqa: PLC0415
+
+      from maxnnx.rl.grpo import grpo_objective, reference_policy  # noqa: PLC0415
+      if not isinstance(model, nnx.Module):
+        raise UsageError('grpo starts from a trained policy: model=<Hugging Face dir or a run\'s '
+                         'final/> (a preset would sample random text).')
+      config = grpo_config(options)
+      return grpo_objective(config, reference_policy(model, config, train_config))
     if self.name == 'distill':
       from maxnnx.train.distillation import DistillationObjective  # noqa: PLC0415
       teacher = load_teacher(options['teacher'])
@@ -141,6 +160,48 @@ class Recipe:
   def record(self, options: dict) -> dict:
     """The recipe's keys, for the run's stored config (a resume must match them)."""
     return {k: options[k] for k in self.keys}
+
+
+GRPO_FIELDS = ('loss_type', 'num_generations', 'max_new_tokens', 'temperature', 'top_k', 'top_p',
+               'beta', 'epsilon', 'epsilon_high', 'num_iterations', 'dynamic_sampling',
+               'max_refills')
+
+
+def grpo_config(options: dict):
+  """The :class:`~maxnnx.rl.GRPOConfig` of a ``grpo`` command's keys."""
+  from maxnnx.rl import GRPOConfig  # noqa: PLC0415
+  try:
+    return GRPOConfig(**{k: options[k] for k in GRPO_FIELDS},
+                      rollouts_jsonl=paths.join(options['output_dir'], 'rollouts.jsonl'))
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+
+
+def grpo_rollouts(options: dict, spec: str, tokenizer, template, train_config):
+  """The :class:`~maxnnx.rl.Rollouts` of a ``grpo`` command (not yet attached)."""
+  from maxnnx.rl import Prompts, Rewards, make_rollouts  # noqa: PLC0415
+  prompts = options['prompts'] or spec
+  if not prompts:
+    raise UsageError('grpo needs prompts=<JSONL, JSON or Parquet file of {"prompt": ...} '
+                     'records (other columns go to the reward functions)>.')
+  if not options['reward']:
+    raise UsageError('grpo needs reward=path/to/file.py:function (several: comma-separated; '
+                     'weights with reward_weights=).')
+  specs = [r.strip() for r in options['reward'].split(',') if r.strip()]
+  weights = None
+  if options['reward_weights']:
+    try:
+      weights = [float(w) for w in str(options['reward_weights']).split(',')]
+    except ValueError:
+      raise UsageError(f"reward_weights={options['reward_weights']!r}: give numbers separated "
+                       'by commas, one per reward function.') from None
+  config = grpo_config(options)
+  try:
+    rewards = Rewards(specs, weights)
+  except (ValueError, FileNotFoundError) as e:
+    raise UsageError(str(e)) from None
+  return make_rollouts(config, Prompts(prompts, tokenizer, template, seed=train_config.seed),
+                       rewards, tokenizer, seed=train_config.seed)
 
 
 def _teacher_dir(teacher: str) -> str | None:
@@ -220,4 +281,32 @@ DISTILL = Recipe(
     run_defaults={'output_dir': 'runs/distill'},
     train_defaults={'steps': 300})
 
-RECIPES = {r.name: r for r in (PRETRAIN, SFT, DPO, DISTILL)}
+GRPO = Recipe(
+    'grpo', keys={
+        'prompts': ('', 'prompt records (JSONL, JSON or Parquet): {"prompt": text or chat '
+                    'messages, ...}; other columns go to the reward functions'),
+        'reward': ('', 'reward function(s): path/to/file.py:function or module:function, '
+                   'comma-separated'),
+        'reward_weights': ('', 'one weight per reward function, comma-separated (default 1 each)'),
+        'template': ('', TEMPLATE_DOC),
+        'loss_type': ('grpo', 'grpo, dr_grpo, dapo or gspo'),
+        'num_generations': (8, 'completions per prompt (global_batch_size must be a multiple)'),
+        'max_new_tokens': (64, 'completion budget (seq_len holds prompt + completion)'),
+        'temperature': (1.0, 'sampling temperature (the loss uses the same distribution)'),
+        'top_k': (0, 'sample among the top_k tokens (0: all)'),
+        'top_p': (1.0, 'nucleus sampling mass (1: off)'),
+        'beta': (0.0, 'KL penalty to the reference (the starting policy; with lora.rank > 0 '
+                 'the base)'),
+        'epsilon': (0.2, 'lower clip range of the importance ratio'),
+        'epsilon_high': (0.0, 'upper clip range (0: epsilon; dapo: 0.28)'),
+        'num_iterations': (1, 'optimizer steps per rollout batch'),
+        'dynamic_sampling': ('auto', 'replace groups whose rewards are all equal: auto (dapo '
+                             'only), on or off'),
+        'max_refills': (4, 'extra rollouts at most to fill a batch under dynamic sampling'),
+    },
+    run_defaults={'output_dir': 'runs/grpo', 'sample_tokens': 0},
+    train_defaults={'steps': 100, 'learning_rate': 1e-5, 'warmup_steps': 0, 'eval_every': 0,
+                    'checkpoint_every': 50, 'global_batch_size': 32, 'log_every': 1},
+    records=True)
+
+RECIPES = {r.name: r for r in (PRETRAIN, SFT, DPO, DISTILL, GRPO)}

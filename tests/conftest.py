@@ -4,16 +4,46 @@
 The suite runs with 8 simulated CPU devices so the parallelism tests can build
 real meshes; single-device tests ask for ``MeshConfig(data=1)`` or never touch
 a mesh (plain computations run on the first device).
+
+Compiling is most of the suite's time, and many tests compile the same programs (the same
+tiny models' train and decode steps), so the run shares one JAX persistent compilation
+cache: a fresh directory per run (removed at its end), which the pytest-xdist workers and
+the processes the tests start inherit through the environment. A ``JAX_COMPILATION_CACHE_DIR``
+already set is used as it is and kept.
+
+On a GPU the suite checks the same arithmetic as on a CPU: float32 matmuls run at full
+precision (jax's GPU default is TF32, about 1e-3 relative, which the float32 tolerances here are
+tighter than), and no process preallocates the GPU's memory, so pytest-xdist workers can share it.
 """
 
 import os
+import shutil
+import tempfile
+
+import pytest
 
 if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              ' --xla_force_host_platform_device_count=8').strip()
-import shutil
+_OWN_COMPILE_CACHE = None
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  _OWN_COMPILE_CACHE = os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(
+      prefix='maxnnx-tests-jit-')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
+os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
 
-import pytest
+import jax  # noqa: E402  (after the flags above)
+
+if jax.default_backend() == 'gpu':
+  jax.config.update('jax_default_matmul_precision', 'highest')
+
+
+def pytest_sessionfinish(session):
+  """The run's own compilation cache goes when the run ends (in the controlling process)."""
+  if _OWN_COMPILE_CACHE and not hasattr(session.config, 'workerinput'):
+    shutil.rmtree(_OWN_COMPILE_CACHE, ignore_errors=True)
+
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
 HF_CASES = sorted(os.listdir(FIXTURES))

@@ -30,6 +30,24 @@ def test_pytorch_args_and_spec():
   json.dumps(spec)  # travels to the inner script as JSON
 
 
+def test_pytorch_python_skips_the_venv(monkeypatch, tmp_path):
+  """``--python`` runs the inner script with that interpreter and creates no environment."""
+  calls = []
+
+  def fake_run(cmd, check):
+    calls.append(cmd)
+    raw = dict(step_times_s=[0.5] * 5, ceiling_tflops=1.0, compile_s=None, peak_memory_gib=1.0,
+               device_type='cuda', device_name='Fake GPU', versions={'torch': 'fake'})
+    Path(json.loads(cmd[2])['out']).write_text(json.dumps(raw))
+
+  monkeypatch.setattr(pt._common, 'ensure_env', lambda *a, **k: pytest.fail('made a venv'))
+  monkeypatch.setattr(pt.subprocess, 'run', fake_run)
+  result = pt.main(['--config', 'cpu-tiny', '--mode', 'eager', '--steps', '2',
+                    '--json', str(tmp_path / 'r.jsonl'), '--python', '/opt/torch/python3'])
+  assert calls[0][:2] == ['/opt/torch/python3', str(pt.INNER)]
+  assert result['device'] == 'gpu: Fake GPU' and result['framework'] == 'pytorch-eager'
+
+
 @pytest.mark.parametrize('argv', [
     ['--config', 'cpu-tiny', '--mode', 'compile', '--warmup', '0', '--json', 'x'],
     ['--config', 'cpu-tiny', '--mode', 'eager', '--steps', '0', '--json', 'x'],

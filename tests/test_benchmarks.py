@@ -12,7 +12,7 @@ import pytest
 from jax import monitoring
 
 import maxnnx
-from benchmarks import compare, decode, results, serving, serving_load, train_throughput
+from benchmarks import compare, decode, hf_decode, results, serving, serving_load, train_throughput
 from benchmarks.configs import BENCH_CONFIGS, get_config, train_flops_per_token
 from benchmarks.model import model_config
 from maxnnx.config import MeshConfig
@@ -290,3 +290,89 @@ def test_serving_harness_smoke(tmp_path):
   assert by['engine']['engine_step_compiles'] <= by['engine']['engine_max_compiles']
   expected = sum(serving_load.make_workload(4, MICRO['vocab_size'], (4, 6), (2, 4)).output_lens)
   assert rows[0]['output_tokens'] == by['single']['output_tokens'] == expected
+def test_hf_decode_step_times_and_agreement():
+  """One decode step is the 1-token/(decode + 1)-token difference over decode; agreement counts
+  the leading tokens two greedy runs share."""
+  times = hf_decode.step_times(4, short_s=0.5, full_s=2.5, decode=10)
+  assert times['decode_step_s'] == pytest.approx(0.2)
+  assert times['decode_tokens_per_s'] == pytest.approx(20.0)
+  assert times['prefill_s'] == pytest.approx(0.3)
+  assert hf_decode.agreement([5, 6, 7, 8], [5, 6, 9, 8]) == 2
+  assert hf_decode.agreement([1, 2], [1, 2, 3]) == 2
+  assert hf_decode.agreement([], [1]) == 0
+
+
+def test_hf_decode_loads_the_peer_checkpoint_and_times_both(monkeypatch, tmp_path):
+  """The launcher gives the torch side the run's settings, loads the checkpoint it saved with
+  from_pretrained, times maxnnx on the same prompts and reports both (torch side faked here
+  with a committed transformers checkpoint)."""
+  import shutil
+
+  from conftest import FIXTURES
+
+  with open(FIXTURES + '/llama/config.json') as f:
+    llama = json.load(f)
+  monkeypatch.setitem(BENCH_CONFIGS, 'fixture-llama', dict(
+      d_model=llama['hidden_size'], num_layers=llama['num_hidden_layers'],
+      num_heads=llama['num_attention_heads'], num_kv_heads=llama['num_key_value_heads'],
+      head_dim=llama['head_dim'], mlp_dim=llama['intermediate_size'],
+      vocab_size=llama['vocab_size'], seq=16, batch=2, device='cpu'))
+  seen = {}
+  hf_tokens = [3, 1, 4, 1, 5]
+
+  def fake_torch_side(cfg, spec, python):
+    seen.update(spec, cfg=cfg, python=python)
+    shutil.copytree(FIXTURES + '/llama', spec['checkpoint'])
+    return {'rows': [{'batch': b, 'short_s': 0.1, 'full_s': 0.5} for b in spec['batches']],
+            'first_row_tokens': hf_tokens, 'device_type': 'cpu', 'device_name': 'cpu',
+            'threads': 1, 'versions': {'torch': 'fake', 'transformers': 'fake'}}
+
+  monkeypatch.setattr(hf_decode, 'run_hf', fake_torch_side)
+  out = tmp_path / 'decode.jsonl'
+  rows = hf_decode.run('fixture-llama', batches=(1, 3), prefill=6, decode=4, repeats=1,
+                       python='/fake/python', json_path=str(out), log=lambda line: None)
+  assert seen['python'] == '/fake/python' and seen['batches'] == [1, 3]
+  assert (seen['decode'], seen['dtype'], seen['max_positions']) == (4, 'float32', 11)
+  assert [(r['framework'], r['batch']) for r in rows] == [
+      ('maxnnx', 1), ('transformers', 1), ('maxnnx', 3), ('transformers', 3)]
+  hf_row = rows[1]
+  assert hf_row['decode_step_s'] == pytest.approx(0.1) and hf_row['decode_tokens_per_s'] == 10
+  model = maxnnx.from_pretrained(FIXTURES + '/llama')
+  rng = np.random.default_rng(0)
+  first_prompt = rng.integers(0, llama['vocab_size'], (1, 6))  # the launcher's first draw
+  ours = maxnnx.generate(model, first_prompt, 5, eos_ids=None).tokens[0].tolist()
+  assert rows[0]['greedy_tokens_agreeing'] == f'{hf_decode.agreement(ours, hf_tokens)}/5'
+  assert [json.loads(line)['framework'] for line in out.read_text().splitlines()] == [
+      r['framework'] for r in rows]
+  assert hf_decode.format_table(rows).count('\n') == 2  # header + one line per batch
+
+
+def test_hf_decode_refuses_moe_configs():
+  """The transformers peer builds dense Llamas only; an MoE config is a clear error."""
+  with pytest.raises(ValueError, match='MoE config'):
+    hf_decode.run('moe-small', python='/unused')
+
+
+def test_collective_census_counts_what_a_sharded_program_exchanges():
+  """A gradient summed over devices (all-reduce) and gathered whole (all-gather) are found,
+  each once, with their result bytes per device."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from benchmarks.collectives import census, type_bytes
+  assert type_bytes('(f32[8,128]{1,0}, bf16[4]{0})') == 8 * 128 * 4 + 4 * 2
+  mesh = jax.make_mesh((8,), ('d',))
+  w = jax.ShapeDtypeStruct((64, 32), np.float32, sharding=NamedSharding(mesh, P('d', None)))
+  x = jax.ShapeDtypeStruct((16, 64), np.float32, sharding=NamedSharding(mesh, P('d', None)))
+
+  def step(w, x):  # rows of x on each device: partial gradients of the whole w, summed
+    return jax.grad(lambda w: (x @ w).sum())(w)
+
+  out = NamedSharding(mesh, P())
+  counts = census(jax.jit(step, out_shardings=out).lower(w, x).compile().as_text())
+  whole = {'count': 1, 'bytes': 64 * 32 * 4, 'count_in_loops': 0, 'bytes_in_loops': 0}
+  assert counts == {'all-gather': whole, 'all-reduce': whole}
+  replicated = NamedSharding(mesh, P())
+  w1 = jax.ShapeDtypeStruct((64, 32), np.float32, sharding=replicated)
+  x1 = jax.ShapeDtypeStruct((16, 64), np.float32, sharding=replicated)
+  assert census(jax.jit(step).lower(w1, x1).compile().as_text()) == {}

@@ -181,3 +181,32 @@ def test_sft_and_dpo_with_lora_write_a_peft_adapter_and_a_merged_model(base, tmp
   assert metrics[0]['loss'] == pytest.approx(math.log(2), abs=1e-5)  # adapters off = policy
   assert metrics[-1]['rewards/margins'] != 0
   assert os.path.exists(os.path.join(dpo_out, 'adapter', 'adapter_model.safetensors'))
+
+
+def test_grpo_trains_on_rollouts_and_writes_them(base, tmp_path, capsys):
+  reward_file = tmp_path / 'rewards.py'
+  reward_file.write_text('def brief(prompts, completions, **kwargs):\n'
+                         '  return [1.0 / (1 + len(c)) for c in completions]\n')
+  out = str(tmp_path / 'grpo')
+  args = ['grpo', f'model={base}', f"prompts={_jsonl(tmp_path / 'p.jsonl', CHATS)}",
+          f'reward={reward_file}:brief,maxnnx.rl.rewards:exact_match', 'reward_weights=1,2',
+          'num_generations=2', 'max_new_tokens=4', 'steps=3', 'checkpoint_every=2',
+          'learning_rate=1e-3', 'beta=0.05', f'output_dir={out}', *SMALL]
+  assert cli.main(args) == 0
+  records = _metrics(out)
+  assert [m['step'] for m in records] == [1, 2, 3]
+  assert {'reward', 'rewards/brief/mean', 'rewards/exact_match/mean', 'kl',
+          'completions/mean_length'} <= set(records[-1])
+  rollouts = [json.loads(line) for line in open(os.path.join(out, 'rollouts.jsonl'))]
+  assert len(rollouts) == 3 * 4 and rollouts[0]['prompt'][0]['role'] == 'user'
+  first = rollouts[0]
+  assert first['reward'] == pytest.approx(first['rewards']['brief']
+                                          + 2 * first['rewards']['exact_match'])
+  assert os.path.isfile(os.path.join(out, 'final', 'config.json'))
+  assert 'reward' in capsys.readouterr().out
+  # A rerun finds the run finished; a missing reward names the key.
+  assert cli.main(args) == 0
+  assert 'Nothing to train' in capsys.readouterr().out
+  assert cli.main([a for a in args if not a.startswith('reward')] + [
+      f'output_dir={tmp_path}/other']) == 2
+  assert 'grpo needs reward=' in capsys.readouterr().err

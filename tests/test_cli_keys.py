@@ -72,7 +72,7 @@ def test_flat_keys_keep_working():
   assert train.mesh.data == 1 and run['model'] == 'tiny' and data == {}
   _, train, model, _ = _configs([])  # the default run's defaults
   assert (train.steps, train.learning_rate, model.runtime.dtype, model.num_layers) == (
-      600, 3e-3, 'bfloat16', 4)
+      600, 3e-3, 'auto', 4)
 
 
 def test_grouped_model_keys():

@@ -18,11 +18,16 @@ def _model(**overrides):
 
 
 def _argmax_loop(model, prompt, steps):
-  """Greedy decoding without a cache: the whole sequence re-run every step."""
-  seq = np.asarray(prompt, np.int32)[None]
-  for _ in range(steps):
-    nxt = np.asarray(model(seq))[:, -1].argmax(-1)
-    seq = np.concatenate([seq, nxt[:, None].astype(np.int32)], 1)
+  """Greedy decoding without a cache: the whole sequence re-run every step.
+
+  The sequence lives in a buffer of its final length (zeros not yet written), so one
+  compiled forward pass serves every step; causal attention keeps the zeros after
+  position ``i`` out of the logits at ``i``."""
+  forward = nnx.jit(lambda m, tokens: m(tokens))
+  seq = np.zeros((1, len(prompt) + steps), np.int32)
+  seq[0, :len(prompt)] = prompt
+  for i in range(len(prompt), len(prompt) + steps):
+    seq[0, i] = np.asarray(forward(model, seq))[0, i - 1].argmax()
   return seq[0, len(prompt):]
 
 

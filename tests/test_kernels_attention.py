@@ -455,3 +455,42 @@ def test_tiny_model_strict_policy_raises_on_cpu_for_gpu_strategy():
   ids = jnp.zeros((1, 8), jnp.int32)
   with pytest.raises(KernelUnsupportedError, match="attention_impl 'cudnn'.*platform 'cpu'"):
     _tiny_logits('cudnn', ids, kernel_on_unsupported='error')
+
+
+def _request(**changes):
+  base = dict(platform='gpu', dtype='bfloat16', q_length=2048, kv_length=2048, num_heads=8,
+              num_kv_heads=2, head_dim=64, v_head_dim=64, window='none', softcap=False,
+              sinks=False)
+  return AttentionRequest(**{**base, **changes})
+
+
+@pytest.mark.parametrize('changes,expected', [
+    ({}, 'cudnn'),
+    ({'window': 'traced'}, 'cudnn'),
+    ({'dtype': 'float32'}, 'xla_flash'),  # cuDNN runs bf16/f16 only
+    ({'softcap': True}, 'xla_flash'),
+    ({'sinks': True}, 'xla_flash'),
+    ({'v_head_dim': 32}, 'xla_flash'),  # MLA-style value heads: not cuDNN
+    ({'q_length': 16384, 'kv_length': 16384}, 'xla_flash'),  # dense mask past the limit
+    ({'q_length': 1, 'kv_length': 32768}, 'cudnn'),  # a decode step
+    ({'platform': 'cpu'}, 'xla_flash'),
+    ({'platform': 'tpu'}, 'xla_flash'),
+])
+def test_auto_attention_chooses_by_platform_and_capabilities(changes, expected):
+  """``auto``: cuDNN for what it can serve on a GPU, else xla_flash, else the xla reference."""
+  request = _request(**changes)
+  chosen = get_attention_kernel('auto').choose(request)
+  assert chosen.name == expected
+  assert not chosen.unsupported_reasons(request)
+
+
+def test_auto_attention_runs_the_chosen_strategy_here(caplog):
+  """On this machine ``auto`` computes exactly what the strategy it names computes."""
+  reset_warnings()
+  q, k, v, mask, options, _ = _case('gqa_causal', jnp.float32, _rng('auto', 'here'))
+  with caplog.at_level(logging.INFO, logger='maxnnx.kernels'):
+    out = get_attention_kernel('auto')(q, k, v, mask, options)
+  chosen = get_attention_kernel('auto').choose(AttentionRequest.of(q, k, v, options))
+  np.testing.assert_array_equal(out, chosen(q, k, v, mask, options))
+  assert f"attention_impl 'auto' runs '{chosen.name}'" in caplog.text
+  assert 'instead' not in caplog.text  # a choice, not a fallback warning

@@ -193,3 +193,35 @@ def test_kernels_check_script_runs_here():
   assert {row[0] for row in rows} == set(RAGGED_DOT_IMPLEMENTATIONS)
   assert {row[3] for row in rows} <= {'ok', 'refused'}
   assert all(row[3] == 'ok' for row in rows if row[0] in ('lax', 'dense', 'tokamax_xla'))
+
+
+def test_tokamax_mosaic_tpu_ragged_dot_in_interpret_mode(monkeypatch):
+  """tokamax's Mosaic TPU grouped matmul (what ``tokamax_mosaic`` runs on a TPU) in Pallas
+  interpret mode against ``lax.ragged_dot``, forward and gradients, wherever tokamax's
+  interpret mode runs off a TPU. It is the only tokamax kernel we route to that has an interpret
+  switch (its Triton and Mosaic GPU kernels have none); tokamax 0.0.12 still asks the device for
+  TPU chip facts in interpret mode, and then the test is skipped with that reason."""
+  pmt = pytest.importorskip('tokamax._src.ops.ragged_dot.pallas_mosaic_tpu')
+  monkeypatch.setattr(pmt.PallasMosaicTpuRaggedDot, 'supported_on', lambda self, device: True)
+  op = pmt.PallasMosaicTpuRaggedDot(interpret=True)
+  rng = np.random.default_rng(zlib.crc32(b'tokamax-interpret'))
+  lhs = jnp.asarray(rng.normal(size=(256, 128)), jnp.float32)
+  rhs = jnp.asarray(rng.normal(size=(4, 128, 128)) / np.sqrt(128), jnp.float32)
+  group_sizes = jnp.asarray([100, 50, 0, 90], jnp.int32)
+  rows = int(group_sizes.sum())
+
+  def loss(fn):
+    return lambda a, b: jnp.sum(fn(a, b)[:rows] ** 2)
+
+  try:
+    out = op(lhs, rhs, group_sizes=group_sizes)
+  except ValueError as e:
+    if 'Unsupported TPU device kind' in str(e):
+      pytest.skip(f'tokamax Mosaic TPU interpret mode needs a TPU here: {e}')
+    raise
+  ref = jax.lax.ragged_dot(lhs, rhs, group_sizes)
+  np.testing.assert_allclose(out[:rows], ref[:rows], rtol=1e-5, atol=1e-5)
+  grads = jax.grad(loss(lambda a, b: op(a, b, group_sizes=group_sizes)), (0, 1))(lhs, rhs)
+  ref_grads = jax.grad(loss(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes)), (0, 1))(lhs, rhs)
+  for grad, ref_grad in zip(grads, ref_grads):
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-4)

@@ -149,8 +149,13 @@ def test_adapters_have_qwix_layout_and_logical_sharding():
   assert q.kernel_lora_b.out_sharding == ('layers', None, 'heads')
 
 
-@pytest.mark.parametrize('scan', [False, True], ids=['list', 'scan'])
-@pytest.mark.parametrize('base_quantization', ['none', 'int8'])
+SLOW = pytest.mark.slow  # the other layout or quantization of a case is checked by default
+
+
+@pytest.mark.parametrize('scan, base_quantization', [
+    pytest.param(False, 'none', id='list-none'), pytest.param(True, 'int8', id='scan-int8'),
+    pytest.param(True, 'none', id='scan-none', marks=SLOW),
+    pytest.param(False, 'int8', id='list-int8', marks=SLOW)])
 def test_merge_is_w_plus_scaled_b_a_in_float64(scan, base_quantization, tmp_path):
   """Every weight ``save_pretrained`` writes for the merged model is ``W + (alpha / r) B A``
   in PEFT's layout, computed in float64 and rounded once: exactly, also over a dequantized
@@ -221,7 +226,7 @@ def test_generate_with_adapters_matches_the_merged_model():
 # -- PEFT's format ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('scan', [False, True], ids=['list', 'scan'])
+@pytest.mark.parametrize('scan', [False, pytest.param(True, marks=SLOW)], ids=['list', 'scan'])
 def test_peft_adapter_gives_peft_logits(scan):
   """An adapter made by peft loads onto the Llama fixture with peft's logits (rel < 1e-4)."""
   ref = np.load(os.path.join(PEFT_DIR, 'reference.npz'))
@@ -234,7 +239,7 @@ def test_peft_adapter_gives_peft_logits(scan):
   assert base_error > 0.5  # the adapter matters
 
 
-@pytest.mark.parametrize('scan', [False, True], ids=['list', 'scan'])
+@pytest.mark.parametrize('scan', [pytest.param(False, marks=SLOW), True], ids=['list', 'scan'])
 def test_export_follows_peft_layout_and_round_trips(scan, tmp_path):
   model = load_adapter(_base(scan), PEFT_DIR)
   assert save_adapter(model, str(tmp_path)) == ['adapter_config.json',
@@ -335,7 +340,8 @@ def _frozen_leaves(model):
   return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Not(nnx.LoRAParam)))]
 
 
-@pytest.mark.parametrize('base_quantization', ['none', 'int8', 'int4'])
+@pytest.mark.parametrize('base_quantization', ['none', pytest.param('int8', marks=SLOW),
+                                               pytest.param('int4', marks=SLOW)])
 def test_training_changes_adapters_only(base_quantization):
   """Loss falls, the optimizer holds the adapters alone, and the (quantized) base is
   bit-identical after the steps."""

@@ -85,6 +85,7 @@ def _params(model):
   return jax.tree.map(np.array, nnx.state(model, nnx.Param))
 
 
+@pytest.mark.slow  # test_distillation's sharded case checks the same placement by default
 def test_a_frozen_teacher_is_sharded_like_the_student_and_never_trained():
   """2x2x2 mesh: the teacher follows the logical rules, is not in the optimizer, stays put."""
   mesh = MeshConfig(data=2, fsdp=2, tensor=2)

@@ -79,13 +79,47 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize('family', sorted(FAMILIES))
+@pytest.mark.parametrize('family', [
+    'olmo3', pytest.param('gpt3', marks=pytest.mark.slow)])  # gpt3's layers: test_transformer
 def test_family_trains_on_a_2x2x2_mesh_like_one_device(family):
   cfg = specs()[family].config(**FAMILIES[family], scan_layers=True)
   one_device = _losses(MeshConfig(data=1), cfg)
   losses = _losses(MeshConfig(data=2, fsdp=2, tensor=2), cfg)
   np.testing.assert_allclose(losses, one_device, rtol=1e-4)
   assert losses[-1] < losses[0]
+
+
+REMAT_WARNING = 'Involuntary full rematerialization'
+
+
+# Every layout is checked; the default run keeps the three that combine the most axes.
+REMAT_DEFAULT = {'dp_fsdp_tp', 'pp_fsdp_tp_microbatches', 'tp_sequence_parallel'}
+
+
+@pytest.mark.parametrize('name', [
+    n if n in REMAT_DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in sorted(MESHES)])
+def test_no_involuntary_rematerialization_in_a_compiled_step(name, capfd):
+  """XLA's SPMD partitioner warns on stderr when it must replicate a value to reshard it
+  (it did for the embedding lookup under data x fsdp x tensor); no standard layout may.
+  The persistent compilation cache is off for the compile: a cache hit skips partitioning."""
+  cfg = _model_config(tie_word_embeddings=True)
+  trainer = Trainer(cfg, TrainConfig(global_batch_size=BATCH, seq_len=SEQ, mesh=MESHES[name]))
+  capfd.readouterr()
+  with _compilation_cache_off():
+    trainer.compile(verbose=False)
+  err = capfd.readouterr().err
+  assert REMAT_WARNING not in err, err[err.index(REMAT_WARNING) - 200:][:1200]
+
+
+class _compilation_cache_off:
+  """Compiles inside skip the persistent compilation cache (restored on exit)."""
+
+  def __enter__(self):
+    self.before = jax.config.jax_enable_compilation_cache
+    jax.config.update('jax_enable_compilation_cache', False)
+
+  def __exit__(self, *exc):
+    jax.config.update('jax_enable_compilation_cache', self.before)
 
 
 def test_grad_accumulation_equals_the_large_batch(reference):

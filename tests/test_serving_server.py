@@ -340,6 +340,7 @@ def test_stable_text_holds_back_what_may_change():
   assert stable_text('hello', ['lo!']) == 'hel'
 
 
+@pytest.mark.slow  # a server process of its own: import, load and compile take most of a minute
 def test_sigterm_lets_the_requests_in_flight_finish(model_dir):
   """``maxnnx serve`` in a process of its own: SIGTERM during a stream; the stream still ends
   with [DONE], then the process exits."""

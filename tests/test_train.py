@@ -126,7 +126,12 @@ def test_cli_train_then_generate(tmp_path, capsys):
     assert os.path.exists(os.path.join(out, name)), name
   lines = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
   assert len(lines) == 40 and lines[-1]['loss'] < lines[0]['loss'] - 1.0
-  assert 'Sample:' in capsys.readouterr().out
+  printed = capsys.readouterr().out
+  assert 'Sample:' in printed
+  # dtype=auto, the default: the choice and why, and the ceiling MFU divides by.
+  from maxnnx.hardware import auto_compute_dtype
+  dtype, why = auto_compute_dtype()
+  assert f'Compute dtype {dtype} (dtype=auto: {why}); MFU against ' in printed
   assert cli.main(['generate', f'output_dir={out}', 'prompt=KING:', 'max_new_tokens=8']) == 0
   assert capsys.readouterr().out.startswith('KING:')
 

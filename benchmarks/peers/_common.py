@@ -29,6 +29,18 @@ def env_python(env_dir: Path) -> Path:
   return env_dir / ('Scripts/python.exe' if os.name == 'nt' else 'bin/python')
 
 
+# torch and transformers for the benchmarks that run Hugging Face ``generate`` (hf_decode, serving).
+TRANSFORMERS_PACKAGES = ['torch==2.13.0', 'transformers==5.23.0', 'safetensors', 'numpy']
+
+
+def transformers_python(python: str | None = None, log=print) -> str:
+  """The interpreter that runs transformers: ``python`` if given, else
+  ``benchmarks/.peer-envs/transformers`` (created once with :data:`TRANSFORMERS_PACKAGES`)."""
+  if python:
+    return python
+  return str(ensure_env('transformers', TRANSFORMERS_PACKAGES, log=log))
+
+
 def ensure_env(name: str, packages: list[str], base_python: str | None = None,
                marker_text: str | None = None, log=print) -> Path:
   """Create ``benchmarks/.peer-envs/<name>`` once and ``pip install`` ``packages`` into it.

@@ -9,7 +9,8 @@ Run with the project's Python (this module imports no torch)::
 The first run creates ``benchmarks/.peer-envs/pytorch`` (a virtual environment of this
 interpreter) and installs ``torch==2.13.0`` there, the CPU build where a local CPU wheel is
 offered; on a GPU machine pass ``--torch-spec`` (e.g. ``'torch==2.13.0'`` from the CUDA index
-with ``--pip-arg=--index-url=...``). The model and timing loop are in ``_pytorch_llama.py``;
+with ``--pip-arg=--index-url=...``), or ``--python PATH`` to use an interpreter that already has
+torch (no environment is made). The model and timing loop are in ``_pytorch_llama.py``;
 this launcher turns its step times into one JSON line appended to ``--json``.
 
 Timing: ``--warmup`` steps are dropped (in ``compile`` mode the first of them includes
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help=f'pip requirement for torch in the peer venv (default {DEFAULT_TORCH_SPEC})')
   p.add_argument('--pip-arg', action='append', default=[],
                  help='extra argument for pip install (repeatable), e.g. --pip-arg=--index-url=URL')
+  p.add_argument('--python', default=None,
+                 help='an interpreter that already has torch (e.g. a GPU image\'s); skips the venv')
   args = p.parse_args(argv)
   if args.steps < 1:
     p.error('--steps must be at least 1')
@@ -86,7 +89,10 @@ def main(argv: list[str] | None = None) -> dict:
   """Set up the venv, run the inner script, append and return the result line."""
   argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
-  python = _common.ensure_env('pytorch', [*args.pip_arg, args.torch_spec, 'numpy'])
+  if args.python:
+    python = args.python
+  else:
+    python = _common.ensure_env('pytorch', [*args.pip_arg, args.torch_spec, 'numpy'])
   with tempfile.TemporaryDirectory() as tmp:
     out_path = str(Path(tmp) / 'raw.json')
     spec = inner_spec(args, out_path)

@@ -13,6 +13,7 @@ from typing import Literal
 import jax.numpy as jnp
 
 from maxnnx.config.base import _DTYPES, ConfigError, ValidatedConfig
+from maxnnx.hardware import resolve_compute_dtype
 
 RopeScaling = Literal['none', 'linear', 'llama3', 'yarn', 'longrope']
 
@@ -236,13 +237,17 @@ class RuntimeConfig(ValidatedConfig):
 
   Attributes:
     param_dtype: dtype parameters are stored in.
-    dtype: dtype activations and matmuls are computed in.
+    dtype: dtype activations and matmuls are computed in; ``'auto'`` is the one this
+      machine is fastest at (bfloat16 on GPU/TPU and on CPUs with native bf16, else
+      float32; see :mod:`maxnnx.hardware`), decided when the model computes.
     logits_dtype: dtype of the returned logits.
     scan_layers: hold the layer stack as one scanned module (fast compile for deep
       models) instead of a list of modules (easy to inspect and edit).
-    attention_impl: attention kernel strategy by name. ``xla_flash`` (the default:
-      plain XLA, skips the masked causal blocks and recomputes the softmax in the
-      backward pass) and ``xla`` (the reference) run everywhere.
+    attention_impl: attention kernel strategy by name. ``auto`` (the default) runs
+      ``cudnn`` for bf16/f16 on NVIDIA GPUs and ``xla_flash`` elsewhere (see
+      :mod:`maxnnx.kernels.attention_auto`); ``xla_flash`` (plain XLA, skips the
+      masked causal blocks and recomputes the softmax in the backward pass) and
+      ``xla`` (the reference) run everywhere.
     paged_attention_impl: attention strategy of the serving engine's paged KV cache
       by name (``xla``, the reference, runs everywhere; see
       :mod:`maxnnx.kernels.paged_attention`).
@@ -262,15 +267,16 @@ class RuntimeConfig(ValidatedConfig):
   _PATH = 'ModelConfig.runtime'
 
   param_dtype: Literal[_DTYPES] = 'float32'
-  dtype: Literal[_DTYPES] = 'float32'
+  dtype: Literal[(*_DTYPES, 'auto')] = 'float32'
   logits_dtype: Literal[_DTYPES] = 'float32'
   scan_layers: bool = False
-  attention_impl: str = 'xla_flash'
+  attention_impl: str = 'auto'
   paged_attention_impl: str = 'xla'
   ragged_dot_impl: str = 'lax'
   remat_policy: RematPolicy = 'none'
   kernel_on_unsupported: Literal['fallback', 'error'] = 'fallback'
 
   def jnp_dtype(self, which: Literal['dtype', 'param_dtype', 'logits_dtype'] = 'dtype'):
-    """The ``jnp`` dtype of ``dtype``, ``param_dtype`` or ``logits_dtype``."""
-    return jnp.dtype(getattr(self, which))
+    """The ``jnp`` dtype of ``dtype``, ``param_dtype`` or ``logits_dtype`` (``'auto'``
+    resolved for this machine)."""
+    return jnp.dtype(resolve_compute_dtype(getattr(self, which)))

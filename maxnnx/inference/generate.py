@@ -31,10 +31,16 @@ class GenerationResult:
     tokens: ``[B, max_new_tokens]`` generated ids; after a row's end-of-sequence
       id (kept) the row holds ``pad_id``.
     lengths: ``[B]`` number of generated tokens per row, EOS included.
+    logprobs: ``[B, max_new_tokens]`` float32 log-probability of each generated
+      token under the distribution it was drawn from before truncation:
+      ``log_softmax(logits / temperature)`` (``temperature`` 1 for greedy
+      decoding), without the ``top_k`` / ``top_p`` cut; 0 after a row's end.
+      An RL objective compares these with its own forward pass.
   """
 
   tokens: np.ndarray
   lengths: np.ndarray
+  logprobs: np.ndarray | None = None
 
   def as_lists(self) -> list[list[int]]:
     """Each row's generated ids, without padding."""
@@ -77,32 +83,37 @@ def _prefill(graphdef, params, cache, ids, segments, positions):
   return model.logits(x_BTD[:, -1:])[:, 0], nnx.state(model, nnx.Not(nnx.Param))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(8,))
-def _decode(graphdef, end_step, temperature, top_k, top_p, params, tokens, done, cache, logits,
-            start_step, next_positions, eos_ids, pad_id, key):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(9,))
+def _decode(graphdef, end_step, temperature, top_k, top_p, params, tokens, logprobs, done, cache,
+            logits, start_step, next_positions, eos_ids, pad_id, key):
   """Sample tokens ``start_step..end_step-1``, feeding each back through the cache."""
   batch = logits.shape[0]
 
   def cond(carry):
-    step, _, done, *_ = carry
+    step, _, _, done, *_ = carry
     return (step < end_step) & ~jnp.all(done)
 
   def body(carry):
-    step, tokens, done, cache, logits, key = carry
+    step, tokens, logprobs, done, cache, logits, key = carry
     key, sample_key = jax.random.split(key)
     token = sample_next_token(logits, sample_key, temperature=temperature, top_k=top_k,
                               top_p=top_p)
     token = jnp.where(done, pad_id, token)
+    scaled_BV = logits.astype(jnp.float32) / (temperature or 1.0)
+    logprob = (jnp.take_along_axis(scaled_BV, token[:, None], axis=-1)[:, 0]
+               - jax.nn.logsumexp(scaled_BV, axis=-1))
     tokens = tokens.at[:, step].set(token)
+    logprobs = logprobs.at[:, step].set(jnp.where(done, 0.0, logprob))
     done = done | jnp.isin(token, eos_ids)
     model = nnx.merge(graphdef, params, cache)
     new_logits = model(token[:, None], segment_ids=jnp.ones((batch, 1), jnp.int32),
                        positions=(next_positions + step)[:, None], decode=True)
-    return step + 1, tokens, done, nnx.state(model, nnx.Not(nnx.Param)), new_logits[:, -1], key
+    return (step + 1, tokens, logprobs, done, nnx.state(model, nnx.Not(nnx.Param)),
+            new_logits[:, -1], key)
 
-  carry = (start_step, tokens, done, cache, logits, key)
-  _, tokens, done, cache, logits, key = jax.lax.while_loop(cond, body, carry)
-  return tokens, done, cache, logits, key
+  carry = (start_step, tokens, logprobs, done, cache, logits, key)
+  _, tokens, logprobs, done, cache, logits, key = jax.lax.while_loop(cond, body, carry)
+  return tokens, logprobs, done, cache, logits, key
 
 
 def _longrope_switch_step(model, prompt_width: int, max_new_tokens: int) -> int | None:
@@ -178,6 +189,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
   graphdef, params, cache = nnx.split(work, nnx.Param, ...)
   logits, cache = _prefill(graphdef, params, cache, ids, segments, positions)
   tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
+  logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
   done = jnp.zeros((batch,), bool)
   decode = functools.partial(_decode, graphdef)
   sampling = (float(temperature), top_k, top_p)
@@ -185,11 +197,11 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
   key = jax.random.key(seed)
   switch = _longrope_switch_step(work, width, max_new_tokens)
   if switch is None:
-    tokens, *_ = decode(max_new_tokens, *sampling, params, tokens, done, cache, logits, 0,
-                        *extra, key)
+    tokens, logprobs, *_ = decode(max_new_tokens, *sampling, params, tokens, logprobs, done,
+                                  cache, logits, 0, *extra, key)
   else:
-    tokens, done, cache, _, key = decode(switch, *sampling, params, tokens, done, cache, logits,
-                                         0, *extra, key)
+    tokens, logprobs, done, cache, _, key = decode(switch, *sampling, params, tokens, logprobs,
+                                                   done, cache, logits, 0, *extra, key)
     # Re-encode prompt + generated tokens with fresh keys, then continue.
     new = np.asarray(tokens[:, :switch])
     cache = jax.tree.map(jnp.zeros_like, cache)
@@ -197,9 +209,9 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
         graphdef, params, cache, np.concatenate([ids, new], 1),
         np.concatenate([segments, np.ones_like(new)], 1),
         np.concatenate([positions, lengths[:, None] + np.arange(switch)], 1))
-    tokens, *_ = decode(max_new_tokens, *sampling, params, tokens, done, cache, logits, switch,
-                        *extra, key)
+    tokens, logprobs, *_ = decode(max_new_tokens, *sampling, params, tokens, logprobs, done,
+                                  cache, logits, switch, *extra, key)
   tokens = np.asarray(tokens)
   ended = np.isin(tokens, eos)
   out_lengths = np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, max_new_tokens)
-  return GenerationResult(tokens, out_lengths.astype(np.int32))
+  return GenerationResult(tokens, out_lengths.astype(np.int32), np.asarray(logprobs))

@@ -11,6 +11,7 @@ from maxnnx.kernels.attention import (
   get_attention_kernel,
   register_attention_kernel,
 )
+from maxnnx.kernels.attention_auto import AutoAttention
 from maxnnx.kernels.attention_blockwise import BlockwiseAttention
 from maxnnx.kernels.attention_jax_nn import JaxNnAttention
 from maxnnx.kernels.attention_pallas import PallasFlashAttention
@@ -46,7 +47,7 @@ from maxnnx.kernels.ragged_dot import (
   register_ragged_dot_kernel,
 )
 
-__all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionCapabilities', 'AttentionKernel',
+__all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionCapabilities', 'AttentionKernel', 'AutoAttention',
            'AttentionMask', 'AttentionOptions', 'AttentionRequest', 'BlockwiseAttention',
            'DenseRaggedDot', 'JaxNnAttention', 'KERNEL_REGISTRIES',
            'KernelUnsupportedError', 'LaxRaggedDot', 'PAGED_ATTENTION_IMPLEMENTATIONS',

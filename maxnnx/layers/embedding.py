@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxnnx.layers.params import logical_param
+from maxnnx.sharding import constrain
 
 
 class Embed(nnx.Module):
@@ -21,8 +22,15 @@ class Embed(nnx.Module):
                                    (vocab_size, d_model), param_dtype, ('vocab', 'embed'))
 
   def __call__(self, ids_BT: jax.Array) -> jax.Array:
-    """Embeddings ``[B, T, d_model]`` of integer ids ``[B, T]``."""
-    return jnp.take(self.embedding[...], ids_BT, axis=0).astype(self.dtype)
+    """Embeddings ``[B, T, d_model]`` of integer ids ``[B, T]``.
+
+    The table is gathered whole along ``embed`` first (as FSDP gathers every weight) and
+    stays split along ``vocab``: looked up while split along ``embed``, the rows would come
+    out split along ``d_model`` and XLA cannot move them to the batch-split activation
+    layout without replicating them (an "involuntary full rematerialization").
+    """
+    table_VD = constrain(self.embedding[...], ('vocab', None))
+    return jnp.take(table_VD, ids_BT, axis=0).astype(self.dtype)
 
   def attend(self, x_BTD: jax.Array, dtype=None) -> jax.Array:
     """Logits ``x · embeddingᵀ`` (``[B, T, vocab]``), for tied output layers."""

@@ -16,11 +16,13 @@ BATCH_KEYS = ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')
 BATCH_AXES = ('activation_batch', 'activation_length')
 
 
-def as_batch(batch: Any) -> dict[str, np.ndarray]:
+def as_batch(batch: Any, extra: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
   """A training batch as the dict the step takes (see :data:`BATCH_KEYS`).
 
   Accepts the dict itself (``segment_ids``, ``positions`` and ``loss_mask`` are
-  optional) or a ``[batch, seq_len + 1]`` array of token windows.
+  optional) or a ``[batch, seq_len + 1]`` array of token windows. ``extra``
+  names further required ``[batch, seq_len]`` fields and their dtypes (an
+  objective's :attr:`~maxnnx.train.objectives.Objective.batch_fields`).
   """
   if not isinstance(batch, dict):
     windows = np.asarray(batch)
@@ -42,6 +44,11 @@ def as_batch(batch: Any) -> dict[str, np.ndarray]:
                               np.int32),
       'loss_mask': np.asarray(batch.get('loss_mask', np.ones((b, t))), np.float32),
   }
+  for key, dtype in (extra or {}).items():
+    if key not in batch:
+      raise ValueError(f'Batch is missing {key!r}, which the objective needs (its '
+                       f'batch_fields are {sorted(extra)}); it has {sorted(batch)}.')
+    out[key] = np.asarray(batch[key], dtype)
   for key, value in out.items():
     if value.shape != (b, t):
       raise ValueError(f"Batch '{key}' has shape {value.shape}, expected {(b, t)} like 'inputs'.")

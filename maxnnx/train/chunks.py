@@ -93,6 +93,44 @@ def scan_chunks(fn: Callable[..., Any], arrays: tuple[jax.Array, ...], chunk_len
   return total
 
 
+def map_chunks(fn: Callable[..., Any], arrays: tuple[jax.Array, ...], chunk_length: int) -> Any:
+  """``fn`` applied slice by slice, outputs put back along the sequence.
+
+  Like :func:`scan_chunks`, but ``fn`` maps ``[B, C, ...]`` slices to ``[B, C, ...]``
+  arrays (per-position values: log-probs, entropies) and the result is their
+  ``[B, T, ...]`` concatenation. The per-slice function is rematerialised, so the
+  backward pass holds one slice's logits at a time.
+  """
+  length = arrays[0].shape[1]
+  if length % chunk_length:
+    raise ValueError(f'chunk_length={chunk_length} must divide the sequence length {length}.')
+  slices = tuple(_slices(a, chunk_length) for a in arrays)
+  body = jax.checkpoint(fn)
+  _, stacked = jax.lax.scan(lambda carry, xs: (carry, body(*xs)), None, slices)
+  return jax.tree.map(lambda s: jnp.moveaxis(s, 0, 1).reshape(s.shape[1], length,
+                                                              *s.shape[3:]), stacked)
+
+
+def token_logps(x_BTD: jax.Array, head: Head, targets_BT: jax.Array, *, chunk_length: int,
+                temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """``(logps_BT, entropy_BT)``: ``log p(target)`` at every position and the entropy of
+  each position's distribution, under ``softmax(logits / temperature)``, in float32.
+
+  The log-probs are differentiable (in ``x_BTD`` and ``head.weight``); the entropy
+  is not (a metric). The head is applied one slice at a time (:func:`map_chunks`).
+  """
+
+  def slice_terms(x_BCD, targets_BC):
+    logits_BCV = head.logits(x_BCD) / temperature
+    logps_BCV = jax.nn.log_softmax(logits_BCV, axis=-1)
+    entropy_BC = -jnp.sum(jnp.exp(logps_BCV) * logps_BCV, axis=-1)
+    hit_BCV = jnp.arange(logits_BCV.shape[-1]) == targets_BC[..., None]  # no gather: the
+    picked_BC = jnp.sum(jnp.where(hit_BCV, logps_BCV, 0.0), axis=-1)   # vocab may be sharded
+    return picked_BC, jax.lax.stop_gradient(entropy_BC)
+
+  return map_chunks(slice_terms, (x_BTD, targets_BT), chunk_length)
+
+
 def target_logps(logits_BCV: jax.Array, targets_BC: jax.Array) -> jax.Array:
   """``log softmax(logits)[target]`` per position, ``[B, C]`` in float32."""
   lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
@@ -134,5 +172,5 @@ def _slices(a: jax.Array, chunk_length: int) -> jax.Array:
   return jnp.moveaxis(a, 1, 0)
 
 
-__all__ = ['Head', 'chunk_length_for', 'model_sequence_logps', 'scan_chunks', 'sequence_logps',
-           'target_logps']
+__all__ = ['Head', 'chunk_length_for', 'map_chunks', 'model_sequence_logps', 'scan_chunks',
+           'sequence_logps', 'target_logps', 'token_logps']

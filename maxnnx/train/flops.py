@@ -9,13 +9,10 @@ only the experts a token is routed to (plus shared experts).
 
 from __future__ import annotations
 
-import functools
-import time
-
 import jax
-import jax.numpy as jnp
 
 from maxnnx.config import ModelConfig
+from maxnnx.hardware import measured_matmul_flops
 
 # Dense bf16 peak FLOP/s per device, by a substring of ``device.device_kind``.
 PEAK_FLOPS_BY_KIND = (
@@ -75,30 +72,23 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   return 3.0 * forward_flops_per_token(cfg, seq_len)
 
 
-@functools.lru_cache(maxsize=8)
-def measured_matmul_flops(dtype_name: str = 'float32', size: int = 1024,
-                          seconds: float = 0.3) -> float:
-  """FLOP/s of a square matmul on the default device, in ``dtype`` (f32 accumulation)."""
-  dtype = jnp.dtype(dtype_name)
-  a = jnp.ones((size, size), dtype)
-  f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-  f(a, a).block_until_ready()
-  runs, start = 0, time.perf_counter()
-  while time.perf_counter() - start < seconds:
-    f(a, a).block_until_ready()
-    runs += 1
-  return 2 * size**3 * runs / (time.perf_counter() - start)
-
-
-def peak_flops_per_device(device=None, dtype_name: str = 'bfloat16') -> tuple[float, str]:
+def peak_flops_per_device(device=None, dtype_name: str | None = None) -> tuple[float, str]:
   """``(peak FLOP/s, where it came from)`` for ``device`` (default: the first one).
 
-  Accelerators use their published dense bf16 peak; CPUs (and unknown kinds)
-  a matmul measured now, in ``dtype_name``.
+  Accelerators use their published dense bf16 peak. CPUs (and unknown kinds) use a
+  matmul measured now: in ``dtype_name`` when given, else in float32 and bfloat16 and
+  the faster of the two (MFU against the fastest dtype the device offers, whatever
+  dtype the model computes in).
   """
   device = device or jax.devices()[0]
   kind = getattr(device, 'device_kind', '') or ''
   for key, flops in PEAK_FLOPS_BY_KIND:
     if key.lower() in kind.lower():
       return flops, f'{kind} dense bf16 peak'
-  return measured_matmul_flops(dtype_name), f'measured {dtype_name} matmul on {kind or "cpu"}'
+  names = (dtype_name,) if dtype_name else ('float32', 'bfloat16')
+  rates = {name: measured_matmul_flops(name) for name in names}
+  best = max(rates, key=rates.get)
+  source = f'measured {best} matmul on {kind or "cpu"}'
+  if len(rates) > 1:
+    source += ' (faster than ' + ', '.join(n for n in rates if n != best) + ')'
+  return rates[best], source

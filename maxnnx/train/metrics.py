@@ -188,11 +188,13 @@ class JsonlWriter:
 
 
 def format_metrics(m: dict, total_steps: int | None = None) -> str:
-  """One progress line: step, loss, lr, grad norm, tokens/s, MFU."""
+  """One progress line: step, loss, (RL: reward, KL,) lr, grad norm, tokens/s, MFU."""
   step = f"{m['step']:>6}" + (f'/{total_steps}' if total_steps else '')
   parts = [f'step {step}', f"loss {m['loss']:.4f}"]
   if 'eval_loss' in m:
     parts.append(f"eval {m['eval_loss']:.4f}")
+  if 'reward' in m:
+    parts.append(f"reward {m['reward']:.3f}" + (f"  kl {m['kl']:.4f}" if 'kl' in m else ''))
   parts += [f"lr {m['lr']:.2e}", f"grad_norm {m['grad_norm']:.3f}"]
   if m.get('tokens_per_s'):
     parts.append(f"{m['tokens_per_s']:,.0f} tok/s")

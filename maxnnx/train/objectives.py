@@ -26,6 +26,10 @@ An objective has three parts:
   over micro-batches (so report sums, or means already divided by a ``norm``
   entry).
 
+``batch_fields``
+  Extra per-token arrays the batches carry (``name -> dtype``), e.g. the
+  sampler's log-probs of an RL rollout; empty by default.
+
 ``metrics(sums, norm) -> dict``
   The step's metrics from the micro-batch sums. It must contain ``loss`` (the
   value the non-finite and spike guards watch, and the one logged). Default:
@@ -78,9 +82,13 @@ class Objective:
   Attributes:
     frozen_models: ``name -> nnx.Module`` of models the loss reads but never
       trains (a reference policy, a teacher); empty by default.
+    batch_fields: ``name -> dtype`` of further ``[batch, seq_len]`` arrays every
+      batch must carry besides :data:`~maxnnx.train.batches.BATCH_KEYS` (an RL
+      objective's old log-probs and advantages); sharded like the tokens.
   """
 
   frozen_models: dict[str, nnx.Module] = {}
+  batch_fields: dict[str, Any] = {}
 
   def bind(self, config: TrainConfig) -> Objective:
     """This objective for a run with ``config`` (default: itself, unchanged)."""

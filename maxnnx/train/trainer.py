@@ -95,6 +95,8 @@ class Trainer:
       or an object with ``next()`` returning ``[batch, seq_len + 1]`` token
       windows. ``None`` uses random tokens. In a multi-host run each process
       gives its own rows (``global_batch_size / process_count`` of them).
+      A source with ``pop_metrics()`` (RL rollouts) adds the host-side metrics
+      it returns after each ``next`` to that step's record.
     eval_data: held-out batches: an iterable of batches, or an object with
       ``eval_batches(n)`` (``data`` is asked for that when this is ``None``).
     optimizer: an optax transformation overriding the one ``config`` describes.
@@ -134,7 +136,7 @@ class Trainer:
     self.schedule = make_schedule(config)
     self.callbacks = list(callbacks)
     self.history: list[dict] = []
-    self._pending: list[tuple[int, Any]] = []
+    self._pending: list[tuple[int, Any, dict]] = []  # (step, device metrics, host metrics)
     self._compiled = None
     self._eval_compiled = None
     self._writers: list = []
@@ -208,8 +210,7 @@ class Trainer:
     self.flops_per_token = flops_lib.training_flops_per_token(self.model_config, config.seq_len)
     self.peak_flops, self.peak_source = (
         (config.peak_tflops * 1e12, 'TrainConfig.peak_tflops') if config.peak_tflops
-        else flops_lib.peak_flops_per_device(self.mesh.devices.flat[0],
-                                             self.model_config.runtime.dtype))
+        else flops_lib.peak_flops_per_device(self.mesh.devices.flat[0]))
 
   # -- construction helpers ------------------------------------------------------
 
@@ -256,6 +257,16 @@ class Trainer:
   def _context(self):
     return sharding.use_mesh(self.mesh, self.rules,
                              pipeline_microbatches=self.config.mesh.pipeline_microbatches)
+
+  def mesh_context(self):
+    """A context in which the trainer's mesh and logical-axis rules apply (to run the model
+    outside the step, e.g. RL rollouts on the same mesh)."""
+    return self._context()
+
+  def place_batch(self, batch) -> dict:
+    """``batch`` checked (shape, token ids, the objective's fields) and laid out on the
+    mesh as the step takes it."""
+    return self._place(batch)
 
   def _local_batch_size(self) -> int:
     return self.config.global_batch_size // jax.process_count()
@@ -305,9 +316,10 @@ class Trainer:
   def _abstract_batch(self) -> dict:
     shape = (self.config.global_batch_size, self.config.seq_len)
     dtypes = {'inputs': jnp.int32, 'targets': jnp.int32, 'segment_ids': jnp.int32,
-              'positions': jnp.int32, 'loss_mask': jnp.float32}
+              'positions': jnp.int32, 'loss_mask': jnp.float32,
+              **dict(self.objective.batch_fields)}
     return {k: jax.ShapeDtypeStruct(shape, dtypes[k], sharding=self._batch_sharding)
-            for k in BATCH_KEYS}
+            for k in dtypes}
 
   def compile(self, *, verbose: bool = True) -> dict:
     """Lower and compile the train step for the mesh without running it.
@@ -363,7 +375,7 @@ class Trainer:
 
   def _place(self, batch: dict) -> dict:
     cfg = self.config
-    local = as_batch(batch)
+    local = as_batch(batch, extra=self.objective.batch_fields)
     rows, length = local['inputs'].shape
     if rows != self._local_batch_size() or length != cfg.seq_len:
       raise ValueError(f'Batch is {rows} x {length} tokens but this process expects '
@@ -397,14 +409,17 @@ class Trainer:
     self._materialise()
     if not self._pending:
       self._window_start = time.perf_counter()
+    host_metrics = {}
     if batch is None:
       with self._goodput.time('data'):
         batch = _next_batch(self.data)
+      if hasattr(self.data, 'pop_metrics'):  # e.g. RL rollouts: rewards, lengths
+        host_metrics = dict(self.data.pop_metrics() or {})
     placed = self._place(batch)
     self._state, self._extra, metrics = self._compiled(self._state, self._extra, placed,
                                                        self._frozen_state)
     self._sync_to_objects()
-    self._pending.append((self.step_count + 1, metrics))
+    self._pending.append((self.step_count + 1, metrics, host_metrics))
     return self.flush_metrics() if fetch else None
 
   def flush_metrics(self) -> dict | None:
@@ -423,15 +438,15 @@ class Trainer:
     if not self._pending:
       return []
     pending, self._pending = self._pending, []
-    fetched = jax.device_get([m for _, m in pending])
+    fetched = jax.device_get([m for _, m, _ in pending])
     elapsed = time.perf_counter() - self._window_start
     self._check_finite()
     cfg = self.config
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
     tokens_per_s = tokens_per_step * len(pending) / elapsed
     tflops = self.flops_per_token * tokens_per_s / self.mesh.size / 1e12
-    for (step, _), values in zip(pending, fetched):
-      record = {'step': step, **{k: float(v) for k, v in values.items()},
+    for (step, _, host_metrics), values in zip(pending, fetched):
+      record = {'step': step, **{k: float(v) for k, v in values.items()}, **host_metrics,
                 'tokens_per_s': tokens_per_s, 'step_time_s': elapsed / len(pending),
                 'tflops_per_device': tflops,
                 'mfu': tflops * 1e12 / self.peak_flops}
