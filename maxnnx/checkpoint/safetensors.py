@@ -4,10 +4,14 @@ The format is an 8-byte little-endian header length, a JSON header mapping
 tensor names to ``{dtype, shape, data_offsets}``, then raw little-endian bytes.
 Reading memory-maps each file and validates every tensor's byte range against
 the file size first, so a truncated or corrupt file is reported with the file
-and tensor name before anything is loaded.
+and tensor name before anything is loaded. Nothing is read until a tensor is
+used; :func:`release_pages` hands the pages a used tensor brought in back to
+the kernel, so a loader that converts tensor by tensor holds about one tensor
+of the file in memory at a time, not the whole file.
 """
 
 import json
+import mmap
 import os
 import struct
 from collections.abc import Mapping
@@ -47,7 +51,10 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
       raise SafetensorsError(f'{path}: header is not valid JSON ({e}).') from None
   header.pop('__metadata__', None)
   data_start = 8 + header_len
-  mapped = np.memmap(path, dtype=np.uint8, mode='r') if size > data_start else None
+  mapped = None
+  if size > data_start:
+    with open(path, 'rb') as f:
+      mapped = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
   tensors = {}
   for name, info in header.items():
     dtype = _DTYPES.get(info.get('dtype'))
@@ -67,6 +74,21 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     else:
       tensors[name] = mapped[data_start + begin:data_start + end].view(dtype).reshape(shape)
   return tensors
+
+
+def release_pages(array: np.ndarray) -> None:
+  """Drop the resident pages of the file mapping ``array`` views (no-op for other arrays).
+
+  The mapping stays valid: a later read of any of its tensors reads the file again. Pages of a
+  read-only file mapping are clean, so dropping them loses nothing.
+  """
+  base = array
+  while isinstance(base, np.ndarray) and base.base is not None:
+    base = base.base
+  if isinstance(base, memoryview):
+    base = base.obj
+  if isinstance(base, mmap.mmap) and not base.closed and hasattr(mmap, 'MADV_DONTNEED'):
+    base.madvise(mmap.MADV_DONTNEED)
 
 
 def write_safetensors(path: str, tensors: Mapping[str, np.ndarray],

@@ -5,6 +5,14 @@ layout or the older ``rope_theta`` + ``rope_scaling`` one), builds the model's
 abstract shape without allocating, validates every safetensors file, maps and
 checks every tensor, and only then materialises parameters: a missing, extra,
 mis-shaped or truncated tensor is one error naming the file and tensor.
+
+Parameters are materialised one at a time, straight into their shards
+(``jax.make_array_from_callback``): each tensor is read from the memory-mapped
+file, converted to the parameter's layout and dtype, placed, and its file pages
+are released before the next, so the host holds the placed parameters plus
+about one tensor (one stacked tensor for scanned layers), never a second copy
+of the model. With a mesh, each process places only the shards its own devices
+hold.
 """
 
 from __future__ import annotations
@@ -19,9 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
 
-from maxnnx.checkpoint.safetensors import SafetensorsError, read_safetensors_dir, write_sharded
-from maxnnx.config import ConfigError, ModelConfig
+from maxnnx.checkpoint.safetensors import (
+  SafetensorsError,
+  read_safetensors_dir,
+  release_pages,
+  write_sharded,
+)
+from maxnnx.config import ConfigError, MeshConfig, ModelConfig
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.models.hf import (
   IGNORED_HF_TENSORS,
@@ -34,6 +48,7 @@ from maxnnx.models.hf import (
 )
 from maxnnx.models.registry import FAMILIES
 from maxnnx.models.transformer import Transformer, layer_stacks
+from maxnnx.sharding import logical_rules, make_mesh, state_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +77,8 @@ def config_from_pretrained(directory: str, **overrides: Any) -> ModelConfig:
 
 
 def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: str | None = None,
-                    scan_layers: bool | None = None, **overrides: Any) -> Transformer:
+                    scan_layers: bool | None = None, mesh: MeshConfig | Mesh | None = None,
+                    rules: dict | None = None, **overrides: Any) -> Transformer:
   """Load a local Hugging Face checkpoint directory as a :class:`Transformer`.
 
   Args:
@@ -72,6 +88,12 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
     dtype: compute dtype (default: the config's, ``float32``).
     param_dtype: dtype parameters are stored in (default ``float32``).
     scan_layers: build the layer stack scanned (default: unscanned).
+    mesh: place every parameter straight into its shards on this mesh (a
+      :class:`~maxnnx.config.MeshConfig`, built over the visible devices, or a
+      ``jax.sharding.Mesh``), by the logical-axis ``rules`` (default: the
+      mesh config's, see :func:`maxnnx.sharding.logical_rules`). Without one,
+      parameters go to the first local device.
+    rules: logical axis -> mesh axes, overriding the default rules.
     **overrides: any other :class:`ModelConfig` field. ``mtp_num_layers``
       (or ``mtp={'num_layers': n}``)
       chooses how many multi-token-prediction layers to load (DeepSeek V3);
@@ -97,7 +119,7 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
   n_in = _kernel_input_dims(abstract)
-  values = {}
+  sources = {}
   used = set()
   for path, shape in _unscanned_param_shapes(abstract_state, cfg).items():
     name = family.hf_name(hf_layer_path(path, cfg.num_layers))
@@ -107,7 +129,8 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
     source, array = tensors[name]
     used.add(name)
     kernel_n_in = n_in[_module_key(path)] if path[-1] == 'kernel' else None
-    values[path] = _hf_to_ours(array, shape, kernel_n_in, name, source)
+    _check_hf_shape(array, shape, kernel_n_in, name, source)
+    sources[path] = (array, shape, kernel_n_in)
   used |= _check_mtp_copies(tensors, cfg)
   unexpected = sorted(n for n in tensors if n not in used and not IGNORED_HF_TENSORS.match(n)
                       and not (cfg.tie_word_embeddings and n == 'lm_head.weight')
@@ -116,8 +139,8 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
     shown = ', '.join(unexpected[:5]) + (' …' if len(unexpected) > 5 else '')
     raise PretrainedError(f'{directory}: {len(unexpected)} tensor(s) that a {cfg.family} model '
                           f'with this config.json does not have: {shown}.')
-  param_dtype = cfg.jnp_dtype('param_dtype')
-  state = _to_model_layout(values, abstract_state, cfg, lambda a: jnp.asarray(a, param_dtype))
+  shardings = _shardings(abstract_state, mesh, rules)
+  state = _place_params(sources, abstract_state, cfg, shardings)
   return nnx.merge(graphdef, state)
 
 
@@ -234,18 +257,26 @@ def _stacks(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
   return {name: (start, count) for name, start, count, _ in layer_stacks(cfg)}
 
 
-def _hf_to_ours(array: np.ndarray, shape: tuple, n_in: int | None, name: str,
-                source: str) -> np.ndarray:
+def _check_hf_shape(array: np.ndarray, shape: tuple, n_in: int | None, name: str,
+                    source: str) -> None:
+  """The HF tensor ``array`` can become a parameter of ``shape`` (nothing is read)."""
   if n_in is not None:  # HF Linear weight [out, in] -> kernel [in..., out...]
     expected = (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
     if array.shape != expected:
       raise PretrainedError(f"{source}: tensor '{name}' has shape {array.shape}, the config "
                             f'implies {expected}.')
-    return np.asarray(array).T.reshape(shape)
-  if int(np.prod(array.shape)) != int(np.prod(shape)) or (array.ndim == 2 and array.shape != shape):
+  elif int(np.prod(array.shape)) != int(np.prod(shape)) or (
+      array.ndim == 2 and array.shape != shape):
     raise PretrainedError(f"{source}: tensor '{name}' has shape {array.shape}, the config "
                           f'implies {shape}.')
-  return np.asarray(array).reshape(shape)
+
+
+def _hf_to_ours(array: np.ndarray, shape: tuple, n_in: int | None, out: np.ndarray) -> None:
+  """Write the HF tensor ``array`` into ``out`` (of ``shape``) in our layout and dtype."""
+  if n_in is not None:  # HF Linear weight [out, in] -> kernel [in..., out...]
+    out[...] = np.asarray(array).T.reshape(shape)
+  else:
+    out[...] = np.asarray(array).reshape(shape)
 
 
 def _ours_to_hf(array: np.ndarray, n_in: int | None, leaf: str) -> np.ndarray:
@@ -283,6 +314,41 @@ def _unscanned_param_values(state, cfg: ModelConfig) -> dict[tuple, np.ndarray]:
     else:
       values[tuple(path)] = array
   return values
+
+
+def _shardings(abstract_state, mesh: MeshConfig | Mesh | None, rules: dict | None):
+  """Where each variable goes: a ``NamedSharding`` per variable, or None (the first device)."""
+  if mesh is None:
+    return None
+  if isinstance(mesh, MeshConfig):
+    rules = logical_rules(mesh) if rules is None else rules
+    mesh = make_mesh(mesh)
+  return dict(nnx.to_flat_state(state_shardings(abstract_state, mesh, rules)))
+
+
+def _place_params(sources: dict, abstract_state, cfg: ModelConfig, shardings: dict | None):
+  """The model's state, each parameter converted from its HF tensor(s) and placed on its shards
+  one at a time (see the module doc); other variables (MoE routing statistics) start at zero."""
+  flat, stacks = [], _stacks(cfg)
+  first_device = SingleDeviceSharding(jax.local_devices()[0])
+  for path, var in nnx.to_flat_state(abstract_state):
+    sharding = first_device if shardings is None else shardings[path].get_value()
+    if not isinstance(var, nnx.Param):
+      flat.append((path, var.replace(jax.device_put(np.zeros(var.shape, var.dtype), sharding))))
+      continue
+    host = np.empty(var.shape, var.dtype)
+    if path[0] in stacks:
+      start, count = stacks[path[0]]
+      parts = [(host[i], sources[('layers', start + i, *path[1:])]) for i in range(count)]
+    else:
+      parts = [(host, sources[tuple(path)])]
+    for out, (array, shape, n_in) in parts:
+      _hf_to_ours(array, shape, n_in, out)
+      release_pages(array)
+    placed = jax.make_array_from_callback(var.shape, sharding, lambda index, h=host: h[index])
+    flat.append((path, var.replace(placed)))
+    del host, parts
+  return nnx.from_flat_state(flat)
 
 
 def _to_model_layout(values: dict[tuple, np.ndarray], abstract_state, cfg: ModelConfig, convert):

@@ -1,0 +1,114 @@
+"""``from_pretrained(..., mesh=...)``: parameters placed straight into their shards, equal to an
+unsharded load bit for bit, and a load whose host-memory growth stays near the checkpoint's size.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FIXTURES
+from flax import nnx
+
+import maxnnx
+from maxnnx.config import MeshConfig
+from maxnnx.sharding import logical_rules, make_mesh, state_shardings
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _params(model):
+  return dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize('case,mesh,overrides', [
+    ('llama', MeshConfig(fsdp=4, tensor=2), {}),
+    ('qwen3_moe', MeshConfig(fsdp=2, expert=2, tensor=2), {'scan_layers': True}),
+    ('phi3', MeshConfig(data=2, tensor=4), {'param_dtype': 'bfloat16'}),
+])
+def test_sharded_load_equals_the_unsharded_one_bit_for_bit(case, mesh, overrides):
+  """Every parameter holds the unsharded load's values exactly, on the shards the logical rules
+  give it, and the model computes the same logits."""
+  directory = os.path.join(FIXTURES, case)
+  plain = maxnnx.from_pretrained(directory, **overrides)
+  sharded = maxnnx.from_pretrained(directory, mesh=mesh, **overrides)
+  expected = dict(nnx.to_flat_state(state_shardings(
+      nnx.state(sharded, nnx.Param), make_mesh(mesh), logical_rules(mesh))))
+  plain_params, sharded_params = _params(plain), _params(sharded)
+  assert plain_params.keys() == sharded_params.keys()
+  split = 0
+  for path, var in sharded_params.items():
+    array = var[...]
+    assert array.dtype == plain_params[path][...].dtype
+    np.testing.assert_array_equal(np.asarray(array), np.asarray(plain_params[path][...]))
+    assert array.sharding.is_equivalent_to(expected[path].get_value(), array.ndim), path
+    split += len(array.sharding.device_set) > 1 and not array.sharding.is_fully_replicated
+  assert split > 0  # the mesh really split something
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, plain.config.vocab_size, (2, 8)))
+  np.testing.assert_allclose(np.asarray(sharded(ids)), np.asarray(plain(ids)), rtol=2e-5,
+                             atol=2e-5)
+
+
+def test_a_mesh_config_and_a_mesh_place_alike():
+  """A ``jax.sharding.Mesh`` and its ``MeshConfig`` give the same shardings."""
+  directory = os.path.join(FIXTURES, 'llama')
+  config = MeshConfig(fsdp=8)
+  by_config = _params(maxnnx.from_pretrained(directory, mesh=config))
+  by_mesh = _params(maxnnx.from_pretrained(directory, mesh=make_mesh(config)))
+  for path, var in by_config.items():
+    assert var[...].sharding == by_mesh[path][...].sharding
+
+
+_MAKE_CHECKPOINT = """
+import sys
+from flax import nnx
+import maxnnx
+from maxnnx.config import ModelConfig, RopeConfig
+cfg = ModelConfig(family='llama', vocab_size=8192, d_model=768, num_layers=12, num_heads=12,
+                  num_kv_heads=4, head_dim=64, mlp_dim=3072, max_position_embeddings=256,
+                  rope=RopeConfig(theta=10000.0))
+maxnnx.save_pretrained(maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)), sys.argv[1])
+"""
+
+_MEASURE_LOAD = """
+import json, os, resource, sys
+import jax
+import jax.numpy as jnp
+import maxnnx
+from maxnnx.config import MeshConfig
+jax.block_until_ready(jnp.ones(8) + 1)  # the backend and a first computation, before measuring
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+mesh = MeshConfig(fsdp=len(jax.devices())) if len(jax.devices()) > 1 else None
+model = maxnnx.from_pretrained(sys.argv[1], mesh=mesh)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({'growth_bytes': (after - before) * 1024, 'devices': len(jax.devices())}))
+"""
+
+
+def _run(code: str, *args: str, devices: int = 1) -> str:
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu',
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+  out = subprocess.run([sys.executable, '-c', textwrap.dedent(code), *args], env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  return out.stdout
+
+
+@pytest.mark.parametrize('devices', [1, 8])
+def test_loading_grows_host_memory_by_about_the_checkpoint(tmp_path, devices):
+  """A ~465 MB float32 checkpoint loads with a peak-RSS growth of at most 1.2x its size, on one
+  device and sharded over 8 (the parameters themselves are 1x on a CPU backend); a load that
+  first read every tensor and then built the model grew by about 2x."""
+  _run(_MAKE_CHECKPOINT, str(tmp_path))
+  size = sum(os.path.getsize(tmp_path / n) for n in os.listdir(tmp_path)
+             if n.endswith('.safetensors'))
+  assert size > 400e6
+  report = json.loads(_run(_MEASURE_LOAD, str(tmp_path), devices=devices).splitlines()[-1])
+  assert report['devices'] == devices
+  ratio = report['growth_bytes'] / size
+  print(f'{devices} device(s): peak RSS grew by {ratio:.3f}x the checkpoint ({size / 1e6:.0f} MB)')
+  assert ratio <= 1.2, f'peak RSS grew by {ratio:.2f}x the checkpoint ({size / 1e6:.0f} MB)'
