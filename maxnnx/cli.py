@@ -294,9 +294,12 @@ def _model_config(run: dict, changes: dict):
 
 def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None,
                          pinned: dict | None = None, data_fields: dict | None = None,
-                         recipe: Recipe = PRETRAIN, options: dict | None = None):
+                         recipe: Recipe = PRETRAIN, options: dict | None = None,
+                         mesh: MeshConfig | None = None):
   """``(model, tokenizer, tokenizer record)``: the model to train (a ModelConfig or loaded
   model), its tokenizer (or None), and the tokenizer's fingerprint for the run's config.
+  A Hugging Face checkpoint is loaded straight into its shards on ``mesh`` (the run's, unless
+  it pipelines: then the Trainer lays the stages out itself).
 
   A tokenizer trained on a .txt corpus is pinned to the run: reused while the corpus is the
   one ``pinned`` (the stored record) names, else trained afresh into ``<out>/.tokenizer-new/``
@@ -310,7 +313,8 @@ def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None,
   cfg, overrides = _model_config(run, changes)
   cfg = recipe.adjust_model(cfg, options or {}, changes)
   if os.path.isdir(run['model']):
-    model = maxnnx.from_pretrained(run['model'], **overrides)
+    pipelined = mesh is not None and (mesh.stage > 1 or mesh.dcn_stage > 1)
+    model = maxnnx.from_pretrained(run['model'], mesh=None if pipelined else mesh, **overrides)
     if corpus is None:
       return model, None, None
     tokenizer = load_tokenizer(run['tokenizer'] or run['model'])
@@ -457,7 +461,7 @@ def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
   corpus = None if synthetic else (run['data'] or DEFAULT_CORPUS)
   model, tokenizer, tokenizer_record = _model_and_tokenizer(
       run, model_changes, out, corpus, (stored or {}).get('tokenizer'), data_fields,
-      recipe, options)
+      recipe, options, mesh=train_config.mesh)
   if run_dir is not None:
     model_config = model if hasattr(model, 'to_dict') else model.config
     try:

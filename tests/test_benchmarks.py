@@ -290,6 +290,8 @@ def test_serving_harness_smoke(tmp_path):
   assert by['engine']['engine_step_compiles'] <= by['engine']['engine_max_compiles']
   expected = sum(serving_load.make_workload(4, MICRO['vocab_size'], (4, 6), (2, 4)).output_lens)
   assert rows[0]['output_tokens'] == by['single']['output_tokens'] == expected
+
+
 def test_hf_decode_step_times_and_agreement():
   """One decode step is the 1-token/(decode + 1)-token difference over decode; agreement counts
   the leading tokens two greedy runs share."""

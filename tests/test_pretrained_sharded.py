@@ -74,18 +74,27 @@ cfg = ModelConfig(family='llama', vocab_size=8192, d_model=768, num_layers=12, n
 maxnnx.save_pretrained(maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)), sys.argv[1])
 """
 
+# The peak resident set of this process alone: VmHWM belongs to the address space, which exec
+# replaces. (getrusage's ru_maxrss survives exec, so a child of a large pytest worker would start
+# out at the worker's peak.)
 _MEASURE_LOAD = """
-import json, os, resource, sys
+import json, sys
 import jax
 import jax.numpy as jnp
 import maxnnx
 from maxnnx.config import MeshConfig
+
+def peak_bytes():
+  for line in open('/proc/self/status'):
+    if line.startswith('VmHWM:'):
+      return int(line.split()[1]) * 1024
+
 jax.block_until_ready(jnp.ones(8) + 1)  # the backend and a first computation, before measuring
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_bytes()
 mesh = MeshConfig(fsdp=len(jax.devices())) if len(jax.devices()) > 1 else None
 model = maxnnx.from_pretrained(sys.argv[1], mesh=mesh)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({'growth_bytes': (after - before) * 1024, 'devices': len(jax.devices())}))
+after = peak_bytes()
+print(json.dumps({'growth_bytes': after - before, 'devices': len(jax.devices())}))
 """
 
 
@@ -98,6 +107,7 @@ def _run(code: str, *args: str, devices: int = 1) -> str:
   return out.stdout
 
 
+@pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads VmHWM from /proc')
 @pytest.mark.parametrize('devices', [1, 8])
 def test_loading_grows_host_memory_by_about_the_checkpoint(tmp_path, devices):
   """A ~465 MB float32 checkpoint loads with a peak-RSS growth of at most 1.2x its size, on one
@@ -111,4 +121,4 @@ def test_loading_grows_host_memory_by_about_the_checkpoint(tmp_path, devices):
   assert report['devices'] == devices
   ratio = report['growth_bytes'] / size
   print(f'{devices} device(s): peak RSS grew by {ratio:.3f}x the checkpoint ({size / 1e6:.0f} MB)')
-  assert ratio <= 1.2, f'peak RSS grew by {ratio:.2f}x the checkpoint ({size / 1e6:.0f} MB)'
+  assert 0.9 <= ratio <= 1.2, f'peak RSS grew by {ratio:.2f}x the checkpoint ({size / 1e6:.0f} MB)'

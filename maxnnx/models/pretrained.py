@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh
 
 from maxnnx.checkpoint.safetensors import (
   SafetensorsError,
@@ -92,7 +92,8 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
       :class:`~maxnnx.config.MeshConfig`, built over the visible devices, or a
       ``jax.sharding.Mesh``), by the logical-axis ``rules`` (default: the
       mesh config's, see :func:`maxnnx.sharding.logical_rules`). Without one,
-      parameters go to the first local device.
+      parameters go to the default device (uncommitted, as ``jnp.asarray``
+      places them).
     rules: logical axis -> mesh axes, overriding the default rules.
     **overrides: any other :class:`ModelConfig` field. ``mtp_num_layers``
       (or ``mtp={'num_layers': n}``)
@@ -330,11 +331,16 @@ def _place_params(sources: dict, abstract_state, cfg: ModelConfig, shardings: di
   """The model's state, each parameter converted from its HF tensor(s) and placed on its shards
   one at a time (see the module doc); other variables (MoE routing statistics) start at zero."""
   flat, stacks = [], _stacks(cfg)
-  first_device = SingleDeviceSharding(jax.local_devices()[0])
+
+  def place(host: np.ndarray, path) -> jax.Array:
+    if shardings is None:  # uncommitted on the default device, as jnp.asarray makes them
+      return jax.device_put(host)
+    return jax.make_array_from_callback(host.shape, shardings[path].get_value(),
+                                        lambda index: host[index])
+
   for path, var in nnx.to_flat_state(abstract_state):
-    sharding = first_device if shardings is None else shardings[path].get_value()
     if not isinstance(var, nnx.Param):
-      flat.append((path, var.replace(jax.device_put(np.zeros(var.shape, var.dtype), sharding))))
+      flat.append((path, var.replace(place(np.zeros(var.shape, var.dtype), path))))
       continue
     host = np.empty(var.shape, var.dtype)
     if path[0] in stacks:
@@ -345,8 +351,7 @@ def _place_params(sources: dict, abstract_state, cfg: ModelConfig, shardings: di
     for out, (array, shape, n_in) in parts:
       _hf_to_ours(array, shape, n_in, out)
       release_pages(array)
-    placed = jax.make_array_from_callback(var.shape, sharding, lambda index, h=host: h[index])
-    flat.append((path, var.replace(placed)))
+    flat.append((path, var.replace(place(host, path))))
     del host, parts
   return nnx.from_flat_state(flat)
 
