@@ -32,7 +32,8 @@ the block tables, write slots and lengths, is a plain argument
 **Compiled shapes.** A step is two jitted calls: the model, whose shapes are
 bucketed so that it compiles once per bucket, not per request mix, and the
 sampler, whose ``[max_batch, vocab]`` logits never change shape (it compiles
-once; the logits stay on the device between the two). The model's buckets:
+once, and once more for steps where a row asks for log-probabilities, which
+it otherwise skips; the logits stay on the device between the two). The model's buckets:
 the flat token count ``T`` is a power of two from 8 up to ``token_budget``; the
 widest row ``max_q`` is 1 (a pure decode step) or a power of two from 8 up to
 ``T``; the pages gathered per row ``M`` is a power of two up to
@@ -244,10 +245,15 @@ class Engine:
       return outputs
     model_inputs, sampling_inputs = self._inputs(scheduled)
     logits_BV, self._cache = self._step_fn(self._params, self._cache, *model_inputs)
-    tokens_B, chosen_B, top_ids_BN, top_lps_BN = _sample(max(self.max_logprobs, 1), logits_BV,
+    # Log-probabilities (a softmax and a top-k over the vocabulary) only when a row asks.
+    wants_logprobs = any(r.params.logprobs is not None for r, _ in scheduled)
+    num_logprobs = max(self.max_logprobs, 1) if wants_logprobs else 0
+    tokens_B, chosen_B, top_ids_BN, top_lps_BN = _sample(num_logprobs, logits_BV,
                                                          *sampling_inputs)
-    tokens_B, chosen_B = np.asarray(tokens_B), np.asarray(chosen_B)
-    top_ids_BN, top_lps_BN = np.asarray(top_ids_BN), np.asarray(top_lps_BN)
+    tokens_B = np.asarray(tokens_B)
+    if wants_logprobs:
+      chosen_B = np.asarray(chosen_B)
+      top_ids_BN, top_lps_BN = np.asarray(top_ids_BN), np.asarray(top_lps_BN)
     for row, (request, count) in enumerate(scheduled):
       self.scheduler.advance(request, count)
       if request.num_computed < request.num_tokens:
@@ -388,9 +394,12 @@ def _make_step(graphdef, traces: list[int]):
 @functools.partial(jax.jit, static_argnums=(0,))
 def _sample(num_logprobs, logits_BV, temperature_B, top_k_B, top_p_B, seeds_B, counters_B):
   """Tokens, their log-probabilities and the top ones; ``[B, vocab]`` never changes shape,
-  so this compiles once, apart from the bucketed model step."""
+  so this compiles once per ``num_logprobs`` (0 when no row asks for log-probabilities: then
+  only the tokens are computed and the rest is None), apart from the bucketed model step."""
   tokens_B = sample_rows(logits_BV, row_keys(seeds_B, counters_B), temperature_B, top_k_B,
                          top_p_B)
+  if not num_logprobs:
+    return tokens_B, None, None, None
   logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
   chosen_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
   top_lps_BN, top_ids_BN = jax.lax.top_k(logprobs_BV, num_logprobs)
