@@ -180,6 +180,20 @@ def test_unknown_preset_names_nearest():
     get_preset('gemma2_9b')
 
 
+def test_maxtext_names_resolve_to_the_same_architecture():
+  """MaxText's model names load the preset of the same architecture (published totals are
+  checked on the targets above); every target exists and no alias shadows a preset."""
+  from maxnnx.presets import MAXTEXT_ALIASES  # noqa: PLC0415
+  assert not set(MAXTEXT_ALIASES) & set(PRESETS)
+  for alias, target in MAXTEXT_ALIASES.items():
+    assert target in PRESETS, alias
+    assert get_preset(alias) == get_preset(target)
+  assert get_preset('deepseek3-671b', num_layers=4) == get_preset('deepseek-v3', num_layers=4)
+  assert set(list_presets(aliases=True)) == set(PRESETS) | set(MAXTEXT_ALIASES)
+  with pytest.raises(ConfigError, match="'deepseek3-671b'"):
+    get_preset('deepseek3-672b')
+
+
 def test_overrides():
   cfg = get_preset('tiny', dtype='bfloat16', scan_layers=True)
   assert cfg.runtime.dtype == 'bfloat16' and cfg.runtime.scan_layers
