@@ -223,6 +223,93 @@ def test_generate_with_adapters_matches_the_merged_model():
   assert len(set(np.asarray(ours).ravel().tolist())) > 2
 
 
+# -- adapter dropout --------------------------------------------------------------------------
+
+
+class _Attn(nnx.Module):
+  def __init__(self, din, dout, seed):
+    self.q_proj = DenseGeneral((din,), (dout,), axes=('embed', 'q_heads'), rngs=nnx.Rngs(seed))
+
+
+class _Block(nnx.Module):
+  def __init__(self, din, dout, seed):
+    self.attn = _Attn(din, dout, seed)
+
+
+class _Projections(nnx.Module):
+  """The smallest model apply_lora adapts: ``layers/i/attn/q_proj``, run by ``hidden_states``."""
+
+  def __init__(self, num_layers, din, dout):
+    self.layers = nnx.List([_Block(din, dout, i) for i in range(num_layers)])
+
+  def hidden_states(self, x):
+    return [block.attn.q_proj(x) for block in self.layers]
+
+
+def test_adapter_dropout_drops_the_adapter_input_in_the_train_step_only():
+  """``x W + s dropout(x) A B``: with A, B picking input features j < r onto outputs j,
+  each such output's change is 0 or x_j / (1 - p), the base matmul is untouched, masks
+  differ between layers and keys, and outside ``adapter_dropout`` nothing drops."""
+  from maxnnx.train.lora.dropout import adapter_dropout
+  rank, rate, din, dout = 4, 0.5, 16, 12
+  model = apply_lora(_Projections(2, din, dout), LoraConfig(rank=rank, alpha=rank, dropout=rate))
+  for _, module in _adapted_modules(model):
+    module.kernel_lora_a[...] = jnp.eye(din, rank)
+    module.kernel_lora_b[...] = jnp.eye(rank, dout)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32, din)) + 3.0, jnp.float32)
+  base = [x @ block.attn.q_proj.kernel[...] for block in model.layers]
+  off = model.hidden_states(x)
+  for y, w in zip(off, base):
+    np.testing.assert_allclose(y - w, np.pad(x[..., :rank], [(0, 0), (0, 0), (0, dout - rank)]),
+                               atol=1e-5)  # no dropout outside the context
+
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def dropped(state, key):
+    with adapter_dropout(key):
+      return nnx.merge(graphdef, state).hidden_states(x)
+
+  masks = []
+  for key in (0, 0, 1):
+    for y, w in zip(dropped(state, jax.random.key(key)), base):
+      delta = np.asarray(y - w)
+      np.testing.assert_allclose(delta[..., rank:], 0, atol=1e-5)  # the base is not dropped
+      kept = np.abs(delta[..., :rank]) > 1e-3
+      np.testing.assert_allclose(delta[..., :rank][kept], x[..., :rank][kept] / (1 - rate),
+                                 rtol=1e-5)
+      np.testing.assert_allclose(delta[..., :rank][~kept], 0, atol=1e-3)
+      assert 0.35 < kept.mean() < 0.65
+      masks.append(kept)
+  np.testing.assert_array_equal(masks[0], masks[2])  # the same key draws the same masks
+  assert not np.array_equal(masks[0], masks[1])  # each layer its own
+  assert not np.array_equal(masks[0], masks[4])  # each key its own
+  np.testing.assert_array_equal(model.hidden_states(x)[0], off[0])  # still off afterwards
+
+
+def test_adapter_dropout_trains_reproducibly_and_only_in_training():
+  """Step 1 (B = 0) is the same loss with and without dropout; later steps differ; the same
+  seed repeats the run exactly (grad accumulation included); evaluation does not drop."""
+  def run(dropout, seed=0, accum=1):
+    model = apply_lora(_base(scan=True), LoraConfig(rank=4, alpha=8, dropout=dropout))
+    return _fit(model, _train_config(seed=seed, grad_accum_steps=accum))
+
+  _, plain = run(0.0)
+  trainer, dropped = run(0.3)
+  _, again = run(0.3)
+  _, other_seed = run(0.3, seed=1)
+  np.testing.assert_allclose(dropped[0], plain[0], rtol=1e-6)
+  assert np.abs(dropped[1:] - plain[1:]).min() > 1e-5
+  np.testing.assert_array_equal(dropped, again)
+  assert np.abs(other_seed[1:] - dropped[1:]).min() > 1e-6
+  _, accumulated = run(0.3, accum=2)
+  assert np.all(np.isfinite(accumulated)) and accumulated[-1] < accumulated[0]
+  ids = _ids()
+  merged = merge_adapters(trainer.model)
+  np.testing.assert_allclose(trainer.model(ids), merged(ids), atol=1e-4)  # no dropout in eval
+  assert not hasattr(merged.layers.attn.q_proj, 'lora_dropout_seed')
+
+
 # -- PEFT's format ----------------------------------------------------------------------------
 
 

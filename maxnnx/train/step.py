@@ -26,6 +26,7 @@ import optax
 from flax import nnx
 
 from maxnnx.train.config import TrainConfig
+from maxnnx.train.lora.dropout import adapter_dropout
 from maxnnx.train.objectives import Objective
 
 Batch = dict[str, jax.Array]
@@ -40,28 +41,32 @@ def initial_guard_state() -> dict[str, jax.Array]:
 
 def accumulate_gradients(loss_fn: Callable, params, batch: Batch, steps: int
                          ) -> tuple[Any, Metrics]:
-  """Gradients of ``loss_fn(params, micro) -> (loss, metrics)`` and the summed metrics.
+  """Gradients of ``loss_fn(params, micro, index) -> (loss, metrics)`` and the summed metrics.
 
   With ``steps > 1`` the batch is split into ``steps`` micro-batches along its
   first axis and their gradients and metrics are summed (in float32, then the
-  gradients cast to the parameters' dtypes) with one ``lax.scan``.
+  gradients cast to the parameters' dtypes) with one ``lax.scan``. ``index`` is
+  the micro-batch's number (an int32 scalar, 0 for a single batch).
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if steps == 1:
-    (_, sums), grads = grad_fn(params, batch)
+    (_, sums), grads = grad_fn(params, batch, jnp.zeros((), jnp.int32))
     return grads, sums
   micro_batches = jax.tree.map(lambda x: x.reshape(steps, -1, *x.shape[1:]), batch)
-  shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro_batches))[0][1]
+  shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro_batches),
+                          jnp.zeros((), jnp.int32))[0][1]
 
-  def accumulate(carry, micro):
+  def accumulate(carry, xs):
     grads_acc, sums = carry
-    (_, metrics), g = grad_fn(params, micro)
+    micro, index = xs
+    (_, metrics), g = grad_fn(params, micro, index)
     return (jax.tree.map(jnp.add, grads_acc, g),
             jax.tree.map(lambda acc, x: acc + x, sums, metrics)), None
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
-  (grads, sums), _ = jax.lax.scan(accumulate, (zeros, zero_sums), micro_batches)
+  (grads, sums), _ = jax.lax.scan(accumulate, (zeros, zero_sums),
+                                  (micro_batches, jnp.arange(steps, dtype=jnp.int32)))
   return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), sums
 
 
@@ -115,18 +120,24 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
   loss sees merged and which are never updated. ``trainable`` is the nnx filter
   of the parameters differentiated (the optimizer's ``wrt``): every ``nnx.Param``,
   or e.g. ``nnx.LoRAParam`` when only adapters train; the rest is held constant.
+  The loss is traced under :func:`~maxnnx.train.lora.dropout.adapter_dropout`
+  with a key of ``config.seed``, the step and the micro-batch (LoRA adapters
+  with dropout drop their input here, and only here).
   """
   model, optimizer = nnx.merge(graphdef, state)
   step = optimizer.step[...]
   model_graphdef, params, rest = nnx.split(model, trainable, ...)
   norm = objective.normalizers(model, batch)
 
-  def loss_fn(params, micro):
+  step_key = jax.random.fold_in(jax.random.key(config.seed), step)
+
+  def loss_fn(params, micro, index):
     # Fresh Variables for the non-parameter state: the forward pass writes MoE
     # routing statistics into them, which must happen at this trace level.
     m = nnx.merge(model_graphdef, params, jax.tree.map(lambda x: x, rest))
     frozen = _merge_frozen(frozen_graphdef, frozen_state)
-    return objective.loss(m, micro, frozen=frozen, norm=norm)
+    with adapter_dropout(jax.random.fold_in(step_key, index)):
+      return objective.loss(m, micro, frozen=frozen, norm=norm)
 
   grads, sums = accumulate_gradients(loss_fn, params, batch, config.grad_accum_steps)
   metrics = objective.metrics(sums, norm)

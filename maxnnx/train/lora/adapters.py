@@ -40,6 +40,7 @@ from maxnnx.layers.linear import DenseGeneral
 from maxnnx.models.transformer import layer_stacks
 from maxnnx.train.chunks import model_sequence_logps
 from maxnnx.train.lora.config import ALL_LINEAR, LoraConfig
+from maxnnx.train.lora.dropout import add_dropout_seeds, switched_provider
 from maxnnx.train.quantization import PROJECTIONS_PATH, is_quantized
 
 #: Decoder-layer stacks: a module path below one of them may get adapters.
@@ -189,8 +190,10 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, seed: int = 0) -> nnx.M
   original is left unchanged but shares its arrays with the copy: drop it to
   free a quantized base's float weights, and do not use it after a Trainer
   trained the copy (the step donates the buffers it is given; use
-  ``merge_adapters(without_adapters(trained))`` for the base then). Adapter
-  ``config.dropout`` is not supported yet (refused).
+  ``merge_adapters(without_adapters(trained))`` for the base then). With
+  ``config.dropout`` the adapters' input is dropped in the Trainer's train step
+  only (see :mod:`maxnnx.train.lora.dropout`); evaluation, generation and
+  serving see every input.
 
   Raises:
     ValueError: ``config.rank`` is 0, a target names no projection, the rank is
@@ -199,9 +202,6 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, seed: int = 0) -> nnx.M
   """
   if not config.enabled:
     raise ValueError('LoraConfig.rank is 0 (no adapters); set rank >= 1, e.g. rank=8.')
-  if config.dropout:
-    raise ValueError(f'LoraConfig.dropout={config.dropout}: adapter dropout is not supported '
-                     'yet; use dropout=0.')
   if has_adapters(model):
     raise ValueError('This model already has LoRA adapters; apply_lora takes the base model.')
   if is_quantized(model):
@@ -218,12 +218,15 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, seed: int = 0) -> nnx.M
   # them would make qwix create adapters while tracing.
   module_path = '|'.join(re.escape(_path_str(path)) for path, _ in selected)
   rule = qwix.LoraRule(module_path=f'(?:{module_path})', op_names=('dot_general',),
-                       rank=config.rank, alpha=config.alpha,
+                       rank=config.rank, alpha=config.alpha, dropout=config.dropout,
                        weight_qtype=_QTYPES.get(config.base_quantization))
+  if config.dropout:
+    add_dropout_seeds([module for _, module in selected],
+                      [tuple(module.kernel_lora_a.shape[:-2]) for _, module in selected])
   # qwix intercepts one method: ``hidden_states`` serves ``__call__``, the fused losses
   # and generation alike (the output head is never adapted).
   method = 'hidden_states' if hasattr(model, 'hidden_states') else '__call__'
-  adapted = qwix.apply_lora_to_model(model, qwix.LoraProvider([rule]), skip_nnx_init=True,
+  adapted = qwix.apply_lora_to_model(model, switched_provider([rule]), skip_nnx_init=True,
                                      rngs=nnx.Rngs(seed), methods=(method,))
   adapted.lora_config = config
   return adapted
@@ -332,6 +335,8 @@ def merge_adapters(model: nnx.Module) -> nnx.Module:
       value = jax.device_put(value, sharding)
     module.kernel = template.replace(value)  # a fresh nnx.Param with the kernel's metadata
     del module.kernel_lora_a, module.kernel_lora_b
+    if 'lora_dropout_seed' in vars(module):
+      del module.lora_dropout_seed
     module.custom_gradient = True
   for _, module in merged.iter_modules():
     for name in ('qwix_path', 'qwix_rngs', 'disable_quant_stats_update'):
