@@ -382,8 +382,9 @@ def test_adapter_errors_name_the_file_and_tensor(tmp_path):
   with pytest.raises(PretrainedError, match='use_dora=True is not supported'):
     load_adapter(base, adapter({'use_dora': True}))
   with pytest.raises(PretrainedError, match="adapts 'base_model.model.model.layers.7.mlp"):
-    load_adapter(base, adapter(extra={'base_model.model.model.layers.7.mlp.up_proj.lora_A'
-                                      '.weight': np.zeros((4, 64), np.float32)}))
+    layer7 = 'base_model.model.model.layers.7.mlp.up_proj'
+    load_adapter(base, adapter(extra={layer7 + '.lora_A.weight': np.zeros((4, 64), np.float32),
+                                      layer7 + '.lora_B.weight': np.zeros((128, 4), np.float32)}))
   a_name = 'base_model.model.model.layers.0.mlp.up_proj.lora_A.weight'
   with pytest.raises(PretrainedError, match='lora_A of layers.0.mlp.up_proj has shape'):
     load_adapter(base, adapter(extra={a_name: np.zeros((4, 65), np.float32)}))
@@ -391,9 +392,91 @@ def test_adapter_errors_name_the_file_and_tensor(tmp_path):
     load_adapter(base, adapter(drop=(a_name,)))
   with pytest.raises(PretrainedError, match='carries LoRA adapters: save merge_adapters'):
     maxnnx.save_pretrained(load_adapter(base, PEFT_DIR), str(tmp_path / 'x'))
-  phi3 = apply_lora(maxnnx.from_pretrained(os.path.join(FIXTURES, 'phi3')), LoraConfig(rank=2))
-  with pytest.raises(PretrainedError, match='fused in Hugging Face format'):
-    save_adapter(phi3, str(tmp_path / 'phi3'))
+  with pytest.raises(PretrainedError, match='fan_in_fan_out=True is for GPT-2'):
+    load_adapter(base, adapter({'fan_in_fan_out': True}))
+  with pytest.raises(PretrainedError, match=r'q_proj has lora_A \(4, 64\) and lora_B \(96, 4\); '
+                     'its rank is 8'):
+    load_adapter(base, adapter({'rank_pattern': {'q_proj': 8}}))
+
+
+@pytest.mark.parametrize('family, fused', [('phi3', ('qkv_proj', 'gate_up_proj')),
+                                           ('gpt2', ('c_attn',))])
+def test_fused_checkpoint_modules_load_peft_adapters_and_export_them_fused(family, fused,
+                                                                             tmp_path):
+  """Phi-3's qkv_proj / gate_up_proj and GPT-2's Conv1D c_attn: a peft-made adapter gives
+  peft's logits, and ours is written fused (rank k r, block-diagonal B, rank_pattern and
+  alpha_pattern keeping the scale) and reads back to the same adapters."""
+  peft_dir = os.path.join(os.path.dirname(FIXTURES), 'peft', f'{family}_lora')
+  ref = np.load(os.path.join(peft_dir, 'reference.npz'))
+  base_dir = os.path.join(FIXTURES, family)
+  loaded = load_adapter(maxnnx.from_pretrained(base_dir), peft_dir)
+  error = np.abs(np.asarray(loaded(ref['input_ids']), np.float64) - ref['logits']).max()
+  assert error / np.abs(ref['logits']).max() < 1e-4
+  assert np.abs(np.asarray(maxnnx.from_pretrained(base_dir)(ref['input_ids'])) -
+                ref['logits']).max() > 0.5  # the adapter matters
+
+  ours = _randomise_adapters(apply_lora(maxnnx.from_pretrained(base_dir, scan_layers=True),
+                                        LoraConfig(rank=2, alpha=6)))
+  save_adapter(ours, str(tmp_path))
+  config = json.loads((tmp_path / 'adapter_config.json').read_text())
+  assert config['rank_pattern'] == {name: 2 * len(_parts(ours, name)) for name in fused}
+  assert config['alpha_pattern'] == {name: 6 * len(_parts(ours, name)) for name in fused}
+  assert config['fan_in_fan_out'] == (family == 'gpt2')
+  tensors = read_safetensors(str(tmp_path / 'adapter_model.safetensors'))
+  weights = adapter_weights(ours)
+  for name in fused:
+    prefix = [k for k in tensors if k.endswith(f'.0.{_hf_parent(name)}{name}.lora_A.weight')]
+    a_f = tensors[prefix[0]].astype(np.float64)
+    b_f = tensors[prefix[0].replace('lora_A', 'lora_B')].astype(np.float64)
+    row = 0
+    for part in _parts(ours, name):
+      a, b = weights[('layers', 0, *part)]
+      delta = b_f[row:row + b.shape[1]] @ a_f  # [out_p, in]: the fused update's rows of part
+      np.testing.assert_allclose(delta, (a.astype(np.float64) @ b).T, atol=1e-12)
+      row += b.shape[1]
+    assert row == b_f.shape[0]
+  again = load_adapter(maxnnx.from_pretrained(base_dir), str(tmp_path))
+  assert again.lora_config.rank == 2 and again.lora_config.scale == 3.0
+  for path, (a, b) in weights.items():
+    np.testing.assert_array_equal(adapter_weights(again)[path][0], a)
+    np.testing.assert_array_equal(adapter_weights(again)[path][1], b)
+
+
+def _parts(model, fused):
+  """Our module paths (below a layer) that a fused checkpoint module holds."""
+  return {'qkv_proj': [('attn', 'q_proj'), ('attn', 'k_proj'), ('attn', 'v_proj')],
+          'gate_up_proj': [('mlp', 'gate_proj'), ('mlp', 'up_proj')],
+          'c_attn': [('attn', 'q_proj'), ('attn', 'k_proj'), ('attn', 'v_proj')]}[fused]
+
+
+def _hf_parent(fused):
+  return {'qkv_proj': 'self_attn.', 'gate_up_proj': 'mlp.', 'c_attn': 'attn.'}[fused]
+
+
+def test_peft_adapter_of_mixed_ranks_and_alphas_loads_exactly(tmp_path):
+  """rank_pattern / alpha_pattern: smaller ranks pad with zeros, other scales fold into B."""
+  shutil.copytree(PEFT_DIR, tmp_path, dirs_exist_ok=True)
+  tensors = read_safetensors(os.path.join(PEFT_DIR, 'adapter_model.safetensors'))
+  config = json.loads((tmp_path / 'adapter_config.json').read_text())
+  for name in list(tensors):
+    if '.v_proj.' in name:  # v_proj of rank 2 (its first two components)
+      tensors[name] = tensors[name][:2] if 'lora_A' in name else tensors[name][:, :2]
+  write_safetensors(str(tmp_path / 'adapter_model.safetensors'), tensors)
+  (tmp_path / 'adapter_config.json').write_text(json.dumps(
+      {**config, 'rank_pattern': {'v_proj': 2}, 'alpha_pattern': {'o_proj': 2, 'v_proj': 3}}))
+  model = load_adapter(_base(), str(tmp_path))
+  assert model.lora_config.rank == 4 and model.lora_config.scale == 2.0  # 8 / 4, the largest
+  merged = merge_adapters(model)
+  base = _base()
+  for layer in range(2):
+    for name, scale in (('q_proj', 2.0), ('o_proj', 0.5), ('v_proj', 1.5)):
+      module = 'self_attn.' + name
+      a = tensors[f'base_model.model.model.layers.{layer}.{module}.lora_A.weight']
+      b = tensors[f'base_model.model.model.layers.{layer}.{module}.lora_B.weight']
+      w = np.asarray(getattr(base.layers[layer].attn, name).kernel[...], np.float64)
+      want = w + scale * (b.astype(np.float64) @ a).T.reshape(w.shape)
+      got = np.asarray(getattr(merged.layers[layer].attn, name).kernel[...])
+      np.testing.assert_allclose(got, want, atol=1e-6)
 
 
 def test_rslora_adapter_scale(tmp_path):

@@ -129,6 +129,11 @@ def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
   return out
 
 
+def fused_modules(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+  """``attn.c_attn`` holds the outputs of q, k and v (``d_model`` each)."""
+  return {'attn.c_attn': tuple((f'attn.{part}_proj', cfg.d_model) for part in 'qkv')}
+
+
 def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
   """Inverse of :func:`unfuse`, for export."""
   out = dict(tensors)
@@ -191,7 +196,7 @@ SPEC = FamilySpec(
                             'layers': 'transformer.h', 'final_norm': 'transformer.ln_f',
                             'attn': 'attn', 'attn_pre_norm': 'ln_1', 'mlp_pre_norm': 'ln_2',
                             'o_proj': 'c_proj', 'up_proj': 'c_fc', 'down_proj': 'c_proj'},
-              unfuse=unfuse, fuse=fuse),
+              unfuse=unfuse, fuse=fuse, fused_modules=fused_modules, conv1d=True),
     differences=DIFFERENCES,
     presets={'gpt3-52k': gpt3_52k, 'gpt3-6b': gpt3_6b, 'gpt3-22b': gpt3_22b,
              'gpt3-175b': gpt3_175b})

@@ -213,6 +213,12 @@ class Family:
     module_names: our module name -> HF module name (unlisted names are equal).
     unfuse: optional hook splitting fused HF tensors into per-projection ones.
     fuse: optional inverse of ``unfuse`` for export.
+    fused_modules: for a family whose checkpoints fuse projections, ``ModelConfig ->
+      {fused module suffix: ((part module suffix, output rows), ...)}`` in row order
+      (e.g. ``'self_attn.qkv_proj'`` of ``self_attn.q_proj``, ``k_proj``, ``v_proj``);
+      LoRA adapters of the parts are written and read fused (``maxnnx.train.lora.fused``).
+    conv1d: the checkpoint's projections are GPT-2 ``Conv1D`` modules (``[in, out]``
+      weights), whose PEFT adapters say ``fan_in_fan_out: true``.
     mtp: multi-token-prediction modules are stored DeepSeek-style, as extra
       layers after the stack (see :func:`hf_layer_path`).
   """
@@ -226,6 +232,8 @@ class Family:
   module_names: dict[str, str] = dataclasses.field(default_factory=dict)
   unfuse: Callable[[TensorDict, ModelConfig], TensorDict] | None = None
   fuse: Callable[[dict[str, np.ndarray], ModelConfig], dict[str, np.ndarray]] | None = None
+  fused_modules: Callable[[ModelConfig], dict[str, tuple[tuple[str, int], ...]]] | None = None
+  conv1d: bool = False
   mtp: bool = False
 
   def hf_name(self, path: tuple) -> str:

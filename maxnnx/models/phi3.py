@@ -19,23 +19,25 @@ def config_to_hf(cfg: ModelConfig) -> dict:
   return out
 
 
-def _splits(cfg: ModelConfig) -> dict[str, tuple[list[str], list[int]]]:
+def fused_modules(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+  """``qkv_proj`` holds the rows of q, k, v; ``gate_up_proj`` those of gate, up."""
   hd = cfg.resolved_head_dim
   q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-  return {'self_attn.qkv_proj': (['self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj'],
-                                 [q, q + kv]),
-          'mlp.gate_up_proj': (['mlp.gate_proj', 'mlp.up_proj'], [cfg.mlp_dim])}
+  return {'self_attn.qkv_proj': (('self_attn.q_proj', q), ('self_attn.k_proj', kv),
+                                 ('self_attn.v_proj', kv)),
+          'mlp.gate_up_proj': (('mlp.gate_proj', cfg.mlp_dim), ('mlp.up_proj', cfg.mlp_dim))}
 
 
 def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
   """Split ``qkv_proj`` (rows q, k, v) and ``gate_up_proj`` (rows gate, up)."""
   out = dict(tensors)
   for i in range(cfg.num_layers):
-    for fused, (parts, cuts) in _splits(cfg).items():
+    for fused, parts in fused_modules(cfg).items():
       name = f'model.layers.{i}.{fused}.weight'
       if name in out:
         source, array = out.pop(name)
-        for part, piece in zip(parts, np.split(array, cuts, axis=0)):
+        cuts = np.cumsum([rows for _, rows in parts])[:-1]
+        for (part, _), piece in zip(parts, np.split(array, cuts, axis=0)):
           out[f'model.layers.{i}.{part}.weight'] = (source, piece)
   return out
 
@@ -44,8 +46,8 @@ def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarr
   """Inverse of :func:`unfuse`, for export."""
   out = dict(tensors)
   for i in range(cfg.num_layers):
-    for fused, (parts, _) in _splits(cfg).items():
-      pieces = [out.pop(f'model.layers.{i}.{part}.weight') for part in parts]
+    for fused, parts in fused_modules(cfg).items():
+      pieces = [out.pop(f'model.layers.{i}.{part}.weight') for part, _ in parts]
       out[f'model.layers.{i}.{fused}.weight'] = np.concatenate(pieces, axis=0)
   return out
 
@@ -67,6 +69,6 @@ SPEC = FamilySpec(
                 'partial rotary come from its config.json.',
     hf=Family('phi3', ('phi3',), 'Phi3ForCausalLM', config_from_hf, config_to_hf,
               defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 4096},
-              unfuse=unfuse, fuse=fuse),
+              unfuse=unfuse, fuse=fuse, fused_modules=fused_modules),
     differences={},
     presets={'phi3-mini': phi3_mini})

@@ -1,22 +1,24 @@
-"""Make the PEFT LoRA adapter fixture, and check maxnnx-exported adapters with PEFT.
+"""Make the PEFT LoRA adapter fixtures, and check maxnnx-exported adapters with PEFT.
 
 A developer tool, run by hand where torch, transformers and peft are installed
 (the test suite never imports them):
 
-    python tests/hf_parity/make_lora_fixture.py
-    python tests/hf_parity/make_lora_fixture.py --verify-export DIR REFERENCE_NPZ
+    python tests/hf_parity/make_lora_fixture.py [--family llama|phi3|gpt2]
+    python tests/hf_parity/make_lora_fixture.py --family phi3 --verify-export DIR REFERENCE_NPZ
 
-The first form rewrites ``tests/fixtures/peft/llama_lora/``: a LoRA adapter that
-peft makes on the tiny Llama fixture (``tests/fixtures/hf/llama``) with rank 4,
-``lora_alpha`` 8 and all seven projections as targets, ``B`` set to random
-nonzero values (peft starts it at zero, which would hide a loader that drops
-it), saved with ``save_pretrained`` (``adapter_config.json`` +
-``adapter_model.safetensors``), and ``reference.npz``: the Llama fixture's
-``input_ids`` int32 [2, 40] and peft's ``logits`` float32 [2, 40, 256] with the
-adapter on. Seeded, so reruns give identical files.
+The first form rewrites ``tests/fixtures/peft/<family>_lora/``: a LoRA adapter
+that peft makes on the family's tiny fixture (``tests/fixtures/hf/<family>``)
+with rank 4, ``lora_alpha`` 8 and every projection of the checkpoint as a
+target (Llama's seven; Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` with
+``o_proj`` and ``down_proj``; GPT-2's ``Conv1D`` ``c_attn``, ``c_proj``, ``c_fc``),
+``B`` set to random nonzero values (peft starts it at zero, which would hide a
+loader that drops it), saved with ``save_pretrained`` (``adapter_config.json`` +
+``adapter_model.safetensors``), and ``reference.npz``: the fixture's
+``input_ids`` and peft's ``logits`` float32 with the adapter on. Seeded, so
+reruns give identical files.
 
-The second form loads the Llama fixture with the adapter directory DIR through
-``peft.PeftModel.from_pretrained`` and compares its logits on the npz's
+The second form loads the family's fixture with the adapter directory DIR
+through ``peft.PeftModel.from_pretrained`` and compares its logits on the npz's
 ``input_ids`` with the npz's ``logits`` (max abs difference < 1e-4).
 """
 
@@ -33,15 +35,24 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent / 'fixtures'
-BASE_DIR = ROOT / 'hf' / 'llama'
-OUT_DIR = ROOT / 'peft' / 'llama_lora'
-TARGETS = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']
+TARGETS = {'llama': ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'],
+           'phi3': ['qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj'],
+           'gpt2': ['c_attn', 'c_proj', 'c_fc']}
 RANK, ALPHA, B_STD = 4, 8, 0.05
 TOLERANCE = 1e-4
+FAMILY = 'llama'  # set by --family
+
+
+def base_dir() -> Path:
+  return ROOT / 'hf' / FAMILY
+
+
+def out_dir() -> Path:
+  return ROOT / 'peft' / f'{FAMILY}_lora'
 
 
 def base_model() -> torch.nn.Module:
-  return AutoModelForCausalLM.from_pretrained(BASE_DIR, dtype=torch.float32).eval()
+  return AutoModelForCausalLM.from_pretrained(base_dir(), dtype=torch.float32).eval()
 
 
 def logits_of(model: torch.nn.Module, input_ids: np.ndarray) -> np.ndarray:
@@ -51,30 +62,31 @@ def logits_of(model: torch.nn.Module, input_ids: np.ndarray) -> np.ndarray:
 
 def make() -> None:
   torch.manual_seed(1234)
-  config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.05,
-                      task_type='CAUSAL_LM')
+  config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS[FAMILY],
+                      lora_dropout=0.05, task_type='CAUSAL_LM')
   model = get_peft_model(base_model(), config)
   with torch.no_grad():
     for name, param in model.named_parameters():
       if 'lora_B' in name:
         param.normal_(0.0, B_STD)
   model.eval()
-  OUT_DIR.mkdir(parents=True, exist_ok=True)
-  model.save_pretrained(OUT_DIR)
-  tidy(OUT_DIR)
-  input_ids = np.load(BASE_DIR / 'reference.npz')['input_ids']
+  directory = out_dir()
+  directory.mkdir(parents=True, exist_ok=True)
+  model.save_pretrained(directory)
+  tidy(directory)
+  input_ids = np.load(base_dir() / 'reference.npz')['input_ids']
   logits = logits_of(model, input_ids)
   base_logits = logits_of(base_model(), input_ids)
   effect = float(np.abs(logits - base_logits).max())
   if effect < 0.1:
     sys.exit(f'the adapter barely changes the logits ({effect}); raise B_STD')
-  np.savez(OUT_DIR / 'reference.npz', input_ids=input_ids.astype(np.int32),
+  np.savez(directory / 'reference.npz', input_ids=input_ids.astype(np.int32),
            logits=logits.astype(np.float32))
-  reloaded = PeftModel.from_pretrained(base_model(), OUT_DIR).eval()
+  reloaded = PeftModel.from_pretrained(base_model(), directory).eval()
   diff = float(np.abs(logits_of(reloaded, input_ids) - logits).max())
   if diff > 1e-6:
     sys.exit(f'peft does not reload its own adapter to the same logits ({diff})')
-  for path in sorted(OUT_DIR.iterdir()):
+  for path in sorted(directory.iterdir()):
     print(f'{path.name}: {path.stat().st_size:,} bytes')
   print(f'adapter effect on the logits: max {effect:.3f}')
 
@@ -85,7 +97,7 @@ def tidy(directory: Path) -> None:
   (directory / 'README.md').unlink(missing_ok=True)
   path = directory / 'adapter_config.json'
   config = json.loads(path.read_text())
-  config['base_model_name_or_path'] = 'tests/fixtures/hf/llama'
+  config['base_model_name_or_path'] = f'tests/fixtures/hf/{FAMILY}'
   config['target_modules'] = sorted(config['target_modules'])
   path.write_text(json.dumps(config, indent=2, sort_keys=True) + '\n')
   for file in directory.iterdir():
@@ -105,8 +117,11 @@ def verify_export(directory: str, reference: str) -> float:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--family', choices=sorted(TARGETS), default='llama')
   parser.add_argument('--verify-export', nargs=2, metavar=('DIR', 'REFERENCE_NPZ'))
   args = parser.parse_args()
+  global FAMILY
+  FAMILY = args.family
   if args.verify_export:
     verify_export(*args.verify_export)
   else:
