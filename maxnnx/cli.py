@@ -75,6 +75,12 @@ RUN_KEYS = {
     'resume': ('auto', 'auto: continue the run in output_dir when its stored config matches '
                '(a different one is refused); never: move an earlier run aside to '
                'output_dir/previous/<time>/ and start fresh'),
+    'coordinator': ('', 'multi-process run: host:port of process 0\'s coordinator (with '
+                    'num_processes and process_id), or auto: jax.distributed finds the cluster '
+                    '(SLURM, Kubernetes JobSet, TPU pods); empty: the MAXNNX_COORDINATOR_ADDRESS, '
+                    'MAXNNX_NUM_PROCESSES and MAXNNX_PROCESS_ID variables, else one process'),
+    'num_processes': (0, 'how many processes take part (with coordinator=host:port)'),
+    'process_id': (-1, "this process's rank, 0 .. num_processes - 1 (with coordinator=host:port)"),
 }
 TRAIN_OVERRIDES = {  # defaults of the default run that differ from TrainConfig's
     'steps': 600, 'global_batch_size': 16, 'seq_len': 128, 'learning_rate': 3e-3,
@@ -119,6 +125,8 @@ CONVERT_KEYS = {
     'dst': ('', 'where to write the converted model (must not hold a checkpoint already)'),
     'format': ('', "output format: 'hf', 'orbax' (empty: the other one than src)"),
     'scan_layers': (False, 'layer layout of an orbax output: stacked (true) or per layer'),
+    'dtype': ('', "floating-point dtype of a Hugging Face output: bfloat16, float16 or float32 "
+              "(empty: the parameters' own)"),
 }
 
 
@@ -352,18 +360,36 @@ def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None,
 def _corpus_tokenizer(vocab_size: int, out: str, corpus: str, pinned: dict | None):
   """The run's sentencepiece tokenizer for ``corpus`` and its record (see above)."""
   from maxnnx.data import SentencePieceTokenizer, train_sentencepiece  # noqa: PLC0415
+  from maxnnx.train import distributed  # noqa: PLC0415
   from maxnnx.train.run_dir import file_fingerprint  # noqa: PLC0415
   corpus_sha = file_fingerprint(corpus)
   path = paths.join(out, 'tokenizer.model')
-  if (pinned and pinned.get('corpus_sha256') == corpus_sha and paths.exists(path)
-      and file_fingerprint(path) == pinned.get('sha256')):
+  reuse = bool(pinned and pinned.get('corpus_sha256') == corpus_sha and paths.exists(path)
+               and file_fingerprint(path) == pinned.get('sha256'))
+  if _process_count() > 1:  # process 0 decides; every process uses its bytes
+    reuse = bool(distributed.broadcast_bytes(b'1' if reuse else b'0') == b'1')
+  if reuse:
     return SentencePieceTokenizer(paths.local_copy(path)), pinned
   print(f'Training a {vocab_size}-token sentencepiece BPE tokenizer on {corpus} ...')
   staging = _tokenizer_staging(out)
   os.makedirs(staging, exist_ok=True)
-  candidate = train_sentencepiece(corpus, os.path.join(staging, 'tokenizer'), vocab_size)
+  candidate = os.path.join(staging, 'tokenizer.model')
+  if distributed.is_primary():
+    candidate = train_sentencepiece(corpus, os.path.join(staging, 'tokenizer'), vocab_size)
+  if _process_count() > 1:  # one tokenizer for every process, trained once
+    model_bytes = distributed.broadcast_bytes(
+        open(candidate, 'rb').read() if distributed.is_primary() else None)
+    if not distributed.is_primary():
+      with open(candidate, 'wb') as f:
+        f.write(model_bytes)
   record = {'sha256': file_fingerprint(candidate), 'source': corpus, 'corpus_sha256': corpus_sha}
   return SentencePieceTokenizer(candidate), record
+
+
+def _process_count() -> int:
+  """``jax.process_count()`` (imported on first use, like the rest of jax here)."""
+  import jax  # noqa: PLC0415
+  return jax.process_count()
 
 
 def _documents_as_text(data: str, data_fields: dict, path: str,
@@ -396,16 +422,20 @@ def _documents_as_text(data: str, data_fields: dict, path: str,
 def _tokenizer_staging(out: str) -> str:
   """Where a tokenizer trained for the run in ``out`` waits for the run's config to be
   accepted: ``<out>/.tokenizer-new``, or a local directory of this process when ``out`` is a
-  URL (sentencepiece writes local files only)."""
-  if paths.is_remote(out):
+  URL (sentencepiece writes local files only) or this is not process 0 of a multi-process run
+  (which pins nothing)."""
+  from maxnnx.train import distributed  # noqa: PLC0415
+  if paths.is_remote(out) or not distributed.is_primary():
     return os.path.join(paths.scratch_dir(), '.tokenizer-new')
   return os.path.join(out, '.tokenizer-new')
 
 
 def _pin_tokenizer(out: str) -> None:
-  """Move a tokenizer trained for this run into ``out`` (``tokenizer.model``/``.vocab``)."""
+  """Move a tokenizer trained for this run into ``out`` (``tokenizer.model``/``.vocab``);
+  process 0's job in a multi-process run."""
+  from maxnnx.train import distributed  # noqa: PLC0415
   new = _tokenizer_staging(out)
-  if not os.path.isdir(new):
+  if not distributed.is_primary() or not os.path.isdir(new):
     return
   for name in os.listdir(new):
     if paths.is_remote(out):
@@ -431,8 +461,11 @@ def _training_data(run: dict, data_fields: dict, corpus: str | None, model, toke
   local_batch = train_config.global_batch_size // jax.process_count()
   if corpus is not None and _is_text_file(corpus) and not data_fields:
     tokens = np.asarray(tokenizer.encode(read_text(corpus)), np.int32)
-    data = TokenWindows(tokens, train_config.seq_len, local_batch,
-                        seed=train_config.seed + jax.process_index())
+    # Every process draws the same global batches and keeps its own rows, so a run over
+    # several processes trains on what one process would.
+    data = TokenWindows(tokens, train_config.seq_len, train_config.global_batch_size,
+                        seed=train_config.seed,
+                        rows=(jax.process_index() * local_batch, local_batch))
     return data, len(tokens)
   if corpus is None and not (data_fields and run['data'] == 'synthetic'):
     return None, 0
@@ -471,7 +504,8 @@ def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
       shutil.rmtree(_tokenizer_staging(out), ignore_errors=True)
       raise
     _pin_tokenizer(out)
-    if tokenizer_record and '.tokenizer-new' in getattr(tokenizer, 'path', ''):
+    if (tokenizer_record and '.tokenizer-new' in getattr(tokenizer, 'path', '')
+        and not os.path.exists(tokenizer.path)):  # pinned: moved into out
       tokenizer = type(tokenizer)(paths.local_copy(paths.join(out, 'tokenizer.model')))
   data, num_tokens = None, 0
   if need_data and recipe.records:
@@ -558,36 +592,53 @@ def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
     print(f'Stopped by {trainer.stopped_by} after step {trainer.step_count}: {where}.')
     return {'first_loss': None, 'last_loss': None, 'eval_loss': None,
             'stopped_by': trainer.stopped_by}
+  from maxnnx.train import distributed  # noqa: PLC0415
+  model = _export_view(trainer.model, out)
   if not history:
-    written = _finish(trainer, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl),
+    written = _finish(model, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl),
                       only_missing=True, tokenizer=tokenizer, template=template)
     print(f'Nothing to train: the checkpoint is at step {trainer.step_count} of {cfg.steps}'
           + (f"; wrote the missing {', '.join(written)}." if written else '.'))
     return {'first_loss': None, 'last_loss': None, 'eval_loss': None}
-  _finish(trainer, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl) or history,
+  _finish(model, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl) or history,
           tokenizer=tokenizer, template=template)
   trained_tokenizer = paths.exists(paths.join(out, 'tokenizer.model')) and not run['tokenizer']
   print(f'Wrote {out}/: metrics.jsonl, loss.png, final/ (Hugging Face format)'
         + (', tokenizer.model' if trained_tokenizer else '') + '.')
-  if run['sample_tokens'] and tokenizer is not None:
-    print('\nSample:\n' + _sample(trainer.model, tokenizer, 'ROMEO:', run['sample_tokens'],
+  if run['sample_tokens'] and tokenizer is not None and _spans_processes(model):
+    print(f'(No sample from a model spread over {_process_count()} processes: '
+          f'maxnnx generate output_dir={out} samples from final/.)')
+  elif run['sample_tokens'] and tokenizer is not None and distributed.is_primary():
+    print('\nSample:\n' + _sample(model, tokenizer, 'ROMEO:', run['sample_tokens'],
                                   0.8, 0.95, cfg.seed))
   return {'first_loss': history[0]['loss'], 'last_loss': history[-1]['loss'],
           'eval_loss': history[-1].get('eval_loss')}
 
 
-def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missing=False,
+def _finish(model, run_dir, options: dict, history: list[dict], *, only_missing=False,
             tokenizer=None, template=None) -> list[str]:
   """Write ``final/``, ``loss.png`` and ``train_options.json`` (with ``only_missing``: those
   that are not there yet); returns the names written. ``final/`` appears whole or not at all
   (at a URL: its ``config.json`` is uploaded last), with the run's tokenizer and chat template
   beside the weights. A LoRA run also writes ``adapter/`` (PEFT's format), and ``final/`` holds
-  the merged model."""
+  the merged model. Every process calls it with ``model`` from :func:`_export_view`; a model
+  that spans processes is written to ``final/`` by all of them (each its layers), the rest by
+  process 0 alone."""
   import maxnnx  # noqa: PLC0415
+  from maxnnx.processes import barrier  # noqa: PLC0415
+  from maxnnx.train import distributed  # noqa: PLC0415
   from maxnnx.train.lora import has_adapters, merge_adapters, save_adapter  # noqa: PLC0415
   from maxnnx.train.run_dir import write_json  # noqa: PLC0415
   out, written = run_dir.directory, []
-  model = trainer.model
+  final = paths.join(out, 'final')
+  if _spans_processes(model):
+    wanted = not (only_missing and paths.exists(paths.join(final, 'config.json')))
+    if distributed.broadcast_bytes(b'1' if wanted else b'0') == b'1':  # process 0 decides
+      _write_final_together(model, final, tokenizer, template)
+      written.append('final/')
+  if not distributed.is_primary():
+    barrier('run-written')  # stay until process 0 has written everything
+    return written
   if has_adapters(model):  # LoRA: the adapter in PEFT's format, and final/ merged
     adapter = paths.join(out, 'adapter')
     if not (only_missing and paths.exists(paths.join(adapter, 'adapter_config.json'))):
@@ -595,8 +646,8 @@ def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missin
                       last=('adapter_config.json',))
       written.append('adapter/')
     model = merge_adapters(model)
-  final = paths.join(out, 'final')
-  if not (only_missing and paths.exists(paths.join(final, 'config.json'))):
+  if not _spans_processes(model) and not (
+      only_missing and paths.exists(paths.join(final, 'config.json'))):
     def export(directory):
       maxnnx.save_pretrained(model, directory)
       _save_tokenizer(tokenizer, template, directory)
@@ -610,7 +661,47 @@ def _finish(trainer, run_dir, options: dict, history: list[dict], *, only_missin
   if not (only_missing and paths.exists(options_path)):
     write_json(options_path, options)
     written.append('train_options.json')
+  barrier('run-written')
   return written
+
+
+def _spans_processes(model) -> bool:
+  import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  return any(isinstance(x, jax.Array) and not x.is_fully_addressable
+             for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def _export_view(model, out: str):
+  """The trained model as :func:`_finish` exports it: the model itself with one process, or
+  when the processes can write ``final/`` together (a local directory they share, no LoRA merge
+  to do); else a copy gathered whole onto every process
+  (:func:`~maxnnx.train.distributed.host_local_model`)."""
+  import jax  # noqa: PLC0415
+
+  from maxnnx.train import distributed  # noqa: PLC0415
+  from maxnnx.train.lora import has_adapters  # noqa: PLC0415
+  if jax.process_count() == 1 or (not paths.is_remote(out) and not has_adapters(model)):
+    return model
+  return distributed.host_local_model(model)
+
+
+def _write_final_together(model, final: str, tokenizer, template) -> None:
+  """Every process writes its layers of ``final/`` (``save_pretrained`` of a model that spans
+  them) into ``final.tmp``, which process 0 completes with the tokenizer and renames."""
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.processes import barrier, is_primary  # noqa: PLC0415
+  staged = final + '.tmp'
+  if is_primary():
+    shutil.rmtree(staged, ignore_errors=True)
+    os.makedirs(staged)
+  barrier('final-staged')
+  maxnnx.save_pretrained(model, staged)  # returns once every process has written
+  if is_primary():
+    _save_tokenizer(tokenizer, template, staged)
+    if os.path.exists(final):
+      shutil.rmtree(final)
+    os.rename(staged, final)
 
 
 def _save_tokenizer(tokenizer, template, directory: str) -> None:
@@ -696,12 +787,16 @@ def convert(options: dict) -> str:
     model = maxnnx.from_pretrained(paths.local_copy(src), scan_layers=scan)
   else:
     model = _model_from_checkpoint(src, scan_layers=scan)
+  dtype = options['dtype'] or None
+  if dtype is not None and target != 'hf':
+    raise UsageError(f'dtype={dtype} sets the dtype of a Hugging Face output (format=hf); an '
+                     'orbax output keeps the parameters as they are.')
   if target == 'hf' and paths.is_remote(dst):
     with tempfile.TemporaryDirectory() as scratch:
-      maxnnx.save_pretrained(model, os.path.join(scratch, 'hf'))
+      maxnnx.save_pretrained(model, os.path.join(scratch, 'hf'), dtype=dtype)
       paths.copy_tree_to(os.path.join(scratch, 'hf'), dst, last=('config.json',))
   elif target == 'hf':
-    maxnnx.save_pretrained(model, dst)
+    maxnnx.save_pretrained(model, dst, dtype=dtype)
   else:
     save_params(model, dst)
   layout = f" ({'scanned' if scan else 'per-layer'} layers)" if target == 'orbax' else ''
@@ -753,8 +848,11 @@ def main(argv: list[str] | None = None) -> int:
   if any(a in ('-h', '--help') for a in rest):
     print(_usage(command))
     return 0
+  stdout = sys.stdout
   try:
     options = parse_overrides(rest, _command_keys(command))
+    if command in RECIPES or command == 'compile':
+      _join_processes(options)
     if command in RECIPES:
       train(options, RECIPES[command])
     else:
@@ -769,7 +867,33 @@ def main(argv: list[str] | None = None) -> int:
       raise
     print(f'error: {_describe_os_error(os_error)}', file=sys.stderr)
     return 1
+  finally:
+    if sys.stdout is not stdout:  # a silenced process of a multi-process run
+      sys.stdout.close()
+      sys.stdout = stdout
   return 0
+
+
+def _join_processes(options: dict) -> None:
+  """Join a multi-process run (``coordinator=``, or the ``MAXNNX_*`` variables, or
+  ``coordinator=auto``) before anything touches a device; every process but 0 then runs
+  silently (its errors still go to stderr)."""
+  from maxnnx.train import distributed  # noqa: PLC0415
+  coordinator, count, rank = (options['coordinator'], options['num_processes'],
+                              options['process_id'])
+  explicit = coordinator not in ('', 'auto')
+  if explicit and (count < 1 or not 0 <= rank < count):
+    raise UsageError(f'coordinator={coordinator} needs num_processes=N (N >= 1) and '
+                     f'process_id=I with 0 <= I < N; got num_processes={count}, '
+                     f'process_id={rank}.')
+  if not explicit and (count > 0 or rank >= 0):
+    raise UsageError('num_processes= and process_id= go with coordinator=host:port (the '
+                     "address of process 0's coordinator).")
+  joined = distributed.initialize(coordinator if explicit else None,
+                                  count if explicit else None, rank if explicit else None,
+                                  auto=coordinator == 'auto')
+  if joined and not distributed.is_primary():
+    sys.stdout = open(os.devnull, 'w')  # noqa: SIM115 (closed by main)
 
 
 def _os_error_in(error: BaseException) -> OSError | None:

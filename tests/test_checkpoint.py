@@ -279,6 +279,52 @@ def test_convert_hf_orbax_hf_round_trip_and_layouts(tmp_path, capsys):
   assert 'already has a checkpoint' in capsys.readouterr().err
 
 
+def test_a_checkpoint_restores_onto_another_mesh(tmp_path):
+  """Saved from data x fsdp x tensor = 2 x 2 x 2, restored by a run on fsdp = 8: every value
+  equal, laid out on the new mesh, and the next step's loss that of the first run."""
+  config = maxnnx.get_preset('tiny', num_layers=2, scan_layers=True)
+
+  def run(mesh, steps):
+    train = TrainConfig(steps=steps, global_batch_size=8, seq_len=32, learning_rate=1e-2,
+                        warmup_steps=0, log_every=1, checkpoint_dir=str(tmp_path),
+                        checkpoint_every=2, mesh=mesh)
+    return Trainer(config, train, data=TokenWindows(np.tile(np.arange(48), 100), 32, 8, seed=1))
+
+  first = run(MeshConfig(data=2, fsdp=2, tensor=2), 2)
+  first.fit(log=lambda _: None)
+  first.close()
+  second = run(MeshConfig(data=1, fsdp=8), 3)
+  assert second.restore_checkpoint() == 2
+  for a, b in zip(*(jax.tree.leaves(nnx.state(t.model)) for t in (first, second))):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+  kernel = second.model.layers.attn.q_proj.kernel[...]
+  assert dict(kernel.sharding.mesh.shape)['fsdp'] == 8 and 'fsdp' in kernel.sharding.spec
+  batch = np.random.default_rng().integers(0, 256, (8, 33))
+  np.testing.assert_allclose(second.step(batch)['loss'], first.step(batch)['loss'], rtol=1e-5)
+  second.close()
+
+
+def test_convert_and_save_pretrained_write_the_dtype_asked_for(tmp_path, capsys):
+  """dtype=bfloat16 writes every float tensor (and config.json's dtype) in bfloat16: the
+  float32 values rounded once; a bad dtype names the choices."""
+  import ml_dtypes  # noqa: PLC0415
+  source = os.path.join(ROOT, 'tests', 'fixtures', 'hf', 'llama')
+  dst = str(tmp_path / 'bf16')
+  assert cli.main(['convert', f'src={source}', f'dst={dst}', 'format=hf', 'dtype=bfloat16']) == 0
+  original, written = read_safetensors_dir(source), read_safetensors_dir(dst)
+  assert sorted(original) == sorted(written)
+  for name, (_, array) in original.items():
+    ours = np.asarray(written[name][1])
+    assert ours.dtype == ml_dtypes.bfloat16, name
+    np.testing.assert_array_equal(ours, np.asarray(array).astype(ml_dtypes.bfloat16))
+  assert json.load(open(os.path.join(dst, 'config.json')))['dtype'] == 'bfloat16'
+  with pytest.raises(ValueError, match="dtype='int8'.*bfloat16, float16, float32"):
+    maxnnx.save_pretrained(maxnnx.from_pretrained(source), str(tmp_path / 'x'), dtype='int8')
+  assert cli.main(['convert', f'src={source}', f'dst={tmp_path / "o"}', 'format=orbax',
+                   'dtype=bfloat16']) == 2
+  assert 'dtype=bfloat16 sets the dtype of a Hugging Face output' in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cli_train_resumes_and_generate_falls_back_to_the_checkpoint(tmp_path, capsys):
   """maxnnx train checkpoint_every=N resumes when rerun (same losses as the first run),

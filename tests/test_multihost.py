@@ -39,3 +39,67 @@ def test_two_processes_match_one_device(tmp_path):
   trainer = Trainer(model_config(), train_config(), data=global_batches())
   reference = [m['loss'] for m in trainer.fit(log=lambda line: None)]
   np.testing.assert_allclose(result['losses'], reference, rtol=1e-4)
+
+
+CLI_ARGS = ['train', 'model=tiny', 'model.num_layers=2', 'steps=3', 'global_batch_size=8',
+            'seq_len=32', 'log_every=1', 'eval_every=0', 'checkpoint_every=2', 'sample_tokens=0']
+
+
+def _cli(args, devices, port=None, process_id=None):
+  env = {**os.environ, 'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}',
+         'PYTHONPATH': ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')}
+  if port is not None:
+    args = [*args, f'coordinator=127.0.0.1:{port}', 'num_processes=2', f'process_id={process_id}']
+  return subprocess.Popen([sys.executable, '-m', 'maxnnx', *args], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs):
+  outputs = []
+  for proc in procs:
+    try:
+      outputs.append(proc.communicate(timeout=400))
+    finally:
+      proc.kill()
+  assert all(p.returncode == 0 for p in procs), '\n\n'.join(o[1][-3000:] for o in outputs)
+  return [o[0] for o in outputs]
+
+
+def test_cli_train_over_two_processes_matches_one_process(tmp_path):
+  """``maxnnx train coordinator=... num_processes=2 process_id=I`` (2 x 2 CPU devices, data x
+  fsdp) against one process on one device, same global batches: the same losses and final
+  weights; process 0 alone prints and writes the run's files, every process writes its
+  checkpoint shards and its layers of final/."""
+  from maxnnx.checkpoint import read_safetensors_dir  # noqa: PLC0415
+  from maxnnx.data import SentencePieceTokenizer  # noqa: PLC0415
+  two, one = tmp_path / 'two', tmp_path / 'one'
+  port = _free_port()
+  procs = [_cli([*CLI_ARGS, f'output_dir={two}', 'mesh.data=2', 'mesh.fsdp=2'], 2, port, i)
+           for i in range(2)]
+  procs.append(_cli([*CLI_ARGS, f'output_dir={one}', 'mesh.data=1'], 1))
+  first, second, single = _finish(procs)
+  assert "mesh {'data': 2, 'fsdp': 2}" in first and 'step      3/3' in first
+  ours_printed = [line for line in second.splitlines() if not line.startswith('[Gloo]')]
+  assert ours_printed == []  # process 1 runs silently (the collectives' own log aside)
+  losses = [[json.loads(line)['loss'] for line in open(d / 'metrics.jsonl')] for d in (two, one)]
+  assert len(losses[0]) == 3
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+  ours, reference = (read_safetensors_dir(str(d / 'final')) for d in (two, one))
+  assert sorted(ours) == sorted(reference)
+  for name, (_, array) in reference.items():
+    np.testing.assert_allclose(ours[name][1], array, atol=1e-5, err_msg=name)
+  assert len({file for file, _ in ours.values()}) == 2  # each process wrote its layers
+  assert (two / 'final' / 'tokenizer.model').exists() and not (two / 'final.tmp').exists()
+  pieces = [SentencePieceTokenizer(str(d / 'tokenizer.model')) for d in (two, one)]
+  text = 'ROMEO: But soft, what light'
+  assert pieces[0].encode(text) == pieces[1].encode(text)  # trained once, on process 0
+  assert sorted(os.listdir(two / 'checkpoints')) == ['2', '3', 'high_water.json']
+  assert not (two / '.tokenizer-new').exists()
+
+
+def test_cli_multi_process_keys_go_together(capsys):
+  from maxnnx.cli import main  # noqa: PLC0415
+  assert main(['train', 'coordinator=10.0.0.1:1234', 'num_processes=2']) == 2
+  assert 'coordinator=10.0.0.1:1234 needs num_processes=N' in capsys.readouterr().err
+  assert main(['train', 'process_id=1']) == 2
+  assert 'num_processes= and process_id= go with coordinator' in capsys.readouterr().err

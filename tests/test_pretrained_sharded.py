@@ -4,6 +4,7 @@ unsharded load bit for bit, and a load whose host-memory growth stays near the c
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -98,6 +99,12 @@ print(json.dumps({'growth_bytes': after - before, 'devices': len(jax.devices())}
 """
 
 
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
 def _run(code: str, *args: str, devices: int = 1) -> str:
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu',
              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
@@ -122,3 +129,111 @@ def test_loading_grows_host_memory_by_about_the_checkpoint(tmp_path, devices):
   ratio = report['growth_bytes'] / size
   print(f'{devices} device(s): peak RSS grew by {ratio:.3f}x the checkpoint ({size / 1e6:.0f} MB)')
   assert 0.9 <= ratio <= 1.2, f'peak RSS grew by {ratio:.2f}x the checkpoint ({size / 1e6:.0f} MB)'
+
+
+_MEASURE_LOAD_IN_PROCESS = """
+import json, sys
+port, process_id, directory = sys.argv[1:]
+from maxnnx.train import distributed
+distributed.initialize(f'127.0.0.1:{port}', 2, int(process_id))
+import jax
+import jax.numpy as jnp
+import maxnnx
+from maxnnx.config import MeshConfig
+
+def peak_bytes():
+  for line in open('/proc/self/status'):
+    if line.startswith('VmHWM:'):
+      return int(line.split()[1]) * 1024
+
+jax.block_until_ready(jnp.ones(8) + 1)
+before = peak_bytes()
+model = maxnnx.from_pretrained(directory, mesh=MeshConfig(fsdp=jax.device_count()))
+after = peak_bytes()
+kernel = model.layers[0].mlp.up_proj.kernel[...]
+print(json.dumps({'growth_bytes': after - before, 'devices': jax.device_count(),
+                  'local': len(kernel.addressable_shards),
+                  'fully_addressable': kernel.is_fully_addressable}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads VmHWM from /proc')
+def test_two_processes_each_read_about_their_half(tmp_path):
+  """Two processes (4 CPU devices each) load the ~465 MB checkpoint onto fsdp=8: each one's
+  peak RSS grows by at most 0.7x the checkpoint, as each reads only its devices' slices."""
+  _run(_MAKE_CHECKPOINT, str(tmp_path))
+  size = sum(os.path.getsize(tmp_path / n) for n in os.listdir(tmp_path)
+             if n.endswith('.safetensors'))
+  port = _free_port()
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  procs = [subprocess.Popen([sys.executable, '-c', textwrap.dedent(_MEASURE_LOAD_IN_PROCESS),
+                             str(port), str(i), str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  reports = []
+  for proc in procs:
+    try:
+      out, err = proc.communicate(timeout=600)
+    finally:
+      proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    reports.append(json.loads(out.splitlines()[-1]))
+  for i, report in enumerate(reports):
+    assert report['devices'] == 8 and report['local'] == 4 and not report['fully_addressable']
+    ratio = report['growth_bytes'] / size
+    print(f'process {i}: peak RSS grew by {ratio:.3f}x the checkpoint ({size / 1e6:.0f} MB)')
+    assert ratio <= 0.7, f'process {i}: peak RSS grew by {ratio:.2f}x the checkpoint'
+
+
+_SAVE_IN_PROCESS = """
+import sys
+port, process_id, out = sys.argv[1:4]
+from maxnnx.train import distributed
+distributed.initialize(f'127.0.0.1:{port}', 2, int(process_id))
+import jax
+import maxnnx
+from maxnnx.config import MeshConfig
+for case, source, scan in zip(sys.argv[4::3], sys.argv[5::3], sys.argv[6::3]):
+  model = maxnnx.from_pretrained(source, mesh=MeshConfig(fsdp=jax.device_count()),
+                                 scan_layers=scan == 'scan')
+  assert not model.final_norm.scale[...].is_fully_addressable
+  maxnnx.save_pretrained(model, f'{out}/{case}')
+print('saved')
+"""
+
+_SAVE_CASES = [('llama', 'list'), ('phi3', 'scan'), ('qwen3_moe', 'scan')]
+
+
+def test_two_processes_save_one_checkpoint_each_writing_its_layers(tmp_path):
+  """Two processes (4 CPU devices each) save a model sharded over both: the files hold exactly
+  what a one-process save of the same checkpoint holds (fused Phi-3 and MoE experts too),
+  layer 0 written by process 0's files and layer 1 by process 1's, one index."""
+  from maxnnx.checkpoint import read_safetensors_dir  # noqa: PLC0415
+  port = _free_port()
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  args = [a for case, scan in _SAVE_CASES for a in (case, os.path.join(FIXTURES, case), scan)]
+  procs = [subprocess.Popen([sys.executable, '-c', textwrap.dedent(_SAVE_IN_PROCESS), str(port),
+                             str(i), str(tmp_path), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  for proc in procs:
+    try:
+      out, err = proc.communicate(timeout=600)
+    finally:
+      proc.kill()
+    assert proc.returncode == 0 and 'saved' in out, err[-3000:]
+  for case, _ in _SAVE_CASES:
+    single = tmp_path / f'{case}-single'
+    maxnnx.save_pretrained(maxnnx.from_pretrained(os.path.join(FIXTURES, case)), str(single))
+    ours, reference = read_safetensors_dir(str(tmp_path / case)), read_safetensors_dir(str(single))
+    assert sorted(ours) == sorted(reference), case
+    for name, (_, array) in reference.items():
+      assert ours[name][1].dtype == array.dtype, name
+      np.testing.assert_array_equal(np.asarray(ours[name][1]), np.asarray(array), err_msg=name)
+    index = json.load(open(tmp_path / case / 'model.safetensors.index.json'))['weight_map']
+    layer0 = {f for n, f in index.items() if '.layers.0.' in n}
+    layer1 = {f for n, f in index.items() if '.layers.1.' in n}
+    assert len(layer0) == len(layer1) == 1 and layer0 != layer1, case
+    assert json.load(open(tmp_path / case / 'config.json')) == json.load(
+        open(single / 'config.json'))

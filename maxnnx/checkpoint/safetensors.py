@@ -150,18 +150,26 @@ def read_safetensors_dir(directory: str) -> dict[str, tuple[str, np.ndarray]]:
   return tensors
 
 
-def write_sharded(directory: str, tensors: Mapping[str, np.ndarray],
-                  max_shard_bytes: int = 5 * 1024**3) -> list[str]:
-  """Write ``tensors`` as one file or as shards plus ``model.safetensors.index.json``."""
-  shards: list[dict[str, np.ndarray]] = [{}]
+def plan_shards(tensors: Mapping[str, np.ndarray], max_shard_bytes: int
+                ) -> list[dict[str, np.ndarray]]:
+  """``tensors`` in name order, cut into files of at most ``max_shard_bytes`` (a larger
+  tensor gets a file of its own); no files for no tensors."""
+  shards: list[dict[str, np.ndarray]] = []
   size = 0
   for name in sorted(tensors):
     nbytes = tensors[name].nbytes
-    if shards[-1] and size + nbytes > max_shard_bytes:
+    if not shards or (shards[-1] and size + nbytes > max_shard_bytes):
       shards.append({})
       size = 0
     shards[-1][name] = tensors[name]
     size += nbytes
+  return shards
+
+
+def write_sharded(directory: str, tensors: Mapping[str, np.ndarray],
+                  max_shard_bytes: int = 5 * 1024**3) -> list[str]:
+  """Write ``tensors`` as one file or as shards plus ``model.safetensors.index.json``."""
+  shards = plan_shards(tensors, max_shard_bytes) or [{}]
   metadata = {'format': 'pt'}
   if len(shards) == 1:
     write_safetensors(os.path.join(directory, 'model.safetensors'), shards[0], metadata)

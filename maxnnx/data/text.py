@@ -69,10 +69,13 @@ class TokenWindows:
   """Seeded random ``[batch, seq_len + 1]`` windows of a token stream.
 
   The last ``eval_fraction`` of the stream is held out for :meth:`eval_batches`.
+  ``rows=(start, count)`` keeps rows ``start .. start + count - 1`` of every batch
+  of ``batch_size`` (training and held-out): one process's share of a global batch
+  that every process draws alike.
   """
 
   def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int = 0,
-               eval_fraction: float = 0.05):
+               eval_fraction: float = 0.05, rows: tuple[int, int] | None = None):
     tokens = np.asarray(tokens, np.int32)
     split = int(len(tokens) * (1 - eval_fraction))
     self.train, self.eval = tokens[:split], tokens[split:]
@@ -81,9 +84,14 @@ class TokenWindows:
                        f'with a {eval_fraction:.0%} held-out split. Use a shorter seq_len.')
     self.seq_len, self.batch_size = seq_len, batch_size
     self.rng = np.random.default_rng(seed)
+    start, count = (0, batch_size) if rows is None else rows
+    if not (0 <= start and count >= 1 and start + count <= batch_size):
+      raise ValueError(f'TokenWindows rows={rows}: rows start .. start + count - 1 must lie in '
+                       f'a batch of {batch_size}.')
+    self._rows = slice(start, start + count)
 
   def _windows(self, stream, starts):
-    return np.stack([stream[s:s + self.seq_len + 1] for s in starts])
+    return np.stack([stream[s:s + self.seq_len + 1] for s in starts[self._rows]])
 
   def next(self) -> np.ndarray:
     """The next training batch ``[batch, seq_len + 1]``."""

@@ -135,10 +135,13 @@ def fused_modules(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
 
 
 def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-  """Inverse of :func:`unfuse`, for export."""
+  """Inverse of :func:`unfuse`, for export (of the layers present: a process of a
+  multi-process save holds some)."""
   out = dict(tensors)
   for i in range(cfg.num_layers):
     prefix = f'transformer.h.{i}.'
+    if f'{prefix}attn.q_proj.weight' not in out:
+      continue
     weights = [out.pop(f'{prefix}attn.{part}_proj.weight') for part in 'qkv']
     out[f'{prefix}attn.c_attn.weight'] = np.ascontiguousarray(np.concatenate(weights).T)
     out[f'{prefix}attn.c_attn.bias'] = np.concatenate(

@@ -70,6 +70,8 @@ def expert_hooks(module: str, names: dict[str, str] = SWIGLU_NAMES):
       for ours, theirs in names.items():
         d, f = cfg.d_model, cfg.resolved_moe_mlp_dim
         shape = (cfg.moe.num_experts, f, d) if ours == 'down_proj' else (cfg.moe.num_experts, d, f)
+        if f'{prefix}.{ours}' not in out:  # a layer another process writes
+          continue
         stacked = out.pop(f'{prefix}.{ours}').reshape(shape)  # written flat by the exporter
         for e in range(cfg.moe.num_experts):
           out[f'{prefix}.{e}.{theirs}.weight'] = np.ascontiguousarray(stacked[e].T)

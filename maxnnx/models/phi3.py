@@ -43,10 +43,13 @@ def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
 
 
 def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-  """Inverse of :func:`unfuse`, for export."""
+  """Inverse of :func:`unfuse`, for export (of the layers present: a process of a
+  multi-process save holds some)."""
   out = dict(tensors)
   for i in range(cfg.num_layers):
     for fused, parts in fused_modules(cfg).items():
+      if f'model.layers.{i}.{parts[0][0]}.weight' not in out:
+        continue
       pieces = [out.pop(f'model.layers.{i}.{part}.weight') for part, _ in parts]
       out[f'model.layers.{i}.{fused}.weight'] = np.concatenate(pieces, axis=0)
   return out

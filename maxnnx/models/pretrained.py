@@ -25,14 +25,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from maxnnx.checkpoint.safetensors import (
   SafetensorsError,
+  plan_shards,
   read_safetensors_dir,
   release_pages,
+  write_safetensors,
   write_sharded,
 )
 from maxnnx.config import ConfigError, MeshConfig, ModelConfig
@@ -48,6 +51,7 @@ from maxnnx.models.hf import (
 )
 from maxnnx.models.registry import FAMILIES
 from maxnnx.models.transformer import Transformer, layer_stacks
+from maxnnx.processes import allgather_bytes, barrier, host_value, is_primary
 from maxnnx.sharding import logical_rules, make_mesh, state_shardings
 
 logger = logging.getLogger(__name__)
@@ -145,15 +149,30 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   return nnx.merge(graphdef, state)
 
 
-def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int = 5 * 1024**3
-                    ) -> list[str]:
+EXPORT_DTYPES = {'bfloat16': ml_dtypes.bfloat16, 'float16': np.float16, 'float32': np.float32}
+
+
+def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int = 5 * 1024**3,
+                    dtype: str | None = None) -> list[str]:
   """Write ``model`` as a Hugging Face directory that transformers loads.
 
   Writes ``config.json`` (transformers-5 layout) and ``model.safetensors`` (or
-  shards plus an index) in the parameters' dtype. Existing files of the same
-  names are replaced atomically, each only once its new version is complete.
+  shards plus an index) in the parameters' dtype, or in ``dtype`` (``bfloat16``,
+  ``float16`` or ``float32``; ``config.json`` says so too). Existing files of the
+  same names are replaced atomically, each only once its new version is complete.
   Returns the written file names.
+
+  A model whose parameters span several processes (a multi-process run) is saved by
+  all of them: every process calls it with the same ``directory`` (shared by the
+  processes), each parameter is gathered one
+  layer at a time, process ``p`` writes the decoder layers ``i`` with
+  ``i % num_processes == p`` into shard files of its own, and process 0 also the
+  embedding, head, norms, the index and ``config.json``; no process holds more
+  than its share of the model.
   """
+  if dtype is not None and dtype not in EXPORT_DTYPES:
+    raise ValueError(f"save_pretrained dtype={dtype!r}: expected one of "
+                     f"{', '.join(EXPORT_DTYPES)} (or None: the parameters' own).")
   cfg = model.config
   family = FAMILIES.get(cfg.family)
   if family is None:
@@ -167,25 +186,44 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
     raise PretrainedError(f'{cfg.family} checkpoints have no multi-token-prediction layers; '
                           'save a model with mtp.num_layers=0 (model.mtp is then dropped).')
   hf_config = family.config_to_hf(cfg)
+  if dtype is not None:
+    hf_config['dtype'] = dtype
   n_in = _kernel_input_dims(model)
   tensors = {}
   state = nnx.state(model, nnx.Param)
-  for path, array in _unscanned_param_values(state, cfg).items():
+  together = any(isinstance(x, jax.Array) and not x.is_fully_addressable
+                 for x in jax.tree.leaves(state))
+  processes = jax.process_count() if together else 1
+  keep = None
+  if together:  # each process writes its share of the layers (see _writer_of)
+    keep = lambda path: _writer_of(path, cfg, processes) == jax.process_index()  # noqa: E731
+  for path, array in _unscanned_param_values(state, cfg, keep).items():
     kernel_n_in = n_in[_module_key(path)] if path[-1] == 'kernel' else None
     name = family.hf_name(hf_layer_path(path, cfg.num_layers))
-    tensors[name] = _ours_to_hf(np.asarray(array), kernel_n_in, path[-1])
+    tensor = _ours_to_hf(np.asarray(array), kernel_n_in, path[-1])
+    if dtype is not None and (np.issubdtype(tensor.dtype, np.floating)
+                              or tensor.dtype == ml_dtypes.bfloat16):
+      tensor = tensor.astype(EXPORT_DTYPES[dtype])
+    tensors[name] = tensor
   for k in range(cfg.mtp.num_layers):  # the Hub layout repeats the shared embedding and head
     for suffix, main in MTP_SHARED_COPIES.items():
       main = 'model.embed_tokens.weight' if cfg.tie_word_embeddings else main
-      tensors[f'model.layers.{cfg.num_layers + k}.{suffix}'] = tensors[main]
+      if main in tensors:  # (process 0's in a multi-process save, like the MTP layers)
+        tensors[f'model.layers.{cfg.num_layers + k}.{suffix}'] = tensors[main]
   if family.fuse is not None:
     tensors = family.fuse(tensors, cfg)
   os.makedirs(directory, exist_ok=True)
-  files = write_sharded(directory, tensors, max_shard_bytes)
-  tmp = os.path.join(directory, 'config.json.tmp')
-  with open(tmp, 'w') as f:
-    json.dump(hf_config, f, indent=2)
-  os.replace(tmp, os.path.join(directory, 'config.json'))
+  if together:
+    files = _write_process_shards(directory, tensors, max_shard_bytes)
+  else:
+    files = write_sharded(directory, tensors, max_shard_bytes)
+  if not together or is_primary():
+    tmp = os.path.join(directory, 'config.json.tmp')
+    with open(tmp, 'w') as f:
+      json.dump(hf_config, f, indent=2)
+    os.replace(tmp, os.path.join(directory, 'config.json'))
+  if together:
+    barrier('save_pretrained')  # every file is written when any process returns
   return ['config.json', *files]
 
 
@@ -304,17 +342,67 @@ def _unscanned_param_shapes(abstract_state, cfg: ModelConfig) -> dict[tuple, tup
   return shapes
 
 
-def _unscanned_param_values(state, cfg: ModelConfig) -> dict[tuple, np.ndarray]:
+def _unscanned_param_values(state, cfg: ModelConfig, keep=None) -> dict[tuple, np.ndarray]:
+  """``{unscanned path: host array}`` of ``state``, only the paths ``keep(path)`` accepts.
+
+  A parameter that spans several processes is gathered one layer at a time (every process
+  takes part in every gather, then keeps only its own layers).
+  """
   values, stacks = {}, _stacks(cfg)
+  keep = keep or (lambda path: True)
   for path, var in nnx.to_flat_state(state):
-    array = np.asarray(jax.device_get(var[...]))
+    array = var[...]
+    spans_processes = isinstance(array, jax.Array) and not array.is_fully_addressable
     if path[0] in stacks:
       start, count = stacks[path[0]]
+      whole = None if spans_processes else host_value(array)
       for i in range(count):
-        values[('layers', start + i, *path[1:])] = array[i]
-    else:
-      values[tuple(path)] = array
+        layer_path = ('layers', start + i, *path[1:])
+        layer = host_value(array[i]) if spans_processes else whole[i]
+        if keep(layer_path):
+          values[layer_path] = layer
+    elif keep(tuple(path)):
+      values[tuple(path)] = host_value(array)
+    elif spans_processes:
+      host_value(array)  # the others gather it: take part
   return values
+
+
+def _writer_of(path: tuple, cfg: ModelConfig, processes: int) -> int:
+  """The process that writes the tensor of unscanned ``path`` in a multi-process save:
+  decoder layer ``i`` goes to process ``i % processes``, everything else to process 0."""
+  if path[0] == 'layers' and path[1] < cfg.num_layers:
+    return path[1] % processes
+  return 0
+
+
+def _write_process_shards(directory: str, tensors: dict[str, np.ndarray],
+                          max_shard_bytes: int) -> list[str]:
+  """This process's share of a multi-process save: its tensors in its own shard files,
+  numbered after the files of the processes before it; process 0 writes the index."""
+  shards = plan_shards(tensors, max_shard_bytes)
+  counts = [int(c) for c in allgather_bytes(str(len(shards)).encode())]
+  first, total = sum(counts[:jax.process_index()]), sum(counts)
+  names = [f'model-{first + i + 1:05d}-of-{total:05d}.safetensors' for i in range(len(shards))]
+  weight_map = {}
+  for name, shard in zip(names, shards):
+    write_safetensors(os.path.join(directory, name), shard, {'format': 'pt'})
+    weight_map.update({t: name for t in shard})
+  mine = json.dumps({'weight_map': weight_map,
+                     'total_size': sum(t.nbytes for t in tensors.values())})
+  everyone = [json.loads(part) for part in allgather_bytes(mine.encode())]
+  if is_primary():
+    merged = {}
+    for part in everyone:
+      merged.update(part['weight_map'])
+    index = {'metadata': {'total_size': sum(part['total_size'] for part in everyone)},
+             'weight_map': dict(sorted(merged.items()))}
+    tmp = os.path.join(directory, 'model.safetensors.index.json.tmp')
+    with open(tmp, 'w') as f:
+      json.dump(index, f, indent=2)
+    os.replace(tmp, os.path.join(directory, 'model.safetensors.index.json'))
+  all_names = [f'model-{i + 1:05d}-of-{total:05d}.safetensors' for i in range(total)]
+  return ['model.safetensors.index.json', *all_names]
 
 
 def _shardings(abstract_state, mesh: MeshConfig | Mesh | None, rules: dict | None):

@@ -14,6 +14,8 @@ import os
 
 import jax
 
+from maxnnx.processes import broadcast_bytes, host_value, is_primary
+
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, auto: bool = False) -> bool:
@@ -46,3 +48,23 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id)
   return True
+
+
+def host_local_model(model):
+  """A copy of ``model`` whose parameters are whole NumPy arrays on every process.
+
+  In a multi-process run parameters are sharded over every process's devices and no
+  process can read them alone; this gathers them (a collective: every process calls it,
+  one parameter at a time), so that exporting (``save_pretrained``, ``merge_adapters``) or
+  sampling can then run on one process. Each process holds the whole model in host memory
+  afterwards. One process: ``model`` itself.
+  """
+  if jax.process_count() == 1:
+    return model
+  from flax import nnx  # noqa: PLC0415
+  copy = nnx.clone(model)
+  nnx.update(copy, jax.tree.map(host_value, nnx.state(copy, nnx.Param)))
+  return copy
+
+
+__all__ = ['broadcast_bytes', 'host_local_model', 'initialize', 'is_primary']
