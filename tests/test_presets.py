@@ -18,12 +18,14 @@ EXPECTED_NAMES = {
     'llama3.1-70b', 'llama3.1-405b', 'llama3.3-70b', 'mistral-7b', 'gemma-2b', 'gemma-7b',
     'gemma2-2b', 'gemma2-9b', 'gemma2-27b', 'gemma3-1b', 'gemma3-4b', 'gemma3-12b', 'gemma3-27b',
     'qwen2.5-0.5b', 'qwen2.5-1.5b', 'qwen2.5-3b', 'qwen2.5-7b', 'qwen2.5-14b', 'qwen2.5-32b',
-    'qwen2.5-72b', 'qwen3-0.6b', 'qwen3-1.7b', 'qwen3-4b', 'qwen3-8b', 'qwen3-14b', 'qwen3-32b',
+    'qwen2.5-72b', 'qwen3-0.6b', 'qwen3-1.7b', 'qwen3-4b', 'qwen3-4b-thinking-2507', 'qwen3-8b',
+    'qwen3-14b', 'qwen3-32b',
     'phi3-mini', 'olmo2-7b', 'olmo3-7b', 'olmo3-32b', 'gpt3-52k', 'gpt3-6b', 'gpt3-22b',
     'gpt3-175b'}
 EXPECTED_NAMES |= {'tiny-moe', 'mixtral-8x7b', 'mixtral-8x22b', 'qwen3-30b-a3b',
-                   'qwen3-235b-a22b', 'deepseek-v2-lite', 'deepseek-v2', 'deepseek-v3',
-                   'kimi-k2', 'gpt-oss-20b', 'gpt-oss-120b'}  # test_presets_moe.py checks sizes
+                   'qwen3-235b-a22b', 'qwen3-480b-a35b', 'deepseek-v2-lite', 'deepseek-v2',
+                   'deepseek-v3', 'kimi-k2', 'gpt-oss-20b',
+                   'gpt-oss-120b'}  # test_presets_moe.py checks their sizes
 
 # Total parameter counts published by the model authors (model cards, papers and
 # the Hub's safetensors metadata), in billions: an independent check of the
@@ -42,6 +44,7 @@ PUBLISHED_BILLIONS = {
     'gemma2-27b': 27.2,
     'qwen2.5-7b': 7.62,
     'qwen2.5-72b': 72.7,
+    'qwen3-4b-thinking-2507': 4.02,
     'qwen3-8b': 8.19,
     'qwen3-32b': 32.8,
     'phi3-mini': 3.82,

@@ -16,6 +16,7 @@ PUBLISHED_BILLIONS = {
     'mixtral-8x22b': (141.0, 39.0),
     'qwen3-30b-a3b': (30.5, 3.3),
     'qwen3-235b-a22b': (235.0, 22.0),
+    'qwen3-480b-a35b': (480.0, 35.0),  # Qwen3-Coder-480B-A35B
     'deepseek-v2': (236.0, 21.0),
     'deepseek-v3': (671.0, 37.0),
     'kimi-k2': (1026.0, 32.0),  # "1T" on the card; 1.026T in the Hub's safetensors metadata

@@ -45,6 +45,12 @@ def qwen3_4b() -> ModelConfig:
   return _qwen3(2560, 36, 32, 9728, tie_word_embeddings=True)
 
 
+def qwen3_4b_thinking_2507() -> ModelConfig:
+  """Qwen3-4B-Thinking-2507: Qwen3 4B's shapes with a 262,144-token context (rope theta 5e6)."""
+  return qwen3_4b().replace(max_position_embeddings=262_144,
+                            rope=RopeConfig(theta=5_000_000.0))
+
+
 def qwen3_8b() -> ModelConfig:
   """Qwen3 8B (8.19B parameters)."""
   return _qwen3(4096, 36, 32, 12_288)
@@ -67,4 +73,5 @@ SPEC = FamilySpec(
               defaults={'max_position_embeddings': 32768}),
     differences={'qk_norm': 'head'},
     presets={'qwen3-0.6b': qwen3_0_6b, 'qwen3-1.7b': qwen3_1_7b, 'qwen3-4b': qwen3_4b,
-             'qwen3-8b': qwen3_8b, 'qwen3-14b': qwen3_14b, 'qwen3-32b': qwen3_32b})
+             'qwen3-4b-thinking-2507': qwen3_4b_thinking_2507, 'qwen3-8b': qwen3_8b,
+             'qwen3-14b': qwen3_14b, 'qwen3-32b': qwen3_32b})

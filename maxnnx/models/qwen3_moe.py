@@ -49,7 +49,8 @@ def _qwen3_moe(d_model: int, num_layers: int, num_heads: int, moe_mlp_dim: int,
   return SPEC.config(vocab_size=151_936, d_model=d_model, num_layers=num_layers,
                      num_heads=num_heads, num_kv_heads=4, head_dim=128, mlp_dim=mlp_dim,
                      max_position_embeddings=40_960, norm_eps=1e-6,
-                     rope=RopeConfig(theta=1_000_000.0), moe={'mlp_dim': moe_mlp_dim})
+                     rope=RopeConfig(theta=1_000_000.0),
+                     moe={'num_experts': 128, 'mlp_dim': moe_mlp_dim})
 
 
 def qwen3_30b_a3b() -> ModelConfig:
@@ -62,11 +63,21 @@ def qwen3_235b_a22b() -> ModelConfig:
   return _qwen3_moe(4096, 94, 64, 1536, 12_288)
 
 
+def qwen3_480b_a35b() -> ModelConfig:
+  """Qwen3-Coder-480B-A35B: 480B parameters, 35B active (160 experts, top-8; 8 kv heads,
+  a 262,144-token context, rope theta 1e7)."""
+  return _qwen3_moe(6144, 62, 96, 2560, 8192).replace(
+      num_kv_heads=8, max_position_embeddings=262_144, rope=RopeConfig(theta=10_000_000.0),
+      moe={'num_experts': 160, 'num_experts_per_tok': 8, 'mlp_dim': 2560})
+
+
 SPEC = FamilySpec(
     name='qwen3_moe',
-    description='Qwen3 with every MLP replaced by softmax top-8 of 128 routed experts.',
+    description='Qwen3 with every MLP replaced by softmax top-8 of its routed experts (128; '
+                '160 in the 480B).',
     hf=Family('qwen3_moe', ('qwen3_moe',), 'Qwen3MoeForCausalLM', config_from_hf,
               config_to_hf, defaults={'max_position_embeddings': 32768},
               module_names={'router': 'gate'}, unfuse=unfuse, fuse=fuse),
-    differences={'qk_norm': 'head', 'moe': {'num_experts': 128, 'num_experts_per_tok': 8}},
-    presets={'qwen3-30b-a3b': qwen3_30b_a3b, 'qwen3-235b-a22b': qwen3_235b_a22b})
+    differences={'qk_norm': 'head', 'moe': {'num_experts_per_tok': 8}},
+    presets={'qwen3-30b-a3b': qwen3_30b_a3b, 'qwen3-235b-a22b': qwen3_235b_a22b,
+             'qwen3-480b-a35b': qwen3_480b_a35b})
