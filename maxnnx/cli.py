@@ -116,6 +116,8 @@ SERVE_KEYS = {
     'max_logprobs': (5, 'the most log-probabilities per token a request may ask for'),
     'add_bos': (True, "start text prompts of /v1/completions with the tokenizer's BOS token"),
     'dtype': ('', "compute dtype (empty: the checkpoint's)"),
+    'tensor_parallel': (1, 'devices the model is sharded over (attention heads and MLP width); '
+                        'the parameters load straight into their shards'),
     'seed': (0, 'seed of requests that give none'),
     'log_level': ('info', 'uvicorn log level: critical, error, warning, info, debug, trace'),
 }
@@ -823,7 +825,7 @@ def serve(options: dict) -> None:
              max_pages=options['max_pages'] or None,
              max_model_len=options['max_model_len'] or None,
              prefix_caching=options['prefix_caching'], max_logprobs=options['max_logprobs'],
-             seed=options['seed'])
+             seed=options['seed'], tensor_parallel=options['tensor_parallel'])
 
 
 def _command_keys(command: str) -> dict[str, Key]:

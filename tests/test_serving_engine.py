@@ -268,3 +268,32 @@ def test_family_under_paging_equals_its_unpaged_decode(family):
   for completion, row, m in zip(got, want.tokens, max_tokens):
     assert list(completion.token_ids) == row[:m].tolist()
   _assert_idle(engine)
+
+
+def test_a_model_sharded_over_tensor_devices_serves_the_same_tokens(model, tmp_path):
+  """from_pretrained(mesh=tensor 2) -> the engine runs on both devices, its page pools split
+  over the kv heads from the start, and greedy requests give generate's tokens and the
+  one-device engine's log-probabilities."""
+  from maxnnx.config import MeshConfig  # noqa: PLC0415
+  from maxnnx.serving.server import load_engine  # noqa: PLC0415
+  maxnnx.save_pretrained(model, str(tmp_path))
+  sharded = maxnnx.from_pretrained(str(tmp_path), mesh=MeshConfig(data=1, tensor=2))
+  kwargs = dict(page_size=4, max_batch=4, token_budget=16, max_model_len=64)
+  engine = Engine(sharded, **kwargs)
+  assert dict(engine.mesh.shape)['tensor'] == 2
+  pools = [x for x in jax.tree.leaves(engine._cache) if x.ndim == 4]
+  assert pools and all(tuple(x.sharding.spec)[:3] == (None, None, 'tensor')
+                       and not any(tuple(x.sharding.spec)[3:]) for x in pools), pools[0].sharding
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 17, 9, 30, 5)]
+  params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+  ours = engine.generate(prompts, params)
+  one_device = Engine(model, **kwargs).generate(prompts, params)
+  want = maxnnx.generate(model, prompts, max_new_tokens=6, eos_ids=None)
+  for i, (a, b) in enumerate(zip(ours, one_device)):
+    assert list(a.token_ids) == want.tokens[i].tolist() == list(b.token_ids), i
+    np.testing.assert_allclose([t.logprob for t in a.logprobs], [t.logprob for t in b.logprobs],
+                               atol=1e-4)
+  _assert_idle(engine)
+  with pytest.raises(ValueError, match='tensor_parallel=64: this process has 8 device'):
+    load_engine(str(tmp_path), tensor_parallel=64)

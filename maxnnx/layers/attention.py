@@ -88,11 +88,16 @@ class Attention(nnx.Module):
     self.cache_v = nnx.Cache(jnp.zeros(shape, dtype))
 
   def init_paged_cache(self, num_pages: int, page_size: int, dtype) -> None:
-    """Allocate an empty pool of ``num_pages`` pages of ``page_size`` tokens."""
+    """Allocate an empty pool of ``num_pages`` pages of ``page_size`` tokens.
+
+    The pools carry the logical names ``(None, None, 'kv_heads', None)``: on a mesh
+    with ``tensor`` they split over the kv heads like the projections that fill them.
+    """
     kv_heads, head_dim = self.k_proj.out_shape
     shape = (num_pages, page_size, kv_heads, head_dim)
-    self.pages_k = nnx.Cache(jnp.zeros(shape, dtype))
-    self.pages_v = nnx.Cache(jnp.zeros(shape, dtype))
+    names = {'out_sharding': (None, None, 'kv_heads', None), 'eager_sharding': False}
+    self.pages_k = nnx.Cache(jnp.zeros(shape, dtype), **names)
+    self.pages_v = nnx.Cache(jnp.zeros(shape, dtype), **names)
 
   def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None,
                mask: AttentionMask | None, *, sliding_window: int | jax.Array | None = None,

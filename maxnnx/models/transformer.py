@@ -156,7 +156,8 @@ class Transformer(nnx.Module):
     init = lambda block: block.attn.init_paged_cache(num_pages, page_size, dtype)
     for block in blocks:
       if scanned:
-        nnx.vmap(init, in_axes=0, out_axes=0)(block)
+        nnx.vmap(init, in_axes=0, out_axes=0,
+                 transform_metadata={nnx.PARTITION_NAME: 'layers'})(block)
       else:
         init(block)
 

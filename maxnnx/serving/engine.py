@@ -67,6 +67,7 @@ from maxnnx.serving.params import (
 )
 from maxnnx.serving.sampling import row_keys, sample_rows
 from maxnnx.serving.scheduler import Request, Scheduler
+from maxnnx.sharding import state_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,12 @@ class Engine:
       earlier or concurrent request with the same prefix.
     max_logprobs: the largest ``SamplingParams.logprobs`` accepted.
     seed: derives the seed of requests that give none.
+    rules: logical-axis rules for the page pools of a sharded model (default
+      :data:`maxnnx.sharding.DEFAULT_RULES`).
+
+  A model placed on a mesh (``from_pretrained(dir, mesh=MeshConfig(tensor=4))``)
+  is served on it: every step runs over the model's devices, and the page pools
+  split over the kv heads the way the projections do.
 
   Attributes:
     scheduler: the :class:`~maxnnx.serving.scheduler.Scheduler` (queues, preemption count).
@@ -112,12 +119,13 @@ class Engine:
     eos_ids: ids that end a request unless ``ignore_eos``: ``model.config.eos_token_id``,
       else the tokenizer's ``eos_id``.
     step_shapes: the ``(tokens, max_q, pages per row)`` buckets run so far.
+    mesh: the mesh of a sharded model, else ``None``.
   """
 
   def __init__(self, model, tokenizer=None, *, max_pages: int | None = None,
                page_size: int = 16, max_batch: int = 8, token_budget: int = 256,
                max_model_len: int | None = None, prefix_caching: bool = True,
-               max_logprobs: int = 5, seed: int = 0):
+               max_logprobs: int = 5, seed: int = 0, rules: dict | None = None):
     cfg = model.config
     self.model_config = cfg
     self.tokenizer = tokenizer
@@ -149,6 +157,10 @@ class Engine:
     work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
     work.init_paged_cache(self.max_pages + 1, page_size)
     self._graphdef, self._params, self._cache = nnx.split(work, nnx.Param, ...)
+    self.mesh = _mesh_of(self._params)
+    if self.mesh is not None:  # a model sharded by from_pretrained(mesh=...): pools alike
+      self._cache = jax.device_put(self._cache,
+                                   state_shardings(self._cache, self.mesh, rules))
     eos = cfg.eos_token_id
     if eos is None and tokenizer is not None:
       eos = getattr(tokenizer, 'eos_id', None)
@@ -372,6 +384,15 @@ class Engine:
         token_ids=tuple(request.output_ids), finished=request.finish_reason is not None,
         finish_reason=request.finish_reason, text=request.text,
         num_cached_tokens=request.num_cached_tokens)
+
+
+def _mesh_of(params) -> jax.sharding.Mesh | None:
+  """The mesh the parameters are laid out on, when they are (``NamedSharding``, > 1 device)."""
+  for leaf in jax.tree.leaves(params):
+    sharding = getattr(leaf, 'sharding', None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
+      return sharding.mesh
+  return None
 
 
 def _make_step(graphdef, traces: list[int]):

@@ -479,12 +479,24 @@ async def _server_error(request: Request, exc: Exception) -> JSONResponse:
                                type='server_error').body(), status_code=500)
 
 
-def load_engine(model_dir: str, *, dtype: str | None = None, **engine_kwargs) -> Engine:
+def load_engine(model_dir: str, *, dtype: str | None = None, tensor_parallel: int = 1,
+                **engine_kwargs) -> Engine:
   """An :class:`~maxnnx.serving.Engine` over the Hugging Face checkpoint in ``model_dir``
-  and the tokenizer stored with it (``engine_kwargs`` go to the engine)."""
+  and the tokenizer stored with it (``engine_kwargs`` go to the engine).
+
+  ``tensor_parallel > 1`` loads the parameters straight into their shards over that many
+  devices (``MeshConfig(data=1, tensor=tensor_parallel)``); the engine runs there.
+  """
+  import jax  # noqa: PLC0415
+
+  from maxnnx.config import MeshConfig  # noqa: PLC0415
   from maxnnx.data import load_tokenizer  # noqa: PLC0415
   from maxnnx.models.pretrained import from_pretrained  # noqa: PLC0415
-  model = from_pretrained(model_dir, dtype=dtype)
+  if tensor_parallel < 1 or tensor_parallel > jax.local_device_count():
+    raise ValueError(f'tensor_parallel={tensor_parallel}: this process has '
+                     f'{jax.local_device_count()} device(s); use 1 to {jax.local_device_count()}.')
+  mesh = MeshConfig(data=1, tensor=tensor_parallel) if tensor_parallel > 1 else None
+  model = from_pretrained(model_dir, dtype=dtype, mesh=mesh)
   return Engine(model, load_tokenizer(model_dir), **engine_kwargs)
 
 
@@ -502,7 +514,8 @@ def _template(tokenizer, chat_template: ChatTemplate | str | None) -> ChatTempla
 
 def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str | None = None,
              max_queue: int = 64, chat_template: ChatTemplate | str | None = None,
-             add_bos: bool = True, dtype: str | None = None, **engine_kwargs) -> Starlette:
+             add_bos: bool = True, dtype: str | None = None, tensor_parallel: int = 1,
+             **engine_kwargs) -> Starlette:
   """The server as an ASGI app (run it with uvicorn); nothing starts until the app does.
 
   Args:
@@ -519,6 +532,8 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
     add_bos: start text prompts of ``/v1/completions`` with the tokenizer's BOS id
       (as ``maxnnx generate`` does); token-id prompts are taken as they are.
     dtype: compute dtype of a model loaded from a directory (default the checkpoint's).
+    tensor_parallel: devices a model loaded from a directory is sharded over (its
+      heads and MLP width; see :func:`load_engine`).
     **engine_kwargs: :class:`~maxnnx.serving.Engine` arguments (``max_batch``,
       ``token_budget``, ``page_size``, ``max_pages``, ``max_model_len``, ...) for a
       model loaded from a directory.
@@ -532,7 +547,9 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
     engine, name = engine_or_model_dir, model_name or 'maxnnx'
   else:
     directory = os.fspath(engine_or_model_dir)
-    engine, name = load_engine(directory, dtype=dtype, **engine_kwargs), model_name or directory
+    engine = load_engine(directory, dtype=dtype, tensor_parallel=tensor_parallel,
+                         **engine_kwargs)
+    name = model_name or directory
   tokenizer = engine.tokenizer
   if tokenizer is None:
     raise ValueError('The server needs an Engine with a tokenizer.')
