@@ -270,6 +270,34 @@ def test_family_under_paging_equals_its_unpaged_decode(family):
   _assert_idle(engine)
 
 
+def test_pages_behind_an_every_layer_window_go_back_to_the_pool():
+  """Every layer sliding (window 6): a request gives back the pages no later token attends
+  to as it advances, holding a bounded number however long it runs, and its tokens stay
+  generate's. A model with full layers keeps every page."""
+  windowed = _model(sliding_window=6, num_layers=2)
+  assert set(windowed.config.resolved_layer_types) == {'sliding'}
+  engine = Engine(windowed, page_size=4, max_batch=2, token_budget=8, max_model_len=64,
+                  prefix_caching=False)
+  assert engine.scheduler.window == 6
+  rng = np.random.default_rng(6)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in (13, 5)]
+  ids = [engine.add_request(p, _greedy(40)) for p in prompts]
+  held, tokens = [], {i: [] for i in ids}
+  while engine.has_unfinished():
+    for out in engine.step():
+      tokens[out.request_id].extend(out.new_token_ids)
+    for request in engine.scheduler.running:
+      held.append(len(request.pages) - request.num_released)
+      assert request.pages[:request.num_released] == [0] * request.num_released
+    engine.allocator.check()
+  assert max(held) <= -(-(6 + 8) // 4) + 1  # window plus a step's tokens, and a page's edge
+  want = maxnnx.generate(windowed, prompts, max_new_tokens=40, eos_ids=None)
+  assert [tokens[i] for i in ids] == want.tokens.tolist()
+  _assert_idle(engine)
+  mixed = maxnnx.Transformer(maxnnx.ModelConfig.from_dict(SLIDING), rngs=nnx.Rngs(0))
+  assert Engine(mixed, max_model_len=16).scheduler.window is None  # full layers read it all
+
+
 def test_a_model_sharded_over_tensor_devices_serves_the_same_tokens(model, tmp_path):
   """from_pretrained(mesh=tensor 2) -> the engine runs on both devices, its page pools split
   over the kv heads from the start, and greedy requests give generate's tokens and the

@@ -152,8 +152,11 @@ class Engine:
             f'{rotary.long_threshold} tokens, which a batch of independent requests cannot do; '
             f'serve this model with max_model_len <= {rotary.long_threshold}.')
     self.allocator = PageAllocator(self.max_pages + 1, reserved=1)
+    every_layer_sliding = (cfg.sliding_window is not None
+                           and set(cfg.resolved_layer_types) == {'sliding'})
     self.scheduler = Scheduler(self.allocator, page_size=page_size, max_batch=max_batch,
-                               token_budget=token_budget, prefix_caching=prefix_caching)
+                               token_budget=token_budget, prefix_caching=prefix_caching,
+                               window=cfg.sliding_window if every_layer_sliding else None)
     work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
     work.init_paged_cache(self.max_pages + 1, page_size)
     self._graphdef, self._params, self._cache = nnx.split(work, nnx.Param, ...)

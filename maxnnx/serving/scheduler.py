@@ -42,7 +42,9 @@ class Request:
     params: its :class:`SamplingParams`.
     seed: the seed of its samples.
     num_computed: leading tokens whose keys and values are in the cache.
-    pages: its pages, in sequence order.
+    pages: its pages, in sequence order (the first ``num_released`` given back: see
+      ``Scheduler``'s ``window``; they read as the scratch page 0).
+    num_released: leading pages released because no later token attends to them.
     hashes: content hashes of its first ``len(hashes)`` pages (full and computed).
     num_cached_tokens: prompt tokens taken from the prefix cache at admission.
     finish_reason: ``None`` until finished.
@@ -57,6 +59,7 @@ class Request:
   seed: int
   num_computed: int = 0
   pages: list[int] = dataclasses.field(default_factory=list)
+  num_released: int = 0
   hashes: list[bytes] = dataclasses.field(default_factory=list)
   num_cached_tokens: int = 0
   finish_reason: str | None = None
@@ -74,6 +77,10 @@ class Request:
     return self.token_ids[self.num_prompt:]
 
 
+#: The pool's scratch page (never handed out): padding writes there, released pages read it.
+SCRATCH_PAGE = 0
+
+
 class Scheduler:
   """Admits, schedules, preempts and retires requests over one :class:`PageAllocator`.
 
@@ -83,10 +90,14 @@ class Scheduler:
     max_batch: requests running at once at most (rows of a step).
     token_budget: tokens computed per step at most; at least ``max_batch``.
     prefix_caching: share full prompt pages between requests by content hash.
+    window: when every attention layer sees only the last ``window`` positions, a
+      request's pages that lie wholly before the window of its next token are given
+      back to the pool as it advances (they stay in the prefix cache when hashed),
+      so a long request holds about ``window / page_size + 1`` pages.
   """
 
   def __init__(self, allocator: PageAllocator, *, page_size: int, max_batch: int,
-               token_budget: int, prefix_caching: bool = True):
+               token_budget: int, prefix_caching: bool = True, window: int | None = None):
     if min(max_batch, token_budget, page_size) < 1 or token_budget < max_batch:
       raise ValueError(f'Need page_size >= 1 and token_budget >= max_batch >= 1 (every running '
                        f'request can decode in each step); got page_size={page_size}, '
@@ -96,6 +107,7 @@ class Scheduler:
     self.max_batch = max_batch
     self.token_budget = token_budget
     self.prefix_caching = prefix_caching
+    self.window = window
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.num_preemptions = 0
@@ -145,7 +157,8 @@ class Scheduler:
   def advance(self, request: Request, count: int) -> None:
     """Record that a step computed ``count`` more of ``request``'s tokens.
 
-    Newly completed pages get their content hash, and join the prefix cache.
+    Newly completed pages get their content hash, and join the prefix cache; with a
+    ``window``, pages no later token attends to go back to the pool.
     """
     request.num_computed += count
     full = request.num_computed // self.page_size
@@ -157,6 +170,14 @@ class Scheduler:
         if self.prefix_caching:
           self.allocator.register(page, content_hash)
       request.hashes.extend(new)
+    if self.window is not None:
+      # The next token (position num_computed) attends to positions > num_computed - window.
+      first_kept = max(0, request.num_computed - self.window + 1) // self.page_size
+      if first_kept > request.num_released:
+        self.allocator.release(request.pages[request.num_released:first_kept])
+        request.pages[request.num_released:first_kept] = (
+            [SCRATCH_PAGE] * (first_kept - request.num_released))
+        request.num_released = first_kept
 
   def append_token(self, request: Request, token_id: int) -> None:
     """Append a generated token; it is computed in a later step."""
@@ -201,8 +222,8 @@ class Scheduler:
       request.num_cached_tokens = request.num_computed
 
   def _drop_pages(self, request: Request) -> None:
-    self.allocator.release(request.pages)
-    request.pages, request.hashes = [], []
+    self.allocator.release(request.pages[request.num_released:])
+    request.pages, request.hashes, request.num_released = [], [], 0
     request.num_computed = 0
 
   def _preempt(self, request: Request) -> None:
