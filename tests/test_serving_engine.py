@@ -294,6 +294,11 @@ def test_pages_behind_an_every_layer_window_go_back_to_the_pool():
   want = maxnnx.generate(windowed, prompts, max_new_tokens=40, eos_ids=None)
   assert [tokens[i] for i in ids] == want.tokens.tolist()
   _assert_idle(engine)
+  small_pool = Engine(windowed, page_size=4, max_batch=1, token_budget=8, max_model_len=64,
+                      max_pages=5)  # far less than one 53-token request's 14 pages
+  assert [list(c.token_ids) for c in small_pool.generate(prompts[:1], _greedy(40))] == [
+      want.tokens[0].tolist()]
+  _assert_idle(small_pool)
   mixed = maxnnx.Transformer(maxnnx.ModelConfig.from_dict(SLIDING), rngs=nnx.Rngs(0))
   assert Engine(mixed, max_model_len=16).scheduler.window is None  # full layers read it all
 

@@ -199,7 +199,11 @@ class Engine:
       raise ValueError(f'The prompt has {len(ids)} tokens; max_model_len={self.max_model_len} '
                        'leaves no room for output.')
     longest = min(len(ids) + params.max_tokens, self.max_model_len) - 1  # tokens ever cached
-    if math.ceil(longest / self.page_size) > self.max_pages:
+    pages_held = math.ceil(longest / self.page_size)
+    window = self.scheduler.window
+    if window is not None:  # pages behind the window go back as the request advances
+      pages_held = min(pages_held, math.ceil((window + self.token_budget) / self.page_size) + 1)
+    if pages_held > self.max_pages:
       raise ValueError(f'The request can reach {longest} cached tokens, more than the pool '
                        f'holds ({self.max_pages} pages of {self.page_size}).')
     if params.logprobs is not None and params.logprobs > self.max_logprobs:
