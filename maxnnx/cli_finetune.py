@@ -164,7 +164,7 @@ class Recipe:
 
 GRPO_FIELDS = ('loss_type', 'num_generations', 'max_new_tokens', 'temperature', 'top_k', 'top_p',
                'beta', 'epsilon', 'epsilon_high', 'num_iterations', 'dynamic_sampling',
-               'max_refills')
+               'max_refills', 'sampler')
 
 
 def grpo_config(options: dict):
@@ -303,6 +303,8 @@ GRPO = Recipe(
         'dynamic_sampling': ('auto', 'replace groups whose rewards are all equal: auto (dapo '
                              'only), on or off'),
         'max_refills': (4, 'extra rollouts at most to fill a batch under dynamic sampling'),
+        'sampler': ('generate', 'how rollouts sample: generate (one static batch) or engine '
+                    "(the serving engine's continuous batching and prefix cache)"),
     },
     run_defaults={'output_dir': 'runs/grpo', 'sample_tokens': 0},
     train_defaults={'steps': 100, 'learning_rate': 1e-5, 'warmup_steps': 0, 'eval_every': 0,

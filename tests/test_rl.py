@@ -112,12 +112,15 @@ def test_a_mesh_and_gradient_accumulation_match_one_device_on_a_fixed_rollout(to
         np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
-def test_lora_policy_keeps_its_base_as_the_reference(tokenizer):
+@pytest.mark.parametrize('sampler', ['generate', pytest.param('engine', marks=pytest.mark.slow)])
+def test_lora_policy_keeps_its_base_as_the_reference(tokenizer, sampler):
   grpo = _grpo(tokenizer, steps=3, learning_rate=1e-2, lora=LoraConfig(rank=4),
-               config=GRPOConfig(num_generations=4, max_new_tokens=8, beta=0.1))
+               config=GRPOConfig(num_generations=4, max_new_tokens=8, beta=0.1,
+                                 sampler=sampler))
   assert grpo.trainer.frozen_models == {}  # no copy of the policy is held
   history = [grpo.step() for _ in range(3)]
   assert history[0]['kl'] == 0.0 and history[-1]['kl'] > 0.0
+  assert max(m['sampling/sampling_logp_difference/max'] for m in history) < 1e-5
 
 
 def test_resume_samples_what_the_uninterrupted_run_samples(tokenizer, tmp_path):
@@ -216,3 +219,23 @@ def test_config_errors_name_the_field(tokenizer):
     _grpo(tokenizer, seq_len=8)
   with pytest.raises(ValueError, match='loss_type must be one of'):
     GRPOConfig(loss_type='ppo')
+
+
+def test_the_serving_engine_samples_rollouts_with_the_same_log_probs(tokenizer):
+  """sampler='engine': the engine, holding the live parameters, samples completions whose
+  log-probs (at the sampling temperature) equal the training forward pass, and the run trains;
+  after each update the engine serves the new weights."""
+  grpo = _grpo(tokenizer, steps=2,
+               config=GRPOConfig(num_generations=4, max_new_tokens=8, temperature=0.7,
+                                 sampler='engine'))
+  first = grpo.step()
+  assert first['sampling/sampling_logp_difference/max'] < 1e-5
+  engine = grpo.rollouts._engine
+  assert engine is not None and engine.compile_count >= 1
+  second = grpo.step()
+  assert second['sampling/sampling_logp_difference/max'] < 1e-5  # the updated weights
+  assert grpo.rollouts._engine is engine  # reused, weights swapped
+  lengths = [len(c) for c in grpo.rollouts.last['completion_ids']]
+  assert max(lengths) <= 8 and min(lengths) >= 1
+  with pytest.raises(ValueError, match="sampler must be one of"):
+    GRPOConfig(sampler='vllm')

@@ -32,7 +32,7 @@ from maxnnx.rl.losses import LOSS_TYPES
 from maxnnx.rl.objective import GRPOObjective
 from maxnnx.rl.prompts import Prompts
 from maxnnx.rl.rewards import Rewards
-from maxnnx.rl.rollouts import Rollouts
+from maxnnx.rl.rollouts import SAMPLERS, Rollouts
 from maxnnx.train.config import TrainConfig
 
 
@@ -53,6 +53,8 @@ class GRPOConfig(ValidatedConfig):
     dynamic_sampling: replace groups with equal rewards (``auto``: on for ``dapo``).
     max_refills: extra rollouts at most to fill a batch under dynamic sampling.
     rollouts_jsonl: append every completion with its rewards to this file.
+    sampler: ``generate`` or ``engine`` (the serving engine's continuous batching;
+      see :class:`~maxnnx.rl.rollouts.Rollouts`).
   """
 
   loss_type: str = 'grpo'
@@ -68,8 +70,11 @@ class GRPOConfig(ValidatedConfig):
   dynamic_sampling: str = 'auto'
   max_refills: int = 4
   rollouts_jsonl: str = ''
+  sampler: str = 'generate'
 
   def _validate(self):
+    if self.sampler not in SAMPLERS:
+      raise ValueError(f'sampler must be one of {SAMPLERS}, got {self.sampler!r}.')
     if self.loss_type not in LOSS_TYPES:
       raise ValueError(f'loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}.')
     if self.dynamic_sampling not in ('auto', 'on', 'off'):
@@ -111,7 +116,7 @@ def make_rollouts(config: GRPOConfig, prompts: Prompts, rewards: Rewards, tokeni
                   top_p=config.top_p if config.top_p < 1 else None,
                   num_iterations=config.num_iterations, dynamic_sampling=dynamic,
                   max_refills=config.max_refills, seed=seed,
-                  rollouts_jsonl=config.rollouts_jsonl or None)
+                  rollouts_jsonl=config.rollouts_jsonl or None, sampler=config.sampler)
 
 
 class GRPO:

@@ -6,7 +6,11 @@ objective is a :class:`~maxnnx.rl.GRPOObjective`. Each rollout:
 1. takes ``global_batch_size / num_generations`` prompts (:class:`~maxnnx.rl.Prompts`);
 2. samples ``num_generations`` completions of each from the trainer's live model
    (:func:`~maxnnx.generate`, with per-token log-probs), on the trainer's mesh:
-   the policy that trains is the policy that samples, with no copy;
+   the policy that trains is the policy that samples, with no copy. With
+   ``sampler='engine'`` the serving :class:`~maxnnx.serving.Engine` samples instead
+   (continuous batching: a finished completion frees its row at once, and the
+   ``num_generations`` rows of a prompt share its cached pages), its parameters
+   swapped for the live ones (``load_weights``) before every rollout;
 3. scores them with the reward functions (:class:`~maxnnx.rl.Rewards`) and
    normalises the rewards within each group (:func:`~maxnnx.rl.losses.group_advantages`);
    with dynamic sampling (DAPO) groups whose rewards are all equal are replaced by
@@ -50,6 +54,9 @@ from maxnnx.rl.rewards import Rewards
 
 logger = logging.getLogger(__name__)
 
+#: How rollouts sample (see :class:`Rollouts`).
+SAMPLERS = ('generate', 'engine')
+
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _score(graphdef, reference_graphdef, adapters_off, temperature, chunk_length, state,
@@ -89,6 +96,9 @@ class Rollouts:
       after them, equal-reward groups fill what is left.
     seed: seed of the sampling (each rollout's key derives from it and its count).
     rollouts_jsonl: a file (local or bucket URL) to append every completion to.
+    sampler: ``generate`` (one static batch per rollout) or ``engine`` (the serving
+      engine's continuous batching and prefix cache; the same distribution and
+      log-probs, other random draws).
 
   Call :meth:`attach` with the Trainer before the first batch (the
   :class:`~maxnnx.rl.GRPO` class does it).
@@ -98,13 +108,16 @@ class Rollouts:
                max_new_tokens: int = 64, top_k: int | None = None, top_p: float | None = None,
                num_iterations: int = 1, eos_ids: Sequence[int] | None = None,
                dynamic_sampling: bool | None = None, max_refills: int = 4, seed: int = 0,
-               rollouts_jsonl: str | None = None):
+               rollouts_jsonl: str | None = None, sampler: str = 'generate'):
     if num_generations < 2:
       raise ValueError(f'num_generations must be >= 2 (advantages compare completions of the '
                        f'same prompt), got {num_generations}.')
     if max_new_tokens < 1 or num_iterations < 1:
       raise ValueError(f'Need max_new_tokens >= 1 and num_iterations >= 1, got '
                        f'{max_new_tokens} and {num_iterations}.')
+    if sampler not in SAMPLERS:
+      raise ValueError(f'sampler must be one of {SAMPLERS}, got {sampler!r}.')
+    self.sampler, self._engine = sampler, None
     self.prompts = prompts
     self.rewards = rewards if isinstance(rewards, Rewards) else Rewards(rewards)
     self.tokenizer = tokenizer
@@ -187,11 +200,15 @@ class Rollouts:
     prompt_ids = [p.ids[-budget:] for p in prompts for _ in range(group)]
     truncated = sum(len(p.ids) > budget for p in prompts)
     seed = int(np.random.SeedSequence([self.seed, self.count, attempt]).generate_state(1)[0])
-    with self.trainer.mesh_context():
-      out = generate(self.trainer.model, prompt_ids, self.max_new_tokens,
-                     temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                     eos_ids=self.eos_ids, pad_id=self.pad_id, seed=seed & 0x7FFFFFFF)
-    completion_ids = [row[:n].tolist() for row, n in zip(out.tokens, out.lengths)]
+    if self.sampler == 'engine':
+      completion_ids, logprobs = self._engine_sample(prompt_ids, seed)
+    else:
+      with self.trainer.mesh_context():
+        out = generate(self.trainer.model, prompt_ids, self.max_new_tokens,
+                       temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                       eos_ids=self.eos_ids, pad_id=self.pad_id, seed=seed & 0x7FFFFFFF)
+      completion_ids = [row[:n].tolist() for row, n in zip(out.tokens, out.lengths)]
+      logprobs = out.logprobs
     stops = set(self.eos_ids)
     texts = [self.tokenizer.decode([i for i in ids if i not in stops]) for ids in completion_ids]
     values = [p.value for p in prompts for _ in range(group)]
@@ -200,9 +217,34 @@ class Rollouts:
     per_function = self.rewards(values, texts, columns)
     return {'prompt_ids': prompt_ids, 'completion_ids': completion_ids, 'texts': texts,
             'values': values, 'per_function': per_function,
-            'total': self.rewards.total(per_function), 'logprobs': out.logprobs,
+            'total': self.rewards.total(per_function), 'logprobs': logprobs,
             'ended': [bool(set(ids) & stops) for ids in completion_ids],
             'truncated_prompts': truncated}
+
+  def _engine_sample(self, prompt_ids: list[list[int]], seed: int
+                     ) -> tuple[list[list[int]], np.ndarray]:
+    """Completions and their log-probs ``[rows, max_new_tokens]`` (0 after the end) from the
+    serving engine, holding the live parameters."""
+    from maxnnx.serving import Engine, SamplingParams  # noqa: PLC0415
+    rows, cfg = len(prompt_ids), self.trainer.config
+    with self.trainer.mesh_context():
+      if self._engine is None or self._engine.max_batch < rows:
+        self._engine = Engine(self.trainer.model, max_batch=rows, page_size=16,
+                              token_budget=max(rows, min(rows * (cfg.seq_len + 1), 4096)),
+                              max_model_len=cfg.seq_len + 1, max_logprobs=0)
+      else:
+        self._engine.load_weights(self.trainer.model)
+      params = [SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature,
+                               top_k=self.top_k, top_p=self.top_p,
+                               seed=int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
+                               & 0x7FFFFFFF, stop_token_ids=tuple(self.eos_ids),
+                               ignore_eos=True, logprobs=0, scaled_logprobs=True)
+                for i in range(rows)]
+      completions = self._engine.generate(prompt_ids, params)
+    logprobs = np.zeros((rows, self.max_new_tokens), np.float32)
+    for i, completion in enumerate(completions):
+      logprobs[i, :len(completion.logprobs)] = [t.logprob for t in completion.logprobs]
+    return [list(c.token_ids) for c in completions], logprobs
 
   def _select(self, samples: list[dict], rows: int) -> tuple[dict, int]:
     """The rows of a batch: groups with a reward spread first (dynamic sampling)."""

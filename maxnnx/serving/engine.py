@@ -347,6 +347,7 @@ class Engine:
     kv_lens_B, q_starts_B, q_lens_B, last_B, seeds_B, counters_B, top_k_B = (
         np.zeros(rows, np.int32) for _ in range(7))
     temperature_B, top_p_B = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+    logprob_temperature_B = np.ones(rows, np.float32)
     offset = 0
     for row, (request, count) in enumerate(scheduled):
       positions = np.arange(request.num_computed, request.num_computed + count)
@@ -362,12 +363,14 @@ class Engine:
       temperature_B[row] = params.temperature
       top_k_B[row] = params.top_k or 0
       top_p_B[row] = 1.0 if params.top_p is None else params.top_p
+      if params.scaled_logprobs and params.temperature > 0:
+        logprob_temperature_B[row] = params.temperature
       seeds_B[row], counters_B[row] = request.seed, len(request.output_ids)
       offset += count
     batch = PagedBatch(page_table_BM, kv_lens_B, q_starts_B, q_lens_B, slots_T, max_q)
     self.step_shapes.add((width, max_q, num_pages))
     return ((ids_T, positions_T, batch, last_B),
-            (temperature_B, top_k_B, top_p_B, seeds_B, counters_B))
+            (temperature_B, top_k_B, top_p_B, seeds_B, counters_B, logprob_temperature_B))
 
   def _finish_reason(self, request: Request, token: int) -> str | None:
     params = request.params
@@ -420,15 +423,18 @@ def _make_step(graphdef, traces: list[int]):
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _sample(num_logprobs, logits_BV, temperature_B, top_k_B, top_p_B, seeds_B, counters_B):
+def _sample(num_logprobs, logits_BV, temperature_B, top_k_B, top_p_B, seeds_B, counters_B,
+            logprob_temperature_B):
   """Tokens, their log-probabilities and the top ones; ``[B, vocab]`` never changes shape,
   so this compiles once per ``num_logprobs`` (0 when no row asks for log-probabilities: then
-  only the tokens are computed and the rest is None), apart from the bucketed model step."""
+  only the tokens are computed and the rest is None), apart from the bucketed model step.
+  Log-probabilities are of ``logits / logprob_temperature_B`` (1: the model's own)."""
   tokens_B = sample_rows(logits_BV, row_keys(seeds_B, counters_B), temperature_B, top_k_B,
                          top_p_B)
   if not num_logprobs:
     return tokens_B, None, None, None
-  logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+  scaled_BV = logits_BV.astype(jnp.float32) / logprob_temperature_B[:, None]
+  logprobs_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
   chosen_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
   top_lps_BN, top_ids_BN = jax.lax.top_k(logprobs_BV, num_logprobs)
   return tokens_B, chosen_B, top_ids_BN, top_lps_BN

@@ -25,6 +25,9 @@ class SamplingParams:
     logprobs: ``None`` for no log-probabilities; ``n >= 0`` returns, for every
       generated token, its log-probability and the ``n`` most likely tokens'
       (under the model's distribution, before temperature, top-k and top-p).
+    scaled_logprobs: report ``logprobs`` under the distribution the token was drawn
+      from, ``log_softmax(logits / temperature)`` (still before top-k and top-p), as
+      an RL objective compares them; greedy requests use temperature 1.
   """
 
   max_tokens: int = 16
@@ -36,6 +39,7 @@ class SamplingParams:
   stop: tuple[str, ...] = ()
   ignore_eos: bool = False
   logprobs: int | None = None
+  scaled_logprobs: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, 'stop_token_ids', tuple(int(i) for i in self.stop_token_ids))
