@@ -742,7 +742,7 @@ def generate(options: dict) -> str:
   """Run ``maxnnx generate``: continue ``prompt`` with the model in ``output_dir`` (local or
   a URL, whose files are downloaded first)."""
   import maxnnx  # noqa: PLC0415
-  from maxnnx.data import SentencePieceTokenizer  # noqa: PLC0415
+  from maxnnx.data import SentencePieceTokenizer, load_tokenizer  # noqa: PLC0415
   out = paths.normalize(options['output_dir'])
   model_dir, tok_path = paths.join(out, 'final'), paths.join(out, 'tokenizer.model')
   checkpoints = paths.join(out, 'checkpoints')
@@ -750,11 +750,17 @@ def generate(options: dict) -> str:
     model = _model_from_checkpoint(checkpoints)  # an unfinished run: its newest checkpoint
   else:
     model = None
-  for path in (model_dir, tok_path)[model is not None:]:
-    if not paths.exists(path):
-      raise UsageError(f'{path} is missing: is {out} a directory written by maxnnx train?')
-  model = model if model is not None else maxnnx.from_pretrained(paths.local_copy(model_dir))
-  text = _sample(model, SentencePieceTokenizer(paths.local_copy(tok_path)),
+  if model is None and not paths.exists(model_dir):
+    raise UsageError(f'{model_dir} is missing: is {out} a directory written by maxnnx train?')
+  local_model_dir = paths.local_copy(model_dir) if model is None else None
+  if paths.exists(tok_path):  # the tokenizer a run trained on its corpus
+    tokenizer = SentencePieceTokenizer(paths.local_copy(tok_path))
+  elif local_model_dir is not None:  # a run from a checkpoint's tokenizer (sft, dpo...)
+    tokenizer = load_tokenizer(local_model_dir)
+  else:
+    raise UsageError(f'{tok_path} is missing: is {out} a directory written by maxnnx train?')
+  model = model if model is not None else maxnnx.from_pretrained(local_model_dir)
+  text = _sample(model, tokenizer,
                  options['prompt'], options['max_new_tokens'], options['temperature'],
                  options['top_p'], options['seed'], options['top_k'])
   print(text)

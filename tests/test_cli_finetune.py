@@ -66,6 +66,15 @@ def test_sft_trains_on_assistant_tokens_and_exports_a_chat_model(sft_run, base):
   assert stored['objective'] == {'template': ''}
 
 
+def test_generate_samples_an_sft_run_with_its_checkpoints_tokenizer(sft_run, capsys):
+  """The run's tokenizer is the checkpoint's, kept in final/ (no tokenizer.model beside it)."""
+  out, _ = sft_run
+  capsys.readouterr()
+  assert cli.main(['generate', f'output_dir={out}', 'prompt=Hi', 'max_new_tokens=3',
+                   'temperature=0']) == 0
+  assert capsys.readouterr().out.startswith('Hi')
+
+
 def test_sft_refuses_a_changed_template_on_resume(sft_run, capsys):
   out, args = sft_run
   assert cli.main([*args, 'template=llama3']) == 2
