@@ -901,6 +901,8 @@ def _join_processes(options: dict) -> None:
                                   count if explicit else None, rank if explicit else None,
                                   auto=coordinator == 'auto')
   if joined and not distributed.is_primary():
+    sys.stdout.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # native libraries' prints too
     sys.stdout = open(os.devnull, 'w')  # noqa: SIM115 (closed by main)
 
 
