@@ -32,10 +32,10 @@ def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Arra
   logits_BV = logits_BV.astype(jnp.float32)
   greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
-  def sample(_):
+  def cut(scaled):
+    """``scaled`` with the logits outside each row's top-k and top-p set to -inf."""
     vocab = logits_BV.shape[-1]
     neg_inf = jnp.finfo(jnp.float32).min
-    scaled = logits_BV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
     sorted_BV = -jnp.sort(-scaled, axis=-1)
     k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
     kth_B1 = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)
@@ -45,7 +45,14 @@ def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Arra
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = (mass_before < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)
     cutoff_B1 = jnp.min(jnp.where(keep, sorted_BV, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < cutoff_B1, neg_inf, scaled)
+    return jnp.where(scaled < cutoff_B1, neg_inf, scaled)
+
+  def sample(_):
+    scaled = logits_BV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+    # The sort over the vocabulary dominates a CPU step (250 ms for 32 x 32k): skip it when
+    # no row cuts (the cut would then keep every logit, so the result is the same).
+    cuts = jnp.any(top_k_B > 0) | jnp.any(top_p_B < 1.0)
+    scaled = jax.lax.cond(cuts, cut, lambda x: x, scaled)
     sampled_B = jax.vmap(jax.random.categorical)(keys_B, scaled).astype(jnp.int32)
     return jnp.where(temperature_B > 0, sampled_B, greedy_B)
 
