@@ -215,6 +215,21 @@ def test_decode_harness_smoke():
   assert row['bandwidth_gbs'] > 0 and np.isfinite(row['fraction_of_bound'])
 
 
+def test_rollouts_harness_smoke():
+  """The rollout harness times both samplers on a micro config with consistent rates."""
+  from benchmarks import rollouts  # noqa: PLC0415
+  rows = rollouts.run(MICRO, name='micro', num_prompts=2, group=2, max_new_tokens=4,
+                      prompt_len=(4, 8), eos_fraction=0.05, rollouts=1, warmup=0,
+                      log=lambda line: None)
+  assert [r['sampler'] for r in rows] == ['generate', 'engine']
+  for row in rows:
+    assert 4 <= row['completion_tokens'] <= 2 * 2 * 4
+    assert row['completion_tokens_per_s'] == pytest.approx(
+        row['completion_tokens'] / row['rollout_s'])
+    assert row['mfu'] == pytest.approx(row['tflops'] / row['ceiling_tflops'])
+  assert rows[1]['engine_compiles'] >= 1
+
+
 class _FakeClock:
   """A clock that only moves when the loop sleeps or a batch runs."""
 
