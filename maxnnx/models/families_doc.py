@@ -11,6 +11,7 @@ Regenerate it after adding or changing a family::
 from __future__ import annotations
 
 from maxnnx.models.registry import FamilySpec, specs
+from maxnnx.presets import MAXTEXT_ALIASES
 
 REGENERATE = 'python -m maxnnx.models.families_doc > docs/families.md'
 
@@ -29,7 +30,7 @@ def _differences(spec: FamilySpec) -> str:
 def families_markdown() -> str:
   """The text of ``docs/families.md``: per family, its Hugging Face ``model_type``
   values, the :class:`~maxnnx.config.ModelConfig` fields it sets away from the Llama
-  baseline (the defaults), and its presets."""
+  baseline (the defaults), and its presets; then MaxText's names for presets."""
   found = specs()
   order = sorted(found, key=lambda name: (name != 'llama', name))
   lines = [
@@ -55,6 +56,11 @@ def families_markdown() -> str:
     spec = found[name]
     lines.append(f'- `{name}` (`{spec.hf.architecture}`, `maxnnx/models/{name}.py`): '
                  f'{spec.description}')
+  lines += ['', "## MaxText's model names", '',
+            "`maxnnx.get_preset` also takes MaxText's name for a preset of the same "
+            'architecture (`maxnnx.presets.MAXTEXT_ALIASES`):', '',
+            '| MaxText name | Preset |', '|---|---|']
+  lines += [f'| `{alias}` | `{target}` |' for alias, target in sorted(MAXTEXT_ALIASES.items())]
   return '\n'.join(lines) + '\n'
 
 
