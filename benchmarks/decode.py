@@ -23,7 +23,6 @@ tokens/s and the fraction of that ceiling, and the prefill's tokens/s.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -114,9 +113,7 @@ def run(cfg: dict, *, name: str, batches=(1, 32), prefill: int = 512, decode: in
         'command': results.current_command()})
   log(format_table(rows, bandwidth_before, bandwidth_after))
   if json_path:
-    with open(json_path, 'a') as f:
-      for row in rows:
-        f.write(json.dumps(row) + '\n')
+    results.append_lines(json_path, rows)
     log(f'appended to {json_path}')
   return rows
 

@@ -148,6 +148,17 @@ def append_result(path: str, record: dict) -> None:
     f.write(json.dumps(record) + '\n')
 
 
+def append_lines(path: str, rows: list[dict]) -> None:
+  """Append ``rows`` (records of any kind: decode, serving, rollouts) to the JSONL file ``path``,
+  one line each, creating its directory."""
+  directory = os.path.dirname(path)
+  if directory:
+    os.makedirs(directory, exist_ok=True)
+  with open(path, 'a') as f:
+    for row in rows:
+      f.write(json.dumps(row) + '\n')
+
+
 def read_results(path: str) -> list[dict]:
   """Every valid record of a JSONL file (blank lines skipped); a bad line raises
   :class:`ResultError` naming the file and line."""

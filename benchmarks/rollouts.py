@@ -26,7 +26,6 @@ step shapes (``engine_compiles`` counts its compiles over all rollouts).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -112,9 +111,7 @@ def run(cfg: dict, *, name: str, num_prompts: int, group: int, max_new_tokens: i
         'versions': measure.versions(), 'command': results.current_command()})
   log(format_table(rows))
   if json_path:
-    with open(json_path, 'a') as f:
-      for row in rows:
-        f.write(json.dumps(row) + '\n')
+    results.append_lines(json_path, rows)
     log(f'appended to {json_path}')
   return rows
 

@@ -349,10 +349,7 @@ def run(cfg: dict, *, name: str, systems=SYSTEMS, num_requests: int = 64,
   for line in verdict(rows, concurrency=arrival_kwargs['concurrency']):
     log(line)
   if json_path:
-    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-    with open(json_path, 'a') as f:
-      for row in rows:
-        f.write(json.dumps(row) + '\n')
+    results.append_lines(json_path, rows)
     log(f'appended to {json_path}')
   return rows
 
