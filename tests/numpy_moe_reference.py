@@ -88,7 +88,9 @@ def moe(x_ND, p, cfg, capacity=None):
   for i in range(n):
     chosen, weights, _ = routes[i]
     for k, (e, w) in enumerate(zip(chosen, weights)):
-      if kept[i, k]:
+      if kept[i, k] and cfg.moe.router_weights_on_input:  # Llama 4: the expert sees w * x
+        out[i] += _expert(w * x_ND[i], p['experts'], e, cfg)
+      elif kept[i, k]:
         out[i] += w * _expert(x_ND[i], p['experts'], e, cfg)
   if 'shared_experts' in p:
     out += mlp(x_ND, p['shared_experts'], cfg.mlp_activation, True)

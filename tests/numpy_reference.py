@@ -171,8 +171,9 @@ def apply_rope(x_BTNH, positions_BT, inv_freq, attention_factor=1.0):
 # -- attention ------------------------------------------------------------------
 
 
-def visible(q_seg, q_pos, kv_seg, kv_pos, window=None):
-  """Boolean ``[B, T, S]``: same non-zero segment, ``0 <= q_pos - k_pos (< window)``."""
+def visible(q_seg, q_pos, kv_seg, kv_pos, window=None, chunk=None):
+  """Boolean ``[B, T, S]``: same non-zero segment, ``0 <= q_pos - k_pos (< window)``
+  (and, with ``chunk``, both positions in the same chunk of ``chunk`` positions)."""
   q_seg, q_pos, kv_seg, kv_pos = map(np.asarray, (q_seg, q_pos, kv_seg, kv_pos))
   b_, t_, s_ = q_seg.shape[0], q_seg.shape[1], kv_seg.shape[1]
   out = np.zeros((b_, t_, s_), bool)
@@ -183,6 +184,8 @@ def visible(q_seg, q_pos, kv_seg, kv_pos, window=None):
         ok = kv_seg[b, s] != 0 and q_seg[b, t] == kv_seg[b, s] and delta >= 0
         if window is not None:
           ok = ok and delta < window
+        if chunk is not None:
+          ok = ok and q_pos[b, t] // chunk == kv_pos[b, s] // chunk
         out[b, t, s] = ok
   return out
 

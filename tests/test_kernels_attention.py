@@ -64,6 +64,8 @@ SCENARIOS = {
     'sinks': (4, 2, 16, 16, 8, {'sinks': True}),
     'decode': (4, 2, 2, 16, 8, {}),
     'mla_v_dim': (4, 4, 16, 16, 12, {}),
+    'chunked': (4, 2, 16, 16, 8, {'chunk': 5, 'packed': True}),
+    'traced_chunk': (4, 2, 16, 16, 8, {'chunk': 5, 'traced': True}),
 }
 BF16_SCENARIOS = ('gqa_causal', 'packed_padded')
 HEAD_DIM = 8
@@ -95,8 +97,10 @@ def _case(scenario, dtype, rng):
   window = opts.get('window')
   options = AttentionOptions(
       scale=HEAD_DIM ** -0.5, softcap=opts.get('softcap'),
-      sliding_window=jnp.int32(window) if opts.get('traced') else window,
-      sinks_N=jnp.asarray(rng.normal(size=heads), dtype) if opts.get('sinks') else None)
+      sliding_window=jnp.int32(window) if opts.get('traced') and window else window,
+      sinks_N=jnp.asarray(rng.normal(size=heads), dtype) if opts.get('sinks') else None,
+      chunk_size=(jnp.int32(opts['chunk']) if opts.get('traced') else opts['chunk'])
+      if 'chunk' in opts else None)
   weights = rng.normal(size=(2, t, heads, v_dim)) * np.asarray(mask.q_segment_ids != 0)[..., None,
                                                                                           None]
   q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
@@ -144,7 +148,9 @@ def _cannot_run_here(kernel, dtype) -> list[str]:
 # combinations are marked slow. A strategy without an entry here (a newly registered one)
 # runs DEFAULT_FAST in float32 by default.
 FAST = {('jax_nn', s, 'float32') for s in ('packed_padded', 'traced_window', 'softcap',
-                                            'sinks', 'decode', 'mla_v_dim')} | {
+                                            'sinks', 'decode', 'mla_v_dim', 'chunked')} | {
+    ('pallas_interpret', 'chunked', 'float32'), ('tokamax_xla', 'traced_chunk', 'float32'),
+    ('xla_flash', 'chunked', 'float32'), ('xla_flash', 'traced_chunk', 'float32')} | {
     ('tokamax_xla', s, 'float32') for s in ('packed_padded', 'softcap', 'decode', 'sinks')} | {
     ('xla_flash', s, 'float32') for s in ('packed_padded', 'window', 'traced_window', 'softcap',
                                           'sinks', 'decode', 'mla_v_dim')} | {
@@ -209,7 +215,7 @@ def test_declared_capabilities_cover_the_scenarios():
   assert refused['xla_flash'] == []
   assert refused['tokamax'] == refused['tokamax_xla'] == ['sinks']
   assert refused['pallas_interpret'] == ['window', 'traced_window', 'softcap', 'sinks', 'decode',
-                                         'mla_v_dim']
+                                         'mla_v_dim', 'chunked', 'traced_chunk']
 
 
 def _not_on_this_platform() -> list[str]:

@@ -134,6 +134,25 @@ def test_mask_dense_matches_reference_rule():
                                   ref.visible(seg, pos, kv_seg, kv_pos, window))
 
 
+@pytest.mark.parametrize('chunk', [1, 3, 5])
+def test_kernel_chunked_attention(chunk):
+  """Chunked attention: a key is visible iff causal and in the query's chunk of positions,
+  in packed rows too (chunks count from each document's position 0)."""
+  q, k, v = _qkv(12, b=1)
+  seg, pos = PACKED_SEGMENTS, PACKED_POSITIONS
+  mask = _mask(seg, pos)
+  expected = ref.attention(q, k, v, ref.visible(seg, pos, seg, pos, chunk=chunk), 0.35)
+  f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
+  for chunk_size in (chunk, jnp.int32(chunk)):  # static and traced
+    out = jax.jit(lambda q, k, v, c: XlaAttention()(q, k, v, mask, AttentionOptions(
+        scale=0.35, chunk_size=c)))(*f32, chunk_size)
+    ref.assert_close(ref.f64(out), expected)
+  np.testing.assert_array_equal(np.asarray(mask.dense(None, chunk)),
+                                ref.visible(seg, pos, seg, pos, chunk=chunk))
+  np.testing.assert_array_equal(np.asarray(mask.dense(2, chunk)),
+                                ref.visible(seg, pos, seg, pos, 2, chunk))
+
+
 def test_kernel_queries_against_longer_cache():
   """Queries [T] attend over S != T keys described by the mask (decode layout)."""
   q, k, v = _qkv(8, t=2, s=10)

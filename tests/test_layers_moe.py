@@ -37,6 +37,8 @@ VARIANTS = {
     'gpt_oss': dict(router_bias=True, expert_bias=True, swiglu_limit=1.5, swiglu_alpha=1.702,
                     num_experts_per_tok=4),
     'gelu_experts': dict(mlp_activation='gelu_tanh'),
+    'llama4': {'router_score': 'sigmoid', 'router_norm_topk': False, 'num_shared_experts': 1,
+               'moe.router_weights_on_input': True},
 }
 
 

@@ -287,27 +287,34 @@ def test_adapter_dropout_drops_the_adapter_input_in_the_train_step_only():
   np.testing.assert_array_equal(model.hidden_states(x)[0], off[0])  # still off afterwards
 
 
+def _dropout_run(dropout, seed=0, accum=1):
+  model = apply_lora(_base(scan=True), LoraConfig(rank=4, alpha=8, dropout=dropout))
+  return _fit(model, _train_config(seed=seed, grad_accum_steps=accum))
+
+
 def test_adapter_dropout_trains_reproducibly_and_only_in_training():
   """Step 1 (B = 0) is the same loss with and without dropout; later steps differ; the same
-  seed repeats the run exactly (grad accumulation included); evaluation does not drop."""
-  def run(dropout, seed=0, accum=1):
-    model = apply_lora(_base(scan=True), LoraConfig(rank=4, alpha=8, dropout=dropout))
-    return _fit(model, _train_config(seed=seed, grad_accum_steps=accum))
-
-  _, plain = run(0.0)
-  trainer, dropped = run(0.3)
-  _, again = run(0.3)
-  _, other_seed = run(0.3, seed=1)
+  seed repeats the run exactly; evaluation does not drop."""
+  _, plain = _dropout_run(0.0)
+  trainer, dropped = _dropout_run(0.3)
+  _, again = _dropout_run(0.3)
   np.testing.assert_allclose(dropped[0], plain[0], rtol=1e-6)
   assert np.abs(dropped[1:] - plain[1:]).min() > 1e-5
   np.testing.assert_array_equal(dropped, again)
-  assert np.abs(other_seed[1:] - dropped[1:]).min() > 1e-6
-  _, accumulated = run(0.3, accum=2)
-  assert np.all(np.isfinite(accumulated)) and accumulated[-1] < accumulated[0]
   ids = _ids()
   merged = merge_adapters(trainer.model)
   np.testing.assert_allclose(trainer.model(ids), merged(ids), atol=1e-4)  # no dropout in eval
   assert not hasattr(merged.layers.attn.q_proj, 'lora_dropout_seed')
+
+
+@SLOW
+def test_adapter_dropout_masks_follow_the_seed_and_accumulate():
+  """Another seed draws other masks; grad accumulation draws one per micro-batch and trains."""
+  _, dropped = _dropout_run(0.3)
+  _, other_seed = _dropout_run(0.3, seed=1)
+  assert np.abs(other_seed[1:] - dropped[1:]).min() > 1e-6
+  _, accumulated = _dropout_run(0.3, accum=2)
+  assert np.all(np.isfinite(accumulated)) and accumulated[-1] < accumulated[0]
 
 
 # -- PEFT's format ----------------------------------------------------------------------------

@@ -76,11 +76,17 @@ FAMILIES = {
     'olmo3': dict(FAMILY_SIZES, num_kv_heads=2, mlp_dim=128, sliding_window=8,
                   layer_types=('sliding', 'sliding', 'sliding', 'full')),
     'gpt3': dict(FAMILY_SIZES, num_kv_heads=4, mlp_dim=256),
+    # Chunked layers, a NoPE layer with its temperature, L2 q/k norms and top-1 experts
+    # weighting their inputs, all in one scanned stack (nope flags traced per layer).
+    'llama4': dict(FAMILY_SIZES, num_kv_heads=2, mlp_dim=128, attention_chunk_size=8,
+                   layer_types=('chunked', 'chunked', 'chunked', 'full'), nope_layers=(3,),
+                   attn_temperature_floor=4.0, moe={'num_experts': 4, 'mlp_dim': 64}),
 }
 
 
 @pytest.mark.parametrize('family', [
-    'olmo3', pytest.param('gpt3', marks=pytest.mark.slow)])  # gpt3's layers: test_transformer
+    'olmo3', 'llama4',
+    pytest.param('gpt3', marks=pytest.mark.slow)])  # gpt3's layers: test_transformer
 def test_family_trains_on_a_2x2x2_mesh_like_one_device(family):
   cfg = specs()[family].config(**FAMILIES[family], scan_layers=True)
   one_device = _losses(MeshConfig(data=1), cfg)

@@ -22,6 +22,10 @@ PUBLISHED_BILLIONS = {
     'kimi-k2': (1026.0, 32.0),  # "1T" on the card; 1.026T in the Hub's safetensors metadata
     'gpt-oss-20b': (20.9, 3.6),
     'gpt-oss-120b': (116.8, 5.1),
+    # Llama 4's cards say 109B / 400B total, 17B active, counting the 0.9B vision tower with
+    # Scout's total; these presets are the text models (Scout 107.77B + 0.88B tower = 108.65B).
+    'llama4-17b-16e': (107.8, 17.0),
+    'llama4-17b-128e': (400.0, 17.0),
 }
 
 # Cards that count active parameters without the input embedding table.

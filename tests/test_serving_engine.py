@@ -249,6 +249,8 @@ SLIDING = dict(vocab_size=VOCAB, d_model=48, num_layers=4, num_heads=4, num_kv_h
                       qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12), id='mla'),
     pytest.param(dict(num_experts=4, num_experts_per_tok=2, moe_mlp_dim=32, scan_layers=True),
                  id='moe', marks=pytest.mark.slow),
+    pytest.param(dict(preset='tiny-llama4', attention_chunk_size=6, attn_temperature_floor=3.0,
+                      vocab_size=VOCAB, initializer_range=1.0), id='llama4_chunked_nope'),
 ])
 def test_family_under_paging_equals_its_unpaged_decode(family):
   """Sliding windows with soft-caps (Gemma 2/3 style), MLA's compressed cache and MoE layers

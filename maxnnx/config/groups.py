@@ -82,7 +82,7 @@ class RopeConfig(ValidatedConfig):
       raise ConfigError("RopeConfig.scaling='longrope' needs short_factor and long_factor.")
 
 
-LayerType = Literal['full', 'sliding']
+LayerType = Literal['full', 'sliding', 'chunked']
 
 RematPolicy = Literal['none', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', 'save_out_proj',
                       'save_attention_out', 'full']
@@ -111,6 +111,9 @@ class MoEConfig(ValidatedConfig):
     router_score_bias: aux-loss-free load balancing: a per-expert bias added to the
       scores for choosing experts only (``e_score_correction_bias``).
     router_bias: bias on the router projection (GPT-OSS).
+    router_weights_on_input: scale each expert's *input* by the token's routing
+      weight instead of its output (Llama 4; the two differ because an expert is
+      not linear).
     dispatch: ``dropless`` (sort by expert + ragged dot) or ``capacity`` (fixed
       per-expert buffers; overflowing assignments are dropped).
     capacity_factor: ``capacity`` dispatch: buffer size per expert is
@@ -137,6 +140,7 @@ class MoEConfig(ValidatedConfig):
   router_group_score: Literal['max', 'top2_sum'] = 'max'
   router_score_bias: bool = False
   router_bias: bool = False
+  router_weights_on_input: bool = False
   dispatch: Literal['dropless', 'capacity'] = 'dropless'
   capacity_factor: float = 1.25
   expert_bias: bool = False

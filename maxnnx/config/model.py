@@ -71,7 +71,9 @@ class ModelConfig(ValidatedConfig):
     qkv_bias: bias on the query/key/value projections (Qwen2).
     out_bias: bias on the attention output projection.
     qk_norm: ``none``; ``head`` (RMSNorm over ``head_dim`` of each head, Qwen3,
-      Gemma3) or ``projection`` (over all heads of q and of k, OLMo 2).
+      Gemma3); ``projection`` (over all heads of q and of k, OLMo 2); or ``l2``
+      (Llama 4: RMSNorm over ``head_dim`` without a learned scale, in the layers
+      with rotary embeddings only).
     query_scale: multiplier of q·k; ``None`` means ``head_dim ** -0.5``
       (Gemma 2/3 use ``query_pre_attn_scalar ** -0.5``).
     attn_logit_softcap: ``cap * tanh(scores / cap)`` before the softmax.
@@ -79,8 +81,18 @@ class ModelConfig(ValidatedConfig):
       value-less extra key, so a head can attend to nothing (GPT-OSS).
     sliding_window: keys at most this many positions back (query included) are
       visible in sliding layers.
-    layer_types: ``full`` or ``sliding`` per layer; ``None`` means all sliding
-      when ``sliding_window`` is set, else all full.
+    attention_chunk_size: in chunked layers the sequence is cut into chunks of
+      this many positions and a query sees only the keys of its own chunk
+      (Llama 4's local attention, ``attention_chunk_size``).
+    layer_types: ``full``, ``sliding`` or ``chunked`` per layer; ``None`` means
+      all sliding when ``sliding_window`` is set, else all full.
+    nope_layers: indices of the layers whose attention rotates nothing ("NoPE"
+      layers, Llama 4's ``no_rope_layers`` zeros); the others use ``rope``.
+    attn_temperature_tuning: multiply the queries of NoPE layers by
+      ``1 + attn_temperature_scale * log1p(floor((position + 1) / attn_temperature_floor))``
+      (Llama 4), which sharpens attention far into long contexts.
+    attn_temperature_floor: the position scale of that multiplier (``floor_scale``).
+    attn_temperature_scale: its strength (``attn_scale``).
     position_embedding: how token positions enter the model: ``rope`` rotates
       queries and keys in every attention layer (``rope``, ``local_rope``);
       ``learned`` adds a trained ``[max_position_embeddings, d_model]`` table to
@@ -89,7 +101,7 @@ class ModelConfig(ValidatedConfig):
       ``local_rope`` is set); unused when ``position_embedding='learned'``.
     local_rope: rotary embedding of sliding layers when it differs (Gemma 3).
     rope_interleave: rotary pairs are adjacent dims ``(x0, x1), (x2, x3)…``
-      rather than the two halves (DeepSeek checkpoints).
+      rather than the two halves (DeepSeek and Llama 4 checkpoints).
     mlp_activation: ``silu``, ``gelu_tanh``, ``gelu`` or ``relu``.
     mlp_gated: gated MLP (SwiGLU/GeGLU) rather than a plain two-layer MLP.
     mlp_bias: biases in the MLP projections.
@@ -127,12 +139,17 @@ class ModelConfig(ValidatedConfig):
   post_norm: bool = False
   qkv_bias: bool = False
   out_bias: bool = False
-  qk_norm: Literal['none', 'head', 'projection'] = 'none'
+  qk_norm: Literal['none', 'head', 'projection', 'l2'] = 'none'
   query_scale: float | None = None
   attn_logit_softcap: float | None = None
   attention_sinks: bool = False
   sliding_window: int | None = None
+  attention_chunk_size: int | None = None
   layer_types: tuple[LayerType, ...] | None = None
+  nope_layers: tuple[int, ...] = ()
+  attn_temperature_tuning: bool = False
+  attn_temperature_floor: float = 8192.0
+  attn_temperature_scale: float = 0.1
   position_embedding: Literal['rope', 'learned'] = 'rope'
   rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
   local_rope: RopeConfig | None = None
@@ -187,8 +204,21 @@ class ModelConfig(ValidatedConfig):
       if 'sliding' in self.layer_types and self.sliding_window is None:
         raise ConfigError("ModelConfig.layer_types has 'sliding' layers but sliding_window "
                           'is None; set sliding_window.')
+      if 'chunked' in self.layer_types and self.attention_chunk_size is None:
+        raise ConfigError("ModelConfig.layer_types has 'chunked' layers but "
+                          'attention_chunk_size is None; set attention_chunk_size.')
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise ConfigError(f'ModelConfig.sliding_window must be > 0, got {self.sliding_window}.')
+    if self.attention_chunk_size is not None and self.attention_chunk_size <= 0:
+      raise ConfigError('ModelConfig.attention_chunk_size must be > 0, got '
+                        f'{self.attention_chunk_size}.')
+    if 'chunked' in self.resolved_layer_types and self.attention_type != 'mha':
+      raise ConfigError("ModelConfig: chunked layers need attention_type='mha'.")
+    self._validate_nope()
+    if (self.rope_interleave and self.attention_type == 'mha'
+        and self.rope.partial_rotary_factor != 1.0):
+      raise ConfigError('ModelConfig.rope_interleave with attention_type=\'mha\' needs '
+                        'rope.partial_rotary_factor=1.0.')
     if self.rope.partial_rotary_factor * self.resolved_head_dim % 2:
       raise ConfigError('ModelConfig: the rotated part of head_dim '
                         f'({self.rope.partial_rotary_factor} * {self.resolved_head_dim}) '
@@ -204,6 +234,21 @@ class ModelConfig(ValidatedConfig):
       raise ConfigError("ModelConfig.attention_sinks needs attention_type='mha'.")
     if self.moe.num_experts:
       self._validate_moe()
+
+  def _validate_nope(self):
+    """Checks of ``nope_layers`` and the attention temperature."""
+    bad = [i for i in self.nope_layers if not 0 <= i < self.num_layers]
+    if bad or len(set(self.nope_layers)) != len(self.nope_layers):
+      raise ConfigError(f'ModelConfig.nope_layers must list distinct layer indices in '
+                        f'[0, num_layers={self.num_layers}), got {self.nope_layers}.')
+    if self.attn_temperature_floor <= 0:
+      raise ConfigError('ModelConfig.attn_temperature_floor must be > 0, got '
+                        f'{self.attn_temperature_floor}.')
+    if self.nope_layers and self.position_embedding != 'rope':
+      raise ConfigError("ModelConfig.nope_layers needs position_embedding='rope' (with learned "
+                        'positions no layer rotates anything).')
+    if self.nope_layers and self.attention_type != 'mha':
+      raise ConfigError("ModelConfig.nope_layers needs attention_type='mha'.")
 
   def _validate_moe(self):
     """Checks of the MoE group that need the rest of the model."""

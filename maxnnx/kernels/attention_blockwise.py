@@ -22,7 +22,8 @@ answer is never wrong, only slower. Decoding (queries shorter than the cache)
 always takes the one-block path.
 
 Everything ``xla`` supports is supported: GQA/MQA, packed and padded rows,
-static and traced sliding windows, soft-capping, sinks, a ``v`` head size of
+static and traced sliding windows, chunked attention (a static chunk bounds the
+keys a block scores like a window does), soft-capping, sinks, a ``v`` head size of
 its own. Query rows that see no key get the mean of the values in their range
 (``xla``: of all values); both are unspecified outputs of padding rows.
 """
@@ -207,8 +208,10 @@ class BlockwiseAttention(AttentionKernel):
     q_BKGTH = q_BTNH.reshape(batch, length, num_kv_heads, groups, head_dim).transpose(
         0, 2, 3, 1, 4)
     k_BKSH, v_BKSV = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
-    allowed_BTS = mask.dense(sliding_window)
-    static_window = sliding_window if isinstance(sliding_window, int | np.integer) else None
+    allowed_BTS = mask.dense(sliding_window, options.chunk_size)
+    # A chunk of C positions bounds the look-back like a window of C does.
+    bounds = [b for b in (sliding_window, options.chunk_size) if isinstance(b, int | np.integer)]
+    static_window = min(bounds) if bounds else None
     plan = block_plan(length, kv_length, block_size=self.block_size,
                       max_blocks=self.max_blocks, window=static_window)
     full_plan = ((0, length, 0, kv_length),)

@@ -76,7 +76,8 @@ class PallasFlashAttention(AttentionKernel):
     return AttentionCapabilities(
         platforms=ALL_PLATFORMS if self.interpret else ('gpu',), dtypes=FLOAT_DTYPES,
         gqa=True, masking='index_causal', decode=False, sliding_window=False,
-        traced_window=False, softcap=False, sinks=False, distinct_v_head_dim=False)
+        traced_window=False, softcap=False, sinks=False, distinct_v_head_dim=False,
+        chunked=False)
 
   def unsupported_reasons(self, request):
     """The declared limits, and the kernel's block tiling of the sequence."""

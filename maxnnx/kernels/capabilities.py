@@ -162,6 +162,7 @@ class AttentionRequest:
       scanned layers of mixed types).
     softcap: a logit soft-cap is set.
     sinks: attention-sink logits are given.
+    chunked: chunked (local) attention is asked for (``options.chunk_size``).
   """
 
   platform: str
@@ -175,6 +176,7 @@ class AttentionRequest:
   window: Literal['none', 'static', 'traced']
   softcap: bool
   sinks: bool
+  chunked: bool = False
 
   @classmethod
   def of(cls, q_BTNH, k_BSKH, v_BSKH, options: AttentionOptions) -> 'AttentionRequest':
@@ -184,7 +186,8 @@ class AttentionRequest:
                num_heads=q_BTNH.shape[2], num_kv_heads=k_BSKH.shape[2],
                head_dim=q_BTNH.shape[3], v_head_dim=v_BSKH.shape[3],
                window=_window_kind(options.sliding_window),
-               softcap=options.softcap is not None, sinks=options.sinks_N is not None)
+               softcap=options.softcap is not None, sinks=options.sinks_N is not None,
+               chunked=options.chunk_size is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +209,7 @@ class AttentionCapabilities:
     softcap: logit soft-capping.
     sinks: attention-sink logits (GPT-OSS).
     distinct_v_head_dim: ``v`` head size different from the ``q``/``k`` one (MLA).
+    chunked: chunked (local) attention, static or traced chunk size (Llama 4).
   """
 
   platforms: tuple[str, ...]
@@ -218,6 +222,7 @@ class AttentionCapabilities:
   softcap: bool
   sinks: bool
   distinct_v_head_dim: bool
+  chunked: bool
 
   def missing(self, request: AttentionRequest) -> list[str]:
     """Why ``request`` cannot be served; empty when it can."""
@@ -242,6 +247,8 @@ class AttentionCapabilities:
     if request.head_dim != request.v_head_dim and not self.distinct_v_head_dim:
       reasons.append(f'v head size {request.v_head_dim} != q/k head size {request.head_dim} '
                      'is not supported')
+    if request.chunked and not self.chunked:
+      reasons.append('chunked attention is not supported')
     return reasons
 
 
@@ -258,6 +265,7 @@ class PagedAttentionRequest:
     window: ``none``, ``static`` or ``traced`` (see :class:`AttentionRequest`).
     softcap: a logit soft-cap is set.
     sinks: attention-sink logits are given.
+    chunked: chunked (local) attention is asked for (``options.chunk_size``).
   """
 
   platform: str
@@ -270,6 +278,7 @@ class PagedAttentionRequest:
   window: Literal['none', 'static', 'traced']
   softcap: bool
   sinks: bool
+  chunked: bool = False
 
   @classmethod
   def of(cls, q_TNH, k_pages_PSKH, v_pages_PSKH,
@@ -279,7 +288,8 @@ class PagedAttentionRequest:
                num_heads=q_TNH.shape[1], num_kv_heads=k_pages_PSKH.shape[2],
                head_dim=q_TNH.shape[2], v_head_dim=v_pages_PSKH.shape[3],
                page_size=k_pages_PSKH.shape[1], window=_window_kind(options.sliding_window),
-               softcap=options.softcap is not None, sinks=options.sinks_N is not None)
+               softcap=options.softcap is not None, sinks=options.sinks_N is not None,
+               chunked=options.chunk_size is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +307,7 @@ class PagedAttentionCapabilities:
     softcap: logit soft-capping.
     sinks: attention-sink logits (GPT-OSS).
     distinct_v_head_dim: ``v`` head size different from the ``q``/``k`` one.
+    chunked: chunked (local) attention (Llama 4).
   """
 
   platforms: tuple[str, ...]
@@ -307,6 +318,7 @@ class PagedAttentionCapabilities:
   softcap: bool
   sinks: bool
   distinct_v_head_dim: bool
+  chunked: bool
 
   def missing(self, request: PagedAttentionRequest) -> list[str]:
     """Why ``request`` cannot be served; empty when it can."""
@@ -328,6 +340,8 @@ class PagedAttentionCapabilities:
     if request.head_dim != request.v_head_dim and not self.distinct_v_head_dim:
       reasons.append(f'v head size {request.v_head_dim} != q/k head size {request.head_dim} '
                      'is not supported')
+    if request.chunked and not self.chunked:
+      reasons.append('chunked attention is not supported')
     return reasons
 
 

@@ -13,8 +13,9 @@ class AttentionMask:
 
   A key is visible to a query when both are in the same segment, the key's
   segment is not 0 (padding or an empty cache slot), the key's position is not
-  after the query's (causal), and, in sliding layers, the key is fewer than
-  ``sliding_window`` positions back. The same rule covers plain causal
+  after the query's (causal), in sliding layers the key is fewer than
+  ``sliding_window`` positions back, and in chunked layers the key's position is
+  in the query's chunk of ``chunk_size`` positions. The same rule covers plain causal
   training, packed documents (segments 1, 2, 3… with positions restarting),
   left-padded batches and KV-cache decoding, and lets an attention kernel use
   segment ids directly instead of a dense mask.
@@ -36,16 +37,20 @@ class AttentionMask:
     """Self-attention of a (possibly packed) sequence over itself."""
     return cls(segment_ids_BT, positions_BT, segment_ids_BT, positions_BT)
 
-  def dense(self, sliding_window: int | jax.Array | None = None) -> jax.Array:
+  def dense(self, sliding_window: int | jax.Array | None = None,
+            chunk_size: int | jax.Array | None = None) -> jax.Array:
     """Boolean mask ``[B, T, S]``; ``True`` where attention is allowed.
 
-    ``sliding_window`` may be a traced integer (scanned layers of mixed types).
+    ``sliding_window`` and ``chunk_size`` may be traced integers (scanned layers
+    of mixed types).
     """
     q_seg, kv_seg = self.q_segment_ids[:, :, None], self.kv_segment_ids[:, None, :]
     q_pos, kv_pos = self.q_positions[:, :, None], self.kv_positions[:, None, :]
     allowed = (q_seg == kv_seg) & (kv_seg != 0) & (kv_pos <= q_pos)
     if sliding_window is not None:
       allowed &= q_pos - kv_pos < sliding_window
+    if chunk_size is not None:
+      allowed &= q_pos // chunk_size == kv_pos // chunk_size
     return allowed
 
 

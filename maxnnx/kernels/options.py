@@ -23,12 +23,16 @@ class AttentionOptions:
       ``None`` (no window).
     sinks_N: ``[heads]`` attention-sink logits (GPT-OSS): one value-less key per
       query head that joins every softmax; ``None`` for none.
+    chunk_size: chunked (local) attention: a query sees only keys whose position
+      is in its own chunk (``position // chunk_size`` equal; Llama 4). A Python
+      int, an int array (traced) or ``None`` (no chunks).
   """
 
   scale: float
   softcap: float | None = None
   sliding_window: int | jax.Array | None = None
   sinks_N: jax.Array | None = None
+  chunk_size: int | jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,6 +89,12 @@ class PagedBatch:
     out = jnp.zeros((num_tokens,) + x_BQ.shape[2:], x_BQ.dtype)
     return out.at[jnp.where(valid_BQ, index_BQ, num_tokens)].set(x_BQ, mode='drop')
 
+  def positions(self, num_tokens: int) -> jax.Array:
+    """``[num_tokens]`` int32: each flat token's position in its request (0 for padding)."""
+    offsets_Q = jnp.arange(self.max_q, dtype=jnp.int32)
+    q_positions_BQ = (self.kv_lens_B - self.q_lens_B)[:, None] + offsets_Q[None]
+    return self.scatter_rows(q_positions_BQ, num_tokens)
+
   def gather_pages(self, pages_PS: jax.Array) -> jax.Array:
     """``[num_pages, page_size, ...] -> [B, M * page_size, ...]``: each row's cache in order."""
     rows = pages_PS[self.page_table_BM]
@@ -190,7 +196,7 @@ class XlaPagedAttention(PagedAttentionKernel):
     """Everything, everywhere."""
     return PagedAttentionCapabilities(
         platforms=ALL_PLATFORMS, dtypes=FLOAT_DTYPES, gqa=True, sliding_window=True,
-        traced_window=True, softcap=True, sinks=True, distinct_v_head_dim=True)
+        traced_window=True, softcap=True, sinks=True, distinct_v_head_dim=True, chunked=True)
 
   def attend(self, q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options):
     """Rows of queries, contiguous keys per row, dense attention, back to flat tokens."""

@@ -1,5 +1,8 @@
 """Multi-head attention with GQA/MQA, q/k norms, sinks, rotary embeddings and a KV cache.
 
+Per layer, the caller chooses the rotary ``(cos, sin)`` (``None`` for NoPE
+layers), a sliding window or a chunk size (Llama 4's local attention).
+
 Two caches exist side by side: the contiguous one of :meth:`Attention.init_cache`
 (``[B, S]`` slots per row, used by ``maxnnx.generate``) and the paged one of
 :meth:`Attention.init_paged_cache` (a pool of pages shared by every request, used
@@ -23,7 +26,7 @@ from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.params import logical_param
-from maxnnx.layers.rope import apply_rope
+from maxnnx.layers.rope import apply_rope, deinterleave
 from maxnnx.sharding import constrain
 
 Q_AXES = ('activation_batch', 'activation_length', 'activation_heads', None)
@@ -66,8 +69,12 @@ class Attention(nnx.Module):
     elif cfg.qk_norm == 'projection':
       self.q_norm = make_norm(cfg, (h, hd), ('heads', 'head_dim'), rngs=rngs)
       self.k_norm = make_norm(cfg, (kv, hd), ('kv_heads', 'head_dim'), rngs=rngs)
-    else:
+    else:  # 'l2' has no parameters: see _normalise
       self.q_norm = self.k_norm = None
+    self.qk_l2_norm_eps = cfg.norm_eps if cfg.qk_norm == 'l2' else None
+    self.interleaved = cfg.rope_interleave
+    self.temperature = ((cfg.attn_temperature_floor, cfg.attn_temperature_scale)
+                        if cfg.attn_temperature_tuning else None)
     self.sinks = (logical_param(nnx.initializers.normal(cfg.initializer_range), rngs.params(),
                                 (h,), cfg.jnp_dtype('param_dtype'), ('heads',))
                   if cfg.attention_sinks else None)
@@ -99,14 +106,53 @@ class Attention(nnx.Module):
     self.pages_k = nnx.Cache(jnp.zeros(shape, dtype), **names)
     self.pages_v = nnx.Cache(jnp.zeros(shape, dtype), **names)
 
+  def _normalise(self, q_BTNH, k_BTKH, cos_sin, positions_BT, nope=None):
+    """q/k norms, rotary embedding and the NoPE temperature, in the checkpoints' order.
+
+    The ``l2`` norm is applied in rotary layers only (it commutes with the
+    rotation); the temperature multiplies the queries of layers without one.
+    ``cos_sin=None`` is a layer without rotation; a traced ``nope`` flag (scanned
+    stacks mixing NoPE and rotary layers) chooses between both at run time.
+    """
+    if self.q_norm is not None:
+      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+    plain = q_BTNH, k_BTKH
+    if cos_sin is None or nope is not None:
+      plain = (self._temperature(q_BTNH, positions_BT), k_BTKH)
+      if cos_sin is None:  # NoPE layers and learned positions rotate nothing
+        return plain
+    if self.interleaved:
+      q_BTNH, k_BTKH = deinterleave(q_BTNH), deinterleave(k_BTKH)
+    q_BTNH = apply_rope(q_BTNH, *cos_sin)
+    k_BTKH = apply_rope(k_BTKH, *cos_sin)
+    if self.qk_l2_norm_eps is not None:
+      q_BTNH, k_BTKH = (_unit_rms(q_BTNH, self.qk_l2_norm_eps),
+                        _unit_rms(k_BTKH, self.qk_l2_norm_eps))
+    if nope is None:
+      return q_BTNH, k_BTKH
+    return (jnp.where(nope, plain[0], q_BTNH), jnp.where(nope, plain[1], k_BTKH))
+
+  def _temperature(self, q_BTNH, positions_BT):
+    """Queries of a NoPE layer times ``1 + scale * log1p(floor((pos + 1) / floor))``."""
+    if self.temperature is None:
+      return q_BTNH
+    floor, strength = self.temperature
+    scale_BT = 1.0 + strength * jnp.log1p(
+        jnp.floor((positions_BT.astype(jnp.float32) + 1.0) / floor))
+    return (q_BTNH * scale_BT[..., None, None]).astype(q_BTNH.dtype)
+
   def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None,
                mask: AttentionMask | None, *, sliding_window: int | jax.Array | None = None,
-               cache_index: jax.Array | None = None,
-               paged: PagedBatch | None = None) -> jax.Array:
+               cache_index: jax.Array | None = None, paged: PagedBatch | None = None,
+               chunk_size: int | jax.Array | None = None,
+               nope: jax.Array | None = None) -> jax.Array:
     """Attention output ``[B, T, d_model]``.
 
     ``cos_sin`` is the layer's rotary ``(cos, sin)``, or ``None`` to rotate
-    nothing (models with learned absolute positions).
+    nothing (models with learned absolute positions, NoPE layers).
+    ``chunk_size`` makes the layer's attention chunked (``ModelConfig.attention_chunk_size``).
+    ``nope`` (a traced bool, scanned stacks only) says whether this layer skips
+    the rotation that ``cos_sin`` would apply.
 
     With ``cache_index`` (decoding), this step's keys and values are written
     into the cache at that slot and the queries attend over the whole cache;
@@ -118,13 +164,10 @@ class Attention(nnx.Module):
     ``mask`` is not used.
     """
     if paged is not None:
-      return self._paged(x_BTD, cos_sin, paged, sliding_window)
+      return self._paged(x_BTD, cos_sin, paged, sliding_window, chunk_size, nope)
     q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
-    if self.q_norm is not None:
-      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-    if cos_sin is not None:  # None: positions were added to the embeddings instead
-      q_BTNH = apply_rope(q_BTNH, *cos_sin)
-      k_BTKH = apply_rope(k_BTKH, *cos_sin)
+    q_BTNH, k_BTKH = self._normalise(q_BTNH, k_BTKH, cos_sin,
+                                     None if mask is None else mask.q_positions, nope)
     if cache_index is not None:
       if self.cache_k is None:
         raise ValueError('Decoding needs a KV cache: call model.init_cache(batch, max_length).')
@@ -140,25 +183,32 @@ class Attention(nnx.Module):
     v_BTKH = checkpoint_name(constrain(v_BTKH, KV_AXES), 'value_proj')
     sinks_N = None if self.sinks is None else self.sinks[...]
     options = AttentionOptions(scale=self.scale, softcap=self.softcap,
-                               sliding_window=sliding_window, sinks_N=sinks_N)
+                               sliding_window=sliding_window, sinks_N=sinks_N,
+                               chunk_size=chunk_size)
     out_BTNH = self.kernel(q_BTNH, k_BTKH, v_BTKH, mask, options)
     out_BTNH = checkpoint_name(constrain(out_BTNH, Q_AXES), 'attention_out')
     return checkpoint_name(constrain(self.o_proj(out_BTNH), OUT_AXES), 'out_proj')
 
-  def _paged(self, x_1TD, cos_sin, paged: PagedBatch, sliding_window) -> jax.Array:
+  def _paged(self, x_1TD, cos_sin, paged: PagedBatch, sliding_window, chunk_size,
+             nope) -> jax.Array:
     if self.pages_k is None:
       raise ValueError('Paged attention needs a page pool: call '
                        'model.init_paged_cache(num_pages, page_size).')
     q_1TNH, k_1TKH, v_1TKH = self.q_proj(x_1TD), self.k_proj(x_1TD), self.v_proj(x_1TD)
-    if self.q_norm is not None:
-      q_1TNH, k_1TKH = self.q_norm(q_1TNH), self.k_norm(k_1TKH)
-    if cos_sin is not None:  # None: learned positions, added to the embeddings
-      q_1TNH = apply_rope(q_1TNH, *cos_sin)
-      k_1TKH = apply_rope(k_1TKH, *cos_sin)
+    positions_1T = paged.positions(x_1TD.shape[1])[None] if self.temperature else None
+    q_1TNH, k_1TKH = self._normalise(q_1TNH, k_1TKH, cos_sin, positions_1T, nope)
     self.pages_k[...] = paged.write(self.pages_k[...], k_1TKH[0])
     self.pages_v[...] = paged.write(self.pages_v[...], v_1TKH[0])
     sinks_N = None if self.sinks is None else self.sinks[...]
     options = AttentionOptions(scale=self.scale, softcap=self.softcap,
-                               sliding_window=sliding_window, sinks_N=sinks_N)
+                               sliding_window=sliding_window, sinks_N=sinks_N,
+                               chunk_size=chunk_size)
     out_TNH = self.paged_kernel(q_1TNH[0], self.pages_k[...], self.pages_v[...], paged, options)
     return self.o_proj(out_TNH[None].astype(q_1TNH.dtype))
+
+
+def _unit_rms(x: jax.Array, eps: float) -> jax.Array:
+  """``x / sqrt(mean(x², over the last axis) + eps)`` in float32, cast back (no scale)."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+          ).astype(x.dtype)

@@ -51,16 +51,21 @@ class DecoderBlock(nnx.Module):
     self.mlp_post_norm = norm(cfg.post_norm)
 
   def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask | None, *,
-               sliding_window=None, cache_index=None, paged=None) -> jax.Array:
+               sliding_window=None, cache_index=None, paged=None, chunk_size=None,
+               nope=None) -> jax.Array:
     """The block's output ``[B, T, d_model]``; the keywords go to the attention.
 
-    ``paged`` (a :class:`~maxnnx.kernels.paged_attention.PagedBatch`) is passed
-    on only when set, so custom attention parts without a paged path keep working
-    everywhere else.
+    ``paged`` (a :class:`~maxnnx.kernels.paged_attention.PagedBatch`),
+    ``chunk_size`` (chunked layers) and ``nope`` (scanned stacks mixing NoPE and
+    rotary layers) are passed on only when set, so custom attention parts
+    without them keep working everywhere else.
     """
     x_BTD = constrain(x_BTD, RESIDUAL_AXES)
     h = self.attn_pre_norm(x_BTD) if self.attn_pre_norm is not None else x_BTD
     extra = {} if paged is None else {'paged': paged}
+    for name, value in (('chunk_size', chunk_size), ('nope', nope)):
+      if value is not None:
+        extra[name] = value
     h = self.attn(h, cos_sin, mask, sliding_window=sliding_window, cache_index=cache_index,
                   **extra)
     if self.attn_post_norm is not None:

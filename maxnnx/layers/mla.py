@@ -35,7 +35,7 @@ from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.attention import KV_AXES, OUT_AXES, Q_AXES
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norms import RMSNorm
-from maxnnx.layers.rope import apply_rope
+from maxnnx.layers.rope import apply_rope, deinterleave
 from maxnnx.sharding import constrain
 
 # DeepSeek's low-rank norms use this epsilon whatever the model's norm_eps is.
@@ -53,11 +53,6 @@ def mla_query_scale(cfg: ModelConfig) -> float:
     if factor > 1:
       scale *= (0.1 * rope.mscale_all_dim * math.log(factor) + 1.0) ** 2
   return scale
-
-
-def deinterleave(x: jax.Array) -> jax.Array:
-  """``(x0, x1, x2, x3…)`` -> ``(x0, x2…, x1, x3…)``: interleaved rotary pairs to halves."""
-  return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
 class MLA(nnx.Module):

@@ -1,7 +1,7 @@
 """Mixture-of-Experts feed-forward block: a router, routed SwiGLU experts, shared experts.
 
-One module covers Mixtral, Qwen3-MoE, DeepSeek V2/V3 and GPT-OSS; they differ
-only in :class:`~maxnnx.config.MoEConfig` fields (``router_*``, ``expert_bias``,
+One module covers Mixtral, Qwen3-MoE, DeepSeek V2/V3, GPT-OSS and Llama 4; they
+differ only in :class:`~maxnnx.config.MoEConfig` fields (``router_*``, ``expert_bias``,
 ``swiglu_limit``, ``num_shared_experts``…).
 
 Routing (:func:`route`): scores are a softmax or a sigmoid of the router
@@ -208,14 +208,17 @@ class MoE(nnx.Module):
     up = jnp.clip(up, -limit, limit)
     return (up + 1) * gate * jax.nn.sigmoid(cfg.swiglu_alpha * gate)
 
-  def _dropless(self, x_ND, weights_NK, experts_NK):
+  def _dropless(self, x_ND, weights_NK, experts_NK, input_weights_NK=None):
     """Sort assignments by expert, grouped matmuls, unsort, weighted sum."""
     num_tokens, k = experts_NK.shape
     dtype, ex = self.dtype, self.experts
     experts_M = experts_NK.reshape(-1)
     order_M = jnp.argsort(experts_M, stable=True)
     sorted_experts_M = experts_M[order_M]
-    x_MD = x_ND[order_M // k].astype(dtype)
+    x_MD = x_ND[order_M // k]
+    if input_weights_NK is not None:
+      x_MD = x_MD * input_weights_NK.reshape(-1)[order_M][:, None].astype(x_MD.dtype)
+    x_MD = x_MD.astype(dtype)
     group_sizes_E = jnp.bincount(experts_M, length=self.cfg.num_experts).astype(jnp.int32)
 
     def grouped(lhs, rhs):
@@ -233,7 +236,7 @@ class MoE(nnx.Module):
     y_NKD = y_MD[jnp.argsort(order_M)].reshape(num_tokens, k, -1)
     return jnp.einsum('nkd,nk->nd', y_NKD, weights_NK), group_sizes_E
 
-  def _capacity(self, x_ND, weights_NK, experts_NK):
+  def _capacity(self, x_ND, weights_NK, experts_NK, input_weights_NK=None):
     """Fixed per-expert buffers (first choices first); overflow is dropped."""
     num_tokens, k = experts_NK.shape
     num_experts, dtype, ex = self.cfg.num_experts, self.dtype, self.experts
@@ -241,6 +244,9 @@ class MoE(nnx.Module):
     experts_M = experts_NK.T.reshape(-1)            # choice-major: all first choices first
     tokens_M = jnp.tile(jnp.arange(num_tokens), k)
     weights_M = weights_NK.T.reshape(-1)
+    x_MD = x_ND[tokens_M]
+    if input_weights_NK is not None:
+      x_MD = x_MD * input_weights_NK.T.reshape(-1)[:, None].astype(x_MD.dtype)
     group_sizes_E = jnp.bincount(experts_M, length=num_experts)
     order_M = jnp.argsort(experts_M, stable=True)
     starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
@@ -249,7 +255,7 @@ class MoE(nnx.Module):
     kept_M = slot_M < slots
     slot_M = jnp.where(kept_M, slot_M, slots)       # out of range: dropped by the scatter
     buffer_ECD = jnp.zeros((num_experts, slots, x_ND.shape[-1]), dtype)
-    buffer_ECD = buffer_ECD.at[experts_M, slot_M].set(x_ND[tokens_M].astype(dtype), mode='drop')
+    buffer_ECD = buffer_ECD.at[experts_M, slot_M].set(x_MD.astype(dtype), mode='drop')
     buffer_ECD = constrain(buffer_ECD, EXPERT_AXES)
 
     def batched(lhs, rhs):
@@ -278,10 +284,11 @@ class MoE(nnx.Module):
     logits_NE = self.router(x_ND)
     bias = self.router.e_score_correction_bias
     weights_NK, experts_NK, scores_NE = route(logits_NE, cfg, None if bias is None else bias[...])
-    if cfg.dispatch == 'dropless':
-      y_ND, counts_E = self._dropless(x_ND, weights_NK, experts_NK)
-    else:
-      y_ND, counts_E = self._capacity(x_ND, weights_NK, experts_NK)
+    input_weights_NK = None
+    if cfg.router_weights_on_input:  # Llama 4: experts see weighted inputs, outputs are summed
+      input_weights_NK, weights_NK = weights_NK, jnp.ones_like(weights_NK)
+    dispatch = self._dropless if cfg.dispatch == 'dropless' else self._capacity
+    y_ND, counts_E = dispatch(x_ND, weights_NK, experts_NK, input_weights_NK)
     y_BTD = checkpoint_name(y_ND.astype(self.dtype).reshape(batch, length, d), 'mlp_out')
     if self.shared_experts is not None:
       y_BTD = y_BTD + self.shared_experts(x_BTD)

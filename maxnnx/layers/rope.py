@@ -26,9 +26,11 @@ def _llama3_inv_freq(cfg: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
   low_wavelen = original / cfg.low_freq_factor
   high_wavelen = original / cfg.high_freq_factor
   wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > low_wavelen, inv_freq / cfg.factor, inv_freq)
+  if cfg.high_freq_factor == cfg.low_freq_factor:  # Llama 4 Scout: no band to smooth
+    return scaled
   smooth = (original / wavelen - cfg.low_freq_factor) / (cfg.high_freq_factor - cfg.low_freq_factor)
   smoothed = (1 - smooth) * inv_freq / cfg.factor + smooth * inv_freq
-  scaled = np.where(wavelen > low_wavelen, inv_freq / cfg.factor, inv_freq)
   medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
   return np.where(medium, smoothed, scaled)
 
@@ -134,6 +136,16 @@ class RotaryEmbedding:
       inv_freq = jnp.where(use_long, jnp.asarray(self.long_inv_freq, jnp.float32), inv_freq)
     angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles) * self.attention_factor, jnp.sin(angles) * self.attention_factor
+
+
+def deinterleave(x: jax.Array) -> jax.Array:
+  """``(x0, x1, x2, x3…)`` -> ``(x0, x2…, x1, x3…)``: interleaved rotary pairs to halves.
+
+  Rotating the adjacent pairs ``(x0, x1), (x2, x3)…`` (``rope_interleave``
+  checkpoints) equals rotating the halves of the deinterleaved vector; applied to
+  queries and keys alike it leaves every ``q . k`` unchanged.
+  """
+  return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
 def apply_rope(x_BTNH: jax.Array, cos_BTR: jax.Array, sin_BTR: jax.Array) -> jax.Array:

@@ -36,7 +36,8 @@ _ROPE_KEYS = ('factor', 'original_max_position_embeddings', 'low_freq_factor', '
               'short_factor', 'long_factor')
 _ACTIVATIONS = {'silu': 'silu', 'swish': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh',
                 'gelu_new': 'gelu_tanh', 'gelu_fast': 'gelu_tanh', 'gelu': 'gelu', 'relu': 'relu'}
-_LAYER_TYPES = {'full_attention': 'full', 'sliding_attention': 'sliding'}
+_LAYER_TYPES = {'full_attention': 'full', 'sliding_attention': 'sliding',
+                'chunked_attention': 'chunked'}
 
 
 class HFConfig:
@@ -106,7 +107,7 @@ class HFConfig:
     return _ACTIVATIONS[name]
 
   def layer_types(self) -> tuple[LayerType, ...] | None:
-    """``layer_types`` as ``full``/``sliding`` if the config lists them."""
+    """``layer_types`` as ``full``/``sliding``/``chunked`` if the config lists them."""
     names = self.data.get('layer_types')
     if names is None:
       return None
@@ -192,8 +193,8 @@ def common_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict[s
 
 
 def layer_types_to_hf(cfg: ModelConfig) -> list[str]:
-  return [{'full': 'full_attention', 'sliding': 'sliding_attention'}[t]
-          for t in cfg.resolved_layer_types]
+  names = {ours: theirs for theirs, ours in _LAYER_TYPES.items()}
+  return [names[t] for t in cfg.resolved_layer_types]
 
 
 TensorDict = dict[str, tuple[str, np.ndarray]]  # HF name -> (source file, array)

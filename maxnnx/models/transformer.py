@@ -31,7 +31,8 @@ from maxnnx.layers.rope import RotaryEmbedding
 from maxnnx.parallel.pipeline import pipeline_stack
 from maxnnx.sharding import constrain, mesh_axis_size
 
-_NO_WINDOW = np.iinfo(np.int32).max
+_NO_WINDOW = np.iinfo(np.int32).max  # also "no chunk": every position is in chunk 0
+_LAYER_KINDS = ('full', 'sliding', 'chunked')  # layer type -> its code in traced stacks
 
 
 def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
@@ -256,10 +257,10 @@ class Transformer(nnx.Module):
       if cfg.runtime.scan_layers:
         x_BTD = self._scan_layers(x_BTD, cos_sin, mask, cache_index, paged)
       else:
-        for block, layer_type in zip(self.layers, cfg.resolved_layer_types):
-          window = cfg.sliding_window if layer_type == 'sliding' else None
-          x_BTD = self._apply_block(block, x_BTD, cos_sin[layer_type], mask, window, cache_index,
-                                    paged)
+        for i, block in enumerate(self.layers):
+          layer_cos_sin, window, chunk = self._layer_attention(i, cos_sin)
+          x_BTD = self._apply_block(block, x_BTD, layer_cos_sin, mask, window, cache_index,
+                                    paged, chunk)
     if not mtp:
       return self.final_norm(x_BTD)
     return self.final_norm(x_BTD), self._mtp_hidden(x_BTD, input_ids_BT, positions, mask)
@@ -275,38 +276,55 @@ class Transformer(nnx.Module):
   def _mtp_hidden(self, h_BTD, input_ids_BT, positions_BT, mask):
     """Normed hidden states of every MTP depth; ``h_BTD`` is the last block's output."""
     cfg = self.config
-    layer_type = cfg.resolved_layer_types[-1]  # MTP blocks attend like the last layer
-    window = cfg.sliding_window if layer_type == 'sliding' else None
-    cos_sin = self._cos_sin(positions_BT)[layer_type]
+    # MTP blocks attend like the last layer.
+    cos_sin, window, chunk = self._layer_attention(cfg.num_layers - 1,
+                                                   self._cos_sin(positions_BT))
     out = []
     for k, layer in enumerate(self.mtp, start=1):
       h_BTD = layer(h_BTD, self._embed(shift_left(input_ids_BT, k), positions_BT))
-      h_BTD = self._apply_block(layer.block, h_BTD, cos_sin, mask, window, None)
+      h_BTD = self._apply_block(layer.block, h_BTD, cos_sin, mask, window, None, chunk=chunk)
       out.append(layer.final_norm(h_BTD))
     return tuple(out)
 
   def _cos_sin(self, positions_BT):
-    """Each layer type's ``(cos, sin)``; ``None`` when the model has no rotary embedding."""
-    if self.rotary is None:
-      return {'full': None, 'sliding': None}
-    cos_sin = {'full': self.rotary.cos_sin(positions_BT)}
-    cos_sin['sliding'] = (self.local_rotary.cos_sin(positions_BT)
-                          if self.local_rotary is not self.rotary else cos_sin['full'])
-    return cos_sin
+    """Each layer type's ``(cos, sin)``; ``None`` when the model has no rotary embedding.
 
-  def _apply_block(self, block, x_BTD, cos_sin, mask, window, cache_index, paged=None):
+    Chunked layers rotate like full ones; sliding layers use ``local_rope`` when set.
+    """
+    if self.rotary is None:
+      return dict.fromkeys(_LAYER_KINDS)
+    full = self.rotary.cos_sin(positions_BT)
+    sliding = (self.local_rotary.cos_sin(positions_BT) if self.local_rotary is not self.rotary
+               else full)
+    return {'full': full, 'sliding': sliding, 'chunked': full}
+
+  def _layer_attention(self, layer: int, cos_sin: dict):
+    """Layer ``layer``'s ``(cos_sin, sliding window, chunk size)``; ``None`` where unused
+    (``cos_sin`` is ``None`` in NoPE layers)."""
+    cfg = self.config
+    layer_type = cfg.resolved_layer_types[layer]
+    window = cfg.sliding_window if layer_type == 'sliding' else None
+    chunk = cfg.attention_chunk_size if layer_type == 'chunked' else None
+    return (None if layer in cfg.nope_layers else cos_sin[layer_type]), window, chunk
+
+  def _apply_block(self, block, x_BTD, cos_sin, mask, window, cache_index, paged=None,
+                   chunk=None, nope=None):
     """One block, rematerialised per ``config.runtime.remat_policy`` when training."""
+    spans = {'sliding_window': window}
+    for name, value in (('chunk_size', chunk), ('nope', nope)):
+      if value is not None:  # passed only when set, like paged (see DecoderBlock)
+        spans[name] = value
     if paged is not None:
-      return block(x_BTD, cos_sin, mask, sliding_window=window, paged=paged)
+      return block(x_BTD, cos_sin, mask, paged=paged, **spans)
     if cache_index is not None or self.config.runtime.remat_policy == 'none':
-      return block(x_BTD, cos_sin, mask, sliding_window=window, cache_index=cache_index)
+      return block(x_BTD, cos_sin, mask, cache_index=cache_index, **spans)
     graphdef, state = nnx.split(block)
 
-    def run(state, x, cos_sin, mask, window):
+    def run(state, x, cos_sin, mask, spans):
       block = nnx.merge(graphdef, state)
-      return block(x, cos_sin, mask, sliding_window=window), nnx.state(block, MoeAux)
+      return block(x, cos_sin, mask, **spans), nnx.state(block, MoeAux)
 
-    x_BTD, aux = remat(run, self.config.runtime.remat_policy)(state, x_BTD, cos_sin, mask, window)
+    x_BTD, aux = remat(run, self.config.runtime.remat_policy)(state, x_BTD, cos_sin, mask, spans)
     nnx.update(block, aux)  # MoE routing statistics computed inside the remat
     return x_BTD
 
@@ -314,35 +332,49 @@ class Transformer(nnx.Module):
     for name, start, count, _ in layer_stacks(self.config):
       types = self.config.resolved_layer_types[start:start + count]
       x_BTD = self._scan_stack(getattr(self, name), types, x_BTD, cos_sin, mask, cache_index,
-                               paged=paged)
+                               _layer_kinds(self.config, start, count), paged=paged)
     return x_BTD
 
-  def _scan_stack(self, layers, layer_types, x_BTD, cos_sin, mask, cache_index,
-                  is_sliding_L=None, paged=None):
+  def _scan_stack(self, layers, layer_types, x_BTD, cos_sin, mask, cache_index, kinds_L,
+                  paged=None):
     """Run stacked ``layers`` (leading axis = layers) over ``x`` with ``lax.scan``.
 
-    ``is_sliding_L`` may be traced (a pipeline stage's share of the layers).
+    ``kinds_L`` (see :func:`_layer_kinds`) may be traced (a pipeline stage's share
+    of the layers); ``layer_types`` are the types the stack holds (static).
     """
     cfg = self.config
-    if is_sliding_L is None:
-      is_sliding_L = jnp.asarray([t == 'sliding' for t in layer_types])
     mixed = len(set(layer_types)) > 1
-    static_window = cfg.sliding_window if layer_types[0] == 'sliding' else None
+    num_nope = len(cfg.nope_layers)
+    if num_nope == cfg.num_layers:  # nothing rotates
+      cos_sin = dict.fromkeys(_LAYER_KINDS)
+    # Stacks mixing NoPE and rotary layers: the flag rides in the kind (+ len(_LAYER_KINDS)).
+    mixed_nope = 0 < num_nope < cfg.num_layers
+    static = layer_types[0]
+    static_window = cfg.sliding_window if static == 'sliding' else None
+    static_chunk = cfg.attention_chunk_size if static == 'chunked' else None
     graphdef, state = nnx.split(layers)
 
     def body(x, xs):
-      layer_state, is_sliding = xs
+      layer_state, kind = xs
       block = nnx.merge(graphdef, layer_state)
+      nope = None
+      if mixed_nope:
+        nope, kind = kind >= len(_LAYER_KINDS), kind % len(_LAYER_KINDS)
       if mixed:
-        window = jnp.where(is_sliding, cfg.sliding_window, _NO_WINDOW)
+        is_sliding = kind == _LAYER_KINDS.index('sliding')
+        window = (jnp.where(is_sliding, cfg.sliding_window, _NO_WINDOW)
+                  if 'sliding' in layer_types else None)
+        chunk = (jnp.where(kind == _LAYER_KINDS.index('chunked'), cfg.attention_chunk_size,
+                           _NO_WINDOW) if 'chunked' in layer_types else None)
         layer_cos_sin = jax.tree.map(lambda s, f: jnp.where(is_sliding, s, f),
                                      cos_sin['sliding'], cos_sin['full'])
       else:
-        window, layer_cos_sin = static_window, cos_sin[layer_types[0]]
-      x = self._apply_block(block, x, layer_cos_sin, mask, window, cache_index, paged)
+        window, chunk, layer_cos_sin = static_window, static_chunk, cos_sin[static]
+      x = self._apply_block(block, x, layer_cos_sin, mask, window, cache_index, paged, chunk,
+                            nope)
       return x, nnx.state(block, (nnx.Cache, MoeAux))
 
-    x_BTD, carried_state = jax.lax.scan(body, x_BTD, (state, is_sliding_L))
+    x_BTD, carried_state = jax.lax.scan(body, x_BTD, (state, kinds_L))
     nnx.update(layers, carried_state)  # KV caches and MoE routing statistics
     return x_BTD
 
@@ -354,14 +386,14 @@ class Transformer(nnx.Module):
                        'separate dense prefix (first_k_dense_layers). Use fsdp/tensor/expert '
                        'parallelism instead of mesh.stage.')
 
-    def run_stage(layers, is_sliding_L, x_BTD, rows):
+    def run_stage(layers, kinds_L, x_BTD, rows):
       segment_ids_BT, positions_BT = rows
       mask = AttentionMask.causal(segment_ids_BT, positions_BT)
       return self._scan_stack(layers, cfg.resolved_layer_types, x_BTD,
-                              self._cos_sin(positions_BT), mask, None, is_sliding_L)
+                              self._cos_sin(positions_BT), mask, None, kinds_L)
 
-    is_sliding_L = jnp.asarray([t == 'sliding' for t in cfg.resolved_layer_types])
-    return pipeline_stack(self.layers, x_BTD, is_sliding_L, (segment_ids_BT, positions_BT),
+    kinds_L = _layer_kinds(cfg, 0, cfg.num_layers)
+    return pipeline_stack(self.layers, x_BTD, kinds_L, (segment_ids_BT, positions_BT),
                           run_stage, stages=stages)
 
   def head_weight(self) -> tuple[jax.Array, bool]:
@@ -384,6 +416,14 @@ class Transformer(nnx.Module):
       cap = cfg.final_logit_softcap
       logits = cap * jnp.tanh(logits / cap)
     return logits
+
+
+def _layer_kinds(cfg: ModelConfig, start: int, count: int) -> jax.Array:
+  """``[count]`` int32 codes of layers ``start…``: the type's index in ``_LAYER_KINDS``,
+  plus ``len(_LAYER_KINDS)`` for NoPE layers."""
+  return jnp.asarray([_LAYER_KINDS.index(cfg.resolved_layer_types[i])
+                      + len(_LAYER_KINDS) * (i in cfg.nope_layers)
+                      for i in range(start, start + count)], jnp.int32)
 
 
 def _check_token_ids(ids, vocab_size: int) -> None:

@@ -3,13 +3,15 @@
 The count follows the convention MaxText reports with: matmul FLOPs only (2 per
 multiply-add), training = 3 x forward (forward + two backward matmuls),
 attention scores and values counted over the keys each query actually sees
-(so causal attention is halved and sliding windows are capped), and for MoE
+(so causal attention is halved, sliding windows are capped and chunked layers count
+only their chunk), and for MoE
 only the experts a token is routed to (plus shared experts).
 """
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from maxnnx.config import ModelConfig
 from maxnnx.hardware import measured_matmul_flops
@@ -24,8 +26,12 @@ PEAK_FLOPS_BY_KIND = (
 )
 
 
-def mean_keys_per_query(seq_len: int, window: int | None) -> float:
-  """Average number of keys a causal query attends to (capped by ``window``)."""
+def mean_keys_per_query(seq_len: int, window: int | None, chunk: int | None = None) -> float:
+  """Average number of keys a causal query attends to (capped by ``window``; with ``chunk``,
+  only those of its own chunk of ``chunk`` positions)."""
+  if chunk is not None:  # query p sees (p mod chunk) + 1 keys, capped by the window
+    seen = np.arange(seq_len) % chunk + 1
+    return float(np.minimum(seen, window or seq_len).mean())
   if window is None or window >= seq_len:
     return (seq_len + 1) / 2
   # Queries 0..window-1 see 1..window keys; the rest see ``window``.
@@ -45,7 +51,8 @@ def _block_flops(cfg: ModelConfig, kind: str, is_moe: bool, seq_len: int) -> flo
   d, hd, h, kv = cfg.d_model, cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
   total = 2 * d * hd * (h + 2 * kv) + 2 * h * hd * d  # q, k, v, o projections
   window = cfg.sliding_window if kind == 'sliding' else None
-  total += 4 * h * hd * mean_keys_per_query(seq_len, window)  # q.k and p.v
+  chunk = cfg.attention_chunk_size if kind == 'chunked' else None
+  total += 4 * h * hd * mean_keys_per_query(seq_len, window, chunk)  # q.k and p.v
   if is_moe:
     width = cfg.moe.mlp_dim or cfg.mlp_dim
     total += 2 * d * cfg.moe.num_experts  # router

@@ -154,7 +154,38 @@ def gpt_oss() -> Case:
     )
 
 
-MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe, deepseek_v3, deepseek_v2, gpt_oss)}
+def llama4() -> Case:
+    # Llama 4 text with every mechanism biting inside 40 tokens: chunks of 8, one NoPE layer
+    # (layer 3 of 4) whose temperature steps every 4 positions (floor_scale 4, attn_scale 0.5),
+    # the L2 q/k norm, interleaved rotary pairs with llama3 scaling (orig 32: all three bands),
+    # and MoE layers interleaved with dense ones (moe layers 1 and 3), top-2 of 4 experts so
+    # that weighting the expert inputs and summing is exercised too.
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32)
+    return Case(
+        config=dict(
+            model_type="llama4_text",
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=32,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+            floor_scale=4,
+            attn_scale=0.5,
+            rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, **scaling),
+        ),
+        # Older Hub configs: rope_theta + rope_scaling, no layer_types (from no_rope_layers).
+        legacy=dict(rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", **scaling)),
+        legacy_drop=("layer_types",),
+        weight_scale={"feed_forward.router.weight": 4.0},
+    )
+
+
+MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe, deepseek_v3, deepseek_v2, gpt_oss,
+                                     llama4)}
 
 _plain_build = mf.build_model
 
@@ -176,18 +207,20 @@ _plain_checks = mf.check_softcaps_bite
 
 @torch.no_grad()
 def check_features_bite(model: torch.nn.Module, input_ids: torch.Tensor, logits) -> None:
-    """GPT-OSS: dropping the sinks, rounding the YaRN ramp or the SwiGLU clamp must move the
-    logits by at least ten times the parity tolerance (1e-4 of the largest logit)."""
+    """GPT-OSS (the sinks, the YaRN ramp rounding, the SwiGLU clamp) and Llama 4 (chunks, the
+    NoPE temperature, the L2 q/k norm): dropping each must move the logits by at least ten
+    times the parity tolerance (1e-4 of the largest logit)."""
     _plain_checks(model, input_ids, logits)
-    if model.config.model_type != "gpt_oss":
+    if model.config.model_type == "llama4_text":
+        changed = {
+            "chunks": dict(config={"attention_chunk_size": 1024}),
+            "temperature": dict(config={"attn_temperature_tuning": False}),
+            "qk_norm": dict(config={"use_qk_norm": False}),
+        }
+    elif model.config.model_type != "gpt_oss":
         return
-    changed = {
-        "sinks": dict(state={k: torch.full_like(v, -1e4) if k.endswith("sinks") else v
-                             for k, v in model.state_dict().items()}),
-        "truncate": dict(config={"rope_parameters": {**model.config.rope_parameters,
-                                                     "truncate": True}}),
-        "swiglu_limit": dict(config={"swiglu_limit": 1e4}),
-    }
+    else:
+        changed = gpt_oss_changes(model)
     for name, change in changed.items():
         config = model.config.__class__(**{**model.config.to_dict(), **change.get("config", {})})
         other = AutoModelForCausalLM.from_config(config).eval()
@@ -196,6 +229,17 @@ def check_features_bite(model: torch.nn.Module, input_ids: torch.Tensor, logits)
         print(f"  dropping {name} changes logits by {diff:.3f}")
         floor = 10 * 1e-4 * float(abs(logits).max())
         mf.require(diff > floor, f"{name} barely bites ({diff} <= {floor})")
+
+
+def gpt_oss_changes(model: torch.nn.Module) -> dict:
+    """GPT-OSS: the sinks, the YaRN ramp rounding and the SwiGLU clamp."""
+    return {
+        "sinks": dict(state={k: torch.full_like(v, -1e4) if k.endswith("sinks") else v
+                             for k, v in model.state_dict().items()}),
+        "truncate": dict(config={"rope_parameters": {**model.config.rope_parameters,
+                                                     "truncate": True}}),
+        "swiglu_limit": dict(config={"swiglu_limit": 1e4}),
+    }
 
 
 def main() -> None:
