@@ -9,13 +9,15 @@ Two classes matter to users:
 * :class:`RopeConfig`: how rotary position embeddings are computed.
 * :class:`ModelConfig`: the architecture of a decoder-only transformer, with
   nested groups for Mixture-of-Experts (:class:`MoEConfig`), latent attention
-  (:class:`MLAConfig`), multi-token prediction (:class:`MTPConfig`) and the
+  (:class:`MLAConfig`), Gated DeltaNet layers (:class:`LinearAttentionConfig`),
+  multi-token prediction (:class:`MTPConfig`) and the
   runtime settings: dtypes, layer-stack layout, kernels (:class:`RuntimeConfig`).
 """
 
 from maxnnx.config.base import ConfigError, ValidatedConfig, resolve_dtype
 from maxnnx.config.groups import (
     LayerType,
+    LinearAttentionConfig,
     MLAConfig,
     MoEConfig,
     MTPConfig,
@@ -29,6 +31,6 @@ from maxnnx.config.model import LEGACY_MODEL_KEYS, TRAINING_KEYS, ModelConfig
 
 __all__ = [
     'LEGACY_MODEL_KEYS', 'MESH_AXES', 'TRAINING_KEYS', 'ConfigError', 'LayerType', 'MLAConfig',
-    'MTPConfig', 'MeshConfig', 'ModelConfig', 'MoEConfig', 'RematPolicy', 'RopeConfig',
-    'RopeScaling', 'RuntimeConfig', 'ValidatedConfig', 'resolve_dtype',
+    'LinearAttentionConfig', 'MTPConfig', 'MeshConfig', 'ModelConfig', 'MoEConfig', 'RematPolicy',
+    'RopeConfig', 'RopeScaling', 'RuntimeConfig', 'ValidatedConfig', 'resolve_dtype',
 ]

@@ -82,7 +82,7 @@ class RopeConfig(ValidatedConfig):
       raise ConfigError("RopeConfig.scaling='longrope' needs short_factor and long_factor.")
 
 
-LayerType = Literal['full', 'sliding', 'chunked']
+LayerType = Literal['full', 'sliding', 'chunked', 'linear']
 
 RematPolicy = Literal['none', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', 'save_out_proj',
                       'save_attention_out', 'full']
@@ -98,6 +98,8 @@ class MoEConfig(ValidatedConfig):
     mlp_dim: hidden width of each expert; ``None`` means the model's ``mlp_dim``.
     num_shared_experts: always-on experts, fused into one MLP of width
       ``num_shared_experts * mlp_dim`` (DeepSeek).
+    shared_expert_gate: scale the shared experts' output per token by
+      ``sigmoid(x . w)`` of a learned ``[d_model]`` vector (Qwen3-Next).
     first_k_dense_layers: the first layers use the dense MLP (DeepSeek).
     layer_step: after those, every ``layer_step``-th layer is MoE (layer ``i`` is
       MoE iff ``(i - first_k_dense_layers) % layer_step == 0``).
@@ -130,6 +132,7 @@ class MoEConfig(ValidatedConfig):
   num_experts_per_tok: int = 2
   mlp_dim: int | None = None
   num_shared_experts: int = 0
+  shared_expert_gate: bool = False
   first_k_dense_layers: int = 0
   layer_step: int = 1
   router_score: Literal['softmax', 'sigmoid'] = 'softmax'
@@ -215,6 +218,39 @@ class MLAConfig(ValidatedConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig(ValidatedConfig):
+  """Gated DeltaNet linear attention (:class:`maxnnx.layers.GatedDeltaNet`), used by the
+  ``linear`` layers of ``ModelConfig.layer_types`` (Qwen3-Next, Qwen3.5).
+
+  Attributes:
+    num_key_heads: query/key heads (``linear_num_key_heads``).
+    num_value_heads: value heads, a multiple of ``num_key_heads`` (each key head
+      serves ``num_value_heads // num_key_heads`` consecutive value heads).
+    key_head_dim: per-head query/key width.
+    value_head_dim: per-head value width.
+    conv_kernel_size: taps of the causal depthwise convolution over q/k/v.
+  """
+
+  _PATH = 'ModelConfig.linear_attn'
+
+  num_key_heads: int = 16
+  num_value_heads: int = 32
+  key_head_dim: int = 128
+  value_head_dim: int = 128
+  conv_kernel_size: int = 4
+
+  def _validate(self):
+    p = self._PATH
+    for name in ('num_key_heads', 'num_value_heads', 'key_head_dim', 'value_head_dim',
+                 'conv_kernel_size'):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f'{p}.{name} must be > 0, got {getattr(self, name)}.')
+    if self.num_value_heads % self.num_key_heads:
+      raise ConfigError(f'{p}.num_value_heads ({self.num_value_heads}) must be a multiple of '
+                        f'num_key_heads ({self.num_key_heads}).')
+
+
+@dataclasses.dataclass(frozen=True)
 class MTPConfig(ValidatedConfig):
   """Multi-token prediction (DeepSeek V3, :class:`maxnnx.layers.mtp.MTPLayer`).
 
@@ -258,6 +294,9 @@ class RuntimeConfig(ValidatedConfig):
     ragged_dot_impl: grouped-matmul strategy of MoE layers by name (``lax``, the
       ``dense`` reference and ``tiled`` always exist; ``tiled`` is about 2x faster
       than ``lax`` on CPUs, whose ``ragged_dot`` multiplies every row by every expert).
+    gated_delta_impl: strategy of the gated delta rule in Gated DeltaNet layers by
+      name: ``chunked`` (the default) or ``recurrent`` (the token-by-token reference);
+      see :mod:`maxnnx.kernels.gated_delta`.
     remat_policy: what each block keeps for the backward pass (the rest is
       recomputed): ``none`` keeps everything; ``minimal`` keeps matmul outputs
       without batch dims; ``save_dot_except_mlp`` keeps the attention projections
@@ -277,6 +316,7 @@ class RuntimeConfig(ValidatedConfig):
   attention_impl: str = 'auto'
   paged_attention_impl: str = 'xla'
   ragged_dot_impl: str = 'lax'
+  gated_delta_impl: str = 'chunked'
   remat_policy: RematPolicy = 'none'
   kernel_on_unsupported: Literal['fallback', 'error'] = 'fallback'
 

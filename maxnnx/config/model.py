@@ -9,6 +9,7 @@ from typing import Any, Literal
 from maxnnx.config.base import ConfigError, ValidatedConfig
 from maxnnx.config.groups import (
   LayerType,
+  LinearAttentionConfig,
   MLAConfig,
   MoEConfig,
   MTPConfig,
@@ -84,8 +85,9 @@ class ModelConfig(ValidatedConfig):
     attention_chunk_size: in chunked layers the sequence is cut into chunks of
       this many positions and a query sees only the keys of its own chunk
       (Llama 4's local attention, ``attention_chunk_size``).
-    layer_types: ``full``, ``sliding`` or ``chunked`` per layer; ``None`` means
-      all sliding when ``sliding_window`` is set, else all full.
+    layer_types: ``full``, ``sliding``, ``chunked`` or ``linear`` (Gated DeltaNet,
+      configured by ``linear_attn``) per layer; ``None`` means all sliding when
+      ``sliding_window`` is set, else all full.
     nope_layers: indices of the layers whose attention rotates nothing ("NoPE"
       layers, Llama 4's ``no_rope_layers`` zeros); the others use ``rope``.
     attn_temperature_tuning: multiply the queries of NoPE layers by
@@ -93,6 +95,9 @@ class ModelConfig(ValidatedConfig):
       (Llama 4), which sharpens attention far into long contexts.
     attn_temperature_floor: the position scale of that multiplier (``floor_scale``).
     attn_temperature_scale: its strength (``attn_scale``).
+    attention_output_gate: the query projection also yields a per-head gate, and
+      the attention output is multiplied by its sigmoid before ``o_proj``
+      (Qwen3-Next's gated attention).
     position_embedding: how token positions enter the model: ``rope`` rotates
       queries and keys in every attention layer (``rope``, ``local_rope``);
       ``learned`` adds a trained ``[max_position_embeddings, d_model]`` table to
@@ -117,6 +122,8 @@ class ModelConfig(ValidatedConfig):
     moe: Mixture-of-Experts layers (:class:`MoEConfig`); ``moe.num_experts=0`` is dense.
     mla: latent attention shapes (:class:`MLAConfig`), used when ``attention_type='mla'``.
     mtp: multi-token prediction modules (:class:`MTPConfig`).
+    linear_attn: shapes of the Gated DeltaNet layers (:class:`LinearAttentionConfig`),
+      used by ``linear`` layers.
     runtime: dtypes, layer-stack layout, remat and kernels (:class:`RuntimeConfig`).
   """
 
@@ -150,6 +157,7 @@ class ModelConfig(ValidatedConfig):
   attn_temperature_tuning: bool = False
   attn_temperature_floor: float = 8192.0
   attn_temperature_scale: float = 0.1
+  attention_output_gate: bool = False
   position_embedding: Literal['rope', 'learned'] = 'rope'
   rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
   local_rope: RopeConfig | None = None
@@ -168,6 +176,7 @@ class ModelConfig(ValidatedConfig):
   moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
   mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
   mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
+  linear_attn: LinearAttentionConfig = dataclasses.field(default_factory=LinearAttentionConfig)
   runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
   @classmethod
@@ -214,6 +223,14 @@ class ModelConfig(ValidatedConfig):
                         f'{self.attention_chunk_size}.')
     if 'chunked' in self.resolved_layer_types and self.attention_type != 'mha':
       raise ConfigError("ModelConfig: chunked layers need attention_type='mha'.")
+    if 'linear' in self.resolved_layer_types:
+      if self.runtime.scan_layers and set(self.resolved_layer_types) != {'linear'}:
+        raise ConfigError("ModelConfig.runtime.scan_layers=True needs one kind of token mixer; "
+                          "this model mixes 'linear' (Gated DeltaNet) layers with attention "
+                          'layers: use scan_layers=False.')
+      if self.mtp.num_layers:
+        raise ConfigError("ModelConfig.mtp.num_layers > 0 is not supported with 'linear' "
+                          'layers.')
     self._validate_nope()
     if (self.rope_interleave and self.attention_type == 'mha'
         and self.rope.partial_rotary_factor != 1.0):

@@ -25,6 +25,13 @@ from maxnnx.kernels.capabilities import (
   RaggedDotCapabilities,
   RaggedDotRequest,
 )
+from maxnnx.kernels.gated_delta import (
+  GATED_DELTA_IMPLEMENTATIONS,
+  ChunkedGatedDelta,
+  GatedDeltaKernel,
+  RecurrentGatedDelta,
+  register_gated_delta_kernel,
+)
 from maxnnx.kernels.lookup import KERNEL_REGISTRIES, get_kernel, kernel_for
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions, RaggedDotOptions
@@ -49,7 +56,8 @@ from maxnnx.kernels.ragged_dot import (
 
 __all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionCapabilities', 'AttentionKernel', 'AutoAttention',
            'AttentionMask', 'AttentionOptions', 'AttentionRequest', 'BlockwiseAttention',
-           'DenseRaggedDot', 'JaxNnAttention', 'KERNEL_REGISTRIES',
+           'ChunkedGatedDelta', 'DenseRaggedDot', 'GATED_DELTA_IMPLEMENTATIONS',
+           'GatedDeltaKernel', 'JaxNnAttention', 'KERNEL_REGISTRIES', 'RecurrentGatedDelta',
            'KernelUnsupportedError', 'LaxRaggedDot', 'PAGED_ATTENTION_IMPLEMENTATIONS',
            'PagedAttentionCapabilities', 'PagedAttentionKernel', 'PagedAttentionRequest',
            'PagedBatch', 'PallasFlashAttention',
@@ -58,4 +66,5 @@ __all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionCapabilities', 'AttentionKerne
            'TokamaxRaggedDot', 'XlaAttention', 'XlaPagedAttention',
            'get_attention_kernel', 'get_kernel', 'get_paged_attention_kernel',
            'get_ragged_dot_kernel', 'kernel_for', 'register_attention_kernel',
-           'register_paged_attention_kernel', 'register_ragged_dot_kernel']
+           'register_gated_delta_kernel', 'register_paged_attention_kernel',
+           'register_ragged_dot_kernel']

@@ -7,13 +7,15 @@ config fields are read in one place.
 
 from maxnnx.kernels.attention import ATTENTION_IMPLEMENTATIONS
 from maxnnx.kernels.capabilities import lookup_kernel
+from maxnnx.kernels.gated_delta import GATED_DELTA_IMPLEMENTATIONS
 from maxnnx.kernels.paged_attention import PAGED_ATTENTION_IMPLEMENTATIONS
 from maxnnx.kernels.ragged_dot import RAGGED_DOT_IMPLEMENTATIONS
 
 #: Registry of each kernel kind; the config field naming a strategy is ``{kind}_impl``.
 KERNEL_REGISTRIES = {'attention': ATTENTION_IMPLEMENTATIONS,
                      'paged_attention': PAGED_ATTENTION_IMPLEMENTATIONS,
-                     'ragged_dot': RAGGED_DOT_IMPLEMENTATIONS}
+                     'ragged_dot': RAGGED_DOT_IMPLEMENTATIONS,
+                     'gated_delta': GATED_DELTA_IMPLEMENTATIONS}
 
 
 def _check_kind(kind: str) -> None:

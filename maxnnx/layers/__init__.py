@@ -4,6 +4,7 @@ from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.attention import Attention
 from maxnnx.layers.block import DecoderBlock
 from maxnnx.layers.embedding import Embed
+from maxnnx.layers.gated_deltanet import GatedDeltaNet
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.mlp import MLP
 from maxnnx.layers.norms import LayerNorm, RMSNorm
@@ -12,4 +13,5 @@ from maxnnx.layers.parts import BlockParts, PartFactory
 from maxnnx.layers.rope import RotaryEmbedding
 
 __all__ = ['Attention', 'AttentionMask', 'BlockParts', 'DecoderBlock', 'DenseGeneral', 'Embed',
-           'LayerNorm', 'MLP', 'PartFactory', 'RMSNorm', 'RotaryEmbedding', 'logical_param']
+           'GatedDeltaNet', 'LayerNorm', 'MLP', 'PartFactory', 'RMSNorm', 'RotaryEmbedding',
+           'logical_param']

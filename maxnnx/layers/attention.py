@@ -55,8 +55,11 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, hd, h, kv = cfg.d_model, cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
     dense = dict(dtype=cfg.jnp_dtype(), param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
-    self.q_proj = DenseGeneral((d,), (h, hd), axes=('embed', 'heads', 'head_dim'),
+    # With an output gate, each head's projection is [query, gate] (Qwen3-Next).
+    q_width = 2 * hd if cfg.attention_output_gate else hd
+    self.q_proj = DenseGeneral((d,), (h, q_width), axes=('embed', 'heads', 'head_dim'),
                                use_bias=cfg.qkv_bias, **dense)
+    self.output_gate = cfg.attention_output_gate
     self.k_proj = DenseGeneral((d,), (kv, hd), axes=('embed', 'kv_heads', 'head_dim'),
                                use_bias=cfg.qkv_bias, **dense)
     self.v_proj = DenseGeneral((d,), (kv, hd), axes=('embed', 'kv_heads', 'head_dim'),
@@ -165,7 +168,8 @@ class Attention(nnx.Module):
     """
     if paged is not None:
       return self._paged(x_BTD, cos_sin, paged, sliding_window, chunk_size, nope)
-    q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+    q_BTNH, gate_BTNH = self._query(x_BTD)
+    k_BTKH, v_BTKH = self.k_proj(x_BTD), self.v_proj(x_BTD)
     q_BTNH, k_BTKH = self._normalise(q_BTNH, k_BTKH, cos_sin,
                                      None if mask is None else mask.q_positions, nope)
     if cache_index is not None:
@@ -185,7 +189,7 @@ class Attention(nnx.Module):
     options = AttentionOptions(scale=self.scale, softcap=self.softcap,
                                sliding_window=sliding_window, sinks_N=sinks_N,
                                chunk_size=chunk_size)
-    out_BTNH = self.kernel(q_BTNH, k_BTKH, v_BTKH, mask, options)
+    out_BTNH = self._gate(self.kernel(q_BTNH, k_BTKH, v_BTKH, mask, options), gate_BTNH)
     out_BTNH = checkpoint_name(constrain(out_BTNH, Q_AXES), 'attention_out')
     return checkpoint_name(constrain(self.o_proj(out_BTNH), OUT_AXES), 'out_proj')
 
@@ -194,7 +198,8 @@ class Attention(nnx.Module):
     if self.pages_k is None:
       raise ValueError('Paged attention needs a page pool: call '
                        'model.init_paged_cache(num_pages, page_size).')
-    q_1TNH, k_1TKH, v_1TKH = self.q_proj(x_1TD), self.k_proj(x_1TD), self.v_proj(x_1TD)
+    q_1TNH, gate_1TNH = self._query(x_1TD)
+    k_1TKH, v_1TKH = self.k_proj(x_1TD), self.v_proj(x_1TD)
     positions_1T = paged.positions(x_1TD.shape[1])[None] if self.temperature else None
     q_1TNH, k_1TKH = self._normalise(q_1TNH, k_1TKH, cos_sin, positions_1T, nope)
     self.pages_k[...] = paged.write(self.pages_k[...], k_1TKH[0])
@@ -204,7 +209,22 @@ class Attention(nnx.Module):
                                sliding_window=sliding_window, sinks_N=sinks_N,
                                chunk_size=chunk_size)
     out_TNH = self.paged_kernel(q_1TNH[0], self.pages_k[...], self.pages_v[...], paged, options)
-    return self.o_proj(out_TNH[None].astype(q_1TNH.dtype))
+    return self.o_proj(self._gate(out_TNH[None].astype(q_1TNH.dtype), gate_1TNH))
+
+  def _query(self, x_BTD):
+    """The queries ``[B, T, heads, head_dim]`` and, with an output gate, the gate logits."""
+    q_BTNX = self.q_proj(x_BTD)
+    if not self.output_gate:
+      return q_BTNX, None
+    head_dim = q_BTNX.shape[-1] // 2
+    return q_BTNX[..., :head_dim], q_BTNX[..., head_dim:]
+
+  @staticmethod
+  def _gate(out_BTNH, gate_BTNH):
+    """``out * sigmoid(gate)`` per head and channel (no gate: ``out``)."""
+    if gate_BTNH is None:
+      return out_BTNH
+    return (out_BTNH * jax.nn.sigmoid(gate_BTNH.astype(jnp.float32))).astype(out_BTNH.dtype)
 
 
 def _unit_rms(x: jax.Array, eps: float) -> jax.Array:

@@ -6,6 +6,7 @@ from flax import nnx
 from maxnnx.config import ModelConfig
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.attention import Attention
+from maxnnx.layers.gated_deltanet import GatedDeltaNet
 from maxnnx.layers.mla import MLA
 from maxnnx.layers.mlp import MLP
 from maxnnx.layers.moe import MoE
@@ -21,13 +22,15 @@ class DecoderBlock(nnx.Module):
 
   ``cfg.pre_norm`` and ``cfg.post_norm`` choose which norms exist: Llama-style
   blocks have only pre-norms, Gemma 2/3 both, OLMo 2 only post-norms.
-  ``use_moe`` replaces the MLP by a :class:`~maxnnx.layers.moe.MoE` (same name, ``mlp``).
+  ``use_moe`` replaces the MLP by a :class:`~maxnnx.layers.moe.MoE` (same name, ``mlp``);
+  ``linear_attention`` the attention by a :class:`~maxnnx.layers.gated_deltanet.GatedDeltaNet`
+  (same name, ``attn``; the config's ``linear`` layers).
   ``parts`` (:class:`~maxnnx.layers.parts.BlockParts`) swaps in your own attention,
   MLP, MoE or norm modules; its ``None`` fields keep the config's choice.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, use_moe: bool = False,
-               parts: BlockParts | None = None):
+               parts: BlockParts | None = None, linear_attention: bool = False):
     parts = BlockParts() if parts is None else parts
 
     def norm(enabled):
@@ -37,7 +40,9 @@ class DecoderBlock(nnx.Module):
               build_part(parts.norm, cfg, rngs, 'norm'))
 
     self.attn_pre_norm = norm(cfg.pre_norm)
-    if parts.attention is None:
+    if linear_attention:
+      self.attn = GatedDeltaNet(cfg, rngs=rngs)
+    elif parts.attention is None:
       self.attn = MLA(cfg, rngs=rngs) if cfg.attention_type == 'mla' else Attention(cfg, rngs=rngs)
     else:
       self.attn = build_part(parts.attention, cfg, rngs, 'attention')
@@ -79,9 +84,13 @@ class DecoderBlock(nnx.Module):
 
 
 def make_block(cfg: ModelConfig, rngs: nnx.Rngs, use_moe: bool = False,
-               parts: BlockParts | None = None) -> nnx.Module:
-  """One layer of the stack: ``parts.block`` when set, else a :class:`DecoderBlock`."""
+               parts: BlockParts | None = None, linear_attention: bool = False) -> nnx.Module:
+  """One layer of the stack: ``parts.block`` when set, else a :class:`DecoderBlock`.
+
+  ``linear_attention`` (a ``linear`` layer) reaches a custom block factory only when set.
+  """
   parts = BlockParts() if parts is None else parts
+  extra = {'linear_attention': True} if linear_attention else {}
   if parts.block is None:
-    return DecoderBlock(cfg, rngs=rngs, use_moe=use_moe, parts=parts)
-  return build_part(parts.block, cfg, rngs, 'block', use_moe=use_moe, parts=parts)
+    return DecoderBlock(cfg, rngs=rngs, use_moe=use_moe, parts=parts, **extra)
+  return build_part(parts.block, cfg, rngs, 'block', use_moe=use_moe, parts=parts, **extra)

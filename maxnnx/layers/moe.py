@@ -162,6 +162,8 @@ class MoE(nnx.Module):
     experts: :class:`Experts` (stacked expert weights).
     shared_experts: an :class:`~maxnnx.layers.mlp.MLP` of width
       ``num_shared_experts * expert_dim`` applied to every token, or ``None``.
+    shared_expert_gate: ``[d_model] -> [1]``, whose sigmoid scales the shared
+      experts' output per token (``shared_expert_gate``), or ``None``.
     ragged_dot: the grouped-matmul kernel (``runtime.ragged_dot_impl``), shown in treescope.
     tokens_per_expert, load_balance_loss, router_z_loss: :class:`MoeAux` of the
       last call (assignments per expert ``[E]``; the two scalar losses).
@@ -187,6 +189,10 @@ class MoE(nnx.Module):
     shared_dim = cfg.num_shared_experts * expert_dim
     self.shared_experts = (MLP(d_model, shared_dim, activation=activation, runtime=runtime,
                                rngs=rngs) if shared_dim else None)
+    self.shared_expert_gate = (
+        DenseGeneral((d_model,), (1,), axes=('embed', None), dtype=self.dtype,
+                     param_dtype=param_dtype, rngs=rngs)
+        if shared_dim and cfg.shared_expert_gate else None)
     self.ragged_dot = kernel_for(runtime, 'ragged_dot')
     self.tokens_per_expert = MoeAux(jnp.zeros((cfg.num_experts,), jnp.float32))
     self.load_balance_loss = MoeAux(jnp.zeros((), jnp.float32))
@@ -291,7 +297,10 @@ class MoE(nnx.Module):
     y_ND, counts_E = dispatch(x_ND, weights_NK, experts_NK, input_weights_NK)
     y_BTD = checkpoint_name(y_ND.astype(self.dtype).reshape(batch, length, d), 'mlp_out')
     if self.shared_experts is not None:
-      y_BTD = y_BTD + self.shared_experts(x_BTD)
+      shared_BTD = self.shared_experts(x_BTD)
+      if self.shared_expert_gate is not None:
+        shared_BTD = shared_BTD * jax.nn.sigmoid(self.shared_expert_gate(x_BTD))
+      y_BTD = y_BTD + shared_BTD
 
     counts_E = counts_E.astype(jnp.float32)
     num_tokens = x_ND.shape[0]

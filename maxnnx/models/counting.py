@@ -23,7 +23,9 @@ _EXPERT_MODULE = 'experts'
 @functools.lru_cache(maxsize=64)
 def _abstract_param_sizes(cfg: ModelConfig) -> tuple[tuple[tuple, int], ...]:
   """``(path, size)`` of every parameter of the model ``cfg`` builds."""
-  if cfg.moe.layer_step == 1:  # a scanned stack has the same parameters and builds faster
+  mixers = set(cfg.resolved_layer_types) & {'linear'}
+  uniform = not mixers or set(cfg.resolved_layer_types) == mixers
+  if cfg.moe.layer_step == 1 and uniform:  # a scanned stack: same parameters, faster build
     cfg = cfg.replace(**{'runtime.scan_layers': True})
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   flat = nnx.to_flat_state(nnx.state(model, nnx.Param))

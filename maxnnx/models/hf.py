@@ -37,7 +37,7 @@ _ROPE_KEYS = ('factor', 'original_max_position_embeddings', 'low_freq_factor', '
 _ACTIVATIONS = {'silu': 'silu', 'swish': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh',
                 'gelu_new': 'gelu_tanh', 'gelu_fast': 'gelu_tanh', 'gelu': 'gelu', 'relu': 'relu'}
 _LAYER_TYPES = {'full_attention': 'full', 'sliding_attention': 'sliding',
-                'chunked_attention': 'chunked'}
+                'chunked_attention': 'chunked', 'linear_attention': 'linear'}
 
 
 class HFConfig:
@@ -107,7 +107,7 @@ class HFConfig:
     return _ACTIVATIONS[name]
 
   def layer_types(self) -> tuple[LayerType, ...] | None:
-    """``layer_types`` as ``full``/``sliding``/``chunked`` if the config lists them."""
+    """``layer_types`` as ours (``full``, ``sliding``, ``chunked``, ``linear``) if listed."""
     names = self.data.get('layer_types')
     if names is None:
       return None

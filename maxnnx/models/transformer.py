@@ -32,7 +32,7 @@ from maxnnx.parallel.pipeline import pipeline_stack
 from maxnnx.sharding import constrain, mesh_axis_size
 
 _NO_WINDOW = np.iinfo(np.int32).max  # also "no chunk": every position is in chunk 0
-_LAYER_KINDS = ('full', 'sliding', 'chunked')  # layer type -> its code in traced stacks
+_LAYER_KINDS = ('full', 'sliding', 'chunked', 'linear')  # layer type -> code in traced stacks
 
 
 def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
@@ -51,11 +51,12 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, num_layers: int | None = N
                     use_moe: bool = False, parts: BlockParts | None = None) -> DecoderBlock:
   """One DecoderBlock whose every variable has a leading ``layers`` axis."""
   parts = BlockParts() if parts is None else parts
+  linear = set(cfg.resolved_layer_types) == {'linear'}  # ModelConfig refuses a mixed scan
 
   @nnx.split_rngs(splits=num_layers or cfg.num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
   def create(rngs):
-    return make_block(cfg, rngs, use_moe, parts)
+    return make_block(cfg, rngs, use_moe, parts, linear)
 
   return create(rngs)
 
@@ -100,8 +101,8 @@ class Transformer(nnx.Module):
       for name, _, count, use_moe in layer_stacks(config):
         setattr(self, name, _stacked_blocks(config, rngs, count, use_moe, parts))
     else:
-      self.layers = nnx.List([make_block(config, rngs, m, parts)
-                              for m in config.moe_layers])
+      self.layers = nnx.List([make_block(config, rngs, m, parts, t == 'linear')
+                              for m, t in zip(config.moe_layers, config.resolved_layer_types)])
     self.final_norm = (make_norm(config, rngs=rngs) if parts.norm is None else
                        build_part(parts.norm, config, rngs, 'norm'))
     self.lm_head = (None if config.tie_word_embeddings else
@@ -289,14 +290,15 @@ class Transformer(nnx.Module):
   def _cos_sin(self, positions_BT):
     """Each layer type's ``(cos, sin)``; ``None`` when the model has no rotary embedding.
 
-    Chunked layers rotate like full ones; sliding layers use ``local_rope`` when set.
+    Chunked layers rotate like full ones; sliding layers use ``local_rope`` when set;
+    linear (Gated DeltaNet) layers rotate nothing.
     """
     if self.rotary is None:
       return dict.fromkeys(_LAYER_KINDS)
     full = self.rotary.cos_sin(positions_BT)
     sliding = (self.local_rotary.cos_sin(positions_BT) if self.local_rotary is not self.rotary
                else full)
-    return {'full': full, 'sliding': sliding, 'chunked': full}
+    return {'full': full, 'sliding': sliding, 'chunked': full, 'linear': None}
 
   def _layer_attention(self, layer: int, cos_sin: dict):
     """Layer ``layer``'s ``(cos_sin, sliding window, chunk size)``; ``None`` where unused

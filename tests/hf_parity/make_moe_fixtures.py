@@ -184,8 +184,38 @@ def llama4() -> Case:
     )
 
 
+def qwen3_next() -> Case:
+    # Qwen3-Next: three Gated DeltaNet layers then one gated full-attention layer; 2 key heads
+    # serving 4 value heads (grouped), a 4-tap convolution, partial rotary (half of head_dim 16),
+    # (1 + w) norms, a dense first layer (mlp_only_layers) and top-2 of 4 experts plus the
+    # sigmoid-gated shared expert. 40 tokens run as one chunk of transformers' 64.
+    return Case(
+        config=dict(
+            model_type="qwen3_next",
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=96,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            mlp_only_layers=[0],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                 partial_rotary_factor=0.5),
+        ),
+        legacy=dict(rope_theta=10000.0, partial_rotary_factor=0.5),
+        legacy_drop=("layer_types",),
+        weight_scale={"mlp.gate.weight": 4.0},
+    )
+
+
 MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe, deepseek_v3, deepseek_v2, gpt_oss,
-                                     llama4)}
+                                     llama4, qwen3_next)}
 
 _plain_build = mf.build_model
 

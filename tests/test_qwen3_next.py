@@ -1,0 +1,90 @@
+"""Qwen3-Next beyond the parity fixture: packed and padded rows, export, size, serving refusal.
+
+``tests/fixtures/hf/qwen3_next`` (``make_moe_fixtures.py qwen3_next``) pins logits, greedy
+generation (through the recurrent state cache) and the round trip against transformers in
+``test_hf_parity.py``; the gated delta rule itself is checked in
+``test_kernels_gated_delta.py``.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from conftest import FIXTURES
+from flax import nnx
+
+import maxnnx
+from maxnnx.checkpoint.safetensors import read_safetensors
+from maxnnx.models.counting import num_active_params, num_params
+
+
+def _tiny(**changes):
+  cfg = maxnnx.get_preset('tiny-qwen3-next', initializer_range=0.5, **changes)
+  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(11))
+  rng = np.random.default_rng(0)
+  for _, var in nnx.iter_graph(model):  # move norms and decay parameters off their init
+    if isinstance(var, nnx.Param) and var.ndim == 1:
+      var[...] = var[...] + 0.3 * rng.normal(size=var.shape)
+  return model
+
+
+def test_packed_documents_equal_each_document_alone():
+  """Segment ids restart the linear layers' state and convolution: a row packing two
+  documents gives each document's logits alone (and the second differs when they leak)."""
+  model = _tiny()
+  forward = nnx.jit(lambda model, ids, segments, positions: model(
+      ids, segment_ids=segments, positions=positions))
+  rng = np.random.default_rng(1)
+  docs = rng.integers(0, 512, (2, 9))
+  positions = np.array([[*range(9), *range(9)]])
+  logits = np.asarray(forward(model, docs.reshape(1, 18), np.array([[1] * 9 + [2] * 9]),
+                              positions))[0]
+  alone = np.asarray(forward(model, docs, np.ones((2, 9), int), positions[:, :9].repeat(2, 0)))
+  np.testing.assert_allclose(logits[:9], alone[0], atol=2e-5)
+  np.testing.assert_allclose(logits[9:], alone[1], atol=2e-5)
+  leaked = np.asarray(forward(model, docs.reshape(1, 18), np.ones((1, 18), int), positions))[0]
+  assert np.abs(leaked[9:] - alone[1]).max() > 1e-2
+
+
+@pytest.mark.slow  # 25 s of compiles; greedy parity with transformers runs by default
+def test_ragged_prompts_generate_like_each_prompt_alone():
+  """Left padding is zeroed and cut off by a reset, so batching prompts of several lengths
+  gives each one's greedy continuation (the state cache decodes one token at a time)."""
+  model = _tiny()
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(0, 512, n).tolist() for n in (3, 11)]
+  batched = maxnnx.generate(model, prompts, max_new_tokens=6, eos_ids=None).tokens
+  for prompt, row in zip(prompts, batched):
+    alone = maxnnx.generate(model, [prompt], max_new_tokens=6, eos_ids=None).tokens[0]
+    np.testing.assert_array_equal(row, alone)
+
+
+def test_export_writes_the_transformers_tensors(tmp_path):
+  source = os.path.join(FIXTURES, 'qwen3_next')
+  model = maxnnx.from_pretrained(source)
+  maxnnx.save_pretrained(model, str(tmp_path))
+  original = read_safetensors(os.path.join(source, 'model.safetensors'))
+  written = read_safetensors(str(tmp_path / 'model.safetensors'))
+  assert sorted(written) == sorted(original)
+  for name in original:
+    np.testing.assert_array_equal(written[name].reshape(original[name].shape), original[name],
+                                  err_msg=name)
+
+
+@pytest.mark.slow  # 13 s: the unscanned 48-layer abstract model
+def test_80b_preset_size():
+  """80B in total (the card); its "A3B" rounds the 3.25B active parameters outside the two
+  embedding tables (top-10 of 512 experts + the shared one)."""
+  cfg = maxnnx.get_preset('qwen3-next-80b-a3b')
+  assert num_params(cfg) == pytest.approx(80e9, rel=5e-3)
+  embeddings = 2 * cfg.vocab_size * cfg.d_model
+  assert num_active_params(cfg) - embeddings == pytest.approx(3.25e9, rel=1e-2)
+  assert cfg.resolved_layer_types.count('linear') == 36
+
+
+def test_what_the_hybrid_stack_cannot_do_is_a_clear_error():
+  with pytest.raises(maxnnx.ConfigError, match='scan_layers'):
+    maxnnx.get_preset('tiny-qwen3-next', scan_layers=True)
+  from maxnnx.serving import Engine
+  with pytest.raises(NotImplementedError, match='paged'):
+    Engine(_tiny(), page_size=4, max_batch=2, token_budget=8, max_model_len=32)
