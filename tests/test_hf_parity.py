@@ -19,7 +19,8 @@ import maxnnx
 REL_TOL = 1e-4
 # Fixtures whose layer pattern the scanned layout cannot hold (ModelConfig says why).
 NO_SCAN = {'llama4': 'MoE layers interleaved with dense ones (moe.layer_step=2)',
-           'qwen3_next': 'Gated DeltaNet layers interleaved with attention layers'}
+           'qwen3_next': 'Gated DeltaNet layers interleaved with attention layers',
+           'qwen3_5': 'Gated DeltaNet layers interleaved with attention layers'}
 
 
 def _reference(case):

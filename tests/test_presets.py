@@ -27,7 +27,9 @@ EXPECTED_NAMES |= {'tiny-moe', 'mixtral-8x7b', 'mixtral-8x22b', 'qwen3-30b-a3b',
                    'deepseek-v3', 'kimi-k2', 'gpt-oss-20b', 'gpt-oss-120b',
                    'llama4-17b-16e', 'llama4-17b-128e',
                    'tiny-llama4', 'qwen3-next-80b-a3b',
-                   'tiny-qwen3-next'}  # test_presets_moe.py checks their sizes
+                   'tiny-qwen3-next', 'qwen3.5-35b-a3b',
+                   'qwen3.5-397b-a17b',
+                   'deepseek-v3.2'}  # test_presets_moe.py, test_qwen3_next.py: sizes
 
 # Total parameter counts published by the model authors (model cards, papers and
 # the Hub's safetensors metadata), in billions: an independent check of the

@@ -89,3 +89,16 @@ def test_tiny_moe_forward_scanned_equals_unscanned():
   b = nnx.jit(lambda m, x: m(x))(scanned, ids)
   assert a.shape == (2, 16, 512) and np.isfinite(np.asarray(a)).all()
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_deepseek_v3_2_is_v3_plus_one_indexer_per_layer():
+  """671B like V3 (the card's figure, which leaves the indexers out): exactly 61 indexers
+  (wq_b, wk, k_norm, weights_proj) more than V3, MTP modules aside."""
+  v3 = get_preset('deepseek-v3').replace(mtp_num_layers=0)
+  v32 = get_preset('deepseek-v3.2').replace(mtp_num_layers=0)
+  mla = v32.mla
+  indexer = (mla.q_lora_rank * mla.index_num_heads * mla.index_head_dim
+             + v32.d_model * mla.index_head_dim + 2 * mla.index_head_dim
+             + v32.d_model * mla.index_num_heads)
+  assert num_params(v32) - num_params(v3) == v32.num_layers * indexer
+  assert num_params(v32) == pytest.approx(671e9, rel=5e-3)

@@ -1,4 +1,5 @@
-"""Qwen3-Next beyond the parity fixture: packed and padded rows, export, size, serving refusal.
+"""Qwen3-Next (and Qwen3.5, its sibling) beyond the parity fixtures: packed and padded rows,
+export, sizes, serving refusal.
 
 ``tests/fixtures/hf/qwen3_next`` (``make_moe_fixtures.py qwen3_next``) pins logits, greedy
 generation (through the recurrent state cache) and the round trip against transformers in
@@ -59,8 +60,9 @@ def test_ragged_prompts_generate_like_each_prompt_alone():
     np.testing.assert_array_equal(row, alone)
 
 
-def test_export_writes_the_transformers_tensors(tmp_path):
-  source = os.path.join(FIXTURES, 'qwen3_next')
+@pytest.mark.parametrize('case', ['qwen3_next', 'qwen3_5'])
+def test_export_writes_the_transformers_tensors(case, tmp_path):
+  source = os.path.join(FIXTURES, case)
   model = maxnnx.from_pretrained(source)
   maxnnx.save_pretrained(model, str(tmp_path))
   original = read_safetensors(os.path.join(source, 'model.safetensors'))
@@ -80,6 +82,21 @@ def test_80b_preset_size():
   embeddings = 2 * cfg.vocab_size * cfg.d_model
   assert num_active_params(cfg) - embeddings == pytest.approx(3.25e9, rel=1e-2)
   assert cfg.resolved_layer_types.count('linear') == 36
+
+
+@pytest.mark.slow  # the unscanned 40- and 60-layer abstract models
+@pytest.mark.parametrize('name,total,active', [
+    # Text models; the cards' totals add the 0.4B vision tower (35.07B and 396.76B in all).
+    ('qwen3.5-35b-a3b', 34.66e9, 2.95e9), ('qwen3.5-397b-a17b', 396.35e9, 16.33e9)])
+def test_qwen3_5_preset_sizes(name, total, active):
+  """Totals within 0.5% of the cards' 35B / 397B once the vision tower is added; active
+  parameters without the input embedding: the cards' A3B / A17B."""
+  cfg = maxnnx.get_preset(name)
+  assert num_params(cfg) == pytest.approx(total, rel=1e-3)
+  assert num_params(cfg) + 0.41e9 == pytest.approx(float(name.split('-')[1][:-1]) * 1e9,
+                                                   rel=5e-3)
+  assert num_active_params(cfg) - cfg.vocab_size * cfg.d_model == pytest.approx(active,
+                                                                                 rel=1e-3)
 
 
 def test_what_the_hybrid_stack_cannot_do_is_a_clear_error():

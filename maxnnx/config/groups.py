@@ -195,6 +195,10 @@ class MLAConfig(ValidatedConfig):
     qk_rope_head_dim: per-head query/key width with rotary embedding (the key part
       is shared by all heads).
     v_head_dim: per-head value width.
+    index_topk: DeepSeek Sparse Attention (V3.2): each query attends only to the
+      ``index_topk`` keys a lightning indexer scores highest; ``None`` = dense MLA.
+    index_num_heads: heads of the indexer (``index_n_heads``).
+    index_head_dim: width of the indexer's queries and keys (``index_head_dim``).
   """
 
   _PATH = 'ModelConfig.mla'
@@ -204,9 +208,21 @@ class MLAConfig(ValidatedConfig):
   qk_nope_head_dim: int = 128
   qk_rope_head_dim: int = 64
   v_head_dim: int = 128
+  index_topk: int | None = None
+  index_num_heads: int = 64
+  index_head_dim: int = 128
 
   def _validate(self):
     p = self._PATH
+    if self.index_topk is not None:
+      if self.index_topk <= 0 or self.index_num_heads <= 0:
+        raise ConfigError(f'{p}.index_topk and index_num_heads must be > 0.')
+      if self.q_lora_rank is None:
+        raise ConfigError(f'{p}.index_topk needs q_lora_rank (the indexer reads the low-rank '
+                          'query).')
+      if not self.qk_rope_head_dim <= self.index_head_dim:
+        raise ConfigError(f'{p}.index_head_dim ({self.index_head_dim}) must be >= '
+                          f'qk_rope_head_dim ({self.qk_rope_head_dim}).')
     for name in ('kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'):
       if getattr(self, name) <= 0:
         raise ConfigError(f'{p}.{name} must be > 0, got {getattr(self, name)}.')
@@ -229,6 +245,9 @@ class LinearAttentionConfig(ValidatedConfig):
     key_head_dim: per-head query/key width.
     value_head_dim: per-head value width.
     conv_kernel_size: taps of the causal depthwise convolution over q/k/v.
+    projections: how the input projections are laid out: ``grouped`` (Qwen3-Next:
+      ``in_proj_qkvz`` and ``in_proj_ba``, interleaved per key head) or ``split``
+      (Qwen3.5: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``).
   """
 
   _PATH = 'ModelConfig.linear_attn'
@@ -238,6 +257,7 @@ class LinearAttentionConfig(ValidatedConfig):
   key_head_dim: int = 128
   value_head_dim: int = 128
   conv_kernel_size: int = 4
+  projections: Literal['grouped', 'split'] = 'grouped'
 
   def _validate(self):
     p = self._PATH

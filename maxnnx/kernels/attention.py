@@ -104,7 +104,7 @@ class XlaAttention(AttentionKernel):
     return AttentionCapabilities(
         platforms=ALL_PLATFORMS, dtypes=FLOAT_DTYPES, gqa=True, masking='positions',
         decode=True, sliding_window=True, traced_window=True, softcap=True, sinks=True,
-        distinct_v_head_dim=True, chunked=True)
+        distinct_v_head_dim=True, chunked=True, key_mask=True)
 
   def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Einsum scores, mask, softmax (with sinks), einsum values."""
@@ -116,7 +116,7 @@ class XlaAttention(AttentionKernel):
                         preferred_element_type=jnp.float32) * scale
     if softcap is not None:
       scores = softcap * jnp.tanh(scores / softcap)
-    allowed_BTS = mask.dense(options.sliding_window, options.chunk_size)
+    allowed_BTS = options.visible(mask)
     scores = jnp.where(allowed_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     if sinks_N is None:
       probs = jax.nn.softmax(scores, axis=-1)

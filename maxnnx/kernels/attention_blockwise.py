@@ -208,7 +208,7 @@ class BlockwiseAttention(AttentionKernel):
     q_BKGTH = q_BTNH.reshape(batch, length, num_kv_heads, groups, head_dim).transpose(
         0, 2, 3, 1, 4)
     k_BKSH, v_BKSV = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
-    allowed_BTS = mask.dense(sliding_window, options.chunk_size)
+    allowed_BTS = options.visible(mask)
     # A chunk of C positions bounds the look-back like a window of C does.
     bounds = [b for b in (sliding_window, options.chunk_size) if isinstance(b, int | np.integer)]
     static_window = min(bounds) if bounds else None

@@ -77,7 +77,7 @@ class PallasFlashAttention(AttentionKernel):
         platforms=ALL_PLATFORMS if self.interpret else ('gpu',), dtypes=FLOAT_DTYPES,
         gqa=True, masking='index_causal', decode=False, sliding_window=False,
         traced_window=False, softcap=False, sinks=False, distinct_v_head_dim=False,
-        chunked=False)
+        chunked=False, key_mask=False)
 
   def unsupported_reasons(self, request):
     """The declared limits, and the kernel's block tiling of the sequence."""

@@ -57,7 +57,7 @@ class TokamaxAttention(AttentionKernel):
         platforms=platforms, dtypes=('bfloat16', 'float16') if only_cudnn else FLOAT_DTYPES,
         gqa=True, masking='positions', decode=True, sliding_window=True, traced_window=True,
         softcap=not only_cudnn, sinks=False, distinct_v_head_dim=not only_cudnn,
-        chunked=True)
+        chunked=True, key_mask=True)
 
   def unsupported_reasons(self, request):
     """The declared limits, and tokamax being importable."""
@@ -67,7 +67,7 @@ class TokamaxAttention(AttentionKernel):
   def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Try each implementation; log the ones that refuse; raise if all refuse."""
     tokamax = import_tokamax()  # sinks are refused by the capability check
-    allowed_B1TS = mask.dense(options.sliding_window, options.chunk_size)[:, None]
+    allowed_B1TS = options.visible(mask)[:, None]
     return run_first_tokamax(
         'attention', self.name, self.implementations,
         lambda impl: tokamax.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=allowed_B1TS,

@@ -163,6 +163,7 @@ class AttentionRequest:
     softcap: a logit soft-cap is set.
     sinks: attention-sink logits are given.
     chunked: chunked (local) attention is asked for (``options.chunk_size``).
+    key_mask: an extra dense key mask is given (``options.key_mask_BTS``).
   """
 
   platform: str
@@ -177,6 +178,7 @@ class AttentionRequest:
   softcap: bool
   sinks: bool
   chunked: bool = False
+  key_mask: bool = False
 
   @classmethod
   def of(cls, q_BTNH, k_BSKH, v_BSKH, options: AttentionOptions) -> 'AttentionRequest':
@@ -187,7 +189,8 @@ class AttentionRequest:
                head_dim=q_BTNH.shape[3], v_head_dim=v_BSKH.shape[3],
                window=_window_kind(options.sliding_window),
                softcap=options.softcap is not None, sinks=options.sinks_N is not None,
-               chunked=options.chunk_size is not None)
+               chunked=options.chunk_size is not None,
+               key_mask=options.key_mask_BTS is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +213,7 @@ class AttentionCapabilities:
     sinks: attention-sink logits (GPT-OSS).
     distinct_v_head_dim: ``v`` head size different from the ``q``/``k`` one (MLA).
     chunked: chunked (local) attention, static or traced chunk size (Llama 4).
+    key_mask: an extra dense ``[B, T, S]`` key mask (sparse attention).
   """
 
   platforms: tuple[str, ...]
@@ -223,6 +227,7 @@ class AttentionCapabilities:
   sinks: bool
   distinct_v_head_dim: bool
   chunked: bool
+  key_mask: bool
 
   def missing(self, request: AttentionRequest) -> list[str]:
     """Why ``request`` cannot be served; empty when it can."""
@@ -249,6 +254,8 @@ class AttentionCapabilities:
                      'is not supported')
     if request.chunked and not self.chunked:
       reasons.append('chunked attention is not supported')
+    if request.key_mask and not self.key_mask:
+      reasons.append('an extra dense key mask (sparse attention) is not supported')
     return reasons
 
 

@@ -26,6 +26,8 @@ class AttentionOptions:
     chunk_size: chunked (local) attention: a query sees only keys whose position
       is in its own chunk (``position // chunk_size`` equal; Llama 4). A Python
       int, an int array (traced) or ``None`` (no chunks).
+    key_mask_BTS: a boolean ``[B, T, S]`` that must also allow a key (sparse
+      attention: the keys DeepSeek V3.2's indexer selected), or ``None``.
   """
 
   scale: float
@@ -33,6 +35,13 @@ class AttentionOptions:
   sliding_window: int | jax.Array | None = None
   sinks_N: jax.Array | None = None
   chunk_size: int | jax.Array | None = None
+  key_mask_BTS: jax.Array | None = None
+
+  def visible(self, mask) -> jax.Array:
+    """``[B, T, S]`` bool: the keys each query may see under ``mask`` (an
+    :class:`~maxnnx.kernels.masks.AttentionMask`) and these options."""
+    allowed_BTS = mask.dense(self.sliding_window, self.chunk_size)
+    return allowed_BTS if self.key_mask_BTS is None else allowed_BTS & self.key_mask_BTS
 
 
 @dataclasses.dataclass(frozen=True)

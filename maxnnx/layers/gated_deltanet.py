@@ -3,9 +3,11 @@
 A drop-in token mixer for a :class:`~maxnnx.layers.block.DecoderBlock` (the block's
 ``attn``), called like :class:`~maxnnx.layers.attention.Attention`:
 
-1. ``in_proj_qkvz`` and ``in_proj_ba`` project ``x``; per key head the output holds
-   ``[q, k, v, z]`` and ``[b, a]`` for its group of value heads (the checkpoints'
-   layout, kept as is);
+1. the input projections, in the checkpoints' layout (``linear_attn.projections``):
+   ``grouped`` (Qwen3-Next) has ``in_proj_qkvz`` and ``in_proj_ba``, holding per key
+   head ``[q, k, v, z]`` and ``[b, a]`` for its group of value heads; ``split``
+   (Qwen3.5) has ``in_proj_qkv`` (all q, all k, all v), ``in_proj_z``, ``in_proj_b``
+   and ``in_proj_a``;
 2. q, k, v pass through a causal depthwise convolution (``conv1d``, ``K`` taps, then
    SiLU); q and k are L2-normalised and q scaled by ``key_head_dim ** -0.5``;
 3. the gated delta rule (``cfg.runtime.gated_delta_impl``, :mod:`maxnnx.kernels.gated_delta`)
@@ -68,8 +70,11 @@ class GatedDeltaNet(nnx.Module):
   """Gated DeltaNet token mixer (see the module docstring).
 
   Attributes:
-    in_proj_qkvz: ``[d_model] -> [key_heads, 2 * key_dim + 2 * group * value_dim]``.
-    in_proj_ba: ``[d_model] -> [key_heads, 2 * group]`` (``group`` value heads per key head).
+    in_proj_qkvz: ``[d_model] -> [key_heads, 2 * key_dim + 2 * group * value_dim]``
+      (``grouped``; ``group`` value heads per key head).
+    in_proj_ba: ``[d_model] -> [key_heads, 2 * group]`` (``grouped``).
+    in_proj_qkv, in_proj_z, in_proj_b, in_proj_a: ``[d_model] -> [channels]``,
+      ``[value_heads, value_dim]``, ``[value_heads]`` twice (``split``).
     conv1d: :class:`DepthwiseConv` over the ``2 * key_heads * key_dim + value_heads * value_dim``
       q/k/v channels.
     dt_bias, A_log: ``[value_heads]`` decay parameters.
@@ -88,12 +93,20 @@ class GatedDeltaNet(nnx.Module):
     self.group = group
     dense = dict(dtype=cfg.jnp_dtype(), param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
     d = cfg.d_model
-    self.in_proj_qkvz = DenseGeneral(
-        (d,), (self.key_heads, 2 * self.key_dim + 2 * group * self.value_dim),
-        axes=('embed', 'kv_heads', None), **dense)
-    self.in_proj_ba = DenseGeneral((d,), (self.key_heads, 2 * group),
-                                   axes=('embed', 'kv_heads', None), **dense)
     self.channels = 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    self.split = la.projections == 'split'
+    if self.split:
+      self.in_proj_qkv = DenseGeneral((d,), (self.channels,), axes=('embed', None), **dense)
+      self.in_proj_z = DenseGeneral((d,), (self.value_heads, self.value_dim),
+                                    axes=('embed', 'heads', 'head_dim'), **dense)
+      self.in_proj_b = DenseGeneral((d,), (self.value_heads,), axes=('embed', 'heads'), **dense)
+      self.in_proj_a = DenseGeneral((d,), (self.value_heads,), axes=('embed', 'heads'), **dense)
+    else:
+      self.in_proj_qkvz = DenseGeneral(
+          (d,), (self.key_heads, 2 * self.key_dim + 2 * group * self.value_dim),
+          axes=('embed', 'kv_heads', None), **dense)
+      self.in_proj_ba = DenseGeneral((d,), (self.key_heads, 2 * group),
+                                     axes=('embed', 'kv_heads', None), **dense)
     self.conv1d = DepthwiseConv(self.channels, la.conv_kernel_size,
                                 param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
     param_dtype = cfg.jnp_dtype('param_dtype')
@@ -109,6 +122,27 @@ class GatedDeltaNet(nnx.Module):
     self.kernel = kernel_for(cfg, 'gated_delta')
     self.conv_state = nnx.data(None)
     self.ssm_state = nnx.data(None)
+
+  def _grouped_projections(self, x_BTD):
+    """``(cat(q, k, v) [B, T, channels], z [B, T, Hv, Dv], b, a [B, T, Hv])`` of the
+    per-key-head interleaved projections."""
+    batch, length, _ = x_BTD.shape
+    kd, vd, g = self.key_dim, self.value_dim, self.group
+    qkvz = self.in_proj_qkvz(x_BTD)
+    ba = self.in_proj_ba(x_BTD)
+    q, k = qkvz[..., :kd], qkvz[..., kd:2 * kd]
+    v = qkvz[..., 2 * kd:2 * kd + g * vd]
+    z = qkvz[..., 2 * kd + g * vd:].reshape(batch, length, self.value_heads, vd)
+    b = ba[..., :g].reshape(batch, length, self.value_heads)
+    a = ba[..., g:].reshape(batch, length, self.value_heads)
+    mixed_BTC = jnp.concatenate([q.reshape(batch, length, -1), k.reshape(batch, length, -1),
+                                 v.reshape(batch, length, -1)], axis=-1)
+    return mixed_BTC, z, b, a
+
+  def _split_projections(self, x_BTD):
+    """The same four tensors from the separate projections."""
+    return (self.in_proj_qkv(x_BTD), self.in_proj_z(x_BTD), self.in_proj_b(x_BTD),
+            self.in_proj_a(x_BTD))
 
   def init_cache(self, batch: int, max_length: int, dtype) -> None:
     """Allocate the decoding state of ``batch`` rows (its size does not depend on
@@ -132,16 +166,9 @@ class GatedDeltaNet(nnx.Module):
     segments_BT = (jnp.ones((batch, length), jnp.int32) if mask is None
                    else mask.q_segment_ids)
     x_BTD = x_BTD * (segments_BT != 0)[..., None].astype(x_BTD.dtype)  # padding reads as 0
-    qkvz = self.in_proj_qkvz(x_BTD)
-    ba = self.in_proj_ba(x_BTD)
     kd, vd, g = self.key_dim, self.value_dim, self.group
-    q, k = qkvz[..., :kd], qkvz[..., kd:2 * kd]
-    v = qkvz[..., 2 * kd:2 * kd + g * vd].reshape(batch, length, self.value_heads, vd)
-    z = qkvz[..., 2 * kd + g * vd:].reshape(batch, length, self.value_heads, vd)
-    b = ba[..., :g].reshape(batch, length, self.value_heads)
-    a = ba[..., g:].reshape(batch, length, self.value_heads)
-    mixed_BTC = jnp.concatenate([q.reshape(batch, length, -1), k.reshape(batch, length, -1),
-                                 v.reshape(batch, length, -1)], axis=-1)
+    mixed_BTC, z, b, a = (self._split_projections(x_BTD) if self.split
+                          else self._grouped_projections(x_BTD))
 
     decoding = cache_index is not None
     if decoding:

@@ -15,6 +15,11 @@ The serving engine's paged cache holds the same two parts in pages
 Any attention kernel works: values are zero-padded to the query/key width when
 narrower (and sliced back), so the kernel sees one head width.
 
+With ``mla.index_topk`` (DeepSeek V3.2's sparse attention), a
+:class:`~maxnnx.layers.indexer.LightningIndexer` picks the keys each query keeps and
+the kernel gets them as ``AttentionOptions.key_mask_BTS``; decoding caches the
+indexer's keys beside the latents. The paged cache does not cover it yet.
+
 With YaRN scaling and ``mscale_all_dim``, the softmax scale is multiplied by
 ``mscale(factor, mscale_all_dim) ** 2`` as DeepSeek does (unless
 ``cfg.query_scale`` is given explicitly).
@@ -33,6 +38,7 @@ from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.attention import KV_AXES, OUT_AXES, Q_AXES
+from maxnnx.layers.indexer import LightningIndexer
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norms import RMSNorm
 from maxnnx.layers.rope import apply_rope, deinterleave
@@ -66,8 +72,11 @@ class MLA(nnx.Module):
     kv_b_proj: ``[kv_lora_rank] -> [heads, qk_nope_head_dim + v_head_dim]``.
     o_proj: ``[heads, v_head_dim] -> [d_model]``.
     kernel: the attention strategy (``cfg.runtime.attention_impl``).
+    indexer: the DeepSeek Sparse Attention :class:`~maxnnx.layers.indexer.LightningIndexer`
+      (``mla.index_topk`` set), or ``None``.
     cache_latent, cache_k_rope: ``nnx.Cache`` ``[B, S, kv_lora_rank]`` and
-      ``[B, S, qk_rope_head_dim]`` after :meth:`init_cache`.
+      ``[B, S, qk_rope_head_dim]`` after :meth:`init_cache` (and ``cache_index_keys``
+      ``[B, S, index_head_dim]`` with an indexer).
     pages_latent, pages_k_rope: ``nnx.Cache`` ``[num_pages, page_size, kv_lora_rank]``
       and ``[num_pages, page_size, qk_rope_head_dim]`` after :meth:`init_paged_cache`.
   """
@@ -103,8 +112,11 @@ class MLA(nnx.Module):
     self.scale = mla_query_scale(cfg)
     self.softcap = cfg.attn_logit_softcap
     self.interleaved = cfg.rope_interleave
+    self.indexer = (LightningIndexer(cfg, rngs=rngs) if cfg.mla.index_topk is not None
+                    else nnx.data(None))
     self.cache_latent = nnx.data(None)
     self.cache_k_rope = nnx.data(None)
+    self.cache_index_keys = nnx.data(None)
     self.pages_latent = nnx.data(None)
     self.pages_k_rope = nnx.data(None)
 
@@ -112,9 +124,15 @@ class MLA(nnx.Module):
     """Allocate an empty compressed cache (latent + rotated key part)."""
     self.cache_latent = nnx.Cache(jnp.zeros((batch, max_length, self.kv_lora_rank), dtype))
     self.cache_k_rope = nnx.Cache(jnp.zeros((batch, max_length, self.rope), dtype))
+    if self.indexer is not None:
+      self.cache_index_keys = nnx.Cache(
+          jnp.zeros((batch, max_length, self.indexer.head_dim), dtype))
 
   def init_paged_cache(self, num_pages: int, page_size: int, dtype) -> None:
     """Allocate an empty pool of pages holding the latent and the rotated key part."""
+    if self.indexer is not None:
+      raise NotImplementedError('Sparse MLA (an indexer, DeepSeek V3.2) has no paged cache yet; '
+                                'the serving engine cannot run this model.')
     self.pages_latent = nnx.Cache(jnp.zeros((num_pages, page_size, self.kv_lora_rank), dtype))
     self.pages_k_rope = nnx.Cache(jnp.zeros((num_pages, page_size, self.rope), dtype))
 
@@ -127,9 +145,10 @@ class MLA(nnx.Module):
     With ``paged``, the pages hold the compressed cache; each request's latents are
     gathered, expanded to keys and values and attended with the layer's dense kernel.
     """
-    q_BTNQ, latent_BTL, k_rot_BT1R = self._project(x_BTD, cos_sin)
+    q_BTNQ, latent_BTL, k_rot_BT1R, q_lora_BTR = self._project(x_BTD, cos_sin)
     if paged is not None:
       return self._paged(q_BTNQ, latent_BTL, k_rot_BT1R, paged, sliding_window)
+    index_keys_BSD = None if self.indexer is None else self.indexer.keys(x_BTD, cos_sin)
     if cache_index is not None:
       if self.cache_latent is None:
         raise ValueError('Decoding needs a KV cache: call model.init_cache(batch, max_length).')
@@ -140,15 +159,27 @@ class MLA(nnx.Module):
           (0, cache_index, 0))
       latent_BTL = self.cache_latent[...].astype(x_BTD.dtype)
       k_rot_BT1R = self.cache_k_rope[...][:, :, None].astype(x_BTD.dtype)
-    out_BTNV = self._attend(q_BTNQ, latent_BTL, k_rot_BT1R, mask, sliding_window)
+      if self.indexer is not None:
+        self.cache_index_keys[...] = jax.lax.dynamic_update_slice(
+            self.cache_index_keys[...], index_keys_BSD.astype(self.cache_index_keys.dtype),
+            (0, cache_index, 0))
+        index_keys_BSD = self.cache_index_keys[...]
+    key_mask_BTS = None
+    if self.indexer is not None:
+      key_mask_BTS = self.indexer.select(x_BTD, q_lora_BTR, cos_sin, index_keys_BSD,
+                                         mask.dense(sliding_window))
+    out_BTNV = self._attend(q_BTNQ, latent_BTL, k_rot_BT1R, mask, sliding_window, key_mask_BTS)
     return checkpoint_name(constrain(self.o_proj(out_BTNV), OUT_AXES), 'out_proj')
 
   def _project(self, x_BTD, cos_sin):
-    """Rotated queries ``[B, T, N, qk]``, latents ``[B, T, L]``, key parts ``[B, T, 1, R]``."""
+    """Rotated queries ``[B, T, N, qk]``, latents ``[B, T, L]``, key parts ``[B, T, 1, R]``
+    and the normalised low-rank query ``[B, T, q_lora_rank]`` (``None`` without one)."""
+    q_lora_BTR = None
     if self.q_proj is not None:
       q_BTNQ = self.q_proj(x_BTD)
     else:
-      q_BTNQ = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+      q_lora_BTR = self.q_a_layernorm(self.q_a_proj(x_BTD))
+      q_BTNQ = self.q_b_proj(q_lora_BTR)
     q_nope, q_rot = q_BTNQ[..., :self.nope], q_BTNQ[..., self.nope:]
     kv_a_BTC = self.kv_a_proj_with_mqa(x_BTD)
     latent_BTL = self.kv_a_layernorm(kv_a_BTC[..., :self.kv_lora_rank])
@@ -158,9 +189,9 @@ class MLA(nnx.Module):
     q_rot = apply_rope(q_rot, *cos_sin)
     k_rot_BT1R = apply_rope(k_rot_BT1R, *cos_sin)
     q_BTNQ = jnp.concatenate([q_nope, q_rot.astype(q_nope.dtype)], axis=-1)
-    return q_BTNQ, latent_BTL, k_rot_BT1R
+    return q_BTNQ, latent_BTL, k_rot_BT1R, q_lora_BTR
 
-  def _attend(self, q_BTNQ, latent_BSL, k_rot_BS1R, mask, sliding_window):
+  def _attend(self, q_BTNQ, latent_BSL, k_rot_BS1R, mask, sliding_window, key_mask_BTS=None):
     """Rebuild keys and values from the latents and attend: ``[B, T, N, v_head_dim]``."""
     kv_BSNX = self.kv_b_proj(latent_BSL)
     k_nope, v_BSNV = kv_BSNX[..., :self.nope], kv_BSNX[..., self.nope:]
@@ -176,7 +207,7 @@ class MLA(nnx.Module):
     k_BSNQ = checkpoint_name(constrain(k_BSNQ, KV_AXES), 'key_proj')
     v_BSNQ = checkpoint_name(constrain(v_BSNQ, KV_AXES), 'value_proj')
     options = AttentionOptions(scale=self.scale, softcap=self.softcap,
-                               sliding_window=sliding_window)
+                               sliding_window=sliding_window, key_mask_BTS=key_mask_BTS)
     out = self.kernel(q_BTNQ, k_BSNQ, v_BSNQ, mask, options)
     return checkpoint_name(constrain(out[..., :self.v_dim], Q_AXES), 'attention_out')
 

@@ -214,14 +214,84 @@ def qwen3_next() -> Case:
     )
 
 
+def qwen3_5() -> Case:
+    # Qwen3.5's MoE text model: Qwen3-Next's stack with separate in_proj_qkv / z / b / a and
+    # every layer MoE; 2 key heads serving 4 value heads, partial rotary 0.5 of head_dim 16.
+    return Case(
+        config=dict(
+            model_type="qwen3_5_moe_text",
+            num_hidden_layers=4,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                 partial_rotary_factor=0.5),
+        ),
+        legacy=dict(rope_theta=10000.0, partial_rotary_factor=0.5),
+        legacy_drop=("layer_types",),
+        weight_scale={"mlp.gate.weight": 4.0},
+        base_drop=("intermediate_size",),
+    )
+
+
+def deepseek_v32() -> Case:
+    # DeepSeek V3.2: the deepseek_v3 case plus an 8-head lightning indexer (width 16, its first 8
+    # dims rotated) keeping the best 6 keys per query, far fewer than the 40 tokens. With few
+    # heads, relu zeroes whole scores and ties decide the selection (torch and XLA break ties
+    # differently), so build_model checks that no selection depends on a tie.
+    case = deepseek_v3()
+    config = {k: v for k, v in case.config.items() if k != "rope_interleave"}
+    return Case(
+        config=dict(config, model_type="deepseek_v32", index_topk=6, index_n_heads=8,
+                    index_head_dim=16),
+        legacy=case.legacy,
+        legacy_drop=case.legacy_drop + ("layer_types", "mlp_layer_types"),
+        weight_scale=case.weight_scale,
+    )
+
+
 MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe, deepseek_v3, deepseek_v2, gpt_oss,
-                                     llama4, qwen3_next)}
+                                     llama4, qwen3_next, qwen3_5, deepseek_v32)}
 
 _plain_build = mf.build_model
 
 
+def _refuse_tied_selections(indexer: torch.nn.Module) -> None:
+    """Make a V3.2 indexer fail when its top-k boundary is a tie (see deepseek_v32())."""
+    topk = torch.Tensor.topk
+
+    def checked(scores, k, *args, **kwargs):
+        values = topk(scores, min(k + 1, scores.shape[-1]), *args, **kwargs).values
+        if values.shape[-1] > k:
+            kth, next_ = values[..., k - 1], values[..., k]
+            tied = (kth == next_) & torch.isfinite(next_) & (next_ > torch.finfo(next_.dtype).min)
+            mf.require(not bool(tied.any()), "an indexer selection depends on a tie")
+        return topk(scores, k, *args, **kwargs)
+
+    forward = indexer.forward
+
+    def guarded(*args, **kwargs):
+        torch.Tensor.topk = checked
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            torch.Tensor.topk = topk
+
+    indexer.forward = guarded
+
+
 def build_model(name: str, case: Case) -> torch.nn.Module:
     model = _plain_build(name, case)
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV32Indexer":
+            _refuse_tied_selections(module)
     with torch.no_grad():
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):
