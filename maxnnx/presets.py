@@ -34,6 +34,9 @@ MAXTEXT_ALIASES: dict[str, str] = {
     'qwen3-8b-base': 'qwen3-8b',
     'qwen3-14b-base': 'qwen3-14b',
     'qwen3-30b-a3b-base': 'qwen3-30b-a3b',
+    # fp8 releases: the same architecture (maxnnx loads unquantized weights).
+    'qwen3.5-35b-a3b-fp8': 'qwen3.5-35b-a3b',
+    'qwen3.5-397b-a17b-fp8': 'qwen3.5-397b-a17b',
 }
 
 

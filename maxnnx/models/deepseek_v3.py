@@ -63,7 +63,8 @@ def deepseek_v3() -> ModelConfig:
   return SPEC.config(vocab_size=129_280, d_model=7168, num_layers=61, num_heads=128,
                      num_kv_heads=128, mlp_dim=18_432, max_position_embeddings=163_840,
                      rope=yarn(10_000.0, 40.0, 1.0), mtp={'num_layers': 1},
-                     moe={'num_experts': 256, 'first_k_dense_layers': 3,
+                     mla={'q_lora_rank': 1536},
+                     moe={'num_experts': 256, 'mlp_dim': 2048, 'first_k_dense_layers': 3,
                           'router_scaling_factor': 2.5, 'router_groups': 8,
                           'router_topk_groups': 4})
 
@@ -73,9 +74,32 @@ def kimi_k2() -> ModelConfig:
   32B active."""
   return SPEC.config(vocab_size=163_840, d_model=7168, num_layers=61, num_heads=64,
                      num_kv_heads=64, mlp_dim=18_432, max_position_embeddings=131_072,
-                     rope=yarn(50_000.0, 32.0, 1.0),
-                     moe={'num_experts': 384, 'first_k_dense_layers': 1,
+                     rope=yarn(50_000.0, 32.0, 1.0), mla={'q_lora_rank': 1536},
+                     moe={'num_experts': 384, 'mlp_dim': 2048, 'first_k_dense_layers': 1,
                           'router_scaling_factor': 2.827})
+
+
+def _maxtext_test(d_model: int, num_heads: int, mlp_dim: int, expert_dim: int, experts: int,
+                  q_lora_rank: int, kv_lora_rank: int) -> ModelConfig:
+  """One of MaxText's DeepSeek V3 test configs: V3's 61 layers and rope, other widths."""
+  return SPEC.config(vocab_size=129_280, d_model=d_model, num_layers=61, num_heads=num_heads,
+                     num_kv_heads=num_heads, mlp_dim=mlp_dim, max_position_embeddings=163_840,
+                     rope=yarn(10_000.0, 40.0, 1.0),
+                     mla={'q_lora_rank': q_lora_rank, 'kv_lora_rank': kv_lora_rank},
+                     moe={'num_experts': experts, 'mlp_dim': expert_dim,
+                          'first_k_dense_layers': 3, 'router_scaling_factor': 2.5})
+
+
+def deepseek3_test() -> ModelConfig:
+  """MaxText's ``deepseek3-test``: DeepSeek V3 with a 512-wide residual stream and 512-wide
+  experts (a test config, not a published model; no multi-token prediction)."""
+  return _maxtext_test(512, 128, 18_432, 512, 256, 1536, 512)
+
+
+def deepseek3_tiny() -> ModelConfig:
+  """MaxText's ``deepseek3-tiny``: DeepSeek V3's 61 layers at width 64, 4 heads, 16
+  experts (a test config, not a published model)."""
+  return _maxtext_test(64, 4, 64, 64, 16, 32, 16)
 
 
 SPEC = FamilySpec(
@@ -92,8 +116,9 @@ SPEC = FamilySpec(
                         'routed_scaling_factor': 2.5, 'n_group': 8, 'topk_group': 4,
                         **MLA_DEFAULTS},
               module_names={'router': 'gate'}, unfuse=unfuse, fuse=fuse, mtp=True),
-    differences={**deepseek_common.DIFFERENCES, 'mla': {'q_lora_rank': 1536},
-                 'moe': {'num_experts_per_tok': 8, 'mlp_dim': 2048, 'num_shared_experts': 1,
+    differences={**deepseek_common.DIFFERENCES,
+                 'moe': {'num_experts_per_tok': 8, 'num_shared_experts': 1,
                          'router_score': 'sigmoid', 'router_score_bias': True,
                          'router_group_score': 'top2_sum'}},
-    presets={'deepseek-v3': deepseek_v3, 'kimi-k2': kimi_k2})
+    presets={'deepseek-v3': deepseek_v3, 'kimi-k2': kimi_k2, 'deepseek3-test': deepseek3_test,
+             'deepseek3-tiny': deepseek3_tiny})

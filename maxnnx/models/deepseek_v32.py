@@ -54,7 +54,8 @@ def deepseek_v3_2() -> ModelConfig:
   return SPEC.config(vocab_size=129_280, d_model=7168, num_layers=61, num_heads=128,
                      num_kv_heads=128, mlp_dim=18_432, max_position_embeddings=163_840,
                      rope=yarn(10_000.0, 40.0, 1.0), mtp={'num_layers': 1},
-                     moe={'num_experts': 256, 'first_k_dense_layers': 3,
+                     mla={'q_lora_rank': 1536},
+                     moe={'num_experts': 256, 'mlp_dim': 2048, 'first_k_dense_layers': 3,
                           'router_scaling_factor': 2.5, 'router_groups': 8,
                           'router_topk_groups': 4})
 
