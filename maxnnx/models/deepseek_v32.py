@@ -15,7 +15,7 @@ its own indexer.
 
 from maxnnx.config import ModelConfig
 from maxnnx.models import deepseek_v3
-from maxnnx.models.deepseek_common import fuse, unfuse, yarn
+from maxnnx.models.deepseek_common import fuse, unfuse
 from maxnnx.models.hf import Family, HFConfig, PretrainedError
 from maxnnx.models.registry import FamilySpec
 
@@ -51,13 +51,8 @@ def deepseek_v3_2() -> ModelConfig:
   """DeepSeek-V3.2: 671B parameters, 37B active (DeepSeek V3's shapes) and a 64-head
   lightning indexer per layer choosing 2048 keys per query; one multi-token-prediction
   module, as DeepSeek-V3."""
-  return SPEC.config(vocab_size=129_280, d_model=7168, num_layers=61, num_heads=128,
-                     num_kv_heads=128, mlp_dim=18_432, max_position_embeddings=163_840,
-                     rope=yarn(10_000.0, 40.0, 1.0), mtp={'num_layers': 1},
-                     mla={'q_lora_rank': 1536},
-                     moe={'num_experts': 256, 'mlp_dim': 2048, 'first_k_dense_layers': 3,
-                          'router_scaling_factor': 2.5, 'router_groups': 8,
-                          'router_topk_groups': 4})
+  return deepseek_v3.deepseek_v3().replace(family='deepseek_v32',
+                                           **{'mla.index_topk': 2048})
 
 
 SPEC = FamilySpec(

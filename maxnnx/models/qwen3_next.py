@@ -90,29 +90,27 @@ def _linear_layers(cfg: ModelConfig) -> list[int]:
   return [i for i, t in enumerate(cfg.resolved_layer_types) if t == 'linear']
 
 
-def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
-  """Stack the experts, and file the linear layers' ``linear_attn`` under our ``attn``."""
-  out = _unfuse_experts(tensors, cfg)
-  linear = set(_linear_layers(cfg))
+def _move_linear_layers(tensors: dict, cfg: ModelConfig, source: str, target: str) -> dict:
+  """``tensors`` with the linear layers' ``model.layers.{i}.{source}.*`` renamed to ``target``."""
+  linear = {i for i, t in enumerate(cfg.resolved_layer_types) if t == 'linear'}
+  pattern = re.compile(rf'model\.layers\.(\d+)\.{source}\.(.*)')
   renamed = {}
-  for name, value in out.items():
-    match = re.match(r'model\.layers\.(\d+)\.linear_attn\.(.*)', name)
+  for name, value in tensors.items():
+    match = pattern.fullmatch(name)
     if match and int(match.group(1)) in linear:
-      name = f'model.layers.{match.group(1)}.self_attn.{match.group(2)}'
+      name = f'model.layers.{match.group(1)}.{target}.{match.group(2)}'
     renamed[name] = value
   return renamed
 
 
+def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
+  """Stack the experts, and file the linear layers' ``linear_attn`` under our ``attn``."""
+  return _move_linear_layers(_unfuse_experts(tensors, cfg), cfg, 'linear_attn', 'self_attn')
+
+
 def fuse(tensors: dict, cfg: ModelConfig) -> dict:
   """Inverse of :func:`unfuse` for export."""
-  linear = set(_linear_layers(cfg))
-  renamed = {}
-  for name, value in tensors.items():
-    match = re.match(r'model\.layers\.(\d+)\.self_attn\.(.*)', name)
-    if match and int(match.group(1)) in linear:
-      name = f'model.layers.{match.group(1)}.linear_attn.{match.group(2)}'
-    renamed[name] = value
-  return _fuse_experts(renamed, cfg)
+  return _fuse_experts(_move_linear_layers(tensors, cfg, 'self_attn', 'linear_attn'), cfg)
 
 
 # -- Presets -----------------------------------------------------------------------------------
