@@ -26,6 +26,7 @@ MAXTEXT_ALIASES: dict[str, str] = {
     'deepseek3-671b-2dfsdp': 'deepseek-v3',  # MaxText's sharding / schedule variants of V3
     'deepseek3-671b-batchsplit': 'deepseek-v3',
     'deepseek3.2-671b': 'deepseek-v3.2',
+    'gemma4-26b': 'gemma4-26b-a4b',
     'kimi-k2-1t': 'kimi-k2',
     'llama3-405b': 'llama3.1-405b',  # the same shapes (Llama 3's 405B came out as 3.1)
     'olmo3-7b-pt': 'olmo3-7b',

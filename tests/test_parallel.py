@@ -88,6 +88,14 @@ FAMILIES = {
                        linear_attn={'num_key_heads': 2, 'num_value_heads': 4, 'key_head_dim': 8,
                                     'value_head_dim': 8},
                        moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 32}),
+    # Wider global layers whose values are their keys, value norms, layer scalars, and top-2
+    # experts beside the dense MLP with a normed router input; unscanned (two layer shapes).
+    'gemma4': dict(FAMILY_SIZES, num_layers=2, num_kv_heads=2, head_dim=16, mlp_dim=64,
+                   sliding_window=8, layer_types=('sliding', 'full'), scan_layers=False,
+                   global_attn={'head_dim': 32, 'num_kv_heads': 1},
+                   moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 32,
+                        'router_input_norm': True, 'per_expert_scale': True,
+                        'dense_branch': True}),
 }
 
 # Adam's first steps are sign steps: a gradient entry near zero flips with float noise and
@@ -98,7 +106,8 @@ FAMILY_TRAINING = {'qwen3_next': {'optimizer': 'sgd'}}
 
 
 @pytest.mark.parametrize('family', [
-    'olmo3', 'llama4', pytest.param('qwen3_next', marks=pytest.mark.slow),  # 46 s
+    'olmo3', 'llama4', pytest.param('gemma4', marks=pytest.mark.slow),  # 96 s: two layouts
+    pytest.param('qwen3_next', marks=pytest.mark.slow),  # 46 s
     pytest.param('gpt3', marks=pytest.mark.slow)])  # gpt3's layers: test_transformer
 def test_family_trains_on_a_2x2x2_mesh_like_one_device(family):
   cfg = specs()[family].config(**{'scan_layers': True, **FAMILIES[family]})

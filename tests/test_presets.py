@@ -30,7 +30,8 @@ EXPECTED_NAMES |= {'tiny-moe', 'mixtral-8x7b', 'mixtral-8x22b', 'qwen3-30b-a3b',
                    'tiny-qwen3-next', 'qwen3.5-35b-a3b',
                    'qwen3.5-397b-a17b',
                    'deepseek-v3.2',  # test_presets_moe.py, test_qwen3_next.py: sizes
-                   'deepseek3-test', 'deepseek3-tiny'}  # MaxText's test configs
+                   'deepseek3-test', 'deepseek3-tiny',  # MaxText's test configs
+                   'gemma4-31b', 'gemma4-26b-a4b', 'tiny-gemma4'}
 
 # Total parameter counts published by the model authors (model cards, papers and
 # the Hub's safetensors metadata), in billions: an independent check of the
@@ -47,6 +48,7 @@ PUBLISHED_BILLIONS = {
     'gemma2-2b': 2.61,
     'gemma2-9b': 9.24,
     'gemma2-27b': 27.2,
+    'gemma4-31b': 30.7,  # the text model
     'qwen2.5-7b': 7.62,
     'qwen2.5-72b': 72.7,
     'qwen3-4b-thinking-2507': 4.02,

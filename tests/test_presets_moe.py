@@ -26,6 +26,7 @@ PUBLISHED_BILLIONS = {
     # Scout's total; these presets are the text models (Scout 107.77B + 0.88B tower = 108.65B).
     'llama4-17b-16e': (107.8, 17.0),
     'llama4-17b-128e': (400.0, 17.0),
+    'gemma4-26b-a4b': (25.2, 3.8),  # the text model
 }
 
 # Cards that count active parameters without the input embedding table.

@@ -251,6 +251,9 @@ SLIDING = dict(vocab_size=VOCAB, d_model=48, num_layers=4, num_heads=4, num_kv_h
                  id='moe', marks=pytest.mark.slow),
     pytest.param(dict(preset='tiny-llama4', attention_chunk_size=6, attn_temperature_floor=3.0,
                       vocab_size=VOCAB, initializer_range=1.0), id='llama4_chunked_nope'),
+    pytest.param(dict(preset='tiny-gemma4', sliding_window=6, vocab_size=VOCAB,
+                      initializer_range=1.0), id='gemma4_global_shapes_moe',
+                 marks=pytest.mark.slow),
 ])
 def test_family_under_paging_equals_its_unpaged_decode(family):
   """Sliding windows with soft-caps (Gemma 2/3 style), MLA's compressed cache and MoE layers

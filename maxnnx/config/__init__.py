@@ -16,6 +16,7 @@ Two classes matter to users:
 
 from maxnnx.config.base import ConfigError, ValidatedConfig, resolve_dtype
 from maxnnx.config.groups import (
+    GlobalAttentionConfig,
     LayerType,
     LinearAttentionConfig,
     MLAConfig,
@@ -30,7 +31,8 @@ from maxnnx.config.mesh import MESH_AXES, MeshConfig
 from maxnnx.config.model import LEGACY_MODEL_KEYS, TRAINING_KEYS, ModelConfig
 
 __all__ = [
-    'LEGACY_MODEL_KEYS', 'MESH_AXES', 'TRAINING_KEYS', 'ConfigError', 'LayerType', 'MLAConfig',
+    'LEGACY_MODEL_KEYS', 'MESH_AXES', 'TRAINING_KEYS', 'ConfigError', 'GlobalAttentionConfig',
+    'LayerType', 'MLAConfig',
     'LinearAttentionConfig', 'MTPConfig', 'MeshConfig', 'ModelConfig', 'MoEConfig', 'RematPolicy',
     'RopeConfig', 'RopeScaling', 'RuntimeConfig', 'ValidatedConfig', 'resolve_dtype',
 ]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from maxnnx.config.base import _DTYPES, ConfigError, ValidatedConfig
 from maxnnx.hardware import resolve_compute_dtype
 
-RopeScaling = Literal['none', 'linear', 'llama3', 'yarn', 'longrope']
+RopeScaling = Literal['none', 'linear', 'llama3', 'yarn', 'longrope', 'proportional']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +25,10 @@ class RopeConfig(ValidatedConfig):
   Attributes:
     theta: base of the geometric frequency progression (``rope_theta``).
     scaling: context-extension method: ``none``, ``linear`` (positions divided
-      by ``factor``), ``llama3`` (Llama 3.1 band-wise scaling), ``yarn`` or
-      ``longrope`` (Phi-3).
+      by ``factor``), ``llama3`` (Llama 3.1 band-wise scaling), ``yarn``,
+      ``longrope`` (Phi-3) or ``proportional`` (Gemma 4's full layers: the first
+      ``partial_rotary_factor`` of the frequencies of a rotation over the *whole*
+      head, ``theta ** (-2i / head_dim)``, the others zero; ``factor`` divides them).
     factor: scaling factor for ``linear``, ``llama3``, ``yarn`` and ``longrope``;
       ``None`` means ``max_position_embeddings / original_max_position_embeddings``
       for ``yarn`` and ``longrope``, and is an error for ``linear``/``llama3``.
@@ -47,7 +49,8 @@ class RopeConfig(ValidatedConfig):
       sequence fits ``original_max_position_embeddings``.
     long_factor: ``longrope`` only: per-frequency divisors beyond it.
     partial_rotary_factor: fraction of ``head_dim`` that is rotated (the rest
-      passes through unchanged), e.g. 0.5 for half-rotary models.
+      passes through unchanged), e.g. 0.5 for half-rotary models; under
+      ``proportional`` the fraction of the frequency pairs that are non-zero.
   """
 
   theta: float = 10_000.0
@@ -116,6 +119,14 @@ class MoEConfig(ValidatedConfig):
     router_weights_on_input: scale each expert's *input* by the token's routing
       weight instead of its output (Llama 4; the two differ because an expert is
       not linear).
+    router_input_norm: the router reads ``rms_normalise(x) * scale * d_model ** -0.5``
+      with a learned ``[d_model]`` ``scale`` instead of ``x`` (Gemma 4).
+    per_expert_scale: a learned ``[num_experts]`` multiplier of each chosen expert's
+      routing weight, applied after the top-k renormalisation (Gemma 4).
+    dense_branch: MoE layers keep the dense MLP (width ``ModelConfig.mlp_dim``) and
+      add the experts beside it: the MLP reads the pre-normed residual, the router
+      the residual itself, the experts their own pre-normed copy; each branch's
+      output has its own post-norm and their sum the block's post-norm (Gemma 4).
     dispatch: ``dropless`` (sort by expert + ragged dot) or ``capacity`` (fixed
       per-expert buffers; overflowing assignments are dropped).
     capacity_factor: ``capacity`` dispatch: buffer size per expert is
@@ -144,6 +155,9 @@ class MoEConfig(ValidatedConfig):
   router_score_bias: bool = False
   router_bias: bool = False
   router_weights_on_input: bool = False
+  router_input_norm: bool = False
+  per_expert_scale: bool = False
+  dense_branch: bool = False
   dispatch: Literal['dropless', 'capacity'] = 'dropless'
   capacity_factor: float = 1.25
   expert_bias: bool = False
@@ -231,6 +245,37 @@ class MLAConfig(ValidatedConfig):
                         f'got {self.q_lora_rank}.')
     if self.qk_rope_head_dim % 2:
       raise ConfigError(f'{p}.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even.')
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalAttentionConfig(ValidatedConfig):
+  """Attention shapes of the ``full`` layers when they differ from the other layers'
+  (Gemma 4: wider heads, fewer key/value heads and values taken from the keys in
+  the global layers). ``None`` fields keep the model's value.
+
+  Attributes:
+    head_dim: per-head width of the full-attention layers (``global_head_dim``).
+    num_kv_heads: their key/value heads (``num_global_key_value_heads``).
+    values_from_keys: they have no value projection; values are the key
+      projection before the key norm and rotation (``attention_k_eq_v``).
+  """
+
+  _PATH = 'ModelConfig.global_attn'
+
+  head_dim: int | None = None
+  num_kv_heads: int | None = None
+  values_from_keys: bool = False
+
+  def _validate(self):
+    for name in ('head_dim', 'num_kv_heads'):
+      value = getattr(self, name)
+      if value is not None and value <= 0:
+        raise ConfigError(f'{self._PATH}.{name} must be > 0 (or None), got {value}.')
+
+  @property
+  def is_set(self) -> bool:
+    """Whether the full layers differ from the others at all."""
+    return self != GlobalAttentionConfig()
 
 
 @dataclasses.dataclass(frozen=True)

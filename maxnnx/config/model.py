@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from maxnnx.config.base import ConfigError, ValidatedConfig
 from maxnnx.config.groups import (
+  GlobalAttentionConfig,
   LayerType,
   LinearAttentionConfig,
   MLAConfig,
@@ -98,6 +99,12 @@ class ModelConfig(ValidatedConfig):
     attention_output_gate: the query projection also yields a per-head gate, and
       the attention output is multiplied by its sigmoid before ``o_proj``
       (Qwen3-Next's gated attention).
+    value_norm: normalise each value head to unit RMS over ``head_dim``, without a
+      learned scale (Gemma 4).
+    global_attn: attention shapes of the ``full`` layers when they differ from the
+      others' (:class:`GlobalAttentionConfig`, Gemma 4); see :meth:`attention_shape`.
+    layer_scale: every block's output is multiplied by a learned scalar
+      (``layer_scalar``, Gemma 4).
     position_embedding: how token positions enter the model: ``rope`` rotates
       queries and keys in every attention layer (``rope``, ``local_rope``);
       ``learned`` adds a trained ``[max_position_embeddings, d_model]`` table to
@@ -158,6 +165,9 @@ class ModelConfig(ValidatedConfig):
   attn_temperature_floor: float = 8192.0
   attn_temperature_scale: float = 0.1
   attention_output_gate: bool = False
+  value_norm: bool = False
+  global_attn: GlobalAttentionConfig = dataclasses.field(default_factory=GlobalAttentionConfig)
+  layer_scale: bool = False
   position_embedding: Literal['rope', 'learned'] = 'rope'
   rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
   local_rope: RopeConfig | None = None
@@ -231,6 +241,7 @@ class ModelConfig(ValidatedConfig):
       if self.mtp.num_layers:
         raise ConfigError("ModelConfig.mtp.num_layers > 0 is not supported with 'linear' "
                           'layers.')
+    self._validate_global_attn()
     self._validate_nope()
     if (self.rope_interleave and self.attention_type == 'mha'
         and self.rope.partial_rotary_factor != 1.0):
@@ -251,6 +262,37 @@ class ModelConfig(ValidatedConfig):
       raise ConfigError("ModelConfig.attention_sinks needs attention_type='mha'.")
     if self.moe.num_experts:
       self._validate_moe()
+
+  def _validate_global_attn(self):
+    """Checks of ``global_attn`` (the full layers' own attention shapes)."""
+    if not self.global_attn.is_set:
+      return
+    if self.attention_type != 'mha':
+      raise ConfigError("ModelConfig.global_attn needs attention_type='mha'.")
+    head_dim, kv_heads, _ = self.attention_shape('full')
+    if self.num_heads % kv_heads:
+      raise ConfigError(f'ModelConfig.num_heads ({self.num_heads}) must be a multiple of '
+                        f'global_attn.num_kv_heads ({kv_heads}).')
+    if self.rope.partial_rotary_factor * head_dim % 2:
+      raise ConfigError('ModelConfig: the rotated part of global_attn.head_dim '
+                        f'({self.rope.partial_rotary_factor} * {head_dim}) must be even.')
+    types = set(self.resolved_layer_types)
+    if 'chunked' in types:
+      raise ConfigError('ModelConfig.global_attn cannot be combined with chunked layers.')
+    if self.runtime.scan_layers and 'full' in types and len(types) > 1:
+      raise ConfigError('ModelConfig.runtime.scan_layers=True needs every layer to have the '
+                        'same parameter shapes; global_attn gives the full-attention layers '
+                        'their own: use scan_layers=False.')
+
+  def attention_shape(self, layer_type: LayerType) -> tuple[int, int, bool]:
+    """``(head_dim, num_kv_heads, values_from_keys)`` of the attention of a
+    ``layer_type`` layer: ``global_attn``'s values in ``full`` layers where set,
+    else the model's."""
+    head_dim, kv_heads = self.resolved_head_dim, self.num_kv_heads
+    if layer_type != 'full':
+      return head_dim, kv_heads, False
+    g = self.global_attn
+    return (g.head_dim or head_dim, g.num_kv_heads or kv_heads, g.values_from_keys)
 
   def _validate_nope(self):
     """Checks of ``nope_layers`` and the attention temperature."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxnnx.config import ModelConfig
+from maxnnx.config import LayerType, ModelConfig
 from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
@@ -40,7 +40,8 @@ class Attention(nnx.Module):
 
   Attributes:
     q_proj: ``[d_model] -> [heads, head_dim]``.
-    k_proj, v_proj: ``[d_model] -> [kv_heads, head_dim]``.
+    k_proj, v_proj: ``[d_model] -> [kv_heads, head_dim]``; ``v_proj`` is ``None`` when
+      the values are the key projection (``global_attn.values_from_keys``).
     o_proj: ``[heads, head_dim] -> [d_model]``.
     q_norm, k_norm: optional RMSNorms (per head or over the whole projection).
     sinks: ``[heads]`` learned attention-sink logits (``cfg.attention_sinks``) or ``None``.
@@ -52,8 +53,10 @@ class Attention(nnx.Module):
       once :meth:`init_paged_cache` has been called; ``None`` otherwise.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    d, hd, h, kv = cfg.d_model, cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_type: LayerType = 'full'):
+    """``layer_type`` picks the layer's shapes (:meth:`ModelConfig.attention_shape`)."""
+    d, h = cfg.d_model, cfg.num_heads
+    hd, kv, values_from_keys = cfg.attention_shape(layer_type)
     dense = dict(dtype=cfg.jnp_dtype(), param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
     # With an output gate, each head's projection is [query, gate] (Qwen3-Next).
     q_width = 2 * hd if cfg.attention_output_gate else hd
@@ -62,8 +65,10 @@ class Attention(nnx.Module):
     self.output_gate = cfg.attention_output_gate
     self.k_proj = DenseGeneral((d,), (kv, hd), axes=('embed', 'kv_heads', 'head_dim'),
                                use_bias=cfg.qkv_bias, **dense)
-    self.v_proj = DenseGeneral((d,), (kv, hd), axes=('embed', 'kv_heads', 'head_dim'),
-                               use_bias=cfg.qkv_bias, **dense)
+    self.v_proj = (None if values_from_keys else
+                   DenseGeneral((d,), (kv, hd), axes=('embed', 'kv_heads', 'head_dim'),
+                                use_bias=cfg.qkv_bias, **dense))
+    self.value_norm_eps = cfg.norm_eps if cfg.value_norm else None
     self.o_proj = DenseGeneral((h, hd), (d,), axes=('heads', 'head_dim', 'embed'),
                                use_bias=cfg.out_bias, **dense)
     if cfg.qk_norm == 'head':
@@ -169,7 +174,7 @@ class Attention(nnx.Module):
     if paged is not None:
       return self._paged(x_BTD, cos_sin, paged, sliding_window, chunk_size, nope)
     q_BTNH, gate_BTNH = self._query(x_BTD)
-    k_BTKH, v_BTKH = self.k_proj(x_BTD), self.v_proj(x_BTD)
+    k_BTKH, v_BTKH = self._keys_values(x_BTD)
     q_BTNH, k_BTKH = self._normalise(q_BTNH, k_BTKH, cos_sin,
                                      None if mask is None else mask.q_positions, nope)
     if cache_index is not None:
@@ -199,7 +204,7 @@ class Attention(nnx.Module):
       raise ValueError('Paged attention needs a page pool: call '
                        'model.init_paged_cache(num_pages, page_size).')
     q_1TNH, gate_1TNH = self._query(x_1TD)
-    k_1TKH, v_1TKH = self.k_proj(x_1TD), self.v_proj(x_1TD)
+    k_1TKH, v_1TKH = self._keys_values(x_1TD)
     positions_1T = paged.positions(x_1TD.shape[1])[None] if self.temperature else None
     q_1TNH, k_1TKH = self._normalise(q_1TNH, k_1TKH, cos_sin, positions_1T, nope)
     self.pages_k[...] = paged.write(self.pages_k[...], k_1TKH[0])
@@ -210,6 +215,15 @@ class Attention(nnx.Module):
                                chunk_size=chunk_size)
     out_TNH = self.paged_kernel(q_1TNH[0], self.pages_k[...], self.pages_v[...], paged, options)
     return self.o_proj(self._gate(out_TNH[None].astype(q_1TNH.dtype), gate_1TNH))
+
+  def _keys_values(self, x_BTD):
+    """The projected keys and values ``[B, T, kv_heads, head_dim]`` (values normalised
+    with ``value_norm``; before the key norm and rotation)."""
+    k_BTKH = self.k_proj(x_BTD)
+    v_BTKH = k_BTKH if self.v_proj is None else self.v_proj(x_BTD)
+    if self.value_norm_eps is not None:
+      v_BTKH = _unit_rms(v_BTKH, self.value_norm_eps)
+    return k_BTKH, v_BTKH
 
   def _query(self, x_BTD):
     """The queries ``[B, T, heads, head_dim]`` and, with an output gate, the gate logits."""

@@ -3,7 +3,7 @@
 import jax
 from flax import nnx
 
-from maxnnx.config import ModelConfig
+from maxnnx.config import LayerType, ModelConfig
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.attention import Attention
 from maxnnx.layers.gated_deltanet import GatedDeltaNet
@@ -11,6 +11,7 @@ from maxnnx.layers.mla import MLA
 from maxnnx.layers.mlp import MLP
 from maxnnx.layers.moe import MoE
 from maxnnx.layers.norm_factory import make_norm
+from maxnnx.layers.params import logical_param
 from maxnnx.layers.parts import BlockParts, build_part
 from maxnnx.sharding import constrain
 
@@ -27,10 +28,21 @@ class DecoderBlock(nnx.Module):
   (same name, ``attn``; the config's ``linear`` layers).
   ``parts`` (:class:`~maxnnx.layers.parts.BlockParts`) swaps in your own attention,
   MLP, MoE or norm modules; its ``None`` fields keep the config's choice.
+  ``layer_type`` gives the attention its layer's shapes when ``cfg.global_attn``
+  sets the full layers apart (a custom attention factory then gets it as a keyword).
+
+  With ``cfg.moe.dense_branch`` a MoE layer keeps its dense ``mlp`` and adds ``moe``
+  beside it (Gemma 4)::
+
+    mlp_out = mlp_post_norm(dense_post_norm(mlp(mlp_pre_norm(x)))
+                            + moe_post_norm(moe(moe_pre_norm(x), router input x)))
+
+  With ``cfg.layer_scale`` the block's output is multiplied by ``layer_scalar`` ``[1]``.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, use_moe: bool = False,
-               parts: BlockParts | None = None, linear_attention: bool = False):
+               parts: BlockParts | None = None, linear_attention: bool = False,
+               layer_type: LayerType | None = None):
     parts = BlockParts() if parts is None else parts
 
     def norm(enabled):
@@ -42,18 +54,35 @@ class DecoderBlock(nnx.Module):
     self.attn_pre_norm = norm(cfg.pre_norm)
     if linear_attention:
       self.attn = GatedDeltaNet(cfg, rngs=rngs)
-    elif parts.attention is None:
-      self.attn = MLA(cfg, rngs=rngs) if cfg.attention_type == 'mla' else Attention(cfg, rngs=rngs)
     else:
-      self.attn = build_part(parts.attention, cfg, rngs, 'attention')
+      shaped = ({'layer_type': layer_type}
+                if cfg.global_attn.is_set and layer_type is not None else {})
+      if parts.attention is not None:
+        self.attn = build_part(parts.attention, cfg, rngs, 'attention', **shaped)
+      elif cfg.attention_type == 'mla':
+        self.attn = MLA(cfg, rngs=rngs)
+      else:
+        self.attn = Attention(cfg, rngs=rngs, **shaped)
     self.attn_post_norm = norm(cfg.post_norm)
     self.mlp_pre_norm = norm(cfg.pre_norm)
-    custom_mlp = parts.moe if use_moe else parts.mlp
+    beside = use_moe and cfg.moe.dense_branch  # Gemma 4: dense MLP and experts side by side
+    custom_mlp = parts.moe if use_moe and not beside else parts.mlp
     if custom_mlp is None:
-      self.mlp = MoE.from_config(cfg, rngs=rngs) if use_moe else MLP.from_config(cfg, rngs=rngs)
+      self.mlp = (MoE.from_config(cfg, rngs=rngs) if use_moe and not beside
+                  else MLP.from_config(cfg, rngs=rngs))
     else:
-      self.mlp = build_part(custom_mlp, cfg, rngs, 'moe' if use_moe else 'mlp')
+      self.mlp = build_part(custom_mlp, cfg, rngs, 'moe' if use_moe and not beside else 'mlp')
+    self.dense_post_norm = norm(beside)
+    self.moe_pre_norm = norm(beside)
+    self.moe = nnx.data(None)
+    if beside:
+      self.moe = (MoE.from_config(cfg, rngs=rngs) if parts.moe is None
+                  else build_part(parts.moe, cfg, rngs, 'moe'))
+    self.moe_post_norm = norm(beside)
     self.mlp_post_norm = norm(cfg.post_norm)
+    self.layer_scalar = (logical_param(nnx.initializers.ones, rngs.params(), (1,),
+                                       cfg.jnp_dtype('param_dtype'), (None,))
+                         if cfg.layer_scale else None)
 
   def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask | None, *,
                sliding_window=None, cache_index=None, paged=None, chunk_size=None,
@@ -78,19 +107,29 @@ class DecoderBlock(nnx.Module):
     x_BTD = x_BTD + h
     h = self.mlp_pre_norm(x_BTD) if self.mlp_pre_norm is not None else x_BTD
     h = self.mlp(h)
+    if self.moe is not None:
+      routed = self.moe(self.moe_pre_norm(x_BTD), router_input_BTD=x_BTD)
+      h = self.dense_post_norm(h) + self.moe_post_norm(routed)
     if self.mlp_post_norm is not None:
       h = self.mlp_post_norm(h)
-    return constrain(x_BTD + h, RESIDUAL_AXES)
+    x_BTD = x_BTD + h
+    if self.layer_scalar is not None:
+      x_BTD = x_BTD * self.layer_scalar[...].astype(x_BTD.dtype)
+    return constrain(x_BTD, RESIDUAL_AXES)
 
 
 def make_block(cfg: ModelConfig, rngs: nnx.Rngs, use_moe: bool = False,
-               parts: BlockParts | None = None, linear_attention: bool = False) -> nnx.Module:
+               parts: BlockParts | None = None, linear_attention: bool = False,
+               layer_type: LayerType | None = None) -> nnx.Module:
   """One layer of the stack: ``parts.block`` when set, else a :class:`DecoderBlock`.
 
-  ``linear_attention`` (a ``linear`` layer) reaches a custom block factory only when set.
+  ``linear_attention`` (a ``linear`` layer) reaches a custom block factory only when set,
+  ``layer_type`` only when ``cfg.global_attn`` gives layer types their own shapes.
   """
   parts = BlockParts() if parts is None else parts
   extra = {'linear_attention': True} if linear_attention else {}
+  if cfg.global_attn.is_set and layer_type is not None:
+    extra['layer_type'] = layer_type
   if parts.block is None:
     return DecoderBlock(cfg, rngs=rngs, use_moe=use_moe, parts=parts, **extra)
   return build_part(parts.block, cfg, rngs, 'block', use_moe=use_moe, parts=parts, **extra)

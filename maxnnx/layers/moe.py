@@ -74,15 +74,37 @@ class Router(DenseGeneral):
     kernel: ``[d_model, num_experts]``.
     bias: ``[num_experts]`` projection bias (GPT-OSS) or ``None``.
     e_score_correction_bias: :class:`RouterBias` ``[num_experts]`` or ``None``.
+    input_scale: ``[d_model]`` scale of the normalised router input
+      (``router_input_norm``) or ``None``.
+    expert_scale: ``[num_experts]`` multiplier of the routing weights
+      (``per_expert_scale``) or ``None``.
   """
 
-  def __init__(self, cfg: MoEConfig, d_model: int, *, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: MoEConfig, d_model: int, *, param_dtype, rngs: nnx.Rngs,
+               norm_eps: float = 1e-6):
     super().__init__((d_model,), (cfg.num_experts,), axes=('embed', None),
                      use_bias=cfg.router_bias, dtype=jnp.float32,
                      param_dtype=param_dtype, rngs=rngs)
     self.e_score_correction_bias = (
         RouterBias(jnp.zeros((cfg.num_experts,), jnp.float32), out_sharding=(None,),
                    eager_sharding=False) if cfg.router_score_bias else None)
+    ones = nnx.initializers.ones
+    self.input_scale = (logical_param(ones, rngs.params(), (d_model,), param_dtype, ('embed',))
+                        if cfg.router_input_norm else None)
+    self.expert_scale = (logical_param(ones, rngs.params(), (cfg.num_experts,), param_dtype,
+                                       (None,))
+                         if cfg.per_expert_scale else None)
+    self.norm_eps = norm_eps
+
+  def __call__(self, x_ND: jax.Array) -> jax.Array:
+    """Router logits ``[N, num_experts]`` (float32)."""
+    if self.input_scale is not None:  # Gemma 4: unit RMS, learned scale, 1/sqrt(d_model)
+      x32 = x_ND.astype(jnp.float32)
+      x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+                                + self.norm_eps)
+      x_ND = (x32 * self.input_scale[...].astype(jnp.float32)
+              * x_ND.shape[-1] ** -0.5).astype(x_ND.dtype)
+    return super().__call__(x_ND)
 
 
 class Experts(nnx.Module):
@@ -170,7 +192,8 @@ class MoE(nnx.Module):
   """
 
   def __init__(self, cfg: MoEConfig, *, d_model: int, expert_dim: int, rngs: nnx.Rngs,
-               activation: str = 'silu', runtime: RuntimeConfig | None = None):
+               activation: str = 'silu', runtime: RuntimeConfig | None = None,
+               norm_eps: float = 1e-6):
     """Args:
       cfg: the MoE settings.
       d_model: width of the residual stream.
@@ -178,13 +201,14 @@ class MoE(nnx.Module):
       rngs: parameter init.
       activation: the gate activation of the experts (``ModelConfig.mlp_activation``).
       runtime: dtypes and the ragged-dot kernel (``ModelConfig.runtime``).
+      norm_eps: epsilon of the router's input norm (``router_input_norm``).
     """
     runtime = runtime or RuntimeConfig()
     self.cfg = cfg
     self.activation = activation
     self.dtype = runtime.jnp_dtype()
     param_dtype = runtime.jnp_dtype('param_dtype')
-    self.router = Router(cfg, d_model, param_dtype=param_dtype, rngs=rngs)
+    self.router = Router(cfg, d_model, param_dtype=param_dtype, rngs=rngs, norm_eps=norm_eps)
     self.experts = Experts(cfg, d_model, expert_dim, param_dtype=param_dtype, rngs=rngs)
     shared_dim = cfg.num_shared_experts * expert_dim
     self.shared_experts = (MLP(d_model, shared_dim, activation=activation, runtime=runtime,
@@ -203,7 +227,8 @@ class MoE(nnx.Module):
     """The MoE block of a model: ``cfg.moe`` with the model's width, activation
     and runtime settings."""
     return cls(cfg.moe, d_model=cfg.d_model, expert_dim=cfg.resolved_moe_mlp_dim,
-               activation=cfg.mlp_activation, runtime=cfg.runtime, rngs=rngs)
+               activation=cfg.mlp_activation, runtime=cfg.runtime, rngs=rngs,
+               norm_eps=cfg.norm_eps)
 
   def _glu(self, gate, up):
     cfg = self.cfg
@@ -282,14 +307,21 @@ class MoE(nnx.Module):
     out_ND = jnp.zeros((num_tokens, y_MD.shape[-1]), jnp.float32).at[tokens_M].add(y_MD)
     return out_ND, group_sizes_E
 
-  def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    """MoE output ``[B, T, d_model]``; also records this call's :class:`MoeAux`."""
+  def __call__(self, x_BTD: jax.Array, router_input_BTD: jax.Array | None = None) -> jax.Array:
+    """MoE output ``[B, T, d_model]``; also records this call's :class:`MoeAux`.
+
+    ``router_input_BTD`` (default ``x_BTD``) is what the router reads: Gemma 4
+    routes on the residual stream while its experts read a normalised copy.
+    """
     cfg = self.cfg
     batch, length, d = x_BTD.shape
     x_ND = x_BTD.reshape(-1, d)
-    logits_NE = self.router(x_ND)
+    logits_NE = self.router(x_ND if router_input_BTD is None
+                            else router_input_BTD.reshape(-1, d))
     bias = self.router.e_score_correction_bias
     weights_NK, experts_NK, scores_NE = route(logits_NE, cfg, None if bias is None else bias[...])
+    if self.router.expert_scale is not None:
+      weights_NK = weights_NK * self.router.expert_scale[...].astype(jnp.float32)[experts_NK]
     input_weights_NK = None
     if cfg.router_weights_on_input:  # Llama 4: experts see weighted inputs, outputs are summed
       input_weights_NK, weights_NK = weights_NK, jnp.ones_like(weights_NK)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear, Llama 3.1, YaRN and LongRoPE.
+"""Rotary position embeddings: default, linear, Llama 3.1, YaRN, LongRoPE and proportional.
 
 Frequencies are computed once in NumPy float64 from a :class:`RopeConfig` and
 kept as constants; ``cos``/``sin`` are computed per call from the token
@@ -33,6 +33,17 @@ def _llama3_inv_freq(cfg: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
   smoothed = (1 - smooth) * inv_freq / cfg.factor + smooth * inv_freq
   medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
   return np.where(medium, smoothed, scaled)
+
+
+def _proportional_inv_freq(cfg: RopeConfig, head_dim: int) -> np.ndarray:
+  """Gemma 4's full layers: the whole head rotates (pairs ``i``, ``i + head_dim / 2``),
+  but only the first ``partial_rotary_factor`` of the pairs turn, at the frequencies
+  they would have in a full-width rotation; the rest have frequency 0 (cos 1, sin 0)."""
+  turning = int(cfg.partial_rotary_factor * head_dim // 2)
+  inv_freq = np.zeros(head_dim // 2, np.float64)
+  inv_freq[:turning] = 1.0 / cfg.theta ** (np.arange(0, 2 * turning, 2, dtype=np.float64)
+                                            / head_dim)
+  return inv_freq / (cfg.factor if cfg.factor is not None else 1.0)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -95,6 +106,8 @@ class RotaryEmbedding:
   def from_config(cls, cfg: RopeConfig, head_dim: int,
                   max_position_embeddings: int) -> 'RotaryEmbedding':
     """Frequencies for ``cfg`` on heads of width ``head_dim``."""
+    if cfg.scaling == 'proportional':
+      return cls(head_dim, _proportional_inv_freq(cfg, head_dim))
     rotary_dim = int(head_dim * cfg.partial_rotary_factor)
     inv_freq = _base_inv_freq(cfg.theta, rotary_dim)
     original = cfg.original_max_position_embeddings

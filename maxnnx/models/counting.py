@@ -23,8 +23,10 @@ _EXPERT_MODULE = 'experts'
 @functools.lru_cache(maxsize=64)
 def _abstract_param_sizes(cfg: ModelConfig) -> tuple[tuple[tuple, int], ...]:
   """``(path, size)`` of every parameter of the model ``cfg`` builds."""
-  mixers = set(cfg.resolved_layer_types) & {'linear'}
-  uniform = not mixers or set(cfg.resolved_layer_types) == mixers
+  types = set(cfg.resolved_layer_types)
+  mixers = types & {'linear'}
+  uniform = ((not mixers or types == mixers)
+             and (not cfg.global_attn.is_set or len(types) == 1))
   if cfg.moe.layer_step == 1 and uniform:  # a scanned stack: same parameters, faster build
     cfg = cfg.replace(**{'runtime.scan_layers': True})
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

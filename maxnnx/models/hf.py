@@ -30,7 +30,7 @@ class PretrainedError(ValueError):
 
 
 _ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3', 'yarn': 'yarn',
-               'longrope': 'longrope', 'su': 'longrope'}
+               'longrope': 'longrope', 'su': 'longrope', 'proportional': 'proportional'}
 _ROPE_KEYS = ('factor', 'original_max_position_embeddings', 'low_freq_factor', 'high_freq_factor',
               'beta_fast', 'beta_slow', 'mscale', 'mscale_all_dim', 'truncate', 'attention_factor',
               'short_factor', 'long_factor')
@@ -144,7 +144,7 @@ class HFConfig:
 def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
   """``rope_parameters`` entry (transformers 5 layout) for ``rope``."""
   inverse = {'none': 'default', 'linear': 'linear', 'llama3': 'llama3', 'yarn': 'yarn',
-             'longrope': 'longrope'}
+             'longrope': 'longrope', 'proportional': 'proportional'}
   out: dict[str, Any] = {'rope_type': inverse[rope.scaling], 'rope_theta': rope.theta}
   if rope.partial_rotary_factor != 1.0:
     out['partial_rotary_factor'] = rope.partial_rotary_factor
@@ -156,7 +156,8 @@ def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
           'yarn': ('factor', 'original_max_position_embeddings', 'beta_fast', 'beta_slow',
                    'mscale', 'mscale_all_dim', 'attention_factor', 'truncate'),
           'longrope': ('factor', 'original_max_position_embeddings', 'attention_factor',
-                       'short_factor', 'long_factor')}[rope.scaling]
+                       'short_factor', 'long_factor'),
+          'proportional': ('factor',)}[rope.scaling]
   for key in keys:
     value = getattr(rope, key)
     if value is not None:

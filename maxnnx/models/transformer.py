@@ -51,12 +51,15 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, num_layers: int | None = N
                     use_moe: bool = False, parts: BlockParts | None = None) -> DecoderBlock:
   """One DecoderBlock whose every variable has a leading ``layers`` axis."""
   parts = BlockParts() if parts is None else parts
-  linear = set(cfg.resolved_layer_types) == {'linear'}  # ModelConfig refuses a mixed scan
+  types = set(cfg.resolved_layer_types)
+  linear = types == {'linear'}  # ModelConfig refuses a mixed scan
+  # With global_attn, ModelConfig allows a scan only when every layer has one type.
+  layer_type = next(iter(types)) if len(types) == 1 else None
 
   @nnx.split_rngs(splits=num_layers or cfg.num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
   def create(rngs):
-    return make_block(cfg, rngs, use_moe, parts, linear)
+    return make_block(cfg, rngs, use_moe, parts, linear, layer_type)
 
   return create(rngs)
 
@@ -101,7 +104,7 @@ class Transformer(nnx.Module):
       for name, _, count, use_moe in layer_stacks(config):
         setattr(self, name, _stacked_blocks(config, rngs, count, use_moe, parts))
     else:
-      self.layers = nnx.List([make_block(config, rngs, m, parts, t == 'linear')
+      self.layers = nnx.List([make_block(config, rngs, m, parts, t == 'linear', t)
                               for m, t in zip(config.moe_layers, config.resolved_layer_types)])
     self.final_norm = (make_norm(config, rngs=rngs) if parts.norm is None else
                        build_part(parts.norm, config, rngs, 'norm'))
@@ -111,13 +114,20 @@ class Transformer(nnx.Module):
     self.mtp = (nnx.List([MTPLayer(config, rngs=rngs, parts=parts)
                           for _ in range(config.mtp.num_layers)])
                 if config.mtp.num_layers else nnx.data(None))
-    head_dim = config.rope_head_dim
+    head_dim = local_head_dim = config.rope_head_dim
+    if config.global_attn.is_set:  # full layers rotate heads of their own width
+      head_dim = config.attention_shape('full')[0]
     self.rotary = (RotaryEmbedding.from_config(config.rope, head_dim,
                                                config.max_position_embeddings)
                    if config.position_embedding == 'rope' else None)
-    self.local_rotary = (RotaryEmbedding.from_config(config.local_rope, head_dim,
-                                                     config.max_position_embeddings)
-                         if config.local_rope is not None else self.rotary)
+    if config.local_rope is not None:
+      self.local_rotary = RotaryEmbedding.from_config(config.local_rope, local_head_dim,
+                                                      config.max_position_embeddings)
+    elif head_dim != local_head_dim and self.rotary is not None:
+      self.local_rotary = RotaryEmbedding.from_config(config.rope, local_head_dim,
+                                                      config.max_position_embeddings)
+    else:
+      self.local_rotary = self.rotary
     self.cache_segment_ids = nnx.data(None)
     self.cache_positions = nnx.data(None)
     self.cache_index = nnx.data(None)

@@ -48,8 +48,10 @@ def _layer_is_moe(cfg: ModelConfig, layer: int) -> bool:
 
 
 def _block_flops(cfg: ModelConfig, kind: str, is_moe: bool, seq_len: int) -> float:
-  d, hd, h, kv = cfg.d_model, cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
-  total = 2 * d * hd * (h + 2 * kv) + 2 * h * hd * d  # q, k, v, o projections
+  d, h = cfg.d_model, cfg.num_heads
+  hd, kv, values_from_keys = cfg.attention_shape(kind)
+  kv_projections = 1 if values_from_keys else 2
+  total = 2 * d * hd * (h + kv_projections * kv) + 2 * h * hd * d  # q, k, v, o projections
   window = cfg.sliding_window if kind == 'sliding' else None
   chunk = cfg.attention_chunk_size if kind == 'chunked' else None
   total += 4 * h * hd * mean_keys_per_query(seq_len, window, chunk)  # q.k and p.v
@@ -57,6 +59,8 @@ def _block_flops(cfg: ModelConfig, kind: str, is_moe: bool, seq_len: int) -> flo
     width = cfg.moe.mlp_dim or cfg.mlp_dim
     total += 2 * d * cfg.moe.num_experts  # router
     total += (cfg.moe.num_experts_per_tok + cfg.moe.num_shared_experts) * _mlp_flops(cfg, width)
+    if cfg.moe.dense_branch:  # Gemma 4: the dense MLP runs beside the experts
+      total += _mlp_flops(cfg, cfg.mlp_dim)
   else:
     total += _mlp_flops(cfg, cfg.mlp_dim)
   return total

@@ -77,6 +77,7 @@ class Case:
     legacy_drop: tuple[str, ...] = ()  # further keys old Hub configs did not have
     weight_scale: dict[str, float] = field(default_factory=dict)  # name fragment -> multiplier
     base_drop: tuple[str, ...] = ()  # BASE_CONFIG keys the family spells differently
+    keep_rope_parameters: bool = False  # the older layout has rope_parameters too (Gemma 4)
 
 
 # --------------------------------------------------------------------------- cases
@@ -327,9 +328,43 @@ def gpt2() -> Case:
     )
 
 
+def gemma4() -> Case:
+    # Gemma 4 (dense): sliding window 8 in layers 0 and 2, wider global layers 1 and 3 (head 32
+    # against 16, one key/value head whose values are its un-normed keys), proportional rope on
+    # the global layers (a quarter of the pairs turn, factor 2), value norms, layer scalars and a
+    # final soft-cap small enough to bite.
+    return Case(
+        config=dict(
+            model_type="gemma4_text",
+            num_hidden_layers=4,
+            intermediate_size=96,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            hidden_size_per_layer_input=0,
+            initializer_range=0.05,
+            sliding_window=8,
+            final_logit_softcapping=2.0,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                    rope_theta=100000.0, factor=2.0),
+                sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            ),
+        ),
+        # The Hub release layout: global_head_dim / num_global_key_value_heads, no
+        # per_layer_config (transformers >= 5.2 saves the latter).
+        legacy=dict(global_head_dim=32, num_global_key_value_heads=1),
+        legacy_drop=("per_layer_config",),
+        keep_rope_parameters=True,
+    )
+
+
 CASES = {
     f.__name__: f
-    for f in (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, olmo3, gpt2)
+    for f in (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, gemma4, phi3, olmo2, olmo3,
+              gpt2)
 }
 
 
@@ -352,6 +387,9 @@ def build_model(name: str, case: Case) -> torch.nn.Module:
             for fragment, scale in case.weight_scale.items():
                 if fragment in param_name:
                     param.mul_(scale)
+        for buffer_name, buffer in model.named_buffers():  # Gemma 4's per-layer output scale
+            if buffer_name.endswith("layer_scalar"):
+                buffer.copy_(1.0 + 2 * VECTOR_JITTER * torch.randn_like(buffer))
     return model
 
 
@@ -410,7 +448,8 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def legacy_config(saved: dict, case: Case) -> dict:
-    drop = {"rope_parameters", "dtype", *case.legacy_drop}
+    drop = {"dtype", *case.legacy_drop} | (set() if case.keep_rope_parameters
+                                            else {"rope_parameters"})
     legacy = {k: v for k, v in saved.items() if k not in drop}
     legacy["torch_dtype"] = saved["dtype"]  # pre-v5 spelling
     legacy["transformers_version"] = "4.51.3"

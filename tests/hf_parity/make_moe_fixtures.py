@@ -257,8 +257,25 @@ def deepseek_v32() -> Case:
     )
 
 
+def gemma4_moe() -> Case:
+    # Gemma 4's MoE variant: the dense MLP (width 48) and top-2 of 4 experts (width 32) side by
+    # side in every layer, the router reading the residual through its own norm and scales; the
+    # global layers keep a value projection here (attention_k_eq_v off, so their kv heads stay 2).
+    case = mf.gemma4()
+    config = {k: v for k, v in case.config.items()
+              if k not in ("attention_k_eq_v", "num_global_key_value_heads")}
+    return Case(
+        config=dict(config, intermediate_size=48, enable_moe_block=True, num_experts=4,
+                    top_k_experts=2, moe_intermediate_size=32),
+        legacy=dict(global_head_dim=32),
+        legacy_drop=case.legacy_drop,
+        keep_rope_parameters=True,
+        weight_scale={"router.proj.weight": 4.0},
+    )
+
+
 MOE_CASES = {f.__name__: f for f in (mixtral, qwen3_moe, deepseek_v3, deepseek_v2, gpt_oss,
-                                     llama4, qwen3_next, qwen3_5, deepseek_v32)}
+                                     llama4, qwen3_next, qwen3_5, deepseek_v32, gemma4_moe)}
 
 _plain_build = mf.build_model
 
