@@ -93,9 +93,7 @@ FAMILIES = {
     'gemma4': dict(FAMILY_SIZES, num_layers=2, num_kv_heads=2, head_dim=16, mlp_dim=64,
                    sliding_window=8, layer_types=('sliding', 'full'), scan_layers=False,
                    global_attn={'head_dim': 32, 'num_kv_heads': 1},
-                   moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 32,
-                        'router_input_norm': True, 'per_expert_scale': True,
-                        'dense_branch': True}),
+                   moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 32}),
 }
 
 # Adam's first steps are sign steps: a gradient entry near zero flips with float noise and

@@ -45,6 +45,8 @@ from maxnnx.models.hf import (
 from maxnnx.models.registry import FamilySpec
 
 GLOBAL_EVERY = 6  # transformers' default layer pattern: 5 sliding layers, then a full one
+# How the MoE variant routes (set in dense models too, where it changes nothing).
+MOE_STYLE = {'router_input_norm': True, 'per_expert_scale': True, 'dense_branch': True}
 
 # -- Hugging Face mapping ----------------------------------------------------------------------
 
@@ -102,12 +104,11 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
   layer_types = _layer_types(hf)
   fields.update(norm_scale_offset=0.0, rope=hf.rope('full_attention'),
                 local_rope=hf.rope('sliding_attention'))
-  moe = MoEConfig()
+  moe = MoEConfig(**MOE_STYLE)
   if hf.get('enable_moe_block', False):
-    moe = MoEConfig(num_experts=hf.require('num_experts'),
-                    num_experts_per_tok=hf.require('top_k_experts'),
-                    mlp_dim=hf.require('moe_intermediate_size'), router_norm_topk=True,
-                    router_input_norm=True, per_expert_scale=True, dense_branch=True)
+    moe = moe.replace(num_experts=hf.require('num_experts'),
+                      num_experts_per_tok=hf.require('top_k_experts'),
+                      mlp_dim=hf.require('moe_intermediate_size'))
   return ModelConfig(
       family='gemma4', **fields, post_norm=True, qk_norm='head', query_scale=1.0,
       value_norm=True, layer_scale=True, final_logit_softcap=hf.get('final_logit_softcapping'),
@@ -241,9 +242,7 @@ def gemma4_26b_a4b() -> ModelConfig:
   """Gemma 4 26B-A4B (text): 25.2B parameters, 3.8B active: 128 experts (top 8) beside
   every layer's dense MLP."""
   return _gemma4(2816, 30, 16, 8, 2, 2112,
-                 moe={'num_experts': 128, 'num_experts_per_tok': 8, 'mlp_dim': 704,
-                      'router_input_norm': True, 'per_expert_scale': True,
-                      'dense_branch': True})
+                 moe={'num_experts': 128, 'num_experts_per_tok': 8, 'mlp_dim': 704})
 
 
 def tiny_gemma4() -> ModelConfig:
@@ -252,9 +251,7 @@ def tiny_gemma4() -> ModelConfig:
                      head_dim=32, mlp_dim=128, max_position_embeddings=512, sliding_window=8,
                      layer_types=('sliding', 'full', 'sliding', 'full'),
                      global_attn={'head_dim': 64, 'num_kv_heads': 1},
-                     moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 64,
-                          'router_input_norm': True, 'per_expert_scale': True,
-                          'dense_branch': True})
+                     moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 64})
 
 
 SPEC = FamilySpec(
@@ -279,6 +276,6 @@ SPEC = FamilySpec(
                  'rope': {'theta': 1_000_000.0, 'scaling': 'proportional',
                           'partial_rotary_factor': 0.25},
                  'local_rope': {'theta': 10_000.0},
-                 'global_attn': {'values_from_keys': True}},
+                 'global_attn': {'values_from_keys': True}, 'moe': MOE_STYLE},
     presets={'gemma4-31b': gemma4_31b, 'gemma4-26b-a4b': gemma4_26b_a4b,
              'tiny-gemma4': tiny_gemma4})
