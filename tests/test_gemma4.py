@@ -1,8 +1,9 @@
 """Gemma 4 (text) beyond the parity fixtures: Hub configs, export, rotary, refusals.
 
 ``tests/fixtures/hf/gemma4`` (``make_fixtures.py gemma4``: wider global layers whose values
-are their keys, proportional rope, value norms, layer scalars) and ``gemma4_moe``
-(``make_moe_fixtures.py gemma4_moe``: experts beside the dense MLP) pin logits, greedy
+are their keys, proportional rope, value norms, layer scalars), ``gemma4_moe``
+(``make_moe_fixtures.py gemma4_moe``: experts beside the dense MLP) and ``gemma4_small``
+(per-layer inputs, keys/values shared across layers, doubled MLPs) pin logits, greedy
 generation and round trips against transformers in ``test_hf_parity.py``.
 """
 
@@ -71,7 +72,7 @@ def test_global_layers_have_their_own_shapes():
   assert moe.layers[0].moe is not None and moe.layers[0].mlp.up_proj.kernel.shape == (64, 48)
 
 
-@pytest.mark.parametrize('case', ['gemma4', 'gemma4_moe'])
+@pytest.mark.parametrize('case', ['gemma4', 'gemma4_moe', 'gemma4_small'])
 def test_export_writes_the_transformers_tensors_and_config(case, tmp_path):
   """save_pretrained gives back every tensor of the fixture (MoE tensors renamed and
   gate_up_proj fused again) and the keys transformers builds the global layers from."""
@@ -88,7 +89,8 @@ def test_export_writes_the_transformers_tensors_and_config(case, tmp_path):
     ours = json.load(f)
   for key in ('global_head_dim', 'attention_k_eq_v', 'layer_types', 'rope_parameters',
               'enable_moe_block', 'num_experts', 'top_k_experts', 'moe_intermediate_size',
-              'final_logit_softcapping', 'sliding_window'):
+              'final_logit_softcapping', 'sliding_window', 'hidden_size_per_layer_input',
+              'num_kv_shared_layers', 'use_double_wide_mlp'):
     assert ours.get(key) == theirs.get(key), key
   assert ours.get('num_global_key_value_heads') == theirs.get('num_global_key_value_heads')
 
@@ -127,23 +129,55 @@ def test_values_from_keys_and_value_norm():
   np.testing.assert_array_equal(np.asarray(k), np.asarray(attn.k_proj(x)))
 
 
-@pytest.mark.parametrize('key,value', [('hidden_size_per_layer_input', 256),
-                                       ('num_kv_shared_layers', 20),
-                                       ('use_bidirectional_attention', 'vision')])
-def test_unsupported_gemma4_variants_are_refused_by_name(key, value):
-  with pytest.raises(maxnnx.PretrainedError, match=key):
-    _from_hub(dict(HUB_31B, **{key: value}))
+def test_the_vision_models_bidirectional_attention_is_refused_by_name():
+  with pytest.raises(maxnnx.PretrainedError, match='use_bidirectional_attention'):
+    _from_hub(dict(HUB_31B, use_bidirectional_attention='vision'))
 
 
 def test_a_config_without_per_layer_inputs_key_means_the_default_256():
-  """transformers' default hidden_size_per_layer_input is 256 (the E2B/E4B models)."""
+  """transformers' default hidden_size_per_layer_input is 256 (as in E2B/E4B)."""
   data = {k: v for k, v in HUB_31B.items() if k != 'hidden_size_per_layer_input'}
-  with pytest.raises(maxnnx.PretrainedError, match='hidden_size_per_layer_input'):
-    _from_hub(data)
+  assert _from_hub(data).per_layer_input_dim == 256
+
+
+def test_the_e2b_and_e4b_hub_configs_are_the_presets():
+  """Period-5 (E2B) and period-6 (E4B) layer patterns, per-layer inputs of 256, the last 20 /
+  18 layers sharing keys and values (E2B's with doubled MLPs)."""
+  e2b = dict(HUB_31B, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35,
+             num_attention_heads=8, num_key_value_heads=1, attention_k_eq_v=False,
+             sliding_window=512, max_position_embeddings=131072,
+             hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+             num_kv_shared_layers=20, use_double_wide_mlp=True,
+             layer_types=['full_attention' if (i + 1) % 5 == 0 else 'sliding_attention'
+                          for i in range(35)])
+  del e2b['num_global_key_value_heads']
+  cfg = _from_hub(e2b)
+  assert cfg == maxnnx.get_preset('gemma4-e2b')
+  assert cfg.kv_donors == (None,) * 15 + tuple(14 if (i + 1) % 5 == 0 else 13
+                                               for i in range(15, 35))
+  e4b = dict(e2b, hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
+             num_key_value_heads=2, num_kv_shared_layers=18, use_double_wide_mlp=False,
+             layer_types=['full_attention' if (i + 1) % 6 == 0 else 'sliding_attention'
+                          for i in range(42)])
+  assert _from_hub(e4b) == maxnnx.get_preset('gemma4-e4b')
+
+
+def test_kv_sharing_layers_have_no_keys_values_or_cache_of_their_own():
+  model = maxnnx.from_pretrained(os.path.join(FIXTURES, 'gemma4_small'))
+  assert model.config.kv_donors == (None, None, None, 1, 2, 1)
+  for i, block in enumerate(model.layers):
+    assert (block.attn.k_proj is None) == (i >= 3)
+    assert block.mlp.up_proj.kernel.shape == (64, 192 if i >= 3 else 96)
+  model.init_cache(1, 16)
+  assert model.layers[3].attn.cache_k is None and model.layers[2].attn.cache_k is not None
 
 
 @pytest.mark.parametrize('change,match', [
     (dict(scan_layers=True), 'scan_layers'),
+    (dict(layer_types=('full',) * 4, scan_layers=True, per_layer_input_dim=8), 'scan_layers'),
+    (dict(layer_types=('sliding', 'sliding', 'full', 'full'), num_kv_shared_layers=2),
+     "type \\['full'\\]"),
+    (dict(num_kv_shared_layers=4), 'num_kv_shared_layers'),
     (dict(layer_types=('chunked', 'full') * 2, attention_chunk_size=4), 'chunked'),
     (dict(global_attn={'num_kv_heads': 3}), 'num_kv_heads'),
     (dict(global_attn={'head_dim': 0}), 'head_dim'),

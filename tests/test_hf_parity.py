@@ -22,7 +22,8 @@ NO_SCAN = {'llama4': 'MoE layers interleaved with dense ones (moe.layer_step=2)'
            'qwen3_next': 'Gated DeltaNet layers interleaved with attention layers',
            'qwen3_5': 'Gated DeltaNet layers interleaved with attention layers',
            'gemma4': 'global layers wider than the sliding ones (global_attn)',
-           'gemma4_moe': 'global layers wider than the sliding ones (global_attn)'}
+           'gemma4_moe': 'global layers wider than the sliding ones (global_attn)',
+           'gemma4_small': 'per-layer inputs and keys/values shared across layers'}
 
 
 def _reference(case):

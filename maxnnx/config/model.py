@@ -105,6 +105,17 @@ class ModelConfig(ValidatedConfig):
       others' (:class:`GlobalAttentionConfig`, Gemma 4); see :meth:`attention_shape`.
     layer_scale: every block's output is multiplied by a learned scalar
       (``layer_scalar``, Gemma 4).
+    per_layer_input_dim: width of the per-layer inputs (Gemma 4 E2B/E4B's
+      ``hidden_size_per_layer_input``; 0 = none): every layer gets its own
+      ``[per_layer_input_dim]`` vector per token, from a table indexed by the token id
+      plus a projection of its embedding, and adds ``proj(act(gate(x)) * input)`` to the
+      residual stream after its MLP (:mod:`maxnnx.layers.per_layer_inputs`).
+    per_layer_input_vocab_size: rows of that table; ``None`` means ``vocab_size``.
+    num_kv_shared_layers: the last this many layers compute no keys or values: each
+      attends with the keys and values of the last earlier layer of its type (Gemma 4
+      E2B/E4B); see :attr:`kv_donors`.
+    kv_shared_mlp_dim: MLP width of those layers; ``None`` means ``mlp_dim`` (E2B
+      doubles it).
     position_embedding: how token positions enter the model: ``rope`` rotates
       queries and keys in every attention layer (``rope``, ``local_rope``);
       ``learned`` adds a trained ``[max_position_embeddings, d_model]`` table to
@@ -168,6 +179,10 @@ class ModelConfig(ValidatedConfig):
   value_norm: bool = False
   global_attn: GlobalAttentionConfig = dataclasses.field(default_factory=GlobalAttentionConfig)
   layer_scale: bool = False
+  per_layer_input_dim: int = 0
+  per_layer_input_vocab_size: int | None = None
+  num_kv_shared_layers: int = 0
+  kv_shared_mlp_dim: int | None = None
   position_embedding: Literal['rope', 'learned'] = 'rope'
   rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
   local_rope: RopeConfig | None = None
@@ -242,6 +257,7 @@ class ModelConfig(ValidatedConfig):
         raise ConfigError("ModelConfig.mtp.num_layers > 0 is not supported with 'linear' "
                           'layers.')
     self._validate_global_attn()
+    self._validate_layer_sharing()
     self._validate_nope()
     if (self.rope_interleave and self.attention_type == 'mha'
         and self.rope.partial_rotary_factor != 1.0):
@@ -283,6 +299,52 @@ class ModelConfig(ValidatedConfig):
       raise ConfigError('ModelConfig.runtime.scan_layers=True needs every layer to have the '
                         'same parameter shapes; global_attn gives the full-attention layers '
                         'their own: use scan_layers=False.')
+
+  def _validate_layer_sharing(self):
+    """Checks of the per-layer inputs and of key/value sharing across layers."""
+    for name in ('per_layer_input_dim', 'num_kv_shared_layers'):
+      if getattr(self, name) < 0:
+        raise ConfigError(f'ModelConfig.{name} must be >= 0, got {getattr(self, name)}.')
+    for name in ('per_layer_input_vocab_size', 'kv_shared_mlp_dim'):
+      value = getattr(self, name)
+      if value is not None and value <= 0:
+        raise ConfigError(f'ModelConfig.{name} must be > 0 (or None), got {value}.')
+    if not (self.per_layer_input_dim or self.num_kv_shared_layers):
+      return
+    if self.runtime.scan_layers:
+      raise ConfigError('ModelConfig.runtime.scan_layers=True does not support per-layer '
+                        'inputs or key/value sharing across layers (per_layer_input_dim, '
+                        'num_kv_shared_layers): use scan_layers=False.')
+    if self.mtp.num_layers:
+      raise ConfigError('ModelConfig.mtp.num_layers > 0 is not supported with per_layer_input_dim '
+                        'or num_kv_shared_layers.')
+    if self.num_kv_shared_layers:
+      if self.attention_type != 'mha' or 'linear' in self.resolved_layer_types:
+        raise ConfigError("ModelConfig.num_kv_shared_layers needs attention_type='mha' and no "
+                          "'linear' layers.")
+      if self.num_kv_shared_layers >= self.num_layers:
+        raise ConfigError(f'ModelConfig.num_kv_shared_layers ({self.num_kv_shared_layers}) '
+                          f'must leave at least one of num_layers={self.num_layers} layers '
+                          'that computes keys and values.')
+      missing = sorted({self.resolved_layer_types[i] for i, d in enumerate(self.kv_donors)
+                        if d is None and i >= self.num_layers - self.num_kv_shared_layers})
+      if missing:
+        raise ConfigError(f'ModelConfig.num_kv_shared_layers={self.num_kv_shared_layers}: no '
+                          f'earlier layer of type {missing} computes keys and values for the '
+                          'sharing layers of that type.')
+
+  @property
+  def kv_donors(self) -> tuple[int | None, ...]:
+    """For every layer, the layer whose keys and values it attends with instead of its own
+    (``num_kv_shared_layers``): the last layer of its type before the sharing ones; ``None``
+    for layers that compute their own."""
+    first = self.num_layers - self.num_kv_shared_layers
+    types = self.resolved_layer_types
+    donors = []
+    for i in range(self.num_layers):
+      earlier = [j for j in range(first) if types[j] == types[i]] if i >= first else []
+      donors.append(earlier[-1] if earlier else None)
+    return tuple(donors)
 
   def attention_shape(self, layer_type: LayerType) -> tuple[int, int, bool]:
     """``(head_dim, num_kv_heads, values_from_keys)`` of the attention of a

@@ -41,7 +41,8 @@ class Attention(nnx.Module):
   Attributes:
     q_proj: ``[d_model] -> [heads, head_dim]``.
     k_proj, v_proj: ``[d_model] -> [kv_heads, head_dim]``; ``v_proj`` is ``None`` when
-      the values are the key projection (``global_attn.values_from_keys``).
+      the values are the key projection (``global_attn.values_from_keys``), both are
+      ``None`` in a layer that attends with another layer's keys and values (``kv_shared``).
     o_proj: ``[heads, head_dim] -> [d_model]``.
     q_norm, k_norm: optional RMSNorms (per head or over the whole projection).
     sinks: ``[heads]`` learned attention-sink logits (``cfg.attention_sinks``) or ``None``.
@@ -53,8 +54,11 @@ class Attention(nnx.Module):
       once :meth:`init_paged_cache` has been called; ``None`` otherwise.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_type: LayerType = 'full'):
-    """``layer_type`` picks the layer's shapes (:meth:`ModelConfig.attention_shape`)."""
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_type: LayerType = 'full',
+               kv_shared: bool = False):
+    """``layer_type`` picks the layer's shapes (:meth:`ModelConfig.attention_shape`);
+    ``kv_shared`` builds a layer without key/value projections, norms or cache, which is
+    called with ``shared_kv`` (``ModelConfig.num_kv_shared_layers``)."""
     d, h = cfg.d_model, cfg.num_heads
     hd, kv, values_from_keys = cfg.attention_shape(layer_type)
     dense = dict(dtype=cfg.jnp_dtype(), param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
@@ -63,9 +67,10 @@ class Attention(nnx.Module):
     self.q_proj = DenseGeneral((d,), (h, q_width), axes=('embed', 'heads', 'head_dim'),
                                use_bias=cfg.qkv_bias, **dense)
     self.output_gate = cfg.attention_output_gate
-    self.k_proj = DenseGeneral((d,), (kv, hd), axes=('embed', 'kv_heads', 'head_dim'),
-                               use_bias=cfg.qkv_bias, **dense)
-    self.v_proj = (None if values_from_keys else
+    self.k_proj = (None if kv_shared else
+                   DenseGeneral((d,), (kv, hd), axes=('embed', 'kv_heads', 'head_dim'),
+                                use_bias=cfg.qkv_bias, **dense))
+    self.v_proj = (None if values_from_keys or kv_shared else
                    DenseGeneral((d,), (kv, hd), axes=('embed', 'kv_heads', 'head_dim'),
                                 use_bias=cfg.qkv_bias, **dense))
     self.value_norm_eps = cfg.norm_eps if cfg.value_norm else None
@@ -79,6 +84,8 @@ class Attention(nnx.Module):
       self.k_norm = make_norm(cfg, (kv, hd), ('kv_heads', 'head_dim'), rngs=rngs)
     else:  # 'l2' has no parameters: see _normalise
       self.q_norm = self.k_norm = None
+    if kv_shared:
+      self.k_norm = None
     self.qk_l2_norm_eps = cfg.norm_eps if cfg.qk_norm == 'l2' else None
     self.interleaved = cfg.rope_interleave
     self.temperature = ((cfg.attn_temperature_floor, cfg.attn_temperature_scale)
@@ -96,7 +103,10 @@ class Attention(nnx.Module):
     self.pages_v = nnx.data(None)
 
   def init_cache(self, batch: int, max_length: int, dtype) -> None:
-    """Allocate an empty KV cache for ``batch`` rows of ``max_length`` tokens."""
+    """Allocate an empty KV cache for ``batch`` rows of ``max_length`` tokens (none in a
+    ``kv_shared`` layer: it reads another layer's)."""
+    if self.k_proj is None:
+      return
     kv_heads, head_dim = self.k_proj.out_shape
     shape = (batch, max_length, kv_heads, head_dim)
     self.cache_k = nnx.Cache(jnp.zeros(shape, dtype))
@@ -107,7 +117,10 @@ class Attention(nnx.Module):
 
     The pools carry the logical names ``(None, None, 'kv_heads', None)``: on a mesh
     with ``tensor`` they split over the kv heads like the projections that fill them.
+    A ``kv_shared`` layer has none.
     """
+    if self.k_proj is None:
+      return
     kv_heads, head_dim = self.k_proj.out_shape
     shape = (num_pages, page_size, kv_heads, head_dim)
     names = {'out_sharding': (None, None, 'kv_heads', None), 'eager_sharding': False}
@@ -121,24 +134,28 @@ class Attention(nnx.Module):
     rotation); the temperature multiplies the queries of layers without one.
     ``cos_sin=None`` is a layer without rotation; a traced ``nope`` flag (scanned
     stacks mixing NoPE and rotary layers) chooses between both at run time.
+    ``k_BTKH=None`` (a ``kv_shared`` layer) normalises the queries alone.
     """
+    def each(fn, q, k):
+      return fn(q), (None if k is None else fn(k))
+
     if self.q_norm is not None:
-      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+      q_BTNH = self.q_norm(q_BTNH)
+      k_BTKH = None if k_BTKH is None else self.k_norm(k_BTKH)
     plain = q_BTNH, k_BTKH
     if cos_sin is None or nope is not None:
       plain = (self._temperature(q_BTNH, positions_BT), k_BTKH)
       if cos_sin is None:  # NoPE layers and learned positions rotate nothing
         return plain
     if self.interleaved:
-      q_BTNH, k_BTKH = deinterleave(q_BTNH), deinterleave(k_BTKH)
-    q_BTNH = apply_rope(q_BTNH, *cos_sin)
-    k_BTKH = apply_rope(k_BTKH, *cos_sin)
+      q_BTNH, k_BTKH = each(deinterleave, q_BTNH, k_BTKH)
+    q_BTNH, k_BTKH = each(lambda x: apply_rope(x, *cos_sin), q_BTNH, k_BTKH)
     if self.qk_l2_norm_eps is not None:
-      q_BTNH, k_BTKH = (_unit_rms(q_BTNH, self.qk_l2_norm_eps),
-                        _unit_rms(k_BTKH, self.qk_l2_norm_eps))
+      q_BTNH, k_BTKH = each(lambda x: _unit_rms(x, self.qk_l2_norm_eps), q_BTNH, k_BTKH)
     if nope is None:
       return q_BTNH, k_BTKH
-    return (jnp.where(nope, plain[0], q_BTNH), jnp.where(nope, plain[1], k_BTKH))
+    return each(lambda pair: jnp.where(nope, *pair), (plain[0], q_BTNH),
+                None if k_BTKH is None else (plain[1], k_BTKH))
 
   def _temperature(self, q_BTNH, positions_BT):
     """Queries of a NoPE layer times ``1 + scale * log1p(floor((pos + 1) / floor))``."""
@@ -153,7 +170,8 @@ class Attention(nnx.Module):
                mask: AttentionMask | None, *, sliding_window: int | jax.Array | None = None,
                cache_index: jax.Array | None = None, paged: PagedBatch | None = None,
                chunk_size: int | jax.Array | None = None,
-               nope: jax.Array | None = None) -> jax.Array:
+               nope: jax.Array | None = None, shared_kv: tuple | None = None,
+               return_kv: bool = False) -> jax.Array | tuple[jax.Array, tuple]:
     """Attention output ``[B, T, d_model]``.
 
     ``cos_sin`` is the layer's rotary ``(cos, sin)``, or ``None`` to rotate
@@ -170,51 +188,71 @@ class Attention(nnx.Module):
     every scheduled request. Their keys and values are written into the page
     pool at ``paged.slots_T`` and each token attends over its request's pages;
     ``mask`` is not used.
+
+    ``return_kv`` also returns the keys and values the kernel attended over (this
+    call's, the whole cache when decoding, the page pools when paged), which a
+    ``kv_shared`` layer of the same type then receives as ``shared_kv`` in the same
+    mode: ``(out, (k, v))``.
     """
     if paged is not None:
-      return self._paged(x_BTD, cos_sin, paged, sliding_window, chunk_size, nope)
+      return self._paged(x_BTD, cos_sin, paged, sliding_window, chunk_size, nope, shared_kv,
+                         return_kv)
     q_BTNH, gate_BTNH = self._query(x_BTD)
-    k_BTKH, v_BTKH = self._keys_values(x_BTD)
-    q_BTNH, k_BTKH = self._normalise(q_BTNH, k_BTKH, cos_sin,
-                                     None if mask is None else mask.q_positions, nope)
-    if cache_index is not None:
-      if self.cache_k is None:
-        raise ValueError('Decoding needs a KV cache: call model.init_cache(batch, max_length).')
-      start = (0, cache_index, 0, 0)
-      self.cache_k[...] = jax.lax.dynamic_update_slice(
-          self.cache_k[...], k_BTKH.astype(self.cache_k.dtype), start)
-      self.cache_v[...] = jax.lax.dynamic_update_slice(
-          self.cache_v[...], v_BTKH.astype(self.cache_v.dtype), start)
-      k_BTKH = self.cache_k[...].astype(q_BTNH.dtype)
-      v_BTKH = self.cache_v[...].astype(q_BTNH.dtype)
+    positions_BT = None if mask is None else mask.q_positions
+    if shared_kv is not None:
+      q_BTNH, _ = self._normalise(q_BTNH, None, cos_sin, positions_BT, nope)
+      k_BTKH, v_BTKH = (a.astype(q_BTNH.dtype) for a in shared_kv)
+    else:
+      k_BTKH, v_BTKH = self._keys_values(x_BTD)
+      q_BTNH, k_BTKH = self._normalise(q_BTNH, k_BTKH, cos_sin, positions_BT, nope)
+      if cache_index is not None:
+        k_BTKH, v_BTKH = self._write_cache(k_BTKH, v_BTKH, cache_index, q_BTNH.dtype)
     q_BTNH = checkpoint_name(constrain(q_BTNH, Q_AXES), 'query_proj')
     k_BTKH = checkpoint_name(constrain(k_BTKH, KV_AXES), 'key_proj')
     v_BTKH = checkpoint_name(constrain(v_BTKH, KV_AXES), 'value_proj')
-    sinks_N = None if self.sinks is None else self.sinks[...]
-    options = AttentionOptions(scale=self.scale, softcap=self.softcap,
-                               sliding_window=sliding_window, sinks_N=sinks_N,
-                               chunk_size=chunk_size)
+    options = self._options(sliding_window, chunk_size)
     out_BTNH = self._gate(self.kernel(q_BTNH, k_BTKH, v_BTKH, mask, options), gate_BTNH)
     out_BTNH = checkpoint_name(constrain(out_BTNH, Q_AXES), 'attention_out')
-    return checkpoint_name(constrain(self.o_proj(out_BTNH), OUT_AXES), 'out_proj')
+    out_BTD = checkpoint_name(constrain(self.o_proj(out_BTNH), OUT_AXES), 'out_proj')
+    return (out_BTD, (k_BTKH, v_BTKH)) if return_kv else out_BTD
+
+  def _write_cache(self, k_BTKH, v_BTKH, cache_index, dtype):
+    """Write this step's keys and values at ``cache_index``; the whole cache, in ``dtype``."""
+    if self.cache_k is None:
+      raise ValueError('Decoding needs a KV cache: call model.init_cache(batch, max_length).')
+    start = (0, cache_index, 0, 0)
+    self.cache_k[...] = jax.lax.dynamic_update_slice(
+        self.cache_k[...], k_BTKH.astype(self.cache_k.dtype), start)
+    self.cache_v[...] = jax.lax.dynamic_update_slice(
+        self.cache_v[...], v_BTKH.astype(self.cache_v.dtype), start)
+    return self.cache_k[...].astype(dtype), self.cache_v[...].astype(dtype)
+
+  def _options(self, sliding_window, chunk_size) -> AttentionOptions:
+    sinks_N = None if self.sinks is None else self.sinks[...]
+    return AttentionOptions(scale=self.scale, softcap=self.softcap,
+                            sliding_window=sliding_window, sinks_N=sinks_N,
+                            chunk_size=chunk_size)
 
   def _paged(self, x_1TD, cos_sin, paged: PagedBatch, sliding_window, chunk_size,
-             nope) -> jax.Array:
-    if self.pages_k is None:
-      raise ValueError('Paged attention needs a page pool: call '
-                       'model.init_paged_cache(num_pages, page_size).')
+             nope, shared_kv=None, return_kv=False):
     q_1TNH, gate_1TNH = self._query(x_1TD)
-    k_1TKH, v_1TKH = self._keys_values(x_1TD)
     positions_1T = paged.positions(x_1TD.shape[1])[None] if self.temperature else None
-    q_1TNH, k_1TKH = self._normalise(q_1TNH, k_1TKH, cos_sin, positions_1T, nope)
-    self.pages_k[...] = paged.write(self.pages_k[...], k_1TKH[0])
-    self.pages_v[...] = paged.write(self.pages_v[...], v_1TKH[0])
-    sinks_N = None if self.sinks is None else self.sinks[...]
-    options = AttentionOptions(scale=self.scale, softcap=self.softcap,
-                               sliding_window=sliding_window, sinks_N=sinks_N,
-                               chunk_size=chunk_size)
-    out_TNH = self.paged_kernel(q_1TNH[0], self.pages_k[...], self.pages_v[...], paged, options)
-    return self.o_proj(self._gate(out_TNH[None].astype(q_1TNH.dtype), gate_1TNH))
+    if shared_kv is not None:  # the page pools of the layer this one shares with
+      q_1TNH, _ = self._normalise(q_1TNH, None, cos_sin, positions_1T, nope)
+      pages_k, pages_v = shared_kv
+    else:
+      if self.pages_k is None:
+        raise ValueError('Paged attention needs a page pool: call '
+                         'model.init_paged_cache(num_pages, page_size).')
+      k_1TKH, v_1TKH = self._keys_values(x_1TD)
+      q_1TNH, k_1TKH = self._normalise(q_1TNH, k_1TKH, cos_sin, positions_1T, nope)
+      self.pages_k[...] = paged.write(self.pages_k[...], k_1TKH[0])
+      self.pages_v[...] = paged.write(self.pages_v[...], v_1TKH[0])
+      pages_k, pages_v = self.pages_k[...], self.pages_v[...]
+    options = self._options(sliding_window, chunk_size)
+    out_TNH = self.paged_kernel(q_1TNH[0], pages_k, pages_v, paged, options)
+    out_1TD = self.o_proj(self._gate(out_TNH[None].astype(q_1TNH.dtype), gate_1TNH))
+    return (out_1TD, (pages_k, pages_v)) if return_kv else out_1TD
 
   def _keys_values(self, x_BTD):
     """The projected keys and values ``[B, T, kv_heads, head_dim]`` (values normalised

@@ -13,6 +13,7 @@ from maxnnx.layers.moe import MoE
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.params import logical_param
 from maxnnx.layers.parts import BlockParts, build_part
+from maxnnx.layers.per_layer_inputs import PerLayerInputGate
 from maxnnx.sharding import constrain
 
 RESIDUAL_AXES = ('activation_batch', 'activation_norm_length', 'activation_embed')
@@ -37,12 +38,16 @@ class DecoderBlock(nnx.Module):
     mlp_out = mlp_post_norm(dense_post_norm(mlp(mlp_pre_norm(x)))
                             + moe_post_norm(moe(moe_pre_norm(x), router input x)))
 
-  With ``cfg.layer_scale`` the block's output is multiplied by ``layer_scalar`` ``[1]``.
+  With ``cfg.per_layer_input_dim`` the block then adds ``per_layer_input(x, its input)``
+  (:class:`~maxnnx.layers.per_layer_inputs.PerLayerInputGate`), and with
+  ``cfg.layer_scale`` the result is multiplied by ``layer_scalar`` ``[1]``.
+  ``kv_shared`` builds a block whose attention has no keys or values of its own
+  (``cfg.num_kv_shared_layers``; the MLP is ``cfg.kv_shared_mlp_dim`` wide).
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, use_moe: bool = False,
                parts: BlockParts | None = None, linear_attention: bool = False,
-               layer_type: LayerType | None = None):
+               layer_type: LayerType | None = None, kv_shared: bool = False):
     parts = BlockParts() if parts is None else parts
 
     def norm(enabled):
@@ -57,6 +62,8 @@ class DecoderBlock(nnx.Module):
     else:
       shaped = ({'layer_type': layer_type}
                 if cfg.global_attn.is_set and layer_type is not None else {})
+      if kv_shared:
+        shaped['kv_shared'] = True
       if parts.attention is not None:
         self.attn = build_part(parts.attention, cfg, rngs, 'attention', **shaped)
       elif cfg.attention_type == 'mla':
@@ -67,9 +74,13 @@ class DecoderBlock(nnx.Module):
     self.mlp_pre_norm = norm(cfg.pre_norm)
     beside = use_moe and cfg.moe.dense_branch  # Gemma 4: dense MLP and experts side by side
     custom_mlp = parts.moe if use_moe and not beside else parts.mlp
+    if kv_shared and cfg.kv_shared_mlp_dim is not None:
+      cfg_mlp = cfg.replace(mlp_dim=cfg.kv_shared_mlp_dim)
+    else:
+      cfg_mlp = cfg
     if custom_mlp is None:
       self.mlp = (MoE.from_config(cfg, rngs=rngs) if use_moe and not beside
-                  else MLP.from_config(cfg, rngs=rngs))
+                  else MLP.from_config(cfg_mlp, rngs=rngs))
     else:
       self.mlp = build_part(custom_mlp, cfg, rngs, 'moe' if use_moe and not beside else 'mlp')
     self.dense_post_norm = norm(beside)
@@ -80,28 +91,37 @@ class DecoderBlock(nnx.Module):
                   else build_part(parts.moe, cfg, rngs, 'moe'))
     self.moe_post_norm = norm(beside)
     self.mlp_post_norm = norm(cfg.post_norm)
+    self.per_layer_input = (PerLayerInputGate(cfg, rngs=rngs) if cfg.per_layer_input_dim
+                            else None)
     self.layer_scalar = (logical_param(nnx.initializers.ones, rngs.params(), (1,),
                                        cfg.jnp_dtype('param_dtype'), (None,))
                          if cfg.layer_scale else None)
 
   def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask | None, *,
                sliding_window=None, cache_index=None, paged=None, chunk_size=None,
-               nope=None) -> jax.Array:
+               nope=None, per_layer_input=None, shared_kv=None, return_kv=False):
     """The block's output ``[B, T, d_model]``; the keywords go to the attention.
 
     ``paged`` (a :class:`~maxnnx.kernels.paged_attention.PagedBatch`),
-    ``chunk_size`` (chunked layers) and ``nope`` (scanned stacks mixing NoPE and
-    rotary layers) are passed on only when set, so custom attention parts
-    without them keep working everywhere else.
+    ``chunk_size`` (chunked layers), ``nope`` (scanned stacks mixing NoPE and
+    rotary layers), ``shared_kv`` and ``return_kv`` (key/value sharing across
+    layers, see :class:`~maxnnx.layers.attention.Attention`) are passed on only when
+    set, so custom attention parts without them keep working everywhere else.
+    ``per_layer_input`` ``[B, T, P]`` is this layer's slice of the per-layer inputs.
+    With ``return_kv`` the result is ``(output, the attention's keys and values)``.
     """
     x_BTD = constrain(x_BTD, RESIDUAL_AXES)
     h = self.attn_pre_norm(x_BTD) if self.attn_pre_norm is not None else x_BTD
     extra = {} if paged is None else {'paged': paged}
-    for name, value in (('chunk_size', chunk_size), ('nope', nope)):
+    for name, value in (('chunk_size', chunk_size), ('nope', nope), ('shared_kv', shared_kv),
+                        ('return_kv', return_kv or None)):
       if value is not None:
         extra[name] = value
     h = self.attn(h, cos_sin, mask, sliding_window=sliding_window, cache_index=cache_index,
                   **extra)
+    kv = None
+    if return_kv:
+      h, kv = h
     if self.attn_post_norm is not None:
       h = self.attn_post_norm(h)
     x_BTD = x_BTD + h
@@ -113,23 +133,32 @@ class DecoderBlock(nnx.Module):
     if self.mlp_post_norm is not None:
       h = self.mlp_post_norm(h)
     x_BTD = x_BTD + h
+    if self.per_layer_input is not None:
+      if per_layer_input is None:
+        raise ValueError('This block takes a per-layer input (ModelConfig.per_layer_input_dim '
+                         '> 0): pass per_layer_input=[B, T, per_layer_input_dim].')
+      x_BTD = x_BTD + self.per_layer_input(x_BTD, per_layer_input)
     if self.layer_scalar is not None:
       x_BTD = x_BTD * self.layer_scalar[...].astype(x_BTD.dtype)
-    return constrain(x_BTD, RESIDUAL_AXES)
+    x_BTD = constrain(x_BTD, RESIDUAL_AXES)
+    return (x_BTD, kv) if return_kv else x_BTD
 
 
 def make_block(cfg: ModelConfig, rngs: nnx.Rngs, use_moe: bool = False,
                parts: BlockParts | None = None, linear_attention: bool = False,
-               layer_type: LayerType | None = None) -> nnx.Module:
+               layer_type: LayerType | None = None, kv_shared: bool = False) -> nnx.Module:
   """One layer of the stack: ``parts.block`` when set, else a :class:`DecoderBlock`.
 
-  ``linear_attention`` (a ``linear`` layer) reaches a custom block factory only when set,
-  ``layer_type`` only when ``cfg.global_attn`` gives layer types their own shapes.
+  ``linear_attention`` (a ``linear`` layer) and ``kv_shared`` reach a custom block factory
+  only when set, ``layer_type`` only when ``cfg.global_attn`` gives layer types their own
+  shapes.
   """
   parts = BlockParts() if parts is None else parts
   extra = {'linear_attention': True} if linear_attention else {}
   if cfg.global_attn.is_set and layer_type is not None:
     extra['layer_type'] = layer_type
+  if kv_shared:
+    extra['kv_shared'] = True
   if parts.block is None:
     return DecoderBlock(cfg, rngs=rngs, use_moe=use_moe, parts=parts, **extra)
   return build_part(parts.block, cfg, rngs, 'block', use_moe=use_moe, parts=parts, **extra)

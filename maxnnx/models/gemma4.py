@@ -14,18 +14,25 @@ What it changes in Gemma 3, all expressed as :class:`ModelConfig` fields:
 * the MoE variant (``enable_moe_block``) keeps every layer's dense MLP and adds 128
   experts beside it (``moe.dense_branch``), routed from the residual stream through
   a weightless RMS norm with a learned scale (``moe.router_input_norm``), softmax
-  top-k renormalised, then scaled per expert (``moe.per_expert_scale``).
+  top-k renormalised, then scaled per expert (``moe.per_expert_scale``);
+* the small E2B/E4B models give every layer its own per-token input
+  (``per_layer_input_dim``, :mod:`maxnnx.layers.per_layer_inputs`) and let their last
+  layers attend with the keys and values of earlier ones (``num_kv_shared_layers``;
+  E2B doubles those layers' MLP, ``kv_shared_mlp_dim``).
 
 Checkpoint layout beyond Gemma 3: ``self_attn.v_proj`` is absent in full layers with
 ``attention_k_eq_v``; per layer ``layer_scalar`` ``[1]``; MoE layers hold
 ``router.{proj.weight, scale, per_expert_scale}``, ``experts.gate_up_proj``
 ``[experts, 2 * moe_intermediate, hidden]`` (gate rows first), ``experts.down_proj``
 ``[experts, hidden, moe_intermediate]`` and the norms ``post_feedforward_layernorm_1``,
-``pre_feedforward_layernorm_2``, ``post_feedforward_layernorm_2``.
+``pre_feedforward_layernorm_2``, ``post_feedforward_layernorm_2``; with per-layer inputs,
+``embed_tokens_per_layer``, ``per_layer_model_projection`` and ``per_layer_projection_norm``
+in the model and ``per_layer_input_gate``, ``per_layer_projection`` and
+``post_per_layer_input_norm`` in every layer; the KV-sharing layers have no ``k_proj``,
+``v_proj``, ``k_norm`` (or ``v_norm``).
 
-Not supported yet (refused with an error naming the key): per-layer inputs
-(``hidden_size_per_layer_input``, the E2B/E4B models), key/value sharing across layers
-(``num_kv_shared_layers``) and bidirectional attention (the vision variant).
+Not supported (refused with an error naming the key): bidirectional attention (the
+vision variant's ``use_bidirectional_attention``).
 """
 
 import numpy as np
@@ -88,14 +95,23 @@ def _global_attention(hf: HFConfig, layer_types: tuple) -> GlobalAttentionConfig
 
 
 def _refuse_unsupported(hf: HFConfig) -> None:
-  for key, off in (('hidden_size_per_layer_input', 0), ('num_kv_shared_layers', 0),
-                   ('use_bidirectional_attention', None)):
-    value = hf.get(key)
-    if value not in (off, None):
-      raise PretrainedError(
-          f"{hf.path}: {key}={value!r} is not supported by maxnnx's gemma4 family yet "
-          '(per-layer inputs and key/value sharing are the E2B/E4B models; bidirectional '
-          'attention the vision model). The 31B and 26B-A4B text models load.')
+  value = hf.get('use_bidirectional_attention')
+  if value is not None:
+    raise PretrainedError(
+        f"{hf.path}: use_bidirectional_attention={value!r} is not supported by maxnnx's "
+        'gemma4 family (the vision model attends bidirectionally over images); the text '
+        'models load.')
+
+
+def _layer_sharing(hf: HFConfig, mlp_dim: int, vocab_size: int) -> dict:
+  """Per-layer inputs and key/value sharing (the E2B/E4B models)."""
+  shared = hf.get('num_kv_shared_layers', 0) or 0
+  ple_vocab = hf.get('vocab_size_per_layer_input', vocab_size)
+  return dict(per_layer_input_dim=hf.get('hidden_size_per_layer_input', 0) or 0,
+              per_layer_input_vocab_size=None if ple_vocab == vocab_size else ple_vocab,
+              num_kv_shared_layers=shared,
+              kv_shared_mlp_dim=2 * mlp_dim if shared and hf.get('use_double_wide_mlp')
+              else None)
 
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
@@ -113,7 +129,8 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
       family='gemma4', **fields, post_norm=True, qk_norm='head', query_scale=1.0,
       value_norm=True, layer_scale=True, final_logit_softcap=hf.get('final_logit_softcapping'),
       sliding_window=hf.require('sliding_window'), layer_types=layer_types,
-      global_attn=_global_attention(hf, layer_types), moe=moe)
+      global_attn=_global_attention(hf, layer_types), moe=moe,
+      **_layer_sharing(hf, fields['mlp_dim'], fields['vocab_size']))
 
 
 def _check_convertible(cfg: ModelConfig) -> None:
@@ -137,6 +154,8 @@ def _check_convertible(cfg: ModelConfig) -> None:
        and cfg.resolved_layer_types[-1] == 'full'),
       ('global_attn.num_kv_heads only with values_from_keys',
        g.values_from_keys or g.num_kv_heads in (None, cfg.num_kv_heads)),
+      ('kv_shared_mlp_dim of mlp_dim or twice it',
+       cfg.kv_shared_mlp_dim in (None, cfg.mlp_dim, 2 * cfg.mlp_dim)),
       ('a Gemma 4 MoE (dense branch, normed router input, per-expert scales, softmax top-k '
        'renormalised, in every layer)', not moe.num_experts or gemma4_moe)) if not ok]
   if problems:
@@ -152,7 +171,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
          'rope_parameters': {'full_attention': rope_to_hf(cfg.rope),
                              'sliding_attention': rope_to_hf(cfg.local_rope or cfg.rope)},
          'global_head_dim': head_dim, 'attention_k_eq_v': values_from_keys,
-         'hidden_size_per_layer_input': 0, 'num_kv_shared_layers': 0,
+         'hidden_size_per_layer_input': cfg.per_layer_input_dim,
+         'vocab_size_per_layer_input': cfg.per_layer_input_vocab_size or cfg.vocab_size,
+         'num_kv_shared_layers': cfg.num_kv_shared_layers,
+         'use_double_wide_mlp': cfg.kv_shared_mlp_dim == 2 * cfg.mlp_dim,
          'enable_moe_block': cfg.moe.num_experts > 0}
   if values_from_keys:
     out['num_global_key_value_heads'] = kv_heads
@@ -219,46 +241,73 @@ def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarr
 # -- Presets -----------------------------------------------------------------------------------
 
 
-def _gemma4(d_model: int, num_layers: int, num_heads: int, num_kv_heads: int,
-            global_kv_heads: int, mlp_dim: int, moe: dict | None = None) -> ModelConfig:
-  """A Gemma 4 config: heads of 256 (512 in the global layers, whose values are their
-  keys), 5 sliding layers of 1024 per global one, 256k context."""
-  layer_types = tuple('full' if (i + 1) % GLOBAL_EVERY == 0 else 'sliding'
+def _gemma4(d_model: int, num_layers: int, num_heads: int, num_kv_heads: int, mlp_dim: int,
+            global_attn: dict, global_every: int = GLOBAL_EVERY, sliding_window: int = 1024,
+            context: int = 262_144, **fields) -> ModelConfig:
+  """A Gemma 4 config: heads of 256 (512 in the global layers), ``global_every - 1``
+  sliding layers per global one (the last layer global)."""
+  layer_types = tuple('full' if (i + 1) % global_every == 0 else 'sliding'
                       for i in range(num_layers))
   return SPEC.config(vocab_size=262_144, d_model=d_model, num_layers=num_layers,
                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=256,
-                     mlp_dim=mlp_dim, max_position_embeddings=262_144, sliding_window=1024,
-                     layer_types=layer_types,
-                     global_attn={'head_dim': 512, 'num_kv_heads': global_kv_heads},
-                     moe=moe or {}, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+                     mlp_dim=mlp_dim, max_position_embeddings=context,
+                     sliding_window=sliding_window, layer_types=layer_types,
+                     global_attn={'head_dim': 512, **global_attn},
+                     bos_token_id=2, eos_token_id=1, pad_token_id=0, **fields)
 
 
 def gemma4_31b() -> ModelConfig:
   """Gemma 4 31B (dense; the text model): 30.7B parameters."""
-  return _gemma4(5376, 60, 32, 16, 4, 21_504)
+  return _gemma4(5376, 60, 32, 16, 21_504, {'num_kv_heads': 4, 'values_from_keys': True})
 
 
 def gemma4_26b_a4b() -> ModelConfig:
   """Gemma 4 26B-A4B (text): 25.2B parameters, 3.8B active: 128 experts (top 8) beside
   every layer's dense MLP."""
-  return _gemma4(2816, 30, 16, 8, 2, 2112,
+  return _gemma4(2816, 30, 16, 8, 2112, {'num_kv_heads': 2, 'values_from_keys': True},
                  moe={'num_experts': 128, 'num_experts_per_tok': 8, 'mlp_dim': 704})
 
 
+def _gemma4_small(d_model: int, num_layers: int, num_kv_heads: int, mlp_dim: int,
+                  global_every: int, num_kv_shared_layers: int,
+                  kv_shared_mlp_dim: int | None) -> ModelConfig:
+  """Gemma 4 E2B/E4B (text): 8 heads, window 512, 128k context, per-layer inputs of 256,
+  the last layers sharing keys and values; their global layers keep a value projection."""
+  return _gemma4(d_model, num_layers, 8, num_kv_heads, mlp_dim, {}, global_every, 512, 131_072,
+                 per_layer_input_dim=256, num_kv_shared_layers=num_kv_shared_layers,
+                 kv_shared_mlp_dim=kv_shared_mlp_dim)
+
+
+def gemma4_e2b() -> ModelConfig:
+  """Gemma 4 E2B (text): 35 layers (4 sliding : 1 global), the last 20 reusing keys and
+  values with doubled MLPs: 4.63B parameters, 1.88B outside the two embedding tables (the
+  card's 5.1B / 2.3B "effective" add the vision and audio encoders)."""
+  return _gemma4_small(1536, 35, 1, 6144, 5, 20, 12_288)
+
+
+def gemma4_e4b() -> ModelConfig:
+  """Gemma 4 E4B (text): 42 layers (5 sliding : 1 global), the last 18 reusing keys and
+  values: 7.46B parameters, 3.97B outside the two embedding tables (the card's 8B / 4.5B
+  add the vision and audio encoders)."""
+  return _gemma4_small(2560, 42, 2, 10_240, 6, 18, None)
+
+
 def tiny_gemma4() -> ModelConfig:
-  """A tiny Gemma 4 MoE (every mechanism, 4 layers, window 8) for tests and tutorials."""
+  """A tiny Gemma 4 MoE (wide global layers whose values are their keys, experts beside
+  the MLP; 4 layers, window 8) for tests and tutorials."""
   return SPEC.config(vocab_size=512, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2,
                      head_dim=32, mlp_dim=128, max_position_embeddings=512, sliding_window=8,
                      layer_types=('sliding', 'full', 'sliding', 'full'),
-                     global_attn={'head_dim': 64, 'num_kv_heads': 1},
+                     global_attn={'head_dim': 64, 'num_kv_heads': 1, 'values_from_keys': True},
                      moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 64})
 
 
 SPEC = FamilySpec(
     name='gemma4',
     description='Gemma 3 with `w` norms, unscaled queries, value norms, learned layer '
-                'scalars and wider global layers whose values are their keys; the MoE '
-                'variant adds routed experts beside the dense MLP.',
+                'scalars and wider global layers (whose values are their keys in 31B and '
+                '26B-A4B); the MoE variant adds routed experts beside the dense MLP, the '
+                'E2B/E4B models per-layer inputs and keys/values shared across layers.',
     hf=Family('gemma4', ('gemma4_text',), 'Gemma4ForCausalLM', config_from_hf, config_to_hf,
               defaults={**gemma.GEMMA_DEFAULTS, 'sliding_window': 512,
                         'max_position_embeddings': 131_072, 'final_logit_softcapping': None,
@@ -266,7 +315,8 @@ SPEC = FamilySpec(
               module_names={**SANDWICH_NORM_NAMES,
                             'dense_post_norm': 'post_feedforward_layernorm_1',
                             'moe_pre_norm': 'pre_feedforward_layernorm_2',
-                            'moe_post_norm': 'post_feedforward_layernorm_2'},
+                            'moe_post_norm': 'post_feedforward_layernorm_2',
+                            'per_layer_inputs': 'model', 'per_layer_input': ''},
               unfuse=unfuse, fuse=fuse),
     # Gemma's differences but its `1 + w` norms (Gemma 4 multiplies by w, Llama's default).
     differences={**{k: v for k, v in gemma.DIFFERENCES.items() if k != 'norm_scale_offset'},
@@ -276,6 +326,6 @@ SPEC = FamilySpec(
                  'rope': {'theta': 1_000_000.0, 'scaling': 'proportional',
                           'partial_rotary_factor': 0.25},
                  'local_rope': {'theta': 10_000.0},
-                 'global_attn': {'values_from_keys': True}, 'moe': MOE_STYLE},
+                 'moe': MOE_STYLE},
     presets={'gemma4-31b': gemma4_31b, 'gemma4-26b-a4b': gemma4_26b_a4b,
-             'tiny-gemma4': tiny_gemma4})
+             'gemma4-e2b': gemma4_e2b, 'gemma4-e4b': gemma4_e4b, 'tiny-gemma4': tiny_gemma4})

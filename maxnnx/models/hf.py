@@ -212,7 +212,8 @@ class Family:
     config_from_hf: ``HFConfig -> ModelConfig``.
     config_to_hf: ``ModelConfig -> dict`` (a transformers-5 ``config.json``).
     defaults: config values the transformers class assumes when a key is absent.
-    module_names: our module name -> HF module name (unlisted names are equal).
+    module_names: our module name -> HF module name (unlisted names are equal; ``''``
+      drops the level, for a module whose parameters HF keeps in its parent).
     unfuse: optional hook splitting fused HF tensors into per-projection ones.
     fuse: optional inverse of ``unfuse`` for export.
     fused_modules: for a family whose checkpoints fuse projections, ``ModelConfig ->
@@ -245,7 +246,7 @@ class Family:
     *modules, leaf = path
     parts = [str(p) if isinstance(p, int) else names.get(p, p) for p in modules]
     parts.append(LEAF_NAMES.get(leaf, leaf))
-    return '.'.join(parts)
+    return '.'.join(p for p in parts if p)  # a module named '' has no level of its own
 
 
 BASE_MODULE_NAMES = {

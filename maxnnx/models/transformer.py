@@ -26,6 +26,7 @@ from maxnnx.layers.moe import MoeAux
 from maxnnx.layers.mtp import MTPLayer, shift_left
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.parts import BlockParts, build_part
+from maxnnx.layers.per_layer_inputs import PerLayerInputs
 from maxnnx.layers.remat import remat
 from maxnnx.layers.rope import RotaryEmbedding
 from maxnnx.parallel.pipeline import pipeline_stack
@@ -82,6 +83,8 @@ class Transformer(nnx.Module):
     parts: the :class:`~maxnnx.layers.parts.BlockParts` the model was built with.
     embed: token embedding (also the output projection when tied).
     pos_embed: learned position table (``position_embedding='learned'``) or ``None``.
+    per_layer_inputs: :class:`~maxnnx.layers.per_layer_inputs.PerLayerInputs`
+      (``per_layer_input_dim > 0``) or ``None``.
     layers: ``nnx.List`` of :class:`DecoderBlock`, or one stacked block.
     final_norm: norm before the output projection.
     lm_head: untied output projection ``[d_model] -> [vocab]`` or ``None``.
@@ -99,13 +102,17 @@ class Transformer(nnx.Module):
                                        init_std=config.initializer_range, dtype=dtype,
                                        param_dtype=param_dtype, rngs=rngs)
                       if config.position_embedding == 'learned' else None)
+    self.per_layer_inputs = (PerLayerInputs(config, rngs=rngs) if config.per_layer_input_dim
+                             else None)
     self.dense_layers = nnx.data(None)  # the first_k_dense_layers stack when scanned
     if config.runtime.scan_layers:
       for name, _, count, use_moe in layer_stacks(config):
         setattr(self, name, _stacked_blocks(config, rngs, count, use_moe, parts))
     else:
-      self.layers = nnx.List([make_block(config, rngs, m, parts, t == 'linear', t)
-                              for m, t in zip(config.moe_layers, config.resolved_layer_types)])
+      self.layers = nnx.List([
+          make_block(config, rngs, m, parts, t == 'linear', t, kv_shared=donor is not None)
+          for m, t, donor in zip(config.moe_layers, config.resolved_layer_types,
+                                 config.kv_donors)])
     self.final_norm = (make_norm(config, rngs=rngs) if parts.norm is None else
                        build_part(parts.norm, config, rngs, 'norm'))
     self.lm_head = (None if config.tie_word_embeddings else
@@ -268,13 +275,29 @@ class Transformer(nnx.Module):
       if cfg.runtime.scan_layers:
         x_BTD = self._scan_layers(x_BTD, cos_sin, mask, cache_index, paged)
       else:
-        for i, block in enumerate(self.layers):
-          layer_cos_sin, window, chunk = self._layer_attention(i, cos_sin)
-          x_BTD = self._apply_block(block, x_BTD, layer_cos_sin, mask, window, cache_index,
-                                    paged, chunk)
+        x_BTD = self._list_layers(x_BTD, input_ids_BT, cos_sin, mask, cache_index, paged)
     if not mtp:
       return self.final_norm(x_BTD)
     return self.final_norm(x_BTD), self._mtp_hidden(x_BTD, input_ids_BT, positions, mask)
+
+  def _list_layers(self, x_BTD, ids_BT, cos_sin, mask, cache_index, paged):
+    """The unscanned stack, with each layer's per-layer input and shared keys/values."""
+    donors = self.config.kv_donors
+    wanted = {d for d in donors if d is not None}  # layers whose keys/values others reuse
+    per_layer_BTLP = (None if self.per_layer_inputs is None
+                      else self.per_layer_inputs(ids_BT, x_BTD))
+    shared = {}
+    for i, block in enumerate(self.layers):
+      layer_cos_sin, window, chunk = self._layer_attention(i, cos_sin)
+      extra = {}
+      if per_layer_BTLP is not None:
+        extra['per_layer_input'] = per_layer_BTLP[:, :, i]
+      if donors[i] is not None:
+        extra['shared_kv'] = shared[donors[i]]
+      out = self._apply_block(block, x_BTD, layer_cos_sin, mask, window, cache_index, paged,
+                              chunk, return_kv=i in wanted, **extra)
+      x_BTD, shared[i] = out if i in wanted else (out, None)
+    return x_BTD
 
   def _embed(self, ids_BT, positions_BT):
     x_BTD = self.embed(ids_BT)
@@ -320,25 +343,30 @@ class Transformer(nnx.Module):
     return (None if layer in cfg.nope_layers else cos_sin[layer_type]), window, chunk
 
   def _apply_block(self, block, x_BTD, cos_sin, mask, window, cache_index, paged=None,
-                   chunk=None, nope=None):
-    """One block, rematerialised per ``config.runtime.remat_policy`` when training."""
-    spans = {'sliding_window': window}
+                   chunk=None, nope=None, return_kv=False, **arrays):
+    """One block, rematerialised per ``config.runtime.remat_policy`` when training.
+
+    ``arrays`` (``per_layer_input``, ``shared_kv``) go to the block as they are;
+    ``return_kv`` makes the result ``(x, keys and values)``.
+    """
+    spans = {'sliding_window': window, **arrays}
     for name, value in (('chunk_size', chunk), ('nope', nope)):
       if value is not None:  # passed only when set, like paged (see DecoderBlock)
         spans[name] = value
+    static = {'return_kv': True} if return_kv else {}
     if paged is not None:
-      return block(x_BTD, cos_sin, mask, paged=paged, **spans)
+      return block(x_BTD, cos_sin, mask, paged=paged, **spans, **static)
     if cache_index is not None or self.config.runtime.remat_policy == 'none':
-      return block(x_BTD, cos_sin, mask, cache_index=cache_index, **spans)
+      return block(x_BTD, cos_sin, mask, cache_index=cache_index, **spans, **static)
     graphdef, state = nnx.split(block)
 
     def run(state, x, cos_sin, mask, spans):
       block = nnx.merge(graphdef, state)
-      return block(x, cos_sin, mask, **spans), nnx.state(block, MoeAux)
+      return block(x, cos_sin, mask, **spans, **static), nnx.state(block, MoeAux)
 
-    x_BTD, aux = remat(run, self.config.runtime.remat_policy)(state, x_BTD, cos_sin, mask, spans)
+    out, aux = remat(run, self.config.runtime.remat_policy)(state, x_BTD, cos_sin, mask, spans)
     nnx.update(block, aux)  # MoE routing statistics computed inside the remat
-    return x_BTD
+    return out
 
   def _scan_layers(self, x_BTD, cos_sin, mask, cache_index, paged=None):
     for name, start, count, _ in layer_stacks(self.config):

@@ -361,10 +361,29 @@ def gemma4() -> Case:
     )
 
 
+def gemma4_small() -> Case:
+    # Gemma 4 E2B/E4B's mechanisms: per-layer inputs of width 8 (a token table plus a normed
+    # projection of the embedding, gated into every layer), and the last 3 of 6 layers attending
+    # with the keys/values of layer 1 (full) or 2 (sliding), with doubled MLPs; the global layers
+    # keep their value projection (no attention_k_eq_v), as in E2B/E4B.
+    case = gemma4()
+    config = {k: v for k, v in case.config.items()
+              if k not in ("attention_k_eq_v", "num_global_key_value_heads")}
+    return Case(
+        config=dict(config, num_hidden_layers=6, layer_types=["sliding_attention",
+                                                               "full_attention"] * 3,
+                    hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
+                    num_kv_shared_layers=3, use_double_wide_mlp=True),
+        legacy=dict(global_head_dim=32),
+        legacy_drop=case.legacy_drop,
+        keep_rope_parameters=True,
+    )
+
+
 CASES = {
     f.__name__: f
-    for f in (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, gemma4, phi3, olmo2, olmo3,
-              gpt2)
+    for f in (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, gemma4, gemma4_small, phi3,
+              olmo2, olmo3, gpt2)
 }
 
 
