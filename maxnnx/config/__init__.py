@@ -26,6 +26,7 @@ from maxnnx.config.groups import (
     RopeConfig,
     RopeScaling,
     RuntimeConfig,
+    VisionConfig,
 )
 from maxnnx.config.mesh import MESH_AXES, MeshConfig
 from maxnnx.config.model import LEGACY_MODEL_KEYS, TRAINING_KEYS, ModelConfig
@@ -34,5 +35,6 @@ __all__ = [
     'LEGACY_MODEL_KEYS', 'MESH_AXES', 'TRAINING_KEYS', 'ConfigError', 'GlobalAttentionConfig',
     'LayerType', 'MLAConfig',
     'LinearAttentionConfig', 'MTPConfig', 'MeshConfig', 'ModelConfig', 'MoEConfig', 'RematPolicy',
-    'RopeConfig', 'RopeScaling', 'RuntimeConfig', 'ValidatedConfig', 'resolve_dtype',
+    'RopeConfig', 'RopeScaling', 'RuntimeConfig', 'ValidatedConfig', 'VisionConfig',
+    'resolve_dtype',
 ]

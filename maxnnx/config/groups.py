@@ -316,6 +316,80 @@ class LinearAttentionConfig(ValidatedConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig(ValidatedConfig):
+  """An image encoder and projector feeding the language model (Gemma 3's SigLIP tower;
+  :mod:`maxnnx.layers.vision`). ``num_layers=0`` is a text-only model.
+
+  Images are ``[batch, num_channels, image_size, image_size]`` float32 pixels, already
+  resized and normalised (:mod:`maxnnx.data.images`). The tower cuts them into
+  ``patch_size`` squares, adds a learned position per patch, runs ``num_layers``
+  pre-LayerNorm ViT blocks (bidirectional attention, biased projections, a GELU MLP)
+  and a final LayerNorm; the projector average-pools the patch grid down to
+  ``tokens_per_image`` tokens, RMS-normalises them and maps them to ``d_model``. Those
+  replace the ``image_token_id`` placeholders of the text, whose tokens attend to each
+  other in both directions within an image.
+
+  Attributes:
+    num_layers: encoder blocks; 0 = no vision tower.
+    hidden_size: encoder width.
+    intermediate_size: encoder MLP width.
+    num_heads: encoder attention heads.
+    image_size: side of the square input images, in pixels.
+    patch_size: side of a patch, in pixels.
+    num_channels: colour channels.
+    norm_eps: epsilon of the encoder's LayerNorms and of the projector's RMSNorm.
+    activation: encoder MLP activation (``gelu_tanh`` in SigLIP).
+    tokens_per_image: text-side tokens per image (a square number dividing the patch
+      grid; ``mm_tokens_per_image``).
+    image_token_id: the placeholder token the image embeddings replace.
+  """
+
+  _PATH = 'ModelConfig.vision'
+
+  num_layers: int = 0
+  hidden_size: int = 1152
+  intermediate_size: int = 4304
+  num_heads: int = 16
+  image_size: int = 896
+  patch_size: int = 14
+  num_channels: int = 3
+  norm_eps: float = 1e-6
+  activation: Literal['silu', 'gelu_tanh', 'gelu', 'relu'] = 'gelu_tanh'
+  tokens_per_image: int = 256
+  image_token_id: int | None = None
+
+  def _validate(self):
+    p = self._PATH
+    if self.num_layers < 0:
+      raise ConfigError(f'{p}.num_layers must be >= 0 (0 = no vision tower), got '
+                        f'{self.num_layers}.')
+    if not self.num_layers:
+      return
+    for name in ('hidden_size', 'intermediate_size', 'num_heads', 'image_size', 'patch_size',
+                 'num_channels', 'tokens_per_image'):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f'{p}.{name} must be > 0, got {getattr(self, name)}.')
+    if self.hidden_size % self.num_heads:
+      raise ConfigError(f'{p}.hidden_size ({self.hidden_size}) must be a multiple of '
+                        f'num_heads ({self.num_heads}).')
+    if self.image_size % self.patch_size:
+      raise ConfigError(f'{p}.image_size ({self.image_size}) must be a multiple of '
+                        f'patch_size ({self.patch_size}).')
+    side = round(self.tokens_per_image**0.5)
+    if side * side != self.tokens_per_image or self.patches_per_side % side:
+      raise ConfigError(f'{p}.tokens_per_image ({self.tokens_per_image}) must be a square '
+                        f'whose side divides the {self.patches_per_side} patches per side.')
+    if self.image_token_id is None:
+      raise ConfigError(f'{p}.image_token_id is needed with a vision tower: the token whose '
+                        'places the image embeddings take.')
+
+  @property
+  def patches_per_side(self) -> int:
+    """Patches along each side of an image."""
+    return self.image_size // self.patch_size
+
+
+@dataclasses.dataclass(frozen=True)
 class MTPConfig(ValidatedConfig):
   """Multi-token prediction (DeepSeek V3, :class:`maxnnx.layers.mtp.MTPLayer`).
 

@@ -16,6 +16,7 @@ from maxnnx.config.groups import (
   MTPConfig,
   RopeConfig,
   RuntimeConfig,
+  VisionConfig,
 )
 
 # The flat ModelConfig keys of earlier versions, accepted as input: old name -> new dotted path.
@@ -142,6 +143,8 @@ class ModelConfig(ValidatedConfig):
     mtp: multi-token prediction modules (:class:`MTPConfig`).
     linear_attn: shapes of the Gated DeltaNet layers (:class:`LinearAttentionConfig`),
       used by ``linear`` layers.
+    vision: the image encoder and projector (:class:`VisionConfig`); ``vision.num_layers=0``
+      is a text-only model.
     runtime: dtypes, layer-stack layout, remat and kernels (:class:`RuntimeConfig`).
   """
 
@@ -202,6 +205,7 @@ class ModelConfig(ValidatedConfig):
   mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
   mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
   linear_attn: LinearAttentionConfig = dataclasses.field(default_factory=LinearAttentionConfig)
+  vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
   runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
   @classmethod

@@ -71,7 +71,8 @@ class AttentionKernel:
     window, sinks). Query rows that see no key at all (padding) have
     unspecified output.
     """
-    reasons = self.unsupported_reasons(AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, options))
+    reasons = self.unsupported_reasons(
+        AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, options, mask))
     if not reasons:
       try:
         return self.attend(q_BTNH, k_BSKH, v_BSKH, mask, options)
@@ -104,7 +105,7 @@ class XlaAttention(AttentionKernel):
     return AttentionCapabilities(
         platforms=ALL_PLATFORMS, dtypes=FLOAT_DTYPES, gqa=True, masking='positions',
         decode=True, sliding_window=True, traced_window=True, softcap=True, sinks=True,
-        distinct_v_head_dim=True, chunked=True, key_mask=True)
+        distinct_v_head_dim=True, chunked=True, key_mask=True, blocks=True)
 
   def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Einsum scores, mask, softmax (with sinks), einsum values."""

@@ -55,7 +55,7 @@ class AutoAttention(AttentionKernel):
 
   def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Attention by the chosen strategy."""
-    request = AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, options)
+    request = AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, options, mask)
     kernel = self.choose(request)
     log_once(('attention', 'auto', request.platform, request.dtype, kernel.name),
              f"attention_impl 'auto' runs '{kernel.name}' for {request.dtype} on "

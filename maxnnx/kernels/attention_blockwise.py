@@ -195,8 +195,8 @@ class BlockwiseAttention(AttentionKernel):
 
   @property
   def capabilities(self):
-    """The same as ``xla``: everything, everywhere."""
-    return XlaAttention().capabilities
+    """The same as ``xla`` but image blocks (it skips key blocks after the query block)."""
+    return dataclasses.replace(XlaAttention().capabilities, blocks=False)
 
   def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Skip the key blocks no query of a block can see (checked at run time), then attend."""

@@ -34,7 +34,8 @@ class JaxNnAttention(AttentionKernel):
         platforms=('gpu',) if cudnn else ALL_PLATFORMS,
         dtypes=('bfloat16', 'float16') if cudnn else FLOAT_DTYPES,
         gqa=True, masking='positions', decode=True, sliding_window=True, traced_window=True,
-        softcap=False, sinks=False, distinct_v_head_dim=False, chunked=True, key_mask=True)
+        softcap=False, sinks=False, distinct_v_head_dim=False, chunked=True, key_mask=True,
+        blocks=True)
 
   def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """One ``jax.nn.dot_product_attention`` call with the mask as ``[B, 1, T, S]``."""

@@ -57,7 +57,7 @@ class TokamaxAttention(AttentionKernel):
         platforms=platforms, dtypes=('bfloat16', 'float16') if only_cudnn else FLOAT_DTYPES,
         gqa=True, masking='positions', decode=True, sliding_window=True, traced_window=True,
         softcap=not only_cudnn, sinks=False, distinct_v_head_dim=not only_cudnn,
-        chunked=True, key_mask=True)
+        chunked=True, key_mask=True, blocks=True)
 
   def unsupported_reasons(self, request):
     """The declared limits, and tokamax being importable."""

@@ -164,6 +164,7 @@ class AttentionRequest:
     sinks: attention-sink logits are given.
     chunked: chunked (local) attention is asked for (``options.chunk_size``).
     key_mask: an extra dense key mask is given (``options.key_mask_BTS``).
+    blocks: the mask has image blocks (``AttentionMask.q_blocks``: bidirectional runs).
   """
 
   platform: str
@@ -179,9 +180,11 @@ class AttentionRequest:
   sinks: bool
   chunked: bool = False
   key_mask: bool = False
+  blocks: bool = False
 
   @classmethod
-  def of(cls, q_BTNH, k_BSKH, v_BSKH, options: AttentionOptions) -> 'AttentionRequest':
+  def of(cls, q_BTNH, k_BSKH, v_BSKH, options: AttentionOptions,
+         mask=None) -> 'AttentionRequest':
     """Summarise a call's arguments."""
     return cls(platform=current_platform(), dtype=np.dtype(q_BTNH.dtype).name,
                q_length=q_BTNH.shape[1], kv_length=k_BSKH.shape[1],
@@ -190,7 +193,8 @@ class AttentionRequest:
                window=_window_kind(options.sliding_window),
                softcap=options.softcap is not None, sinks=options.sinks_N is not None,
                chunked=options.chunk_size is not None,
-               key_mask=options.key_mask_BTS is not None)
+               key_mask=options.key_mask_BTS is not None,
+               blocks=getattr(mask, 'q_blocks', None) is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +218,8 @@ class AttentionCapabilities:
     distinct_v_head_dim: ``v`` head size different from the ``q``/``k`` one (MLA).
     chunked: chunked (local) attention, static or traced chunk size (Llama 4).
     key_mask: an extra dense ``[B, T, S]`` key mask (sparse attention).
+    blocks: image blocks in the mask (bidirectional within each block), as the dense
+      mask of :meth:`~maxnnx.kernels.options.AttentionOptions.visible` has them.
   """
 
   platforms: tuple[str, ...]
@@ -228,6 +234,7 @@ class AttentionCapabilities:
   distinct_v_head_dim: bool
   chunked: bool
   key_mask: bool
+  blocks: bool = False
 
   def missing(self, request: AttentionRequest) -> list[str]:
     """Why ``request`` cannot be served; empty when it can."""
@@ -256,6 +263,9 @@ class AttentionCapabilities:
       reasons.append('chunked attention is not supported')
     if request.key_mask and not self.key_mask:
       reasons.append('an extra dense key mask (sparse attention) is not supported')
+    if request.blocks and not self.blocks:
+      reasons.append('image blocks (bidirectional attention within an image) are not '
+                     'supported')
     return reasons
 
 

@@ -20,22 +20,32 @@ class AttentionMask:
   left-padded batches and KV-cache decoding, and lets an attention kernel use
   segment ids directly instead of a dense mask.
 
+  Image blocks (Gemma 3): where ``q_blocks`` / ``kv_blocks`` are given, a query and a
+  key of the same block id (``>= 0``; ``-1`` is text) see each other in both
+  directions, whatever their order; the segment, window and chunk rules still apply.
+
   Attributes:
     q_segment_ids: ``[B, T]`` int32.
     q_positions: ``[B, T]`` int32.
     kv_segment_ids: ``[B, S]`` int32.
     kv_positions: ``[B, S]`` int32.
+    q_blocks: ``[B, T]`` int32 image-block ids of the queries, or ``None``.
+    kv_blocks: ``[B, S]`` int32 image-block ids of the keys, or ``None``.
   """
 
   q_segment_ids: jax.Array
   q_positions: jax.Array
   kv_segment_ids: jax.Array
   kv_positions: jax.Array
+  q_blocks: jax.Array | None = None
+  kv_blocks: jax.Array | None = None
 
   @classmethod
-  def causal(cls, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> 'AttentionMask':
-    """Self-attention of a (possibly packed) sequence over itself."""
-    return cls(segment_ids_BT, positions_BT, segment_ids_BT, positions_BT)
+  def causal(cls, segment_ids_BT: jax.Array, positions_BT: jax.Array,
+             blocks_BT: jax.Array | None = None) -> 'AttentionMask':
+    """Self-attention of a (possibly packed) sequence over itself (with image blocks
+    ``blocks_BT`` seeing themselves whole, when given)."""
+    return cls(segment_ids_BT, positions_BT, segment_ids_BT, positions_BT, blocks_BT, blocks_BT)
 
   def dense(self, sliding_window: int | jax.Array | None = None,
             chunk_size: int | jax.Array | None = None) -> jax.Array:
@@ -46,12 +56,25 @@ class AttentionMask:
     """
     q_seg, kv_seg = self.q_segment_ids[:, :, None], self.kv_segment_ids[:, None, :]
     q_pos, kv_pos = self.q_positions[:, :, None], self.kv_positions[:, None, :]
-    allowed = (q_seg == kv_seg) & (kv_seg != 0) & (kv_pos <= q_pos)
+    order = kv_pos <= q_pos
+    if self.q_blocks is not None:
+      q_block = self.q_blocks[:, :, None]
+      order |= (q_block == self.kv_blocks[:, None, :]) & (q_block >= 0)
+    allowed = (q_seg == kv_seg) & (kv_seg != 0) & order
     if sliding_window is not None:
       allowed &= q_pos - kv_pos < sliding_window
     if chunk_size is not None:
       allowed &= q_pos // chunk_size == kv_pos // chunk_size
     return allowed
+
+
+def image_blocks(is_image_BT: jax.Array) -> jax.Array:
+  """``[B, T]`` int32 block ids of runs of image tokens (0, 1, … per row) and -1 for text:
+  each image's tokens form one block (transformers' ``token_type_ids == 1`` runs)."""
+  is_image_BT = is_image_BT.astype(bool)
+  previous_BT = jnp.pad(is_image_BT, ((0, 0), (1, 0)))[:, :-1]
+  starts_BT = is_image_BT & ~previous_BT
+  return jnp.where(is_image_BT, jnp.cumsum(starts_BT, axis=1) - 1, -1).astype(jnp.int32)
 
 
 def default_segments_and_positions(ids_BT: jax.Array):

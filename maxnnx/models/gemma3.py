@@ -1,21 +1,39 @@
-"""Gemma 3 (text): Gemma 2's block with per-head q/k norms, no soft-caps by
-default, 5 local : 1 global layers, and a separate rotary base for local layers.
+"""Gemma 3: Gemma 2's block with per-head q/k norms, no soft-caps by default, 5 local :
+1 global layers, and a separate rotary base for local layers; with images, a SigLIP
+vision tower and a pooling projector (:mod:`maxnnx.layers.vision`).
 
 The 4B/12B/27B presets are the language model of the multimodal checkpoints
 (``text_config``); their 262208-token vocabulary includes the image tokens.
+
+Multimodal checkpoints (``model_type: gemma3``, ``Gemma3ForConditionalGeneration``)
+nest ``text_config`` and ``vision_config`` and prefix their tensors: the Hub files hold
+``language_model.model.*``, ``vision_tower.vision_model.*`` and ``multi_modal_projector.*``;
+transformers 5 writes ``vision_tower.*`` without ``vision_model``, and names the
+modules ``model.language_model.*``, ``model.vision_tower.*`` in memory. All load; export
+writes what transformers 5 writes.
 """
 
-from maxnnx.config import ModelConfig, RopeConfig
+import re
+
+import numpy as np
+
+from maxnnx.config import ModelConfig, RopeConfig, VisionConfig
 from maxnnx.models import gemma
 from maxnnx.models.gemma import GEMMA_DEFAULTS, gemma_fields
 from maxnnx.models.gemma2 import SANDWICH_NORM_NAMES, sandwich_fields, sandwich_to_hf
-from maxnnx.models.hf import Family, HFConfig, rope_to_hf
+from maxnnx.models.hf import Family, HFConfig, PretrainedError, TensorDict, rope_to_hf
 from maxnnx.models.registry import FamilySpec
+
+# SigLIP's defaults (transformers' SiglipVisionConfig), for keys a vision_config leaves out.
+SIGLIP_DEFAULTS = {'hidden_size': 768, 'intermediate_size': 3072, 'num_hidden_layers': 12,
+                   'num_attention_heads': 12, 'num_channels': 3, 'image_size': 224,
+                   'patch_size': 16, 'layer_norm_eps': 1e-6,
+                   'hidden_act': 'gelu_pytorch_tanh'}
 
 # -- Hugging Face mapping ----------------------------------------------------------------------
 
 
-def config_from_hf(hf: HFConfig) -> ModelConfig:
+def _text_config_from_hf(hf: HFConfig) -> ModelConfig:
   fields = gemma_fields(hf)
   fields['rope'] = hf.rope('full_attention')
   if 'rope_parameters' in hf.data and 'sliding_attention' in hf.data['rope_parameters']:
@@ -27,10 +45,100 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
                      local_rope=local_rope)
 
 
+def _vision_from_hf(data: dict, top: HFConfig) -> VisionConfig:
+  v = HFConfig(data, f'{top.path} (vision_config)', SIGLIP_DEFAULTS)
+  if v.get('vision_use_head', False):
+    raise PretrainedError(f'{v.path}: vision_use_head=true (a pooling head) is not used by '
+                          'Gemma 3 and not supported.')
+  image_id = top.data.get('image_token_index', top.data.get('image_token_id', 262_144))
+  return VisionConfig(
+      num_layers=v.require('num_hidden_layers'), hidden_size=v.require('hidden_size'),
+      intermediate_size=v.require('intermediate_size'),
+      num_heads=v.require('num_attention_heads'), image_size=v.require('image_size'),
+      patch_size=v.require('patch_size'), num_channels=v.require('num_channels'),
+      norm_eps=float(v.require('layer_norm_eps')), activation=v.activation(),
+      tokens_per_image=top.get('mm_tokens_per_image', 256), image_token_id=image_id)
+
+
+def config_from_hf(hf: HFConfig) -> ModelConfig:
+  if 'text_config' not in hf.data:  # a text-only checkpoint (gemma3_text)
+    return _text_config_from_hf(hf)
+  text = dict(hf.data.get('text_config') or {})
+  if 'tie_word_embeddings' in hf.data:
+    text.setdefault('tie_word_embeddings', hf.data['tie_word_embeddings'])
+  cfg = _text_config_from_hf(HFConfig(text, f'{hf.path} (text_config)', hf.defaults))
+  return cfg.replace(vision=_vision_from_hf(hf.data.get('vision_config') or {}, hf))
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
   out = sandwich_to_hf(cfg, 'gemma3_text', 'Gemma3ForCausalLM')
   out['rope_parameters'] = {'full_attention': rope_to_hf(cfg.rope),
                             'sliding_attention': rope_to_hf(cfg.local_rope or cfg.rope)}
+  v = cfg.vision
+  if not v.num_layers:
+    return out
+  del out['architectures']
+  vision = {'model_type': 'siglip_vision_model', 'hidden_size': v.hidden_size,
+            'intermediate_size': v.intermediate_size, 'num_hidden_layers': v.num_layers,
+            'num_attention_heads': v.num_heads, 'image_size': v.image_size,
+            'patch_size': v.patch_size, 'num_channels': v.num_channels,
+            'layer_norm_eps': v.norm_eps, 'vision_use_head': False,
+            'hidden_act': {'gelu_tanh': 'gelu_pytorch_tanh', 'gelu': 'gelu', 'silu': 'silu',
+                           'relu': 'relu'}[v.activation]}
+  return {'architectures': ['Gemma3ForConditionalGeneration'], 'model_type': 'gemma3',
+          'text_config': out, 'vision_config': vision, 'mm_tokens_per_image': v.tokens_per_image,
+          'image_token_index': v.image_token_id, 'tie_word_embeddings': cfg.tie_word_embeddings,
+          'dtype': out['dtype']}
+
+
+# Checkpoint prefixes of the multimodal model -> ours (the text-only layout), first match wins.
+_MULTIMODAL_PREFIXES = (('model.language_model.', 'model.'), ('language_model.model.', 'model.'),
+                        ('language_model.lm_head.', 'lm_head.'),
+                        ('vision_tower.vision_model.', 'model.vision_tower.'),
+                        ('model.vision_tower.vision_model.', 'model.vision_tower.'),
+                        ('vision_tower.', 'model.vision_tower.'),
+                        ('multi_modal_projector.', 'model.multi_modal_projector.'))
+_PATCH_WEIGHT = 'model.vision_tower.embeddings.patch_embedding.weight'
+_PROJECTION = 'model.multi_modal_projector.mm_input_projection_weight'
+_OURS_ONLY = re.compile(r'model\.(vision_tower|multi_modal_projector)\.')
+
+
+def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
+  """Multimodal checkpoints: strip the prefixes, and flatten the patch convolution
+  ``[hidden, C, p, p]`` into a linear map ``[hidden, C * p * p]``."""
+  if not cfg.vision.num_layers:
+    return tensors
+  out = {}
+  for name, value in tensors.items():
+    for theirs, ours in _MULTIMODAL_PREFIXES:
+      if name.startswith(theirs):
+        name = ours + name[len(theirs):]
+        break
+    out[name] = value
+  if _PATCH_WEIGHT in out:
+    source, array = out[_PATCH_WEIGHT]
+    out[_PATCH_WEIGHT] = (source, np.asarray(array).reshape(array.shape[0], -1))
+  return out
+
+
+def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """Inverse of :func:`unfuse`, writing the layout transformers 5 saves."""
+  if not cfg.vision.num_layers:
+    return tensors
+  v = cfg.vision
+  out = {}
+  for name, array in tensors.items():
+    if name == _PATCH_WEIGHT:
+      array = array.reshape(v.hidden_size, v.num_channels, v.patch_size, v.patch_size)
+    elif name == _PROJECTION:  # a plain [hidden, d_model] parameter, written flat
+      array = array.reshape(v.hidden_size, cfg.d_model)
+    if _OURS_ONLY.match(name):
+      name = name[len('model.'):]
+    elif name.startswith('model.'):
+      name = 'language_model.' + name
+    elif name.startswith('lm_head.'):
+      name = 'language_model.' + name
+    out[name] = array
   return out
 
 
@@ -76,10 +184,14 @@ SPEC = FamilySpec(
     name='gemma3',
     description='Gemma with norms before and after each sub-block, per-head q/k norms, '
                 '5 sliding-window layers per global one and a separate rotary base for them.',
-    hf=Family('gemma3', ('gemma3_text',), 'Gemma3ForCausalLM', config_from_hf, config_to_hf,
+    hf=Family('gemma3', ('gemma3_text', 'gemma3'), 'Gemma3ForCausalLM', config_from_hf,
+              config_to_hf,
               defaults={**GEMMA_DEFAULTS, 'sliding_window': 4096, 'rope_theta': 1_000_000.0,
                         'query_pre_attn_scalar': 256, 'max_position_embeddings': 131072},
-              module_names=SANDWICH_NORM_NAMES),
+              module_names={**SANDWICH_NORM_NAMES, 'vision_tower': 'model.vision_tower',
+                            'multi_modal_projector': 'model.multi_modal_projector',
+                            'encoder_layers': 'encoder.layers'},
+              unfuse=unfuse, fuse=fuse),
     differences={**gemma.DIFFERENCES, 'post_norm': True, 'qk_norm': 'head',
                  'local_rope': {'theta': 10_000.0}},
     presets={'gemma3-1b': gemma3_1b, 'gemma3-4b': gemma3_4b, 'gemma3-12b': gemma3_12b,

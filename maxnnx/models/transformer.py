@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from maxnnx.config import ModelConfig
-from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions
+from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions, image_blocks
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock, make_block
 from maxnnx.layers.embedding import Embed, LearnedPositions
@@ -29,6 +29,7 @@ from maxnnx.layers.parts import BlockParts, build_part
 from maxnnx.layers.per_layer_inputs import PerLayerInputs
 from maxnnx.layers.remat import remat
 from maxnnx.layers.rope import RotaryEmbedding
+from maxnnx.layers.vision import PooledProjector, VisionEncoder
 from maxnnx.parallel.pipeline import pipeline_stack
 from maxnnx.sharding import constrain, mesh_axis_size
 
@@ -85,6 +86,9 @@ class Transformer(nnx.Module):
     pos_embed: learned position table (``position_embedding='learned'``) or ``None``.
     per_layer_inputs: :class:`~maxnnx.layers.per_layer_inputs.PerLayerInputs`
       (``per_layer_input_dim > 0``) or ``None``.
+    vision_tower, multi_modal_projector: :class:`~maxnnx.layers.vision.VisionEncoder`
+      and :class:`~maxnnx.layers.vision.PooledProjector` (``vision.num_layers > 0``) or
+      ``None``.
     layers: ``nnx.List`` of :class:`DecoderBlock`, or one stacked block.
     final_norm: norm before the output projection.
     lm_head: untied output projection ``[d_model] -> [vocab]`` or ``None``.
@@ -104,6 +108,9 @@ class Transformer(nnx.Module):
                       if config.position_embedding == 'learned' else None)
     self.per_layer_inputs = (PerLayerInputs(config, rngs=rngs) if config.per_layer_input_dim
                              else None)
+    vision = config.vision.num_layers > 0
+    self.vision_tower = VisionEncoder(config, rngs=rngs) if vision else None
+    self.multi_modal_projector = PooledProjector(config, rngs=rngs) if vision else None
     self.dense_layers = nnx.data(None)  # the first_k_dense_layers stack when scanned
     if config.runtime.scan_layers:
       for name, _, count, use_moe in layer_stacks(config):
@@ -184,7 +191,8 @@ class Transformer(nnx.Module):
 
   def __call__(self, input_ids_BT: jax.Array, *, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, decode: bool = False, mtp: bool = False,
-               paged: PagedBatch | None = None
+               paged: PagedBatch | None = None, pixel_values: jax.Array | None = None,
+               token_type_ids: jax.Array | None = None
                ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """Logits ``[B, T, vocab]`` (in ``config.runtime.logits_dtype``).
 
@@ -195,7 +203,8 @@ class Transformer(nnx.Module):
     :func:`maxnnx.layers.mtp.mtp_targets`).
     """
     out = self.hidden_states(input_ids_BT, segment_ids=segment_ids, positions=positions,
-                             decode=decode, mtp=mtp, paged=paged)
+                             decode=decode, mtp=mtp, paged=paged, pixel_values=pixel_values,
+                             token_type_ids=token_type_ids)
     if not mtp:
       return self.logits(out)
     x_BTD, mtp_hidden = out
@@ -203,7 +212,8 @@ class Transformer(nnx.Module):
 
   def hidden_states(self, input_ids_BT: jax.Array, *, segment_ids: jax.Array | None = None,
                     positions: jax.Array | None = None, decode: bool = False, mtp: bool = False,
-                    paged: PagedBatch | None = None
+                    paged: PagedBatch | None = None, pixel_values: jax.Array | None = None,
+                    token_type_ids: jax.Array | None = None
                     ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """Final hidden states ``[B, T, d_model]``, after the final norm and before the head.
 
@@ -225,8 +235,17 @@ class Transformer(nnx.Module):
         of many requests, ``positions`` each token's position in its request
         (required), and every layer writes and reads the page pools.
         ``segment_ids`` is ignored.
+      pixel_values: ``[num_images, channels, H, W]`` float32 images (normalised as the
+        checkpoint's image processor does; models with a vision tower): their
+        embeddings replace the ``vision.image_token_id`` placeholders of
+        ``input_ids_BT``, in order, ``vision.tokens_per_image`` per image.
+      token_type_ids: ``[B, T]``, 1 for image tokens (as transformers' processors give
+        them); by default the placeholders. The tokens of each image attend to each
+        other in both directions (without decoding or paging).
     """
     cfg = self.config
+    blocks_BT = self._image_blocks(input_ids_BT, pixel_values, token_type_ids,
+                                   decode or paged is not None)
     if mtp and (self.mtp is None or decode):
       raise ValueError('mtp=True needs a model with MTP modules (ModelConfig.mtp.num_layers > 0) '
                        'and decode=False.')
@@ -261,12 +280,15 @@ class Transformer(nnx.Module):
                            self.cache_positions[...])
     else:
       positions = default_positions if positions is None else positions
-      mask = AttentionMask.causal(segment_ids, positions)
+      mask = AttentionMask.causal(segment_ids, positions, blocks_BT)
 
-    x_BTD = self._embed(input_ids_BT, positions)
+    x_BTD = self._embed(self._text_ids(input_ids_BT), positions)
+    if pixel_values is not None:
+      x_BTD = self._place_images(x_BTD, input_ids_BT, pixel_values)
     stages = mesh_axis_size('stage')
     if stages > 1:
-      if not cfg.runtime.scan_layers or cache_index is not None or paged is not None:
+      if (not cfg.runtime.scan_layers or cache_index is not None or paged is not None
+          or blocks_BT is not None):
         raise ValueError('Pipeline parallelism (mesh stage > 1) needs scan_layers=True and '
                          'runs training/scoring only, not KV-cache decoding.')
       x_BTD = self._pipeline_layers(x_BTD, segment_ids, positions, stages)
@@ -279,6 +301,56 @@ class Transformer(nnx.Module):
     if not mtp:
       return self.final_norm(x_BTD)
     return self.final_norm(x_BTD), self._mtp_hidden(x_BTD, input_ids_BT, positions, mask)
+
+  def _image_blocks(self, ids_BT, pixel_values, token_type_ids, cached: bool):
+    """Image-block ids ``[B, T]`` of a multimodal call, or ``None``."""
+    if pixel_values is None and token_type_ids is None:
+      return None
+    if self.vision_tower is None:
+      raise ValueError('pixel_values / token_type_ids need a model with a vision tower '
+                       '(ModelConfig.vision.num_layers > 0).')
+    if cached:
+      raise NotImplementedError('Images with decode=True or paged=... are not supported yet: '
+                                'score the prompt with images without the cache.')
+    is_image_BT = (ids_BT == self.config.vision.image_token_id if token_type_ids is None
+                   else token_type_ids == 1)
+    return image_blocks(is_image_BT)
+
+  def _text_ids(self, ids_BT):
+    """Ids for the embedding table: an image placeholder beyond it becomes 0."""
+    image_id = self.config.vision.image_token_id
+    if self.vision_tower is None or image_id < self.config.vocab_size:
+      return ids_BT
+    return jnp.where(ids_BT == image_id, 0, ids_BT)
+
+  def image_features(self, pixel_values: jax.Array) -> jax.Array:
+    """``[num_images, tokens_per_image, d_model]``: the projected image embeddings."""
+    if self.vision_tower is None:
+      raise ValueError('image_features needs a model with a vision tower '
+                       '(ModelConfig.vision.num_layers > 0).')
+    v = self.config.vision
+    expected = (v.num_channels, v.image_size, v.image_size)
+    if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
+      raise ValueError(f'pixel_values must be [num_images, {", ".join(map(str, expected))}] '
+                       f'(ModelConfig.vision), got shape {tuple(pixel_values.shape)}.')
+    return self.multi_modal_projector(self.vision_tower(pixel_values))
+
+  def _place_images(self, x_BTD, ids_BT, pixel_values):
+    """``x_BTD`` with the image placeholders' rows replaced by the image embeddings."""
+    features_ID = self.image_features(pixel_values)
+    features_MD = features_ID.reshape(-1, features_ID.shape[-1]).astype(x_BTD.dtype)
+    is_image_N = (ids_BT == self.config.vision.image_token_id).reshape(-1)
+    if not isinstance(is_image_N, jax.core.Tracer):
+      count = int(np.asarray(is_image_N).sum())
+      if count != features_MD.shape[0]:
+        raise ValueError(f'input_ids hold {count} image placeholder tokens (id '
+                         f'{self.config.vision.image_token_id}) but {pixel_values.shape[0]} '
+                         f'image(s) give {features_MD.shape[0]} embeddings '
+                         f'({self.config.vision.tokens_per_image} each).')
+    index_N = jnp.clip(jnp.cumsum(is_image_N) - 1, 0, features_MD.shape[0] - 1)
+    x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+    x_ND = jnp.where(is_image_N[:, None], features_MD[index_N], x_ND)
+    return constrain(x_ND.reshape(x_BTD.shape), RESIDUAL_AXES)
 
   def _list_layers(self, x_BTD, ids_BT, cos_sin, mask, cache_index, paged):
     """The unscanned stack, with each layer's per-layer input and shared keys/values."""

@@ -1,0 +1,134 @@
+"""Parity fixtures of the multimodal models (images + text), format of make_fixtures.py.
+
+Run by hand with torch + transformers (v5) installed:
+
+    python tests/hf_parity/make_vision_fixtures.py [case ...]      # default: every case
+
+Each case directory holds the checkpoint (``config.json``, ``model.safetensors``),
+``legacy/config.json`` (the older Hub layout) and ``reference.npz``: ``input_ids`` with
+image placeholders, ``pixel_values``, ``token_type_ids``, ``logits`` (with the images,
+image tokens attending to each other in both directions) and ``text_logits`` (the same
+ids with the placeholders replaced by text tokens, no images).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForImageTextToText
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_fixtures as mf  # noqa: E402
+
+VOCAB, IMAGE_ID, BOI_ID, EOI_ID = 300, 299, 297, 298
+
+
+def gemma3_vision():
+    # Gemma 3 with a 2-layer SigLIP tower on 32x32 images of 4x4 patches (8x8 grid), pooled
+    # 2x2 to 16 tokens per image; text windows of 8 so that an image (16 tokens) is wider
+    # than the window and its bidirectional block crosses it.
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+                max_position_embeddings=128, initializer_range=0.05,
+                rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0,
+                                                         rope_theta=100000.0),
+                                     sliding_attention=dict(rope_type="default",
+                                                            rope_theta=10000.0)),
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=32, patch_size=4, vision_use_head=False)
+    config = dict(model_type="gemma3", text_config=text, vision_config=vision,
+                  mm_tokens_per_image=16, image_token_index=IMAGE_ID, boi_token_index=BOI_ID,
+                  eoi_token_index=EOI_ID, dtype="float32")
+    legacy_text = {k: v for k, v in text.items() if k not in ("rope_parameters", "layer_types")}
+    legacy_text.update(rope_theta=100000.0, rope_local_base_freq=10000.0,
+                       rope_scaling=dict(rope_type="linear", factor=2.0),
+                       sliding_window_pattern=2)
+    return config, legacy_text
+
+
+CASES = {"gemma3_vision": gemma3_vision}
+
+
+def inputs(gen: torch.Generator, tokens_per_image: int, image_size: int):
+    """Two rows of 40 tokens: text, <boi>, an image's placeholders, <eoi>, text (the image
+    at different offsets); the second row holds a second image too."""
+    rows, images = [], 0
+    for starts in ((5,), (2, 20)):
+        row = torch.randint(0, BOI_ID, (40,), generator=gen)
+        for start in starts:
+            row[start] = BOI_ID
+            row[start + 1:start + 1 + tokens_per_image] = IMAGE_ID
+            row[start + 1 + tokens_per_image] = EOI_ID
+            images += 1
+        rows.append(row)
+    ids = torch.stack(rows)
+    pixels = torch.randn((images, 3, image_size, image_size), generator=gen)
+    return ids, pixels
+
+
+def write_case(name: str) -> None:
+    import json
+    import shutil
+    config, legacy_text = CASES[name]()
+    out = mf.FIXTURES_DIR / name
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"[{name}]")
+    torch.manual_seed(mf.case_seed(name))
+    from transformers import AutoConfig
+    hf_config = AutoConfig.for_model(**config)
+    model = AutoModelForImageTextToText.from_config(hf_config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.add_(mf.VECTOR_JITTER * torch.randn_like(param))
+            if "mm_input_projection_weight" in param_name:  # zero-initialised
+                param.copy_(0.2 * torch.randn_like(param))
+    gen = torch.Generator().manual_seed(mf.case_seed(name) + 1)
+    ids, pixels = inputs(gen, config["mm_tokens_per_image"], config["vision_config"]["image_size"])
+    token_type_ids = (ids == IMAGE_ID).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=pixels, token_type_ids=token_type_ids).logits
+        causal = model(input_ids=ids, pixel_values=pixels).logits
+        text_ids = torch.where(ids == IMAGE_ID, torch.full_like(ids, 7), ids)
+        text_logits = model(input_ids=text_ids).logits
+    diff = float((logits - causal).abs().max())
+    print(f"  bidirectional image blocks change logits by {diff:.3f}")
+    mf.require(diff > 1e-2, "the image blocks barely bite")
+    model.save_pretrained(out)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    saved = json.loads((out / "config.json").read_text())
+    legacy = {k: v for k, v in saved.items() if k != "dtype"}
+    legacy["torch_dtype"] = saved["dtype"]
+    legacy["transformers_version"] = "4.51.3"
+    legacy["text_config"] = dict(sorted({**legacy_text, "model_type": "gemma3_text"}.items()))
+    (out / "legacy").mkdir()
+    (out / "legacy" / "config.json").write_text(json.dumps(legacy, indent=2) + "\n")
+    legacy_cfg = AutoConfig.for_model(**{k: v for k, v in legacy.items()
+                                         if k not in ("torch_dtype", "transformers_version")})
+    legacy_model = AutoModelForImageTextToText.from_config(legacy_cfg).eval()
+    legacy_model.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        legacy_logits = legacy_model(input_ids=ids, pixel_values=pixels,
+                                     token_type_ids=token_type_ids).logits
+    legacy_diff = float((legacy_logits - logits).abs().max())
+    print(f"  legacy config vs v5 config: max |dlogits| = {legacy_diff:.2e}")
+    mf.require(legacy_diff < mf.LEGACY_TOL, "legacy config gives different logits")
+    np.savez(out / "reference.npz", input_ids=ids.numpy(), pixel_values=pixels.numpy(),
+             token_type_ids=token_type_ids.numpy(), logits=logits.float().numpy(),
+             text_ids=text_ids.numpy(), text_logits=text_logits.float().numpy())
+    print(f"  logits std {float(logits.std()):.3f}, max |logit| {float(logits.abs().max()):.3f}")
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(CASES)
+    for name in names:
+        write_case(name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Images + text: Gemma 3's vision tower, projector and image blocks against transformers.
+
+``tests/fixtures/hf/gemma3_vision`` (``make_vision_fixtures.py``) is a tiny random
+``Gemma3ForConditionalGeneration``: a 2-layer SigLIP tower on 32x32 images (8x8 patches
+pooled to 16 tokens) and a 2-layer text model whose sliding window (8) is narrower than an
+image; its references hold logits with images (image tokens attending to each other in
+both directions) and text-only logits.
+"""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import FIXTURES, legacy_checkpoint
+from flax import nnx
+
+import maxnnx
+from maxnnx.checkpoint.safetensors import read_safetensors, write_safetensors
+from maxnnx.kernels.attention import get_attention_kernel
+from maxnnx.kernels.capabilities import AttentionRequest
+from maxnnx.kernels.masks import AttentionMask, image_blocks
+from maxnnx.kernels.options import AttentionOptions
+
+CASE = os.path.join(FIXTURES, 'gemma3_vision')
+REL_TOL = 1e-4
+
+
+def _reference():
+  return np.load(os.path.join(CASE, 'reference.npz'))
+
+
+def _rel_error(ours, ref):
+  return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize('layout', ['transformers5', 'legacy'])
+def test_logits_with_images_match_transformers(layout, tmp_path):
+  """Image embeddings in place of the placeholders, bidirectional within each image (derived
+  from the ids, or from token_type_ids), both config layouts; text alone too."""
+  ref = _reference()
+  path = CASE if layout == 'transformers5' else legacy_checkpoint('gemma3_vision', str(tmp_path))
+  model = maxnnx.from_pretrained(path)
+  assert model.config.vision.num_layers == 2 and model.config.vision.tokens_per_image == 16
+  logits = model(ref['input_ids'], pixel_values=ref['pixel_values'])
+  assert _rel_error(logits, ref['logits']) < REL_TOL
+  typed = model(ref['input_ids'], pixel_values=ref['pixel_values'],
+                token_type_ids=ref['token_type_ids'])
+  assert _rel_error(typed, ref['logits']) < REL_TOL
+  assert _rel_error(model(ref['text_ids']), ref['text_logits']) < REL_TOL
+
+
+def test_export_writes_the_checkpoint_back(tmp_path):
+  """save_pretrained writes the fixture's tensors (names, layouts, values) and a config that
+  loads as the same model."""
+  model = maxnnx.from_pretrained(CASE)
+  maxnnx.save_pretrained(model, str(tmp_path))
+  original = read_safetensors(os.path.join(CASE, 'model.safetensors'))
+  written = read_safetensors(str(tmp_path / 'model.safetensors'))
+  assert sorted(written) == sorted(original)
+  for name in original:
+    np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+  again = maxnnx.from_pretrained(str(tmp_path))
+  assert again.config == model.config
+
+
+def test_the_hub_prefix_layout_loads(tmp_path):
+  """Hub checkpoints keep ``vision_tower.vision_model.*``; they load to the same logits."""
+  tensors = read_safetensors(os.path.join(CASE, 'model.safetensors'))
+  hub = {name.replace('vision_tower.', 'vision_tower.vision_model.', 1): array
+         for name, array in tensors.items()}
+  write_safetensors(str(tmp_path / 'model.safetensors'), hub)
+  shutil.copy(os.path.join(CASE, 'config.json'), tmp_path)
+  ref = _reference()
+  model = maxnnx.from_pretrained(str(tmp_path))
+  assert _rel_error(model(ref['input_ids'], pixel_values=ref['pixel_values']),
+                    ref['logits']) < REL_TOL
+
+
+def test_image_blocks_and_the_mask_they_make():
+  """Runs of image tokens get one id each; within a block keys after the query are visible,
+  a window still cuts, and text stays causal (against a direct NumPy construction)."""
+  is_image = np.array([[0, 1, 1, 0, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0, 1, 1]])
+  blocks = np.asarray(image_blocks(is_image))
+  np.testing.assert_array_equal(blocks, [[-1, 0, 0, -1, 1, 1, 1, -1], [0, 0, -1, -1, -1, -1, 1, 1]])
+  positions = np.broadcast_to(np.arange(8), (2, 8))
+  mask = AttentionMask.causal(np.ones((2, 8), np.int32), positions, blocks)
+  dense = np.asarray(mask.dense(sliding_window=2))
+  q, k = np.arange(8)[:, None], np.arange(8)[None, :]
+  for b in range(2):
+    same = (blocks[b][:, None] == blocks[b][None, :]) & (blocks[b][:, None] >= 0)
+    np.testing.assert_array_equal(dense[b], ((k <= q) | same) & (q - k < 2))
+
+
+def test_kernels_that_cannot_hold_image_blocks_say_so():
+  q = np.zeros((1, 4, 2, 8), np.float32)
+  options = AttentionOptions(scale=1.0)
+  blocks = image_blocks(np.array([[0, 1, 1, 0]]))
+  mask = AttentionMask.causal(np.ones((1, 4), np.int32), np.arange(4)[None], blocks)
+  request = AttentionRequest.of(q, q, q, options, mask)
+  assert request.blocks
+  assert 'image blocks' in ' '.join(get_attention_kernel('pallas_gpu').unsupported_reasons(request))
+  assert not get_attention_kernel('xla').unsupported_reasons(request)
+  assert 'image blocks' in ' '.join(get_attention_kernel('xla_flash').unsupported_reasons(request))
+
+
+def test_bad_image_inputs_are_clear_errors():
+  ref = _reference()
+  model = maxnnx.from_pretrained(CASE)
+  with pytest.raises(ValueError, match='48 image placeholder tokens'):
+    model(ref['input_ids'], pixel_values=ref['pixel_values'][:2])
+  with pytest.raises(ValueError, match=r'pixel_values must be \[num_images, 3, 32, 32\]'):
+    model(ref['input_ids'], pixel_values=ref['pixel_values'][:, :, :16])
+  model.init_cache(2, 48)
+  with pytest.raises(NotImplementedError, match='decode=True'):
+    model(ref['input_ids'], pixel_values=ref['pixel_values'], decode=True)
+  text_only = maxnnx.Transformer(maxnnx.get_preset('tiny'), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='vision tower'):
+    text_only(np.zeros((1, 4), np.int32), pixel_values=ref['pixel_values'])
