@@ -111,9 +111,22 @@ def test_bad_image_inputs_are_clear_errors():
     model(ref['input_ids'], pixel_values=ref['pixel_values'][:2])
   with pytest.raises(ValueError, match=r'pixel_values must be \[num_images, 3, 32, 32\]'):
     model(ref['input_ids'], pixel_values=ref['pixel_values'][:, :, :16])
-  model.init_cache(2, 48)
-  with pytest.raises(NotImplementedError, match='decode=True'):
-    model(ref['input_ids'], pixel_values=ref['pixel_values'], decode=True)
   text_only = maxnnx.Transformer(maxnnx.get_preset('tiny'), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='vision tower'):
     text_only(np.zeros((1, 4), np.int32), pixel_values=ref['pixel_values'])
+
+
+def test_greedy_generation_with_an_image_matches_transformers():
+  """The prompt's image fills the KV cache as one bidirectional block; decoding continues
+  as transformers' generate does."""
+  ref = _reference()
+  model = maxnnx.from_pretrained(CASE)
+  prompt, expected = ref['gen_prompt'], ref['gen_output'][:, ref['gen_prompt'].shape[1]:]
+  result = maxnnx.generate(model, prompt, max_new_tokens=expected.shape[1], eos_ids=None,
+                           pixel_values=ref['pixel_values'][:1])
+  np.testing.assert_array_equal(result.tokens, expected)
+  other = maxnnx.generate(model, prompt, max_new_tokens=expected.shape[1], eos_ids=None,
+                          pixel_values=ref['pixel_values'][1:2])
+  assert not np.array_equal(other.tokens, expected)  # the image is what it looks at
+  with pytest.raises(ValueError, match='16 image placeholder tokens'):
+    maxnnx.generate(model, prompt, max_new_tokens=2, pixel_values=ref['pixel_values'][:2])

@@ -75,9 +75,11 @@ def _left_pad(prompts, prompt_lengths, pad_id: int):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _prefill(graphdef, params, cache, ids, segments, positions):
+def _prefill(graphdef, params, cache, ids, segments, positions, pixel_values=None):
   model = nnx.merge(graphdef, params, cache)
-  x_BTD = model.hidden_states(ids, segment_ids=segments, positions=positions, decode=True)
+  images = {} if pixel_values is None else {'pixel_values': pixel_values}
+  x_BTD = model.hidden_states(ids, segment_ids=segments, positions=positions, decode=True,
+                              **images)
   # Prompts are left-padded: only the last position's logits are needed (the head on the
   # whole prompt would cost more than the rest of the model for a large vocabulary).
   return model.logits(x_BTD[:, -1:])[:, 0], nnx.state(model, nnx.Not(nnx.Param))
@@ -116,6 +118,20 @@ def _decode(graphdef, end_step, temperature, top_k, top_p, params, tokens, logpr
   return tokens, logprobs, done, cache, logits, key
 
 
+def _check_images(model, ids, pixel_values) -> None:
+  """Placeholders and images agree (the model cannot check under jit)."""
+  vision = model.config.vision
+  if not vision.num_layers:
+    raise ValueError('pixel_values needs a model with a vision tower '
+                     '(ModelConfig.vision.num_layers > 0).')
+  placeholders = int((np.asarray(ids) == vision.image_token_id).sum())
+  images = np.shape(pixel_values)[0]
+  if placeholders != images * vision.tokens_per_image:
+    raise ValueError(f'The prompts hold {placeholders} image placeholder tokens (id '
+                     f'{vision.image_token_id}) but {images} image(s) need '
+                     f'{images * vision.tokens_per_image} ({vision.tokens_per_image} each).')
+
+
 def _longrope_switch_step(model, prompt_width: int, max_new_tokens: int) -> int | None:
   """Decode step after which a LongRoPE model's cache must be recomputed.
 
@@ -136,7 +152,8 @@ def _longrope_switch_step(model, prompt_width: int, max_new_tokens: int) -> int 
 def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_ids: Sequence[int] | int | None | str = 'config', pad_id: int = 0, seed: int = 0,
-             prompt_lengths: Sequence[int] | None = None) -> GenerationResult:
+             prompt_lengths: Sequence[int] | None = None,
+             pixel_values: np.ndarray | None = None) -> GenerationResult:
   """Continue each prompt by up to ``max_new_tokens`` tokens.
 
   Args:
@@ -153,6 +170,9 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
     pad_id: id written after a row has ended (and used to pad prompts).
     seed: seed of the sampling key (same seed, same samples).
     prompt_lengths: real length of each row of an array ``prompt_ids``.
+    pixel_values: ``[num_images, channels, H, W]`` images for a model with a vision
+      tower: their embeddings take the places of the image placeholder tokens of the
+      prompts, in order (see :meth:`~maxnnx.Transformer.hidden_states`).
 
   Returns:
     A :class:`GenerationResult` with ``tokens [B, max_new_tokens]`` and ``lengths``.
@@ -177,6 +197,8 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
   if ids.min() < 0 or ids.max() >= vocab:
     raise ValueError(f'prompt_ids contain ids outside [0, {vocab}); check the tokenizer '
                      'matches the model.')
+  if pixel_values is not None:
+    _check_images(model, ids, pixel_values)
   if isinstance(eos_ids, str):
     if eos_ids != 'config':
       raise ValueError(f"eos_ids must be ids, None or 'config', got {eos_ids!r}.")
@@ -187,7 +209,8 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
   work.init_cache(batch, width + max_new_tokens)
   # `cache` holds every non-parameter: KV caches, and MoE routing statistics if any.
   graphdef, params, cache = nnx.split(work, nnx.Param, ...)
-  logits, cache = _prefill(graphdef, params, cache, ids, segments, positions)
+  logits, cache = _prefill(graphdef, params, cache, ids, segments, positions,
+                           None if pixel_values is None else jnp.asarray(pixel_values))
   tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
   logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
   done = jnp.zeros((batch,), bool)
@@ -208,7 +231,8 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
     logits, cache = _prefill(
         graphdef, params, cache, np.concatenate([ids, new], 1),
         np.concatenate([segments, np.ones_like(new)], 1),
-        np.concatenate([positions, lengths[:, None] + np.arange(switch)], 1))
+        np.concatenate([positions, lengths[:, None] + np.arange(switch)], 1),
+        None if pixel_values is None else jnp.asarray(pixel_values))
     tokens, logprobs, *_ = decode(max_new_tokens, *sampling, params, tokens, logprobs, done,
                                   cache, logits, switch, *extra, key)
   tokens = np.asarray(tokens)

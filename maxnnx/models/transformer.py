@@ -145,6 +145,7 @@ class Transformer(nnx.Module):
     self.cache_segment_ids = nnx.data(None)
     self.cache_positions = nnx.data(None)
     self.cache_index = nnx.data(None)
+    self.cache_blocks = nnx.data(None)  # image-block ids of the cached keys (vision models)
 
   # -- KV cache ---------------------------------------------------------------
 
@@ -162,6 +163,8 @@ class Transformer(nnx.Module):
     self.cache_segment_ids = nnx.Cache(jnp.zeros((batch, max_length), jnp.int32))
     self.cache_positions = nnx.Cache(jnp.zeros((batch, max_length), jnp.int32))
     self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+    if self.vision_tower is not None:
+      self.cache_blocks = nnx.Cache(jnp.full((batch, max_length), -1, jnp.int32))
 
   def init_paged_cache(self, num_pages: int, page_size: int, dtype=None) -> None:
     """Allocate every layer's pool of ``num_pages`` KV pages of ``page_size`` tokens.
@@ -241,11 +244,12 @@ class Transformer(nnx.Module):
         ``input_ids_BT``, in order, ``vision.tokens_per_image`` per image.
       token_type_ids: ``[B, T]``, 1 for image tokens (as transformers' processors give
         them); by default the placeholders. The tokens of each image attend to each
-        other in both directions (without decoding or paging).
+        other in both directions, also when a prompt with images fills the KV cache
+        (not yet in paged serving).
     """
     cfg = self.config
     blocks_BT = self._image_blocks(input_ids_BT, pixel_values, token_type_ids,
-                                   decode or paged is not None)
+                                   paged is not None)
     if mtp and (self.mtp is None or decode):
       raise ValueError('mtp=True needs a model with MTP modules (ModelConfig.mtp.num_layers > 0) '
                        'and decode=False.')
@@ -276,8 +280,12 @@ class Transformer(nnx.Module):
       self.cache_positions[...] = jax.lax.dynamic_update_slice(
           self.cache_positions[...], positions, start)
       self.cache_index[...] = cache_index + length
+      q_blocks = kv_blocks = None
+      if self.cache_blocks is not None:
+        q_blocks = self._cache_image_blocks(blocks_BT, input_ids_BT.shape, start)
+        kv_blocks = self.cache_blocks[...]
       mask = AttentionMask(segment_ids, positions, self.cache_segment_ids[...],
-                           self.cache_positions[...])
+                           self.cache_positions[...], q_blocks, kv_blocks)
     else:
       positions = default_positions if positions is None else positions
       mask = AttentionMask.causal(segment_ids, positions, blocks_BT)
@@ -302,19 +310,31 @@ class Transformer(nnx.Module):
       return self.final_norm(x_BTD)
     return self.final_norm(x_BTD), self._mtp_hidden(x_BTD, input_ids_BT, positions, mask)
 
-  def _image_blocks(self, ids_BT, pixel_values, token_type_ids, cached: bool):
+  def _image_blocks(self, ids_BT, pixel_values, token_type_ids, paged: bool):
     """Image-block ids ``[B, T]`` of a multimodal call, or ``None``."""
     if pixel_values is None and token_type_ids is None:
       return None
     if self.vision_tower is None:
       raise ValueError('pixel_values / token_type_ids need a model with a vision tower '
                        '(ModelConfig.vision.num_layers > 0).')
-    if cached:
-      raise NotImplementedError('Images with decode=True or paged=... are not supported yet: '
-                                'score the prompt with images without the cache.')
+    if paged:
+      raise NotImplementedError('Images with paged=... (the serving engine) are not supported '
+                                'yet: use maxnnx.generate(..., pixel_values=...).')
     is_image_BT = (ids_BT == self.config.vision.image_token_id if token_type_ids is None
                    else token_type_ids == 1)
     return image_blocks(is_image_BT)
+
+  def _cache_image_blocks(self, blocks_BT, shape, start):
+    """This step's image-block ids (numbered after those already cached), written into
+    ``cache_blocks``; all -1 without images."""
+    if blocks_BT is None:
+      blocks_BT = jnp.full(shape, -1, jnp.int32)
+    else:
+      first = jnp.max(self.cache_blocks[...], axis=1, keepdims=True) + 1
+      blocks_BT = jnp.where(blocks_BT >= 0, blocks_BT + first, -1)
+    self.cache_blocks[...] = jax.lax.dynamic_update_slice(self.cache_blocks[...], blocks_BT,
+                                                          start)
+    return blocks_BT
 
   def _text_ids(self, ids_BT):
     """Ids for the embedding table: an image placeholder beyond it becomes 0."""

@@ -118,9 +118,20 @@ def write_case(name: str) -> None:
     legacy_diff = float((legacy_logits - logits).abs().max())
     print(f"  legacy config vs v5 config: max |dlogits| = {legacy_diff:.2e}")
     mf.require(legacy_diff < mf.LEGACY_TOL, "legacy config gives different logits")
+    # Greedy generation from a prompt with one image (prefill with the image block).
+    prompt = torch.cat([torch.tensor([[11, 12, 13, BOI_ID]]),
+                        torch.full((1, config["mm_tokens_per_image"]), IMAGE_ID),
+                        torch.tensor([[EOI_ID, 14, 15]])], dim=1)
+    with torch.no_grad():
+        gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                             pixel_values=pixels[:1], token_type_ids=(prompt == IMAGE_ID).long(),
+                             max_new_tokens=mf.NEW_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    print(f"  generated {gen[0, prompt.shape[1]:].tolist()}")
     np.savez(out / "reference.npz", input_ids=ids.numpy(), pixel_values=pixels.numpy(),
              token_type_ids=token_type_ids.numpy(), logits=logits.float().numpy(),
-             text_ids=text_ids.numpy(), text_logits=text_logits.float().numpy())
+             text_ids=text_ids.numpy(), text_logits=text_logits.float().numpy(),
+             gen_prompt=prompt.numpy(), gen_output=gen.numpy())
     print(f"  logits std {float(logits.std()):.3f}, max |logit| {float(logits.abs().max()):.3f}")
 
 
