@@ -135,10 +135,49 @@ def write_case(name: str) -> None:
     print(f"  logits std {float(logits.std()):.3f}, max |logit| {float(logits.abs().max()):.3f}")
 
 
+IMAGES_DIR = mf.FIXTURES_DIR.parent / "images"
+
+
+def write_images() -> None:
+    """Three small PNGs (landscape, portrait, RGBA square) and what transformers' Pillow
+    Gemma 3 image processor makes of them: with pan-and-scan at 32x32, and plain bicubic
+    at 40x48; the gemma3_vision checkpoint gets the first as its preprocessor_config.json."""
+    from PIL import Image
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    IMAGES_DIR.mkdir(exist_ok=True)
+    rng = np.random.default_rng(3)
+    paths = []
+    for name, (h, w, c) in {"landscape": (30, 90, 3), "portrait": (60, 24, 3),
+                            "square_rgba": (40, 40, 4)}.items():
+        yy, xx = np.mgrid[0:h, 0:w]
+        smooth = np.stack([(xx * 255 / w), (yy * 255 / h), ((xx + yy) * 127 / (h + w))], -1)
+        pixels = np.clip(smooth + rng.normal(0, 25, (h, w, 3)), 0, 255).astype(np.uint8)
+        if c == 4:
+            pixels = np.concatenate([pixels, rng.integers(0, 256, (h, w, 1), np.uint8)], -1)
+        path = IMAGES_DIR / f"{name}.png"
+        Image.fromarray(pixels).save(path)
+        paths.append(path)
+    images = [Image.open(p) for p in paths]
+    scan = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, do_pan_and_scan=True,
+                                   pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=3,
+                                   pan_and_scan_min_ratio_to_activate=1.2)
+    plain = Gemma3ImageProcessorPil(size={"height": 40, "width": 48}, resample=3)
+    scanned = scan(images, return_tensors="np")
+    flat = plain(images, return_tensors="np")
+    np.savez(IMAGES_DIR / "gemma3_processor.npz", scan_pixels=scanned["pixel_values"],
+             scan_crops=np.asarray(scanned["num_crops"]), plain_pixels=flat["pixel_values"])
+    scan.save_pretrained(mf.FIXTURES_DIR / "gemma3_vision")
+    print(f"  images: pan-and-scan gives {scanned['pixel_values'].shape}, crops "
+          f"{list(scanned['num_crops'])}")
+
+
 def main() -> None:
-    names = sys.argv[1:] or list(CASES)
+    names = sys.argv[1:] or [*CASES, "images"]
     for name in names:
-        write_case(name)
+        if name == "images":
+            write_images()
+        else:
+            write_case(name)
 
 
 if __name__ == "__main__":
