@@ -180,6 +180,18 @@ def gemma3_27b() -> ModelConfig:
   return _gemma3(262_208, 5376, 62, 32, 16, 128, 21_504, 168, 1024, 131_072, GLOBAL_ROPE_LONG)
 
 
+def tiny_gemma3_vision() -> ModelConfig:
+  """A tiny Gemma 3 with a vision tower (64x64 images, 8x8 patches pooled to 16 tokens;
+  placeholder id 511) for tests and tutorials on a CPU."""
+  return SPEC.config(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16, mlp_dim=128, max_position_embeddings=256, sliding_window=16,
+                     layer_types=('sliding', 'full'), query_scale=16**-0.5,
+                     rope=RopeConfig(theta=1_000_000.0),
+                     vision={'num_layers': 2, 'hidden_size': 32, 'intermediate_size': 64,
+                             'num_heads': 4, 'image_size': 64, 'patch_size': 8,
+                             'tokens_per_image': 16, 'image_token_id': 511})
+
+
 SPEC = FamilySpec(
     name='gemma3',
     description='Gemma with norms before and after each sub-block, per-head q/k norms, '
@@ -195,4 +207,4 @@ SPEC = FamilySpec(
     differences={**gemma.DIFFERENCES, 'post_norm': True, 'qk_norm': 'head',
                  'local_rope': {'theta': 10_000.0}},
     presets={'gemma3-1b': gemma3_1b, 'gemma3-4b': gemma3_4b, 'gemma3-12b': gemma3_12b,
-             'gemma3-27b': gemma3_27b})
+             'gemma3-27b': gemma3_27b, 'tiny-gemma3-vision': tiny_gemma3_vision})
