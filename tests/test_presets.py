@@ -49,6 +49,9 @@ PUBLISHED_BILLIONS = {
     'gemma2-2b': 2.61,
     'gemma2-9b': 9.24,
     'gemma2-27b': 27.2,
+    'gemma3-4b': 4.30,  # with the vision tower, as the Hub checkpoints hold them
+    'gemma3-12b': 12.19,
+    'gemma3-27b': 27.43,
     'gemma4-31b': 30.7,  # the text model
     'qwen2.5-7b': 7.62,
     'qwen2.5-72b': 72.7,

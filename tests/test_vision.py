@@ -130,3 +130,33 @@ def test_greedy_generation_with_an_image_matches_transformers():
   assert not np.array_equal(other.tokens, expected)  # the image is what it looks at
   with pytest.raises(ValueError, match='16 image placeholder tokens'):
     maxnnx.generate(model, prompt, max_new_tokens=2, pixel_values=ref['pixel_values'][:2])
+
+
+# google/gemma-3-4b-it's config.json as the Hub has it: the text config spells out only what
+# differs from transformers' defaults, the special tokens sit at the top level.
+GEMMA3_4B_HUB = {
+    'architectures': ['Gemma3ForConditionalGeneration'], 'boi_token_index': 255999,
+    'eoi_token_index': 256000, 'eos_token_id': [1, 106], 'image_token_index': 262144,
+    'initializer_range': 0.02, 'mm_tokens_per_image': 256, 'model_type': 'gemma3',
+    'text_config': {'hidden_size': 2560, 'intermediate_size': 10240,
+                    'model_type': 'gemma3_text', 'num_hidden_layers': 34,
+                    'rope_scaling': {'factor': 8.0, 'rope_type': 'linear'},
+                    'sliding_window': 1024},
+    'torch_dtype': 'bfloat16', 'transformers_version': '4.50.0.dev0',
+    'vision_config': {'hidden_size': 1152, 'image_size': 896, 'intermediate_size': 4304,
+                      'model_type': 'siglip_vision_model', 'num_attention_heads': 16,
+                      'num_hidden_layers': 27, 'patch_size': 14, 'vision_use_head': False},
+}
+
+
+def test_the_gemma3_4b_hub_config_is_the_whole_model_preset():
+  """Nested config with transformers' defaults filled in: the 4B preset, vision tower included
+  (the special tokens come from the top level)."""
+  from maxnnx.models.hf import HFConfig
+  from maxnnx.models.registry import specs
+  family = specs()['gemma3'].hf
+  cfg = family.config_from_hf(HFConfig(GEMMA3_4B_HUB, 'config.json', family.defaults))
+  preset = maxnnx.get_preset('gemma3-4b')
+  assert cfg.vision == preset.vision and cfg.eos_token_id == (1, 106)
+  assert cfg.replace(eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                     max_position_embeddings=preset.max_position_embeddings) == preset

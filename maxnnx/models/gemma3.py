@@ -64,8 +64,9 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
   if 'text_config' not in hf.data:  # a text-only checkpoint (gemma3_text)
     return _text_config_from_hf(hf)
   text = dict(hf.data.get('text_config') or {})
-  if 'tie_word_embeddings' in hf.data:
-    text.setdefault('tie_word_embeddings', hf.data['tie_word_embeddings'])
+  for key in ('tie_word_embeddings', 'bos_token_id', 'eos_token_id', 'pad_token_id'):
+    if hf.data.get(key) is not None and text.get(key) is None:
+      text[key] = hf.data[key]
   cfg = _text_config_from_hf(HFConfig(text, f'{hf.path} (text_config)', hf.defaults))
   return cfg.replace(vision=_vision_from_hf(hf.data.get('vision_config') or {}, hf))
 
@@ -147,16 +148,22 @@ def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarr
 GLOBAL_ROPE_LONG = RopeConfig(theta=1_000_000.0, scaling='linear', factor=8.0)
 
 
+# The multimodal models' vision tower: SigLIP So400m on 896x896 images (VisionConfig's
+# defaults: 27 blocks of width 1152, patches of 14) pooled to 256 tokens per image.
+SIGLIP_SO400M = {'num_layers': 27, 'image_token_id': 262_144}
+
+
 def _gemma3(vocab_size: int, d_model: int, num_layers: int, num_heads: int, num_kv_heads: int,
             head_dim: int, mlp_dim: int, query_pre_attn_scalar: int, sliding_window: int,
-            max_position_embeddings: int, rope: RopeConfig) -> ModelConfig:
+            max_position_embeddings: int, rope: RopeConfig,
+            vision: dict | None = None) -> ModelConfig:
   """A Gemma 3 config; layer ``i`` is global iff ``(i + 1) % 6 == 0``."""
   layer_types = tuple('full' if (i + 1) % 6 == 0 else 'sliding' for i in range(num_layers))
   return SPEC.config(vocab_size=vocab_size, d_model=d_model, num_layers=num_layers,
                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      mlp_dim=mlp_dim, max_position_embeddings=max_position_embeddings,
                      query_scale=query_pre_attn_scalar**-0.5, sliding_window=sliding_window,
-                     layer_types=layer_types, rope=rope)
+                     layer_types=layer_types, rope=rope, vision=vision or {})
 
 
 def gemma3_1b() -> ModelConfig:
@@ -166,18 +173,22 @@ def gemma3_1b() -> ModelConfig:
 
 
 def gemma3_4b() -> ModelConfig:
-  """Gemma 3 4B (language model)."""
-  return _gemma3(262_208, 2560, 34, 8, 4, 256, 10_240, 256, 1024, 131_072, GLOBAL_ROPE_LONG)
+  """Gemma 3 4B with its vision tower (4.30B parameters; ``vision={'num_layers': 0}`` for the
+  3.88B language model alone)."""
+  return _gemma3(262_208, 2560, 34, 8, 4, 256, 10_240, 256, 1024, 131_072, GLOBAL_ROPE_LONG,
+                 SIGLIP_SO400M)
 
 
 def gemma3_12b() -> ModelConfig:
-  """Gemma 3 12B (language model)."""
-  return _gemma3(262_208, 3840, 48, 16, 8, 256, 15_360, 256, 1024, 131_072, GLOBAL_ROPE_LONG)
+  """Gemma 3 12B with its vision tower (12.19B parameters)."""
+  return _gemma3(262_208, 3840, 48, 16, 8, 256, 15_360, 256, 1024, 131_072, GLOBAL_ROPE_LONG,
+                 SIGLIP_SO400M)
 
 
 def gemma3_27b() -> ModelConfig:
-  """Gemma 3 27B (language model; queries scaled by 168 ** -0.5)."""
-  return _gemma3(262_208, 5376, 62, 32, 16, 128, 21_504, 168, 1024, 131_072, GLOBAL_ROPE_LONG)
+  """Gemma 3 27B with its vision tower (27.43B parameters; queries scaled by 168 ** -0.5)."""
+  return _gemma3(262_208, 5376, 62, 32, 16, 128, 21_504, 168, 1024, 131_072, GLOBAL_ROPE_LONG,
+                 SIGLIP_SO400M)
 
 
 def tiny_gemma3_vision() -> ModelConfig:
@@ -198,8 +209,12 @@ SPEC = FamilySpec(
                 '5 sliding-window layers per global one and a separate rotary base for them.',
     hf=Family('gemma3', ('gemma3_text', 'gemma3'), 'Gemma3ForCausalLM', config_from_hf,
               config_to_hf,
+              # transformers' Gemma3TextConfig defaults (the Hub's text_config leaves most out)
               defaults={**GEMMA_DEFAULTS, 'sliding_window': 4096, 'rope_theta': 1_000_000.0,
-                        'query_pre_attn_scalar': 256, 'max_position_embeddings': 131072},
+                        'query_pre_attn_scalar': 256, 'max_position_embeddings': 131072,
+                        'vocab_size': 262_208, 'num_attention_heads': 8,
+                        'num_key_value_heads': 4, 'head_dim': 256, 'hidden_size': 2304,
+                        'intermediate_size': 9216, 'num_hidden_layers': 26},
               module_names={**SANDWICH_NORM_NAMES, 'vision_tower': 'model.vision_tower',
                             'multi_modal_projector': 'model.multi_modal_projector',
                             'encoder_layers': 'encoder.layers'},
