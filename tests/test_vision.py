@@ -160,3 +160,17 @@ def test_the_gemma3_4b_hub_config_is_the_whole_model_preset():
   assert cfg.vision == preset.vision and cfg.eos_token_id == (1, 106)
   assert cfg.replace(eos_token_id=None, bos_token_id=None, pad_token_id=None,
                      max_position_embeddings=preset.max_position_embeddings) == preset
+
+
+def test_the_vision_tower_shards_on_a_mesh_like_the_text_stack():
+  """Loaded onto a 2x2x2 mesh, the tower's weights split along fsdp/tensor by their logical
+  names, and the logits with images equal the single-device ones."""
+  from maxnnx.config import MeshConfig
+  ref = _reference()
+  sharded = maxnnx.from_pretrained(CASE, mesh=MeshConfig(data=2, fsdp=2, tensor=2))
+  fc1 = sharded.vision_tower.encoder_layers[0].mlp.fc1.kernel[...]
+  q = sharded.vision_tower.encoder_layers[0].self_attn.q_proj.kernel[...]
+  assert fc1.sharding.shard_shape(fc1.shape) == (16, 32)  # [embed / fsdp, mlp / tensor]
+  assert q.sharding.shard_shape(q.shape) == (16, 2, 8)  # [embed / fsdp, heads / tensor, -]
+  logits = sharded(ref['input_ids'], pixel_values=ref['pixel_values'])
+  assert _rel_error(logits, ref['logits']) < 1e-5
