@@ -34,13 +34,15 @@ def _rel_error(ours, ref):
   return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize('layout', ['transformers5', 'legacy'])
-def test_logits_with_images_match_transformers(layout, tmp_path):
+@pytest.mark.parametrize('layout,scan_layers', [('transformers5', False), ('legacy', False),
+                                                ('transformers5', True)])
+def test_logits_with_images_match_transformers(layout, scan_layers, tmp_path):
   """Image embeddings in place of the placeholders, bidirectional within each image (derived
-  from the ids, or from token_type_ids), both config layouts; text alone too."""
+  from the ids, or from token_type_ids), both config layouts, scanned text stack too; text
+  alone too."""
   ref = _reference()
   path = CASE if layout == 'transformers5' else legacy_checkpoint('gemma3_vision', str(tmp_path))
-  model = maxnnx.from_pretrained(path)
+  model = maxnnx.from_pretrained(path, scan_layers=scan_layers)
   assert model.config.vision.num_layers == 2 and model.config.vision.tokens_per_image == 16
   logits = model(ref['input_ids'], pixel_values=ref['pixel_values'])
   assert _rel_error(logits, ref['logits']) < REL_TOL
