@@ -98,7 +98,13 @@ def test_preset_survives_hugging_face_config_round_trip(name):
       head_dim=cfg.resolved_head_dim)
 
 
-@pytest.mark.parametrize('name,billions', sorted(PUBLISHED_BILLIONS.items()))
+# Stacks the scanned layout cannot hold are counted layer by layer (~1 s per layer on a CPU).
+SLOW_COUNTS = {'gemma4-31b'}
+
+
+@pytest.mark.parametrize('name,billions', [
+    pytest.param(n, b, marks=pytest.mark.slow) if n in SLOW_COUNTS else (n, b)
+    for n, b in sorted(PUBLISHED_BILLIONS.items())])
 def test_num_params_matches_published_total(name, billions):
   count = num_params(get_preset(name))
   assert count == pytest.approx(billions * 1e9, rel=5e-3)

@@ -33,7 +33,9 @@ PUBLISHED_BILLIONS = {
 ACTIVE_WITHOUT_INPUT_EMBEDDING = {'kimi-k2', 'gpt-oss-20b', 'gpt-oss-120b'}
 
 
-@pytest.mark.parametrize('name,billions', sorted(PUBLISHED_BILLIONS.items()))
+@pytest.mark.parametrize('name,billions', [
+    pytest.param(n, b, marks=pytest.mark.slow) if n == 'gemma4-26b-a4b' else (n, b)
+    for n, b in sorted(PUBLISHED_BILLIONS.items())])  # gemma4: counted layer by layer
 def test_total_and_active_params_match_published(name, billions):
   cfg = get_preset(name).replace(mtp_num_layers=0)  # published counts exclude MTP modules
   total, active = billions

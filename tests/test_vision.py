@@ -176,3 +176,68 @@ def test_the_vision_tower_shards_on_a_mesh_like_the_text_stack():
   assert q.sharding.shard_shape(q.shape) == (16, 2, 8)  # [embed / fsdp, heads / tensor, -]
   logits = sharded(ref['input_ids'], pixel_values=ref['pixel_values'])
   assert _rel_error(logits, ref['logits']) < 1e-5
+
+
+def _image_text_batches(cfg, batch: int, seq_len: int, seed: int):
+  """Rows of text around one image's placeholders; the next token after the image is a
+  function of the image (its mean brightness), the loss only on text."""
+  v = cfg.vision
+  rng = np.random.default_rng(seed)
+  while True:
+    bright = rng.integers(0, 2, batch)
+    pixels = (rng.normal(0, 0.3, (batch, 1, v.num_channels, v.image_size, v.image_size))
+              + np.where(bright, 0.6, -0.6)[:, None, None, None, None]).astype(np.float32)
+    rows = rng.integers(10, 40, (batch, seq_len + 1))
+    rows[:, 2:2 + v.tokens_per_image] = v.image_token_id
+    after = 2 + v.tokens_per_image
+    rows[:, after] = np.where(bright, 100, 101)
+    loss_mask = (rows[:, 1:] != v.image_token_id).astype(np.float32)
+    yield {'inputs': rows[:, :-1], 'targets': rows[:, 1:], 'loss_mask': loss_mask,
+           'pixel_values': pixels}
+
+
+def _image_text_losses(mesh, trainable=None):
+  from maxnnx.train import TrainConfig, Trainer
+  cfg = maxnnx.get_preset('tiny-gemma3-vision')
+  config = TrainConfig(steps=3, global_batch_size=8, seq_len=32, images_per_row=1,
+                       learning_rate=1e-2, warmup_steps=0, log_every=3, mesh=mesh)
+  trainer = Trainer(cfg, config, data=_image_text_batches(cfg, 8, 32, seed=2),
+                    trainable=trainable)
+  tower = np.asarray(trainer.model.vision_tower.encoder_layers[0].mlp.fc1.kernel[...])
+  history = trainer.fit(log=lambda line: None)
+  moved = not np.array_equal(
+      np.asarray(trainer.model.vision_tower.encoder_layers[0].mlp.fc1.kernel[...]), tower)
+  return np.array([m['loss'] for m in history]), moved
+
+
+@pytest.mark.slow  # ~90 s: two compiles of the step, one on 8 devices
+def test_image_text_training_on_a_2x2x2_mesh_equals_one_device():
+  """pixel_values [batch, images_per_row, C, H, W] travel with the rows (split like them over
+  data/fsdp); the losses on a 2x2x2 mesh equal one device's, and the tower trains."""
+  from maxnnx.config import MeshConfig
+  one, moved = _image_text_losses(MeshConfig(data=1))
+  mesh, _ = _image_text_losses(MeshConfig(data=2, fsdp=2, tensor=2))
+  np.testing.assert_allclose(mesh, one, rtol=1e-4)
+  assert moved
+
+
+def test_image_text_training_with_a_frozen_tower():
+  """The loss on text after an image falls; a trainable filter without the tower leaves its
+  weights as they were."""
+  from maxnnx.config import MeshConfig
+  frozen = nnx.All(nnx.Param, nnx.Not(nnx.PathContains('vision_tower')))
+  losses, moved = _image_text_losses(MeshConfig(data=1), trainable=frozen)
+  assert losses[-1] < losses[0] and not moved
+
+
+def test_image_batches_are_checked():
+  from maxnnx.train.batches import as_batch
+  rows = np.zeros((2, 9), np.int32)
+  with pytest.raises(ValueError, match='pixel_values'):
+    as_batch(rows, image_shape=(1, 3, 64, 64))
+  batch = {'inputs': rows[:, :-1], 'targets': rows[:, 1:],
+           'pixel_values': np.zeros((2, 1, 3, 32, 32), np.float32)}
+  with pytest.raises(ValueError, match=r'expected \(2, 1, 3, 64, 64\)'):
+    as_batch(batch, image_shape=(1, 3, 64, 64))
+  with pytest.raises(ValueError, match='images_per_row is 0'):
+    as_batch(batch)

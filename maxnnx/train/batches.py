@@ -2,7 +2,8 @@
 
 A batch is a dict of ``[batch, seq_len]`` arrays (:data:`BATCH_KEYS`): ``inputs`` and
 ``targets`` token ids, ``segment_ids`` and ``positions`` for packed documents, and a float
-``loss_mask``. :func:`as_batch` fills in the optional ones.
+``loss_mask``. :func:`as_batch` fills in the optional ones. Image+text batches add
+``pixel_values`` ``[batch, images_per_row, channels, H, W]``.
 """
 
 from __future__ import annotations
@@ -14,15 +15,19 @@ import numpy as np
 
 BATCH_KEYS = ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')
 BATCH_AXES = ('activation_batch', 'activation_length')
+IMAGE_AXES = ('activation_batch', None, None, None, None)  # pixel_values: split like the rows
 
 
-def as_batch(batch: Any, extra: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
+def as_batch(batch: Any, extra: dict[str, Any] | None = None,
+             image_shape: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
   """A training batch as the dict the step takes (see :data:`BATCH_KEYS`).
 
   Accepts the dict itself (``segment_ids``, ``positions`` and ``loss_mask`` are
   optional) or a ``[batch, seq_len + 1]`` array of token windows. ``extra``
   names further required ``[batch, seq_len]`` fields and their dtypes (an
   objective's :attr:`~maxnnx.train.objectives.Objective.batch_fields`).
+  ``image_shape`` ``(images_per_row, channels, H, W)`` requires ``pixel_values``
+  ``[batch, *image_shape]`` float32 (image+text training).
   """
   if not isinstance(batch, dict):
     windows = np.asarray(batch)
@@ -52,6 +57,18 @@ def as_batch(batch: Any, extra: dict[str, Any] | None = None) -> dict[str, np.nd
   for key, value in out.items():
     if value.shape != (b, t):
       raise ValueError(f"Batch '{key}' has shape {value.shape}, expected {(b, t)} like 'inputs'.")
+  if image_shape is not None:
+    if 'pixel_values' not in batch:
+      raise ValueError("Batch is missing 'pixel_values' [batch, images_per_row, channels, H, W] "
+                       '(TrainConfig.images_per_row > 0).')
+    pixels = np.asarray(batch['pixel_values'], np.float32)
+    if pixels.shape != (b, *image_shape):
+      raise ValueError(f"Batch 'pixel_values' has shape {pixels.shape}, expected "
+                       f'{(b, *image_shape)} (batch, TrainConfig.images_per_row, channels, H, W).')
+    out['pixel_values'] = pixels
+  elif 'pixel_values' in batch:
+    raise ValueError("Batch has 'pixel_values' but TrainConfig.images_per_row is 0; set it to "
+                     'the number of images in every row.')
   return out
 
 

@@ -19,6 +19,9 @@ class TrainConfig(ValidatedConfig):
     steps: optimizer steps (also the length of the learning-rate schedule).
     global_batch_size: sequences per optimizer step, over all devices and hosts.
     seq_len: tokens per sequence.
+    images_per_row: image+text training (a model with a vision tower): every row of a
+      batch holds this many images, ``pixel_values`` ``[batch, images_per_row, channels,
+      H, W]``, whose embeddings take the places of the row's image placeholders; 0 = text.
     grad_accum_steps: split each step's batch into this many micro-batches and
       sum their gradients; the update equals one step on the whole batch.
     seed: seed of parameter init (when the Trainer builds the model) and dropout.
@@ -91,6 +94,7 @@ class TrainConfig(ValidatedConfig):
   steps: int = 100
   global_batch_size: int = 8
   seq_len: int = 128
+  images_per_row: int = 0
   grad_accum_steps: int = 1
   seed: int = 0
   optimizer: Literal['adamw', 'sgd', 'adafactor', 'muon'] = 'adamw'
@@ -141,6 +145,8 @@ class TrainConfig(ValidatedConfig):
                  'eval_batches'):
       if getattr(self, name) < 1:
         raise ConfigError(f'TrainConfig.{name} must be >= 1, got {getattr(self, name)}.')
+    if self.images_per_row < 0:
+      raise ConfigError(f'TrainConfig.images_per_row must be >= 0, got {self.images_per_row}.')
     if self.global_batch_size % self.grad_accum_steps:
       raise ConfigError(f'TrainConfig.global_batch_size ({self.global_batch_size}) must be a '
                         f'multiple of grad_accum_steps ({self.grad_accum_steps}).')

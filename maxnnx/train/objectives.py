@@ -76,6 +76,15 @@ from maxnnx.train.loss import chunked_head_cross_entropy, default_chunk_length, 
 Metrics = dict[str, jax.Array]
 
 
+def images(batch: dict) -> dict:
+  """``{'pixel_values': [batch * images_per_row, C, H, W]}`` of an image+text batch (its
+  ``[batch, images_per_row, C, H, W]`` rows in order), else ``{}``: keywords for the model."""
+  if 'pixel_values' not in batch:
+    return {}
+  pixels = batch['pixel_values']
+  return {'pixel_values': pixels.reshape(-1, *pixels.shape[2:])}
+
+
 class Objective:
   """Base class of training objectives (see the module docstring for the contract).
 
@@ -164,7 +173,7 @@ class PretrainObjective(Objective):
     depths = mc.mtp.num_layers
     mtp_tokens = norm.get('mtp') or ()
     out = model.hidden_states(batch['inputs'], segment_ids=batch['segment_ids'],
-                              positions=batch['positions'], mtp=depths > 0)
+                              positions=batch['positions'], mtp=depths > 0, **images(batch))
     x_BTD, mtp_hidden = out if depths else (out, ())
     objective, ce_sum, z_sum = self._terms(model, x_BTD, batch['targets'], batch['loss_mask'],
                                            cfg.z_loss)
@@ -197,7 +206,7 @@ class PretrainObjective(Objective):
     """Summed next-token cross-entropy (the training head, without z-loss) and token count."""
     del frozen
     x_BTD = model.hidden_states(batch['inputs'], segment_ids=batch['segment_ids'],
-                                positions=batch['positions'])
+                                positions=batch['positions'], **images(batch))
     _, ce_sum, _ = self._terms(model, x_BTD, batch['targets'], batch['loss_mask'],
                                self._config().z_loss)
     return ce_sum, batch['loss_mask'].sum()

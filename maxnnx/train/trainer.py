@@ -40,6 +40,7 @@ from maxnnx.train import step as step_lib
 from maxnnx.train.batches import (  # noqa: F401 (re-exported)
   BATCH_AXES,
   BATCH_KEYS,
+  IMAGE_AXES,
   as_batch,
   context_permutation,
   synthetic_batches,
@@ -201,9 +202,17 @@ class Trainer:
     self._objects = None
     self._extra = None
     _check_batch_and_length(config, self.model_config, self.mesh, self.rules)
-    self._batch_sharding = NamedSharding(
+    self._token_sharding = NamedSharding(
         self.mesh, sharding.spec_for(BATCH_AXES, self.rules, self.mesh,
                                      (config.global_batch_size, config.seq_len)))
+    self._image_shape = _image_shape(config, self.model_config)
+    self._batch_sharding = self._token_sharding
+    if self._image_shape is not None:  # one sharding per batch field
+      image_sharding = NamedSharding(
+          self.mesh, sharding.spec_for(IMAGE_AXES, self.rules, self.mesh,
+                                       (config.global_batch_size, *self._image_shape)))
+      self._batch_sharding = {**{k: self._token_sharding for k in self._abstract_batch()},
+                              'pixel_values': image_sharding}
     self.data = data if data is not None else synthetic_batches(
         self.model_config.vocab_size, self._local_batch_size(), config.seq_len, config.seed)
     self.eval_data = eval_data
@@ -318,8 +327,13 @@ class Trainer:
     dtypes = {'inputs': jnp.int32, 'targets': jnp.int32, 'segment_ids': jnp.int32,
               'positions': jnp.int32, 'loss_mask': jnp.float32,
               **dict(self.objective.batch_fields)}
-    return {k: jax.ShapeDtypeStruct(shape, dtypes[k], sharding=self._batch_sharding)
-            for k in dtypes}
+    out = {k: jax.ShapeDtypeStruct(shape, dtypes[k], sharding=self._token_sharding)
+           for k in dtypes}
+    if self._image_shape is not None and isinstance(self._batch_sharding, dict):
+      out['pixel_values'] = jax.ShapeDtypeStruct(
+          (shape[0], *self._image_shape), jnp.float32,
+          sharding=self._batch_sharding['pixel_values'])
+    return out
 
   def compile(self, *, verbose: bool = True) -> dict:
     """Lower and compile the train step for the mesh without running it.
@@ -375,7 +389,7 @@ class Trainer:
 
   def _place(self, batch: dict) -> dict:
     cfg = self.config
-    local = as_batch(batch, extra=self.objective.batch_fields)
+    local = as_batch(batch, extra=self.objective.batch_fields, image_shape=self._image_shape)
     rows, length = local['inputs'].shape
     if rows != self._local_batch_size() or length != cfg.seq_len:
       raise ValueError(f'Batch is {rows} x {length} tokens but this process expects '
@@ -390,8 +404,10 @@ class Trainer:
     context = dict(self.mesh.shape).get('context', 1)
     if context > 1 and cfg.mesh.context_load_balance:
       order = context_permutation(length, context)
-      local = {k: v[:, order] for k, v in local.items()}
-    return {k: jax.make_array_from_process_local_data(self._batch_sharding, v)
+      local = {k: v if k == 'pixel_values' else v[:, order] for k, v in local.items()}
+    shardings = (self._batch_sharding if isinstance(self._batch_sharding, dict)
+                 else dict.fromkeys(local, self._batch_sharding))
+    return {k: jax.make_array_from_process_local_data(shardings[k], v)
             for k, v in local.items()}
 
   def step(self, batch=None) -> dict | None:
@@ -763,6 +779,17 @@ def _check_pipeline_layout(model: nnx.Module, stages: int, what: str) -> None:
                      'with scan_layers=True (e.g. Transformer(config.replace(scan_layers=True)) '
                      'or from_pretrained(..., scan_layers=True)), or pass its config or preset '
                      'name so the Trainer builds it scanned.')
+
+
+def _image_shape(config: TrainConfig, model_config: ModelConfig) -> tuple[int, ...] | None:
+  """``(images_per_row, channels, H, W)`` of image+text batches, or ``None``."""
+  if not config.images_per_row:
+    return None
+  v = model_config.vision
+  if not v.num_layers:
+    raise ValueError('TrainConfig.images_per_row > 0 needs a model with a vision tower '
+                     '(ModelConfig.vision.num_layers > 0).')
+  return (config.images_per_row, v.num_channels, v.image_size, v.image_size)
 
 
 def _check_batch_and_length(config: TrainConfig, model_config: ModelConfig, mesh: Mesh,
