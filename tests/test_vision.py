@@ -241,3 +241,30 @@ def test_image_batches_are_checked():
     as_batch(batch, image_shape=(1, 3, 64, 64))
   with pytest.raises(ValueError, match='images_per_row is 0'):
     as_batch(batch)
+
+
+def test_lora_reaches_the_vision_tower():
+  """A target name adapts the text layers and the tower's blocks alike (as PEFT matches module
+  names); the tower's adapters get gradients from an image+text loss. PEFT files of a
+  multimodal model are refused with the way out."""
+  from maxnnx.train.lora import LoraConfig, apply_lora, save_adapter
+  model = maxnnx.Transformer(maxnnx.get_preset('tiny-gemma3-vision'), rngs=nnx.Rngs(0))
+  model = apply_lora(model, LoraConfig(rank=4, targets='q_proj,fc1'))
+  adapted = {'.'.join(map(str, p[:-1])) for p, _ in
+             nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
+  assert 'vision_tower.encoder_layers.1.mlp.fc1' in adapted
+  assert 'vision_tower.encoder_layers.0.self_attn.q_proj' in adapted
+  assert 'layers.0.attn.q_proj' in adapted
+  v = model.config.vision
+  ids = np.array([[5] + [v.image_token_id] * v.tokens_per_image + [6, 7]])
+  pixels = np.random.default_rng(0).normal(size=(1, 3, 64, 64)).astype(np.float32)
+
+  def loss(model):
+    return model(ids, pixel_values=pixels)[0, -1, 9]
+
+  grads = nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+  flat = {'.'.join(map(str, p)): np.asarray(g[...]) for p, g in nnx.to_flat_state(grads)}
+  assert np.abs(flat['vision_tower.encoder_layers.0.mlp.fc1.kernel_lora_a']).max() == 0  # B = 0
+  assert np.abs(flat['vision_tower.encoder_layers.0.mlp.fc1.kernel_lora_b']).max() > 0
+  with pytest.raises(NotImplementedError, match='merge_adapters'):
+    save_adapter(model, '/nonexistent-dir-never-written')

@@ -45,6 +45,8 @@ from maxnnx.train.quantization import PROJECTIONS_PATH, is_quantized
 
 #: Decoder-layer stacks: a module path below one of them may get adapters.
 STACKS_PATH = r'(dense_layers|layers)(/\d+)?/.+'
+#: The vision tower's projections (attention and MLP of each encoder block).
+VISION_PROJECTIONS_PATH = r'vision_tower/encoder_layers/\d+/(self_attn/\w+_proj|mlp/fc\d)'
 _QTYPES = {'int8': jnp.int8, 'int4': jnp.int4}
 
 
@@ -90,12 +92,14 @@ def lora_config_of(model: nnx.Module) -> LoraConfig:
 
 
 def candidate_modules(model: nnx.Module) -> list[tuple[tuple, DenseGeneral]]:
-  """``(path, module)`` of every projection of the decoder layers (``all-linear``)."""
+  """``(path, module)`` of every projection of the decoder layers and of the vision tower's
+  blocks (``all-linear``); a target name adapts both where both have it, as PEFT does."""
   out = []
   for path, module in model.iter_modules():
     name = _path_str(path)
-    if (isinstance(module, DenseGeneral) and re.fullmatch(STACKS_PATH, name)
-        and re.fullmatch(PROJECTIONS_PATH, name)):
+    if isinstance(module, DenseGeneral) and (
+        (re.fullmatch(STACKS_PATH, name) and re.fullmatch(PROJECTIONS_PATH, name))
+        or re.fullmatch(VISION_PROJECTIONS_PATH, name)):
       out.append((tuple(path), module))
   return out
 

@@ -90,6 +90,14 @@ def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
   return tensors
 
 
+def _refuse_multimodal(cfg) -> None:
+  if cfg.vision.num_layers:
+    raise NotImplementedError(
+        'PEFT adapter files of a model with a vision tower are not written yet (their module '
+        'names nest under the multimodal model); save merge_adapters(model) with '
+        'save_pretrained instead.')
+
+
 def save_adapter(model: nnx.Module, directory: str, *,
                  base_model_name_or_path: str | None = None) -> list[str]:
   """Write ``model``'s adapters as a PEFT LoRA adapter directory; returns the file names.
@@ -104,6 +112,7 @@ def save_adapter(model: nnx.Module, directory: str, *,
   replaced atomically.
   """
   config = lora_config_of(model)
+  _refuse_multimodal(model.config)
   family = _family(model.config)
   adapters, factors = _peft_adapters(model)
   tensors = peft_tensors(model)
@@ -194,6 +203,7 @@ def load_adapter(model: nnx.Module, directory: str, *, base_quantization: str = 
   """
   data = read_peft_config(directory)
   cfg = model.config
+  _refuse_multimodal(cfg)
   family = _family(cfg)
   if data.get('fan_in_fan_out') and not family.conv1d:
     raise PretrainedError(f'{os.path.join(directory, CONFIG_FILE)}: fan_in_fan_out=True is for '
