@@ -51,6 +51,31 @@ VISION_CASES = ['gemma3_vision']
 HF_CASES = sorted(set(os.listdir(FIXTURES)) - set(VISION_CASES))
 
 
+def export_and_compare(case: str, directory) -> tuple[dict, dict]:
+  """Load fixture ``case``, ``save_pretrained`` it into ``directory`` and check the written
+  tensors are the fixture's (names, values; shapes up to a reshape). Returns the fixture's
+  and the written ``config.json``."""
+  import json  # noqa: PLC0415
+
+  import numpy as np  # noqa: PLC0415
+
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.checkpoint.safetensors import read_safetensors  # noqa: PLC0415
+  source = os.path.join(FIXTURES, case)
+  maxnnx.save_pretrained(maxnnx.from_pretrained(source), str(directory))
+  original = read_safetensors(os.path.join(source, 'model.safetensors'))
+  written = read_safetensors(os.path.join(str(directory), 'model.safetensors'))
+  assert sorted(written) == sorted(original)
+  for name in original:
+    np.testing.assert_array_equal(written[name].reshape(original[name].shape), original[name],
+                                  err_msg=name)
+  configs = []
+  for path in (os.path.join(source, 'config.json'), os.path.join(str(directory), 'config.json')):
+    with open(path) as f:
+      configs.append(json.load(f))
+  return tuple(configs)
+
+
 def legacy_checkpoint(case: str, directory: str) -> str:
   """A checkpoint dir with the case's older-layout config.json and the same weights."""
   shutil.copy(os.path.join(FIXTURES, case, 'legacy', 'config.json'), directory)

@@ -12,11 +12,10 @@ import os
 
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, export_and_compare
 from flax import nnx
 
 import maxnnx
-from maxnnx.checkpoint.safetensors import read_safetensors
 from maxnnx.config import RopeConfig
 from maxnnx.layers.attention import Attention
 from maxnnx.layers.rope import RotaryEmbedding, apply_rope
@@ -76,17 +75,9 @@ def test_global_layers_have_their_own_shapes():
 def test_export_writes_the_transformers_tensors_and_config(case, tmp_path):
   """save_pretrained gives back every tensor of the fixture (MoE tensors renamed and
   gate_up_proj fused again) and the keys transformers builds the global layers from."""
-  source = os.path.join(FIXTURES, case)
-  maxnnx.save_pretrained(maxnnx.from_pretrained(source), str(tmp_path))
-  original = read_safetensors(os.path.join(source, 'model.safetensors'))
-  written = read_safetensors(str(tmp_path / 'model.safetensors'))
-  assert sorted(written) == sorted(original)
-  for name in original:
-    np.testing.assert_array_equal(written[name], original[name], err_msg=name)
-  with open(os.path.join(source, 'legacy', 'config.json')) as f:
+  _, ours = export_and_compare(case, tmp_path)
+  with open(os.path.join(FIXTURES, case, 'legacy', 'config.json')) as f:
     theirs = json.load(f)
-  with open(tmp_path / 'config.json') as f:
-    ours = json.load(f)
   for key in ('global_head_dim', 'attention_k_eq_v', 'layer_types', 'rope_parameters',
               'enable_moe_block', 'num_experts', 'top_k_experts', 'moe_intermediate_size',
               'final_logit_softcapping', 'sliding_window', 'hidden_size_per_layer_input',

@@ -5,16 +5,13 @@ generation and round trip against transformers in ``test_hf_parity.py``; it inte
 dense and MoE layers, which only the list layout holds. These tests cover the rest.
 """
 
-import json
-import os
 
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from conftest import export_and_compare
 from flax import nnx
 
 import maxnnx
-from maxnnx.checkpoint.safetensors import read_safetensors
 from maxnnx.models.hf import HFConfig
 from maxnnx.models.registry import specs
 
@@ -53,18 +50,7 @@ def test_the_scout_hub_config_is_the_scout_preset():
 def test_export_writes_the_transformers_tensors_and_config(tmp_path):
   """save_pretrained gives back the fixture's tensors (gate_up_proj fused again) and a
   config.json transformers reads as the same model."""
-  source = os.path.join(FIXTURES, 'llama4')
-  model = maxnnx.from_pretrained(source)
-  maxnnx.save_pretrained(model, str(tmp_path))
-  original = read_safetensors(os.path.join(source, 'model.safetensors'))
-  written = read_safetensors(str(tmp_path / 'model.safetensors'))
-  assert sorted(written) == sorted(original)
-  for name in original:
-    np.testing.assert_array_equal(written[name], original[name], err_msg=name)
-  with open(os.path.join(source, 'config.json')) as f:
-    theirs = json.load(f)
-  with open(tmp_path / 'config.json') as f:
-    ours = json.load(f)
+  theirs, ours = export_and_compare('llama4', tmp_path)
   for key in ('moe_layers', 'no_rope_layers', 'layer_types', 'attention_chunk_size',
               'floor_scale', 'attn_scale', 'use_qk_norm', 'intermediate_size',
               'intermediate_size_mlp', 'num_local_experts', 'num_experts_per_tok',

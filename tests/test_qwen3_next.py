@@ -7,15 +7,13 @@ generation (through the recurrent state cache) and the round trip against transf
 ``test_kernels_gated_delta.py``.
 """
 
-import os
 
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from conftest import export_and_compare
 from flax import nnx
 
 import maxnnx
-from maxnnx.checkpoint.safetensors import read_safetensors
 from maxnnx.models.counting import num_active_params, num_params
 
 
@@ -62,15 +60,7 @@ def test_ragged_prompts_generate_like_each_prompt_alone():
 
 @pytest.mark.parametrize('case', ['qwen3_next', 'qwen3_5'])
 def test_export_writes_the_transformers_tensors(case, tmp_path):
-  source = os.path.join(FIXTURES, case)
-  model = maxnnx.from_pretrained(source)
-  maxnnx.save_pretrained(model, str(tmp_path))
-  original = read_safetensors(os.path.join(source, 'model.safetensors'))
-  written = read_safetensors(str(tmp_path / 'model.safetensors'))
-  assert sorted(written) == sorted(original)
-  for name in original:
-    np.testing.assert_array_equal(written[name].reshape(original[name].shape), original[name],
-                                  err_msg=name)
+  export_and_compare(case, tmp_path)
 
 
 @pytest.mark.slow  # 13 s: the unscanned 48-layer abstract model
