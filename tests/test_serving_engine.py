@@ -257,7 +257,7 @@ SLIDING = dict(vocab_size=VOCAB, d_model=48, num_layers=4, num_heads=4, num_kv_h
     pytest.param(dict(preset='tiny-gemma4', sliding_window=6, vocab_size=VOCAB,
                       initializer_range=1.0, moe={'num_experts': 0}, per_layer_input_dim=8,
                       num_kv_shared_layers=2, kv_shared_mlp_dim=256),
-                 id='gemma4_per_layer_inputs_shared_kv'),
+                 id='gemma4_per_layer_inputs_shared_kv', marks=pytest.mark.slow),
 ])
 def test_family_under_paging_equals_its_unpaged_decode(family):
   """Sliding windows with soft-caps (Gemma 2/3 style), MLA's compressed cache and MoE layers

@@ -34,8 +34,9 @@ def _rel_error(ours, ref):
   return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize('layout,scan_layers', [('transformers5', False), ('legacy', False),
-                                                ('transformers5', True)])
+@pytest.mark.parametrize('layout,scan_layers', [
+    ('transformers5', False), ('legacy', False),
+    pytest.param('transformers5', True, marks=pytest.mark.slow)])
 def test_logits_with_images_match_transformers(layout, scan_layers, tmp_path):
   """Image embeddings in place of the placeholders, bidirectional within each image (derived
   from the ids, or from token_type_ids), both config layouts, scanned text stack too; text
@@ -157,6 +158,7 @@ def test_the_gemma3_4b_hub_config_is_the_whole_model_preset():
                      max_position_embeddings=preset.max_position_embeddings) == preset
 
 
+@pytest.mark.slow  # ~25 s (the sharded load; image+text training on a mesh is slow too)
 def test_the_vision_tower_shards_on_a_mesh_like_the_text_stack():
   """Loaded onto a 2x2x2 mesh, the tower's weights split along fsdp/tensor by their logical
   names, and the logits with images equal the single-device ones."""
@@ -236,6 +238,7 @@ def test_image_batches_are_checked():
     as_batch(batch)
 
 
+@pytest.mark.slow  # ~40 s: an eager forward and backward through tower and text
 def test_lora_reaches_the_vision_tower():
   """A target name adapts the text layers and the tower's blocks alike (as PEFT matches module
   names); the tower's adapters get gradients from an image+text loss. PEFT files of a
@@ -259,5 +262,19 @@ def test_lora_reaches_the_vision_tower():
   flat = {'.'.join(map(str, p)): np.asarray(g[...]) for p, g in nnx.to_flat_state(grads)}
   assert np.abs(flat['vision_tower.encoder_layers.0.mlp.fc1.kernel_lora_a']).max() == 0  # B = 0
   assert np.abs(flat['vision_tower.encoder_layers.0.mlp.fc1.kernel_lora_b']).max() > 0
+  with pytest.raises(NotImplementedError, match='merge_adapters'):
+    save_adapter(model, '/nonexistent-dir-never-written')
+
+
+def test_lora_targets_name_tower_and_text_projections_alike():
+  """``q_proj`` adapts the text attention and the tower's; ``fc1`` the tower's MLP; PEFT files
+  of a multimodal model are refused with the way out."""
+  from maxnnx.train.lora import LoraConfig, apply_lora, save_adapter
+  model = maxnnx.Transformer(maxnnx.get_preset('tiny-gemma3-vision'), rngs=nnx.Rngs(0))
+  model = apply_lora(model, LoraConfig(rank=4, targets='q_proj,fc1'))
+  adapted = {'.'.join(map(str, p[:-1])) for p, _ in
+             nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
+  assert {'vision_tower.encoder_layers.1.mlp.fc1', 'layers.0.attn.q_proj',
+          'vision_tower.encoder_layers.0.self_attn.q_proj'} <= adapted
   with pytest.raises(NotImplementedError, match='merge_adapters'):
     save_adapter(model, '/nonexistent-dir-never-written')

@@ -84,6 +84,7 @@ class VisionAttention(nnx.Module):
                                  axes=('heads', 'head_dim', 'embed'), **dense)
 
   def __call__(self, x_BND: jax.Array) -> jax.Array:
+    """``[B, patches, hidden]``: every patch attends to every patch of its image."""
     q_BNHD, k_BNHD, v_BNHD = self.q_proj(x_BND), self.k_proj(x_BND), self.v_proj(x_BND)
     scores_BHNM = jnp.einsum('bnhd,bmhd->bhnm', q_BNHD, k_BNHD,
                              preferred_element_type=jnp.float32) * q_BNHD.shape[-1] ** -0.5
@@ -110,6 +111,7 @@ class VisionMLP(nnx.Module):
     self.activation = v.activation
 
   def __call__(self, x_BND: jax.Array) -> jax.Array:
+    """``[B, patches, hidden]``."""
     return self.fc2(ACTIVATIONS[self.activation](self.fc1(x_BND)))
 
 
@@ -123,6 +125,7 @@ class VisionBlock(nnx.Module):
     self.mlp = VisionMLP(cfg, rngs=rngs)
 
   def __call__(self, x_BND: jax.Array) -> jax.Array:
+    """``[B, patches, hidden]``."""
     x_BND = x_BND + self.self_attn(self.layer_norm1(x_BND))
     return x_BND + self.mlp(self.layer_norm2(x_BND))
 
@@ -143,6 +146,7 @@ class VisionEncoder(nnx.Module):
     self.post_layernorm = _layer_norm(cfg, rngs)
 
   def __call__(self, pixels_BCHW: jax.Array) -> jax.Array:
+    """``[B, num_patches, hidden]`` features of ``[B, C, H, W]`` images."""
     x_BND = self.embeddings(pixels_BCHW)
     for block in self.encoder_layers:
       x_BND = block(x_BND)
@@ -169,6 +173,7 @@ class PooledProjector(nnx.Module):
         (v.hidden_size, cfg.d_model), cfg.jnp_dtype('param_dtype'), (None, 'embed'))
 
   def __call__(self, x_BND: jax.Array) -> jax.Array:
+    """``[B, tokens_per_image, d_model]`` of patch features ``[B, num_patches, hidden]``."""
     b, _, d = x_BND.shape
     side, out = self.patches_per_side, self.tokens_per_side
     k = side // out
