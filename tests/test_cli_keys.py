@@ -201,6 +201,7 @@ def test_help_lists_every_field_with_type_and_default(command, capsys):
     assert any(line.startswith(heading) for line in lines), heading
 
 
+@pytest.mark.slow  # ~30 s: test_train covers the CLI run
 def test_train_end_to_end_with_dotted_keys(tmp_path, capsys):
   # The issue's command: no tokenizer is given, so one is trained on the documents' column.
   docs = tmp_path / 'docs.jsonl'

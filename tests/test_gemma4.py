@@ -178,6 +178,7 @@ def test_bad_global_attention_settings_are_clear_errors(change, match):
     maxnnx.get_preset('tiny-gemma4', **change)
 
 
+@pytest.mark.slow  # ~20 s
 def test_a_scanned_stack_of_global_layers_only_equals_the_list():
   """All-full stacks have one shape: they scan, with the same logits."""
   cfg = maxnnx.get_preset('tiny-gemma4', layer_types=('full',) * 4, initializer_range=0.3)

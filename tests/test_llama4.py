@@ -65,6 +65,7 @@ def _all_moe_tiny():
                            initializer_range=0.5)
 
 
+@pytest.mark.slow  # ~30 s
 def test_a_scanned_stack_mixing_nope_and_rotary_layers_equals_the_list(tmp_path):
   """Scanned, the NoPE flag is traced per layer; logits and greedy decoding (KV cache,
   chunks shorter than the text) equal the list layout's."""

@@ -292,6 +292,7 @@ def _dropout_run(dropout, seed=0, accum=1):
   return _fit(model, _train_config(seed=seed, grad_accum_steps=accum))
 
 
+@pytest.mark.slow  # ~40 s
 def test_adapter_dropout_trains_reproducibly_and_only_in_training():
   """Step 1 (B = 0) is the same loss with and without dropout; later steps differ; the same
   seed repeats the run exactly; evaluation does not drop."""
@@ -407,7 +408,8 @@ def test_adapter_errors_name_the_file_and_tensor(tmp_path):
 
 
 @pytest.mark.parametrize('family, fused', [('phi3', ('qkv_proj', 'gate_up_proj')),
-                                           ('gpt2', ('c_attn',))])
+                                           pytest.param('gpt2', ('c_attn',),
+                                                        marks=pytest.mark.slow)])  # 25 s
 def test_fused_checkpoint_modules_load_peft_adapters_and_export_them_fused(family, fused,
                                                                              tmp_path):
   """Phi-3's qkv_proj / gate_up_proj and GPT-2's Conv1D c_attn: a peft-made adapter gives
@@ -549,6 +551,7 @@ def test_training_changes_adapters_only(base_quantization):
       assert values.min() >= -8 and values.max() <= 7
 
 
+@pytest.mark.slow  # ~30 s: two compiles, one on 8 devices
 def test_training_on_a_2x2x2_mesh_matches_one_device():
   config = LoraConfig(rank=4, alpha=8)
   single, one = _fit(apply_lora(_base(scan=True), config), _train_config())

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from maxnnx.train import Trainer
 from tests.multihost.common import global_batches, model_config, train_config
@@ -65,6 +66,7 @@ def _finish(procs):
   return [o[0] for o in outputs]
 
 
+@pytest.mark.slow  # ~40 s: two processes; test_two_processes_match_one_device stays
 def test_cli_train_over_two_processes_matches_one_process(tmp_path):
   """``maxnnx train coordinator=... num_processes=2 process_id=I`` (2 x 2 CPU devices, data x
   fsdp) against one process on one device, same global batches: the same losses and final

@@ -115,7 +115,7 @@ def _run(code: str, *args: str, devices: int = 1) -> str:
 
 
 @pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads VmHWM from /proc')
-@pytest.mark.parametrize('devices', [1, 8])
+@pytest.mark.parametrize('devices', [1, pytest.param(8, marks=pytest.mark.slow)])  # 8: ~15 s
 def test_loading_grows_host_memory_by_about_the_checkpoint(tmp_path, devices):
   """A ~465 MB float32 checkpoint loads with a peak-RSS growth of at most 1.2x its size, on one
   device and sharded over 8 (the parameters themselves are 1x on a CPU backend); a load that

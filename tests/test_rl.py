@@ -91,6 +91,7 @@ def test_reward_rises_and_metrics_have_trl_names(tokenizer, tmp_path):
   assert lines[0]['rewards']['vowels'] == vowels(None, [lines[0]['completion']])[0]
 
 
+@pytest.mark.slow  # ~26 s
 def test_a_mesh_and_gradient_accumulation_match_one_device_on_a_fixed_rollout(tokenizer):
   grpo = _grpo(tokenizer, config=GRPOConfig(num_generations=4, max_new_tokens=8, beta=0.1,
                                             loss_type='dapo'))

@@ -243,7 +243,8 @@ SLIDING = dict(vocab_size=VOCAB, d_model=48, num_layers=4, num_heads=4, num_kv_h
 
 
 @pytest.mark.parametrize('family', [
-    pytest.param(dict(preset='gemma2-2b', scan_layers=True, **SLIDING), id='gemma2_scanned'),
+    pytest.param(dict(preset='gemma2-2b', scan_layers=True, **SLIDING), id='gemma2_scanned',
+                 marks=pytest.mark.slow),  # ~19 s
     pytest.param(dict(preset='gemma3-1b', **SLIDING), id='gemma3_list', marks=pytest.mark.slow),
     pytest.param(dict(attention_type='mla', head_dim=None, kv_lora_rank=8, qk_nope_head_dim=8,
                       qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12), id='mla'),

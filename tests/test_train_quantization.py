@@ -187,6 +187,7 @@ def test_fp8_trains_on_cpu():
   assert np.abs(fp8 - _losses(_trainer('none', steps=8))).max() > 1e-4
 
 
+@pytest.mark.slow  # ~25 s
 def test_scanned_int8_on_a_mesh_matches_one_device():
   one, mesh = (_losses(_trainer('int8', steps=2, mesh=m, scan=True))
                for m in (MeshConfig(data=1), MeshConfig(data=2, fsdp=2, tensor=2)))
