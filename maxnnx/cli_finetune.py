@@ -112,9 +112,13 @@ class Recipe:
     make = make_sft_pipeline if self.name == 'sft' else make_preference_pipeline
     fields = {'overlong': 'truncate', **data_fields} if self.name == 'sft' else data_fields
     config = DataConfig.from_string(spec, **fields)
+    images = {}
+    if self.name == 'sft' and train_config.images_per_row:
+      images = image_sft_options(options.get('model', ''), tokenizer, model_config,
+                                 train_config.images_per_row)
     return make(config, tokenizer, self.template(options, tokenizer, model_config.family),
                 batch_size=local_batch, seq_len=train_config.seq_len, seed=train_config.seed,
-                vocab_size=model_config.vocab_size)
+                vocab_size=model_config.vocab_size, **images)
 
   def objective(self, options: dict, model, train_config):
     """The objective to train (``None``: the pre-training one)."""
@@ -312,3 +316,25 @@ GRPO = Recipe(
     records=True)
 
 RECIPES = {r.name: r for r in (PRETRAIN, SFT, DPO, DISTILL, GRPO)}
+
+
+def image_sft_options(checkpoint: str, tokenizer, model_config, images_per_row: int) -> dict:
+  """``make_sft_pipeline`` keywords of image+text SFT (``images_per_row=`` > 0): the image
+  processor of the checkpoint's ``preprocessor_config.json`` and the family's image prompt."""
+  from maxnnx.data import ImageProcessor, ImagePrompt  # noqa: PLC0415
+  if not model_config.vision.num_layers:
+    raise UsageError('images_per_row > 0 trains on images: the model needs a vision tower '
+                     '(a multimodal checkpoint, e.g. Gemma 3 4B, or a preset with one).')
+  if model_config.family != 'gemma3':
+    raise UsageError(f'image+text SFT knows the image prompt of gemma3 models, not of '
+                     f'{model_config.family!r}.')
+  if checkpoint and os.path.isfile(os.path.join(checkpoint, 'preprocessor_config.json')):
+    processor = ImageProcessor.from_pretrained(checkpoint)
+  else:  # a preset: the tower's own image size, SigLIP's normalisation
+    side = model_config.vision.image_size
+    processor = ImageProcessor(height=side, width=side)
+  if processor.pan_and_scan:
+    processor = dataclasses.replace(processor, pan_and_scan=False)
+  return {'image_processor': processor,
+          'image_prompt': ImagePrompt.gemma3(tokenizer, model_config.vision),
+          'images_per_row': images_per_row}

@@ -216,15 +216,6 @@ def test_image_text_training_on_a_2x2x2_mesh_equals_one_device():
   assert moved
 
 
-def test_image_text_training_with_a_frozen_tower():
-  """The loss on text after an image falls; a trainable filter without the tower leaves its
-  weights as they were."""
-  from maxnnx.config import MeshConfig
-  frozen = nnx.All(nnx.Param, nnx.Not(nnx.PathContains('vision_tower')))
-  losses, moved = _image_text_losses(MeshConfig(data=1), trainable=frozen)
-  assert losses[-1] < losses[0] and not moved
-
-
 def test_image_batches_are_checked():
   from maxnnx.train.batches import as_batch
   rows = np.zeros((2, 9), np.int32)

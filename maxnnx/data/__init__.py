@@ -3,7 +3,8 @@
 Start with :func:`make_pipeline` and :class:`DataConfig`; the batch contract is
 described in :mod:`maxnnx.data.pipeline`. Chat templates and fine-tuning data:
 :mod:`maxnnx.data.chat`, :func:`make_sft_pipeline` and (for DPO)
-:func:`make_preference_pipeline`.
+:func:`make_preference_pipeline`. Images for vision-language models:
+:class:`ImageProcessor`, :class:`ImagePrompt` and :func:`load_image`.
 """
 
 from maxnnx.data.chat import (
@@ -13,6 +14,7 @@ from maxnnx.data.chat import (
     load_chat_template,
 )
 from maxnnx.data.config import DataConfig
+from maxnnx.data.images import ImageProcessor, ImagePrompt, load_image
 from maxnnx.data.pipeline import Pipeline, make_pipeline
 from maxnnx.data.preference import make_preference_pipeline
 from maxnnx.data.sft import make_sft_pipeline
@@ -27,8 +29,9 @@ from maxnnx.data.tokenizer import (
 )
 
 __all__ = [
-    'DEFAULT_CORPUS', 'ChatTemplate', 'DataConfig', 'HFTokenizer', 'Pipeline',
-    'SentencePieceTokenizer', 'TiktokenTokenizer', 'TokenWindows', 'Tokenizer', 'encode_chat',
-    'encode_prompt_completion', 'load_chat_template', 'load_tokenizer', 'make_pipeline',
+    'DEFAULT_CORPUS', 'ChatTemplate', 'DataConfig', 'HFTokenizer', 'ImageProcessor',
+    'ImagePrompt', 'Pipeline', 'SentencePieceTokenizer', 'TiktokenTokenizer', 'TokenWindows',
+    'Tokenizer', 'encode_chat', 'encode_prompt_completion', 'load_chat_template',
+    'load_image', 'load_tokenizer', 'make_pipeline',
     'make_preference_pipeline', 'make_sft_pipeline', 'resolve_source', 'train_sentencepiece',
 ]

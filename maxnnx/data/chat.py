@@ -75,10 +75,19 @@ LLAMA3_TEMPLATE = (
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
     "{%- endif %}")
 
+# Gemma's turns; a message's content may also be a list of {"type": "text", "text": ...}
+# and {"type": "image"} parts (Gemma 3), an image becoming <start_of_image>.
 GEMMA_TEMPLATE = (
+    "{%- macro body(content) %}"
+    "{%- if content is string %}{{- content | trim }}"
+    "{%- else %}{%- for part in content %}"
+    "{%- if part['type'] == 'image' %}{{- '<start_of_image>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] | trim }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{%- endmacro %}"
     "{{- bos_token }}"
     "{%- if messages and messages[0]['role'] == 'system' %}"
-    "{%- set system = messages[0]['content'] | trim + '\\n\\n' %}"
+    "{%- set system = body(messages[0]['content']) + '\\n\\n' %}"
     "{%- set messages = messages[1:] %}"
     "{%- else %}{%- set system = '' %}{%- endif %}"
     "{%- for message in messages %}"
@@ -87,7 +96,7 @@ GEMMA_TEMPLATE = (
     "{%- endif %}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "{{- '<start_of_turn>' + role + '\\n' + (system if loop.first else '')"
-    " + message['content'] | trim + '<end_of_turn>\\n' }}"
+    " + body(message['content']) + '<end_of_turn>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}")
 

@@ -8,11 +8,20 @@ pan-and-scan: the whole image plus 2 or more crops along its long side), resize 
 result is ``[N, 3, H, W]`` float32, ready for ``model(ids, pixel_values=...)`` and
 ``maxnnx.generate``. Resized pixels depend on the Pillow major version (bicubic changed
 in Pillow 13); the transformers references were made with the pinned one.
+
+:class:`ImagePrompt` says how an image appears in the text: the chat template writes a
+``marker`` per image (Gemma 3: ``<start_of_image>``), which becomes the sequence the
+model reads, the image's placeholder tokens among them. :func:`load_image` reads an
+image from a path, a ``data:`` URL or raw bytes (as chat records and the OpenAI API
+give them).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import io
 import itertools
 import json
 import math
@@ -154,3 +163,82 @@ def _as_rgb(image) -> Image.Image:
   rgba = image.convert('RGBA')
   white = Image.new('RGBA', rgba.size, (255, 255, 255))
   return Image.alpha_composite(white, rgba).convert('RGB')
+
+
+def load_image(source, base_dir: str | None = None) -> Image.Image:
+  """An RGB Pillow image from a path (relative ones under ``base_dir``), a ``data:`` URL
+  (``data:image/png;base64,...``), bytes, a ``{'bytes': ...}`` / ``{'path': ...}`` dict (a
+  Hugging Face datasets image column), a Pillow image or a ``[H, W, 3|4]`` uint8 array."""
+  if isinstance(source, dict):
+    if source.get('bytes') is not None:
+      return load_image(source['bytes'])
+    if source.get('path'):
+      return load_image(source['path'], base_dir)
+    raise ValueError(f"an image dict needs 'bytes' or 'path', got keys {sorted(source)}.")
+  if isinstance(source, (bytes, bytearray)):
+    try:
+      with Image.open(io.BytesIO(source)) as opened:
+        opened.load()
+        return _as_rgb(opened.copy())
+    except OSError as e:
+      raise ValueError(f'image bytes are not a readable image ({e}).') from None
+  if isinstance(source, str) and source.startswith('data:'):
+    header, _, payload = source.partition(',')
+    if not header.endswith(';base64') or not payload:
+      raise ValueError(f'a data URL image must be data:image/...;base64,<data>; got '
+                       f'{source[:40]!r}...')
+    try:
+      return load_image(base64.b64decode(payload, validate=True))
+    except binascii.Error as e:
+      raise ValueError(f'the data URL image is not valid base64 ({e}).') from None
+  if isinstance(source, (str, os.PathLike)):
+    path = os.fspath(source)
+    if '://' in path:
+      raise ValueError(f'{path}: images are read from local files or data: URLs, not URLs.')
+    if base_dir and not os.path.isabs(path):
+      path = os.path.join(base_dir, path)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f'{path}: no such image file.')
+    return _as_rgb(path)
+  return _as_rgb(source)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagePrompt:
+  """How an image appears in the text (see the module docstring).
+
+  Attributes:
+    marker: what the chat template writes where an image goes.
+    expansion: what the model reads instead: for Gemma 3, a blank line, the
+      start-of-image token, ``tokens_per_image`` placeholders, the end-of-image token
+      and a blank line.
+    image_token_id: the placeholder id (``ModelConfig.vision.image_token_id``).
+  """
+
+  marker: str
+  expansion: str
+  image_token_id: int
+
+  @classmethod
+  def gemma3(cls, tokenizer, vision, *, start_token: str = '<start_of_image>',
+             end_token: str = '<end_of_image>') -> ImagePrompt:
+    """Gemma 3's prompt for ``vision`` (a :class:`~maxnnx.config.VisionConfig`), with
+    the placeholder's string looked up in ``tokenizer`` by ``vision.image_token_id``."""
+    from maxnnx.data.chat import special_tokens
+    specials = special_tokens(tokenizer)
+    image_token = {i: s for s, i in specials.items()}.get(vision.image_token_id)
+    missing = [repr(token) for token in (start_token, end_token) if token not in specials]
+    if image_token is None:
+      missing.append(f'a special token of id {vision.image_token_id} '
+                     '(ModelConfig.vision.image_token_id)')
+    if missing:
+      raise ValueError(f"the tokenizer lacks Gemma 3's image tokens: {', '.join(missing)}; "
+                       "use the checkpoint's own tokenizer.")
+    return cls(marker=start_token,
+               expansion=f'\n\n{start_token}{image_token * vision.tokens_per_image}'
+                         f'{end_token}\n\n',
+               image_token_id=vision.image_token_id)
+
+  def expand(self, text: str) -> tuple[str, int]:
+    """``(text with every marker expanded, number of images)``."""
+    return text.replace(self.marker, self.expansion), text.count(self.marker)

@@ -91,15 +91,24 @@ class _ExamplesIterator(grain.DatasetIterator):
       return []
     length = len(ids) - 1
 
+    images = doc.get('images')  # [n, C, H, W]: they go with the piece holding their tokens
+
     def piece(start: int, end: int) -> dict:
       example = {'inputs': ids[start:end], 'targets': ids[start + 1:end + 1]}
       if mask is not None:
         example['loss_mask'] = mask[start + 1:end + 1]
+      if images is not None:
+        example['images'] = images if start == 0 else images[:0]
       return example
 
     if length <= self.seq_len:
       return [piece(0, length)]
     self.counts['overlong'] += 1
+    if images is not None and doc.get('image_end', 0) > self.seq_len and self.overlong != 'drop':
+      raise ValueError(
+          f"{self.describe(*doc['where'])}: the conversation's image tokens run to position "
+          f"{doc['image_end']}, past seq_len={self.seq_len}; an image cannot be cut. Raise "
+          "seq_len, or set DataConfig.overlong='drop'.")
     if self.overlong == 'error':
       raise ValueError(
           f"{self.describe(*doc['where'])}: the document has {length + 1} tokens "
@@ -130,10 +139,17 @@ class _ExamplesIterator(grain.DatasetIterator):
     self._pieces, self._next_piece, self._resume_piece = [], 0, state['piece']
 
 
-def pad_example(example: dict, seq_len: int) -> dict:
-  """One example alone in a row: ids padded with 0, segment 1, positions 0.. (no packing)."""
+def pad_example(example: dict, seq_len: int, images_per_row: int = 0) -> dict:
+  """One example alone in a row: ids padded with 0, segment 1, positions 0.. (no packing).
+
+  An example's ``images`` ``[n, C, H, W]`` become ``images_per_row`` of them, zero
+  images after its own."""
   length = len(example['inputs'])
   row = {}
+  if 'images' in example:
+    images = example['images']
+    row['images'] = np.zeros((images_per_row, *images.shape[1:]), np.float32)
+    row['images'][:len(images)] = images
   for key in ('inputs', 'targets', 'loss_mask'):
     if key in example:
       row[key] = np.zeros(seq_len, np.float32 if key == 'loss_mask' else np.int32)
@@ -145,16 +161,17 @@ def pad_example(example: dict, seq_len: int) -> dict:
 
 
 def pack(examples: grain.IterDataset, *, mode: str, seq_len: int, bins: int, seed: int,
-         shuffle: bool, loss_mask: bool = False) -> grain.IterDataset:
+         shuffle: bool, loss_mask: bool = False, images_per_row: int = 0) -> grain.IterDataset:
   """Rows ``{'inputs', 'targets', 'inputs_segment_ids', 'inputs_positions'}`` of ``seq_len``.
 
   ``mode`` is ``'first_fit'`` / ``'best_fit'`` (grain's packers, ``bins`` rows
   at a time, rows shuffled when ``shuffle``) or ``'none'`` (one example per row).
   ``loss_mask``: the examples carry a ``loss_mask``, packed (0 on padding) like
-  ``targets``.
+  ``targets``. ``images_per_row``: the examples carry ``images``, and rows get that
+  many (see :func:`pad_example`); such rows are never packed.
   """
-  if mode == 'none':
-    return examples.map(_PadExample(seq_len))
+  if mode == 'none' or images_per_row:
+    return examples.map(_PadExample(seq_len, images_per_row))
   packer = {'first_fit': grain.experimental.FirstFitPackIterDataset,
             'best_fit': grain.experimental.BestFitPackIterDataset}[mode]
   length_struct = {'inputs': seq_len, 'targets': seq_len}
@@ -167,11 +184,11 @@ def pack(examples: grain.IterDataset, *, mode: str, seq_len: int, bins: int, see
 class _PadExample(grain.transforms.Map):
   """Picklable ``pad_example`` for grain workers."""
 
-  def __init__(self, seq_len: int):
-    self.seq_len = seq_len
+  def __init__(self, seq_len: int, images_per_row: int = 0):
+    self.seq_len, self.images_per_row = seq_len, images_per_row
 
   def map(self, element: dict) -> dict:
-    return pad_example(element, self.seq_len)
+    return pad_example(element, self.seq_len, self.images_per_row)
 
 
 class ToBatch(grain.transforms.Map):
@@ -187,7 +204,9 @@ class ToBatch(grain.transforms.Map):
   def map(self, rows: dict) -> dict:
     segment_ids = np.asarray(rows['inputs_segment_ids'], np.int32)
     real = segment_ids != 0
-    return {
+    images = {} if 'images' not in rows else {'pixel_values': np.asarray(rows['images'],
+                                                                         np.float32)}
+    return {**images,
         'inputs': np.where(real, rows['inputs'], self.pad_id).astype(np.int32),
         'targets': np.where(real, rows['targets'], self.pad_id).astype(np.int32),
         'segment_ids': segment_ids,

@@ -15,10 +15,21 @@ Examples are packed as in pre-training (segment ids and positions keep the
 records apart) and the batches follow the contract of
 :func:`maxnnx.data.make_pipeline`, with ``loss_mask`` 0 on prompt tokens as well
 as on padding.
+
+Image+text records (a vision-language model; ``images_per_row > 0``) put
+``{"type": "image", "image": <path | data: URL>}`` parts in a message's content (or
+bare ``{"type": "image"}`` parts filled in order from the record's ``"images"`` list,
+as TRL's vision datasets do; OpenAI's ``{"type": "image_url", "image_url": {"url":
+...}}`` works too). The template writes its marker per image, :class:`ImagePrompt`
+expands it to the model's placeholder tokens, and the :class:`ImageProcessor` turns the
+images into pixels. Such rows are not packed (one conversation per row, as MaxText
+does for multimodal SFT); each batch gains ``pixel_values`` ``[batch,
+images_per_row, 3, H, W]``, zero images filling the rows with fewer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,13 +41,16 @@ import numpy as np
 from maxnnx.config import ConfigError
 from maxnnx.data import packing
 from maxnnx.data.chat import (
-    ChatTemplate,
-    encode_chat,
-    encode_prompt_completion,
-    load_chat_template,
-    template_for,
+  ChatTemplate,
+  chat_pieces,
+  encode_chat,
+  encode_prompt_completion,
+  encode_with_specials,
+  load_chat_template,
+  template_for,
 )
 from maxnnx.data.config import DataConfig
+from maxnnx.data.images import ImageProcessor, ImagePrompt, load_image
 from maxnnx.data.pipeline import Pipeline, _derived_seed, _jsonable
 from maxnnx.data.sources import resolve_source
 from maxnnx.data.tokenizer import Tokenizer, load_tokenizer
@@ -46,11 +60,12 @@ class RecordSource:
   """Every JSON object of some JSONL / JSON-list / Parquet files, in order (random access)."""
 
   def __init__(self, files, kind: str):
-    self.records, self.where = [], []
+    self.records, self.where, self.files = [], [], []
     for path in files:
       for where, record in _read_records(path, kind):
         self.records.append(record)
         self.where.append(f'{path} {where}')
+        self.files.append(path)
     if not self.records:
       raise ValueError(f'{", ".join(files)}: no records.')
 
@@ -63,6 +78,10 @@ class RecordSource:
   def describe(self, index: int) -> str:
     """The file and line (or record number) of record ``index``."""
     return self.where[index]
+
+  def directory(self, index: int) -> str:
+    """The directory of record ``index``'s file (relative image paths start there)."""
+    return os.path.dirname(self.files[index])
 
 
 def _read_records(path: str, kind: str):
@@ -118,32 +137,142 @@ def encode_sft_record(tokenizer, template: ChatTemplate | str | None, record,
                    f'{sorted(record)}.')
 
 
+@dataclasses.dataclass(frozen=True)
+class SFTImages:
+  """The image side of image+text SFT: pixels, the prompt's placeholders and room per row."""
+
+  processor: ImageProcessor
+  prompt: ImagePrompt
+  images_per_row: int
+
+  def empty(self) -> np.ndarray:
+    """``[0, 3, H, W]``: the images of a text-only record."""
+    return np.zeros((0, 3, self.processor.height, self.processor.width), np.float32)
+
+
+def split_images(record: dict) -> tuple[list, list]:
+  """``(messages with bare {"type": "image"} parts, the images' sources in order)``.
+
+  A part's source is its ``image`` / ``path`` / ``url`` key (or OpenAI's
+  ``image_url.url``); parts without one take the record's ``images`` in order.
+  """
+  given = list(record.get('images') or [])
+  messages, sources = [], []
+  for message in record['messages']:
+    content = message.get('content')
+    if isinstance(content, list):
+      parts = []
+      for part in content:
+        kind = part.get('type') if isinstance(part, dict) else None
+        if kind not in ('image', 'image_url'):
+          parts.append(part)
+          continue
+        source = part.get('image') or part.get('path') or part.get('url')
+        if kind == 'image_url':
+          source = (part.get('image_url') or {}).get('url')
+        if source is None:
+          if not given:
+            raise ValueError('an image part has no source and the record\'s "images" list '
+                             'has no image left for it.')
+          source = given.pop(0)
+        sources.append(source)
+        parts.append({'type': 'image'})
+      message = {**message, 'content': parts}
+    messages.append(message)
+  if given:
+    raise ValueError(f'the record\'s "images" list has {len(given)} image(s) more than its '
+                     'messages have {"type": "image"} parts.')
+  return messages, sources
+
+
+def encode_image_chat(tokenizer, template: ChatTemplate, messages, images: SFTImages
+                      ) -> tuple[list[int], list[int], int]:
+  """``(ids, loss_mask, images)`` of a conversation whose image markers expand to
+  placeholders (never trained on, even inside an assistant turn)."""
+  ids, mask, count = [], [], 0
+  for text, trained in chat_pieces(template, messages):
+    text, n = images.prompt.expand(text)
+    count += n
+    piece = encode_with_specials(tokenizer, text)
+    ids += piece
+    mask += [int(trained and i != images.prompt.image_token_id) for i in piece]
+  return ids, mask, count
+
+
 class EncodeSFT(grain.transforms.Map):
-  """``(source, record index, record)`` -> ``{'ids', 'loss_mask', 'where'}``."""
+  """``(source, record index, record)`` -> ``{'ids', 'loss_mask', 'where'}`` (and
+  ``'images'`` ``[n, 3, H, W]`` with ``images``)."""
 
   def __init__(self, tokenizer, template, sources, *, add_bos: bool, add_eos: bool,
-               vocab_size: int):
+               vocab_size: int, images: SFTImages | None = None):
     self.tokenizer, self.template, self.sources = tokenizer, template, sources
     self.add_bos, self.add_eos, self.vocab_size = add_bos, add_eos, vocab_size
+    self.images = images
 
   def map(self, element) -> dict:
     source, index, record = element
+    where = self.sources[source].describe(index)
     try:
-      ids, mask = encode_sft_record(self.tokenizer, self.template, record,
-                                    add_bos=self.add_bos, add_eos=self.add_eos)
-    except ValueError as e:
-      raise ValueError(f'{self.sources[source].describe(index)}: {e}') from None
+      if self.images is not None and isinstance(record, dict) and 'messages' in record:
+        ids, mask, pixels = self._encode_with_images(record, self.sources[source].directory(index))
+      else:
+        _refuse_images(record)
+        ids, mask = encode_sft_record(self.tokenizer, self.template, record,
+                                      add_bos=self.add_bos, add_eos=self.add_eos)
+        pixels = None if self.images is None else self.images.empty()
+    except (ValueError, FileNotFoundError) as e:
+      raise ValueError(f'{where}: {e}') from None
     ids = np.asarray(ids, np.int32)
     if ids.size and ids.max() >= self.vocab_size:
-      raise ValueError(f'{self.sources[source].describe(index)}: token id {int(ids.max())} is '
-                       f'outside the vocabulary [0, {self.vocab_size}).')
-    return {'ids': ids, 'loss_mask': np.asarray(mask, np.float32), 'where': (source, index)}
+      raise ValueError(f'{where}: token id {int(ids.max())} is outside the vocabulary '
+                       f'[0, {self.vocab_size}).')
+    out = {'ids': ids, 'loss_mask': np.asarray(mask, np.float32), 'where': (source, index)}
+    if pixels is not None:
+      out['images'] = pixels
+      placeholders = np.flatnonzero(ids == self.images.prompt.image_token_id)
+      out['image_end'] = int(placeholders[-1]) + 1 if placeholders.size else 0
+    return out
+
+  def _encode_with_images(self, record, directory):
+    messages, sources = split_images(record)
+    images = self.images
+    if len(sources) > images.images_per_row:
+      raise ValueError(f'{len(sources)} images, more than images_per_row='
+                       f'{images.images_per_row}; raise it (TrainConfig.images_per_row too).')
+    if self.template is None:
+      raise ValueError('a "messages" record needs a chat template; the tokenizer directory '
+                       'has none: pass template=.')
+    ids, mask, markers = encode_image_chat(self.tokenizer, self.template, messages, images)
+    if markers != len(sources):
+      raise ValueError(f'the chat template wrote {markers} image marker(s) '
+                       f'{images.prompt.marker!r} for {len(sources)} image(s); use a template '
+                       'that renders {"type": "image"} parts.')
+    if not sources:
+      return ids, mask, images.empty()
+    if images.processor.pan_and_scan:
+      raise ValueError('pan-and-scan crops are not expanded in SFT prompts yet; load the '
+                       'image processor with pan_and_scan=False.')
+    pixels, _ = images.processor([load_image(s, directory) for s in sources])
+    return ids, mask, pixels
+
+
+def _refuse_images(record) -> None:
+  """Image parts in a record of a text-only pipeline are an error, not silently dropped."""
+  for message in (record.get('messages') or []) if isinstance(record, dict) else []:
+    content = message.get('content') if isinstance(message, dict) else None
+    if isinstance(content, list) and any(
+        isinstance(p, dict) and p.get('type') in ('image', 'image_url') for p in content):
+      raise ValueError('the record has images but the pipeline has no image side: pass '
+                       'make_sft_pipeline(..., image_processor=, image_prompt=, '
+                       'images_per_row=).')
 
 
 def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
                       template: ChatTemplate | str | None = None, *, batch_size: int,
                       seq_len: int, seed: int = 0, shard_index: int | None = None,
-                      shard_count: int | None = None, vocab_size: int | None = None
+                      shard_count: int | None = None, vocab_size: int | None = None,
+                      image_processor: ImageProcessor | None = None,
+                      image_prompt: ImagePrompt | None = None, images_per_row: int = 0
                       ) -> Pipeline:
   """Packed SFT batches (the :func:`maxnnx.data.make_pipeline` contract) from records.
 
@@ -159,6 +288,10 @@ def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
       Only ``messages`` records and message-list prompts need one.
     batch_size, seq_len, seed, shard_index, shard_count, vocab_size: as for
       :func:`maxnnx.data.make_pipeline`.
+    image_processor, image_prompt, images_per_row: image+text records (see the module
+      docstring): the checkpoint's :class:`ImageProcessor`, its :class:`ImagePrompt`
+      (e.g. ``ImagePrompt.gemma3(tokenizer, model_config.vision)``) and the images a
+      row holds (``TrainConfig.images_per_row``). Rows are then not packed.
   """
   if isinstance(config, str):
     config = DataConfig.from_string(config, overlong='truncate')
@@ -170,19 +303,20 @@ def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
       raise ValueError(f'{name} must be a positive int, got {value!r}.')
   shard_index = jax.process_index() if shard_index is None else shard_index
   shard_count = jax.process_count() if shard_count is None else shard_count
+  images = _sft_images(image_processor, image_prompt, images_per_row)
   tokenizer, template = resolve_tokenizer_and_template(tokenizer, template)
   vocab_size = vocab_size or tokenizer.vocab_size
   sources, ds = record_dataset(config, seed=seed, shard_index=shard_index,
                                shard_count=shard_count)
   ds = ds.map(EncodeSFT(tokenizer, template, sources, add_bos=config.add_bos,
-                        add_eos=config.add_eos, vocab_size=vocab_size))
+                        add_eos=config.add_eos, vocab_size=vocab_size, images=images))
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   examples = packing.ExamplesIterDataset(
       ds, seq_len=seq_len, overlong=config.overlong,
       describe=lambda source, index: sources[source].describe(index))
   rows = packing.pack(examples, mode=config.packing, seq_len=seq_len,
                       bins=config.packing_bins or batch_size, seed=_derived_seed(seed, 3),
-                      shuffle=config.shuffle, loss_mask=True)
+                      shuffle=config.shuffle, loss_mask=True, images_per_row=images_per_row)
   pad = tokenizer.pad_id or 0
   batches = rows.batch(batch_size, drop_remainder=True).map(packing.ToBatch(pad))
   if config.worker_count:
@@ -194,9 +328,27 @@ def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
       'kind': 'sft', 'config': config.to_dict(), 'batch_size': batch_size, 'seq_len': seq_len,
       'seed': seed, 'shard_index': shard_index, 'shard_count': shard_count,
       'vocab_size': vocab_size,
-      'template': hashlib.sha256(template.source.encode()).hexdigest()[:16] if template else None})
+      'template': hashlib.sha256(template.source.encode()).hexdigest()[:16] if template else None,
+      'images': None if images is None else repr(images)})
   return Pipeline(batches, examples, fingerprint, config=config, tokenizer=tokenizer,
                   batch_size=batch_size, seq_len=seq_len)
+
+
+def _sft_images(processor, prompt, images_per_row) -> SFTImages | None:
+  if not isinstance(images_per_row, int) or images_per_row < 0:
+    raise ValueError(f'images_per_row must be an int >= 0, got {images_per_row!r}.')
+  given = [name for name, value in (('image_processor', processor), ('image_prompt', prompt))
+           if value is not None]
+  if not images_per_row:
+    if given:
+      raise ValueError(f'{", ".join(given)} given with images_per_row=0; set images_per_row '
+                       '(the images each row holds) for image+text SFT.')
+    return None
+  if len(given) < 2:
+    raise ValueError('image+text SFT (images_per_row > 0) needs image_processor= '
+                     '(ImageProcessor.from_pretrained(checkpoint)) and image_prompt= '
+                     '(e.g. ImagePrompt.gemma3(tokenizer, model_config.vision)).')
+  return SFTImages(processor, prompt, images_per_row)
 
 
 def resolve_tokenizer_and_template(tokenizer: Tokenizer | str,

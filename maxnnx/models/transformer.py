@@ -241,7 +241,10 @@ class Transformer(nnx.Module):
       pixel_values: ``[num_images, channels, H, W]`` float32 images (normalised as the
         checkpoint's image processor does; models with a vision tower): their
         embeddings replace the ``vision.image_token_id`` placeholders of
-        ``input_ids_BT``, in order, ``vision.tokens_per_image`` per image.
+        ``input_ids_BT``, in order, ``vision.tokens_per_image`` per image. Or
+        ``[B, images_per_row, channels, H, W]`` (training batches): the
+        placeholders of row ``b`` take row ``b``'s images in order, and images a
+        row has no placeholders for (padding) are ignored.
       token_type_ids: ``[B, T]``, 1 for image tokens (as transformers' processors give
         them); by default the placeholders. The tokens of each image attend to each
         other in both directions, also when a prompt with images fills the KV cache
@@ -357,6 +360,8 @@ class Transformer(nnx.Module):
 
   def _place_images(self, x_BTD, ids_BT, pixel_values):
     """``x_BTD`` with the image placeholders' rows replaced by the image embeddings."""
+    if pixel_values.ndim == 5:
+      return self._place_row_images(x_BTD, ids_BT, pixel_values)
     features_ID = self.image_features(pixel_values)
     features_MD = features_ID.reshape(-1, features_ID.shape[-1]).astype(x_BTD.dtype)
     is_image_N = (ids_BT == self.config.vision.image_token_id).reshape(-1)
@@ -371,6 +376,28 @@ class Transformer(nnx.Module):
     x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
     x_ND = jnp.where(is_image_N[:, None], features_MD[index_N], x_ND)
     return constrain(x_ND.reshape(x_BTD.shape), RESIDUAL_AXES)
+
+  def _place_row_images(self, x_BTD, ids_BT, pixels_BKCHW):
+    """Per-row placement: row ``b``'s placeholders take row ``b``'s images in order."""
+    b, k = pixels_BKCHW.shape[:2]
+    if b != ids_BT.shape[0]:
+      raise ValueError(f'pixel_values [batch, images_per_row, C, H, W] has batch {b}, but '
+                       f'input_ids has {ids_BT.shape[0]} rows.')
+    is_image_BT = ids_BT == self.config.vision.image_token_id
+    room = k * self.config.vision.tokens_per_image
+    if not isinstance(is_image_BT, jax.core.Tracer):
+      counts = np.asarray(is_image_BT).sum(axis=1)
+      if counts.max(initial=0) > room:
+        row = int(counts.argmax())
+        raise ValueError(f'row {row} of input_ids holds {int(counts[row])} image placeholder '
+                         f'tokens (id {self.config.vision.image_token_id}), more than its {k} '
+                         f'image(s) give ({room}).')
+    features_BKID = self.image_features(pixels_BKCHW.reshape(b * k, *pixels_BKCHW.shape[2:]))
+    features_BMD = features_BKID.reshape(b, room, features_BKID.shape[-1]).astype(x_BTD.dtype)
+    index_BT = jnp.clip(jnp.cumsum(is_image_BT, axis=1) - 1, 0, features_BMD.shape[1] - 1)
+    placed_BTD = jnp.take_along_axis(features_BMD, index_BT[..., None], axis=1)
+    x_BTD = jnp.where(is_image_BT[..., None], placed_BTD, x_BTD)
+    return constrain(x_BTD, RESIDUAL_AXES)
 
   def _list_layers(self, x_BTD, ids_BT, cos_sin, mask, cache_index, paged):
     """The unscanned stack, with each layer's per-layer input and shared keys/values."""

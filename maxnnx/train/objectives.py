@@ -77,12 +77,11 @@ Metrics = dict[str, jax.Array]
 
 
 def images(batch: dict) -> dict:
-  """``{'pixel_values': [batch * images_per_row, C, H, W]}`` of an image+text batch (its
-  ``[batch, images_per_row, C, H, W]`` rows in order), else ``{}``: keywords for the model."""
+  """``{'pixel_values': [batch, images_per_row, C, H, W]}`` of an image+text batch, else
+  ``{}``: keywords for the model (each row's placeholders take that row's images)."""
   if 'pixel_values' not in batch:
     return {}
-  pixels = batch['pixel_values']
-  return {'pixel_values': pixels.reshape(-1, *pixels.shape[2:])}
+  return {'pixel_values': batch['pixel_values']}
 
 
 class Objective:
