@@ -283,6 +283,7 @@ class PagedAttentionRequest:
     softcap: a logit soft-cap is set.
     sinks: attention-sink logits are given.
     chunked: chunked (local) attention is asked for (``options.chunk_size``).
+    blocks: the step has image blocks (``PagedBatch.blocks_T``: bidirectional runs).
   """
 
   platform: str
@@ -296,17 +297,18 @@ class PagedAttentionRequest:
   softcap: bool
   sinks: bool
   chunked: bool = False
+  blocks: bool = False
 
   @classmethod
-  def of(cls, q_TNH, k_pages_PSKH, v_pages_PSKH,
-         options: AttentionOptions) -> 'PagedAttentionRequest':
+  def of(cls, q_TNH, k_pages_PSKH, v_pages_PSKH, options: AttentionOptions,
+         blocks: bool = False) -> 'PagedAttentionRequest':
     """Summarise a call's arguments."""
     return cls(platform=current_platform(), dtype=np.dtype(q_TNH.dtype).name,
                num_heads=q_TNH.shape[1], num_kv_heads=k_pages_PSKH.shape[2],
                head_dim=q_TNH.shape[2], v_head_dim=v_pages_PSKH.shape[3],
                page_size=k_pages_PSKH.shape[1], window=_window_kind(options.sliding_window),
                softcap=options.softcap is not None, sinks=options.sinks_N is not None,
-               chunked=options.chunk_size is not None)
+               chunked=options.chunk_size is not None, blocks=blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +327,7 @@ class PagedAttentionCapabilities:
     sinks: attention-sink logits (GPT-OSS).
     distinct_v_head_dim: ``v`` head size different from the ``q``/``k`` one.
     chunked: chunked (local) attention (Llama 4).
+    blocks: image blocks (bidirectional attention within an image, Gemma 3).
   """
 
   platforms: tuple[str, ...]
@@ -336,6 +339,7 @@ class PagedAttentionCapabilities:
   sinks: bool
   distinct_v_head_dim: bool
   chunked: bool
+  blocks: bool = False
 
   def missing(self, request: PagedAttentionRequest) -> list[str]:
     """Why ``request`` cannot be served; empty when it can."""
@@ -359,6 +363,9 @@ class PagedAttentionCapabilities:
                      'is not supported')
     if request.chunked and not self.chunked:
       reasons.append('chunked attention is not supported')
+    if request.blocks and not self.blocks:
+      reasons.append('image blocks (bidirectional attention within an image) are not '
+                     'supported')
     return reasons
 
 

@@ -61,6 +61,9 @@ class PagedBatch:
     q_lens_B: ``[B]`` int32 tokens each row adds this step (0 for an empty row).
     slots_T: ``[T]`` int32 flat slot (``page * page_size + offset``) of each token.
     max_q: a bound on ``q_lens_B`` (static): rows are gathered ``max_q`` tokens wide.
+    blocks_T: ``[T]`` int32 image-block id of each flat token (-1: none), or ``None``.
+      Tokens of one block attend to each other in both directions; a block lies
+      wholly within one step (the engine never cuts an image between prefill chunks).
   """
 
   page_table_BM: jax.Array
@@ -69,6 +72,7 @@ class PagedBatch:
   q_lens_B: jax.Array
   slots_T: jax.Array
   max_q: int
+  blocks_T: jax.Array | None = None
 
   def _row_index(self):
     """``[B, Q]`` flat index of each row's tokens, and which of them exist."""
@@ -120,13 +124,23 @@ class PagedBatch:
     kv_positions_S = jnp.arange(kv_length, dtype=jnp.int32)
     kv_valid_BS = kv_positions_S[None] < self.kv_lens_B[:, None]
     batch = self.kv_lens_B.shape[0]
+    q_blocks_BQ = kv_blocks_BS = None
+    if self.blocks_T is not None:  # this step's keys carry their queries' blocks
+      q_blocks_BQ = jnp.where(valid_BQ, self.gather_rows(self.blocks_T), -1)
+      first_B = self.kv_lens_B - self.q_lens_B
+      offset_BS = kv_positions_S[None] - first_B[:, None]
+      new_BS = (offset_BS >= 0) & kv_valid_BS
+      kv_blocks_BS = jnp.where(new_BS, jnp.take_along_axis(
+          q_blocks_BQ, jnp.clip(offset_BS, 0, self.max_q - 1), axis=1), -1)
     return AttentionMask(valid_BQ.astype(jnp.int32), q_positions_BQ,
                          kv_valid_BS.astype(jnp.int32),
-                         jnp.broadcast_to(kv_positions_S, (batch, kv_length)))
+                         jnp.broadcast_to(kv_positions_S, (batch, kv_length)),
+                         q_blocks_BQ, kv_blocks_BS)
 
 
 jax.tree_util.register_dataclass(
-    PagedBatch, data_fields=['page_table_BM', 'kv_lens_B', 'q_starts_B', 'q_lens_B', 'slots_T'],
+    PagedBatch, data_fields=['page_table_BM', 'kv_lens_B', 'q_starts_B', 'q_lens_B', 'slots_T',
+                             'blocks_T'],
     meta_fields=['max_q'])
 
 
@@ -165,7 +179,8 @@ class PagedAttentionKernel:
     The pages must already hold this step's keys and values (:meth:`PagedBatch.write`).
     Padding tokens' output is unspecified.
     """
-    request = PagedAttentionRequest.of(q_TNH, k_pages_PSKH, v_pages_PSKH, options)
+    request = PagedAttentionRequest.of(q_TNH, k_pages_PSKH, v_pages_PSKH, options,
+                                       blocks=batch.blocks_T is not None)
     reasons = self.unsupported_reasons(request)
     if not reasons:
       try:
@@ -196,7 +211,8 @@ class XlaPagedAttention(PagedAttentionKernel):
     """Everything, everywhere."""
     return PagedAttentionCapabilities(
         platforms=ALL_PLATFORMS, dtypes=FLOAT_DTYPES, gqa=True, sliding_window=True,
-        traced_window=True, softcap=True, sinks=True, distinct_v_head_dim=True, chunked=True)
+        traced_window=True, softcap=True, sinks=True, distinct_v_head_dim=True, chunked=True,
+        blocks=True)
 
   def attend(self, q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options):
     """Rows of queries, contiguous keys per row, dense attention, back to flat tokens."""

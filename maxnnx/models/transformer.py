@@ -216,7 +216,8 @@ class Transformer(nnx.Module):
   def hidden_states(self, input_ids_BT: jax.Array, *, segment_ids: jax.Array | None = None,
                     positions: jax.Array | None = None, decode: bool = False, mtp: bool = False,
                     paged: PagedBatch | None = None, pixel_values: jax.Array | None = None,
-                    token_type_ids: jax.Array | None = None
+                    token_type_ids: jax.Array | None = None,
+                    image_embeddings: jax.Array | None = None
                     ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """Final hidden states ``[B, T, d_model]``, after the final norm and before the head.
 
@@ -247,12 +248,17 @@ class Transformer(nnx.Module):
         row has no placeholders for (padding) are ignored.
       token_type_ids: ``[B, T]``, 1 for image tokens (as transformers' processors give
         them); by default the placeholders. The tokens of each image attend to each
-        other in both directions, also when a prompt with images fills the KV cache
-        (not yet in paged serving).
+        other in both directions, also when a prompt with images fills the KV cache.
+        With ``paged=...`` the blocks are the batch's (``PagedBatch.blocks_T``).
+      image_embeddings: ``[B, T, d_model]``, the image embeddings already computed
+        (:meth:`image_features`) and laid out at the placeholders' places (other
+        rows are ignored); the serving engine computes them once per request.
     """
     cfg = self.config
-    blocks_BT = self._image_blocks(input_ids_BT, pixel_values, token_type_ids,
-                                   paged is not None)
+    if image_embeddings is not None and pixel_values is not None:
+      raise ValueError('Give pixel_values or image_embeddings, not both.')
+    blocks_BT = self._image_blocks(input_ids_BT, pixel_values, token_type_ids, paged,
+                                   image_embeddings is not None)
     if mtp and (self.mtp is None or decode):
       raise ValueError('mtp=True needs a model with MTP modules (ModelConfig.mtp.num_layers > 0) '
                        'and decode=False.')
@@ -296,6 +302,9 @@ class Transformer(nnx.Module):
     x_BTD = self._embed(self._text_ids(input_ids_BT), positions)
     if pixel_values is not None:
       x_BTD = self._place_images(x_BTD, input_ids_BT, pixel_values)
+    if image_embeddings is not None:
+      is_image_BT = input_ids_BT == cfg.vision.image_token_id
+      x_BTD = jnp.where(is_image_BT[..., None], image_embeddings.astype(x_BTD.dtype), x_BTD)
     stages = mesh_axis_size('stage')
     if stages > 1:
       if (not cfg.runtime.scan_layers or cache_index is not None or paged is not None
@@ -313,16 +322,20 @@ class Transformer(nnx.Module):
       return self.final_norm(x_BTD)
     return self.final_norm(x_BTD), self._mtp_hidden(x_BTD, input_ids_BT, positions, mask)
 
-  def _image_blocks(self, ids_BT, pixel_values, token_type_ids, paged: bool):
-    """Image-block ids ``[B, T]`` of a multimodal call, or ``None``."""
-    if pixel_values is None and token_type_ids is None:
+  def _image_blocks(self, ids_BT, pixel_values, token_type_ids, paged, embedded: bool):
+    """Image-block ids ``[B, T]`` of a multimodal call, or ``None`` (also when paged: the
+    batch holds them)."""
+    if pixel_values is None and token_type_ids is None and not embedded:
       return None
     if self.vision_tower is None:
-      raise ValueError('pixel_values / token_type_ids need a model with a vision tower '
-                       '(ModelConfig.vision.num_layers > 0).')
-    if paged:
-      raise NotImplementedError('Images with paged=... (the serving engine) are not supported '
-                                'yet: use maxnnx.generate(..., pixel_values=...).')
+      raise ValueError('pixel_values / token_type_ids / image_embeddings need a model with a '
+                       'vision tower (ModelConfig.vision.num_layers > 0).')
+    if paged is not None:
+      if pixel_values is not None or token_type_ids is not None:
+        raise ValueError('With paged=..., images come as image_embeddings and their blocks in '
+                         'PagedBatch.blocks_T (the serving Engine does this: '
+                         'add_request(..., images=...)).')
+      return None
     is_image_BT = (ids_BT == self.config.vision.image_token_id if token_type_ids is None
                    else token_type_ids == 1)
     return image_blocks(is_image_BT)

@@ -44,9 +44,20 @@ widest row ``max_q`` is 1 (a pure decode step) or a power of two from 8 up to
 
 Page 0 of the pool is a scratch page: padding tokens write there and empty
 block-table entries point there (masked by the row lengths).
+
+**Images.** A vision-language model's requests may bring images
+(``add_request(ids, params, images=pixel_values)``, the prompt holding each image's
+placeholders). Their embeddings are computed once, when the request is added; a step
+whose tokens include image placeholders passes the embeddings of those tokens
+(``[T, d_model]``) and their image-block ids (``PagedBatch.blocks_T``) to the model,
+so each image's tokens attend to each other in both directions. The scheduler never
+cuts an image between prefill chunks, and such requests share cached pages only with
+requests of the same images. Steps with image tokens are a second variant of each
+bucket (two compiles at most per bucket).
 """
 
 import functools
+import hashlib
 import logging
 import math
 from collections.abc import Sequence
@@ -169,22 +180,29 @@ class Engine:
       eos = getattr(tokenizer, 'eos_id', None)
     self.eos_ids = frozenset(int(i) for i in np.atleast_1d(eos)) if eos is not None else frozenset()
     self._requests: dict[int, Request] = {}
+    self._image_embeddings: dict[int, np.ndarray] = {}  # request id -> [prompt, d_model]
     self._cancelled: list[RequestOutput] = []
     self._next_id = 0
     self._traces = [0]
     self.step_shapes: set[tuple[int, int, int]] = set()
     self._step_fn = _make_step(self._graphdef, self._traces)
+    self._features_fn = _make_features(self._graphdef) if cfg.vision.num_layers else None
 
   # -- requests ---------------------------------------------------------------
 
   def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None,
-                  ) -> int:
+                  images: np.ndarray | None = None) -> int:
     """Queue a request; returns its id. It starts at the next :meth:`step` with room.
+
+    ``images``: ``[num_images, channels, H, W]`` pixels (a vision-language model;
+    :class:`~maxnnx.data.ImageProcessor`), one per run of ``tokens_per_image``
+    placeholders in the prompt, in order.
 
     Raises:
       ValueError: for an empty prompt, ids outside the vocabulary, a prompt that
         leaves no room under ``max_model_len``, a request that could never fit in
-        the page pool, or parameters the engine cannot honour.
+        the page pool, parameters the engine cannot honour, or images that do not
+        match the prompt's placeholders.
     """
     params = SamplingParams() if params is None else params
     if isinstance(prompt, str):
@@ -211,13 +229,16 @@ class Engine:
                        f'(max_logprobs={self.max_logprobs}).')
     if params.stop and self.tokenizer is None:
       raise ValueError('Stop strings need an Engine with a tokenizer.')
+    spans, salt, embeddings = self._images(ids, images)
     request_id = self._next_id
     self._next_id += 1
     seed = params.seed
     if seed is None:
       seed = (self.seed * 1_000_003 + request_id * 7_919) % (MAX_SEED + 1)
     request = Request(request_id=request_id, token_ids=ids, num_prompt=len(ids), params=params,
-                      seed=seed)
+                      seed=seed, image_spans=spans, cache_salt=salt)
+    if embeddings is not None:
+      self._image_embeddings[request_id] = embeddings
     self._requests[request_id] = request
     self.scheduler.add(request)
     return request_id
@@ -230,6 +251,7 @@ class Engine:
     request = self._requests.pop(request_id, None)
     if request is None:
       return False
+    self._image_embeddings.pop(request_id, None)
     self.scheduler.finish(request, 'cancelled')
     self._cancelled.append(self._output(request, (), None))
     return True
@@ -252,7 +274,8 @@ class Engine:
       return len({bucket(n, floor, cap) for n in range(1, cap + 1)})
 
     tokens = sizes(MIN_TOKEN_BUCKET, self.token_budget)
-    return tokens * (1 + tokens) * sizes(1, self.pages_per_request)
+    variants = 2 if self._features_fn is not None else 1  # with and without image tokens
+    return variants * tokens * (1 + tokens) * sizes(1, self.pages_per_request)
 
   # -- stepping ---------------------------------------------------------------
 
@@ -289,15 +312,17 @@ class Engine:
       if reason is not None:
         self.scheduler.finish(request, reason)
         del self._requests[request.request_id]
+        self._image_embeddings.pop(request.request_id, None)
       outputs.append(self._output(request, (token,), logprobs))
     return outputs
 
   def generate(self, prompts: Sequence[Sequence[int] | str],
                params: SamplingParams | Sequence[SamplingParams] | None = None,
-               ) -> list[Completion]:
+               images: Sequence[np.ndarray | None] | None = None) -> list[Completion]:
     """Run ``prompts`` to completion; one :class:`Completion` per prompt, in order.
 
-    ``params`` is one :class:`SamplingParams` for all prompts or one per prompt.
+    ``params`` is one :class:`SamplingParams` for all prompts or one per prompt;
+    ``images`` one pixel array (or ``None``) per prompt, as for :meth:`add_request`.
     The engine must be idle (no request of its own would be reported otherwise).
     """
     if self.has_unfinished():
@@ -307,7 +332,11 @@ class Engine:
       params = [params] * len(prompts)
     if len(params) != len(prompts):
       raise ValueError(f'{len(prompts)} prompts but {len(params)} SamplingParams.')
-    requests = [self._requests[self.add_request(p, sp)] for p, sp in zip(prompts, params)]
+    images = [None] * len(prompts) if images is None else list(images)
+    if len(images) != len(prompts):
+      raise ValueError(f'{len(prompts)} prompts but {len(images)} image entries.')
+    requests = [self._requests[self.add_request(p, sp, im)]
+                for p, sp, im in zip(prompts, params, images)]
     while self.has_unfinished():
       self.step()
     return [Completion(request_id=r.request_id, prompt_ids=tuple(r.token_ids[:r.num_prompt]),
@@ -348,9 +377,23 @@ class Engine:
         np.zeros(rows, np.int32) for _ in range(7))
     temperature_B, top_p_B = np.zeros(rows, np.float32), np.ones(rows, np.float32)
     logprob_temperature_B = np.ones(rows, np.float32)
+    images = [(r, n) for r, n in scheduled if any(
+        start < r.num_computed + n and r.num_computed < stop for start, stop in r.image_spans)]
+    blocks_T = embeddings_TD = None
+    if images:
+      blocks_T = np.full(width, -1, np.int32)
+      embeddings_TD = np.zeros((width, self.model_config.d_model), np.float32)
     offset = 0
     for row, (request, count) in enumerate(scheduled):
       positions = np.arange(request.num_computed, request.num_computed + count)
+      if blocks_T is not None and request.image_spans:
+        for block, (start, stop) in enumerate(request.image_spans):
+          first, last = max(start, positions[0]), min(stop, positions[-1] + 1)
+          if first < last:
+            blocks_T[offset + first - positions[0]:offset + last - positions[0]] = block
+        embedded = self._image_embeddings[request.request_id]
+        inside = positions[positions < len(embedded)]
+        embeddings_TD[offset:offset + len(inside)] = embedded[inside]
       pages = np.asarray(request.pages, np.int32)
       span = slice(offset, offset + count)
       ids_T[span] = request.token_ids[request.num_computed:request.num_computed + count]
@@ -367,10 +410,41 @@ class Engine:
         logprob_temperature_B[row] = params.temperature
       seeds_B[row], counters_B[row] = request.seed, len(request.output_ids)
       offset += count
-    batch = PagedBatch(page_table_BM, kv_lens_B, q_starts_B, q_lens_B, slots_T, max_q)
-    self.step_shapes.add((width, max_q, num_pages))
-    return ((ids_T, positions_T, batch, last_B),
+    batch = PagedBatch(page_table_BM, kv_lens_B, q_starts_B, q_lens_B, slots_T, max_q,
+                       blocks_T)
+    self.step_shapes.add((width, max_q, num_pages) + (('images',) if images else ()))
+    return ((ids_T, positions_T, batch, last_B, embeddings_TD),
             (temperature_B, top_k_B, top_p_B, seeds_B, counters_B, logprob_temperature_B))
+
+  def _images(self, ids: list[int], images):
+    """``(image spans, cache salt, [prompt, d_model] embeddings at the placeholders)`` of a
+    request's images; ``((), b'', None)`` without."""
+    v = self.model_config.vision
+    if images is None:
+      return (), b'', None
+    if self._features_fn is None:
+      raise ValueError('images need a model with a vision tower '
+                       '(ModelConfig.vision.num_layers > 0).')
+    pixels = np.asarray(images, np.float32)
+    expected = (v.num_channels, v.image_size, v.image_size)
+    if pixels.ndim != 4 or pixels.shape[1:] != expected:
+      raise ValueError(f'images must be [num_images, {", ".join(map(str, expected))}] pixels '
+                       f'(ModelConfig.vision), got shape {pixels.shape}.')
+    is_image = np.asarray(ids) == v.image_token_id
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], is_image.astype(np.int8), [0]])))
+    spans = tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2]))
+    if len(spans) != len(pixels) or any(b - a != v.tokens_per_image for a, b in spans):
+      raise ValueError(f'the prompt must hold one run of {v.tokens_per_image} placeholder '
+                       f'tokens (id {v.image_token_id}) per image; it has runs of '
+                       f'{[b - a for a, b in spans]} for {len(pixels)} image(s).')
+    if v.tokens_per_image > self.token_budget:
+      raise ValueError(f'an image is {v.tokens_per_image} tokens, computed in one step: '
+                       f'token_budget={self.token_budget} must be at least that.')
+    embeddings = np.zeros((len(ids), self.model_config.d_model), np.float32)
+    for (start, stop), image in zip(spans, pixels):
+      embeddings[start:stop] = np.asarray(
+          self._features_fn(self._params, self._cache, image[None]), np.float32)
+    return spans, hashlib.blake2b(pixels.tobytes(), digest_size=16).digest(), embeddings
 
   def _finish_reason(self, request: Request, token: int) -> str | None:
     params = request.params
@@ -412,14 +486,26 @@ def _make_step(graphdef, traces: list[int]):
   """
 
   @functools.partial(jax.jit, donate_argnums=(1,))
-  def step(params, cache, ids_T, positions_T, batch, last_B):
+  def step(params, cache, ids_T, positions_T, batch, last_B, embeddings_TD):
     traces[0] += 1
     model = nnx.merge(graphdef, params, cache)
-    x_1TD = model.hidden_states(ids_T[None], positions=positions_T[None], paged=batch)
+    x_1TD = model.hidden_states(
+        ids_T[None], positions=positions_T[None], paged=batch,
+        image_embeddings=None if embeddings_TD is None else embeddings_TD[None])
     logits_BV = model.logits(x_1TD[:, last_B])[0]  # the head on each row's last token only
     return logits_BV, nnx.state(model, nnx.Not(nnx.Param))
 
   return step
+
+
+def _make_features(graphdef):
+  """The jitted ``image_features`` of one image ``[1, C, H, W]`` over ``graphdef``'s model."""
+
+  @jax.jit
+  def features(params, cache, pixels_1CHW):
+    return nnx.merge(graphdef, params, cache).image_features(pixels_1CHW)[0]
+
+  return features
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

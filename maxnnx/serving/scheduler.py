@@ -21,6 +21,11 @@ running request is preempted: its pages are released (they stay in the prefix
 cache while nothing evicts them) and it goes back to the front of the queue, to be
 recomputed from its tokens. No new request is admitted in a step that preempted.
 
+A request with images (a vision-language model) lists its images' token spans: a
+prefill chunk never ends inside one (an image's tokens attend to each other in both
+directions, so they are computed in one step), and its pages are hashed after a digest
+of its pixels, so only requests with the same images share them.
+
 This module runs no model and is tested on its own.
 """
 
@@ -50,6 +55,8 @@ class Request:
     finish_reason: ``None`` until finished.
     logprobs: the :class:`~maxnnx.serving.params.TokenLogprobs` of its tokens so far.
     text: its decoded output so far (only with a tokenizer).
+    image_spans: ``(start, stop)`` token positions of each image's placeholders.
+    cache_salt: where its page hashes start (a digest of its images; ``b''`` without).
   """
 
   request_id: int
@@ -65,6 +72,8 @@ class Request:
   finish_reason: str | None = None
   logprobs: list = dataclasses.field(default_factory=list)
   text: str | None = None
+  image_spans: tuple[tuple[int, int], ...] = ()
+  cache_salt: bytes = b''
 
   @property
   def num_tokens(self) -> int:
@@ -128,7 +137,10 @@ class Scheduler:
     index = 0
     while index < len(self.running) and budget > 0:
       request = self.running[index]
-      count = min(request.num_tokens - request.num_computed, budget)
+      count = self._chunk(request, budget)
+      if not count:  # the rest of an image does not fit this step's budget
+        index += 1
+        continue
       while not self._reserve(request, count):
         victim = self.running[-1]
         self._preempt(victim)
@@ -144,8 +156,8 @@ class Scheduler:
       request = self.waiting[0]
       if self.prefix_caching and request.num_computed == 0 and not request.pages:
         self._take_cached_prefix(request)
-      count = min(request.num_tokens - request.num_computed, budget)
-      if not self._reserve(request, count):
+      count = self._chunk(request, budget)
+      if not count or not self._reserve(request, count):
         self._drop_pages(request)
         break
       self.waiting.popleft()
@@ -153,6 +165,16 @@ class Scheduler:
       scheduled.append((request, count))
       budget -= count
     return scheduled
+
+  def _chunk(self, request: Request, budget: int) -> int:
+    """How many of ``request``'s remaining tokens to compute within ``budget``: all that
+    fit, cut back to before an image the chunk would end inside (0: wait for room)."""
+    count = min(request.num_tokens - request.num_computed, budget)
+    end = request.num_computed + count
+    for start, stop in request.image_spans:
+      if start < end < stop:
+        return max(0, start - request.num_computed)
+    return count
 
   def advance(self, request: Request, count: int) -> None:
     """Record that a step computed ``count`` more of ``request``'s tokens.
@@ -163,7 +185,7 @@ class Scheduler:
     request.num_computed += count
     full = request.num_computed // self.page_size
     if len(request.hashes) < full:
-      parent = request.hashes[-1] if request.hashes else b''
+      parent = request.hashes[-1] if request.hashes else request.cache_salt
       new = page_hashes(request.token_ids[:full * self.page_size], self.page_size,
                         start=len(request.hashes), parent=parent)
       for page, content_hash in zip(request.pages[len(request.hashes):full], new):
@@ -209,7 +231,8 @@ class Scheduler:
     The last prompt token is always computed (its logits give the first output),
     so a prompt of whole pages takes at most all pages but the last.
     """
-    hashes = page_hashes(request.token_ids[:request.num_tokens - 1], self.page_size)
+    hashes = page_hashes(request.token_ids[:request.num_tokens - 1], self.page_size,
+                         parent=request.cache_salt)
     for content_hash in hashes:
       page = self.allocator.lookup(content_hash)
       if page is None:
