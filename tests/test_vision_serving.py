@@ -81,3 +81,47 @@ def test_bad_images_are_refused_with_the_reason(model):
   text_only = maxnnx.Transformer(maxnnx.get_preset('tiny'), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='images need a model with a vision tower'):
     Engine(text_only, max_model_len=64).add_request([1, 2, 3], images=_pixels(rng, v, 1))
+
+
+def test_the_server_answers_chats_with_image_url_data_urls(model, gemma3_tokenizer_dir):
+  """An OpenAI client's chat with a base64 PNG: the reply equals generate on the rendered
+  prompt (markers expanded) with the processed image; a URL the server would have to
+  fetch is a 400 naming the part."""
+  import base64
+  import os
+
+  import openai
+  from conftest import FIXTURES
+  from test_serving_server import _running
+
+  from maxnnx.data import ImageProcessor, ImagePrompt, load_tokenizer
+  from maxnnx.data.chat import encode_with_specials, load_chat_template
+  from maxnnx.serving.server import make_app
+  v = model.config.vision
+  tokenizer = load_tokenizer(str(gemma3_tokenizer_dir / 'tokenizer.json'))
+  png = os.path.join(os.path.dirname(FIXTURES), 'images', 'portrait.png')
+  with open(png, 'rb') as f:
+    url = 'data:image/png;base64,' + base64.b64encode(f.read()).decode()
+  messages = [{'role': 'user', 'content': [
+      {'type': 'text', 'text': 'Look:'}, {'type': 'image_url', 'image_url': {'url': url}},
+      {'type': 'text', 'text': 'What is it?'}]}]
+  template = load_chat_template(str(gemma3_tokenizer_dir))
+  text = template.render([{'role': 'user', 'content': [
+      {'type': 'text', 'text': 'Look:'}, {'type': 'image'},
+      {'type': 'text', 'text': 'What is it?'}]}], add_generation_prompt=True)
+  text, count = ImagePrompt.gemma3(tokenizer, v).expand(text)
+  ids = encode_with_specials(tokenizer, text)
+  pixels = ImageProcessor(height=v.image_size, width=v.image_size)([png])[0]
+  want = maxnnx.generate(model, [ids], max_new_tokens=5, eos_ids=None, pixel_values=pixels)
+  engine = Engine(model, tokenizer, max_batch=2, token_budget=64, page_size=8,
+                  max_model_len=128)
+  with _running(make_app(engine, model_name='vision')) as (base, _):
+    client = openai.OpenAI(base_url=f'{base}/v1', api_key='none')
+    reply = client.chat.completions.create(
+        model='vision', messages=messages, max_tokens=5, temperature=0,
+        extra_body={'return_token_ids': True, 'ignore_eos': True})
+    assert list(reply.choices[0].token_ids) == want.tokens[0].tolist()
+    assert reply.usage.prompt_tokens == len(ids) and count == 1
+    messages[0]['content'][1]['image_url']['url'] = 'https://example.com/cat.png'
+    with pytest.raises(openai.BadRequestError, match='must be a data: URL'):
+      client.chat.completions.create(model='vision', messages=messages, max_tokens=2)

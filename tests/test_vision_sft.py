@@ -17,42 +17,13 @@ from conftest import FIXTURES
 
 import maxnnx
 from maxnnx.data import DataConfig, ImageProcessor, ImagePrompt, make_sft_pipeline
-from maxnnx.data.chat import GEMMA_TEMPLATE
 
 IMAGES = os.path.join(os.path.dirname(FIXTURES), 'images')
-GEMMA_SPECIALS = ['<pad>', '<eos>', '<bos>', '<start_of_turn>', '<end_of_turn>',
-                  '<start_of_image>', '<end_of_image>']
 
 
 @pytest.fixture(scope='module')
 def vision_config():
   return maxnnx.get_preset('tiny-gemma3-vision')
-
-
-@pytest.fixture(scope='module')
-def gemma3_tokenizer_dir(tmp_path_factory, vision_config):
-  """A byte-level BPE with Gemma 3's specials; ``<image_soft_token>`` gets the vision
-  preset's ``image_token_id`` (the last id, as in the real checkpoints)."""
-  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-  from maxnnx.data import DEFAULT_CORPUS
-  image_id = vision_config.vision.image_token_id
-  directory = tmp_path_factory.mktemp('gemma3_like')
-  with open(DEFAULT_CORPUS, encoding='utf-8') as f:
-    text = f.read()[:200_000]
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator([text], trainers.BpeTrainer(
-      vocab_size=image_id, special_tokens=GEMMA_SPECIALS,
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  tok.add_special_tokens([AddedToken('<image_soft_token>', special=True)])
-  assert tok.token_to_id('<image_soft_token>') == image_id
-  tok.save(str(directory / 'tokenizer.json'))
-  with open(directory / 'tokenizer_config.json', 'w', encoding='utf-8') as f:
-    json.dump({'bos_token': '<bos>', 'eos_token': '<eos>', 'pad_token': '<pad>',
-               'chat_template': GEMMA_TEMPLATE}, f)
-  return directory
 
 
 def _processor(cfg):

@@ -70,6 +70,9 @@ class ServedModel:
     max_logprobs: the most log-probabilities per token a request may ask for.
     chat_stop_ids: ids that end an assistant turn (the chat endpoint stops at them).
     add_bos: text prompts of ``/v1/completions`` start with the tokenizer's BOS id.
+    image_processor, image_prompt: a vision-language model's
+      :class:`~maxnnx.data.ImageProcessor` and :class:`~maxnnx.data.ImagePrompt`
+      (``None``: chat messages may not hold images).
   """
 
   name: str
@@ -80,6 +83,8 @@ class ServedModel:
   max_logprobs: int
   chat_stop_ids: tuple[int, ...] = ()
   add_bos: bool = True
+  image_processor: Any = None
+  image_prompt: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +101,7 @@ class ParsedRequest:
     include_usage: a streamed answer ends with a chunk holding the token counts.
     logprobs: log-probabilities to return per token (``None``: none).
     return_token_ids: choices carry ``token_ids`` and ``prompt_token_ids``.
+    images: the chat's pixels ``[num_images, 3, H, W]``, or ``None``.
   """
 
   kind: str
@@ -106,6 +112,7 @@ class ParsedRequest:
   include_usage: bool = False
   logprobs: int | None = None
   return_token_ids: bool = False
+  images: Any = None
 
   def prompt_of(self, choice: int) -> tuple[int, ...]:
     """The prompt choice ``choice`` continues."""
@@ -312,8 +319,11 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
   """Validate a ``/v1/chat/completions`` body and render its messages with the chat template.
 
   A message's ``content`` is a string or a list of ``{"type": "text", "text": ...}``
-  parts. The rendered conversation (with the generation prompt) is encoded with its
-  special-token strings as their ids; the reply stops at an end-of-turn token.
+  parts, and, for a vision-language model, ``{"type": "image_url", "image_url":
+  {"url": "data:image/...;base64,..."}}`` parts (the template writes its image marker,
+  expanded to the model's placeholders). The rendered conversation (with the
+  generation prompt) is encoded with its special-token strings as their ids; the reply
+  stops at an end-of-turn token.
   Without ``max_tokens`` / ``max_completion_tokens`` it may run to the end of the context.
 
   Raises:
@@ -335,12 +345,15 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
   if response_format.get('type') != 'text':
     raise ApiError('response_format other than {"type": "text"} is not supported by this '
                    'server.', param='response_format', code='unsupported_parameter')
-  messages = _messages(body.get('messages'))
+  messages, sources = _messages(body.get('messages'))
   try:
     text = served.template.render(messages, add_generation_prompt=True)
   except Exception as e:  # the template's own raise_exception, or a template bug
     raise ApiError(f'The chat template refused the messages: {e}', param='messages',
                    code='invalid_value') from None
+  pixels = None
+  if sources:
+    text, pixels = _images(text, sources, served)
   ids = tuple(encode_with_specials(served.tokenizer, text))
   if not ids:
     raise ApiError('The rendered conversation is empty.', param='messages', code='invalid_value')
@@ -356,7 +369,29 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
   n, params = _sampling(body, served, 'chat', [ids], name, None, logprobs)
   stream, include_usage = _stream_fields(body)
   return ParsedRequest('chat', (ids,), tuple(params), n, stream, include_usage, logprobs,
-                       _field(body, 'return_token_ids', (bool,), False))
+                       _field(body, 'return_token_ids', (bool,), False), pixels)
+
+
+def _images(text: str, sources: list[tuple[str, str]], served: ServedModel):
+  """``(text with the image markers expanded, pixels)`` of a chat's ``image_url`` parts."""
+  from maxnnx.data.images import load_image  # noqa: PLC0415
+  if served.image_prompt is None:
+    raise ApiError('This model takes no images (no vision tower, or no known image prompt).',
+                   param=sources[0][0], code='invalid_value')
+  images = []
+  for where, url in sources:
+    if not url.startswith('data:'):
+      raise ApiError('image_url.url must be a data: URL (data:image/png;base64,...); this '
+                     'server fetches nothing.', param=where, code='invalid_value')
+    try:
+      images.append(load_image(url))
+    except ValueError as e:
+      raise ApiError(str(e), param=where, code='invalid_value') from None
+  text, markers = served.image_prompt.expand(text)
+  if markers != len(images):
+    raise ApiError(f'The chat template wrote {markers} image marker(s) for {len(images)} '
+                   'image(s).', param='messages', code='invalid_value')
+  return text, served.image_processor(images)[0]
 
 
 def _object(body) -> Mapping:
@@ -366,11 +401,13 @@ def _object(body) -> Mapping:
   return body
 
 
-def _messages(value) -> list[dict]:
+def _messages(value) -> tuple[list[dict], list[tuple[str, str]]]:
+  """``(messages, [(param, image url), ...])``: text parts joined, image parts kept as
+  ``{"type": "image"}`` (the content stays a list then)."""
   if not isinstance(value, list) or not value:
     raise ApiError('messages must be a non-empty array of {"role", "content"} objects.',
                    param='messages', code='invalid_type')
-  messages = []
+  messages, sources = [], []
   for i, message in enumerate(value):
     where = f'messages[{i}]'
     if not isinstance(message, dict):
@@ -381,14 +418,26 @@ def _messages(value) -> list[dict]:
                      param=f'{where}.role', code='invalid_value')
     content = message.get('content')
     if isinstance(content, list):
-      texts = []
-      for part in content:
+      parts = []
+      for j, part in enumerate(content):
+        url = part.get('image_url') if isinstance(part, dict) else None
+        url = url.get('url') if isinstance(url, dict) else url
+        if (isinstance(part, dict) and part.get('type') == 'image_url'
+            and isinstance(url, str)):
+          sources.append((f'{where}.content[{j}].image_url', url))
+          parts.append({'type': 'image'})
+          continue
         if not (isinstance(part, dict) and part.get('type') == 'text'
                 and isinstance(part.get('text'), str)):
-          raise ApiError(f'{where}.content: only {{"type": "text", "text": ...}} parts are '
+          raise ApiError(f'{where}.content: only {{"type": "text", "text": ...}} and '
+                         '{"type": "image_url", "image_url": {"url": ...}} parts are '
                          'supported.', param=f'{where}.content', code='invalid_value')
-        texts.append(part['text'])
-      content = ''.join(texts)
+        if parts and parts[-1]['type'] == 'text':  # adjacent text parts join, as before
+          parts[-1] = {'type': 'text', 'text': parts[-1]['text'] + part['text']}
+        else:
+          parts.append({'type': 'text', 'text': part['text']})
+      has_image = any(p['type'] == 'image' for p in parts)
+      content = parts if has_image else ''.join(p['text'] for p in parts)
     elif content is None and role == 'assistant':
       content = ''
     elif not isinstance(content, str):
@@ -398,7 +447,7 @@ def _messages(value) -> list[dict]:
     if isinstance(message.get('name'), str):
       entry['name'] = message['name']
     messages.append(entry)
-  return messages
+  return messages, sources
 
 
 # -- streaming text -----------------------------------------------------------------------

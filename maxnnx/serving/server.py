@@ -119,8 +119,10 @@ class EngineLoop:
     return (self._thread is not None and self._thread.is_alive() and self.broken is None
             and not self._stopping.is_set())
 
-  def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Callable) -> Ticket:
-    """Queue a request for the engine thread; its events go to ``sink``.
+  def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Callable,
+             images=None) -> Ticket:
+    """Queue a request for the engine thread; its events go to ``sink``. ``images``:
+    its pixels (``Engine.add_request``).
 
     Raises:
       ApiError: (503) when the loop is stopping or its engine failed.
@@ -131,12 +133,12 @@ class EngineLoop:
                      code='unavailable')
     self.start()
     ticket = Ticket()
-    self._commands.put(('add', ticket, prompt, params, sink))
+    self._commands.put(('add', ticket, prompt, params, sink, images))
     return ticket
 
   def cancel(self, ticket: Ticket) -> None:
     """Cancel a submitted request (nothing happens if it already finished)."""
-    self._commands.put(('cancel', ticket, None, None, None))
+    self._commands.put(('cancel', ticket, None, None, None, None))
 
   def stop(self, timeout: float | None = None) -> None:
     """Stop taking requests, let the engine finish the ones it has, and end the thread."""
@@ -171,7 +173,7 @@ class EngineLoop:
       except queue.Empty:
         return
 
-  def _apply(self, kind: str, ticket: Ticket, prompt, params, sink) -> None:
+  def _apply(self, kind: str, ticket: Ticket, prompt, params, sink, images) -> None:
     if kind == 'cancel':
       if ticket.request_id in self._sinks:
         self.engine.cancel(ticket.request_id)
@@ -181,7 +183,7 @@ class EngineLoop:
                               type='server_error', code='unavailable'))
       return
     try:
-      request_id = self.engine.add_request(list(prompt), params)
+      request_id = self.engine.add_request(list(prompt), params, images)
     except ValueError as e:
       _deliver(sink, ApiError(str(e), code='invalid_value'))
       return
@@ -262,7 +264,8 @@ class _Job:
     try:
       for i, params in enumerate(parsed.params):
         sink = functools.partial(_post, loop, self.events, i)
-        self.tickets.append(api.loop.submit(parsed.prompt_of(i), params, sink))
+        self.tickets.append(api.loop.submit(parsed.prompt_of(i), params, sink,
+                                            parsed.images))
     except ApiError:
       self.close()
       raise
@@ -500,6 +503,29 @@ def load_engine(model_dir: str, *, dtype: str | None = None, tensor_parallel: in
   return Engine(model, load_tokenizer(model_dir), **engine_kwargs)
 
 
+def _image_side(engine: Engine, directory: str | None, processor):
+  """``(image processor, image prompt)`` of a vision-language model (images in chat
+  messages), else ``(None, None)``."""
+  cfg = engine.model_config
+  if not cfg.vision.num_layers:
+    return None, None
+  from maxnnx.data.images import ImageProcessor, ImagePrompt  # noqa: PLC0415
+  if cfg.family != 'gemma3':
+    logger.warning('Serving %s without images: its image prompt is not known.', cfg.family)
+    return None, None
+  try:
+    prompt = ImagePrompt.gemma3(engine.tokenizer, cfg.vision)
+  except ValueError as e:
+    logger.warning('Serving without images: %s', e)
+    return None, None
+  if processor is None:
+    if directory and os.path.isfile(os.path.join(directory, 'preprocessor_config.json')):
+      processor = ImageProcessor.from_pretrained(directory, pan_and_scan=False)
+    else:
+      processor = ImageProcessor(height=cfg.vision.image_size, width=cfg.vision.image_size)
+  return processor, prompt
+
+
 def _template(tokenizer, chat_template: ChatTemplate | str | None) -> ChatTemplate | None:
   if chat_template is None:
     path = getattr(tokenizer, 'path', None)
@@ -515,7 +541,7 @@ def _template(tokenizer, chat_template: ChatTemplate | str | None) -> ChatTempla
 def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str | None = None,
              max_queue: int = 64, chat_template: ChatTemplate | str | None = None,
              add_bos: bool = True, dtype: str | None = None, tensor_parallel: int = 1,
-             **engine_kwargs) -> Starlette:
+             image_processor=None, **engine_kwargs) -> Starlette:
   """The server as an ASGI app (run it with uvicorn); nothing starts until the app does.
 
   Args:
@@ -534,6 +560,10 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
     dtype: compute dtype of a model loaded from a directory (default the checkpoint's).
     tensor_parallel: devices a model loaded from a directory is sharded over (its
       heads and MLP width; see :func:`load_engine`).
+    image_processor: a vision-language model's :class:`~maxnnx.data.ImageProcessor`;
+      default the directory's ``preprocessor_config.json`` (or the tower's image size).
+      Chat messages may then hold ``{"type": "image_url", "image_url": {"url":
+      "data:image/...;base64,..."}}`` parts.
     **engine_kwargs: :class:`~maxnnx.serving.Engine` arguments (``max_batch``,
       ``token_budget``, ``page_size``, ``max_pages``, ``max_model_len``, ...) for a
       model loaded from a directory.
@@ -541,6 +571,7 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
   The app's ``state.engine_loop`` is the :class:`EngineLoop` and ``state.metrics`` the
   :class:`~maxnnx.serving.metrics.ServerMetrics`.
   """
+  directory = None
   if isinstance(engine_or_model_dir, Engine):
     if engine_kwargs or dtype is not None:
       raise TypeError('Engine arguments and dtype apply to a model directory, not to an Engine.')
@@ -555,11 +586,13 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
     raise ValueError('The server needs an Engine with a tokenizer.')
   if max_queue < 0:
     raise ValueError(f'max_queue={max_queue} must be >= 0.')
+  image_processor, image_prompt = _image_side(engine, directory, image_processor)
   served = ServedModel(name=name, tokenizer=tokenizer, template=_template(tokenizer, chat_template),
                        max_model_len=engine.max_model_len,
                        vocab_size=engine.model_config.vocab_size,
                        max_logprobs=engine.max_logprobs,
-                       chat_stop_ids=tuple(end_of_turn_ids(tokenizer)), add_bos=add_bos)
+                       chat_stop_ids=tuple(end_of_turn_ids(tokenizer)), add_bos=add_bos,
+                       image_processor=image_processor, image_prompt=image_prompt)
   loop, metrics = EngineLoop(engine), ServerMetrics()
   api = _Api(loop, served, metrics, max_queue)
 
