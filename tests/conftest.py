@@ -102,31 +102,40 @@ CHAT_SPECIALS = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|begin_of_text
                  '<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>']
 
 
-@pytest.fixture(scope='session')
-def chat_checkpoint(tmp_path_factory):
-  """A tokenizer directory like a chat model's: a byte-level BPE ``tokenizer.json`` (500
-  tokens, trained on the shipped corpus, with ChatML and Llama 3 special tokens) and a
-  ``tokenizer_config.json`` holding the ChatML template."""
-  import json
-
+def _byte_level_bpe(vocab_size: int, specials: list[str]):
+  """A byte-level BPE trained on the shipped corpus, its special tokens first."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
   from maxnnx.data import DEFAULT_CORPUS
-  from maxnnx.data.chat import CHATML_TEMPLATE
-  directory = tmp_path_factory.mktemp('qwen_like')
   with open(DEFAULT_CORPUS, encoding='utf-8') as f:
     text = f.read()[:200_000]
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=CHAT_SPECIALS,
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator([text], trainer)
+  tok.train_from_iterator([text], trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=specials,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  return tok
+
+
+def _write_tokenizer_dir(directory, tok, config: dict):
+  import json
   tok.save(str(directory / 'tokenizer.json'))
   with open(directory / 'tokenizer_config.json', 'w', encoding='utf-8') as f:
-    json.dump({'bos_token': '<|begin_of_text|>', 'eos_token': '<|im_end|>',
-               'chat_template': CHATML_TEMPLATE}, f)
+    json.dump(config, f)
   return directory
+
+
+@pytest.fixture(scope='session')
+def chat_checkpoint(tmp_path_factory):
+  """A tokenizer directory like a chat model's: a byte-level BPE ``tokenizer.json`` (500
+  tokens, trained on the shipped corpus, with ChatML and Llama 3 special tokens) and a
+  ``tokenizer_config.json`` holding the ChatML template."""
+  from maxnnx.data.chat import CHATML_TEMPLATE
+  return _write_tokenizer_dir(
+      tmp_path_factory.mktemp('qwen_like'), _byte_level_bpe(500, CHAT_SPECIALS),
+      {'bos_token': '<|begin_of_text|>', 'eos_token': '<|im_end|>',
+       'chat_template': CHATML_TEMPLATE})
 
 
 GEMMA3_SPECIALS = ['<pad>', '<eos>', '<bos>', '<start_of_turn>', '<end_of_turn>',
@@ -137,29 +146,18 @@ GEMMA3_SPECIALS = ['<pad>', '<eos>', '<bos>', '<start_of_turn>', '<end_of_turn>'
 def gemma3_tokenizer_dir(tmp_path_factory):
   """A byte-level BPE with Gemma 3's specials; ``<image_soft_token>`` gets the vision
   preset's ``image_token_id`` (the last id, as in the real checkpoints)."""
-  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+  from tokenizers import AddedToken
 
   import maxnnx
-  from maxnnx.data import DEFAULT_CORPUS
   from maxnnx.data.chat import GEMMA_TEMPLATE
   image_id = maxnnx.get_preset('tiny-gemma3-vision').vision.image_token_id
-  directory = tmp_path_factory.mktemp('gemma3_like')
-  with open(DEFAULT_CORPUS, encoding='utf-8') as f:
-    text = f.read()[:200_000]
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator([text], trainers.BpeTrainer(
-      vocab_size=image_id, special_tokens=GEMMA3_SPECIALS,
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok = _byte_level_bpe(image_id, GEMMA3_SPECIALS)
   tok.add_special_tokens([AddedToken('<image_soft_token>', special=True)])
   assert tok.token_to_id('<image_soft_token>') == image_id
-  tok.save(str(directory / 'tokenizer.json'))
-  import json
-  with open(directory / 'tokenizer_config.json', 'w', encoding='utf-8') as f:
-    json.dump({'bos_token': '<bos>', 'eos_token': '<eos>', 'pad_token': '<pad>',
-               'chat_template': GEMMA_TEMPLATE}, f)
-  return directory
+  return _write_tokenizer_dir(
+      tmp_path_factory.mktemp('gemma3_like'), tok,
+      {'bos_token': '<bos>', 'eos_token': '<eos>', 'pad_token': '<pad>',
+       'chat_template': GEMMA_TEMPLATE})
 
 
 class FakeGCS:
