@@ -32,7 +32,7 @@ from maxnnx.config import (
 )
 from maxnnx.inference.chat import chat
 from maxnnx.inference.generate import GenerationResult, generate
-from maxnnx.models.counting import num_active_params, num_params
+from maxnnx.models.counting import num_active_params, num_params, num_vision_params
 from maxnnx.models.hf import PretrainedError
 from maxnnx.models.pretrained import config_from_pretrained, from_pretrained, save_pretrained
 from maxnnx.models.transformer import Transformer
@@ -65,5 +65,5 @@ __all__ = [
     'ModelConfig', 'MoEConfig', 'PretrainedError', 'RopeConfig', 'RuntimeConfig',
     'SafetensorsError', 'TrainConfig', 'Trainer', 'Transformer', 'config_from_pretrained',
     'chat', 'from_pretrained', 'generate', 'get_preset', 'list_presets', 'make_pipeline',
-    'num_active_params', 'num_params', 'save_pretrained',
+    'num_active_params', 'num_params', 'num_vision_params', 'save_pretrained',
 ]

@@ -320,21 +320,15 @@ RECIPES = {r.name: r for r in (PRETRAIN, SFT, DPO, DISTILL, GRPO)}
 
 def image_sft_options(checkpoint: str, tokenizer, model_config, images_per_row: int) -> dict:
   """``make_sft_pipeline`` keywords of image+text SFT (``images_per_row=`` > 0): the image
-  processor of the checkpoint's ``preprocessor_config.json`` and the family's image prompt."""
-  from maxnnx.data import ImageProcessor, ImagePrompt  # noqa: PLC0415
+  processor of the checkpoint's ``preprocessor_config.json`` and the family's image prompt
+  (:func:`maxnnx.data.images.image_inputs_for`)."""
+  from maxnnx.data.images import image_inputs_for  # noqa: PLC0415
   if not model_config.vision.num_layers:
     raise UsageError('images_per_row > 0 trains on images: the model needs a vision tower '
                      '(a multimodal checkpoint, e.g. Gemma 3 4B, or a preset with one).')
-  if model_config.family != 'gemma3':
-    raise UsageError(f'image+text SFT knows the image prompt of gemma3 models, not of '
-                     f'{model_config.family!r}.')
-  if checkpoint and os.path.isfile(os.path.join(checkpoint, 'preprocessor_config.json')):
-    processor = ImageProcessor.from_pretrained(checkpoint)
-  else:  # a preset: the tower's own image size, SigLIP's normalisation
-    side = model_config.vision.image_size
-    processor = ImageProcessor(height=side, width=side)
-  if processor.pan_and_scan:
-    processor = dataclasses.replace(processor, pan_and_scan=False)
-  return {'image_processor': processor,
-          'image_prompt': ImagePrompt.gemma3(tokenizer, model_config.vision),
+  try:
+    processor, prompt = image_inputs_for(model_config, tokenizer, checkpoint or None)
+  except ValueError as e:
+    raise UsageError(f'images_per_row: {e}') from None
+  return {'image_processor': processor, 'image_prompt': prompt,
           'images_per_row': images_per_row}

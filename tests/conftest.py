@@ -47,7 +47,7 @@ def pytest_sessionfinish(session):
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
 # Image+text fixtures (make_vision_fixtures.py) have their own reference format.
-VISION_CASES = ['gemma3_vision']
+VISION_CASES = ['gemma3_vision', 'llama4_vision']
 HF_CASES = sorted(set(os.listdir(FIXTURES)) - set(VISION_CASES))
 
 

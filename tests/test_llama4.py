@@ -12,6 +12,7 @@ from conftest import export_and_compare
 from flax import nnx
 
 import maxnnx
+from maxnnx.config import VisionConfig
 from maxnnx.models.hf import HFConfig
 from maxnnx.models.registry import specs
 
@@ -34,15 +35,36 @@ SCOUT_TEXT_CONFIG = {
 }
 
 
+# The Hub's vision_config of Scout and Maverick (transformers 4.51 layout: rope_theta).
+HUB_VISION_CONFIG = {
+    'attention_dropout': 0.0, 'hidden_act': 'gelu', 'hidden_size': 1408, 'image_size': 336,
+    'initializer_range': 0.02, 'intermediate_size': 5632, 'model_type': 'llama4_vision_model',
+    'multi_modal_projector_bias': False, 'norm_eps': 1e-05, 'num_attention_heads': 16,
+    'num_channels': 3, 'num_hidden_layers': 34, 'patch_size': 14, 'pixel_shuffle_ratio': 0.5,
+    'projector_dropout': 0.0, 'projector_input_dim': 4096, 'projector_output_dim': 4096,
+    'rope_theta': 10000, 'vision_feature_layer': -1, 'vision_feature_select_strategy': 'default',
+    'vision_output_dim': 4096,
+}
+
+
+def _multimodal(text: dict) -> HFConfig:
+  return HFConfig({'model_type': 'llama4', 'text_config': text, 'vision_config': HUB_VISION_CONFIG,
+                   'image_token_index': 200092, 'boi_token_index': 200080,
+                   'eoi_token_index': 200081}, 'config.json', LLAMA4.hf.defaults)
+
+
 def test_the_scout_hub_config_is_the_scout_preset():
   """Every field the Hub config implies (NoPE every 4th layer, chunked others, all MoE,
-  Scout's equal-factor llama3 rope) equals the preset."""
-  cfg = LLAMA4.hf.config_from_hf(HFConfig(SCOUT_TEXT_CONFIG, 'config.json', LLAMA4.hf.defaults))
+  Scout's equal-factor llama3 rope, the vision tower) equals the preset; its text_config
+  alone is the preset's text model."""
+  cfg = LLAMA4.hf.config_from_hf(_multimodal(SCOUT_TEXT_CONFIG))
   assert cfg == maxnnx.get_preset('llama4-17b-16e')
   assert cfg.nope_layers == tuple(range(3, 48, 4)) and all(cfg.moe_layers)
+  text = LLAMA4.hf.config_from_hf(HFConfig(SCOUT_TEXT_CONFIG, 'config.json', LLAMA4.hf.defaults))
+  assert text == cfg.replace(vision=VisionConfig())
   maverick = dict(SCOUT_TEXT_CONFIG, num_local_experts=128, interleave_moe_layer_step=2,
                   use_qk_norm=False, rope_scaling=None, max_position_embeddings=1048576)
-  cfg = LLAMA4.hf.config_from_hf(HFConfig(maverick, 'config.json', LLAMA4.hf.defaults))
+  cfg = LLAMA4.hf.config_from_hf(_multimodal(maverick))
   assert cfg == maxnnx.get_preset('llama4-17b-128e')
   assert cfg.moe_layers == tuple(i % 2 == 1 for i in range(48))
 

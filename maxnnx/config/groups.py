@@ -340,8 +340,23 @@ class VisionConfig(ValidatedConfig):
     norm_eps: epsilon of the encoder's LayerNorms and of the projector's RMSNorm.
     activation: encoder MLP activation (``gelu_tanh`` in SigLIP).
     tokens_per_image: text-side tokens per image (a square number dividing the patch
-      grid; ``mm_tokens_per_image``).
+      grid; ``mm_tokens_per_image``). With ``pixel_shuffle``, one image is one tile.
     image_token_id: the placeholder token the image embeddings replace.
+    patch_bias: the patch projection has a bias (SigLIP; not Llama 4).
+    class_token: a learned class token joins the patches (after them, as Llama 4 puts
+      it) and is dropped after the final LayerNorm.
+    pre_norm: a LayerNorm before the first block (Llama 4's ``layernorm_pre``).
+    rope_theta: 2-D rotary embeddings in the tower's attention (Llama 4: the first half of
+      the rotated pairs turn with the patch's column, the second with its row, counted
+      from 1; ``None``: no rotary embedding).
+    projector: ``pooled`` (Gemma 3: average-pool, RMSNorm, one map) or
+      ``pixel_shuffle`` (Llama 4: fold ``s x s`` neighbouring patches, ``s = 1 /
+      pixel_shuffle_ratio``, into one token, a two-layer GELU MLP to ``adapter_dim`` and
+      one map to ``d_model``).
+    pixel_shuffle_ratio: tokens per patch along each side with ``pixel_shuffle``.
+    adapter_dim: width of the ``pixel_shuffle`` projector's MLP.
+    bidirectional: the tokens of an image attend to each other in both directions in the
+      language model (Gemma 3); ``False``: plain causal attention (Llama 4).
   """
 
   _PATH = 'ModelConfig.vision'
@@ -357,6 +372,14 @@ class VisionConfig(ValidatedConfig):
   activation: Literal['silu', 'gelu_tanh', 'gelu', 'relu'] = 'gelu_tanh'
   tokens_per_image: int = 256
   image_token_id: int | None = None
+  patch_bias: bool = True
+  class_token: bool = False
+  pre_norm: bool = False
+  rope_theta: float | None = None
+  projector: Literal['pooled', 'pixel_shuffle'] = 'pooled'
+  pixel_shuffle_ratio: float = 0.5
+  adapter_dim: int = 0
+  bidirectional: bool = True
 
   def _validate(self):
     p = self._PATH
@@ -379,6 +402,20 @@ class VisionConfig(ValidatedConfig):
     if side * side != self.tokens_per_image or self.patches_per_side % side:
       raise ConfigError(f'{p}.tokens_per_image ({self.tokens_per_image}) must be a square '
                         f'whose side divides the {self.patches_per_side} patches per side.')
+    if self.projector == 'pixel_shuffle':
+      fold = round(1 / self.pixel_shuffle_ratio)
+      if abs(fold * self.pixel_shuffle_ratio - 1) > 1e-6 or self.patches_per_side % fold:
+        raise ConfigError(f'{p}.pixel_shuffle_ratio ({self.pixel_shuffle_ratio}) must be 1/s '
+                          f'for an s dividing the {self.patches_per_side} patches per side.')
+      if side != self.patches_per_side // fold:
+        raise ConfigError(f'{p}.tokens_per_image must be {(self.patches_per_side // fold)**2} '
+                          f'with pixel_shuffle_ratio={self.pixel_shuffle_ratio}, got '
+                          f'{self.tokens_per_image}.')
+      if self.adapter_dim <= 0:
+        raise ConfigError(f'{p}.adapter_dim must be > 0 with projector=pixel_shuffle.')
+    if self.rope_theta is not None and (self.hidden_size // self.num_heads) % 4:
+      raise ConfigError(f'{p}.rope_theta needs a head size ({self.hidden_size // self.num_heads}) '
+                        'divisible by 4 (pairs turn with the column, then the row).')
     if self.image_token_id is None:
       raise ConfigError(f'{p}.image_token_id is needed with a vision tower: the token whose '
                         'places the image embeddings take.')

@@ -28,6 +28,7 @@ import math
 import os
 from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
 from PIL import Image
 
@@ -239,6 +240,222 @@ class ImagePrompt:
                          f'{end_token}\n\n',
                image_token_id=vision.image_token_id)
 
-  def expand(self, text: str) -> tuple[str, int]:
-    """``(text with every marker expanded, number of images)``."""
+  def expand(self, text: str, layouts: Sequence | None = None, first: int = 0
+             ) -> tuple[str, int]:
+    """``(text with every marker expanded, number of images)``. ``layouts`` (what the
+    image processor returned beside the pixels) matter to tiled prompts only; ``first``
+    is the index of the text's first image among them."""
     return text.replace(self.marker, self.expansion), text.count(self.marker)
+
+
+@dataclasses.dataclass(frozen=True)
+class TiledImagePrompt(ImagePrompt):
+  """Llama 4's prompt: the template's ``<|image|>`` becomes ``<|image_start|>``, then for an
+  image of several tiles each tile's placeholders row by row (``<|tile_x_separator|>``
+  between tiles of a row, ``<|tile_y_separator|>`` after each row), then ``<|image|>`` and
+  the global tile's placeholders (the only tile's, for a one-tile image), then
+  ``<|image_end|>``.
+
+  Attributes:
+    start, end, tile_x, tile_y: those tokens' strings.
+    tokens_per_tile: placeholders per tile.
+  """
+
+  start: str = '<|image_start|>'
+  end: str = '<|image_end|>'
+  tile_x: str = '<|tile_x_separator|>'
+  tile_y: str = '<|tile_y_separator|>'
+  tokens_per_tile: int = 144
+
+  @classmethod
+  def llama4(cls, tokenizer, vision) -> TiledImagePrompt:
+    """Llama 4's prompt for ``vision``, the placeholder's string found in ``tokenizer``."""
+    from maxnnx.data.chat import special_tokens
+    specials = special_tokens(tokenizer)
+    patch = {i: s for s, i in specials.items()}.get(vision.image_token_id)
+    names = ('<|image|>', cls.start, cls.end, cls.tile_x, cls.tile_y)
+    missing = [repr(t) for t in names if t not in specials]
+    if patch is None:
+      missing.append(f'a special token of id {vision.image_token_id} '
+                     '(ModelConfig.vision.image_token_id)')
+    if missing:
+      raise ValueError(f"the tokenizer lacks Llama 4's image tokens: {', '.join(missing)}; "
+                       "use the checkpoint's own tokenizer.")
+    return cls(marker='<|image|>', expansion=patch, image_token_id=vision.image_token_id,
+               tokens_per_tile=vision.tokens_per_image)
+
+  def expand(self, text: str, layouts: Sequence | None = None, first: int = 0
+             ) -> tuple[str, int]:
+    """``(text with image ``first + k``'s marker expanded by its ``(rows, columns)`` of
+    tiles, number of images)``."""
+    pieces = text.split(self.marker)
+    count = len(pieces) - 1
+    if count and (layouts is None or len(layouts) < first + count):
+      raise ValueError(f'{first + count} image markers but tile layouts for '
+                       f'{0 if layouts is None else len(layouts)} images.')
+    tile = self.expansion * self.tokens_per_tile
+    out = [pieces[0]]
+    for k, piece in enumerate(pieces[1:]):
+      rows, columns = layouts[first + k]
+      image = self.start
+      if rows * columns > 1:
+        row = self.tile_x.join([tile] * columns) + self.tile_y
+        image += row * rows
+      out.append(image + self.marker + tile + self.end + piece)
+    return ''.join(out), count
+
+
+def _supported_canvases(max_patches: int, tile: int) -> list[tuple[int, int]]:
+  """Canvases ``(height, width)`` of up to ``max_patches`` tiles, grouped by aspect ratio
+  in the order transformers' Llama 4 processor breaks ties in."""
+  by_ratio: dict[float, list[tuple[int, int]]] = {}
+  for n in range(max_patches, 0, -1):
+    for a in sorted(d for d in range(1, n + 1) if n % d == 0):
+      by_ratio.setdefault(a / (n // a), []).append((a, n // a))
+  return [(a * tile, b * tile) for group in by_ratio.values() for a, b in group]
+
+
+@dataclasses.dataclass(frozen=True)
+class TiledImageProcessor:
+  """Llama 4's image processor: the canvas of at most ``max_patches`` tiles that needs the
+  least resizing, the image resized into it without distortion (never enlarged past one
+  tile per side, unless ``resize_to_max_canvas``) and padded with zeros at the bottom and
+  right, cut into ``tile_size`` tiles row by row, plus (for several tiles) the whole image
+  squeezed into one global tile. Rescale and normalise round to bfloat16, as the reference
+  does; the output is ``[tiles, 3, tile_size, tile_size]`` float32 and each image's
+  ``(rows, columns)`` of tiles.
+
+  Pillow resizes; transformers resizes with torchvision, whose antialiased bilinear filter
+  differs by one level (of 255) on about 1% of pixels.
+
+  Attributes:
+    tile_size: side of a tile in pixels.
+    max_patches: most tiles per image (the global tile not counted).
+    resize_to_max_canvas: enlarge to the largest fitting canvas.
+    resample: Pillow filter number (2 = bilinear).
+    rescale_factor, mean, std: as :class:`ImageProcessor`.
+  """
+
+  tile_size: int = 336
+  max_patches: int = 16
+  resize_to_max_canvas: bool = False
+  resample: int = 2
+  rescale_factor: float = 1 / 255
+  mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+  std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+  @classmethod
+  def from_pretrained(cls, directory: str, **overrides) -> TiledImageProcessor:
+    """The processor of a Llama 4 checkpoint's ``preprocessor_config.json``."""
+    data = _read_preprocessor_config(directory)
+    size = data.get('size') or {}
+    if size.get('height') != size.get('width') or not size.get('height'):
+      raise ValueError(f"{directory}: Llama 4 tiles are square; 'size' is {size}.")
+    fields = dict(tile_size=size['height'], max_patches=data.get('max_patches', 16),
+                  resize_to_max_canvas=bool(data.get('resize_to_max_canvas', False)),
+                  resample=data.get('resample', 2),
+                  rescale_factor=data.get('rescale_factor', 1 / 255),
+                  mean=tuple(data.get('image_mean') or cls.mean),
+                  std=tuple(data.get('image_std') or cls.std))
+    return cls(**{**fields, **overrides})
+
+  def canvas(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((canvas height, width), (resized height, width))`` of an image of that size."""
+    f32, tile = np.float32, self.tile_size
+    canvases = _supported_canvases(self.max_patches, tile)
+    scales = [min(f32(cw) / f32(width), f32(ch) / f32(height)) for ch, cw in canvases]
+    up = [s for s in scales if s >= 1]
+    chosen = (max(up) if self.resize_to_max_canvas else min(up)) if up else max(scales)
+    target = min((c for c, s in zip(canvases, scales) if s == chosen),
+                 key=lambda c: c[0] * c[1])
+    # The reference computes with float32 where a size came from its target tensor.
+    if self.resize_to_max_canvas:
+      th, tw = f32(target[0]), f32(target[1])
+    else:
+      th = f32(target[0]) if target[0] < max(height, tile) else max(height, tile)
+      tw = f32(target[1]) if target[1] < max(width, tile) else max(width, tile)
+    sw = tw / f32(width) if isinstance(tw, f32) else tw / width
+    sh = th / f32(height) if isinstance(th, f32) else th / height
+    if isinstance(sw, f32) or isinstance(sh, f32):
+      narrower = f32(sw) < f32(sh)
+    else:
+      narrower = sw < sh
+    if narrower:
+      scaled = f32(height) * sw if isinstance(sw, f32) else height * sw
+      new = (min(math.floor(scaled), int(th)), int(tw))
+    else:
+      scaled = f32(width) * sh if isinstance(sh, f32) else width * sh
+      new = (int(th), min(math.floor(scaled), int(tw)))
+    return target, (max(new[0], 1), max(new[1], 1))
+
+  def __call__(self, images: Sequence[Image.Image | np.ndarray | str]
+               ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """``(pixel_values [tiles, 3, tile, tile] float32, (rows, columns) per image)``."""
+    out, layouts = [], []
+    tile = self.tile_size
+    filt = RESAMPLE[self.resample]
+    for image in images:
+      rgb = _as_rgb(image)
+      (ch, cw), (nh, nw) = self.canvas(rgb.height, rgb.width)
+      canvas = np.zeros((ch, cw, 3), np.uint8)
+      canvas[:nh, :nw] = np.asarray(rgb.resize((nw, nh), resample=filt))
+      pixels = self._normalise(canvas)
+      rows, columns = ch // tile, cw // tile
+      out += [pixels[:, r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]
+              for r in range(rows) for c in range(columns)]
+      if rows * columns > 1:
+        out.append(self._normalise(np.asarray(rgb.resize((tile, tile), resample=filt))))
+      layouts.append((rows, columns))
+    return np.stack(out), layouts
+
+  def _normalise(self, pixels_HWC: np.ndarray) -> np.ndarray:
+    """``[3, H, W]`` float32 of uint8 pixels, each step rounded to bfloat16."""
+    bf16 = ml_dtypes.bfloat16
+    x = (pixels_HWC.astype(np.float32) * np.float32(self.rescale_factor)).astype(bf16)
+    mean, std = np.asarray(self.mean, np.float32), np.asarray(self.std, np.float32)
+    x = (x.astype(np.float32) - mean).astype(bf16)
+    x = (x.astype(np.float32) / std).astype(bf16)
+    return np.ascontiguousarray(x.astype(np.float32).transpose(2, 0, 1))
+
+
+def _read_preprocessor_config(directory: str) -> dict:
+  path = os.path.join(directory, 'preprocessor_config.json')
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{path}: missing; a vision checkpoint keeps its image '
+                            'processor settings there.')
+  with open(path) as f:
+    return json.load(f)
+
+
+def load_image_processor(directory: str, **overrides):
+  """The image processor a checkpoint's ``preprocessor_config.json`` names: a
+  :class:`TiledImageProcessor` for Llama 4, else an :class:`ImageProcessor`."""
+  kind = str(_read_preprocessor_config(directory).get('image_processor_type', ''))
+  if kind.startswith('Llama4'):
+    return TiledImageProcessor.from_pretrained(directory, **overrides)
+  return ImageProcessor.from_pretrained(directory, **overrides)
+
+
+def image_inputs_for(model_config, tokenizer, directory: str | None = None):
+  """``(image processor, image prompt)`` of a vision-language model: the checkpoint
+  ``directory``'s ``preprocessor_config.json`` if it has one (pan-and-scan off: prompts
+  do not place crops yet), else the tower's own image size with SigLIP's normalisation.
+
+  Raises:
+    ValueError: for a model without a tower, a family whose image prompt is unknown, or a
+      tokenizer without the image tokens.
+  """
+  v = model_config.vision
+  if not v.num_layers:
+    raise ValueError('the model has no vision tower (ModelConfig.vision.num_layers is 0).')
+  family = model_config.family
+  if family not in ('gemma3', 'llama4'):
+    raise ValueError(f'the image prompt of {family!r} models is not known (gemma3, llama4).')
+  has_config = directory and os.path.isfile(os.path.join(directory, 'preprocessor_config.json'))
+  if family == 'llama4':
+    processor = (TiledImageProcessor.from_pretrained(directory) if has_config
+                 else TiledImageProcessor(tile_size=v.image_size))
+    return processor, TiledImagePrompt.llama4(tokenizer, v)
+  processor = (ImageProcessor.from_pretrained(directory, pan_and_scan=False) if has_config
+               else ImageProcessor(height=v.image_size, width=v.image_size))
+  return processor, ImagePrompt.gemma3(tokenizer, v)

@@ -139,7 +139,8 @@ def encode_sft_record(tokenizer, template: ChatTemplate | str | None, record,
 
 @dataclasses.dataclass(frozen=True)
 class SFTImages:
-  """The image side of image+text SFT: pixels, the prompt's placeholders and room per row."""
+  """The image side of image+text SFT: pixels, the prompt's placeholders and room per row
+  (``images_per_row`` counts pixel arrays: tiles, for a tiled processor)."""
 
   processor: ImageProcessor
   prompt: ImagePrompt
@@ -147,7 +148,9 @@ class SFTImages:
 
   def empty(self) -> np.ndarray:
     """``[0, 3, H, W]``: the images of a text-only record."""
-    return np.zeros((0, 3, self.processor.height, self.processor.width), np.float32)
+    side = getattr(self.processor, 'tile_size', None)
+    height, width = (side, side) if side else (self.processor.height, self.processor.width)
+    return np.zeros((0, 3, height, width), np.float32)
 
 
 def split_images(record: dict) -> tuple[list, list]:
@@ -185,13 +188,14 @@ def split_images(record: dict) -> tuple[list, list]:
   return messages, sources
 
 
-def encode_image_chat(tokenizer, template: ChatTemplate, messages, images: SFTImages
-                      ) -> tuple[list[int], list[int], int]:
+def encode_image_chat(tokenizer, template: ChatTemplate, messages, images: SFTImages,
+                      layouts=None) -> tuple[list[int], list[int], int]:
   """``(ids, loss_mask, images)`` of a conversation whose image markers expand to
-  placeholders (never trained on, even inside an assistant turn)."""
+  placeholders (never trained on, even inside an assistant turn); ``layouts`` are what
+  the image processor returned beside the pixels (tiles per image)."""
   ids, mask, count = [], [], 0
   for text, trained in chat_pieces(template, messages):
-    text, n = images.prompt.expand(text)
+    text, n = images.prompt.expand(text, layouts, count)
     count += n
     piece = encode_with_specials(tokenizer, text)
     ids += piece
@@ -236,23 +240,25 @@ class EncodeSFT(grain.transforms.Map):
   def _encode_with_images(self, record, directory):
     messages, sources = split_images(record)
     images = self.images
-    if len(sources) > images.images_per_row:
-      raise ValueError(f'{len(sources)} images, more than images_per_row='
-                       f'{images.images_per_row}; raise it (TrainConfig.images_per_row too).')
     if self.template is None:
       raise ValueError('a "messages" record needs a chat template; the tokenizer directory '
                        'has none: pass template=.')
-    ids, mask, markers = encode_image_chat(self.tokenizer, self.template, messages, images)
+    if getattr(images.processor, 'pan_and_scan', False):
+      raise ValueError('pan-and-scan crops are not expanded in SFT prompts yet; load the '
+                       'image processor with pan_and_scan=False.')
+    pixels, layouts = images.empty(), []
+    if sources:
+      pixels, layouts = images.processor([load_image(s, directory) for s in sources])
+    if len(pixels) > images.images_per_row:
+      tiles = '' if len(pixels) == len(sources) else f' in {len(pixels)} tiles'
+      raise ValueError(f'{len(sources)} images{tiles}, more than images_per_row='
+                       f'{images.images_per_row}; raise it (TrainConfig.images_per_row too).')
+    ids, mask, markers = encode_image_chat(self.tokenizer, self.template, messages, images,
+                                           layouts)
     if markers != len(sources):
       raise ValueError(f'the chat template wrote {markers} image marker(s) '
                        f'{images.prompt.marker!r} for {len(sources)} image(s); use a template '
                        'that renders {"type": "image"} parts.')
-    if not sources:
-      return ids, mask, images.empty()
-    if images.processor.pan_and_scan:
-      raise ValueError('pan-and-scan crops are not expanded in SFT prompts yet; load the '
-                       'image processor with pan_and_scan=False.')
-    pixels, _ = images.processor([load_image(s, directory) for s in sources])
     return ids, mask, pixels
 
 

@@ -4,7 +4,7 @@ Each family module declares its differences from Llama, its Hugging Face mapping
 its presets in a ``SPEC`` (:mod:`maxnnx.models.registry`), found without a list.
 """
 
-from maxnnx.models.counting import num_active_params, num_params
+from maxnnx.models.counting import num_active_params, num_params, num_vision_params
 from maxnnx.models.pretrained import (
                                       FAMILIES,
                                       config_from_pretrained,
@@ -14,4 +14,4 @@ from maxnnx.models.pretrained import (
 from maxnnx.models.transformer import Transformer
 
 __all__ = ['FAMILIES', 'Transformer', 'config_from_pretrained', 'from_pretrained',
-           'num_active_params', 'num_params', 'save_pretrained']
+           'num_active_params', 'num_params', 'num_vision_params', 'save_pretrained']

@@ -18,6 +18,8 @@ from maxnnx.models.transformer import Transformer
 
 # The routed-expert weights of a MoE block (``Experts``), stacked ``[..., experts, ...]``.
 _EXPERT_MODULE = 'experts'
+# The image side of a vision-language model.
+_VISION_MODULES = ('vision_tower', 'multi_modal_projector')
 
 
 @functools.lru_cache(maxsize=64)
@@ -48,4 +50,9 @@ def num_active_params(cfg: ModelConfig) -> int:
   return num_params(cfg) - (routed // experts * (experts - top_k) if experts else 0)
 
 
-__all__ = ['num_active_params', 'num_params']
+def num_vision_params(cfg: ModelConfig) -> int:
+  """Parameters of the vision tower and its projector (0 for a text model)."""
+  return sum(size for path, size in _abstract_param_sizes(cfg) if path[0] in _VISION_MODULES)
+
+
+__all__ = ['num_active_params', 'num_params', 'num_vision_params']

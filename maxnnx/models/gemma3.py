@@ -63,11 +63,7 @@ def _vision_from_hf(data: dict, top: HFConfig) -> VisionConfig:
 def config_from_hf(hf: HFConfig) -> ModelConfig:
   if 'text_config' not in hf.data:  # a text-only checkpoint (gemma3_text)
     return _text_config_from_hf(hf)
-  text = dict(hf.data.get('text_config') or {})
-  for key in ('tie_word_embeddings', 'bos_token_id', 'eos_token_id', 'pad_token_id'):
-    if hf.data.get(key) is not None and text.get(key) is None:
-      text[key] = hf.data[key]
-  cfg = _text_config_from_hf(HFConfig(text, f'{hf.path} (text_config)', hf.defaults))
+  cfg = _text_config_from_hf(hf.text_config())
   return cfg.replace(vision=_vision_from_hf(hf.data.get('vision_config') or {}, hf))
 
 

@@ -59,6 +59,17 @@ class HFConfig:
       raise PretrainedError(f"{self.path}: required key '{key}' is missing.")
     return value
 
+  def text_config(self) -> HFConfig:
+    """A multimodal config's ``text_config`` (the top level's token ids and tying filled in
+    where it leaves them out), or this config itself when it is flat."""
+    if 'text_config' not in self.data:
+      return self
+    text = dict(self.data.get('text_config') or {})
+    for key in ('tie_word_embeddings', 'bos_token_id', 'eos_token_id', 'pad_token_id'):
+      if self.data.get(key) is not None and text.get(key) is None:
+        text[key] = self.data[key]
+    return HFConfig(text, f'{self.path} (text_config)', self.defaults)
+
   def rope(self, layer_type: str | None = None) -> RopeConfig:
     """The rotary config, from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
     ``rope_scaling`` (older Hub configs). ``layer_type`` picks one entry of a

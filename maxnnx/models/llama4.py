@@ -17,12 +17,21 @@ Checkpoint layout: per MoE layer, ``feed_forward.experts.gate_up_proj``
 ``[experts, hidden, 2 * intermediate]`` (gate, then up, on the last axis),
 ``feed_forward.experts.down_proj`` ``[experts, intermediate, hidden]``,
 ``feed_forward.router.weight`` and ``feed_forward.shared_expert.{gate,up,down}_proj``.
-The multimodal ``llama4`` checkpoints (with a vision tower) are not loaded here.
+
+Multimodal checkpoints (``model_type: llama4``, ``Llama4ForConditionalGeneration``) nest
+``text_config`` and ``vision_config`` and hold ``language_model.*``, ``vision_model.*`` and
+``multi_modal_projector.*``: the tower is the shared ViT (:mod:`maxnnx.layers.vision`)
+with no patch bias, a class token after the patches, a LayerNorm before the blocks and 2-D
+rotary embeddings; the pixel-shuffle projector folds 2x2 patches into one token per
+``<|patch|>`` placeholder, whose tokens attend causally like text. Images are tiles of
+``image_size`` pixels (the processor's tiling plus one global tile).
 """
+
+import re
 
 import numpy as np
 
-from maxnnx.config import ModelConfig, MoEConfig, RopeConfig
+from maxnnx.config import ModelConfig, MoEConfig, RopeConfig, VisionConfig
 from maxnnx.models.hf import (
   Family,
   HFConfig,
@@ -38,6 +47,40 @@ NOPE_EVERY = 4  # transformers' no_rope_layer_interval default
 
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
+  cfg = _text_config_from_hf(hf.text_config())  # flat (llama4_text) or nested
+  vision = hf.data.get('vision_config')
+  if not vision:
+    return cfg
+  return cfg.replace(vision=_vision_from_hf(HFConfig(vision, f'{hf.path} (vision_config)'), hf))
+
+
+def _vision_from_hf(v: HFConfig, top: HFConfig) -> VisionConfig:
+  hidden, ratio = v.require('hidden_size'), float(v.get('pixel_shuffle_ratio', 0.5))
+  side = v.require('image_size') // v.require('patch_size')
+  fold = round(1 / ratio)
+  dims = {k: v.require(k) for k in ('projector_input_dim', 'projector_output_dim',
+                                     'vision_output_dim')}
+  if len(set(dims.values())) != 1:
+    raise PretrainedError(f'{v.path}: projector_input_dim, projector_output_dim and '
+                          f'vision_output_dim must be equal (the adapter is square), got {dims}.')
+  if v.require('intermediate_size') != hidden * fold * fold:
+    raise PretrainedError(f'{v.path}: intermediate_size ({v.require("intermediate_size")}) '
+                          f'must be hidden_size / pixel_shuffle_ratio**2 = {hidden * fold**2}.')
+  rope = v.get('rope_parameters') or {}
+  return VisionConfig(
+      num_layers=v.require('num_hidden_layers'), hidden_size=hidden,
+      intermediate_size=v.require('intermediate_size'),
+      num_heads=v.require('num_attention_heads'), image_size=v.require('image_size'),
+      patch_size=v.require('patch_size'), num_channels=v.get('num_channels', 3),
+      norm_eps=1e-5, activation='gelu', tokens_per_image=(side // fold)**2,
+      image_token_id=top.data.get('image_token_index', top.data.get('image_token_id', 200_092)),
+      patch_bias=False, class_token=True, pre_norm=True,
+      rope_theta=float(rope.get('rope_theta', v.get('rope_theta', 10_000.0))),
+      projector='pixel_shuffle', pixel_shuffle_ratio=ratio,
+      adapter_dim=dims['projector_output_dim'], bidirectional=False)
+
+
+def _text_config_from_hf(hf: HFConfig) -> ModelConfig:
   num_layers = hf.require('num_hidden_layers')
   uses_rope = hf.get('no_rope_layers') or [
       int((i + 1) % hf.get('no_rope_layer_interval', NOPE_EVERY) != 0) for i in range(num_layers)]
@@ -90,6 +133,32 @@ def _check_convertible(cfg: ModelConfig) -> None:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
+  text = _text_config_to_hf(cfg)
+  v = cfg.vision
+  if not v.num_layers:
+    return text
+  if (v.projector, v.class_token, v.pre_norm, v.patch_bias, v.bidirectional) != (
+      'pixel_shuffle', True, True, False, False) or v.rope_theta is None:
+    raise PretrainedError('A llama4 vision tower is a pixel-shuffle ViT with a class token, a '
+                          'LayerNorm before the blocks, no patch bias, 2-D rotary embeddings '
+                          'and causal image tokens.')
+  del text['architectures']
+  fold = round(1 / v.pixel_shuffle_ratio)
+  vision = {'model_type': 'llama4_vision_model', 'hidden_size': v.hidden_size,
+            'intermediate_size': v.hidden_size * fold * fold, 'num_hidden_layers': v.num_layers,
+            'num_attention_heads': v.num_heads, 'image_size': v.image_size,
+            'patch_size': v.patch_size, 'num_channels': v.num_channels,
+            'pixel_shuffle_ratio': v.pixel_shuffle_ratio, 'hidden_act': 'gelu',
+            'norm_eps': v.norm_eps, 'projector_input_dim': v.adapter_dim,
+            'projector_output_dim': v.adapter_dim, 'vision_output_dim': v.adapter_dim,
+            'multi_modal_projector_bias': False,
+            'rope_parameters': {'rope_type': 'default', 'rope_theta': v.rope_theta}}
+  return {'architectures': ['Llama4ForConditionalGeneration'], 'model_type': 'llama4',
+          'text_config': text, 'vision_config': vision, 'image_token_index': v.image_token_id,
+          'tie_word_embeddings': cfg.tie_word_embeddings, 'dtype': text['dtype']}
+
+
+def _text_config_to_hf(cfg: ModelConfig) -> dict:
   _check_convertible(cfg)
   uses_rope = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
   floor = cfg.attn_temperature_floor
@@ -111,8 +180,51 @@ def _moe_layers(cfg: ModelConfig) -> list[int]:
   return [i for i, m in enumerate(cfg.moe_layers) if m]
 
 
+# The multimodal checkpoint's names -> ours (``Family.hf_name`` of our paths), first match
+# wins; ``{i}`` is a layer number.
+_MULTIMODAL_NAMES = (
+    ('language_model.model.', 'model.'), ('language_model.lm_head.', 'lm_head.'),
+    ('vision_model.patch_embedding.linear.', 'vision_tower.embeddings.patch_embedding.'),
+    ('vision_model.class_embedding', 'vision_tower.embeddings.class_embedding'),
+    ('vision_model.positional_embedding_vlm', 'vision_tower.embeddings.position_embedding.weight'),
+    ('vision_model.layernorm_pre.', 'vision_tower.pre_layernorm.'),
+    ('vision_model.layernorm_post.', 'vision_tower.post_layernorm.'),
+    ('vision_model.model.layers.{i}.input_layernorm.',
+     'vision_tower.encoder_layers.{i}.layer_norm1.'),
+    ('vision_model.model.layers.{i}.post_attention_layernorm.',
+     'vision_tower.encoder_layers.{i}.layer_norm2.'),
+    ('vision_model.model.layers.{i}.self_attn.o_proj.',
+     'vision_tower.encoder_layers.{i}.self_attn.out_proj.'),
+    ('vision_model.model.layers.{i}.self_attn.', 'vision_tower.encoder_layers.{i}.self_attn.'),
+    ('vision_model.model.layers.{i}.mlp.', 'vision_tower.encoder_layers.{i}.feed_forward.'),
+    ('vision_model.vision_adapter.mlp.fc1.', 'multi_modal_projector.adapter_fc1.'),
+    ('vision_model.vision_adapter.mlp.fc2.', 'multi_modal_projector.adapter_fc2.'),
+    ('multi_modal_projector.linear_1.', 'multi_modal_projector.linear_1.'),
+)
+
+
+def _renamer(pairs):
+  rules = [(re.compile('^' + re.escape(a).replace(r'\{i\}', r'(\d+)')), b) for a, b in pairs]
+
+  def rename(name: str) -> str:
+    for pattern, template in rules:
+      match = pattern.match(name)
+      if match:
+        return template.replace('{i}', match.group(1) if match.groups() else '') + name[
+            match.end():]
+    return name
+  return rename
+
+
+_from_multimodal = _renamer(_MULTIMODAL_NAMES)
+_to_multimodal = _renamer([(b, a) for a, b in _MULTIMODAL_NAMES])
+
+
 def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
-  """Split each MoE layer's ``gate_up_proj`` ``[E, D, 2F]`` into our gate and up halves."""
+  """Multimodal checkpoints: their names to ours. Then split each MoE layer's
+  ``gate_up_proj`` ``[E, D, 2F]`` into our gate and up halves."""
+  if cfg.vision.num_layers:
+    tensors = {_from_multimodal(name): value for name, value in tensors.items()}
   out = dict(tensors)
   e, d, f = cfg.moe.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
   for i in _moe_layers(cfg):
@@ -142,6 +254,8 @@ def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarr
     up = out.pop(f'{prefix}.up_proj').reshape(e, d, f)
     out[f'{prefix}.gate_up_proj'] = np.concatenate([gate, up], axis=-1)
     out[f'{prefix}.down_proj'] = out[f'{prefix}.down_proj'].reshape(e, f, d)
+  if cfg.vision.num_layers:
+    out = {_to_multimodal(name): array for name, array in out.items()}
   return out
 
 
@@ -152,10 +266,20 @@ SCOUT_ROPE = RopeConfig(theta=500_000.0, scaling='llama3', factor=16.0, low_freq
                         high_freq_factor=1.0, original_max_position_embeddings=8192)
 
 
+# Scout's and Maverick's vision tower: 34 ViT blocks of width 1408 over 336x336 tiles of
+# 14x14 patches, pixel-shuffled to 144 tokens per tile (0.88B parameters with the projector).
+LLAMA4_VISION = {'num_layers': 34, 'hidden_size': 1408, 'intermediate_size': 5632,
+                 'num_heads': 16, 'image_size': 336, 'patch_size': 14, 'norm_eps': 1e-5,
+                 'activation': 'gelu', 'tokens_per_image': 144, 'image_token_id': 200_092,
+                 'patch_bias': False, 'class_token': True, 'pre_norm': True,
+                 'rope_theta': 10_000.0, 'projector': 'pixel_shuffle',
+                 'pixel_shuffle_ratio': 0.5, 'adapter_dim': 4096, 'bidirectional': False}
+
+
 def _llama4(num_experts: int, moe_every: int, max_position_embeddings: int, rope: RopeConfig,
             qk_norm: str) -> ModelConfig:
   num_layers = 48
-  return SPEC.config(
+  return SPEC.config(vision=LLAMA4_VISION,
       vocab_size=202_048, d_model=5120, num_layers=num_layers, num_heads=40, num_kv_heads=8,
       mlp_dim=16_384, max_position_embeddings=max_position_embeddings,
       norm_eps=1e-5, rope=rope, qk_norm=qk_norm, attention_chunk_size=8192,
@@ -168,14 +292,15 @@ def _llama4(num_experts: int, moe_every: int, max_position_embeddings: int, rope
 
 
 def llama4_scout_17b_16e() -> ModelConfig:
-  """Llama 4 Scout 17B-16E (text): 107.8B parameters, 17.2B active (16 experts, top-1,
-  in every layer); the multimodal release adds a 0.9B vision tower (109B in all)."""
+  """Llama 4 Scout 17B-16E with its vision tower: 108.6B parameters (107.8B text, 17.2B
+  active: 16 experts, top-1, in every layer; ``vision={'num_layers': 0}`` for the text
+  model alone)."""
   return _llama4(16, 1, 10_485_760, SCOUT_ROPE, 'l2')
 
 
 def llama4_maverick_17b_128e() -> ModelConfig:
-  """Llama 4 Maverick 17B-128E (text): 400B parameters, 17B active (128 experts, top-1,
-  in every second layer; no q/k norm, unscaled rope)."""
+  """Llama 4 Maverick 17B-128E with its vision tower: 401B parameters (400B text, 17B
+  active: 128 experts, top-1, in every second layer; no q/k norm, unscaled rope)."""
   return _llama4(128, 2, 1_048_576, RopeConfig(theta=500_000.0), 'none')
 
 
@@ -195,7 +320,8 @@ SPEC = FamilySpec(
     description='Llama with chunked local attention in 3 of 4 layers, NoPE full-attention '
                 'layers with temperature tuning, interleaved rotary pairs, L2 q/k norms '
                 '(Scout) and top-1 sigmoid experts plus a shared expert.',
-    hf=Family('llama4', ('llama4_text',), 'Llama4ForCausalLM', config_from_hf, config_to_hf,
+    hf=Family('llama4', ('llama4_text', 'llama4'), 'Llama4ForCausalLM', config_from_hf,
+              config_to_hf,
               defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 131_072,
                         'rope_theta': 500_000.0, 'num_key_value_heads': 8, 'head_dim': 128},
               module_names={'mlp': 'feed_forward', 'shared_experts': 'shared_expert'},

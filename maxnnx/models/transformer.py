@@ -29,7 +29,7 @@ from maxnnx.layers.parts import BlockParts, build_part
 from maxnnx.layers.per_layer_inputs import PerLayerInputs
 from maxnnx.layers.remat import remat
 from maxnnx.layers.rope import RotaryEmbedding
-from maxnnx.layers.vision import PooledProjector, VisionEncoder
+from maxnnx.layers.vision import VisionEncoder, make_projector
 from maxnnx.parallel.pipeline import pipeline_stack
 from maxnnx.sharding import constrain, mesh_axis_size
 
@@ -87,8 +87,8 @@ class Transformer(nnx.Module):
     per_layer_inputs: :class:`~maxnnx.layers.per_layer_inputs.PerLayerInputs`
       (``per_layer_input_dim > 0``) or ``None``.
     vision_tower, multi_modal_projector: :class:`~maxnnx.layers.vision.VisionEncoder`
-      and :class:`~maxnnx.layers.vision.PooledProjector` (``vision.num_layers > 0``) or
-      ``None``.
+      and the projector ``vision.projector`` names (``PooledProjector`` or
+      ``PixelShuffleProjector``) when ``vision.num_layers > 0``, else ``None``.
     layers: ``nnx.List`` of :class:`DecoderBlock`, or one stacked block.
     final_norm: norm before the output projection.
     lm_head: untied output projection ``[d_model] -> [vocab]`` or ``None``.
@@ -110,7 +110,7 @@ class Transformer(nnx.Module):
                              else None)
     vision = config.vision.num_layers > 0
     self.vision_tower = VisionEncoder(config, rngs=rngs) if vision else None
-    self.multi_modal_projector = PooledProjector(config, rngs=rngs) if vision else None
+    self.multi_modal_projector = make_projector(config, rngs=rngs) if vision else None
     self.dense_layers = nnx.data(None)  # the first_k_dense_layers stack when scanned
     if config.runtime.scan_layers:
       for name, _, count, use_moe in layer_stacks(config):
@@ -335,6 +335,8 @@ class Transformer(nnx.Module):
         raise ValueError('With paged=..., images come as image_embeddings and their blocks in '
                          'PagedBatch.blocks_T (the serving Engine does this: '
                          'add_request(..., images=...)).')
+      return None
+    if not self.config.vision.bidirectional:  # image tokens attend causally (Llama 4)
       return None
     is_image_BT = (ids_BT == self.config.vision.image_token_id if token_type_ids is None
                    else token_type_ids == 1)

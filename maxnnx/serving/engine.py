@@ -381,15 +381,16 @@ class Engine:
         start < r.num_computed + n and r.num_computed < stop for start, stop in r.image_spans)]
     blocks_T = embeddings_TD = None
     if images:
-      blocks_T = np.full(width, -1, np.int32)
       embeddings_TD = np.zeros((width, self.model_config.d_model), np.float32)
+    if images and self.model_config.vision.bidirectional:
+      blocks_T = np.full(width, -1, np.int32)
     offset = 0
     for row, (request, count) in enumerate(scheduled):
       positions = np.arange(request.num_computed, request.num_computed + count)
-      if blocks_T is not None and request.image_spans:
+      if embeddings_TD is not None and request.image_spans:
         for block, (start, stop) in enumerate(request.image_spans):
           first, last = max(start, positions[0]), min(stop, positions[-1] + 1)
-          if first < last:
+          if first < last and blocks_T is not None:
             blocks_T[offset + first - positions[0]:offset + last - positions[0]] = block
         embedded = self._image_embeddings[request.request_id]
         inside = positions[positions < len(embedded)]

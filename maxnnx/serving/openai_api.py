@@ -387,11 +387,12 @@ def _images(text: str, sources: list[tuple[str, str]], served: ServedModel):
       images.append(load_image(url))
     except ValueError as e:
       raise ApiError(str(e), param=where, code='invalid_value') from None
-  text, markers = served.image_prompt.expand(text)
+  markers = text.count(served.image_prompt.marker)
   if markers != len(images):
     raise ApiError(f'The chat template wrote {markers} image marker(s) for {len(images)} '
                    'image(s).', param='messages', code='invalid_value')
-  return text, served.image_processor(images)[0]
+  pixels, layouts = served.image_processor(images)
+  return served.image_prompt.expand(text, layouts)[0], pixels
 
 
 def _object(body) -> Mapping:

@@ -506,24 +506,15 @@ def load_engine(model_dir: str, *, dtype: str | None = None, tensor_parallel: in
 def _image_side(engine: Engine, directory: str | None, processor):
   """``(image processor, image prompt)`` of a vision-language model (images in chat
   messages), else ``(None, None)``."""
-  cfg = engine.model_config
-  if not cfg.vision.num_layers:
+  if not engine.model_config.vision.num_layers:
     return None, None
-  from maxnnx.data.images import ImageProcessor, ImagePrompt  # noqa: PLC0415
-  if cfg.family != 'gemma3':
-    logger.warning('Serving %s without images: its image prompt is not known.', cfg.family)
-    return None, None
+  from maxnnx.data.images import image_inputs_for  # noqa: PLC0415
   try:
-    prompt = ImagePrompt.gemma3(engine.tokenizer, cfg.vision)
+    default, prompt = image_inputs_for(engine.model_config, engine.tokenizer, directory)
   except ValueError as e:
     logger.warning('Serving without images: %s', e)
     return None, None
-  if processor is None:
-    if directory and os.path.isfile(os.path.join(directory, 'preprocessor_config.json')):
-      processor = ImageProcessor.from_pretrained(directory, pan_and_scan=False)
-    else:
-      processor = ImageProcessor(height=cfg.vision.image_size, width=cfg.vision.image_size)
-  return processor, prompt
+  return processor or default, prompt
 
 
 def _template(tokenizer, chat_template: ChatTemplate | str | None) -> ChatTemplate | None:

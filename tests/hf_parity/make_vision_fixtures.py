@@ -8,7 +8,9 @@ Each case directory holds the checkpoint (``config.json``, ``model.safetensors``
 ``legacy/config.json`` (the older Hub layout) and ``reference.npz``: ``input_ids`` with
 image placeholders, ``pixel_values``, ``token_type_ids``, ``logits`` (with the images,
 image tokens attending to each other in both directions) and ``text_logits`` (the same
-ids with the placeholders replaced by text tokens, no images).
+ids with the placeholders replaced by text tokens, no images). ``llama4_vision`` is a
+``Llama4ForConditionalGeneration`` (tiles of a pixel-shuffled tower, plain causal text
+attention) with the same references but no ``token_type_ids``.
 """
 
 from __future__ import annotations
@@ -135,6 +137,97 @@ def write_case(name: str) -> None:
     print(f"  logits std {float(logits.std()):.3f}, max |logit| {float(logits.abs().max()):.3f}")
 
 
+# Llama 4: <|patch|> placeholders take the features; the other image tokens stay text.
+L4_START, L4_END, L4_IMAGE, L4_TILE_X, L4_TILE_Y = 290, 291, 292, 293, 294
+
+
+def llama4_vision():
+    # A 2-layer Llama 4 tower on 56x56 tiles of 14x14 patches (4x4 grid), pixel-shuffled
+    # (ratio 0.5) to 4 tokens per tile; text: a dense layer then an MoE layer, chunked
+    # attention of 8 positions so that chunks cut through the images.
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                intermediate_size_mlp=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+                interleave_moe_layer_step=2, attention_chunk_size=8,
+                max_position_embeddings=128, initializer_range=0.05,
+                rope_parameters=dict(rope_type="default", rope_theta=50000.0),
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    vision = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                  intermediate_size=128, image_size=56, patch_size=14, pixel_shuffle_ratio=0.5,
+                  projector_input_dim=48, projector_output_dim=48, vision_output_dim=48,
+                  rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    config = dict(model_type="llama4", text_config=text, vision_config=vision,
+                  image_token_index=IMAGE_ID, boi_token_index=L4_START,
+                  eoi_token_index=L4_END, dtype="float32")
+    return config
+
+
+def llama4_image_tokens(tiles_h: int, tiles_w: int, per_tile: int) -> list[int]:
+    """The processor's token string of one image of ``tiles_h x tiles_w`` tiles (plus the
+    global tile when there are several)."""
+    ids = [L4_START]
+    if tiles_h * tiles_w > 1:
+        for _ in range(tiles_h):
+            for x in range(tiles_w):
+                ids += [IMAGE_ID] * per_tile + ([L4_TILE_X] if x < tiles_w - 1 else [])
+            ids.append(L4_TILE_Y)
+    return ids + [L4_IMAGE] + [IMAGE_ID] * per_tile + [L4_END]
+
+
+def write_llama4_case(name: str) -> None:
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+    config = llama4_vision()
+    out = mf.FIXTURES_DIR / name
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"[{name}]")
+    torch.manual_seed(mf.case_seed(name))
+    model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(**config)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(mf.VECTOR_JITTER * torch.randn_like(param))
+    per_tile = 4
+    gen = torch.Generator().manual_seed(mf.case_seed(name) + 1)
+    # Row 0: one single-tile image; row 1: an image of 2x1 tiles (+ its global tile), then
+    # a single-tile one. 48 tokens each.
+    rows, tiles = [], 0
+    for images in (((1, 1),), ((2, 1), (1, 1))):
+        row = torch.randint(0, L4_START, (48,), generator=gen).tolist()
+        at = 3
+        for th, tw in images:
+            piece = llama4_image_tokens(th, tw, per_tile)
+            row[at:at + len(piece)] = piece
+            at += len(piece) + 2
+            tiles += th * tw + (th * tw > 1)
+        rows.append(row[:48])
+    ids = torch.tensor(rows)
+    pixels = torch.randn((tiles, 3, 56, 56), generator=gen)
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=pixels).logits
+        text_ids = torch.where(ids == IMAGE_ID, torch.full_like(ids, 7), ids)
+        text_logits = model(input_ids=text_ids).logits
+    model.save_pretrained(out)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    saved = json.loads((out / "config.json").read_text())
+    legacy = {k: v for k, v in saved.items() if k != "dtype"}
+    legacy["torch_dtype"] = saved["dtype"]
+    legacy["transformers_version"] = "4.51.3"
+    for part in ("text_config", "vision_config"):
+        sub = {k: v for k, v in saved[part].items() if k != "rope_parameters"}
+        sub["rope_theta"] = saved[part]["rope_parameters"]["rope_theta"]
+        legacy[part] = sub
+    (out / "legacy").mkdir()
+    (out / "legacy" / "config.json").write_text(json.dumps(legacy, indent=2) + "\n")
+    np.savez(out / "reference.npz", input_ids=ids.numpy(), pixel_values=pixels.numpy(),
+             logits=logits.float().numpy(), text_ids=text_ids.numpy(),
+             text_logits=text_logits.float().numpy())
+    print(f"  {tiles} tiles; logits std {float(logits.std()):.3f}, max |logit| "
+          f"{float(logits.abs().max()):.3f}")
+
+
 IMAGES_DIR = mf.FIXTURES_DIR.parent / "images"
 
 
@@ -171,11 +264,34 @@ def write_images() -> None:
           f"{list(scanned['num_crops'])}")
 
 
+def write_llama4_images() -> None:
+    """What transformers' Llama 4 image processor (torchvision) makes of the committed PNGs
+    with 16-pixel tiles and up to 6 of them (so that they are cut into several), and the
+    llama4_vision checkpoint's preprocessor_config.json (56-pixel tiles, up to 4)."""
+    from PIL import Image
+    from transformers import Llama4ImageProcessor
+    images = [Image.open(IMAGES_DIR / f"{n}.png") for n in ("landscape", "portrait",
+                                                           "square_rgba")]
+    small = Llama4ImageProcessor(size={"height": 16, "width": 16}, max_patches=6)
+    out = small(images, return_tensors="pt")
+    np.savez(IMAGES_DIR / "llama4_processor.npz",
+             pixel_values=out["pixel_values"].float().numpy(),
+             aspect_ratios=np.asarray(out["aspect_ratios"]))
+    Llama4ImageProcessor(size={"height": 56, "width": 56}, max_patches=4).save_pretrained(
+        mf.FIXTURES_DIR / "llama4_vision")
+    print(f"  llama4 images: {tuple(out['pixel_values'].shape)} tiles, aspect ratios "
+          f"{np.asarray(out['aspect_ratios']).tolist()}")
+
+
 def main() -> None:
-    names = sys.argv[1:] or [*CASES, "images"]
+    names = sys.argv[1:] or [*CASES, "llama4_vision", "images"]
     for name in names:
         if name == "images":
             write_images()
+        elif name == "llama4_vision":
+            write_llama4_case(name)
+        elif name == "llama4_images":  # needs torchvision
+            write_llama4_images()
         else:
             write_case(name)
 
