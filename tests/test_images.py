@@ -1,8 +1,10 @@
-"""Image preprocessing against transformers' Gemma 3 image processor (Pillow backend).
+"""Image preprocessing against transformers' Gemma 3 image processors.
 
-``tests/fixtures/images`` holds three small PNGs (landscape, portrait, RGBA square) and
+``tests/fixtures/images`` holds three small PNGs (landscape, portrait, RGBA square),
 ``gemma3_processor.npz``, what ``Gemma3ImageProcessorPil`` made of them
-(``make_vision_fixtures.py images``): 32x32 with pan-and-scan, and 40x48 bicubic.
+(``make_vision_fixtures.py images``): 32x32 with pan-and-scan, and 40x48 bicubic, and
+``gemma3_processor_torchvision.npz``, the same from the torchvision ``Gemma3ImageProcessor``
+(``make_vision_fixtures.py llama4_images``).
 """
 
 import os
@@ -41,6 +43,30 @@ def test_plain_bicubic_resize_matches_transformers():
   pixels, crops = processor([Image.open(os.path.join(IMAGES, n)) for n in NAMES])
   assert crops == [0, 0, 0]
   np.testing.assert_allclose(pixels, _reference()['plain_pixels'], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize('setting', ['scan', 'plain'])
+def test_the_torchvision_backend_matches_transformers_torchvision_processor(setting):
+  """``resize_backend='torchvision'`` = ``Gemma3ImageProcessor`` (torchvision) to 1e-5 with
+  pan-and-scan at 32x32 and bicubic at 40x48, where Pillow's bicubic is up to 4 levels off."""
+  ref = np.load(os.path.join(IMAGES, 'gemma3_processor_torchvision.npz'))
+  if setting == 'scan':
+    processor = ImageProcessor.from_pretrained(os.path.join(FIXTURES, 'gemma3_vision'),
+                                               resize_backend='torchvision')
+  else:
+    processor = ImageProcessor(height=40, width=48, resample=3, resize_backend='torchvision')
+  pixels, crops = processor([os.path.join(IMAGES, n) for n in NAMES])
+  want = ref[f'{setting}_pixels']
+  assert pixels.shape == want.shape
+  np.testing.assert_allclose(pixels, want, rtol=0, atol=1e-5)
+  if setting == 'plain':
+    pillow, _ = ImageProcessor(height=40, width=48, resample=3)(
+        [os.path.join(IMAGES, n) for n in NAMES])
+    assert np.abs(pillow - want).max() > 1e-2
+  with pytest.raises(ValueError, match='resize_backend'):
+    ImageProcessor(resize_backend='cv2')
+  with pytest.raises(ValueError, match='bicubic'):
+    ImageProcessor(resample=1, resize_backend='torchvision')
 
 
 def test_processed_images_drive_the_model():

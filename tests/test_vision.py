@@ -7,6 +7,7 @@ image; its references hold logits with images (image tokens attending to each ot
 both directions) and text-only logits.
 """
 
+import dataclasses
 import os
 import shutil
 
@@ -51,6 +52,35 @@ def test_logits_with_images_match_transformers(layout, scan_layers, tmp_path):
                 token_type_ids=ref['token_type_ids'])
   assert _rel_error(typed, ref['logits']) < REL_TOL
   assert _rel_error(model(ref['text_ids']), ref['text_logits']) < REL_TOL
+
+
+def test_pan_and_scan_prompts_match_transformers_processor_and_model():
+  """With pan-and-scan on, the checkpoint's tokenizer and preprocessor_config give the ids
+  transformers' Gemma3Processor gives (an image with 3 crops, then one with none), the same
+  5 pictures, and logits at rel < 1e-4 (``pan_and_scan.npz``)."""
+  from maxnnx.data import load_tokenizer
+  from maxnnx.data.chat import encode_with_specials
+  from maxnnx.data.images import image_inputs_for
+  ref = np.load(os.path.join(CASE, 'pan_and_scan.npz'))
+  model = maxnnx.from_pretrained(CASE)
+  tokenizer = load_tokenizer(os.path.join(CASE, 'tokenizer.json'))
+  processor, prompt = image_inputs_for(model.config, tokenizer, CASE, pan_and_scan=True)
+  images = os.path.join(os.path.dirname(FIXTURES), 'images')
+  pixels, crops = processor([os.path.join(images, n) for n in ('landscape.png',
+                                                               'square_rgba.png')])
+  assert crops == [3, 0]
+  text, count = prompt.expand(
+      '<bos>Look at <start_of_image> then at <start_of_image>, and say.', crops)
+  assert count == 2
+  ids = np.asarray([encode_with_specials(tokenizer, text)])
+  np.testing.assert_array_equal(ids, ref['input_ids'])
+  np.testing.assert_allclose(pixels, ref['pixel_values'], rtol=0, atol=1e-5)
+  assert _rel_error(model(ids, pixel_values=pixels), ref['logits']) < REL_TOL
+  plain, _ = image_inputs_for(model.config, tokenizer, CASE)
+  assert not plain.pan_and_scan  # as transformers' processor, unless asked
+  tiled = dataclasses.replace(prompt, crops_format=None)
+  with pytest.raises(ValueError, match='pan_and_scan=False'):
+    tiled.expand('<start_of_image>', [2])
 
 
 def test_export_writes_the_checkpoint_back(tmp_path):

@@ -93,6 +93,31 @@ def test_rows_carry_their_own_images_and_train_on_the_answers(
                       + '<end_of_image>\n\n') == len(row_names)
 
 
+def test_pan_and_scan_crops_follow_their_image_in_the_row(tmp_path, gemma3_tokenizer_dir,
+                                                         vision_config):
+  """An elongated image brings its crops: the prompt writes them as transformers'
+  Gemma3Processor does, and the row's pixels are the image then its crops."""
+  path, _ = _records(tmp_path)
+  v = vision_config.vision
+  processor = ImageProcessor(height=v.image_size, width=v.image_size, pan_and_scan=True,
+                             pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=3)
+  pipe, tokenizer = _pipeline(path, gemma3_tokenizer_dir, vision_config, seq_len=256,
+                              images_per_row=8, image_processor=processor)
+  batch = next(iter(pipe))
+  expected, crops = processor([os.path.join(IMAGES, 'landscape.png')])
+  assert crops == [3]
+  assert (batch['inputs'][0] == v.image_token_id).sum() == 4 * v.tokens_per_image
+  np.testing.assert_array_equal(batch['pixel_values'][0, :4], expected)
+  assert not batch['pixel_values'][0, 4:].any()
+  text = tokenizer.decode(batch['inputs'][0][batch['segment_ids'][0] == 1])
+  image = '\n\n<start_of_image>' + '<image_soft_token>' * v.tokens_per_image + '<end_of_image>\n\n'
+  assert (f'Here is the original image {image} and here are some crops to help you see '
+          f'better {image} {image} {image}') in text
+  trained = batch['targets'][0][batch['loss_mask'][0] == 1]
+  assert tokenizer.decode(trained) == 'A wide field.<end_of_turn>'
+  assert (batch['inputs'][1] == v.image_token_id).sum() == 8 * v.tokens_per_image
+
+
 def test_bad_image_records_name_the_record_and_the_fix(tmp_path, gemma3_tokenizer_dir,
                                                        vision_config):
   path, _ = _records(tmp_path)

@@ -1,13 +1,14 @@
 """Image preprocessing for vision-language models: files or arrays to ``pixel_values``.
 
 :class:`ImageProcessor` does what a checkpoint's ``preprocessor_config.json`` says, as the
-transformers image processors do with their Pillow backend: convert to RGB (transparent
-pixels become white), optionally cut an elongated image into crops (Gemma 3's
-pan-and-scan: the whole image plus 2 or more crops along its long side), resize each to
-``size`` with Pillow, rescale (``* 1/255``) and normalise (``(x - mean) / std``). The
-result is ``[N, 3, H, W]`` float32, ready for ``model(ids, pixel_values=...)`` and
-``maxnnx.generate``. Resized pixels depend on the Pillow major version (bicubic changed
-in Pillow 13); the transformers references were made with the pinned one.
+transformers image processors do: convert to RGB (transparent pixels become white),
+optionally cut an elongated image into crops (Gemma 3's pan-and-scan: the whole image
+plus 2 or more crops along its long side), resize each to ``size``, rescale (``* 1/255``)
+and normalise (``(x - mean) / std``). The result is ``[N, 3, H, W]`` float32, ready for
+``model(ids, pixel_values=...)`` and ``maxnnx.generate``. The resize is Pillow's (as
+transformers' Pillow backend; pixels depend on the Pillow major version, bicubic changed
+in Pillow 13) or, with ``resize_backend='torchvision'``, torchvision's reproduced exactly
+(:mod:`maxnnx.data.resample`; no torch needed).
 
 :class:`ImagePrompt` says how an image appears in the text: the chat template writes a
 ``marker`` per image (Gemma 3: ``<start_of_image>``), which becomes the sequence the
@@ -32,6 +33,8 @@ import ml_dtypes
 import numpy as np
 from PIL import Image
 
+from maxnnx.data.resample import resize_uint8
+
 # Pillow's resampling filters by the numbers preprocessor_config.json stores.
 RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS,
             2: Image.Resampling.BILINEAR, 3: Image.Resampling.BICUBIC, 4: Image.Resampling.BOX,
@@ -54,6 +57,10 @@ class ImageProcessor:
     pan_and_scan_max_num_crops: at most this many crops per image.
     pan_and_scan_min_ratio: only images whose long side exceeds this multiple of the
       short one are cut.
+    resize_backend: ``'pillow'`` resizes as transformers' Pillow backend
+      (``Gemma3ImageProcessorPil``); ``'torchvision'`` as its torchvision backend, the one
+      transformers picks when torchvision is installed (bilinear and bicubic only; up to
+      4 levels of 255 apart from Pillow's bicubic).
   """
 
   height: int = 896
@@ -69,6 +76,14 @@ class ImageProcessor:
   pan_and_scan_min_crop_size: int = 256
   pan_and_scan_max_num_crops: int = 4
   pan_and_scan_min_ratio: float = 1.2
+  resize_backend: str = 'pillow'
+
+  def __post_init__(self):
+    if self.resize_backend not in ('pillow', 'torchvision'):
+      raise ValueError(f"resize_backend={self.resize_backend!r}: use 'pillow' or 'torchvision'.")
+    if self.resize_backend == 'torchvision' and self.resample not in (2, 3):
+      raise ValueError(f"resample={self.resample} with resize_backend='torchvision': the "
+                       'torchvision resize here is bilinear (2) or bicubic (3).')
 
   @classmethod
   def from_pretrained(cls, directory: str, **overrides) -> ImageProcessor:
@@ -133,9 +148,13 @@ class ImageProcessor:
                                           range(0, crop_w * across, crop_w))]
 
   def _one(self, image: Image.Image) -> np.ndarray:
-    if self.do_resize:
-      image = image.resize((self.width, self.height), resample=RESAMPLE[self.resample])
-    pixels = np.asarray(image)
+    if not self.do_resize:
+      pixels = np.asarray(image)
+    elif self.resize_backend == 'torchvision':
+      pixels = resize_uint8(np.asarray(image), self.height, self.width, self.resample)
+    else:
+      pixels = np.asarray(image.resize((self.width, self.height),
+                                       resample=RESAMPLE[self.resample]))
     if self.do_rescale:
       pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
     pixels = pixels.astype(np.float32)
@@ -214,11 +233,16 @@ class ImagePrompt:
       start-of-image token, ``tokens_per_image`` placeholders, the end-of-image token
       and a blank line.
     image_token_id: the placeholder id (``ModelConfig.vision.image_token_id``).
+    crops_format: what an image with pan-and-scan crops becomes: ``{image}`` is the whole
+      image's expansion, ``{crops}`` the crops' expansions joined by spaces (Gemma 3:
+      ``'Here is the original image {image} and here are some crops to help you see
+      better {crops}'``); ``None`` for a prompt that cannot place crops.
   """
 
   marker: str
   expansion: str
   image_token_id: int
+  crops_format: str | None = None
 
   @classmethod
   def gemma3(cls, tokenizer, vision, *, start_token: str = '<start_of_image>',
@@ -238,14 +262,32 @@ class ImagePrompt:
     return cls(marker=start_token,
                expansion=f'\n\n{start_token}{image_token * vision.tokens_per_image}'
                          f'{end_token}\n\n',
-               image_token_id=vision.image_token_id)
+               image_token_id=vision.image_token_id,
+               crops_format='Here is the original image {image} and here are some crops '
+                            'to help you see better {crops}')
 
   def expand(self, text: str, layouts: Sequence | None = None, first: int = 0
              ) -> tuple[str, int]:
-    """``(text with every marker expanded, number of images)``. ``layouts`` (what the
-    image processor returned beside the pixels) matter to tiled prompts only; ``first``
-    is the index of the text's first image among them."""
-    return text.replace(self.marker, self.expansion), text.count(self.marker)
+    """``(text with every marker expanded, number of images)``. ``layouts`` are what the
+    image processor returned beside the pixels (here, crops per image: an image with
+    crops is written with them, in the processor's order); ``first`` is the index of the
+    text's first image among them."""
+    pieces = text.split(self.marker)
+    out = [pieces[0]]
+    for k, piece in enumerate(pieces[1:]):
+      index = first + k
+      crops = int(layouts[index]) if layouts is not None and index < len(layouts) else 0
+      out += [self._with_crops(crops), piece]
+    return ''.join(out), len(pieces) - 1
+
+  def _with_crops(self, crops: int) -> str:
+    if not crops:
+      return self.expansion
+    if self.crops_format is None:
+      raise ValueError('this image prompt cannot place pan-and-scan crops; load the image '
+                       'processor with pan_and_scan=False.')
+    return self.crops_format.format(image=self.expansion,
+                                    crops=' '.join([self.expansion] * crops))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,14 +367,15 @@ class TiledImageProcessor:
   does; the output is ``[tiles, 3, tile_size, tile_size]`` float32 and each image's
   ``(rows, columns)`` of tiles.
 
-  Pillow resizes; transformers resizes with torchvision, whose antialiased bilinear filter
-  differs by one level (of 255) on about 1% of pixels.
+  Resizing is torchvision's antialiased uint8 resize, reproduced exactly
+  (:func:`maxnnx.data.resample.resize_uint8`), since that is what transformers' Llama 4
+  processor runs.
 
   Attributes:
     tile_size: side of a tile in pixels.
     max_patches: most tiles per image (the global tile not counted).
     resize_to_max_canvas: enlarge to the largest fitting canvas.
-    resample: Pillow filter number (2 = bilinear).
+    resample: filter number (2 = bilinear, 3 = bicubic).
     rescale_factor, mean, std: as :class:`ImageProcessor`.
   """
 
@@ -357,6 +400,9 @@ class TiledImageProcessor:
                   rescale_factor=data.get('rescale_factor', 1 / 255),
                   mean=tuple(data.get('image_mean') or cls.mean),
                   std=tuple(data.get('image_std') or cls.std))
+    if fields['resample'] not in (2, 3):
+      raise ValueError(f"{directory}: resample {fields['resample']} is not one torchvision's "
+                       'uint8 resize reproduces here; use 2 (bilinear) or 3 (bicubic).')
     return cls(**{**fields, **overrides})
 
   def canvas(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -393,18 +439,17 @@ class TiledImageProcessor:
     """``(pixel_values [tiles, 3, tile, tile] float32, (rows, columns) per image)``."""
     out, layouts = [], []
     tile = self.tile_size
-    filt = RESAMPLE[self.resample]
     for image in images:
-      rgb = _as_rgb(image)
-      (ch, cw), (nh, nw) = self.canvas(rgb.height, rgb.width)
+      rgb = np.asarray(_as_rgb(image))
+      (ch, cw), (nh, nw) = self.canvas(*rgb.shape[:2])
       canvas = np.zeros((ch, cw, 3), np.uint8)
-      canvas[:nh, :nw] = np.asarray(rgb.resize((nw, nh), resample=filt))
+      canvas[:nh, :nw] = resize_uint8(rgb, nh, nw, self.resample)
       pixels = self._normalise(canvas)
       rows, columns = ch // tile, cw // tile
       out += [pixels[:, r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]
               for r in range(rows) for c in range(columns)]
       if rows * columns > 1:
-        out.append(self._normalise(np.asarray(rgb.resize((tile, tile), resample=filt))))
+        out.append(self._normalise(resize_uint8(rgb, tile, tile, self.resample)))
       layouts.append((rows, columns))
     return np.stack(out), layouts
 
@@ -436,10 +481,13 @@ def load_image_processor(directory: str, **overrides):
   return ImageProcessor.from_pretrained(directory, **overrides)
 
 
-def image_inputs_for(model_config, tokenizer, directory: str | None = None):
+def image_inputs_for(model_config, tokenizer, directory: str | None = None, *,
+                     pan_and_scan: bool = False):
   """``(image processor, image prompt)`` of a vision-language model: the checkpoint
-  ``directory``'s ``preprocessor_config.json`` if it has one (pan-and-scan off: prompts
-  do not place crops yet), else the tower's own image size with SigLIP's normalisation.
+  ``directory``'s ``preprocessor_config.json`` if it has one, else the tower's own image
+  size with SigLIP's normalisation. Gemma 3's pan-and-scan is off unless ``pan_and_scan``
+  (transformers' ``Gemma3Processor`` also turns it off unless asked, whatever the
+  config says); on, it uses the config's crop settings.
 
   Raises:
     ValueError: for a model without a tower, a family whose image prompt is unknown, or a
@@ -456,6 +504,7 @@ def image_inputs_for(model_config, tokenizer, directory: str | None = None):
     processor = (TiledImageProcessor.from_pretrained(directory) if has_config
                  else TiledImageProcessor(tile_size=v.image_size))
     return processor, TiledImagePrompt.llama4(tokenizer, v)
-  processor = (ImageProcessor.from_pretrained(directory, pan_and_scan=False) if has_config
-               else ImageProcessor(height=v.image_size, width=v.image_size))
+  processor = (ImageProcessor.from_pretrained(directory, pan_and_scan=pan_and_scan)
+               if has_config else ImageProcessor(height=v.image_size, width=v.image_size,
+                                                 pan_and_scan=pan_and_scan))
   return processor, ImagePrompt.gemma3(tokenizer, v)

@@ -243,14 +243,12 @@ class EncodeSFT(grain.transforms.Map):
     if self.template is None:
       raise ValueError('a "messages" record needs a chat template; the tokenizer directory '
                        'has none: pass template=.')
-    if getattr(images.processor, 'pan_and_scan', False):
-      raise ValueError('pan-and-scan crops are not expanded in SFT prompts yet; load the '
-                       'image processor with pan_and_scan=False.')
     pixels, layouts = images.empty(), []
     if sources:
       pixels, layouts = images.processor([load_image(s, directory) for s in sources])
     if len(pixels) > images.images_per_row:
-      tiles = '' if len(pixels) == len(sources) else f' in {len(pixels)} tiles'
+      tiles = ('' if len(pixels) == len(sources)
+               else f' in {len(pixels)} pictures (with their tiles or crops)')
       raise ValueError(f'{len(sources)} images{tiles}, more than images_per_row='
                        f'{images.images_per_row}; raise it (TrainConfig.images_per_row too).')
     ids, mask, markers = encode_image_chat(self.tokenizer, self.template, messages, images,

@@ -251,17 +251,25 @@ def write_images() -> None:
         Image.fromarray(pixels).save(path)
         paths.append(path)
     images = [Image.open(p) for p in paths]
-    scan = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, do_pan_and_scan=True,
-                                   pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=3,
-                                   pan_and_scan_min_ratio_to_activate=1.2)
-    plain = Gemma3ImageProcessorPil(size={"height": 40, "width": 48}, resample=3)
+    scan = write_gemma3_processor_outputs(Gemma3ImageProcessorPil, images, "gemma3_processor")
+    scan.save_pretrained(mf.FIXTURES_DIR / "gemma3_vision")
+
+
+def write_gemma3_processor_outputs(processor_class, images, name: str):
+    """``<name>.npz``: ``processor_class`` on ``images`` at 32x32 with pan-and-scan (crops
+    of >= 8 pixels, at most 3) and plain bicubic at 40x48; returns the pan-and-scan one."""
+    scan = processor_class(size={"height": 32, "width": 32}, do_pan_and_scan=True,
+                           pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=3,
+                           pan_and_scan_min_ratio_to_activate=1.2)
+    plain = processor_class(size={"height": 40, "width": 48}, resample=3)
     scanned = scan(images, return_tensors="np")
     flat = plain(images, return_tensors="np")
-    np.savez(IMAGES_DIR / "gemma3_processor.npz", scan_pixels=scanned["pixel_values"],
-             scan_crops=np.asarray(scanned["num_crops"]), plain_pixels=flat["pixel_values"])
-    scan.save_pretrained(mf.FIXTURES_DIR / "gemma3_vision")
-    print(f"  images: pan-and-scan gives {scanned['pixel_values'].shape}, crops "
-          f"{list(scanned['num_crops'])}")
+    np.savez(IMAGES_DIR / f"{name}.npz", scan_pixels=np.asarray(scanned["pixel_values"]),
+             scan_crops=np.asarray(scanned["num_crops"]),
+             plain_pixels=np.asarray(flat["pixel_values"]))
+    print(f"  {name}: pan-and-scan gives {np.asarray(scanned['pixel_values']).shape}, crops "
+          f"{[int(n) for n in scanned['num_crops']]}")
+    return scan
 
 
 def write_llama4_images() -> None:
@@ -283,15 +291,107 @@ def write_llama4_images() -> None:
           f"{np.asarray(out['aspect_ratios']).tolist()}")
 
 
+RESIZE_CASES = (((37, 53), (16, 20)), ((12, 9), (31, 40)), ((29, 41), (60, 17)),
+                ((50, 50), (50, 23)), ((7, 300), (7, 13)), ((1, 5), (3, 1)))
+
+
+def write_torchvision_resizes() -> None:
+    """torchvision's antialiased uint8 resize (bilinear and bicubic) of seeded random RGB
+    images: shrinking, enlarging, both at once, one axis only, a 23x shrink, 1-pixel sides."""
+    import torch
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2 import functional as tvF
+    rng = np.random.default_rng(7)
+    arrays = {}
+    for i, (size, target) in enumerate(RESIZE_CASES):
+        image = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
+        arrays[f"input_{i}"] = image
+        chw = torch.from_numpy(image).permute(2, 0, 1).contiguous()
+        for name, mode in (("bilinear", InterpolationMode.BILINEAR),
+                           ("bicubic", InterpolationMode.BICUBIC)):
+            out = tvF.resize(chw, list(target), interpolation=mode, antialias=True)
+            arrays[f"{name}_{i}"] = out.permute(1, 2, 0).numpy()
+    np.savez(IMAGES_DIR / "torchvision_resize.npz", **arrays)
+    print(f"  torchvision resizes: {len(RESIZE_CASES)} images, torch {torch.__version__}")
+
+
+def write_gemma3_torchvision() -> None:
+    """What transformers' torchvision Gemma 3 image processor (its default when torchvision
+    is installed) makes of the committed PNGs, with write_images' two settings."""
+    from PIL import Image
+    from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor
+    images = [Image.open(IMAGES_DIR / f"{n}.png") for n in ("landscape", "portrait",
+                                                           "square_rgba")]
+    write_gemma3_processor_outputs(Gemma3ImageProcessor, images, "gemma3_processor_torchvision")
+
+
+PAN_AND_SCAN_TEXT = "<bos>Look at <start_of_image> then at <start_of_image>, and say."
+
+
+def write_gemma3_tokenizer(out: Path) -> None:
+    """A byte-level tokenizer (no merges) whose specials sit at the ids the gemma3_vision
+    checkpoint uses: <start_of_image> 297, <end_of_image> 298, <image_soft_token> 299."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    front = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+    back = [f"<unused{i}>" for i in range(BOI_ID - 5 - 256)]
+    images = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    tokens = [*front, *pre_tokenizers.ByteLevel.alphabet(), *back, *images]
+    assert len(tokens) == VOCAB and tokens.index("<start_of_image>") == BOI_ID
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in [*front, *back, *images]])
+    tok.save(str(out / "tokenizer.json"))
+    extra = {"boi_token": images[0], "eoi_token": images[1], "image_token": images[2]}
+    config = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+              "tokenizer_class": "PreTrainedTokenizerFast", **extra,
+              "extra_special_tokens": extra}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_gemma3_pan_and_scan() -> None:
+    """The gemma3_vision checkpoint gets a tokenizer, and ``pan_and_scan.npz`` what
+    transformers' Gemma3Processor (Pillow backend, pan-and-scan on with the checkpoint's
+    settings) and model make of PAN_AND_SCAN_TEXT with the landscape PNG (3 crops) and the RGBA
+    square (none): input_ids, pixel_values, logits."""
+    from PIL import Image
+    from transformers import Gemma3Processor, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    case = mf.FIXTURES_DIR / "gemma3_vision"
+    write_gemma3_tokenizer(case)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(case)
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil.from_pretrained(case),
+                                tokenizer=tokenizer, image_seq_length=16)
+    images = [Image.open(IMAGES_DIR / n) for n in ("landscape.png", "square_rgba.png")]
+    # The processor's own defaults turn pan-and-scan off whatever the image processor says.
+    out = processor(text=[PAN_AND_SCAN_TEXT], images=[images], return_tensors="pt",
+                    do_pan_and_scan=True, pan_and_scan_min_crop_size=8,
+                    pan_and_scan_max_num_crops=3, pan_and_scan_min_ratio_to_activate=1.2)
+    model = AutoModelForImageTextToText.from_pretrained(case).eval()
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], pixel_values=out["pixel_values"],
+                       token_type_ids=out["token_type_ids"]).logits
+    np.savez(case / "pan_and_scan.npz", input_ids=out["input_ids"].numpy(),
+             pixel_values=out["pixel_values"].numpy(), logits=logits.float().numpy())
+    print(f"  pan-and-scan: {tuple(out['input_ids'].shape)} ids, "
+          f"{tuple(out['pixel_values'].shape)} images")
+
+
 def main() -> None:
-    names = sys.argv[1:] or [*CASES, "llama4_vision", "images"]
+    names = sys.argv[1:] or [*CASES, "llama4_vision", "images", "pan_and_scan"]
     for name in names:
         if name == "images":
             write_images()
+        elif name == "pan_and_scan":
+            write_gemma3_pan_and_scan()
         elif name == "llama4_vision":
             write_llama4_case(name)
-        elif name == "llama4_images":  # needs torchvision
+        elif name == "llama4_images":  # needs torchvision; writes every torchvision reference
             write_llama4_images()
+            write_torchvision_resizes()
+            write_gemma3_torchvision()
         else:
             write_case(name)
 
