@@ -1,13 +1,16 @@
 """LoRA / QLoRA through qwix: merge vs float64 NumPy, PEFT parity, training and checkpoints.
 
-The PEFT adapter and its logits were made once by ``tests/hf_parity/make_lora_fixture.py``
-(peft 0.21, on the tiny Llama fixture) and are committed, so no test needs torch.
+The PEFT adapters and their logits were made once by ``tests/hf_parity/make_lora_fixture.py``
+(peft 0.21, on the tiny Llama, Phi-3, GPT-2, Gemma 3 and Llama 4 multimodal fixtures) and are
+committed, so no test needs torch.
 """
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -449,6 +452,57 @@ def test_fused_checkpoint_modules_load_peft_adapters_and_export_them_fused(famil
   for path, (a, b) in weights.items():
     np.testing.assert_array_equal(adapter_weights(again)[path][0], a)
     np.testing.assert_array_equal(adapter_weights(again)[path][1], b)
+
+
+@pytest.mark.parametrize('case', ['gemma3_vision', 'llama4_vision'])
+def test_multimodal_peft_adapters_load_with_images_and_export_as_peft_wrote_them(case,
+                                                                                  tmp_path):
+  """A peft-made adapter on a Gemma 3 / Llama 4 multimodal model, adapting the text layers,
+  the vision tower's blocks (and Llama 4's projector MLP): peft's logits with images
+  (rel < 1e-4), and save_adapter writes peft's names and tensors back."""
+  peft_dir = os.path.join(os.path.dirname(FIXTURES), 'peft', f'{case}_lora')
+  ref = np.load(os.path.join(peft_dir, 'reference.npz'))
+  base = maxnnx.from_pretrained(os.path.join(FIXTURES, case))
+  loaded = load_adapter(base, peft_dir)
+  logits = np.asarray(loaded(ref['input_ids'], pixel_values=ref['pixel_values']), np.float64)
+  assert np.abs(logits - ref['logits']).max() / np.abs(ref['logits']).max() < 1e-4
+  plain = np.asarray(base(ref['input_ids'], pixel_values=ref['pixel_values']))
+  assert np.abs(plain - ref['logits']).max() > 0.5  # the adapter matters
+  save_adapter(loaded, str(tmp_path))
+  ours = read_safetensors(str(tmp_path / 'adapter_model.safetensors'))
+  theirs = read_safetensors(os.path.join(peft_dir, 'adapter_model.safetensors'))
+  assert sorted(ours) == sorted(theirs)
+  assert any('vision' in name for name in ours)
+  for name, array in theirs.items():
+    np.testing.assert_array_equal(ours[name], array, err_msg=name)
+
+
+def test_gemma3_adapters_with_transformers4_module_names_load():
+  """Adapters made with transformers 4 name Gemma 3's modules ``language_model.model.*``
+  and ``vision_tower.vision_model.*``; they load as the transformers-5 names do."""
+  peft_dir = os.path.join(os.path.dirname(FIXTURES), 'peft', 'gemma3_vision_lora')
+  tensors = read_safetensors(os.path.join(peft_dir, 'adapter_model.safetensors'))
+  old = {name.replace('model.model.language_model.', 'model.language_model.model.')
+         .replace('model.model.vision_tower.', 'model.vision_tower.vision_model.'): array
+         for name, array in tensors.items()}
+  assert not set(old) & set(tensors)
+  base = maxnnx.from_pretrained(os.path.join(FIXTURES, 'gemma3_vision'))
+  new = adapter_weights(load_adapter(base, peft_dir))
+  with _adapter_dir(old, peft_dir) as directory:
+    legacy = adapter_weights(load_adapter(base, directory))
+  assert legacy.keys() == new.keys()
+  for path, (a, b) in new.items():
+    np.testing.assert_array_equal(legacy[path][0], a)
+    np.testing.assert_array_equal(legacy[path][1], b)
+
+
+@contextlib.contextmanager
+def _adapter_dir(tensors, like):
+  """A temporary adapter directory with ``like``'s config and these tensors."""
+  with tempfile.TemporaryDirectory() as directory:
+    shutil.copy(os.path.join(like, 'adapter_config.json'), directory)
+    write_safetensors(os.path.join(directory, 'adapter_model.safetensors'), tensors)
+    yield directory
 
 
 def _parts(model, fused):

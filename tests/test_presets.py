@@ -32,7 +32,7 @@ EXPECTED_NAMES |= {'tiny-moe', 'mixtral-8x7b', 'mixtral-8x22b', 'qwen3-30b-a3b',
                    'deepseek-v3.2',  # test_presets_moe.py, test_qwen3_next.py: sizes
                    'deepseek3-test', 'deepseek3-tiny',  # MaxText's test configs
                    'gemma4-31b', 'gemma4-26b-a4b', 'gemma4-e2b', 'gemma4-e4b', 'tiny-gemma4',
-                   'tiny-gemma3-vision'}
+                   'tiny-gemma3-vision', 'tiny-llama4-vision'}
 
 # Total parameter counts published by the model authors (model cards, papers and
 # the Hub's safetensors metadata), in billions: an independent check of the

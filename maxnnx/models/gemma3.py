@@ -139,6 +139,24 @@ def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarr
   return out
 
 
+def to_peft(name: str, cfg: ModelConfig) -> str:
+  """Our name -> transformers 5's in-memory name: the text model under
+  ``model.language_model.``, the tower and projector as ours."""
+  if cfg.vision.num_layers and name.startswith('model.') and not _OURS_ONLY.match(name):
+    return 'model.language_model.' + name[len('model.'):]
+  return name
+
+
+def from_peft(name: str, cfg: ModelConfig) -> str:
+  """Inverse of :func:`to_peft`; transformers 4's names (``language_model.model.``,
+  ``vision_tower.vision_model.``) too."""
+  if cfg.vision.num_layers:
+    for theirs, ours in _MULTIMODAL_PREFIXES:
+      if name.startswith(theirs):
+        return ours + name[len(theirs):]
+  return name
+
+
 # -- Presets -----------------------------------------------------------------------------------
 
 GLOBAL_ROPE_LONG = RopeConfig(theta=1_000_000.0, scaling='linear', factor=8.0)
@@ -214,7 +232,7 @@ SPEC = FamilySpec(
               module_names={**SANDWICH_NORM_NAMES, 'vision_tower': 'model.vision_tower',
                             'multi_modal_projector': 'model.multi_modal_projector',
                             'encoder_layers': 'encoder.layers'},
-              unfuse=unfuse, fuse=fuse),
+              unfuse=unfuse, fuse=fuse, to_peft=to_peft, from_peft=from_peft),
     differences={**gemma.DIFFERENCES, 'post_norm': True, 'qk_norm': 'head',
                  'local_rope': {'theta': 10_000.0}},
     presets={'gemma3-1b': gemma3_1b, 'gemma3-4b': gemma3_4b, 'gemma3-12b': gemma3_12b,

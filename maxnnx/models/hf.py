@@ -235,6 +235,11 @@ class Family:
       weights), whose PEFT adapters say ``fan_in_fan_out: true``.
     mtp: multi-token-prediction modules are stored DeepSeek-style, as extra
       layers after the stack (see :func:`hf_layer_path`).
+    to_peft: optional ``(our tensor name, config) -> the name of that tensor in the
+      transformers model in memory``, where it differs (a multimodal model nests its text
+      model); PEFT adapters name modules that way.
+    from_peft: optional inverse of ``to_peft``, also taking the names older transformers
+      versions gave (adapters made with them load).
   """
 
   name: str
@@ -249,6 +254,8 @@ class Family:
   fused_modules: Callable[[ModelConfig], dict[str, tuple[tuple[str, int], ...]]] | None = None
   conv1d: bool = False
   mtp: bool = False
+  to_peft: Callable[[str, ModelConfig], str] | None = None
+  from_peft: Callable[[str, ModelConfig], str] | None = None
 
   def hf_name(self, path: tuple) -> str:
     """HF tensor name of our (unscanned) parameter path, e.g.

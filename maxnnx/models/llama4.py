@@ -220,6 +220,17 @@ _from_multimodal = _renamer(_MULTIMODAL_NAMES)
 _to_multimodal = _renamer([(b, a) for a, b in _MULTIMODAL_NAMES])
 
 
+def to_peft(name: str, cfg: ModelConfig) -> str:
+  """Our name -> the multimodal model's (transformers keeps the checkpoint's names in
+  memory)."""
+  return _to_multimodal(name) if cfg.vision.num_layers else name
+
+
+def from_peft(name: str, cfg: ModelConfig) -> str:
+  """Inverse of :func:`to_peft`."""
+  return _from_multimodal(name) if cfg.vision.num_layers else name
+
+
 def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
   """Multimodal checkpoints: their names to ours. Then split each MoE layer's
   ``gate_up_proj`` ``[E, D, 2F]`` into our gate and up halves."""
@@ -315,6 +326,16 @@ def tiny_llama4() -> ModelConfig:
                           'layer_step': 2})
 
 
+def tiny_llama4_vision() -> ModelConfig:
+  """:func:`tiny_llama4` with a tiny Llama 4 vision tower: 32x32 tiles of 4x4 patches,
+  pixel-shuffled to 16 tokens per tile (placeholder id 511, the last); the MLP is 4x the
+  width, as Llama 4 checkpoints require."""
+  vision = {**LLAMA4_VISION, 'num_layers': 2, 'hidden_size': 64, 'intermediate_size': 256,
+            'num_heads': 4, 'image_size': 32, 'patch_size': 4, 'tokens_per_image': 16,
+            'image_token_id': 511, 'adapter_dim': 64}
+  return tiny_llama4().replace(vision=VisionConfig(**vision))
+
+
 SPEC = FamilySpec(
     name='llama4',
     description='Llama with chunked local attention in 3 of 4 layers, NoPE full-attention '
@@ -325,11 +346,11 @@ SPEC = FamilySpec(
               defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 131_072,
                         'rope_theta': 500_000.0, 'num_key_value_heads': 8, 'head_dim': 128},
               module_names={'mlp': 'feed_forward', 'shared_experts': 'shared_expert'},
-              unfuse=unfuse, fuse=fuse),
+              unfuse=unfuse, fuse=fuse, to_peft=to_peft, from_peft=from_peft),
     differences={'rope_interleave': True, 'attn_temperature_tuning': True,
                  'rope': {'theta': 500_000.0},
                  'moe': {'num_experts_per_tok': 1, 'num_shared_experts': 1,
                          'router_score': 'sigmoid', 'router_norm_topk': False,
                          'router_weights_on_input': True}},
     presets={'llama4-17b-16e': llama4_scout_17b_16e, 'llama4-17b-128e': llama4_maverick_17b_128e,
-             'tiny-llama4': tiny_llama4})
+             'tiny-llama4': tiny_llama4, 'tiny-llama4-vision': tiny_llama4_vision})

@@ -3,7 +3,8 @@
 A developer tool, run by hand where torch, transformers and peft are installed
 (the test suite never imports them):
 
-    python tests/hf_parity/make_lora_fixture.py [--family llama|phi3|gpt2]
+    python tests/hf_parity/make_lora_fixture.py [--family FAMILY]  # llama (default), phi3,
+                                                   # gpt2, gemma3_vision, llama4_vision
     python tests/hf_parity/make_lora_fixture.py --family phi3 --verify-export DIR REFERENCE_NPZ
 
 The first form rewrites ``tests/fixtures/peft/<family>_lora/``: a LoRA adapter
@@ -15,7 +16,10 @@ target (Llama's seven; Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` with
 loader that drops it), saved with ``save_pretrained`` (``adapter_config.json`` +
 ``adapter_model.safetensors``), and ``reference.npz``: the fixture's
 ``input_ids`` and peft's ``logits`` float32 with the adapter on. Seeded, so
-reruns give identical files.
+reruns give identical files. The multimodal fixtures (``gemma3_vision``,
+``llama4_vision``) adapt the vision tower's projections too, and their references
+are logits with the fixture's images (``pixel_values``, and Gemma 3's
+``token_type_ids``).
 
 The second form loads the family's fixture with the adapter directory DIR
 through ``peft.PeftModel.from_pretrained`` and compares its logits on the npz's
@@ -32,12 +36,19 @@ from pathlib import Path
 import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 ROOT = Path(__file__).resolve().parent.parent / 'fixtures'
 TARGETS = {'llama': ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'],
            'phi3': ['qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj'],
-           'gpt2': ['c_attn', 'c_proj', 'c_fc']}
+           'gpt2': ['c_attn', 'c_proj', 'c_fc'],
+           'gemma3_vision': ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj',
+                             'down_proj', 'out_proj', 'fc1', 'fc2'],
+           'llama4_vision': ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj',
+                             'down_proj', 'fc1', 'fc2']}
+# The model's inputs in each family's reference.npz, besides input_ids.
+IMAGE_INPUTS = {'gemma3_vision': ('pixel_values', 'token_type_ids'),
+                'llama4_vision': ('pixel_values',)}
 RANK, ALPHA, B_STD = 4, 8, 0.05
 TOLERANCE = 1e-4
 FAMILY = 'llama'  # set by --family
@@ -52,12 +63,21 @@ def out_dir() -> Path:
 
 
 def base_model() -> torch.nn.Module:
+  if FAMILY in IMAGE_INPUTS:
+    return AutoModelForImageTextToText.from_pretrained(base_dir(), dtype=torch.float32).eval()
   return AutoModelForCausalLM.from_pretrained(base_dir(), dtype=torch.float32).eval()
 
 
-def logits_of(model: torch.nn.Module, input_ids: np.ndarray) -> np.ndarray:
+def model_inputs(reference: np.lib.npyio.NpzFile) -> dict[str, np.ndarray]:
+  """``input_ids`` (and the images) of a fixture's reference.npz."""
+  return {key: reference[key] for key in ('input_ids', *IMAGE_INPUTS.get(FAMILY, ()))}
+
+
+def logits_of(model: torch.nn.Module, inputs: dict[str, np.ndarray]) -> np.ndarray:
+  tensors = {k: torch.from_numpy(v) if k == 'pixel_values' else torch.from_numpy(v).long()
+             for k, v in inputs.items()}
   with torch.no_grad():
-    return model(torch.from_numpy(input_ids).long()).logits.float().numpy()
+    return model(**tensors).logits.float().numpy()
 
 
 def make() -> None:
@@ -74,16 +94,17 @@ def make() -> None:
   directory.mkdir(parents=True, exist_ok=True)
   model.save_pretrained(directory)
   tidy(directory)
-  input_ids = np.load(base_dir() / 'reference.npz')['input_ids']
-  logits = logits_of(model, input_ids)
-  base_logits = logits_of(base_model(), input_ids)
+  inputs = model_inputs(np.load(base_dir() / 'reference.npz'))
+  logits = logits_of(model, inputs)
+  base_logits = logits_of(base_model(), inputs)
   effect = float(np.abs(logits - base_logits).max())
   if effect < 0.1:
     sys.exit(f'the adapter barely changes the logits ({effect}); raise B_STD')
-  np.savez(directory / 'reference.npz', input_ids=input_ids.astype(np.int32),
+  np.savez(directory / 'reference.npz', **{k: v.astype(np.int32) if v.dtype.kind == 'i' else v
+                                           for k, v in inputs.items()},
            logits=logits.astype(np.float32))
   reloaded = PeftModel.from_pretrained(base_model(), directory).eval()
-  diff = float(np.abs(logits_of(reloaded, input_ids) - logits).max())
+  diff = float(np.abs(logits_of(reloaded, inputs) - logits).max())
   if diff > 1e-6:
     sys.exit(f'peft does not reload its own adapter to the same logits ({diff})')
   for path in sorted(directory.iterdir()):
@@ -108,7 +129,7 @@ def verify_export(directory: str, reference: str) -> float:
   """Max abs logit difference of PEFT loading ``directory`` against ``reference``'s logits."""
   data = np.load(reference)
   model = PeftModel.from_pretrained(base_model(), directory).eval()
-  diff = float(np.abs(logits_of(model, data['input_ids']) - data['logits']).max())
+  diff = float(np.abs(logits_of(model, model_inputs(data)) - data['logits']).max())
   print(f'{directory}: peft loads it; max abs logit difference {diff:.2e}')
   if diff > TOLERANCE:
     sys.exit(f'difference {diff} exceeds {TOLERANCE}')

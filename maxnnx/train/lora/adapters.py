@@ -45,8 +45,10 @@ from maxnnx.train.quantization import PROJECTIONS_PATH, is_quantized
 
 #: Decoder-layer stacks: a module path below one of them may get adapters.
 STACKS_PATH = r'(dense_layers|layers)(/\d+)?/.+'
-#: The vision tower's projections (attention and MLP of each encoder block).
-VISION_PROJECTIONS_PATH = r'vision_tower/encoder_layers/\d+/(self_attn/\w+_proj|mlp/fc\d)'
+#: The vision tower's projections (attention and MLP of each encoder block) and the
+#: projector's linear layers (Llama 4's adapter MLP and ``linear_1``).
+VISION_PROJECTIONS_PATH = (r'vision_tower/encoder_layers/\d+/(self_attn/\w+_proj|mlp/fc\d)'
+                           r'|multi_modal_projector/(adapter_fc\d|linear_1)')
 _QTYPES = {'int8': jnp.int8, 'int4': jnp.int4}
 
 
@@ -92,8 +94,9 @@ def lora_config_of(model: nnx.Module) -> LoraConfig:
 
 
 def candidate_modules(model: nnx.Module) -> list[tuple[tuple, DenseGeneral]]:
-  """``(path, module)`` of every projection of the decoder layers and of the vision tower's
-  blocks (``all-linear``); a target name adapts both where both have it, as PEFT does."""
+  """``(path, module)`` of every projection of the decoder layers, of the vision tower's
+  blocks and of Llama 4's projector (``all-linear``); a target name adapts all of them
+  where they share it, as PEFT does."""
   out = []
   for path, module in model.iter_modules():
     name = _path_str(path)

@@ -63,10 +63,23 @@ def _family(cfg) -> Family:
 
 def hf_module_name(family: Family, cfg, path: tuple) -> str:
   """The Hugging Face module name of our unscanned module ``path``
-  (``('layers', 0, 'attn', 'q_proj')`` -> ``model.layers.0.self_attn.q_proj``), before
-  any fusing (Phi-3's ``q_proj`` is part of its checkpoint's ``qkv_proj``)."""
+  (``('layers', 0, 'attn', 'q_proj')`` -> ``model.layers.0.self_attn.q_proj``; a
+  multimodal Gemma 3's is ``model.language_model.layers.0.self_attn.q_proj``, as in the
+  transformers model PEFT wraps), before any fusing (Phi-3's ``q_proj`` is part of its
+  checkpoint's ``qkv_proj``)."""
   name = family.hf_name(hf_layer_path((*path, 'kernel'), cfg.num_layers))
+  if family.to_peft is not None:
+    name = family.to_peft(name, cfg)
   return name.removesuffix('.weight')
+
+
+def _canonical_module(family: Family, cfg, module: str) -> str:
+  """An adapter file's module name as :func:`hf_module_name` writes it (older transformers
+  versions named a multimodal model's modules differently)."""
+  if family.from_peft is None:
+    return module
+  name = family.from_peft(module + '.weight', cfg)
+  return family.to_peft(name, cfg).removesuffix('.weight')
 
 
 def _peft_adapters(model: nnx.Module) -> tuple[dict, dict[str, int]]:
@@ -90,14 +103,6 @@ def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
   return tensors
 
 
-def _refuse_multimodal(cfg) -> None:
-  if cfg.vision.num_layers:
-    raise NotImplementedError(
-        'PEFT adapter files of a model with a vision tower are not written yet (their module '
-        'names nest under the multimodal model); save merge_adapters(model) with '
-        'save_pretrained instead.')
-
-
 def save_adapter(model: nnx.Module, directory: str, *,
                  base_model_name_or_path: str | None = None) -> list[str]:
   """Write ``model``'s adapters as a PEFT LoRA adapter directory; returns the file names.
@@ -112,7 +117,6 @@ def save_adapter(model: nnx.Module, directory: str, *,
   replaced atomically.
   """
   config = lora_config_of(model)
-  _refuse_multimodal(model.config)
   family = _family(model.config)
   adapters, factors = _peft_adapters(model)
   tensors = peft_tensors(model)
@@ -203,7 +207,6 @@ def load_adapter(model: nnx.Module, directory: str, *, base_quantization: str = 
   """
   data = read_peft_config(directory)
   cfg = model.config
-  _refuse_multimodal(cfg)
   family = _family(cfg)
   if data.get('fan_in_fan_out') and not family.conv1d:
     raise PretrainedError(f'{os.path.join(directory, CONFIG_FILE)}: fan_in_fan_out=True is for '
@@ -222,7 +225,7 @@ def load_adapter(model: nnx.Module, directory: str, *, base_quantization: str = 
     alpha = float(_pattern_value(data.get('alpha_pattern'), module,
                                  data.get('lora_alpha', data['r'])))
     scale = alpha / (math.sqrt(rank) if data.get('use_rslora') else rank)
-    adapters[module] = (a, b, scale)
+    adapters[_canonical_module(family, cfg, module)] = (a, b, scale)
   if family.fused_modules is not None:
     adapters = unfuse_adapters(adapters, family.fused_modules(cfg), weights_path)
   by_name = {hf_module_name(family, cfg, path): path
