@@ -2,7 +2,7 @@
 
 Run on a GPU (or TPU) machine to exercise the paths CPU tests cannot reach::
 
-  python benchmarks/kernels_check.py            # attention and ragged dot
+  python benchmarks/kernels_check.py            # attention, ragged dot, paged attention
   python benchmarks/kernels_check.py --quick    # small shapes
 
 Each attention strategy runs every scenario with ``on_unsupported='error'``, so
@@ -11,7 +11,9 @@ the output and of the gradients against ``xla`` (relative to the largest
 reference value; inputs rounded to the dtype, reference in float32), ``refused``
 with the declared reason, or ``FAIL``/``error``. Notes list what tokamax's
 implementation order skipped. On CPU the GPU-only strategies simply show as
-refused. Ragged-dot strategies are checked against ``dense`` the same way.
+refused. Ragged-dot strategies are checked against ``dense`` the same way, and
+paged-attention strategies (forward only) against the ``xla`` paged reference on one
+engine step of decode rows and prefill chunks.
 """
 
 import argparse
@@ -24,13 +26,17 @@ import numpy as np
 
 from maxnnx.kernels import (
   ATTENTION_IMPLEMENTATIONS,
+  PAGED_ATTENTION_IMPLEMENTATIONS,
   RAGGED_DOT_IMPLEMENTATIONS,
   AttentionMask,
   AttentionOptions,
   DenseRaggedDot,
   KernelUnsupportedError,
+  PagedBatch,
   XlaAttention,
+  XlaPagedAttention,
   get_attention_kernel,
+  get_paged_attention_kernel,
   get_ragged_dot_kernel,
 )
 from maxnnx.kernels.capabilities import reset_warnings
@@ -192,10 +198,71 @@ def check_ragged_dot(quick: bool) -> list[tuple]:
   return rows
 
 
+def _paged_step(rng, dtype, decode_rows, context, chunk_rows, chunk, heads, kv_heads,
+                head_dim, page=16):
+  """Pools, flat queries and the PagedBatch of one engine step: ``decode_rows`` rows of one
+  new token after up to ``context`` cached ones, ``chunk_rows`` prefill chunks of ``chunk``."""
+  rows = ([(int(rng.integers(1, context)), 1) for _ in range(decode_rows)]
+          + [(int(rng.integers(0, context)), chunk) for _ in range(chunk_rows)])
+  pages_per_row = [-(-(c + n) // page) for c, n in rows]
+  order = rng.permutation(np.arange(1, 1 + sum(pages_per_row)))
+  table = np.zeros((len(rows), max(pages_per_row)), np.int32)
+  kv_lens, q_starts, q_lens, slots, used = [], [], [], [], 0
+  for b, ((cached, new), count) in enumerate(zip(rows, pages_per_row)):
+    pages = order[used:used + count]
+    used += count
+    table[b, :count] = pages
+    pos = np.arange(cached, cached + new)
+    q_starts.append(len(slots))
+    slots.extend(pages[pos // page] * page + pos % page)
+    kv_lens.append(cached + new)
+    q_lens.append(new)
+  batch = PagedBatch(jnp.asarray(table), jnp.asarray(kv_lens, jnp.int32),
+                     jnp.asarray(q_starts, jnp.int32), jnp.asarray(q_lens, jnp.int32),
+                     jnp.asarray(slots, jnp.int32), max(q_lens))
+  pool = (1 + used, page, kv_heads, head_dim)
+  q = jnp.asarray(rng.normal(size=(len(slots), heads, head_dim)), dtype)
+  k = jnp.asarray(rng.normal(size=pool), dtype)
+  v = jnp.asarray(rng.normal(size=pool), dtype)
+  return (q, k, v, batch), len(slots)
+
+
+def check_paged_attention(quick: bool) -> list[tuple]:
+  """One row per (strategy, scenario, dtype): forward error against ``xla`` and time."""
+  shape = (8, 256, 1, 16, 8, 2, 64) if quick else (32, 4096, 2, 256, 32, 8, 128)
+  scenarios = {'decode+chunks': {}, 'window': {'sliding_window': 1024},
+               'softcap': {'softcap': 30.0}}
+  rows = []
+  for dtype in (jnp.float32, jnp.bfloat16):
+    for scenario, extra in scenarios.items():
+      args, real = _paged_step(np.random.default_rng(0), dtype, *shape)
+      options = AttentionOptions(scale=shape[-1] ** -0.5, **extra)
+      reference = jax.jit(lambda *a, o=options: XlaPagedAttention()(*a, o))
+      want = reference(*(x.astype(jnp.float32) if i < 3 else x for i, x in enumerate(args)))
+      for name in PAGED_ATTENTION_IMPLEMENTATIONS:
+        kernel = get_paged_attention_kernel(name, on_unsupported='error')
+        fn = jax.jit(lambda *a, kernel=kernel, o=options: kernel(*a, o))
+        try:
+          out = fn(*args)
+        except KernelUnsupportedError as e:
+          rows.append((name, scenario, jnp.dtype(dtype).name, 'refused', '', '', '',
+                       str(e).split(': ', 1)[1].split('. Choose')[0]))
+          continue
+        except Exception as e:  # noqa: BLE001 - report every failure in the table
+          rows.append((name, scenario, jnp.dtype(dtype).name, 'error', '', '', '',
+                       f'{type(e).__name__}: {str(e)[:120]}'))
+          continue
+        err = _rel_err(out[:real], want[:real])
+        limit = float32_limit() if dtype == jnp.float32 else 3e-2
+        rows.append((name, scenario, jnp.dtype(dtype).name, 'ok' if err < limit else 'FAIL',
+                     f'{err:.1e}', '-', f'{_time(fn, *args):.2f}', ''))
+  return rows
+
+
 def print_table(title: str, rows: list[tuple]) -> None:
   """A Markdown table of the rows."""
-  header = ('strategy', 'scenario', 'dtype', 'status', 'out err', 'grad err', 'fwd+bwd ms',
-            'notes')
+  header = ('strategy', 'scenario', 'dtype', 'status', 'out err', 'grad err',
+            'fwd+bwd ms (paged: fwd)', 'notes')
   print(f'\n### {title} ({jax.default_backend()}: {jax.devices()[0].device_kind})\n')
   print('| ' + ' | '.join(header) + ' |')
   print('|' + '---|' * len(header))
@@ -204,12 +271,13 @@ def print_table(title: str, rows: list[tuple]) -> None:
 
 
 def main(argv=None) -> None:
-  """Check and print both tables."""
+  """Check and print the three tables."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--quick', action='store_true', help='small shapes')
   args = parser.parse_args(argv)
   print_table('attention vs xla', check_attention(args.quick))
   print_table('ragged dot vs dense', check_ragged_dot(args.quick))
+  print_table('paged attention vs xla (one engine step)', check_paged_attention(args.quick))
 
 
 if __name__ == '__main__':

@@ -43,6 +43,7 @@ from maxnnx.kernels.paged_attention import (
   get_paged_attention_kernel,
   register_paged_attention_kernel,
 )
+from maxnnx.kernels.paged_attention_pallas import PallasPagedAttention
 from maxnnx.kernels.ragged_dot import (
   RAGGED_DOT_IMPLEMENTATIONS,
   DenseRaggedDot,
@@ -60,7 +61,7 @@ __all__ = ['ATTENTION_IMPLEMENTATIONS', 'AttentionCapabilities', 'AttentionKerne
            'GatedDeltaKernel', 'JaxNnAttention', 'KERNEL_REGISTRIES', 'RecurrentGatedDelta',
            'KernelUnsupportedError', 'LaxRaggedDot', 'PAGED_ATTENTION_IMPLEMENTATIONS',
            'PagedAttentionCapabilities', 'PagedAttentionKernel', 'PagedAttentionRequest',
-           'PagedBatch', 'PallasFlashAttention',
+           'PagedBatch', 'PallasFlashAttention', 'PallasPagedAttention',
            'RAGGED_DOT_IMPLEMENTATIONS', 'RaggedDotCapabilities', 'RaggedDotKernel',
            'RaggedDotOptions', 'RaggedDotRequest', 'TiledRaggedDot', 'TokamaxAttention',
            'TokamaxRaggedDot', 'XlaAttention', 'XlaPagedAttention',
