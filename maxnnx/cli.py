@@ -134,7 +134,16 @@ CONVERT_KEYS = {
 
 _attribute_docs = attribute_docs  # the name other modules and older code use
 
+COMPILE_KEYS = {
+    'topology': ('', 'compile for this TPU slice instead of the attached devices: a Cloud TPU '
+                     "name (v5p-128, v5e-16, v6e-64, v4-32) or a chip grid (v5p:4x4x8); needs "
+                     "libtpu on this machine (pip install 'maxnnx[tpu]'), not the TPUs"),
+    'topology_slices': (1, 'slices of that topology (multi-slice; the mesh.dcn_* axes span '
+                           'them)'),
+}
+
 GROUPS = {  # --help heading of each group of keys
+    'compile': 'Ahead-of-time target (compile only)',
     'run': 'The run',
     'train': 'TrainConfig (KEY or train.KEY)',
     'mesh': 'MeshConfig (mesh.KEY)',
@@ -478,10 +487,12 @@ def _training_data(run: dict, data_fields: dict, corpus: str | None, model, toke
 
 
 def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
-                   recipe: Recipe = PRETRAIN):
+                   recipe: Recipe = PRETRAIN, devices=None):
   """``(trainer, run options, tokenizer, token count)``; with ``run_dir`` (an opened
   :class:`~maxnnx.train.run_dir.RunDir`) the run's config is checked against the stored one
-  before any data is read. ``recipe`` is the command's (data, objective, own keys)."""
+  before any data is read. ``recipe`` is the command's (data, objective, own keys).
+  ``devices`` (abstract ones, for compiling only) replace the attached devices in the mesh;
+  the model is then built abstractly from its config."""
   from maxnnx.data import DEFAULT_CORPUS  # noqa: PLC0415
   from maxnnx.train import Trainer  # noqa: PLC0415
   from maxnnx.train.run_dir import check_writable, run_config  # noqa: PLC0415
@@ -494,9 +505,12 @@ def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
   stored = run_dir.stored_config() if run_dir is not None else None
   synthetic = run['data'] == 'synthetic' or not need_data
   corpus = None if synthetic else (run['data'] or DEFAULT_CORPUS)
-  model, tokenizer, tokenizer_record = _model_and_tokenizer(
-      run, model_changes, out, corpus, (stored or {}).get('tokenizer'), data_fields,
-      recipe, options, mesh=train_config.mesh)
+  if devices is not None:  # compile only: the config is all the abstract model needs
+    model, tokenizer, tokenizer_record = _model_config(run, model_changes)[0], None, None
+  else:
+    model, tokenizer, tokenizer_record = _model_and_tokenizer(
+        run, model_changes, out, corpus, (stored or {}).get('tokenizer'), data_fields,
+        recipe, options, mesh=train_config.mesh)
   if run_dir is not None:
     model_config = model if hasattr(model, 'to_dict') else model.config
     try:
@@ -522,7 +536,11 @@ def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
       print('Note: this data source has no held-out split; eval_every is set to 0.')
     train_config = dataclasses.replace(train_config, eval_every=0)
   objective = recipe.objective(options, model, train_config)
-  trainer = Trainer(model, train_config, objective, data=data)
+  mesh = None
+  if devices is not None:
+    from maxnnx import sharding  # noqa: PLC0415
+    mesh = sharding.make_mesh(train_config.mesh, devices)
+  trainer = Trainer(model, train_config, objective, data=data, mesh=mesh)
   if hasattr(data, 'attach'):  # RL rollouts sample from the trainer's own model
     data.attach(trainer)
   return trainer, run, tokenizer, num_tokens
@@ -725,8 +743,18 @@ def _save_tokenizer(tokenizer, template, directory: str) -> None:
 
 
 def compile_step(options: dict) -> dict:
-  """Run ``maxnnx compile``: AOT-compile the train step and report memory."""
-  trainer, _, _, _ = _build_trainer(options, need_data=False)
+  """Run ``maxnnx compile``: AOT-compile the train step and report memory; with
+  ``topology=``, for the devices of that TPU slice (abstract: nothing runs, a checkpoint's
+  weights are not read) instead of the attached ones."""
+  from maxnnx.parallel.topology import topology_devices  # noqa: PLC0415
+  options = dict(options)
+  target, slices = options.pop('topology', ''), options.pop('topology_slices', 1)
+  devices = None
+  if target:
+    devices = topology_devices(target, slices)
+    print(f'Compiling for topology={target}: {len(devices)} {devices[0].device_kind} devices'
+          + (f' in {slices} slices' if slices > 1 else '') + '.')
+  trainer, _, _, _ = _build_trainer(options, need_data=False, devices=devices)
   return trainer.compile()
 
 
@@ -838,6 +866,9 @@ def _command_keys(command: str) -> dict[str, Key]:
   if command in ('convert', 'serve'):
     keys = CONVERT_KEYS if command == 'convert' else SERVE_KEYS
     return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in keys.items()}
+  if command == 'compile':
+    return {**{k: Key(d, doc, type(d), 'compile') for k, (d, doc) in COMPILE_KEYS.items()},
+            **train_keys(PRETRAIN)}
   return _generate_keys() if command == 'generate' else train_keys(RECIPES.get(command, PRETRAIN))
 
 

@@ -17,6 +17,13 @@ def format_gib(n: float) -> str:
   return f'{n / 2**30:.2f} GiB'
 
 
+# HBM per device in GB (1e9 bytes) by a substring of ``device.device_kind`` (first match),
+# from the Cloud TPU datasheets: for devices that report no memory stats (those of a
+# topology that is not attached, described for ahead-of-time compilation).
+HBM_GB_BY_KIND = (('TPU v6 lite', 32), ('TPU v5 lite', 16), ('TPU v5', 95), ('TPU v4', 32),
+                  ('TPU v3', 16))
+
+
 def device_memory_limit(device, override_gib: float | None = None) -> tuple[int | None, str]:
   """Bytes of memory one device may use, and where that number came from."""
   if override_gib is not None:
@@ -28,6 +35,9 @@ def device_memory_limit(device, override_gib: float | None = None) -> tuple[int 
     stats = None
   if stats and stats.get('bytes_limit'):
     return int(stats['bytes_limit']), f'{device.device_kind} memory'
+  for kind, gb in HBM_GB_BY_KIND:
+    if kind in getattr(device, 'device_kind', ''):
+      return gb * 10**9, f'{device.device_kind} HBM ({gb} GB, datasheet)'
   if device.platform == 'cpu':
     try:
       total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
