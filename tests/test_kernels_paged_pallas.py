@@ -47,7 +47,8 @@ def _step(rng, rows=ROWS, pad=3):
 
 @pytest.mark.parametrize('options', [
     AttentionOptions(scale=0.25), AttentionOptions(scale=0.25, sliding_window=20),
-    AttentionOptions(scale=0.25, softcap=2.0), AttentionOptions(scale=0.25, chunk_size=16)],
+    pytest.param(AttentionOptions(scale=0.25, softcap=2.0), marks=pytest.mark.slow),
+    pytest.param(AttentionOptions(scale=0.25, chunk_size=16), marks=pytest.mark.slow)],
     ids=['plain', 'window', 'softcap', 'chunked'])
 def test_interpreted_kernel_equals_the_xla_reference(options):
   """Decode rows, a prefill, a chunk after cached pages and an empty row, GQA."""

@@ -56,6 +56,7 @@ def test_export_writes_the_checkpoint_back(tmp_path):
   assert maxnnx.from_pretrained(str(tmp_path)).config == maxnnx.config_from_pretrained(CASE)
 
 
+@pytest.mark.slow  # ~20 s; tests/test_vision_serving.py serves Gemma 3 images by default
 def test_the_engine_serves_tiles_like_generate():
   """Each tile's run of placeholders takes that tile's features; a budget of 8 tokens makes
   the prefill chunks stop before each tile rather than inside it."""
