@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 
+import numpy as np
 import pytest
 
 if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
@@ -49,6 +50,17 @@ FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
 # Image+text fixtures (make_vision_fixtures.py) have their own reference format.
 VISION_CASES = ['gemma3_vision', 'llama4_vision']
 HF_CASES = sorted(set(os.listdir(FIXTURES)) - set(VISION_CASES))
+
+
+def reference(case: str):
+  """The arrays a fixture's generator saved beside its checkpoint (``reference.npz``)."""
+  return np.load(os.path.join(FIXTURES, case, 'reference.npz'))
+
+
+def rel_error(ours, ref) -> float:
+  """Max absolute difference from ``ref``, relative to ``ref``'s largest magnitude (float64)."""
+  ref = np.asarray(ref, np.float64)
+  return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
 def export_and_compare(case: str, directory) -> tuple[dict, dict]:

@@ -12,7 +12,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, HF_CASES, legacy_checkpoint
+from conftest import FIXTURES, HF_CASES, legacy_checkpoint, reference, rel_error
 
 import maxnnx
 
@@ -26,12 +26,6 @@ NO_SCAN = {'llama4': 'MoE layers interleaved with dense ones (moe.layer_step=2)'
            'gemma4_small': 'per-layer inputs and keys/values shared across layers'}
 
 
-def _reference(case):
-  return np.load(os.path.join(FIXTURES, case, 'reference.npz'))
-
-
-def _rel_error(ours, ref):
-  return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
 def test_every_family_has_a_fixture():
@@ -54,19 +48,19 @@ def test_logits_match_transformers(case, layout, scan_layers, tmp_path):
   """float32 logits match transformers at rel error < 1e-4, from both config layouts."""
   path = os.path.join(FIXTURES, case) if layout == 'transformers5' else legacy_checkpoint(
       case, str(tmp_path))
-  ref = _reference(case)
+  ref = reference(case)
   if scan_layers and case in NO_SCAN:
     with pytest.raises(maxnnx.PretrainedError, match='scan_layers'):
       maxnnx.from_pretrained(path, scan_layers=True)
     pytest.skip(f'{case}: {NO_SCAN[case]} cannot be scanned; the config refuses it.')
   model = maxnnx.from_pretrained(path, scan_layers=scan_layers)
-  assert _rel_error(model(ref['input_ids']), ref['logits']) < REL_TOL
+  assert rel_error(model(ref['input_ids']), ref['logits']) < REL_TOL
 
 
 @pytest.mark.parametrize('case', HF_CASES)
 def test_greedy_generation_matches_transformers(case):
   """Greedy decoding with the KV cache reproduces transformers' generate()."""
-  ref = _reference(case)
+  ref = reference(case)
   prompt = ref['gen_prompt']
   expected = ref['gen_output'][:, prompt.shape[1]:]
   model = maxnnx.from_pretrained(os.path.join(FIXTURES, case))
@@ -112,10 +106,10 @@ def test_gpt2_checkpoint_of_a_bare_gpt2_model_loads(tmp_path):
     bare[f'h.{i}.attn.masked_bias'] = np.asarray(-1e4, np.float32)
   write_safetensors(str(tmp_path / 'model.safetensors'), bare)
   shutil.copy(os.path.join(FIXTURES, 'gpt2', 'legacy', 'config.json'), tmp_path)
-  ref = _reference('gpt2')
+  ref = reference('gpt2')
   model = maxnnx.from_pretrained(str(tmp_path))
   assert model.config.family == 'gpt3' and model.config.position_embedding == 'learned'
-  assert _rel_error(model(ref['input_ids']), ref['logits']) < REL_TOL
+  assert rel_error(model(ref['input_ids']), ref['logits']) < REL_TOL
 
 
 def test_olmo3_layer_pattern_and_rope_per_layer_type():

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, export_and_compare, legacy_checkpoint
+from conftest import FIXTURES, export_and_compare, legacy_checkpoint, reference, rel_error
 
 import maxnnx
 from maxnnx.models.hf import PretrainedError
@@ -24,27 +24,21 @@ CASE = os.path.join(FIXTURES, 'llama4_vision')
 REL_TOL = 1e-4
 
 
-def _reference():
-  return np.load(os.path.join(CASE, 'reference.npz'))
-
-
-def _rel_error(ours, ref):
-  return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
 @pytest.mark.parametrize('layout', ['transformers5', 'legacy'])
 def test_logits_with_images_match_transformers(layout, tmp_path):
   """Tile features in place of the <|patch|> placeholders, in order, attending causally;
   both config layouts; text alone too."""
-  ref = _reference()
+  ref = reference('llama4_vision')
   path = CASE if layout == 'transformers5' else legacy_checkpoint('llama4_vision', str(tmp_path))
   model = maxnnx.from_pretrained(path)
   v = model.config.vision
   assert (v.num_layers, v.tokens_per_image, v.projector, v.bidirectional) == (
       2, 4, 'pixel_shuffle', False)
-  assert _rel_error(model(ref['input_ids'], pixel_values=ref['pixel_values']),
+  assert rel_error(model(ref['input_ids'], pixel_values=ref['pixel_values']),
                     ref['logits']) < REL_TOL
-  assert _rel_error(model(ref['text_ids']), ref['text_logits']) < REL_TOL
+  assert rel_error(model(ref['text_ids']), ref['text_logits']) < REL_TOL
 
 
 def test_export_writes_the_checkpoint_back(tmp_path):
@@ -60,7 +54,7 @@ def test_export_writes_the_checkpoint_back(tmp_path):
 def test_the_engine_serves_tiles_like_generate():
   """Each tile's run of placeholders takes that tile's features; a budget of 8 tokens makes
   the prefill chunks stop before each tile rather than inside it."""
-  ref = _reference()
+  ref = reference('llama4_vision')
   model = maxnnx.from_pretrained(CASE)
   v = model.config.vision
   ids = ref['input_ids'][1]

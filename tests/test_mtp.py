@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, rel_error
 from flax import nnx
 from numpy_deepseek_reference import deepseek as deepseek_reference
 from numpy_deepseek_reference import mtp_cross_entropy
@@ -25,10 +25,6 @@ from maxnnx.train import TrainConfig, Trainer
 REL_TOL = 1e-4
 FIXTURE = os.path.join(FIXTURES, 'deepseek_v3')
 
-
-def _rel_error(ours, ref):
-  ref = np.asarray(ref, np.float64)
-  return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
 def _config(**overrides):
@@ -84,7 +80,7 @@ def test_numpy_reference_matches_transformers():
   model = maxnnx.from_pretrained(FIXTURE)
   ref = np.load(os.path.join(FIXTURE, 'reference.npz'))
   logits, _ = deepseek_reference(ref['input_ids'], _params(model), model.config)
-  assert _rel_error(logits, ref['logits']) < 1e-5
+  assert rel_error(logits, ref['logits']) < 1e-5
 
 
 @pytest.mark.parametrize('packed', [False, True], ids=['plain', 'packed'])
@@ -99,9 +95,9 @@ def test_mtp_logits_match_numpy_reference(packed, deepseek):
                                            **kwargs)
   assert len(mtp_logits) == len(ref_mtp) == 2
   real = batch['segment_ids'] != 0 if packed else np.ones(batch['inputs'].shape, bool)
-  assert _rel_error(np.asarray(logits)[real], ref_logits[real]) < REL_TOL
+  assert rel_error(np.asarray(logits)[real], ref_logits[real]) < REL_TOL
   for ours, ref in zip(mtp_logits, ref_mtp):
-    assert _rel_error(np.asarray(ours)[real], ref[real]) < REL_TOL
+    assert rel_error(np.asarray(ours)[real], ref[real]) < REL_TOL
 
 
 def test_mtp_off_gives_the_same_logits(deepseek):

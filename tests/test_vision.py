@@ -13,7 +13,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, export_and_compare, legacy_checkpoint
+from conftest import FIXTURES, export_and_compare, legacy_checkpoint, reference, rel_error
 from flax import nnx
 
 import maxnnx
@@ -27,12 +27,6 @@ CASE = os.path.join(FIXTURES, 'gemma3_vision')
 REL_TOL = 1e-4
 
 
-def _reference():
-  return np.load(os.path.join(CASE, 'reference.npz'))
-
-
-def _rel_error(ours, ref):
-  return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
 @pytest.mark.parametrize('layout,scan_layers', [
@@ -42,16 +36,16 @@ def test_logits_with_images_match_transformers(layout, scan_layers, tmp_path):
   """Image embeddings in place of the placeholders, bidirectional within each image (derived
   from the ids, or from token_type_ids), both config layouts, scanned text stack too; text
   alone too."""
-  ref = _reference()
+  ref = reference('gemma3_vision')
   path = CASE if layout == 'transformers5' else legacy_checkpoint('gemma3_vision', str(tmp_path))
   model = maxnnx.from_pretrained(path, scan_layers=scan_layers)
   assert model.config.vision.num_layers == 2 and model.config.vision.tokens_per_image == 16
   logits = model(ref['input_ids'], pixel_values=ref['pixel_values'])
-  assert _rel_error(logits, ref['logits']) < REL_TOL
+  assert rel_error(logits, ref['logits']) < REL_TOL
   typed = model(ref['input_ids'], pixel_values=ref['pixel_values'],
                 token_type_ids=ref['token_type_ids'])
-  assert _rel_error(typed, ref['logits']) < REL_TOL
-  assert _rel_error(model(ref['text_ids']), ref['text_logits']) < REL_TOL
+  assert rel_error(typed, ref['logits']) < REL_TOL
+  assert rel_error(model(ref['text_ids']), ref['text_logits']) < REL_TOL
 
 
 def test_pan_and_scan_prompts_match_transformers_processor_and_model():
@@ -75,7 +69,7 @@ def test_pan_and_scan_prompts_match_transformers_processor_and_model():
   ids = np.asarray([encode_with_specials(tokenizer, text)])
   np.testing.assert_array_equal(ids, ref['input_ids'])
   np.testing.assert_allclose(pixels, ref['pixel_values'], rtol=0, atol=1e-5)
-  assert _rel_error(model(ids, pixel_values=pixels), ref['logits']) < REL_TOL
+  assert rel_error(model(ids, pixel_values=pixels), ref['logits']) < REL_TOL
   plain, _ = image_inputs_for(model.config, tokenizer, CASE)
   assert not plain.pan_and_scan  # as transformers' processor, unless asked
   tiled = dataclasses.replace(prompt, crops_format=None)
@@ -97,9 +91,9 @@ def test_the_hub_prefix_layout_loads(tmp_path):
          for name, array in tensors.items()}
   write_safetensors(str(tmp_path / 'model.safetensors'), hub)
   shutil.copy(os.path.join(CASE, 'config.json'), tmp_path)
-  ref = _reference()
+  ref = reference('gemma3_vision')
   model = maxnnx.from_pretrained(str(tmp_path))
-  assert _rel_error(model(ref['input_ids'], pixel_values=ref['pixel_values']),
+  assert rel_error(model(ref['input_ids'], pixel_values=ref['pixel_values']),
                     ref['logits']) < REL_TOL
 
 
@@ -131,7 +125,7 @@ def test_kernels_that_cannot_hold_image_blocks_say_so():
 
 
 def test_bad_image_inputs_are_clear_errors():
-  ref = _reference()
+  ref = reference('gemma3_vision')
   model = maxnnx.from_pretrained(CASE)
   with pytest.raises(ValueError, match='48 image placeholder tokens'):
     model(ref['input_ids'], pixel_values=ref['pixel_values'][:2])
@@ -145,7 +139,7 @@ def test_bad_image_inputs_are_clear_errors():
 def test_greedy_generation_with_an_image_matches_transformers():
   """The prompt's image fills the KV cache as one bidirectional block; decoding continues
   as transformers' generate does."""
-  ref = _reference()
+  ref = reference('gemma3_vision')
   model = maxnnx.from_pretrained(CASE)
   prompt, expected = ref['gen_prompt'], ref['gen_output'][:, ref['gen_prompt'].shape[1]:]
   result = maxnnx.generate(model, prompt, max_new_tokens=expected.shape[1], eos_ids=None,
@@ -193,14 +187,14 @@ def test_the_vision_tower_shards_on_a_mesh_like_the_text_stack():
   """Loaded onto a 2x2x2 mesh, the tower's weights split along fsdp/tensor by their logical
   names, and the logits with images equal the single-device ones."""
   from maxnnx.config import MeshConfig
-  ref = _reference()
+  ref = reference('gemma3_vision')
   sharded = maxnnx.from_pretrained(CASE, mesh=MeshConfig(data=2, fsdp=2, tensor=2))
   fc1 = sharded.vision_tower.encoder_layers[0].mlp.fc1.kernel[...]
   q = sharded.vision_tower.encoder_layers[0].self_attn.q_proj.kernel[...]
   assert fc1.sharding.shard_shape(fc1.shape) == (16, 32)  # [embed / fsdp, mlp / tensor]
   assert q.sharding.shard_shape(q.shape) == (16, 2, 8)  # [embed / fsdp, heads / tensor, -]
   logits = sharded(ref['input_ids'], pixel_values=ref['pixel_values'])
-  assert _rel_error(logits, ref['logits']) < 1e-5
+  assert rel_error(logits, ref['logits']) < 1e-5
 
 
 def _image_text_batches(cfg, batch: int, seq_len: int, seed: int):

@@ -15,6 +15,7 @@ jax without the CUDA plugin and a GPU; they are refused with that reason.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -31,18 +32,11 @@ def slice_shape(chips: int, dims: int) -> tuple[int, ...]:
     raise ValueError(f'a slice of {chips} chips: slices named by size have a power-of-two '
                      'number of chips, at least 4; give the grid as GEN:AxB(xC) instead.')
   shape = [2, 2] + [1] * (dims - 2)
-  while _prod(shape) < chips:
+  while math.prod(shape) < chips:
     smallest = min(shape)
     last = max(i for i, side in enumerate(shape) if side == smallest)
     shape[last] *= 2
   return tuple(shape)
-
-
-def _prod(values) -> int:
-  out = 1
-  for v in values:
-    out *= v
-  return out
 
 
 def topology_name(name: str) -> str:

@@ -15,6 +15,7 @@ attention) with the same references but no ``token_type_ids``.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -73,8 +74,19 @@ def inputs(gen: torch.Generator, tokens_per_image: int, image_size: int):
     return ids, pixels
 
 
+def save_with_legacy_top(model, out: Path) -> tuple[dict, dict]:
+    """Save ``model`` into ``out``; return its config and the config's top level as
+    transformers 4 wrote it (``torch_dtype``, a 4.x version), for the legacy layout."""
+    model.save_pretrained(out)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    saved = json.loads((out / "config.json").read_text())
+    legacy = {k: v for k, v in saved.items() if k != "dtype"}
+    legacy["torch_dtype"] = saved["dtype"]
+    legacy["transformers_version"] = "4.51.3"
+    return saved, legacy
+
+
 def write_case(name: str) -> None:
-    import json
     import shutil
     config, legacy_text = CASES[name]()
     out = mf.FIXTURES_DIR / name
@@ -101,12 +113,7 @@ def write_case(name: str) -> None:
     diff = float((logits - causal).abs().max())
     print(f"  bidirectional image blocks change logits by {diff:.3f}")
     mf.require(diff > 1e-2, "the image blocks barely bite")
-    model.save_pretrained(out)
-    (out / "generation_config.json").unlink(missing_ok=True)
-    saved = json.loads((out / "config.json").read_text())
-    legacy = {k: v for k, v in saved.items() if k != "dtype"}
-    legacy["torch_dtype"] = saved["dtype"]
-    legacy["transformers_version"] = "4.51.3"
+    saved, legacy = save_with_legacy_top(model, out)
     legacy["text_config"] = dict(sorted({**legacy_text, "model_type": "gemma3_text"}.items()))
     (out / "legacy").mkdir()
     (out / "legacy" / "config.json").write_text(json.dumps(legacy, indent=2) + "\n")
@@ -175,7 +182,6 @@ def llama4_image_tokens(tiles_h: int, tiles_w: int, per_tile: int) -> list[int]:
 
 
 def write_llama4_case(name: str) -> None:
-    import json
     import shutil
 
     from transformers import AutoConfig
@@ -209,12 +215,7 @@ def write_llama4_case(name: str) -> None:
         logits = model(input_ids=ids, pixel_values=pixels).logits
         text_ids = torch.where(ids == IMAGE_ID, torch.full_like(ids, 7), ids)
         text_logits = model(input_ids=text_ids).logits
-    model.save_pretrained(out)
-    (out / "generation_config.json").unlink(missing_ok=True)
-    saved = json.loads((out / "config.json").read_text())
-    legacy = {k: v for k, v in saved.items() if k != "dtype"}
-    legacy["torch_dtype"] = saved["dtype"]
-    legacy["transformers_version"] = "4.51.3"
+    saved, legacy = save_with_legacy_top(model, out)
     for part in ("text_config", "vision_config"):
         sub = {k: v for k, v in saved[part].items() if k != "rope_parameters"}
         sub["rope_theta"] = saved[part]["rope_parameters"]["rope_theta"]
@@ -331,7 +332,6 @@ PAN_AND_SCAN_TEXT = "<bos>Look at <start_of_image> then at <start_of_image>, and
 def write_gemma3_tokenizer(out: Path) -> None:
     """A byte-level tokenizer (no merges) whose specials sit at the ids the gemma3_vision
     checkpoint uses: <start_of_image> 297, <end_of_image> 298, <image_soft_token> 299."""
-    import json
 
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     front = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
