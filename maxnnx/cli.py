@@ -55,6 +55,15 @@ from maxnnx.cli_keys import (
 from maxnnx.cli_keys import parse as parse_keys
 from maxnnx.config import MeshConfig
 
+# Joining a multi-process run (train, its recipes, compile, generate, serve).
+PROCESS_KEYS = {
+    'coordinator': ('', 'multi-process run: host:port of process 0\'s coordinator (with '
+                    'num_processes and process_id), or auto: jax.distributed finds the cluster '
+                    '(SLURM, Kubernetes JobSet, TPU pods); empty: the MAXNNX_COORDINATOR_ADDRESS, '
+                    'MAXNNX_NUM_PROCESSES and MAXNNX_PROCESS_ID variables, else one process'),
+    'num_processes': (0, 'how many processes take part (with coordinator=host:port)'),
+    'process_id': (-1, "this process's rank, 0 .. num_processes - 1 (with coordinator=host:port)"),
+}
 # Keys of the run itself (the TrainConfig and MeshConfig fields are added below).
 RUN_KEYS = {
     'model': ('tiny', 'preset name (see maxnnx.list_presets()) or a local Hugging Face '
@@ -75,12 +84,7 @@ RUN_KEYS = {
     'resume': ('auto', 'auto: continue the run in output_dir when its stored config matches '
                '(a different one is refused); never: move an earlier run aside to '
                'output_dir/previous/<time>/ and start fresh'),
-    'coordinator': ('', 'multi-process run: host:port of process 0\'s coordinator (with '
-                    'num_processes and process_id), or auto: jax.distributed finds the cluster '
-                    '(SLURM, Kubernetes JobSet, TPU pods); empty: the MAXNNX_COORDINATOR_ADDRESS, '
-                    'MAXNNX_NUM_PROCESSES and MAXNNX_PROCESS_ID variables, else one process'),
-    'num_processes': (0, 'how many processes take part (with coordinator=host:port)'),
-    'process_id': (-1, "this process's rank, 0 .. num_processes - 1 (with coordinator=host:port)"),
+    **PROCESS_KEYS,
 }
 TRAIN_OVERRIDES = {  # defaults of the default run that differ from TrainConfig's
     'steps': 600, 'global_batch_size': 16, 'seq_len': 128, 'learning_rate': 3e-3,
@@ -95,6 +99,9 @@ GENERATE_KEYS = {
     'top_k': (0, 'sample among the k most likely tokens (0: all; more than the vocabulary is '
               'clamped to it with a warning)'),
     'seed': (0, 'sampling seed'),
+    'tensor_parallel': (1, 'devices the model is sharded over (attention heads and MLP width; '
+                        "in a multi-process run, every process's devices)"),
+    **PROCESS_KEYS,
 }
 SERVE_KEYS = {
     'model': ('', 'a Hugging Face checkpoint directory with its tokenizer (and chat template), '
@@ -117,9 +124,12 @@ SERVE_KEYS = {
     'add_bos': (True, "start text prompts of /v1/completions with the tokenizer's BOS token"),
     'dtype': ('', "compute dtype (empty: the checkpoint's)"),
     'tensor_parallel': (1, 'devices the model is sharded over (attention heads and MLP width); '
-                        'the parameters load straight into their shards'),
+                        "the parameters load straight into their shards; in a multi-process "
+                        "run, every process's devices: process 0 serves HTTP, the others "
+                        'follow its engine'),
     'seed': (0, 'seed of requests that give none'),
     'log_level': ('info', 'uvicorn log level: critical, error, warning, info, debug, trace'),
+    **PROCESS_KEYS,
 }
 CONVERT_KEYS = {
     'src': ('', 'a Hugging Face directory (config.json + safetensors) or an orbax checkpoint '
@@ -612,7 +622,6 @@ def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
     print(f'Stopped by {trainer.stopped_by} after step {trainer.step_count}: {where}.')
     return {'first_loss': None, 'last_loss': None, 'eval_loss': None,
             'stopped_by': trainer.stopped_by}
-  from maxnnx.train import distributed  # noqa: PLC0415
   model = _export_view(trainer.model, out)
   if not history:
     written = _finish(model, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl),
@@ -625,10 +634,7 @@ def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
   trained_tokenizer = paths.exists(paths.join(out, 'tokenizer.model')) and not run['tokenizer']
   print(f'Wrote {out}/: metrics.jsonl, loss.png, final/ (Hugging Face format)'
         + (', tokenizer.model' if trained_tokenizer else '') + '.')
-  if run['sample_tokens'] and tokenizer is not None and _spans_processes(model):
-    print(f'(No sample from a model spread over {_process_count()} processes: '
-          f'maxnnx generate output_dir={out} samples from final/.)')
-  elif run['sample_tokens'] and tokenizer is not None and distributed.is_primary():
+  if run['sample_tokens'] and tokenizer is not None:  # every process: one SPMD program
     print('\nSample:\n' + _sample(model, tokenizer, 'ROMEO:', run['sample_tokens'],
                                   0.8, 0.95, cfg.seed))
   return {'first_loss': history[0]['loss'], 'last_loss': history[-1]['loss'],
@@ -787,12 +793,30 @@ def generate(options: dict) -> str:
     tokenizer = load_tokenizer(local_model_dir)
   else:
     raise UsageError(f'{tok_path} is missing: is {out} a directory written by maxnnx train?')
-  model = model if model is not None else maxnnx.from_pretrained(local_model_dir)
+  from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
+  mesh = tensor_parallel_mesh(options['tensor_parallel'])
+  if model is None:
+    model = maxnnx.from_pretrained(local_model_dir, mesh=mesh)
+  elif mesh is not None:
+    model = _placed(model, mesh)
   text = _sample(model, tokenizer,
                  options['prompt'], options['max_new_tokens'], options['temperature'],
                  options['top_p'], options['seed'], options['top_k'])
   print(text)
   return text
+
+
+def _placed(model, mesh_config: MeshConfig):
+  """``model`` with its state sharded over ``mesh_config``'s devices (from host values, so
+  in a multi-process run each process places its own shards of the same values)."""
+  import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from maxnnx.sharding import make_mesh, state_shardings  # noqa: PLC0415
+  state = nnx.state(model)
+  shardings = state_shardings(state, make_mesh(mesh_config))
+  nnx.update(model, jax.device_put(jax.tree.map(np.asarray, state), shardings))
+  return model
 
 
 def _model_from_checkpoint(checkpoint_dir: str, scan_layers: bool = False):
@@ -890,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
   stdout = sys.stdout
   try:
     options = parse_overrides(rest, _command_keys(command))
-    if command in RECIPES or command == 'compile':
+    if command in RECIPES or command in ('compile', 'generate', 'serve'):
       _join_processes(options)
     if command in RECIPES:
       train(options, RECIPES[command])

@@ -144,6 +144,27 @@ def make_mesh(mesh_config: MeshConfig | None = None, devices: Sequence | None = 
   return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def tensor_parallel_mesh(tensor_parallel: int) -> MeshConfig | None:
+  """The mesh of a model sharded over ``tensor_parallel`` devices for inference (its heads
+  and MLP width: ``MeshConfig(data=1, tensor=n)``), or ``None`` for one device.
+
+  In a multi-process run the model must span every process's devices, so there
+  ``tensor_parallel`` must be the global device count.
+
+  Raises:
+    ValueError: a count this run cannot place, with the counts it can.
+  """
+  local, total, processes = jax.local_device_count(), jax.device_count(), jax.process_count()
+  if processes > 1:
+    if tensor_parallel != total:
+      raise ValueError(f'tensor_parallel={tensor_parallel}: a run of {processes} processes '
+                       f'shards the model over all their devices; set tensor_parallel={total}.')
+  elif not 1 <= tensor_parallel <= local:
+    raise ValueError(f'tensor_parallel={tensor_parallel}: this process has {local} device(s); '
+                     f'use 1 to {local}.')
+  return MeshConfig(data=1, tensor=tensor_parallel) if tensor_parallel > 1 else None
+
+
 def spec_for(names: Sequence[str | None], rules: dict[str, MeshAxes] | None = None,
              mesh: Mesh | jax.sharding.AbstractMesh | None = None,
              shape: Sequence[int] | None = None) -> P:

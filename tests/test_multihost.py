@@ -76,11 +76,12 @@ def test_cli_train_over_two_processes_matches_one_process(tmp_path):
   from maxnnx.data import SentencePieceTokenizer  # noqa: PLC0415
   two, one = tmp_path / 'two', tmp_path / 'one'
   port = _free_port()
-  procs = [_cli([*CLI_ARGS, f'output_dir={two}', 'mesh.data=2', 'mesh.fsdp=2'], 2, port, i)
-           for i in range(2)]
+  procs = [_cli([*CLI_ARGS, f'output_dir={two}', 'mesh.data=2', 'mesh.fsdp=2',
+                 'sample_tokens=6'], 2, port, i) for i in range(2)]
   procs.append(_cli([*CLI_ARGS, f'output_dir={one}', 'mesh.data=1'], 1))
   first, second, single = _finish(procs)
   assert "mesh {'data': 2, 'fsdp': 2}" in first and 'step      3/3' in first
+  assert '\nSample:\nROMEO:' in first  # sampled by both processes from the sharded model
   ours_printed = [line for line in second.splitlines() if not line.startswith('[Gloo]')]
   assert ours_printed == []  # process 1 runs silently (the collectives' own log aside)
   losses = [[json.loads(line)['loss'] for line in open(d / 'metrics.jsonl')] for d in (two, one)]
@@ -105,3 +106,54 @@ def test_cli_multi_process_keys_go_together(capsys):
   assert 'coordinator=10.0.0.1:1234 needs num_processes=N' in capsys.readouterr().err
   assert main(['train', 'process_id=1']) == 2
   assert 'num_processes= and process_id= go with coordinator' in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~40 s each: three processes sample, score and train
+@pytest.mark.parametrize('sampler', ['generate', 'engine'])
+def test_cli_grpo_over_two_processes_matches_one_process(sampler, tmp_path, chat_checkpoint):
+  """``maxnnx grpo`` over 2 processes x 2 devices (data x fsdp) against one process on one
+  device: the same rewards, completions and losses, step by step; only process 0 calls
+  the reward function and writes the rollouts."""
+  import shutil  # noqa: PLC0415
+
+  from flax import nnx  # noqa: PLC0415
+
+  import maxnnx  # noqa: PLC0415
+  base = tmp_path / 'base'
+  cfg = maxnnx.get_preset('tiny', vocab_size=512, num_layers=2)
+  maxnnx.save_pretrained(maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)), str(base))
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    shutil.copy(chat_checkpoint / name, base / name)
+  prompts = tmp_path / 'prompts.jsonl'
+  prompts.write_text(''.join(json.dumps({'prompt': [
+      {'role': 'user', 'content': f'Who speaks line {i}?'}]}) + '\n' for i in range(16)))
+  calls = tmp_path / 'calls'
+  (tmp_path / 'rewards.py').write_text(
+      'import os\n\n'
+      'def brief(prompts, completions, **kwargs):\n'
+      f'  with open({str(calls)!r}, "a") as f:\n'
+      '    f.write(os.environ.get("MAXNNX_TEST_RANK", "?"))\n'
+      '  return [1.0 / (1 + len(c)) for c in completions]\n')
+  args = ['grpo', f'model={base}', f'prompts={prompts}', f"reward={tmp_path / 'rewards.py'}:brief",
+          'num_generations=2', 'max_new_tokens=6', 'steps=3', 'global_batch_size=8',
+          'seq_len=48', 'log_every=1', 'learning_rate=1e-3', 'beta=0.05', 'eval_every=0',
+          'checkpoint_every=0', 'temperature=1.0', f'sampler={sampler}']
+  two, one = tmp_path / 'two', tmp_path / 'one'
+  port = _free_port()
+  procs = []
+  for i in range(2):
+    os.environ['MAXNNX_TEST_RANK'] = str(i)
+    procs.append(_cli([*args, f'output_dir={two}', 'mesh.data=2', 'mesh.fsdp=2'], 2, port, i))
+  os.environ['MAXNNX_TEST_RANK'] = 'single'
+  procs.append(_cli([*args, f'output_dir={one}', 'mesh.data=1'], 1))
+  del os.environ['MAXNNX_TEST_RANK']
+  _finish(procs)
+  records = [[json.loads(line) for line in open(d / 'metrics.jsonl')] for d in (two, one)]
+  assert [len(r) for r in records] == [3, 3]
+  for key in ('reward', 'completions/mean_length', 'loss', 'kl'):
+    np.testing.assert_allclose([m[key] for m in records[0]], [m[key] for m in records[1]],
+                               rtol=1e-4, atol=1e-6, err_msg=key)
+  rollouts = [[json.loads(line)['completion'] for line in open(d / 'rollouts.jsonl')]
+              for d in (two, one)]
+  assert rollouts[0] == rollouts[1] and len(rollouts[0]) == 3 * 8
+  assert calls.read_text().replace('single', '') == '000'  # process 0, once per rollout

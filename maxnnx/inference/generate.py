@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from maxnnx.inference.sampling import sample_next_token
+from maxnnx.processes import host_value
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
     tokens, logprobs, done, cache, _, key = decode(switch, *sampling, params, tokens, logprobs,
                                                    done, cache, logits, 0, *extra, key)
     # Re-encode prompt + generated tokens with fresh keys, then continue.
-    new = np.asarray(tokens[:, :switch])
+    new = host_value(tokens[:, :switch])
     cache = jax.tree.map(jnp.zeros_like, cache)
     logits, cache = _prefill(
         graphdef, params, cache, np.concatenate([ids, new], 1),
@@ -235,7 +236,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
         None if pixel_values is None else jnp.asarray(pixel_values))
     tokens, logprobs, *_ = decode(max_new_tokens, *sampling, params, tokens, logprobs, done,
                                   cache, logits, switch, *extra, key)
-  tokens = np.asarray(tokens)
+  tokens = host_value(tokens)  # gathered when the rows are sharded over several processes
   ended = np.isin(tokens, eos)
   out_lengths = np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, max_new_tokens)
-  return GenerationResult(tokens, out_lengths.astype(np.int32), np.asarray(logprobs))
+  return GenerationResult(tokens, out_lengths.astype(np.int32), host_value(logprobs))

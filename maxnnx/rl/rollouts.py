@@ -30,6 +30,12 @@ Checkpoints save the prompt position and the rollout count, which seeds the
 sampling: a resumed run samples what the uninterrupted one would have. (A run
 stopped between the ``num_iterations`` passes of one rollout resumes with the next
 rollout.)
+
+In a multi-process run every process samples the same rollout (one SPMD program over
+the model's shards, the same seeds), process 0 alone calls the reward functions and
+sends their values to the others, and each process then hands the Trainer its own
+rows of the batch (``global_batch_size / process_count``, in process order); only
+process 0 writes ``rollouts_jsonl``.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from flax import nnx
 
 from maxnnx import paths
 from maxnnx.inference.generate import generate
+from maxnnx.processes import broadcast_bytes, host_value, is_primary
 from maxnnx.rl import losses
 from maxnnx.rl.objective import ROLLOUT_FIELDS, policy_token_logps
 from maxnnx.rl.prompts import Prompts
@@ -147,8 +154,6 @@ class Rollouts:
     if cfg.global_batch_size % self.num_generations:
       raise ValueError(f'global_batch_size={cfg.global_batch_size} must be a multiple of '
                        f'num_generations={self.num_generations} (whole groups per batch).')
-    if jax.process_count() > 1:
-      raise NotImplementedError('RL rollouts run in one process for now.')
     if cfg.seq_len <= self.max_new_tokens:
       raise ValueError(f'seq_len={cfg.seq_len} must exceed max_new_tokens='
                        f'{self.max_new_tokens}: rows hold the prompt and the completion.')
@@ -174,7 +179,17 @@ class Rollouts:
       self._batch, self._metrics = self.collect()
       self._passes_left = self.num_iterations
     self._passes_left -= 1
-    return self._batch
+    return self._local_rows(self._batch)
+
+  @staticmethod
+  def _local_rows(batch: dict) -> dict:
+    """This process's rows of a global batch (all of it in a single process)."""
+    count = jax.process_count()
+    if count == 1:
+      return batch
+    rows = len(batch['inputs']) // count
+    start = jax.process_index() * rows
+    return {k: v[start:start + rows] for k, v in batch.items()}
 
   def pop_metrics(self) -> dict[str, float]:
     """The current rollout's metrics, for the step that trains on it."""
@@ -214,12 +229,24 @@ class Rollouts:
     values = [p.value for p in prompts for _ in range(group)]
     columns = {k: [p.columns.get(k) for p in prompts for _ in range(group)]
                for k in sorted({k for p in prompts for k in p.columns})}
-    per_function = self.rewards(values, texts, columns)
+    per_function = self._rewards(values, texts, columns)
     return {'prompt_ids': prompt_ids, 'completion_ids': completion_ids, 'texts': texts,
             'values': values, 'per_function': per_function,
             'total': self.rewards.total(per_function), 'logprobs': logprobs,
             'ended': [bool(set(ids) & stops) for ids in completion_ids],
             'truncated_prompts': truncated}
+
+  def _rewards(self, values, texts, columns) -> np.ndarray:
+    """The reward functions' ``[functions, rows]`` values, computed by process 0 alone (a
+    reward may be costly, or not deterministic) and sent to the others."""
+    import io  # noqa: PLC0415
+    per_function = self.rewards(values, texts, columns) if is_primary() else None
+    if jax.process_count() == 1:
+      return per_function
+    buffer = io.BytesIO()
+    if per_function is not None:
+      np.save(buffer, np.asarray(per_function, np.float64), allow_pickle=False)
+    return np.load(io.BytesIO(broadcast_bytes(buffer.getvalue())))
 
   def _engine_sample(self, prompt_ids: list[list[int]], seed: int
                      ) -> tuple[list[list[int]], np.ndarray]:
@@ -316,7 +343,7 @@ class Rollouts:
       metrics[f'rewards/{name}/mean'] = float(finite.mean()) if finite.size else float('nan')
       metrics[f'rewards/{name}/std'] = float(finite.std()) if finite.size else float('nan')
     self.last = {**rollout, 'advantages': advantages}
-    if self.rollouts_jsonl:
+    if self.rollouts_jsonl and is_primary():
       self._write(rollout, advantages)
     self.count += 1
     return batch, metrics
@@ -348,7 +375,7 @@ class Rollouts:
     """Policy and reference log-probs of the batch's targets, on the trainer's mesh."""
     trainer, objective = self.trainer, self.trainer.objective
     placeholder = {k: np.zeros_like(batch['loss_mask']) for k in ('old_logps', 'ref_logps')}
-    placed = trainer.place_batch({**batch, **placeholder})
+    placed = trainer.place_batch(self._local_rows({**batch, **placeholder}))
     graphdef, state = nnx.split(trainer.model)
     reference_graphdef = reference_state = None
     adapters_off = False
@@ -365,7 +392,7 @@ class Rollouts:
     with trainer.mesh_context():
       old_BT, ref_BT = _score(graphdef, reference_graphdef, adapters_off, objective.temperature,
                               objective.chunk_length, state, reference_state, placed)
-    old_BT, ref_BT = jax.device_get((old_BT, ref_BT))
+    old_BT, ref_BT = host_value(old_BT), host_value(ref_BT)  # every process's rows
     mask = batch['loss_mask']
     return np.asarray(old_BT) * mask, np.asarray(ref_BT) * mask
 

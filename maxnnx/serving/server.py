@@ -490,16 +490,10 @@ def load_engine(model_dir: str, *, dtype: str | None = None, tensor_parallel: in
   ``tensor_parallel > 1`` loads the parameters straight into their shards over that many
   devices (``MeshConfig(data=1, tensor=tensor_parallel)``); the engine runs there.
   """
-  import jax  # noqa: PLC0415
-
-  from maxnnx.config import MeshConfig  # noqa: PLC0415
   from maxnnx.data import load_tokenizer  # noqa: PLC0415
   from maxnnx.models.pretrained import from_pretrained  # noqa: PLC0415
-  if tensor_parallel < 1 or tensor_parallel > jax.local_device_count():
-    raise ValueError(f'tensor_parallel={tensor_parallel}: this process has '
-                     f'{jax.local_device_count()} device(s); use 1 to {jax.local_device_count()}.')
-  mesh = MeshConfig(data=1, tensor=tensor_parallel) if tensor_parallel > 1 else None
-  model = from_pretrained(model_dir, dtype=dtype, mesh=mesh)
+  from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
+  model = from_pretrained(model_dir, dtype=dtype, mesh=tensor_parallel_mesh(tensor_parallel))
   return Engine(model, load_tokenizer(model_dir), **engine_kwargs)
 
 
@@ -559,6 +553,10 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
       ``token_budget``, ``page_size``, ``max_pages``, ``max_model_len``, ...) for a
       model loaded from a directory.
 
+  In a multi-process run (``jax.distributed``, a model sharded over every process's
+  devices) this is process 0's app: its engine calls are replayed by the other processes,
+  which run :func:`follow_engine` instead of a server.
+
   The app's ``state.engine_loop`` is the :class:`EngineLoop` and ``state.metrics`` the
   :class:`~maxnnx.serving.metrics.ServerMetrics`.
   """
@@ -584,7 +582,8 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
                        max_logprobs=engine.max_logprobs,
                        chat_stop_ids=tuple(end_of_turn_ids(tokenizer)), add_bos=add_bos,
                        image_processor=image_processor, image_prompt=image_prompt)
-  loop, metrics = EngineLoop(engine), ServerMetrics()
+  leader = _leader(engine)
+  loop, metrics = EngineLoop(leader or engine), ServerMetrics()
   api = _Api(loop, served, metrics, max_queue)
 
   @contextlib.asynccontextmanager
@@ -594,6 +593,9 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
       yield
     finally:
       await asyncio.to_thread(loop.stop)
+      if leader is not None:  # the other processes' engines return, and all leave together
+        leader.close()
+        _leave_processes()
 
   app = Starlette(routes=[
       Route('/v1/completions', api.completions, methods=['POST']),
@@ -603,8 +605,41 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
       Route('/health', api.health, methods=['GET']),
       Route('/metrics', api.metrics_text, methods=['GET']),
   ], lifespan=lifespan, exception_handlers={HTTPException: _http_error, 500: _server_error})
-  app.state.engine_loop, app.state.metrics = loop, metrics
+  app.state.engine_loop, app.state.metrics, app.state.leader = loop, metrics, leader
   return app
+
+
+def _leader(engine: Engine):
+  """A :class:`~maxnnx.serving.lockstep.LeaderEngine` over ``engine`` in a multi-process
+  run, else ``None``."""
+  import jax  # noqa: PLC0415
+  if jax.process_count() == 1:
+    return None
+  from maxnnx.serving.lockstep import Channel, LeaderEngine  # noqa: PLC0415
+  return LeaderEngine(engine, Channel())
+
+
+def follow_engine(model_dir: str, *, dtype: str | None = None, tensor_parallel: int = 1,
+                  **engine_kwargs) -> int:
+  """What every process but 0 of a multi-process server runs: load the same engine as
+  process 0 (:func:`load_engine`), then replay its calls until its server stops. Returns
+  the number of engine steps taken."""
+  from maxnnx.serving.lockstep import Channel, follow  # noqa: PLC0415
+  engine = load_engine(model_dir, dtype=dtype, tensor_parallel=tensor_parallel, **engine_kwargs)
+  steps = follow(engine, Channel())
+  _leave_processes()
+  return steps
+
+
+def _leave_processes() -> None:
+  """Leave ``jax.distributed`` with the other processes (a barrier): process 0 hosts the
+  coordination service, so it must not exit (uvicorn re-raises SIGTERM once it has shut
+  down) while another process still talks to it."""
+  import jax  # noqa: PLC0415
+  jax.distributed.shutdown()
+
+
+_APP_ONLY = ('model_name', 'max_queue', 'chat_template', 'add_bos', 'image_processor')
 
 
 def serve(model_dir: str, *, host: str = '127.0.0.1', port: int = 8000,
@@ -613,7 +648,18 @@ def serve(model_dir: str, *, host: str = '127.0.0.1', port: int = 8000,
 
   Either signal stops accepting connections and lets the requests in flight
   finish before the process exits. ``app_kwargs`` go to :func:`make_app`.
+
+  In a multi-process run process 0 serves and the others follow its engine
+  (:func:`follow_engine`) until it stops.
   """
+  import jax  # noqa: PLC0415
+  if jax.process_index() > 0:
+    follow_engine(model_dir, **{k: v for k, v in app_kwargs.items() if k not in _APP_ONLY})
+    return
   import uvicorn  # noqa: PLC0415
   app = make_app(model_dir, **app_kwargs)
-  uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan='on')
+  try:
+    uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan='on')
+  finally:  # also when the server never started (a port in use): release the followers
+    if app.state.leader is not None:
+      app.state.leader.close()

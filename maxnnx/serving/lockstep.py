@@ -1,0 +1,180 @@
+"""One engine over several processes: process 0 leads, the others replay its calls.
+
+A model sharded over the devices of several processes (``jax.distributed``) runs each
+engine step as one SPMD program, so every process must call the engine's methods in the
+same order with the same arguments. In a server only process 0 hears the requests. Process
+0 therefore drives a :class:`LeaderEngine`, which publishes every call
+(``add_request``, ``cancel``, ``step``) on a :class:`Channel` *before* making it, and
+every other process runs :func:`follow`, which makes the same calls on its own engine
+in the same order, until the leader publishes ``stop``.
+
+The engine itself is deterministic given its calls: request ids count up, a request
+without a seed gets one derived from the engine's seed and its id, and the scheduler
+decides on host data alone. So the followers' engines stay equal to the leader's, and
+their device work meets the leader's in every collective. Their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from maxnnx.serving.engine import Engine
+from maxnnx.serving.params import RequestOutput, SamplingParams
+
+STOP = 'stop'
+
+
+class Channel:
+  """Numbered messages from process 0 to the others, through ``jax.distributed``'s
+  key-value store (its coordination service; no device is involved, so a follower can
+  wait on it for as long as the server sits idle).
+
+  Args:
+    name: key prefix; the processes of one run use the same one.
+    keep: messages kept in the store behind the newest (older ones are deleted; a
+      follower never lags that far, since every step with work is a collective).
+    poll_ms: how long one wait of a follower lasts before it asks again.
+  """
+
+  def __init__(self, name: str = 'maxnnx/lockstep', *, keep: int = 1024, poll_ms: int = 60_000):
+    from jax._src import distributed  # noqa: PLC0415  (the client jax.distributed started)
+    self._client = distributed.global_state.client
+    if self._client is None:
+      raise RuntimeError('A lockstep channel needs a multi-process run: call '
+                         'maxnnx.train.distributed.initialize (or jax.distributed.initialize) '
+                         'first.')
+    self._name, self._keep, self._poll_ms = name, keep, poll_ms
+    self._sent = self._received = 0
+
+  def publish(self, message: bytes) -> None:
+    """Send the next message (process 0)."""
+    self._client.key_value_set_bytes(f'{self._name}/{self._sent}', message)
+    if self._sent >= self._keep:
+      self._client.key_value_delete(f'{self._name}/{self._sent - self._keep}')
+    self._sent += 1
+
+  def receive(self) -> bytes:
+    """The next message (the other processes); waits for it as long as it takes."""
+    key = f'{self._name}/{self._received}'
+    while True:
+      try:
+        message = self._client.blocking_key_value_get_bytes(key, self._poll_ms)
+        break
+      except Exception as e:  # noqa: BLE001 (the client raises XlaRuntimeError on a timeout)
+        if 'DEADLINE_EXCEEDED' not in str(e) and 'timed out' not in str(e).lower():
+          raise
+    self._received += 1
+    return message
+
+
+def encode_call(op: str, *args) -> bytes:
+  """One engine call as JSON bytes: ``('add', prompt, params, images)``,
+  ``('cancel', request_id)``, ``('step',)`` or ``('stop',)``. Images travel as ``.npy``
+  bytes (never pickle)."""
+  if op == 'add':
+    prompt, params, images = args
+    body = {'prompt': [int(i) for i in np.asarray(prompt).reshape(-1)],
+            'params': dataclasses.asdict(params),
+            'images': None if images is None else _npy(images)}
+  elif op == 'cancel':
+    body = {'request_id': int(args[0])}
+  else:
+    body = {}
+  return json.dumps({'op': op, **body}).encode()
+
+
+def decode_call(message: bytes) -> tuple:
+  """The inverse of :func:`encode_call`."""
+  body = json.loads(message)
+  op = body['op']
+  if op == 'add':
+    images = body['images']
+    return (op, body['prompt'], SamplingParams(**body['params']),
+            None if images is None else np.load(io.BytesIO(base64.b64decode(images))))
+  if op == 'cancel':
+    return op, body['request_id']
+  return (op,)
+
+
+def _npy(array) -> str:
+  buffer = io.BytesIO()
+  np.save(buffer, np.asarray(array), allow_pickle=False)
+  return base64.b64encode(buffer.getvalue()).decode()
+
+
+class LeaderEngine:
+  """Process 0's view of an engine shared with other processes: the engine's own
+  interface, where ``add_request``, ``cancel`` and ``step`` are first published on
+  ``channel`` for the followers (:func:`follow`). Everything else is the engine's.
+
+  Args:
+    engine: this process's :class:`~maxnnx.serving.Engine`.
+    channel: a :class:`Channel` (or anything with ``publish(bytes)``).
+  """
+
+  def __init__(self, engine: Engine, channel):
+    self.engine = engine
+    self.channel = channel
+    self._closed = False
+
+  def __getattr__(self, name):
+    return getattr(self.engine, name)
+
+  def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None,
+                  images: np.ndarray | None = None) -> int:
+    """:meth:`Engine.add_request`, made on every process (a text prompt is encoded here)."""
+    params = SamplingParams() if params is None else params
+    if isinstance(prompt, str):
+      if self.engine.tokenizer is None:
+        raise ValueError('A text prompt needs an Engine with a tokenizer.')
+      prompt = self.engine.tokenizer.encode(prompt)
+    self.channel.publish(encode_call('add', prompt, params, images))
+    return self.engine.add_request(prompt, params, images)
+
+  def cancel(self, request_id: int) -> bool:
+    """:meth:`Engine.cancel`, made on every process."""
+    self.channel.publish(encode_call('cancel', request_id))
+    return self.engine.cancel(request_id)
+
+  def step(self) -> list[RequestOutput]:
+    """:meth:`Engine.step`, made on every process."""
+    self.channel.publish(encode_call('step'))
+    return self.engine.step()
+
+  def close(self) -> None:
+    """Tell the followers to return (once; later calls do nothing)."""
+    if not self._closed:
+      self._closed = True
+      self.channel.publish(encode_call(STOP))
+
+
+def follow(engine: Engine, channel) -> int:
+  """Replay the leader's engine calls on ``engine`` until it publishes ``stop``; returns
+  how many steps ran. A call the leader's engine refused (``ValueError``) is refused here
+  too, and skipped alike."""
+  steps = 0
+  while True:
+    op, *args = decode_call(channel.receive())
+    if op == STOP:
+      return steps
+    if op == 'add':
+      try:
+        engine.add_request(*args)
+      except ValueError:
+        pass
+    elif op == 'cancel':
+      engine.cancel(*args)
+    elif op == 'step':
+      engine.step()
+      steps += 1
+    else:
+      raise ValueError(f'Unknown lockstep call {op!r}: do the processes run the same maxnnx?')
+
+
+__all__ = ['Channel', 'LeaderEngine', 'decode_call', 'encode_call', 'follow']
