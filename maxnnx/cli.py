@@ -843,14 +843,22 @@ def convert(options: dict) -> str:
   if target not in ('hf', 'orbax'):
     raise UsageError(f"format={target!r}: expected 'hf' or 'orbax'.")
   scan = bool(options['scan_layers']) and target == 'orbax'
-  if source == 'hf':
-    model = maxnnx.from_pretrained(paths.local_copy(src), scan_layers=scan)
-  else:
-    model = _model_from_checkpoint(src, scan_layers=scan)
   dtype = options['dtype'] or None
   if dtype is not None and target != 'hf':
     raise UsageError(f'dtype={dtype} sets the dtype of a Hugging Face output (format=hf); an '
                      'orbax output keeps the parameters as they are.')
+  layout = f" ({'scanned' if scan else 'per-layer'} layers)" if target == 'orbax' else ''
+  if source == 'hf' and target == 'orbax' and not paths.is_remote(dst):
+    # Tensor by tensor: the host never holds the model (save_params_streaming).
+    from maxnnx.models.checkpoints import save_params_streaming  # noqa: PLC0415
+    from maxnnx.models.pretrained import host_params  # noqa: PLC0415
+    save_params_streaming(*host_params(paths.local_copy(src), scan_layers=scan), dst)
+    print(f'Converted {src} ({source}) to {dst} ({target}{layout}).')
+    return dst
+  if source == 'hf':
+    model = maxnnx.from_pretrained(paths.local_copy(src), scan_layers=scan)
+  else:
+    model = _model_from_checkpoint(src, scan_layers=scan)
   if target == 'hf' and paths.is_remote(dst):
     with tempfile.TemporaryDirectory() as scratch:
       maxnnx.save_pretrained(model, os.path.join(scratch, 'hf'), dtype=dtype)
@@ -859,7 +867,6 @@ def convert(options: dict) -> str:
     maxnnx.save_pretrained(model, dst, dtype=dtype)
   else:
     save_params(model, dst)
-  layout = f" ({'scanned' if scan else 'per-layer'} layers)" if target == 'orbax' else ''
   print(f'Converted {src} ({source}) to {dst} ({target}{layout}).')
   return dst
 

@@ -279,6 +279,50 @@ def test_convert_hf_orbax_hf_round_trip_and_layouts(tmp_path, capsys):
   assert 'already has a checkpoint' in capsys.readouterr().err
 
 
+@pytest.mark.parametrize('case,scan', [('llama', False), ('qwen3_moe', True)])
+def test_convert_hf_to_orbax_streams_tensor_by_tensor(case, scan, tmp_path, capsys,
+                                                      monkeypatch):
+  """``maxnnx convert`` HF -> orbax writes the parameters in small groups (orbax's partial
+  save) without building the model: the checkpoint loads (checksums verified) to exactly the
+  parameters from_pretrained gives, per layer or scanned (a dense prefix stack too). A
+  conversion stopped half-way leaves no step; the next one completes."""
+  from maxnnx.models import checkpoints  # noqa: PLC0415
+  source = os.path.join(ROOT, 'tests', 'fixtures', 'hf', case)
+  out = str(tmp_path / 'orbax')
+  groups = []
+  real_save = checkpoints.save_params_streaming
+
+  def failing_once(cfg, params, directory, **kwargs):
+    def stop_half_way():
+      for i, item in enumerate(params):
+        if i == 5:
+          raise OSError('disk full')
+        yield item
+    monkeypatch.setattr(checkpoints, 'save_params_streaming', counting)
+    return real_save(cfg, stop_half_way(), directory, group_bytes=1, **kwargs)
+
+  def counting(cfg, params, directory, **kwargs):
+    def counted():
+      for item in params:
+        groups.append(item[0])
+        yield item
+    return real_save(cfg, counted(), directory, group_bytes=1, **kwargs)
+
+  monkeypatch.setattr(checkpoints, 'save_params_streaming', failing_once)
+  assert cli.main(['convert', f'src={source}', f'dst={out}', f'scan_layers={scan}']) == 1
+  assert 'disk full' in capsys.readouterr().err
+  assert os.listdir(out) == ['.0.streaming']  # no step 0: nothing looks finished
+  assert cli.main(['convert', f'src={source}', f'dst={out}', f'scan_layers={scan}']) == 0
+  assert sorted(os.listdir(out)) == ['0']
+  reference = maxnnx.from_pretrained(source, scan_layers=scan)
+  assert checkpoint_config(out) == reference.config
+  model = load_params(maxnnx.Transformer(reference.config, rngs=nnx.Rngs(1)), out)
+  expected = dict(nnx.to_flat_state(nnx.state(reference, nnx.Param)))
+  assert sorted(groups) == sorted(expected)  # one parameter per group here
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(expected[path][...]))
+
+
 def test_a_checkpoint_restores_onto_another_mesh(tmp_path):
   """Saved from data x fsdp x tensor = 2 x 2 x 2, restored by a run on fsdp = 8: every value
   equal, laid out on the new mesh, and the next step's loss that of the first run."""

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -60,6 +61,17 @@ def _leaf_bits(x: jax.Array) -> jax.Array:
 @jax.jit
 def _bit_sums(leaves: list) -> list:
   return [_leaf_bits(x) for x in leaves]
+
+
+def host_checksum(array: np.ndarray) -> int:
+  """:func:`checksums`' value of one host (NumPy) array, computed on the host."""
+  array = np.asarray(array)
+  if array.dtype == np.bool_:
+    bits = array.astype(np.uint32)
+  else:
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[array.dtype.itemsize]
+    bits = np.ascontiguousarray(array).view(unsigned).astype(np.uint32, copy=False)
+  return int(np.sum(bits, dtype=np.uint32))
 
 
 def checksums(tree: Any) -> dict[str, int]:
@@ -304,4 +316,5 @@ def restore_params(directory: str, abstract_params: Any, step: int | None = None
   return params, meta
 
 
-__all__ = ['CheckpointError', 'CheckpointManager', 'checksums', 'read_meta', 'restore_params']
+__all__ = ['FORMAT_VERSION', 'CheckpointError', 'CheckpointManager', 'checksums', 'host_checksum',
+           'read_meta', 'restore_params']

@@ -9,6 +9,9 @@ parameter-only checkpoint in the same format.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +19,7 @@ from flax import nnx
 
 from maxnnx.checkpoint.manager import CheckpointError, CheckpointManager, read_meta, restore_params
 from maxnnx.config import ModelConfig
-from maxnnx.models.pretrained import _to_model_layout, _unscanned_param_values
+from maxnnx.models.pretrained import _stacks, _to_model_layout, _unscanned_param_values
 from maxnnx.models.transformer import Transformer
 
 
@@ -52,10 +55,11 @@ def load_params(model: Transformer, checkpoint_dir: str, step: int | None = None
   target = nnx.state(model, nnx.Param)
   cfg = model.config
   flat = dict(nnx.to_flat_state(target))
+  stacks = _stacks(cfg)  # scanned stacks (a dense prefix has its own): listed per layer
   for path, var in flat.items():
-    per_layer = cfg.runtime.scan_layers and path[0] == 'layers'
-    keys = [(path[0], i, *path[1:]) for i in range(cfg.num_layers)] if per_layer else [path]
-    shape = tuple(var.shape[1:]) if per_layer else tuple(var.shape)
+    start, count = stacks.get(path[0], (None, 0))
+    keys = [('layers', start + i, *path[1:]) for i in range(count)] if count else [path]
+    shape = tuple(var.shape[1:]) if count else tuple(var.shape)
     for key in keys:
       if key not in values:
         raise CheckpointError(f"{checkpoint_dir}: no parameter {'.'.join(map(str, key))} for "
@@ -90,4 +94,55 @@ def save_params(model: Transformer, checkpoint_dir: str, step: int = 0) -> str:
   return checkpoint_dir
 
 
-__all__ = ['checkpoint_config', 'load_params', 'save_params']
+def save_params_streaming(cfg: ModelConfig, params, checkpoint_dir: str, *, step: int = 0,
+                          group_bytes: int = 16 * 2**20) -> str:
+  """Write the checkpoint :func:`save_params` writes, from ``(path, NumPy array)`` pairs
+  (:func:`~maxnnx.models.pretrained.host_params`) that arrive one at a time, without a model:
+  parameters are handed to orbax in groups of about ``group_bytes`` (orbax's partial save),
+  so the host holds one group, not the model. Returns the directory.
+
+  The step is assembled beside the others (``.<step>.streaming/``) and renamed into place
+  once complete, so a run stopped half-way leaves no step that looks finished. Needs a
+  local ``checkpoint_dir`` (a bucket URL takes :func:`save_params`).
+
+  Raises:
+    CheckpointError: ``checkpoint_dir`` already has that step.
+  """
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  from orbax.checkpoint.experimental.v1 import partial  # noqa: PLC0415
+
+  from maxnnx.checkpoint.manager import FORMAT_VERSION, host_checksum  # noqa: PLC0415
+  directory = os.path.abspath(checkpoint_dir)
+  final, scratch = os.path.join(directory, str(step)), os.path.join(directory, f'.{step}.streaming')
+  if os.path.exists(final):
+    raise CheckpointError(f'{checkpoint_dir} already has a checkpoint of step {step}; choose '
+                          'an empty directory.')
+  shutil.rmtree(scratch, ignore_errors=True)  # a stopped earlier attempt
+  staged = os.path.join(scratch, str(step))
+  group, size, sums, saved = {}, 0, {}, False
+  for path, array in params:
+    sums[jax.tree_util.keystr((jax.tree_util.DictKey(0), *map(jax.tree_util.DictKey, path)))] = \
+        host_checksum(array)
+    node = group
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = array
+    size += array.nbytes
+    if size >= group_bytes:
+      partial.save(staged, {0: group})
+      group, size, saved = {}, 0, True
+  if group or not saved:
+    partial.save(staged, {0: group})
+  del group
+  partial.finalize(staged)
+  record = {'model_config': cfg.to_dict(), 'params_only': True, 'step': int(step),
+            'format': FORMAT_VERSION, 'checksums': {'state': sums}}
+  ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(os.path.join(staged, 'meta'),
+                                                     args=ocp.args.JsonSave(record))
+  os.makedirs(directory, exist_ok=True)
+  os.replace(staged, final)
+  shutil.rmtree(scratch, ignore_errors=True)
+  return checkpoint_dir
+
+
+__all__ = ['checkpoint_config', 'load_params', 'save_params', 'save_params_streaming']

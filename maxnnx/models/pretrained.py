@@ -114,6 +114,26 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   for key, value in (('dtype', dtype), ('param_dtype', param_dtype), ('scan_layers', scan_layers)):
     if value is not None:
       overrides[key] = value
+  cfg, graphdef, abstract_state, sources = _read_sources(directory, overrides)
+  shardings = _shardings(abstract_state, mesh, rules)
+  state = _place_params(sources, abstract_state, cfg, shardings)
+  return nnx.merge(graphdef, state)
+
+
+def host_params(directory: str, **overrides: Any):
+  """``(config, iterator)`` over a Hugging Face checkpoint's parameters in the model's layout,
+  one at a time: the iterator yields ``(path, NumPy array)`` for every parameter of
+  :class:`Transformer` (stacked when ``scan_layers``), converted from the memory-mapped
+  tensors as :func:`from_pretrained` does, without building the model (``maxnnx convert``
+  streams them into an orbax checkpoint). The checkpoint is checked in full first.
+  """
+  cfg, _, abstract_state, sources = _read_sources(directory, overrides)  # checks everything
+  return cfg, ((path, host) for path, var, host in _host_params(sources, abstract_state, cfg)
+               if isinstance(var, nnx.Param))
+
+
+def _read_sources(directory: str, overrides: dict):
+  """Config, abstract model and every parameter's checked source tensor(s) of a checkpoint."""
   cfg = config_from_pretrained(directory, **overrides)
   family = FAMILIES[cfg.family]
   tensors = read_safetensors_dir(directory)
@@ -144,9 +164,7 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
     shown = ', '.join(unexpected[:5]) + (' …' if len(unexpected) > 5 else '')
     raise PretrainedError(f'{directory}: {len(unexpected)} tensor(s) that a {cfg.family} model '
                           f'with this config.json does not have: {shown}.')
-  shardings = _shardings(abstract_state, mesh, rules)
-  state = _place_params(sources, abstract_state, cfg, shardings)
-  return nnx.merge(graphdef, state)
+  return cfg, graphdef, abstract_state, sources
 
 
 EXPORT_DTYPES = {'bfloat16': ml_dtypes.bfloat16, 'float16': np.float16, 'float32': np.float32}
@@ -418,17 +436,24 @@ def _shardings(abstract_state, mesh: MeshConfig | Mesh | None, rules: dict | Non
 def _place_params(sources: dict, abstract_state, cfg: ModelConfig, shardings: dict | None):
   """The model's state, each parameter converted from its HF tensor(s) and placed on its shards
   one at a time (see the module doc); other variables (MoE routing statistics) start at zero."""
-  flat, stacks = [], _stacks(cfg)
-
   def place(host: np.ndarray, path) -> jax.Array:
     if shardings is None:  # uncommitted on the default device, as jnp.asarray makes them
       return jax.device_put(host)
     return jax.make_array_from_callback(host.shape, shardings[path].get_value(),
                                         lambda index: host[index])
 
+  return nnx.from_flat_state([(path, var.replace(place(host, path)))
+                              for path, var, host in _host_params(sources, abstract_state, cfg)])
+
+
+def _host_params(sources: dict, abstract_state, cfg: ModelConfig):
+  """``(path, abstract variable, host value)`` of every variable, made one at a time: each
+  parameter converted from its HF tensor(s), whose file pages are then released; other
+  variables (MoE routing statistics) zeros."""
+  stacks = _stacks(cfg)
   for path, var in nnx.to_flat_state(abstract_state):
     if not isinstance(var, nnx.Param):
-      flat.append((path, var.replace(place(np.zeros(var.shape, var.dtype), path))))
+      yield path, var, np.zeros(var.shape, var.dtype)
       continue
     host = np.empty(var.shape, var.dtype)
     if path[0] in stacks:
@@ -439,9 +464,9 @@ def _place_params(sources: dict, abstract_state, cfg: ModelConfig, shardings: di
     for out, (array, shape, n_in) in parts:
       _hf_to_ours(array, shape, n_in, out)
       release_pages(array)
-    flat.append((path, var.replace(place(host, path))))
-    del host, parts
-  return nnx.from_flat_state(flat)
+    del parts
+    yield path, var, host
+    del host
 
 
 def _to_model_layout(values: dict[tuple, np.ndarray], abstract_state, cfg: ModelConfig, convert):
@@ -461,4 +486,4 @@ def _to_model_layout(values: dict[tuple, np.ndarray], abstract_state, cfg: Model
 
 
 __all__ = ['FAMILIES', 'PretrainedError', 'SafetensorsError', 'config_from_pretrained',
-           'from_pretrained', 'save_pretrained']
+           'from_pretrained', 'host_params', 'save_pretrained']
