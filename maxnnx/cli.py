@@ -657,6 +657,11 @@ def _finish(model, run_dir, options: dict, history: list[dict], *, only_missing=
   from maxnnx.train.run_dir import write_json  # noqa: PLC0415
   out, written = run_dir.directory, []
   final = paths.join(out, 'final')
+  adapters = None  # a LoRA model that spans processes: its adapters on every host, then merged
+  if has_adapters(model) and _spans_processes(model):
+    from flax import nnx  # noqa: PLC0415
+    adapters = distributed.host_local_model(model, nnx.LoRAParam)
+    model = merge_adapters(model)  # every process, one gathered kernel at a time
   if _spans_processes(model):
     wanted = not (only_missing and paths.exists(paths.join(final, 'config.json')))
     if distributed.broadcast_bytes(b'1' if wanted else b'0') == b'1':  # process 0 decides
@@ -665,13 +670,15 @@ def _finish(model, run_dir, options: dict, history: list[dict], *, only_missing=
   if not distributed.is_primary():
     barrier('run-written')  # stay until process 0 has written everything
     return written
-  if has_adapters(model):  # LoRA: the adapter in PEFT's format, and final/ merged
+  if adapters is not None or has_adapters(model):  # LoRA: the PEFT adapter, final/ merged
     adapter = paths.join(out, 'adapter')
+    source = model if adapters is None else adapters
     if not (only_missing and paths.exists(paths.join(adapter, 'adapter_config.json'))):
-      paths.write_dir(adapter, lambda directory: save_adapter(model, directory),
+      paths.write_dir(adapter, lambda directory: save_adapter(source, directory),
                       last=('adapter_config.json',))
       written.append('adapter/')
-    model = merge_adapters(model)
+    if adapters is None:
+      model = merge_adapters(model)
   if not _spans_processes(model) and not (
       only_missing and paths.exists(paths.join(final, 'config.json'))):
     def export(directory):
@@ -700,14 +707,13 @@ def _spans_processes(model) -> bool:
 
 def _export_view(model, out: str):
   """The trained model as :func:`_finish` exports it: the model itself with one process, or
-  when the processes can write ``final/`` together (a local directory they share, no LoRA merge
-  to do); else a copy gathered whole onto every process
+  when the processes can write ``final/`` together (a local directory they share; a LoRA
+  model is merged there one kernel at a time); else a copy gathered whole onto every process
   (:func:`~maxnnx.train.distributed.host_local_model`)."""
   import jax  # noqa: PLC0415
 
   from maxnnx.train import distributed  # noqa: PLC0415
-  from maxnnx.train.lora import has_adapters  # noqa: PLC0415
-  if jax.process_count() == 1 or (not paths.is_remote(out) and not has_adapters(model)):
+  if jax.process_count() == 1 or not paths.is_remote(out):
     return model
   return distributed.host_local_model(model)
 

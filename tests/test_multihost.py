@@ -108,12 +108,8 @@ def test_cli_multi_process_keys_go_together(capsys):
   assert 'num_processes= and process_id= go with coordinator' in capsys.readouterr().err
 
 
-@pytest.mark.slow  # ~40 s each: three processes sample, score and train
-@pytest.mark.parametrize('sampler', ['generate', 'engine'])
-def test_cli_grpo_over_two_processes_matches_one_process(sampler, tmp_path, chat_checkpoint):
-  """``maxnnx grpo`` over 2 processes x 2 devices (data x fsdp) against one process on one
-  device: the same rewards, completions and losses, step by step; only process 0 calls
-  the reward function and writes the rollouts."""
+def _chat_base(tmp_path, chat_checkpoint):
+  """A small random chat model in Hugging Face format, with its tokenizer and template."""
   import shutil  # noqa: PLC0415
 
   from flax import nnx  # noqa: PLC0415
@@ -124,6 +120,52 @@ def test_cli_grpo_over_two_processes_matches_one_process(sampler, tmp_path, chat
   maxnnx.save_pretrained(maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)), str(base))
   for name in ('tokenizer.json', 'tokenizer_config.json'):
     shutil.copy(chat_checkpoint / name, base / name)
+  return base
+
+
+@pytest.mark.slow  # ~40 s: three processes
+def test_cli_lora_sft_over_two_processes_matches_one_process(tmp_path, chat_checkpoint):
+  """``maxnnx sft lora.rank=4`` over 2 processes x 2 devices (data x fsdp) merges the adapters
+  on the sharded model (each process gathers one kernel at a time and writes its layers of
+  final/): final/ equals the base with the run's PEFT adapter loaded and merged in one
+  process. (The runs' losses differ from one process's: a JSONL pipeline deals each process
+  every other record.)"""
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.checkpoint import read_safetensors_dir  # noqa: PLC0415
+  from maxnnx.train.lora import load_adapter, merge_adapters  # noqa: PLC0415
+  base = _chat_base(tmp_path, chat_checkpoint)
+  data = tmp_path / 'chats.jsonl'
+  data.write_text(''.join(json.dumps({'messages': [
+      {'role': 'user', 'content': f'Who speaks line {i}?'},
+      {'role': 'assistant', 'content': name}]}) + '\n'
+      for i, name in enumerate(['ROMEO', 'JULIET', 'MERCUTIO', 'TYBALT'] * 4)))
+  args = ['sft', f'model={base}', f'data={data}', 'lora.rank=4', 'steps=3',
+          'global_batch_size=8', 'seq_len=32', 'log_every=1', 'learning_rate=1e-2',
+          'eval_every=0', 'checkpoint_every=0', 'sample_tokens=0']
+  two = tmp_path / 'two'
+  port = _free_port()
+  _finish([_cli([*args, f'output_dir={two}', 'mesh.data=2', 'mesh.fsdp=2'], 2, port, i)
+           for i in range(2)])
+  reference = tmp_path / 'reference'
+  merged = merge_adapters(load_adapter(maxnnx.from_pretrained(str(base)), str(two / 'adapter')))
+  maxnnx.save_pretrained(merged, str(reference))
+  ours, want = (read_safetensors_dir(str(d)) for d in (two / 'final', reference))
+  assert sorted(ours) == sorted(want)
+  for name, (_, array) in want.items():
+    np.testing.assert_allclose(ours[name][1], array, rtol=1e-6, atol=1e-7, err_msg=name)
+  base_up = read_safetensors_dir(str(base))['model.layers.0.mlp.up_proj.weight'][1]
+  assert np.abs(ours['model.layers.0.mlp.up_proj.weight'][1] - base_up).max() > 1e-4  # merged
+  assert len({file for file, _ in ours.values()}) == 2  # each process wrote its layers
+  assert json.loads((two / 'adapter' / 'adapter_config.json').read_text())['r'] == 4
+
+
+@pytest.mark.slow  # ~40 s each: three processes sample, score and train
+@pytest.mark.parametrize('sampler', ['generate', 'engine'])
+def test_cli_grpo_over_two_processes_matches_one_process(sampler, tmp_path, chat_checkpoint):
+  """``maxnnx grpo`` over 2 processes x 2 devices (data x fsdp) against one process on one
+  device: the same rewards, completions and losses, step by step; only process 0 calls
+  the reward function and writes the rollouts."""
+  base = _chat_base(tmp_path, chat_checkpoint)
   prompts = tmp_path / 'prompts.jsonl'
   prompts.write_text(''.join(json.dumps({'prompt': [
       {'role': 'user', 'content': f'Who speaks line {i}?'}]}) + '\n' for i in range(16)))

@@ -50,8 +50,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   return True
 
 
-def host_local_model(model):
-  """A copy of ``model`` whose parameters are whole NumPy arrays on every process.
+def host_local_model(model, variables=None):
+  """A copy of ``model`` whose parameters (or its ``variables``, an nnx filter such as
+  ``nnx.LoRAParam``) are whole NumPy arrays on every process.
 
   In a multi-process run parameters are sharded over every process's devices and no
   process can read them alone; this gathers them (a collective: every process calls it,
@@ -63,7 +64,7 @@ def host_local_model(model):
     return model
   from flax import nnx  # noqa: PLC0415
   copy = nnx.clone(model)
-  nnx.update(copy, jax.tree.map(host_value, nnx.state(copy, nnx.Param)))
+  nnx.update(copy, jax.tree.map(host_value, nnx.state(copy, variables or nnx.Param)))
   return copy
 
 

@@ -38,6 +38,7 @@ from flax import nnx
 
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.models.transformer import layer_stacks
+from maxnnx.processes import host_value
 from maxnnx.train.chunks import model_sequence_logps
 from maxnnx.train.lora.config import ALL_LINEAR, LoraConfig
 from maxnnx.train.lora.dropout import add_dropout_seeds, switched_provider
@@ -288,8 +289,8 @@ def adapter_weights(model: nnx.Module) -> dict[tuple, tuple[np.ndarray, np.ndarr
   """
   out = {}
   for module, paths in adapted_modules(model):
-    a = np.asarray(jax.device_get(module.kernel_lora_a[...]))
-    b = np.asarray(jax.device_get(module.kernel_lora_b[...]))
+    a = host_value(module.kernel_lora_a[...])
+    b = host_value(module.kernel_lora_b[...])
     stacked = _leading_axes(module) > 0
     for i, path in enumerate(paths):
       out[path] = (a[i], b[i]) if stacked else (a, b)
@@ -300,20 +301,20 @@ def base_kernel(module: DenseGeneral) -> np.ndarray:
   """``module``'s base kernel as a float64 host array (dequantized under QLoRA)."""
   kernel = module.kernel
   if isinstance(kernel, nnx.Variable):
-    return np.asarray(jax.device_get(kernel[...]), np.float64)
+    return np.asarray(host_value(kernel[...]), np.float64)
   qarray = kernel.array
   if getattr(qarray, 'zero_point', None) is not None:
     raise ValueError('Asymmetric (zero-point) base quantization is not supported.')
-  qvalue = np.asarray(jax.device_get(qarray.qvalue[...])).astype(np.float64)
-  scale = np.asarray(jax.device_get(qarray.scale[...]), np.float64)
+  qvalue = host_value(qarray.qvalue[...]).astype(np.float64)
+  scale = np.asarray(host_value(qarray.scale[...]), np.float64)
   return qvalue * scale
 
 
 def merged_kernel(module: DenseGeneral, scale: float) -> np.ndarray:
   """``W + scale A B`` of an adapted module in float64, in the kernel's shape."""
   w = base_kernel(module)
-  a = np.asarray(jax.device_get(module.kernel_lora_a[...]), np.float64)
-  b = np.asarray(jax.device_get(module.kernel_lora_b[...]), np.float64)
+  a = np.asarray(host_value(module.kernel_lora_a[...]), np.float64)
+  b = np.asarray(host_value(module.kernel_lora_b[...]), np.float64)
   return w + scale * np.matmul(a, b).reshape(w.shape)
 
 
@@ -321,8 +322,10 @@ def merge_adapters(model: nnx.Module) -> nnx.Module:
   """The plain model (no qwix, no adapters) with every adapter folded into its kernel.
 
   Each adapted kernel becomes ``W + (alpha / rank) A B``, computed in float64 on
-  the host and rounded once to the parameter dtype; under QLoRA ``W`` is the
-  dequantized base, so the merged model is a float model. The result is the
+  the host one kernel at a time and rounded once to the parameter dtype (a kernel
+  sharded over several processes is gathered alone, merged, and each process places
+  its own shards back: every process calls this, and no host holds the model). Under
+  QLoRA ``W`` is the dequantized base, so the merged model is a float model. The result is the
   model's own class (``save_pretrained`` writes it; ``generate`` runs it);
   ``model`` is left unchanged.
   """
@@ -335,11 +338,13 @@ def merge_adapters(model: nnx.Module) -> nnx.Module:
     template = module.kernel
     if not isinstance(template, nnx.Variable):  # quantized: its values carry the metadata
       template = template.array.qvalue
-    dtype = module.kernel_lora_a.dtype
-    value = jnp.asarray(merged_kernel(module, config.scale), dtype)
+    host = merged_kernel(module, config.scale).astype(module.kernel_lora_a.dtype)
     sharding = getattr(template[...], 'sharding', None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-      value = jax.device_put(value, sharding)
+    if isinstance(sharding, jax.sharding.NamedSharding):  # each process places its shards
+      value = jax.make_array_from_callback(host.shape, sharding,
+                                           lambda index, host=host: host[index])
+    else:
+      value = jnp.asarray(host)
     module.kernel = template.replace(value)  # a fresh nnx.Param with the kernel's metadata
     del module.kernel_lora_a, module.kernel_lora_b
     if 'lora_dropout_seed' in vars(module):
