@@ -783,6 +783,8 @@ def generate(options: dict) -> str:
   a URL, whose files are downloaded first)."""
   import maxnnx  # noqa: PLC0415
   from maxnnx.data import SentencePieceTokenizer, load_tokenizer  # noqa: PLC0415
+  from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
+  mesh = tensor_parallel_mesh(options['tensor_parallel'])  # checked before anything loads
   out = paths.normalize(options['output_dir'])
   model_dir, tok_path = paths.join(out, 'final'), paths.join(out, 'tokenizer.model')
   checkpoints = paths.join(out, 'checkpoints')
@@ -799,8 +801,6 @@ def generate(options: dict) -> str:
     tokenizer = load_tokenizer(local_model_dir)
   else:
     raise UsageError(f'{tok_path} is missing: is {out} a directory written by maxnnx train?')
-  from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
-  mesh = tensor_parallel_mesh(options['tensor_parallel'])
   if model is None:
     model = maxnnx.from_pretrained(local_model_dir, mesh=mesh)
   elif mesh is not None:
@@ -821,7 +821,12 @@ def _placed(model, mesh_config: MeshConfig):
   from maxnnx.sharding import make_mesh, state_shardings  # noqa: PLC0415
   state = nnx.state(model)
   shardings = state_shardings(state, make_mesh(mesh_config))
-  nnx.update(model, jax.device_put(jax.tree.map(np.asarray, state), shardings))
+
+  def place(value, sharding):  # each process places its shards, no cross-process check
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  nnx.update(model, jax.tree.map(place, state, shardings))
   return model
 
 

@@ -18,6 +18,7 @@ tighter than), and no process preallocates the GPU's memory, so pytest-xdist wor
 
 import os
 import shutil
+import socket
 import tempfile
 
 import numpy as np
@@ -50,6 +51,13 @@ FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
 # Image+text fixtures (make_vision_fixtures.py) have their own reference format.
 VISION_CASES = ['gemma3_vision', 'llama4_vision']
 HF_CASES = sorted(set(os.listdir(FIXTURES)) - set(VISION_CASES))
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nothing listens on now (for coordinators and servers)."""
+  with socket.socket() as sock:
+    sock.bind(('127.0.0.1', 0))
+    return sock.getsockname()[1]
 
 
 def reference(case: str):

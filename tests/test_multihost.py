@@ -2,12 +2,12 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from conftest import free_port
 
 from maxnnx.train import Trainer
 from tests.multihost.common import global_batches, model_config, train_config
@@ -15,14 +15,8 @@ from tests.multihost.common import global_batches, model_config, train_config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_match_one_device(tmp_path):
-  port, out = _free_port(), str(tmp_path / 'losses.json')
+  port, out = free_port(), str(tmp_path / 'losses.json')
   env = {**os.environ, 'PYTHONPATH': ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')}
   procs = [subprocess.Popen([sys.executable, '-m', 'tests.multihost.worker', str(port), str(i),
                              out], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -75,7 +69,7 @@ def test_cli_train_over_two_processes_matches_one_process(tmp_path):
   from maxnnx.checkpoint import read_safetensors_dir  # noqa: PLC0415
   from maxnnx.data import SentencePieceTokenizer  # noqa: PLC0415
   two, one = tmp_path / 'two', tmp_path / 'one'
-  port = _free_port()
+  port = free_port()
   procs = [_cli([*CLI_ARGS, f'output_dir={two}', 'mesh.data=2', 'mesh.fsdp=2',
                  'sample_tokens=6'], 2, port, i) for i in range(2)]
   procs.append(_cli([*CLI_ARGS, f'output_dir={one}', 'mesh.data=1'], 1))
@@ -143,7 +137,7 @@ def test_cli_lora_sft_over_two_processes_matches_one_process(tmp_path, chat_chec
           'global_batch_size=8', 'seq_len=32', 'log_every=1', 'learning_rate=1e-2',
           'eval_every=0', 'checkpoint_every=0', 'sample_tokens=0']
   two = tmp_path / 'two'
-  port = _free_port()
+  port = free_port()
   _finish([_cli([*args, f'output_dir={two}', 'mesh.data=2', 'mesh.fsdp=2'], 2, port, i)
            for i in range(2)])
   reference = tmp_path / 'reference'
@@ -181,7 +175,7 @@ def test_cli_grpo_over_two_processes_matches_one_process(sampler, tmp_path, chat
           'seq_len=48', 'log_every=1', 'learning_rate=1e-3', 'beta=0.05', 'eval_every=0',
           'checkpoint_every=0', 'temperature=1.0', f'sampler={sampler}']
   two, one = tmp_path / 'two', tmp_path / 'one'
-  port = _free_port()
+  port = free_port()
   procs = []
   for i in range(2):
     os.environ['MAXNNX_TEST_RANK'] = str(i)

@@ -4,7 +4,6 @@ unsharded load bit for bit, and a load whose host-memory growth stays near the c
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,7 @@ import textwrap
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, free_port
 from flax import nnx
 
 import maxnnx
@@ -94,12 +93,6 @@ print(json.dumps({'growth_bytes': after - before, 'devices': len(jax.devices())}
 """
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 # Every measuring script gets peak_bytes(): the peak resident set of its own process.
 _PEAK_BYTES = '''
 def peak_bytes():
@@ -153,7 +146,7 @@ print(json.dumps({'growth_bytes': peak_bytes() - before}))
 @pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads VmHWM from /proc')
 def test_convert_to_orbax_holds_a_few_tensors_not_the_model(tmp_path):
   """``maxnnx convert`` HF -> orbax of a ~465 MB checkpoint grows peak RSS by well under the
-  checkpoint (0.29x measured: orbax's own buffers and a 16 MB group of tensors); building
+  checkpoint (0.25x measured: orbax's own buffers and a 16 MB group of tensors); building
   the model and saving it grew by 2.25x."""
   hf, orbax = tmp_path / 'hf', tmp_path / 'orbax'
   _run(_MAKE_CHECKPOINT, str(hf))
@@ -194,7 +187,7 @@ def test_two_processes_each_read_about_their_half(tmp_path):
   _run(_MAKE_CHECKPOINT, str(tmp_path))
   size = sum(os.path.getsize(tmp_path / n) for n in os.listdir(tmp_path)
              if n.endswith('.safetensors'))
-  port = _free_port()
+  port = free_port()
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=4')
   script = _PEAK_BYTES + textwrap.dedent(_MEASURE_LOAD_IN_PROCESS)
@@ -240,7 +233,7 @@ def test_two_processes_save_one_checkpoint_each_writing_its_layers(tmp_path):
   what a one-process save of the same checkpoint holds (fused Phi-3 and MoE experts too),
   layer 0 written by process 0's files and layer 1 by process 1's, one index."""
   from maxnnx.checkpoint import read_safetensors_dir  # noqa: PLC0415
-  port = _free_port()
+  port = free_port()
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=4')
   args = [a for case, scan in _SAVE_CASES for a in (case, os.path.join(FIXTURES, case), scan)]

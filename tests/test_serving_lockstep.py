@@ -10,15 +10,16 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
+import jax
 import numpy as np
 import openai
 import pytest
+from conftest import free_port
 from flax import nnx
 
 import maxnnx
@@ -113,10 +114,19 @@ def test_tensor_parallel_mesh_names_the_counts_it_can_place(capsys, served_dir):
   assert capsys.readouterr().out.startswith('ROMEO:')
 
 
-def _free_port() -> int:
-  with socket.socket() as sock:
-    sock.bind(('127.0.0.1', 0))
-    return sock.getsockname()[1]
+def test_a_model_from_an_orbax_checkpoint_is_placed_on_the_tensor_parallel_mesh(tiny_model):
+  """``maxnnx generate tensor_parallel=2`` of an unfinished run shards the checkpoint's model
+  (each process placing its own shards): same values, same greedy tokens."""
+  from maxnnx.cli import _placed  # noqa: PLC0415
+  from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
+  placed = _placed(nnx.clone(tiny_model), tensor_parallel_mesh(2))
+  kernel = placed.layers[0].attn.q_proj.kernel[...]
+  assert len(kernel.sharding.device_set) == 2 and 'tensor' in str(kernel.sharding.spec)
+  for a, b in zip(jax.tree.leaves(nnx.state(tiny_model)), jax.tree.leaves(nnx.state(placed))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ids = [[1, 2, 3, 4], [5, 6]]
+  assert (maxnnx.generate(placed, ids, 6, eos_ids=None).tokens.tolist()
+          == maxnnx.generate(tiny_model, ids, 6, eos_ids=None).tokens.tolist())
 
 
 def _maxnnx(args, coordinator_port, process_id, devices=2):
@@ -153,7 +163,7 @@ def test_serve_and_generate_over_two_processes(served_dir):
   max_tokens = [int(m) for m in rng.integers(1, 16, 8)]
   want = maxnnx.generate(reference, prompts, max_new_tokens=max(max_tokens), eos_ids=None)
 
-  port, http = _free_port(), _free_port()
+  port, http = free_port(), free_port()
   args = ['serve', f'model={served_dir}', f'port={http}', 'served_model_name=tiny',
           'tensor_parallel=4', 'max_batch=4', 'max_model_len=96']
   procs = [_maxnnx(args, port, i) for i in range(2)]
@@ -196,7 +206,7 @@ def test_serve_and_generate_over_two_processes(served_dir):
   text = 'ROMEO: what light'
   gen = ['generate', f'output_dir={run}', f'prompt={text}', 'max_new_tokens=12',
          'temperature=0', 'tensor_parallel=4']
-  port = _free_port()
+  port = free_port()
   procs = [_maxnnx(gen, port, i) for i in range(2)]
   outputs = [p.communicate(timeout=300)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outputs

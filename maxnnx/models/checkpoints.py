@@ -101,24 +101,34 @@ def save_params_streaming(cfg: ModelConfig, params, checkpoint_dir: str, *, step
   parameters are handed to orbax in groups of about ``group_bytes`` (orbax's partial save),
   so the host holds one group, not the model. Returns the directory.
 
-  The step is assembled beside the others (``.<step>.streaming/``) and renamed into place
-  once complete, so a run stopped half-way leaves no step that looks finished. Needs a
+  The step is assembled beside the others (``.<step>.streaming/``, removed afterwards,
+  also on failure) and renamed into place once complete, so a run stopped half-way leaves
+  no step that looks finished. Needs a
   local ``checkpoint_dir`` (a bucket URL takes :func:`save_params`).
 
   Raises:
     CheckpointError: ``checkpoint_dir`` already has that step.
   """
-  import orbax.checkpoint as ocp  # noqa: PLC0415
-  from orbax.checkpoint.experimental.v1 import partial  # noqa: PLC0415
-
-  from maxnnx.checkpoint.manager import FORMAT_VERSION, host_checksum  # noqa: PLC0415
   directory = os.path.abspath(checkpoint_dir)
   final, scratch = os.path.join(directory, str(step)), os.path.join(directory, f'.{step}.streaming')
   if os.path.exists(final):
     raise CheckpointError(f'{checkpoint_dir} already has a checkpoint of step {step}; choose '
                           'an empty directory.')
   shutil.rmtree(scratch, ignore_errors=True)  # a stopped earlier attempt
-  staged = os.path.join(scratch, str(step))
+  try:
+    _stream_into(cfg, params, os.path.join(scratch, str(step)), step, group_bytes)
+    os.replace(os.path.join(scratch, str(step)), final)
+  finally:  # finished or failed, nothing is left beside the steps
+    shutil.rmtree(scratch, ignore_errors=True)
+  return checkpoint_dir
+
+
+def _stream_into(cfg: ModelConfig, params, staged: str, step: int, group_bytes: int) -> None:
+  """Write the step of :func:`save_params_streaming` into ``staged``."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  from orbax.checkpoint.experimental.v1 import partial  # noqa: PLC0415
+
+  from maxnnx.checkpoint.manager import FORMAT_VERSION, host_checksum  # noqa: PLC0415
   group, size, sums, saved = {}, 0, {}, False
   for path, array in params:
     sums[jax.tree_util.keystr((jax.tree_util.DictKey(0), *map(jax.tree_util.DictKey, path)))] = \
@@ -137,12 +147,11 @@ def save_params_streaming(cfg: ModelConfig, params, checkpoint_dir: str, *, step
   partial.finalize(staged)
   record = {'model_config': cfg.to_dict(), 'params_only': True, 'step': int(step),
             'format': FORMAT_VERSION, 'checksums': {'state': sums}}
-  ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(os.path.join(staged, 'meta'),
-                                                     args=ocp.args.JsonSave(record))
-  os.makedirs(directory, exist_ok=True)
-  os.replace(staged, final)
-  shutil.rmtree(scratch, ignore_errors=True)
-  return checkpoint_dir
+  checkpointer = ocp.Checkpointer(ocp.JsonCheckpointHandler())
+  try:
+    checkpointer.save(os.path.join(staged, 'meta'), args=ocp.args.JsonSave(record))
+  finally:
+    checkpointer.close()
 
 
 __all__ = ['checkpoint_config', 'load_params', 'save_params', 'save_params_streaming']

@@ -240,13 +240,22 @@ class Rollouts:
     """The reward functions' ``[functions, rows]`` values, computed by process 0 alone (a
     reward may be costly, or not deterministic) and sent to the others."""
     import io  # noqa: PLC0415
-    per_function = self.rewards(values, texts, columns) if is_primary() else None
     if jax.process_count() == 1:
-      return per_function
-    buffer = io.BytesIO()
-    if per_function is not None:
-      np.save(buffer, np.asarray(per_function, np.float64), allow_pickle=False)
-    return np.load(io.BytesIO(broadcast_bytes(buffer.getvalue())))
+      return self.rewards(values, texts, columns)
+    failure, buffer = None, io.BytesIO()
+    if is_primary():
+      try:
+        np.save(buffer, np.asarray(self.rewards(values, texts, columns), np.float64),
+                allow_pickle=False)
+      except Exception as e:  # the others must hear of it, not wait for the values
+        failure = e
+    message = broadcast_bytes(b'E' + str(failure).encode() if failure is not None
+                              else b'V' + buffer.getvalue())
+    if failure is not None:
+      raise failure
+    if message[:1] == b'E':
+      raise RuntimeError(f'The reward functions failed on process 0: {message[1:].decode()}')
+    return np.load(io.BytesIO(message[1:]))
 
   def _engine_sample(self, prompt_ids: list[list[int]], seed: int
                      ) -> tuple[list[list[int]], np.ndarray]:

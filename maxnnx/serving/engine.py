@@ -68,6 +68,7 @@ import numpy as np
 from flax import nnx
 
 from maxnnx.kernels.paged_attention import PagedBatch
+from maxnnx.processes import host_value
 from maxnnx.serving.pages import PageAllocator
 from maxnnx.serving.params import (
   MAX_SEED,
@@ -292,10 +293,10 @@ class Engine:
     num_logprobs = max(self.max_logprobs, 1) if wants_logprobs else 0
     tokens_B, chosen_B, top_ids_BN, top_lps_BN = _sample(num_logprobs, logits_BV,
                                                          *sampling_inputs)
-    tokens_B = np.asarray(tokens_B)
+    tokens_B = host_value(tokens_B)  # whole on every process of a model spread over several
     if wants_logprobs:
-      chosen_B = np.asarray(chosen_B)
-      top_ids_BN, top_lps_BN = np.asarray(top_ids_BN), np.asarray(top_lps_BN)
+      chosen_B = host_value(chosen_B)
+      top_ids_BN, top_lps_BN = host_value(top_ids_BN), host_value(top_lps_BN)
     for row, (request, count) in enumerate(scheduled):
       self.scheduler.advance(request, count)
       if request.num_computed < request.num_tokens:
@@ -443,8 +444,8 @@ class Engine:
                        f'token_budget={self.token_budget} must be at least that.')
     embeddings = np.zeros((len(ids), self.model_config.d_model), np.float32)
     for (start, stop), image in zip(spans, pixels):
-      embeddings[start:stop] = np.asarray(
-          self._features_fn(self._params, self._cache, image[None]), np.float32)
+      embeddings[start:stop] = np.asarray(host_value(
+          self._features_fn(self._params, self._cache, image[None])), np.float32)
     return spans, hashlib.blake2b(pixels.tobytes(), digest_size=16).digest(), embeddings
 
   def _finish_reason(self, request: Request, token: int) -> str | None:

@@ -20,6 +20,7 @@ import base64
 import dataclasses
 import io
 import json
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +29,7 @@ from maxnnx.serving.engine import Engine
 from maxnnx.serving.params import RequestOutput, SamplingParams
 
 STOP = 'stop'
+logger = logging.getLogger(__name__)
 
 
 class Channel:
@@ -35,29 +37,44 @@ class Channel:
   key-value store (its coordination service; no device is involved, so a follower can
   wait on it for as long as the server sits idle).
 
+  Messages every follower has read are deleted: each follower records how far it has
+  read every ``ack_every`` messages, and process 0 deletes up to the slowest one's mark.
+
   Args:
     name: key prefix; the processes of one run use the same one.
-    keep: messages kept in the store behind the newest (older ones are deleted; a
-      follower never lags that far, since every step with work is a collective).
+    ack_every: how often a follower records its progress (and process 0 cleans up).
     poll_ms: how long one wait of a follower lasts before it asks again.
   """
 
-  def __init__(self, name: str = 'maxnnx/lockstep', *, keep: int = 1024, poll_ms: int = 60_000):
+  def __init__(self, name: str = 'maxnnx/lockstep', *, ack_every: int = 64,
+               poll_ms: int = 60_000):
+    import jax  # noqa: PLC0415
     from jax._src import distributed  # noqa: PLC0415  (the client jax.distributed started)
     self._client = distributed.global_state.client
     if self._client is None:
       raise RuntimeError('A lockstep channel needs a multi-process run: call '
                          'maxnnx.train.distributed.initialize (or jax.distributed.initialize) '
                          'first.')
-    self._name, self._keep, self._poll_ms = name, keep, poll_ms
-    self._sent = self._received = 0
+    self._name, self._ack_every, self._poll_ms = name, ack_every, poll_ms
+    self._followers = range(1, jax.process_count())
+    self._rank = jax.process_index()
+    self._sent = self._received = self._deleted = 0
 
   def publish(self, message: bytes) -> None:
     """Send the next message (process 0)."""
     self._client.key_value_set_bytes(f'{self._name}/{self._sent}', message)
-    if self._sent >= self._keep:
-      self._client.key_value_delete(f'{self._name}/{self._sent - self._keep}')
     self._sent += 1
+    if self._sent % self._ack_every == 0:
+      read = min((self._read_by(rank) for rank in self._followers), default=self._sent)
+      for index in range(self._deleted, read):
+        self._client.key_value_delete(f'{self._name}/{index}')
+      self._deleted = max(self._deleted, read)
+
+  def _read_by(self, rank: int) -> int:
+    try:
+      return int(self._client.key_value_try_get(f'{self._name}/read/{rank}'))
+    except Exception:  # noqa: BLE001 (not recorded yet: NOT_FOUND)
+      return 0
 
   def receive(self) -> bytes:
     """The next message (the other processes); waits for it as long as it takes."""
@@ -70,6 +87,9 @@ class Channel:
         if 'DEADLINE_EXCEEDED' not in str(e) and 'timed out' not in str(e).lower():
           raise
     self._received += 1
+    if self._received % self._ack_every == 0:
+      self._client.key_value_set(f'{self._name}/read/{self._rank}', str(self._received),
+                                 allow_overwrite=True)
     return message
 
 
@@ -157,7 +177,9 @@ class LeaderEngine:
 def follow(engine: Engine, channel) -> int:
   """Replay the leader's engine calls on ``engine`` until it publishes ``stop``; returns
   how many steps ran. A call the leader's engine refused (``ValueError``) is refused here
-  too, and skipped alike."""
+  too, and skipped alike; a step that fails is logged and passed over, as the leader's
+  :class:`~maxnnx.serving.server.EngineLoop` does (it then cancels its requests, and those
+  cancellations arrive here too)."""
   steps = 0
   while True:
     op, *args = decode_call(channel.receive())
@@ -171,8 +193,11 @@ def follow(engine: Engine, channel) -> int:
     elif op == 'cancel':
       engine.cancel(*args)
     elif op == 'step':
-      engine.step()
       steps += 1
+      try:
+        engine.step()
+      except Exception:  # the leader's loop answers its requests with an error and goes on
+        logger.exception('An engine step failed; following the leader on.')
     else:
       raise ValueError(f'Unknown lockstep call {op!r}: do the processes run the same maxnnx?')
 

@@ -624,7 +624,12 @@ def follow_engine(model_dir: str, *, dtype: str | None = None, tensor_parallel: 
   """What every process but 0 of a multi-process server runs: load the same engine as
   process 0 (:func:`load_engine`), then replay its calls until its server stops. Returns
   the number of engine steps taken."""
+  import signal  # noqa: PLC0415
+
   from maxnnx.serving.lockstep import Channel, follow  # noqa: PLC0415
+  if threading.current_thread() is threading.main_thread():  # a cluster signals every process
+    signal.signal(signal.SIGTERM, lambda *_: logger.info(
+        'SIGTERM: this process leaves when process 0 has finished its requests.'))
   engine = load_engine(model_dir, dtype=dtype, tensor_parallel=tensor_parallel, **engine_kwargs)
   steps = follow(engine, Channel())
   _leave_processes()
@@ -657,7 +662,14 @@ def serve(model_dir: str, *, host: str = '127.0.0.1', port: int = 8000,
     follow_engine(model_dir, **{k: v for k, v in app_kwargs.items() if k not in _APP_ONLY})
     return
   import uvicorn  # noqa: PLC0415
-  app = make_app(model_dir, **app_kwargs)
+  try:
+    app = make_app(model_dir, **app_kwargs)
+  except BaseException:
+    if jax.process_count() > 1:  # the others loaded their engines and wait: release them
+      from maxnnx.serving.lockstep import STOP, Channel, encode_call  # noqa: PLC0415
+      Channel().publish(encode_call(STOP))
+      _leave_processes()
+    raise
   try:
     uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan='on')
   finally:  # also when the server never started (a port in use): release the followers

@@ -318,16 +318,32 @@ def merged_kernel(module: DenseGeneral, scale: float) -> np.ndarray:
   return w + scale * np.matmul(a, b).reshape(w.shape)
 
 
+def _merged_host(module: DenseGeneral, scale: float, dtype) -> np.ndarray:
+  """:func:`merged_kernel` rounded to ``dtype``; a scanned stack's layers are merged one at a
+  time, so float64 is only ever one layer's kernel."""
+  kernel = module.kernel
+  if not isinstance(kernel, nnx.Variable) or _leading_axes(module) == 0:
+    return merged_kernel(module, scale).astype(dtype)
+  out = np.empty(kernel.shape, dtype)
+  for i in range(kernel.shape[0]):
+    w = np.asarray(host_value(kernel[...][i]), np.float64)
+    a = np.asarray(host_value(module.kernel_lora_a[...][i]), np.float64)
+    b = np.asarray(host_value(module.kernel_lora_b[...][i]), np.float64)
+    out[i] = w + scale * np.matmul(a, b).reshape(w.shape)
+  return out
+
+
 def merge_adapters(model: nnx.Module) -> nnx.Module:
   """The plain model (no qwix, no adapters) with every adapter folded into its kernel.
 
-  Each adapted kernel becomes ``W + (alpha / rank) A B``, computed in float64 on
-  the host one kernel at a time and rounded once to the parameter dtype (a kernel
-  sharded over several processes is gathered alone, merged, and each process places
-  its own shards back: every process calls this, and no host holds the model). Under
-  QLoRA ``W`` is the dequantized base, so the merged model is a float model. The result is the
-  model's own class (``save_pretrained`` writes it; ``generate`` runs it);
-  ``model`` is left unchanged.
+  Each adapted kernel becomes ``W + (alpha / rank) A B``, computed in float64 on the
+  host one kernel (one layer of a scanned stack) at a time and rounded once to the
+  parameter dtype. A kernel sharded over several processes is gathered alone, merged,
+  and each process places its own shards back: every process calls this, and a host
+  holds one kernel (stack) beside its share of the model. Under QLoRA ``W`` is the
+  dequantized base, so the merged model is a float model. The result is the model's own
+  class (``save_pretrained`` writes it; ``generate`` runs it); ``model`` is left
+  unchanged.
   """
   config = lora_config_of(model)
   plain_type = getattr(type(model), '_unquantized_type', type(model))
@@ -338,7 +354,7 @@ def merge_adapters(model: nnx.Module) -> nnx.Module:
     template = module.kernel
     if not isinstance(template, nnx.Variable):  # quantized: its values carry the metadata
       template = template.array.qvalue
-    host = merged_kernel(module, config.scale).astype(module.kernel_lora_a.dtype)
+    host = _merged_host(module, config.scale, module.kernel_lora_a.dtype)
     sharding = getattr(template[...], 'sharding', None)
     if isinstance(sharding, jax.sharding.NamedSharding):  # each process places its shards
       value = jax.make_array_from_callback(host.shape, sharding,
