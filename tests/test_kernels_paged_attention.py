@@ -28,7 +28,7 @@ from maxnnx.kernels.paged_attention import PAGED_ATTENTION_IMPLEMENTATIONS
 PAGE = 4
 
 
-def _layout(rows, num_pages, rng):
+def _layout(rows, num_pages, rng, wide_rows=None):
   """Pages, slots and a PagedBatch for rows of ``(cached, new)`` token counts."""
   free = list(rng.permutation(np.arange(1, num_pages)))
   page_table = np.zeros((len(rows) + 1, 8), np.int32)  # one empty row
@@ -46,21 +46,25 @@ def _layout(rows, num_pages, rng):
   slots = np.asarray(slots + [0] * pad, np.int32)
   batch = PagedBatch(jnp.asarray(page_table), jnp.asarray(kv_lens + [0], jnp.int32),
                      jnp.asarray(q_starts + [0], jnp.int32), jnp.asarray(q_lens + [0], jnp.int32),
-                     jnp.asarray(slots), max(q_lens))
+                     jnp.asarray(slots), max(q_lens), wide_rows=wide_rows)
   return batch, page_table
 
 
+@pytest.mark.parametrize('wide_rows', [None, 2], ids=['all_wide', 'two_wide'])
 @pytest.mark.parametrize('features', [
     {}, {'window': 3}, {'softcap': 2.0}, {'sinks': True}, {'v_dim': 6},
     {'window': jnp.asarray(4), 'softcap': 3.0}], ids=['plain', 'window', 'softcap', 'sinks',
                                                       'v_head_dim', 'traced_window_softcap'])
-def test_xla_paged_equals_dense_attention_per_row(features):
-  """Each row's tokens attend over its pages as dense attention over its whole sequence."""
-  rng = np.random.default_rng(0)
+def test_xla_paged_equals_dense_attention_per_row(features, wide_rows):
+  """Each row's tokens attend over its pages as dense attention over its whole sequence,
+  whether every row is gathered max_q wide or only the first two (the decode row and the
+  empty row one wide)."""
+  rng = np.random.default_rng()
   heads, kv_heads, head_dim = 4, 2, 8
   v_dim = features.get('v_dim', head_dim)
-  rows = [(5, 1), (0, 7), (9, 3)]  # (cached, new): decode, prefill, chunk
-  batch, page_table = _layout(rows, 12, rng)
+  rows = [(0, 7), (9, 3), (5, 1)]  # (cached, new): prefill, chunk, decode
+  batch, page_table = _layout(rows, 12, rng, wide_rows)
+  assert len(batch.row_groups()) == (1 if wide_rows is None else 2)
   seqs = [(rng.normal(size=(c + n, kv_heads, head_dim)), rng.normal(size=(c + n, kv_heads, v_dim)),
            rng.normal(size=(c + n, heads, head_dim))) for c, n in rows]
   k_pages = np.zeros((12, PAGE, kv_heads, head_dim), np.float32)

@@ -22,7 +22,7 @@ PAGE, HEADS, KV_HEADS, HEAD_DIM, NUM_PAGES = 16, 4, 2, 16, 12
 ROWS = [(40, 1), (0, 7), (33, 5), (17, 1)]  # (cached, new): decode, prefill, chunk, decode
 
 
-def _step(rng, rows=ROWS, pad=3):
+def _step(rng, rows=ROWS, pad=3, wide_rows=None):
   """Random pools and queries, and a PagedBatch of ``rows`` plus an empty row."""
   free = list(rng.permutation(np.arange(1, NUM_PAGES)))
   page_table = np.zeros((len(rows) + 1, 4), np.int32)
@@ -37,7 +37,8 @@ def _step(rng, rows=ROWS, pad=3):
     q_lens.append(new)
   batch = PagedBatch(jnp.asarray(page_table), jnp.asarray(kv_lens + [0], jnp.int32),
                      jnp.asarray(q_starts + [0], jnp.int32), jnp.asarray(q_lens + [0], jnp.int32),
-                     jnp.asarray(slots + [0] * pad, jnp.int32), max(q_lens))
+                     jnp.asarray(slots + [0] * pad, jnp.int32), max(q_lens),
+                     wide_rows=wide_rows)
   tokens = len(slots) + pad
   q = jnp.asarray(rng.normal(size=(tokens, HEADS, HEAD_DIM)), jnp.float32)
   k = jnp.asarray(rng.normal(size=(NUM_PAGES, PAGE, KV_HEADS, HEAD_DIM)), jnp.float32)
@@ -56,6 +57,20 @@ def test_interpreted_kernel_equals_the_xla_reference(options):
   kernel = PallasPagedAttention(interpret=True, pages_per_block=2, on_unsupported='error')
   got = jax.jit(lambda *a: kernel(*a, options))(q, k, v, batch)
   want = jax.jit(lambda *a: XlaPagedAttention()(*a, options))(q, k, v, batch)
+  np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=2e-5)
+
+
+def test_only_the_wide_rows_are_run_max_q_wide():
+  """With the chunk rows first and wide_rows=2, the decode rows and the empty row run one
+  token wide (a second kernel call) and every row's output is the reference's."""
+  rows = [(0, 7), (33, 5), (40, 1), (17, 1)]
+  q, k, v, batch, real = _step(np.random.default_rng(), rows, wide_rows=2)
+  options = AttentionOptions(scale=0.25)
+  kernel = PallasPagedAttention(interpret=True, pages_per_block=2, on_unsupported='error')
+  got = jax.jit(lambda *a: kernel(*a, options))(q, k, v, batch)
+  all_wide = PagedBatch(*(getattr(batch, f) for f in (
+      'page_table_BM', 'kv_lens_B', 'q_starts_B', 'q_lens_B', 'slots_T', 'max_q')))
+  want = jax.jit(lambda *a: XlaPagedAttention()(*a, options))(q, k, v, all_wide)
   np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=2e-5)
 
 

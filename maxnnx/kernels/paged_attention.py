@@ -18,6 +18,12 @@ where each token goes:
 Padding tokens (the flat length is bucketed) and empty rows write to a scratch
 page of the engine's choosing and are ignored.
 
+Rows are gathered ``max_q`` tokens wide, the longest row's bound. In a step that
+mixes a few prefill chunks with many decode rows, that would give every decode row
+the work of a chunk; so ``wide_rows`` (when set) says only the first rows are
+gathered ``max_q`` wide and every later row holds one token at most. Strategies run
+each such group of rows on its own (:meth:`PagedBatch.map_row_groups`).
+
 A paged-attention strategy is a frozen dataclass like the dense ones
 (:mod:`maxnnx.kernels.attention`): it declares
 :class:`~maxnnx.kernels.capabilities.PagedAttentionCapabilities`, implements
@@ -64,6 +70,8 @@ class PagedBatch:
     blocks_T: ``[T]`` int32 image-block id of each flat token (-1: none), or ``None``.
       Tokens of one block attend to each other in both directions; a block lies
       wholly within one step (the engine never cuts an image between prefill chunks).
+    wide_rows: (static) only rows ``:wide_rows`` may hold more than one token; the rest
+      are gathered one token wide. ``None``: every row is ``max_q`` wide.
   """
 
   page_table_BM: jax.Array
@@ -73,6 +81,7 @@ class PagedBatch:
   slots_T: jax.Array
   max_q: int
   blocks_T: jax.Array | None = None
+  wide_rows: int | None = None
 
   def _row_index(self):
     """``[B, Q]`` flat index of each row's tokens, and which of them exist."""
@@ -86,18 +95,47 @@ class PagedBatch:
     index_BQ, valid_BQ = self._row_index()
     return jnp.take(x_T, jnp.where(valid_BQ, index_BQ, 0), axis=0)
 
-  def scatter_rows(self, x_BQ: jax.Array, num_tokens: int) -> jax.Array:
+  def scatter_rows(self, x_BQ: jax.Array, num_tokens: int,
+                   into: jax.Array | None = None) -> jax.Array:
     """``[B, max_q, ...] -> [num_tokens, ...]``: the inverse of :meth:`gather_rows`;
-    padding tokens get zeros."""
+    padding tokens get zeros, or keep what ``into`` holds there."""
     index_BQ, valid_BQ = self._row_index()
-    out = jnp.zeros((num_tokens,) + x_BQ.shape[2:], x_BQ.dtype)
-    return out.at[jnp.where(valid_BQ, index_BQ, num_tokens)].set(x_BQ, mode='drop')
+    if into is None:
+      into = jnp.zeros((num_tokens,) + x_BQ.shape[2:], x_BQ.dtype)
+    return into.at[jnp.where(valid_BQ, index_BQ, num_tokens)].set(x_BQ, mode='drop')
+
+  def row_groups(self) -> tuple['PagedBatch', ...]:
+    """The rows split by width: ``(self,)``, or with :attr:`wide_rows` set, the first
+    ``wide_rows`` rows (``max_q`` wide) and the rest (one token wide), each a
+    :class:`PagedBatch` over the same flat tokens and pool."""
+    rows = self.kv_lens_B.shape[0]
+    if self.wide_rows is None or self.wide_rows >= rows or self.max_q == 1:
+      return (dataclasses.replace(self, wide_rows=None),)
+
+    def part(span, max_q):
+      return dataclasses.replace(
+          self, page_table_BM=self.page_table_BM[span], kv_lens_B=self.kv_lens_B[span],
+          q_starts_B=self.q_starts_B[span], q_lens_B=self.q_lens_B[span], max_q=max_q,
+          wide_rows=None)
+
+    return part(slice(None, self.wide_rows), self.max_q), part(slice(self.wide_rows, None), 1)
+
+  def map_row_groups(self, attend_rows: Callable[['PagedBatch'], jax.Array],
+                     num_tokens: int) -> jax.Array:
+    """``[num_tokens, ...]``: ``attend_rows(group) -> [group rows, group.max_q, ...]`` run
+    on each of :meth:`row_groups` and scattered back to the flat tokens (padding: zeros)."""
+    out = None
+    for group in self.row_groups():
+      out = group.scatter_rows(attend_rows(group), num_tokens, into=out)
+    return out
 
   def positions(self, num_tokens: int) -> jax.Array:
     """``[num_tokens]`` int32: each flat token's position in its request (0 for padding)."""
-    offsets_Q = jnp.arange(self.max_q, dtype=jnp.int32)
-    q_positions_BQ = (self.kv_lens_B - self.q_lens_B)[:, None] + offsets_Q[None]
-    return self.scatter_rows(q_positions_BQ, num_tokens)
+    def q_positions_BQ(group):
+      offsets_Q = jnp.arange(group.max_q, dtype=jnp.int32)
+      return (group.kv_lens_B - group.q_lens_B)[:, None] + offsets_Q[None]
+
+    return self.map_row_groups(q_positions_BQ, num_tokens)
 
   def gather_pages(self, pages_PS: jax.Array) -> jax.Array:
     """``[num_pages, page_size, ...] -> [B, M * page_size, ...]``: each row's cache in order."""
@@ -141,7 +179,7 @@ class PagedBatch:
 jax.tree_util.register_dataclass(
     PagedBatch, data_fields=['page_table_BM', 'kv_lens_B', 'q_starts_B', 'q_lens_B', 'slots_T',
                              'blocks_T'],
-    meta_fields=['max_q'])
+    meta_fields=['max_q', 'wide_rows'])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +239,8 @@ class XlaPagedAttention(PagedAttentionKernel):
   """Reference: gather each row's pages, then the dense ``xla`` reference.
 
   Work and memory are those of dense attention over ``[B, max_q]`` queries and
-  ``[B, M * page_size]`` keys, whatever the rows' real lengths.
+  ``[B, M * page_size]`` keys (for each group of :meth:`PagedBatch.row_groups`),
+  whatever the rows' real lengths.
   """
 
   name: str = 'xla'
@@ -216,12 +255,13 @@ class XlaPagedAttention(PagedAttentionKernel):
 
   def attend(self, q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options):
     """Rows of queries, contiguous keys per row, dense attention, back to flat tokens."""
-    q_BQNH = batch.gather_rows(q_TNH)
-    k_BSKH = batch.gather_pages(k_pages_PSKH).astype(q_TNH.dtype)
-    v_BSKH = batch.gather_pages(v_pages_PSKH).astype(q_TNH.dtype)
-    mask = batch.row_mask(k_BSKH.shape[1])
-    out_BQNH = XlaAttention().attend(q_BQNH, k_BSKH, v_BSKH, mask, options)
-    return batch.scatter_rows(out_BQNH, q_TNH.shape[0])
+    def attend_rows(group):
+      k_BSKH = group.gather_pages(k_pages_PSKH).astype(q_TNH.dtype)
+      v_BSKH = group.gather_pages(v_pages_PSKH).astype(q_TNH.dtype)
+      return XlaAttention().attend(group.gather_rows(q_TNH), k_BSKH, v_BSKH,
+                                   group.row_mask(k_BSKH.shape[1]), options)
+
+    return batch.map_row_groups(attend_rows, q_TNH.shape[0])
 
 
 PAGED_ATTENTION_IMPLEMENTATIONS: dict[str, Callable[[], PagedAttentionKernel]] = {

@@ -129,41 +129,44 @@ class PallasPagedAttention(PagedAttentionKernel):
     num_tokens, num_heads, head_dim = q_TNH.shape
     num_pages, page_size, num_kv_heads, _ = k_pages_PSKH.shape
     groups = num_heads // num_kv_heads
-    rows_B, max_q = batch.kv_lens_B.shape[0], batch.max_q
-    q_BQNH = batch.gather_rows(q_TNH)
-    q_BKRH = q_BQNH.reshape(rows_B, max_q, num_kv_heads, groups, head_dim).transpose(
-        0, 2, 1, 3, 4).reshape(rows_B, num_kv_heads, max_q * groups, head_dim)
-    width = _power_of_two_at_least(max_q * groups, _MIN_TILE)
-    q_BKRH = jnp.pad(q_BKRH, ((0, 0), (0, 0), (0, width - max_q * groups), (0, 0)))
     per_block = self.pages_per_block
-    table_BM = batch.page_table_BM
-    padded = -(-table_BM.shape[1] // per_block) * per_block
-    table_BM = jnp.pad(table_BM, ((0, 0), (0, padded - table_BM.shape[1])))
     kernel = functools.partial(
         _paged_kernel, scale=float(options.scale), softcap=options.softcap,
         window=options.sliding_window, chunk=options.chunk_size, groups=groups,
         pages_per_block=per_block)
     pool_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, k: (0, 0, k, 0))
-    out_BKRH = pl.pallas_call(
-        kernel,
-        grid=(rows_B, num_kv_heads),
-        in_specs=[pl.BlockSpec((None, None, width, head_dim), lambda b, k: (b, k, 0, 0)),
-                  pool_spec, pool_spec,
-                  pl.BlockSpec((None, padded), lambda b, k: (b, 0)),
-                  pl.BlockSpec((1,), lambda b, k: (b,)),
-                  pl.BlockSpec((1,), lambda b, k: (b,))],
-        out_specs=pl.BlockSpec((None, None, width, head_dim), lambda b, k: (b, k, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct(q_BKRH.shape, q_TNH.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=self.num_warps,
-                                             num_stages=self.num_stages),
-        interpret=self.interpret,
-        name=f'paged_attention_{page_size=}_{per_block=}',
-    )(q_BKRH, k_pages_PSKH, v_pages_PSKH.astype(k_pages_PSKH.dtype), table_BM,
-      batch.kv_lens_B, batch.q_lens_B)
-    out_BQNH = out_BKRH[:, :, :max_q * groups].reshape(
-        rows_B, num_kv_heads, max_q, groups, head_dim).transpose(0, 2, 1, 3, 4).reshape(
-        rows_B, max_q, num_heads, head_dim)
-    return batch.scatter_rows(out_BQNH, num_tokens)
+
+    def attend_rows(group: PagedBatch):
+      rows_B, max_q = group.kv_lens_B.shape[0], group.max_q
+      q_BQNH = group.gather_rows(q_TNH)
+      q_BKRH = q_BQNH.reshape(rows_B, max_q, num_kv_heads, groups, head_dim).transpose(
+          0, 2, 1, 3, 4).reshape(rows_B, num_kv_heads, max_q * groups, head_dim)
+      width = _power_of_two_at_least(max_q * groups, _MIN_TILE)
+      q_BKRH = jnp.pad(q_BKRH, ((0, 0), (0, 0), (0, width - max_q * groups), (0, 0)))
+      table_BM = group.page_table_BM
+      padded = -(-table_BM.shape[1] // per_block) * per_block
+      table_BM = jnp.pad(table_BM, ((0, 0), (0, padded - table_BM.shape[1])))
+      out_BKRH = pl.pallas_call(
+          kernel,
+          grid=(rows_B, num_kv_heads),
+          in_specs=[pl.BlockSpec((None, None, width, head_dim), lambda b, k: (b, k, 0, 0)),
+                    pool_spec, pool_spec,
+                    pl.BlockSpec((None, padded), lambda b, k: (b, 0)),
+                    pl.BlockSpec((1,), lambda b, k: (b,)),
+                    pl.BlockSpec((1,), lambda b, k: (b,))],
+          out_specs=pl.BlockSpec((None, None, width, head_dim), lambda b, k: (b, k, 0, 0)),
+          out_shape=jax.ShapeDtypeStruct(q_BKRH.shape, q_TNH.dtype),
+          compiler_params=plgpu.CompilerParams(num_warps=self.num_warps,
+                                               num_stages=self.num_stages),
+          interpret=self.interpret,
+          name=f'paged_attention_{page_size=}_{per_block=}',
+      )(q_BKRH, k_pages_PSKH, v_pages_PSKH.astype(k_pages_PSKH.dtype), table_BM,
+        group.kv_lens_B, group.q_lens_B)
+      return out_BKRH[:, :, :max_q * groups].reshape(
+          rows_B, num_kv_heads, max_q, groups, head_dim).transpose(0, 2, 1, 3, 4).reshape(
+          rows_B, max_q, num_heads, head_dim)
+
+    return batch.map_row_groups(attend_rows, num_tokens)
 
 
 register_paged_attention_kernel('pallas_gpu', PallasPagedAttention)

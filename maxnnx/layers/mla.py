@@ -218,10 +218,13 @@ class MLA(nnx.Module):
     self.pages_latent[...] = paged.write(self.pages_latent[...], latent_1TL[0])
     self.pages_k_rope[...] = paged.write(self.pages_k_rope[...], k_rot_1T1R[0, :, 0])
     dtype = q_1TNQ.dtype
-    latent_BSL = paged.gather_pages(self.pages_latent[...]).astype(dtype)
-    k_rot_BS1R = paged.gather_pages(self.pages_k_rope[...])[:, :, None].astype(dtype)
-    q_BQNQ = paged.gather_rows(q_1TNQ[0])
-    mask = paged.row_mask(latent_BSL.shape[1])
-    out_BQNV = self._attend(q_BQNQ, latent_BSL, k_rot_BS1R, mask, sliding_window)
-    out_TNV = paged.scatter_rows(out_BQNV, q_1TNQ.shape[1])
+    pages_latent, pages_k_rope = self.pages_latent[...], self.pages_k_rope[...]
+
+    def attend_rows(group: PagedBatch):
+      latent_BSL = group.gather_pages(pages_latent).astype(dtype)
+      k_rot_BS1R = group.gather_pages(pages_k_rope)[:, :, None].astype(dtype)
+      return self._attend(group.gather_rows(q_1TNQ[0]), latent_BSL, k_rot_BS1R,
+                          group.row_mask(latent_BSL.shape[1]), sliding_window)
+
+    out_TNV = paged.map_row_groups(attend_rows, q_1TNQ.shape[1])
     return self.o_proj(out_TNV[None])

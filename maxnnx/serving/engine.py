@@ -36,8 +36,12 @@ once, and once more for steps where a row asks for log-probabilities, which
 it otherwise skips; the logits stay on the device between the two). The model's buckets:
 the flat token count ``T`` is a power of two from 8 up to ``token_budget``; the
 widest row ``max_q`` is 1 (a pure decode step) or a power of two from 8 up to
-``T``; the pages gathered per row ``M`` is a power of two up to
-``ceil(max_model_len / page_size)``; the rows are always ``max_batch``.
+``T``; the pages gathered per row ``M`` is a power of two or three quarters of one
+(1, 2, 3, 4, 6, 8, 12, ...) up to ``ceil(max_model_len / page_size)``; the rows are
+always ``max_batch``. In a step with prefill chunks, their rows come first and only
+those are gathered ``max_q`` wide (``PagedBatch.wide_rows``, a power of two up to
+``max_batch``); the decode rows are gathered one token wide, so a chunk does not give
+each decode row its work.
 :attr:`Engine.compile_count` counts the model step's traces,
 :attr:`Engine.step_shapes` lists the buckets run, and
 :meth:`Engine.max_compiles` is the bound.
@@ -94,6 +98,14 @@ def bucket(n: int, floor: int, cap: int) -> int:
   return min(size, cap)
 
 
+def fine_bucket(n: int, cap: int) -> int:
+  """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (a power of two, or three quarters
+  of one) ``>= n``, but at most ``cap``: half the padding of :func:`bucket`."""
+  power = 1 << max(n - 1, 0).bit_length()
+  three_quarters = power * 3 // 4
+  return min(three_quarters if power >= 4 and three_quarters >= n else power, cap)
+
+
 class Engine:
   """Serves many requests at once from one model, with a paged KV cache.
 
@@ -130,7 +142,7 @@ class Engine:
     tokenizer: the tokenizer, or ``None``.
     eos_ids: ids that end a request unless ``ignore_eos``: ``model.config.eos_token_id``,
       else the tokenizer's ``eos_id``.
-    step_shapes: the ``(tokens, max_q, pages per row)`` buckets run so far.
+    step_shapes: the ``(tokens, max_q, pages per row, wide rows)`` buckets run so far.
     mesh: the mesh of a sharded model, else ``None``.
   """
 
@@ -185,7 +197,7 @@ class Engine:
     self._cancelled: list[RequestOutput] = []
     self._next_id = 0
     self._traces = [0]
-    self.step_shapes: set[tuple[int, int, int]] = set()
+    self.step_shapes: set[tuple] = set()
     self._step_fn = _make_step(self._graphdef, self._traces)
     self._features_fn = _make_features(self._graphdef) if cfg.vision.num_layers else None
 
@@ -265,25 +277,28 @@ class Engine:
   def compile_count(self) -> int:
     """How many times the step function was traced (one compile per bucketed shape).
 
-    Equals ``len(step_shapes)``, the ``(tokens, max_q, pages per row)`` buckets run so far.
+    Equals ``len(step_shapes)``, the ``(tokens, max_q, pages per row, wide rows)`` buckets
+    run so far.
     """
     return self._traces[0]
 
   def max_compiles(self) -> int:
     """How many bucketed step shapes exist, hence compiles at most."""
-    def sizes(floor, cap):
-      return len({bucket(n, floor, cap) for n in range(1, cap + 1)})
+    def sizes(to_bucket, cap):
+      return len({to_bucket(n, cap) for n in range(1, cap + 1)})
 
-    tokens = sizes(MIN_TOKEN_BUCKET, self.token_budget)
+    tokens = sizes(lambda n, cap: bucket(n, MIN_TOKEN_BUCKET, cap), self.token_budget)
     variants = 2 if self._features_fn is not None else 1  # with and without image tokens
-    return variants * tokens * (1 + tokens) * sizes(1, self.pages_per_request)
+    wide = sizes(lambda n, cap: bucket(n, 1, cap), self.max_batch)  # rows with chunks
+    return variants * tokens * (1 + tokens * wide) * sizes(fine_bucket, self.pages_per_request)
 
   # -- stepping ---------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
     """Run one batch; returns an output for every request that got a token or ended."""
     outputs, self._cancelled = self._cancelled, []
-    scheduled = self.scheduler.schedule()
+    # Rows with prefill chunks first: only those are gathered max_q wide (PagedBatch.wide_rows).
+    scheduled = sorted(self.scheduler.schedule(), key=lambda rc: rc[1] == 1)
     if not scheduled:
       return outputs
     model_inputs, sampling_inputs = self._inputs(scheduled)
@@ -371,7 +386,10 @@ class Engine:
     width = bucket(total, MIN_TOKEN_BUCKET, self.token_budget)
     widest = max(count for _, count in scheduled)
     max_q = 1 if widest == 1 else bucket(widest, MIN_TOKEN_BUCKET, width)
-    num_pages = bucket(max(len(r.pages) for r, _ in scheduled), 1, self.pages_per_request)
+    num_pages = fine_bucket(max(len(r.pages) for r, _ in scheduled), self.pages_per_request)
+    # `scheduled` lists the rows of more than one token first (step()).
+    wide_rows = (None if max_q == 1 else
+                 bucket(sum(count > 1 for _, count in scheduled), 1, rows))
     ids_T, positions_T, slots_T = (np.zeros(width, np.int32) for _ in range(3))
     page_table_BM = np.zeros((rows, num_pages), np.int32)
     kv_lens_B, q_starts_B, q_lens_B, last_B, seeds_B, counters_B, top_k_B = (
@@ -413,8 +431,8 @@ class Engine:
       seeds_B[row], counters_B[row] = request.seed, len(request.output_ids)
       offset += count
     batch = PagedBatch(page_table_BM, kv_lens_B, q_starts_B, q_lens_B, slots_T, max_q,
-                       blocks_T)
-    self.step_shapes.add((width, max_q, num_pages) + (('images',) if images else ()))
+                       blocks_T, wide_rows)
+    self.step_shapes.add((width, max_q, num_pages, wide_rows) + (('images',) if images else ()))
     return ((ids_T, positions_T, batch, last_B, embeddings_TD),
             (temperature_B, top_k_B, top_p_B, seeds_B, counters_B, logprob_temperature_B))
 
