@@ -818,15 +818,12 @@ def _placed(model, mesh_config: MeshConfig):
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
+  from maxnnx.processes import place_host_value  # noqa: PLC0415
   from maxnnx.sharding import make_mesh, state_shardings  # noqa: PLC0415
   state = nnx.state(model)
   shardings = state_shardings(state, make_mesh(mesh_config))
-
-  def place(value, sharding):  # each process places its shards, no cross-process check
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-  nnx.update(model, jax.tree.map(place, state, shardings))
+  nnx.update(model, jax.tree.map(lambda value, sharding: place_host_value(
+      np.asarray(value), sharding), state, shardings))
   return model
 
 

@@ -54,6 +54,18 @@ def host_value(array) -> np.ndarray:
   return np.asarray(jax.device_get(array))
 
 
+def place_host_value(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
+  """``host``, the whole value (the same on every process), as an array on ``sharding``.
+
+  Each process places only its own shards, with no transfer or check between processes
+  (the inverse of :func:`host_value`). ``sharding=None``: on the default device,
+  uncommitted, as ``jnp.asarray`` places it.
+  """
+  if sharding is None:
+    return jax.device_put(host)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def barrier(name: str) -> None:
   """Wait until every process has reached the barrier ``name`` (nothing with one process)."""
   if jax.process_count() > 1:

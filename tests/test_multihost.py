@@ -193,3 +193,31 @@ def test_cli_grpo_over_two_processes_matches_one_process(sampler, tmp_path, chat
               for d in (two, one)]
   assert rollouts[0] == rollouts[1] and len(rollouts[0]) == 3 * 8
   assert calls.read_text().replace('single', '') == '000'  # process 0, once per rollout
+
+
+@pytest.mark.slow  # ~30 s: two processes start a GRPO run that cannot be rewarded
+def test_a_reward_error_on_process_0_ends_every_process(tmp_path, chat_checkpoint):
+  """Only process 0 calls the reward functions; when one raises, process 1 does not wait for
+  values that never come: both processes exit with the error."""
+  base = _chat_base(tmp_path, chat_checkpoint)
+  prompts = tmp_path / 'prompts.jsonl'
+  prompts.write_text(''.join(json.dumps({'prompt': f'line {i}'}) + '\n' for i in range(8)))
+  (tmp_path / 'rewards.py').write_text(
+      'def broken(prompts, completions, **kwargs):\n'
+      '  raise ValueError("the judge is out")\n')
+  args = ['grpo', f'model={base}', f'prompts={prompts}', f"reward={tmp_path / 'rewards.py'}:broken",
+          'num_generations=2', 'max_new_tokens=4', 'steps=2', 'global_batch_size=8',
+          'seq_len=32', 'eval_every=0', 'checkpoint_every=0', 'mesh.data=2', 'mesh.fsdp=2',
+          f"output_dir={tmp_path / 'run'}"]
+  port = free_port()
+  procs = [_cli(args, 2, port, i) for i in range(2)]
+  errors = []
+  for proc in procs:
+    try:
+      errors.append(proc.communicate(timeout=300)[1])
+    finally:
+      proc.kill()
+  assert [p.returncode != 0 for p in procs] == [True, True], errors
+  cause = "Reward function 'broken' raised ValueError: the judge is out"
+  assert f'RewardError: {cause}' in errors[0], errors[0]
+  assert f'RewardError: The reward functions failed on process 0: {cause}' in errors[1], errors[1]

@@ -7,7 +7,10 @@ each, the model sharded over all 4) against one process.
 """
 
 import asyncio
+import base64
 import contextlib
+import io
+import json
 import os
 import shutil
 import subprocess
@@ -87,6 +90,32 @@ def test_a_follower_replaying_the_leader_gives_its_outputs(tiny_model):
   assert channel.messages == []  # everything up to the one stop was read
 
 
+def test_a_follower_replays_requests_with_images():
+  """Image requests reach the follower's engine with their pixels: its steps give the
+  leader's outputs (a request without its images would be refused there)."""
+  model = maxnnx.Transformer(maxnnx.get_preset('tiny-gemma3-vision'), rngs=nnx.Rngs(3))
+  v = model.config.vision
+  rng = np.random.default_rng()
+  kwargs = dict(max_batch=2, token_budget=24, page_size=8, max_model_len=64)
+  channel = Recorded()
+  leader = LeaderEngine(Engine(model, **kwargs), channel)
+  for text in (3, 7):
+    prompt = rng.integers(3, 200, text).tolist() + [v.image_token_id] * v.tokens_per_image
+    pixels = rng.normal(size=(1, v.num_channels, v.image_size, v.image_size))
+    leader.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.7, seed=text),
+                       pixels.astype(np.float32))
+  steps = []
+  while leader.has_unfinished():
+    steps.append(_outputs(leader.step()))
+  leader.close()
+  follower = Engine(model, **kwargs)
+  replayed = []
+  step = follower.step
+  follower.step = lambda: (replayed.append(_outputs(out := step())), out)[1]
+  assert follow(follower, channel) == len(steps)
+  assert replayed == steps and sum(len(s) for s in steps) == 8  # 4 tokens each
+
+
 def test_calls_travel_as_json_with_images_as_npy():
   pixels = np.random.default_rng().standard_normal((2, 3, 4, 4)).astype(np.float32)
   params = SamplingParams(max_tokens=3, stop=('x', 'yz'), stop_token_ids=(5,), seed=7)
@@ -96,7 +125,15 @@ def test_calls_travel_as_json_with_images_as_npy():
   np.testing.assert_array_equal(images, pixels)
   assert decode_call(encode_call('cancel', np.int64(4))) == ('cancel', 4)
   assert decode_call(encode_call('step')) == ('step',)
-  assert b'numpy' not in encode_call('add', [1], params, None)  # plain JSON, no pickle
+  body = json.loads(encode_call('add', [1], params, pixels))  # the whole message is JSON
+  assert set(body) == {'op', 'prompt', 'params', 'images'}
+  with pytest.raises(ValueError, match='pickle'):  # objects are never sent ...
+    encode_call('add', [1], params, np.array([{}], dtype=object))
+  buffer = io.BytesIO()
+  np.save(buffer, np.array([{}], dtype=object), allow_pickle=True)
+  forged = json.dumps({**body, 'images': base64.b64encode(buffer.getvalue()).decode()})
+  with pytest.raises(ValueError, match='pickle'):  # ... nor unpickled when received
+    decode_call(forged.encode())
 
 
 def test_tensor_parallel_mesh_names_the_counts_it_can_place(capsys, served_dir):

@@ -15,6 +15,7 @@ from maxnnx.data import TokenWindows
 from maxnnx.data.text import read_text
 from maxnnx.train import TrainConfig, Trainer, TrainingError
 from maxnnx.train.optimizers import decay_mask, param_metadata
+from maxnnx.train.trainer import row_range
 
 
 def _tiny(vocab=64):
@@ -54,6 +55,17 @@ def test_step_by_hand_updates_the_model_in_place():
   assert not np.array_equal(before, after)
   model.final_norm.scale[...] = model.final_norm.scale[...] * 0  # logits become 0
   assert abs(trainer.step()['loss'] - np.log(64)) < 1e-4
+
+
+def test_local_rows_are_the_devices_rows_in_one_range():
+  """A process's batch rows are those its devices hold; a gap between them is refused."""
+  whole = slice(None), slice(None)
+  assert row_range([(slice(4, 6), slice(None)), (slice(2, 4), slice(None))], 8) == slice(2, 6)
+  assert row_range([whole, whole], 8) == slice(0, 8)  # replicated rows
+  with pytest.raises(ValueError, match=r'not one contiguous range'):
+    row_range([(slice(0, 2), slice(None)), (slice(4, 6), slice(None))], 8)
+  trainer = Trainer(_tiny(), _config(1, 1e-3, batch=4, seq_len=16))
+  assert trainer.local_rows() == slice(0, 4)  # one process holds every row
 
 
 def test_weight_decay_only_on_kernels():

@@ -48,13 +48,16 @@ class CheckpointError(ValueError):
 # -- checksums -----------------------------------------------------------------------------
 
 
+_UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32}  # raw bits of each item size
+
+
 def _leaf_bits(x: jax.Array) -> jax.Array:
   """Sum of the array's raw bits as uint32 (wrapping): exact whatever the sharding."""
   if x.dtype == jnp.bool_:
     bits = x.astype(jnp.uint32)
   else:
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(x, _UNSIGNED_OF_SIZE[x.dtype.itemsize])
+    bits = bits.astype(jnp.uint32)
   return jnp.sum(bits, dtype=jnp.uint32)
 
 
@@ -69,8 +72,8 @@ def host_checksum(array: np.ndarray) -> int:
   if array.dtype == np.bool_:
     bits = array.astype(np.uint32)
   else:
-    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[array.dtype.itemsize]
-    bits = np.ascontiguousarray(array).view(unsigned).astype(np.uint32, copy=False)
+    bits = np.ascontiguousarray(array).view(_UNSIGNED_OF_SIZE[array.dtype.itemsize])
+    bits = bits.astype(np.uint32, copy=False)
   return int(np.sum(bits, dtype=np.uint32))
 
 

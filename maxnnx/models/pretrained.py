@@ -51,7 +51,7 @@ from maxnnx.models.hf import (
 )
 from maxnnx.models.registry import FAMILIES
 from maxnnx.models.transformer import Transformer, layer_stacks
-from maxnnx.processes import allgather_bytes, barrier, host_value, is_primary
+from maxnnx.processes import allgather_bytes, barrier, host_value, is_primary, place_host_value
 from maxnnx.sharding import logical_rules, make_mesh, state_shardings
 
 logger = logging.getLogger(__name__)
@@ -436,14 +436,12 @@ def _shardings(abstract_state, mesh: MeshConfig | Mesh | None, rules: dict | Non
 def _place_params(sources: dict, abstract_state, cfg: ModelConfig, shardings: dict | None):
   """The model's state, each parameter converted from its HF tensor(s) and placed on its shards
   one at a time (see the module doc); other variables (MoE routing statistics) start at zero."""
-  def place(host: np.ndarray, path) -> jax.Array:
-    if shardings is None:  # uncommitted on the default device, as jnp.asarray makes them
-      return jax.device_put(host)
-    return jax.make_array_from_callback(host.shape, shardings[path].get_value(),
-                                        lambda index: host[index])
-
-  return nnx.from_flat_state([(path, var.replace(place(host, path)))
-                              for path, var, host in _host_params(sources, abstract_state, cfg)])
+  placed = []
+  for path, var, host in _host_params(sources, abstract_state, cfg):
+    sharding = None if shardings is None else shardings[path].get_value()
+    placed.append((path, var.replace(place_host_value(host, sharding))))
+    del host  # before the generator converts the next one: one host buffer at a time
+  return nnx.from_flat_state(placed)
 
 
 def _host_params(sources: dict, abstract_state, cfg: ModelConfig):

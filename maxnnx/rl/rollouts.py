@@ -34,8 +34,8 @@ rollout.)
 In a multi-process run every process samples the same rollout (one SPMD program over
 the model's shards, the same seeds), process 0 alone calls the reward functions and
 sends their values to the others, and each process then hands the Trainer its own
-rows of the batch (``global_batch_size / process_count``, in process order); only
-process 0 writes ``rollouts_jsonl``.
+rows of the batch (``global_batch_size / process_count``, the rows its devices hold:
+``Trainer.local_rows``); only process 0 writes ``rollouts_jsonl``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from maxnnx.processes import broadcast_bytes, host_value, is_primary
 from maxnnx.rl import losses
 from maxnnx.rl.objective import ROLLOUT_FIELDS, policy_token_logps
 from maxnnx.rl.prompts import Prompts
-from maxnnx.rl.rewards import Rewards
+from maxnnx.rl.rewards import RewardError, Rewards
 
 logger = logging.getLogger(__name__)
 
@@ -181,15 +181,13 @@ class Rollouts:
     self._passes_left -= 1
     return self._local_rows(self._batch)
 
-  @staticmethod
-  def _local_rows(batch: dict) -> dict:
-    """This process's rows of a global batch (all of it in a single process)."""
-    count = jax.process_count()
-    if count == 1:
+  def _local_rows(self, batch: dict) -> dict:
+    """This process's rows of a global batch (all of it in a single process): the rows its
+    devices hold (``Trainer.local_rows``), so the placed batch keeps the rollout's order."""
+    if jax.process_count() == 1:
       return batch
-    rows = len(batch['inputs']) // count
-    start = jax.process_index() * rows
-    return {k: v[start:start + rows] for k, v in batch.items()}
+    rows = self.trainer.local_rows()
+    return {k: v[rows] for k, v in batch.items()}
 
   def pop_metrics(self) -> dict[str, float]:
     """The current rollout's metrics, for the step that trains on it."""
@@ -254,7 +252,7 @@ class Rollouts:
     if failure is not None:
       raise failure
     if message[:1] == b'E':
-      raise RuntimeError(f'The reward functions failed on process 0: {message[1:].decode()}')
+      raise RewardError(f'The reward functions failed on process 0: {message[1:].decode()}')
     return np.load(io.BytesIO(message[1:]))
 
   def _engine_sample(self, prompt_ids: list[list[int]], seed: int

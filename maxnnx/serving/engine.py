@@ -203,6 +203,14 @@ class Engine:
 
   # -- requests ---------------------------------------------------------------
 
+  def prompt_ids(self, prompt: Sequence[int] | str) -> Sequence[int]:
+    """``prompt``'s token ids: a string encoded by the tokenizer as it is (no BOS added)."""
+    if not isinstance(prompt, str):
+      return prompt
+    if self.tokenizer is None:
+      raise ValueError('A text prompt needs an Engine with a tokenizer.')
+    return self.tokenizer.encode(prompt)
+
   def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None,
                   images: np.ndarray | None = None) -> int:
     """Queue a request; returns its id. It starts at the next :meth:`step` with room.
@@ -218,10 +226,7 @@ class Engine:
         match the prompt's placeholders.
     """
     params = SamplingParams() if params is None else params
-    if isinstance(prompt, str):
-      if self.tokenizer is None:
-        raise ValueError('A text prompt needs an Engine with a tokenizer.')
-      prompt = self.tokenizer.encode(prompt)
+    prompt = self.prompt_ids(prompt)
     ids = [int(i) for i in np.asarray(prompt).reshape(-1)]
     vocab = self.model_config.vocab_size
     if not ids or min(ids) < 0 or max(ids) >= vocab:

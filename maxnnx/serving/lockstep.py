@@ -150,10 +150,7 @@ class LeaderEngine:
                   images: np.ndarray | None = None) -> int:
     """:meth:`Engine.add_request`, made on every process (a text prompt is encoded here)."""
     params = SamplingParams() if params is None else params
-    if isinstance(prompt, str):
-      if self.engine.tokenizer is None:
-        raise ValueError('A text prompt needs an Engine with a tokenizer.')
-      prompt = self.engine.tokenizer.encode(prompt)
+    prompt = self.engine.prompt_ids(prompt)
     self.channel.publish(encode_call('add', prompt, params, images))
     return self.engine.add_request(prompt, params, images)
 

@@ -78,6 +78,16 @@ def _next_batch(data) -> Any:
 
 # -- the trainer -------------------------------------------------------------------
 
+def row_range(indices, num_rows: int) -> slice:
+  """The rows that device ``indices`` (tuples of slices, rows first) cover together, as one
+  slice; a ``ValueError`` when they leave a gap."""
+  held = sorted({index[0].indices(num_rows)[:2] for index in indices})
+  if any(stop < start for (_, stop), (start, _) in zip(held, held[1:])):
+    raise ValueError(f'This process holds batch rows {held} (start, stop), not one contiguous '
+                     'range; order the mesh devices by process (MeshConfig, make_mesh).')
+  return slice(held[0][0], max(stop for _, stop in held))
+
+
 class Trainer:
   """Trains a maxnnx model on a device mesh.
 
@@ -276,6 +286,18 @@ class Trainer:
     """``batch`` checked (shape, token ids, the objective's fields) and laid out on the
     mesh as the step takes it."""
     return self._place(batch)
+
+  def local_rows(self) -> slice:
+    """The rows of the global batch that this process's devices hold, where
+    :meth:`place_batch` puts this process's batch (in order). A single process: all of them.
+
+    Raises:
+      ValueError: if they are not one contiguous range (a mesh whose data axis interleaves
+        the processes' devices).
+    """
+    shape = (self.config.global_batch_size, self.config.seq_len)
+    return row_range(self._token_sharding.addressable_devices_indices_map(shape).values(),
+                     shape[0])
 
   def _local_batch_size(self) -> int:
     return self.config.global_batch_size // jax.process_count()

@@ -38,7 +38,7 @@ from flax import nnx
 
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.models.transformer import layer_stacks
-from maxnnx.processes import host_value
+from maxnnx.processes import host_value, place_host_value
 from maxnnx.train.chunks import model_sequence_logps
 from maxnnx.train.lora.config import ALL_LINEAR, LoraConfig
 from maxnnx.train.lora.dropout import add_dropout_seeds, switched_provider
@@ -356,12 +356,10 @@ def merge_adapters(model: nnx.Module) -> nnx.Module:
       template = template.array.qvalue
     host = _merged_host(module, config.scale, module.kernel_lora_a.dtype)
     sharding = getattr(template[...], 'sharding', None)
-    if isinstance(sharding, jax.sharding.NamedSharding):  # each process places its shards
-      value = jax.make_array_from_callback(host.shape, sharding,
-                                           lambda index, host=host: host[index])
-    else:
-      value = jnp.asarray(host)
-    module.kernel = template.replace(value)  # a fresh nnx.Param with the kernel's metadata
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = None  # on the default device, as it was
+    # A fresh nnx.Param with the kernel's metadata; each process places its own shards.
+    module.kernel = template.replace(place_host_value(host, sharding))
     del module.kernel_lora_a, module.kernel_lora_b
     if 'lora_dropout_seed' in vars(module):
       del module.lora_dropout_seed
