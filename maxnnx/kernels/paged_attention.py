@@ -58,7 +58,8 @@ from maxnnx.kernels.options import AttentionOptions
 class PagedBatch:
   """Where one step's flat tokens sit in the page pool (see the module docstring).
 
-  A pytree: the arrays are traced, ``max_q`` is static (part of the compiled shape).
+  A pytree: the arrays are traced, ``max_q`` and ``wide_rows`` are static (part of the
+  compiled shape).
 
   Attributes:
     page_table_BM: ``[B, M]`` int32 page ids of each row, in sequence order.
@@ -66,7 +67,8 @@ class PagedBatch:
     q_starts_B: ``[B]`` int32 index of each row's first token in the flat sequence.
     q_lens_B: ``[B]`` int32 tokens each row adds this step (0 for an empty row).
     slots_T: ``[T]`` int32 flat slot (``page * page_size + offset``) of each token.
-    max_q: a bound on ``q_lens_B`` (static): rows are gathered ``max_q`` tokens wide.
+    max_q: a bound on ``q_lens_B`` (static): rows are gathered ``max_q`` tokens wide
+      (only the first ``wide_rows`` of them, when that is set).
     blocks_T: ``[T]`` int32 image-block id of each flat token (-1: none), or ``None``.
       Tokens of one block attend to each other in both directions; a block lies
       wholly within one step (the engine never cuts an image between prefill chunks).

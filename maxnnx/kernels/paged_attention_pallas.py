@@ -3,7 +3,8 @@
 ``pallas_gpu`` serves every row of an engine step, decode rows and prefill chunks alike,
 without gathering each row's pages into a contiguous copy as the ``xla`` reference does.
 One program per (row, key/value head) holds the row's queries of that head group,
-``[max_q * groups, head_dim]``, and walks the row's block table a few pages at a time:
+``[max_q * groups, head_dim]`` (``max_q`` of the row's group: :meth:`PagedBatch.row_groups`,
+one kernel call per group), and walks the row's block table a few pages at a time:
 it loads those pages of the pool ``[num_pages, page_size, kv_heads, head_dim]`` by their
 ids, masks keys past the row's length, after each query's position (causal), outside a
 static sliding window or chunk, applies the soft-cap, and keeps an online softmax in

@@ -38,10 +38,11 @@ the flat token count ``T`` is a power of two from 8 up to ``token_budget``; the
 widest row ``max_q`` is 1 (a pure decode step) or a power of two from 8 up to
 ``T``; the pages gathered per row ``M`` is a power of two or three quarters of one
 (1, 2, 3, 4, 6, 8, 12, ...) up to ``ceil(max_model_len / page_size)``; the rows are
-always ``max_batch``. In a step with prefill chunks, their rows come first and only
-those are gathered ``max_q`` wide (``PagedBatch.wide_rows``, a power of two up to
-``max_batch``); the decode rows are gathered one token wide, so a chunk does not give
-each decode row its work.
+always ``max_batch``. In a step with rows of more than one token (prefill chunks),
+those rows come first and only they are gathered ``max_q`` wide
+(``PagedBatch.wide_rows``: a power of two, or ``max_batch``); the other rows (decoding,
+or a one-token chunk) are gathered one token wide, so a chunk does not give each decode
+row its work.
 :attr:`Engine.compile_count` counts the model step's traces,
 :attr:`Engine.step_shapes` lists the buckets run, and
 :meth:`Engine.max_compiles` is the bound.
@@ -392,9 +393,9 @@ class Engine:
     widest = max(count for _, count in scheduled)
     max_q = 1 if widest == 1 else bucket(widest, MIN_TOKEN_BUCKET, width)
     num_pages = fine_bucket(max(len(r.pages) for r, _ in scheduled), self.pages_per_request)
-    # `scheduled` lists the rows of more than one token first (step()).
-    wide_rows = (None if max_q == 1 else
-                 bucket(sum(count > 1 for _, count in scheduled), 1, rows))
+    # step() lists the rows of more than one token first; the wide rows reach the last one.
+    last_wide = max((row for row, (_, count) in enumerate(scheduled) if count > 1), default=-1)
+    wide_rows = None if max_q == 1 else bucket(last_wide + 1, 1, rows)
     ids_T, positions_T, slots_T = (np.zeros(width, np.int32) for _ in range(3))
     page_table_BM = np.zeros((rows, num_pages), np.int32)
     kv_lens_B, q_starts_B, q_lens_B, last_B, seeds_B, counters_B, top_k_B = (
