@@ -101,6 +101,8 @@ GENERATE_KEYS = {
     'seed': (0, 'sampling seed'),
     'tensor_parallel': (1, 'devices the model is sharded over (attention heads and MLP width; '
                         "in a multi-process run, every process's devices)"),
+    'compile_cache': ('', "directory of JAX's persistent compilation cache (empty: off): a "
+                      'second run finds its programs compiled'),
     **PROCESS_KEYS,
 }
 SERVE_KEYS = {
@@ -129,6 +131,8 @@ SERVE_KEYS = {
                         'follow its engine'),
     'seed': (0, 'seed of requests that give none'),
     'log_level': ('info', 'uvicorn log level: critical, error, warning, info, debug, trace'),
+    'compile_cache': ('', "directory of JAX's persistent compilation cache (empty: off): a "
+                      "restarted server finds its engine's step programs compiled"),
     **PROCESS_KEYS,
 }
 CONVERT_KEYS = {
@@ -785,6 +789,7 @@ def generate(options: dict) -> str:
   from maxnnx.data import SentencePieceTokenizer, load_tokenizer  # noqa: PLC0415
   from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
   mesh = tensor_parallel_mesh(options['tensor_parallel'])  # checked before anything loads
+  _use_compile_cache(options)
   out = paths.normalize(options['output_dir'])
   model_dir, tok_path = paths.join(out, 'final'), paths.join(out, 'tokenizer.model')
   checkpoints = paths.join(out, 'checkpoints')
@@ -879,6 +884,13 @@ def convert(options: dict) -> str:
   return dst
 
 
+def _use_compile_cache(options: dict) -> None:
+  """Turn on JAX's persistent compilation cache in ``options['compile_cache']``, if set."""
+  if options['compile_cache']:
+    from maxnnx.train.diagnostics import enable_compile_cache  # noqa: PLC0415
+    enable_compile_cache(options['compile_cache'])
+
+
 def serve(options: dict) -> None:
   """Run ``maxnnx serve``: an OpenAI-compatible HTTP server over the serving engine
   (:mod:`maxnnx.serving.server`) until SIGTERM or Ctrl-C, which let the requests in flight
@@ -890,6 +902,7 @@ def serve(options: dict) -> None:
   if not os.path.isdir(model):
     raise FileNotFoundError(f'model={model}: no such directory.')
   from maxnnx.serving.server import serve as serve_http  # noqa: PLC0415
+  _use_compile_cache(options)
   serve_http(model, host=options['host'], port=options['port'],
              log_level=options['log_level'], model_name=options['served_model_name'] or None,
              max_queue=options['max_queue'], add_bos=options['add_bos'],

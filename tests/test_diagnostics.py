@@ -188,3 +188,30 @@ def test_compile_cache_makes_the_second_start_a_hit(tmp_path):
   assert first['compile_cache'] == 'miss' and second['compile_cache'] == 'hit'
   assert second['compile_seconds'] < first['compile_seconds']
   assert os.listdir(cache)
+
+
+@pytest.mark.slow  # ~30 s: two CLI runs in fresh processes
+def test_generate_with_a_compile_cache_compiles_nothing_new_the_second_time(tmp_path,
+                                                                           chat_checkpoint):
+  """``maxnnx generate compile_cache=DIR`` fills DIR; a second run in a fresh process finds
+  every program there (it adds no entry) and prints the same greedy text."""
+  import shutil  # noqa: PLC0415
+  run = tmp_path / 'run'
+  cfg = maxnnx.get_preset('tiny', vocab_size=512, num_layers=1)
+  maxnnx.save_pretrained(maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)), str(run / 'final'))
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    shutil.copy(chat_checkpoint / name, run / 'final' / name)
+  cache = tmp_path / 'cache'
+  env = {**os.environ, 'PYTHONPATH': ROOT, 'JAX_PLATFORMS': 'cpu'}
+
+  def generate():
+    return subprocess.run(
+        [sys.executable, '-m', 'maxnnx', 'generate', f'output_dir={run}', 'prompt=Once',
+         'max_new_tokens=5', 'temperature=0', f'compile_cache={cache}'],
+        env=env, check=True, capture_output=True, text=True).stdout
+
+  first = generate()
+  entries = sorted(os.listdir(cache))
+  assert entries
+  assert generate() == first
+  assert sorted(os.listdir(cache)) == entries
