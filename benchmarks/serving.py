@@ -42,6 +42,10 @@ from them as its decode loop starts; ``generate`` returns every token at the end
 is the rest of the call spread over the tokens); transformers' is when ``generate`` streams
 it. ``same tokens`` compares each system's tokens with ``single``'s.
 
+The engine's line also splits its step time by compiled bucket (``engine_steps_by_shape``:
+tokens, widest row, wide rows, pages a row; steps, seconds), costliest first, and the log
+prints the three costliest: where to look first when the engine's steps are slow.
+
 ``--json PATH`` appends one ``"kind": "serving"`` line per system.
 """
 
@@ -151,9 +155,10 @@ def serve_engine(engine: Engine, workload: serving_load.Workload,
                  sleep=time.sleep, stats: dict | None = None) -> list[serving_load.Record]:
   """Serve ``workload`` with ``engine``: before each ``step()`` every request that has arrived
   is added; a token counts as delivered when ``step()`` returns it. ``stats`` (if given)
-  gets ``steps`` and ``step_s``, the number of steps and the seconds spent in them."""
+  gets ``steps`` and ``step_s``, the number of steps and the seconds spent in them, and
+  ``by_shape``: ``{bucket: [steps, seconds]}`` (``Engine.last_step_shape``)."""
   stats = {} if stats is None else stats
-  stats.update(steps=0, step_s=0.0)
+  stats.update(steps=0, step_s=0.0, by_shape={})
   records = [serving_load.Record() for _ in range(len(workload))]
   index_of: dict[int, int] = {}
   done = 0
@@ -170,6 +175,10 @@ def serve_engine(engine: Engine, workload: serving_load.Workload,
       now = clock()
       stats['steps'] += 1
       stats['step_s'] += now - before
+      if engine.last_step_shape is not None:
+        bucket = stats['by_shape'].setdefault(engine.last_step_shape, [0, 0.0])
+        bucket[0] += 1
+        bucket[1] += now - before
       for out in outputs:
         i = index_of[out.request_id]
         record = records[i]
@@ -232,10 +241,18 @@ def run_maxnnx(system: str, model, timed: serving_load.Workload, warm: serving_l
     extra['preemptions'] = engine.scheduler.num_preemptions
     extra['engine_steps'] = stats['steps']
     extra['engine_step_ms'] = 1e3 * stats['step_s'] / max(stats['steps'], 1)
+    extra['engine_steps_by_shape'] = [  # where the step time goes, the costliest bucket first
+        {'tokens': s[0], 'max_q': s[1], 'pages': s[2], 'wide_rows': s[3],
+         'images': 'images' in s, 'steps': n, 'seconds': t, 'mean_ms': 1e3 * t / n}
+        for s, (n, t) in sorted(stats['by_shape'].items(), key=lambda kv: -kv[1][1])]
   log(f'  {system}: warm-up {warmup_s:.1f} s, {warm_compiles.count} compiles; timed run '
       f'{timed_compiles.count} compiles' + (f", {extra['engine_steps']} steps of "
                                            f"{extra['engine_step_ms']:.1f} ms on average"
                                            if system == 'engine' else ''))
+  for b in extra.get('engine_steps_by_shape', [])[:3]:
+    log(f"    {b['steps']} steps of {b['tokens']} tokens, rows up to {b['max_q']} wide "
+        f"({b['wide_rows'] or 'all'} of them), {b['pages']} pages a row: {b['seconds']:.2f} s, "
+        f"{b['mean_ms']:.1f} ms each")
   return dict(records=records, warmup_s=warmup_s, compiles_warmup=warm_compiles.count,
               compiles_timed=timed_compiles.count, **extra)
 

@@ -303,6 +303,12 @@ def test_serving_harness_smoke(tmp_path):
     assert r['tpot_p50_s'] > 0 and r['same_tokens'] == 4
   assert by['single']['vs_single'] == 1.0
   assert by['engine']['engine_step_compiles'] <= by['engine']['engine_max_compiles']
+  buckets = by['engine']['engine_steps_by_shape']  # every step's time, by its bucket
+  assert sum(b['steps'] for b in buckets) == by['engine']['engine_steps']
+  assert sum(b['seconds'] for b in buckets) == pytest.approx(
+      by['engine']['engine_step_ms'] * by['engine']['engine_steps'] / 1e3)
+  assert [b['seconds'] for b in buckets] == sorted((b['seconds'] for b in buckets),
+                                                   reverse=True)
   expected = sum(serving_load.make_workload(4, MICRO['vocab_size'], (4, 6), (2, 4)).output_lens)
   assert rows[0]['output_tokens'] == by['single']['output_tokens'] == expected
 

@@ -144,6 +144,7 @@ class Engine:
     eos_ids: ids that end a request unless ``ignore_eos``: ``model.config.eos_token_id``,
       else the tokenizer's ``eos_id``.
     step_shapes: the ``(tokens, max_q, pages per row, wide rows)`` buckets run so far.
+    last_step_shape: the bucket of the latest step that ran the model (``None`` before one).
     mesh: the mesh of a sharded model, else ``None``.
   """
 
@@ -199,6 +200,7 @@ class Engine:
     self._next_id = 0
     self._traces = [0]
     self.step_shapes: set[tuple] = set()
+    self.last_step_shape: tuple | None = None
     self._step_fn = _make_step(self._graphdef, self._traces)
     self._features_fn = _make_features(self._graphdef) if cfg.vision.num_layers else None
 
@@ -438,7 +440,8 @@ class Engine:
       offset += count
     batch = PagedBatch(page_table_BM, kv_lens_B, q_starts_B, q_lens_B, slots_T, max_q,
                        blocks_T, wide_rows)
-    self.step_shapes.add((width, max_q, num_pages, wide_rows) + (('images',) if images else ()))
+    self.last_step_shape = (width, max_q, num_pages, wide_rows) + (('images',) if images else ())
+    self.step_shapes.add(self.last_step_shape)
     return ((ids_T, positions_T, batch, last_B, embeddings_TD),
             (temperature_B, top_k_B, top_p_B, seeds_B, counters_B, logprob_temperature_B))
 
