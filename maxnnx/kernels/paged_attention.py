@@ -112,7 +112,7 @@ class PagedBatch:
     :class:`PagedBatch` over the same flat tokens and pool."""
     rows = self.kv_lens_B.shape[0]
     if self.wide_rows is None or self.wide_rows >= rows or self.max_q == 1:
-      return (dataclasses.replace(self, wide_rows=None),)
+      return (self,)  # the row methods read max_q alone: one group of every row
 
     def part(span, max_q):
       return dataclasses.replace(

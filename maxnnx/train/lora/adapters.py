@@ -310,12 +310,17 @@ def base_kernel(module: DenseGeneral) -> np.ndarray:
   return qvalue * scale
 
 
+def _merge(w: np.ndarray, lora_a, lora_b, scale: float) -> np.ndarray:
+  """``w + scale A B`` in float64, in ``w``'s shape (``A``, ``B`` gathered to the host)."""
+  a = np.asarray(host_value(lora_a), np.float64)
+  b = np.asarray(host_value(lora_b), np.float64)
+  return w + scale * np.matmul(a, b).reshape(w.shape)
+
+
 def merged_kernel(module: DenseGeneral, scale: float) -> np.ndarray:
   """``W + scale A B`` of an adapted module in float64, in the kernel's shape."""
-  w = base_kernel(module)
-  a = np.asarray(host_value(module.kernel_lora_a[...]), np.float64)
-  b = np.asarray(host_value(module.kernel_lora_b[...]), np.float64)
-  return w + scale * np.matmul(a, b).reshape(w.shape)
+  return _merge(base_kernel(module), module.kernel_lora_a[...], module.kernel_lora_b[...],
+                scale)
 
 
 def _merged_host(module: DenseGeneral, scale: float, dtype) -> np.ndarray:
@@ -326,10 +331,8 @@ def _merged_host(module: DenseGeneral, scale: float, dtype) -> np.ndarray:
     return merged_kernel(module, scale).astype(dtype)
   out = np.empty(kernel.shape, dtype)
   for i in range(kernel.shape[0]):
-    w = np.asarray(host_value(kernel[...][i]), np.float64)
-    a = np.asarray(host_value(module.kernel_lora_a[...][i]), np.float64)
-    b = np.asarray(host_value(module.kernel_lora_b[...][i]), np.float64)
-    out[i] = w + scale * np.matmul(a, b).reshape(w.shape)
+    out[i] = _merge(np.asarray(host_value(kernel[...][i]), np.float64),
+                    module.kernel_lora_a[...][i], module.kernel_lora_b[...][i], scale)
   return out
 
 
