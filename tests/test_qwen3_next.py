@@ -1,5 +1,5 @@
 """Qwen3-Next (and Qwen3.5, its sibling) beyond the parity fixtures: packed and padded rows,
-export, sizes, serving refusal.
+export, sizes, errors (serving: ``test_serving_engine.py``).
 
 ``tests/fixtures/hf/qwen3_next`` (``make_moe_fixtures.py qwen3_next``) pins logits, greedy
 generation (through the recurrent state cache) and the round trip against transformers in
@@ -93,6 +93,5 @@ def test_qwen3_5_preset_sizes(name, total, active):
 def test_what_the_hybrid_stack_cannot_do_is_a_clear_error():
   with pytest.raises(maxnnx.ConfigError, match='scan_layers'):
     maxnnx.get_preset('tiny-qwen3-next', scan_layers=True)
-  from maxnnx.serving import Engine
-  with pytest.raises(NotImplementedError, match='paged'):
-    Engine(_tiny(), page_size=4, max_batch=2, token_budget=8, max_model_len=32)
+  with pytest.raises(ValueError, match='num_slots'):
+    _tiny().init_paged_cache(8, 4)  # the serving engine gives one state slot per request

@@ -358,3 +358,58 @@ def test_a_model_sharded_over_tensor_devices_serves_the_same_tokens(model, tmp_p
   _assert_idle(engine)
   with pytest.raises(ValueError, match='tensor_parallel=64: this process has 8 device'):
     load_engine(str(tmp_path), tensor_parallel=64)
+
+
+LINEAR_ATTN = {'num_key_heads': 2, 'num_value_heads': 4, 'key_head_dim': 16,
+               'value_head_dim': 16}
+# A Gated DeltaNet layer and a gated attention layer (half the compiles of the 4-layer MoE).
+RECURRENT = dict(initializer_range=1.0, vocab_size=VOCAB, num_layers=2,
+                 layer_types=('linear', 'full'), moe={'num_experts': 0})
+
+
+@pytest.mark.parametrize('changes', [
+    pytest.param({}, id='qwen3_next'),
+    pytest.param({'linear_attn': {**LINEAR_ATTN, 'projections': 'split'}}, id='qwen3_5_split',
+                 marks=pytest.mark.slow),  # ~20 s
+])
+def test_a_recurrent_model_keeps_each_requests_state_across_chunks_and_preemption(changes):
+  """Gated DeltaNet layers (Qwen3-Next, Qwen3.5) keep one state slot per running request:
+  prompts prefilled in chunks of up to 8 tokens, a fourth request taking a finished one's
+  slot, and requests preempted by a small pool (recomputed from a zero state) all give
+  generate's greedy tokens, and every slot and page comes back."""
+  cfg = maxnnx.get_preset('tiny-qwen3-next', **{**RECURRENT, **changes})
+  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(5))
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 9, 14, 20)]
+  max_tokens = [12, 5, 10, 8]
+  want = maxnnx.generate(model, prompts, max_new_tokens=12, eos_ids=None)
+  engine = Engine(model, page_size=8, max_batch=3, token_budget=8, max_model_len=32,
+                  max_pages=4)
+  assert not engine.prefix_caching  # a state after a shared prefix is not kept
+  got = engine.generate(prompts, [_greedy(m) for m in max_tokens])
+  for completion, row, m in zip(got, want.tokens, max_tokens):
+    assert list(completion.token_ids) == row[:m].tolist()
+  assert engine.scheduler.num_preemptions > 0
+  assert not engine._slots and sorted(engine._free_slots) == [1, 2, 3]
+  _assert_idle(engine)
+
+
+@pytest.mark.slow  # ~40 s of compiles
+def test_a_sharded_recurrent_model_serves_the_same_tokens(tmp_path):
+  """Qwen3-Next over tensor 2: the delta rule's state slots split over the value heads like
+  out_proj, and greedy requests give the one-device generate's tokens."""
+  from maxnnx.config import MeshConfig  # noqa: PLC0415
+  cfg = maxnnx.get_preset('tiny-qwen3-next', **RECURRENT)
+  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(5))
+  maxnnx.save_pretrained(model, str(tmp_path))
+  sharded = maxnnx.from_pretrained(str(tmp_path), mesh=MeshConfig(data=1, tensor=2))
+  engine = Engine(sharded, page_size=8, max_batch=4, token_budget=16, max_model_len=32)
+  states = [x for x in jax.tree.leaves(engine._cache) if x.shape[:1] == (5,) and x.ndim == 4]
+  assert len(states) == 1 and all(tuple(x.sharding.spec)[:2] == (None, 'tensor')
+                                  for x in states), states[0].sharding
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 17, 9)]
+  want = maxnnx.generate(model, prompts, max_new_tokens=6, eos_ids=None)
+  got = engine.generate(prompts, _greedy(6))
+  assert [list(c.token_ids) for c in got] == want.tokens.tolist()
+  _assert_idle(engine)

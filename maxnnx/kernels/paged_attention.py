@@ -74,6 +74,8 @@ class PagedBatch:
       wholly within one step (the engine never cuts an image between prefill chunks).
     wide_rows: (static) only rows ``:wide_rows`` may hold more than one token; the rest
       are gathered one token wide. ``None``: every row is ``max_q`` wide.
+    state_slots_B: ``[B]`` int32 recurrent-state slot of each row (layers with a state
+      per request, such as Gated DeltaNet; 0: scratch, for empty rows), or ``None``.
   """
 
   page_table_BM: jax.Array
@@ -84,6 +86,7 @@ class PagedBatch:
   max_q: int
   blocks_T: jax.Array | None = None
   wide_rows: int | None = None
+  state_slots_B: jax.Array | None = None
 
   def _row_index(self):
     """``[B, Q]`` flat index of each row's tokens, and which of them exist."""
@@ -118,7 +121,8 @@ class PagedBatch:
       return dataclasses.replace(
           self, page_table_BM=self.page_table_BM[span], kv_lens_B=self.kv_lens_B[span],
           q_starts_B=self.q_starts_B[span], q_lens_B=self.q_lens_B[span], max_q=max_q,
-          wide_rows=None)
+          wide_rows=None,
+          state_slots_B=None if self.state_slots_B is None else self.state_slots_B[span])
 
     return part(slice(None, self.wide_rows), self.max_q), part(slice(self.wide_rows, None), 1)
 
@@ -180,7 +184,7 @@ class PagedBatch:
 
 jax.tree_util.register_dataclass(
     PagedBatch, data_fields=['page_table_BM', 'kv_lens_B', 'q_starts_B', 'q_lens_B', 'slots_T',
-                             'blocks_T'],
+                             'blocks_T', 'state_slots_B'],
     meta_fields=['max_q', 'wide_rows'])
 
 

@@ -20,8 +20,15 @@ Rotary tables and windows are ignored. Document boundaries (segment ids) reset t
 state and the convolution, and padding (segment 0) is zeroed, so packed and
 left-padded rows compute each document alone. For decoding, :meth:`init_cache`
 allocates the convolution's last ``K - 1`` inputs and the ``[heads, K, V]`` state:
-the cache does not grow with the sequence. There is no paged cache (the serving
-engine refuses these layers).
+the cache does not grow with the sequence.
+
+For the serving engine, :meth:`GatedDeltaNet.init_paged_cache` allocates the same two
+states for a number of *slots* instead of batch rows: each running request owns one
+slot (``PagedBatch.state_slots_B``), a request whose row starts at position 0 starts
+from a zero state, and every step carries each slot's state on through the tokens its
+row computes (a prefill chunk, or one decode token). Slot 0 is scratch, for empty
+rows. A state summarises the whole prefix and cannot be cut at a page boundary, so
+such a model is served without prefix caching.
 """
 
 import jax
@@ -31,6 +38,7 @@ from flax import nnx
 from maxnnx.config import ModelConfig
 from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.masks import AttentionMask
+from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norms import RMSNorm
 from maxnnx.layers.params import logical_param
@@ -82,7 +90,8 @@ class GatedDeltaNet(nnx.Module):
     out_proj: ``[value_heads, value_dim] -> [d_model]``.
     kernel: the gated-delta-rule strategy (``cfg.runtime.gated_delta_impl``).
     conv_state, ssm_state: ``nnx.Cache`` ``[B, K - 1, channels]`` and
-      ``[B, value_heads, key_dim, value_dim]`` (float32) after :meth:`init_cache`.
+      ``[B, value_heads, key_dim, value_dim]`` (float32) after :meth:`init_cache`; the
+      same per slot (``B`` = slots) after :meth:`init_paged_cache`.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -148,27 +157,54 @@ class GatedDeltaNet(nnx.Module):
     """Allocate the decoding state of ``batch`` rows (its size does not depend on
     ``max_length``)."""
     del max_length
+    conv, ssm = self._zero_states(batch, dtype)
+    self.conv_state, self.ssm_state = nnx.Cache(conv), nnx.Cache(ssm)
+
+  def init_paged_cache(self, num_pages: int, page_size: int, dtype, *,
+                       num_slots: int) -> None:
+    """Allocate the serving engine's ``num_slots`` states (slot 0 is scratch); no pages
+    (``num_pages`` and ``page_size`` size the attention layers' pools).
+
+    The states carry logical names: on a mesh with ``tensor``, the delta rule's state
+    splits over the value heads like ``out_proj``.
+    """
+    del num_pages, page_size
+    conv, ssm = self._zero_states(num_slots, dtype)
+    self.conv_state = nnx.Cache(conv, out_sharding=(None, None, None), eager_sharding=False)
+    self.ssm_state = nnx.Cache(ssm, out_sharding=(None, 'heads', None, None),
+                               eager_sharding=False)
+
+  def _zero_states(self, rows: int, dtype):
+    """``(conv [rows, K - 1, channels] in dtype, delta rule [rows, Hv, Dk, Dv] float32)``."""
     taps = self.conv1d.weight.shape[1]
-    self.conv_state = nnx.Cache(jnp.zeros((batch, taps - 1, self.channels), dtype))
-    self.ssm_state = nnx.Cache(jnp.zeros((batch, self.value_heads, self.key_dim,
-                                          self.value_dim), jnp.float32))
+    return (jnp.zeros((rows, taps - 1, self.channels), dtype),
+            jnp.zeros((rows, self.value_heads, self.key_dim, self.value_dim), jnp.float32))
 
   def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask | None, *,
                sliding_window=None, cache_index: jax.Array | None = None,
-               paged=None) -> jax.Array:
-    """Output ``[B, T, d_model]``; ``cos_sin`` and ``sliding_window`` are not used."""
+               paged: PagedBatch | None = None) -> jax.Array:
+    """Output ``[B, T, d_model]``; ``cos_sin`` and ``sliding_window`` are not used.
+
+    ``paged``: the serving engine's flat tokens (``x`` is ``[1, T, d_model]``), each
+    row continuing its slot's state (see the module docstring).
+    """
     del cos_sin, sliding_window
-    if paged is not None:
-      raise NotImplementedError('Gated DeltaNet layers have no paged cache; the serving '
-                                'engine cannot run this model yet.')
     batch, length, _ = x_BTD.shape
     taps = self.conv1d.weight.shape[1]
     segments_BT = (jnp.ones((batch, length), jnp.int32) if mask is None
                    else mask.q_segment_ids)
     x_BTD = x_BTD * (segments_BT != 0)[..., None].astype(x_BTD.dtype)  # padding reads as 0
-    kd, vd, g = self.key_dim, self.value_dim, self.group
     mixed_BTC, z, b, a = (self._split_projections(x_BTD) if self.split
                           else self._grouped_projections(x_BTD))
+    decay_BTH = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+    beta_BTH = jax.nn.sigmoid(b.astype(jnp.float32))
+
+    if paged is not None:
+      if self.conv_state is None:
+        raise ValueError('paged=... needs the state slots: call model.init_paged_cache(...).')
+      out_BTHV = self._paged_rule(mixed_BTC[0], decay_BTH[0], beta_BTH[0], paged)[None]
+      return self._output(out_BTHV, z, x_BTD.dtype)
 
     decoding = cache_index is not None
     if decoding:
@@ -191,24 +227,62 @@ class GatedDeltaNet(nnx.Module):
     if decoding:
       window = jnp.concatenate([history.astype(mixed_BTC.dtype), mixed_BTC], axis=1)
       self.conv_state[...] = window[:, -(taps - 1):].astype(self.conv_state.dtype)
+    out_BTHV, final = self.kernel(*self._queries_keys_values(conv_BTC), decay_BTH, beta_BTH,
+                                  reset_BT, state)
+    if decoding:
+      self.ssm_state[...] = final
+    return self._output(out_BTHV, z, x_BTD.dtype)
 
-    keys = self.key_heads * kd
+  def _queries_keys_values(self, conv_BTC):
+    """``(q, k [B, T, value_heads, key_dim], v [B, T, value_heads, value_dim])`` of the
+    convolution's output: q and k L2-normalised and repeated per value head, q scaled."""
+    batch, length, _ = conv_BTC.shape
+    kd, vd, keys = self.key_dim, self.value_dim, self.key_heads * self.key_dim
     q_BTHK = _l2_normalise(conv_BTC[..., :keys].reshape(batch, length, self.key_heads, kd))
     k_BTHK = _l2_normalise(conv_BTC[..., keys:2 * keys].reshape(batch, length, self.key_heads,
                                                                 kd))
     v_BTHV = conv_BTC[..., 2 * keys:].reshape(batch, length, self.value_heads, vd)
-    if g > 1:  # each key head serves `group` consecutive value heads
-      q_BTHK, k_BTHK = jnp.repeat(q_BTHK, g, axis=2), jnp.repeat(k_BTHK, g, axis=2)
-    q_BTHK = q_BTHK * kd**-0.5
-    decay_BTH = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-        a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-    beta_BTH = jax.nn.sigmoid(b.astype(jnp.float32))
-    out_BTHV, final = self.kernel(q_BTHK, k_BTHK, v_BTHV, decay_BTH, beta_BTH, reset_BT, state)
-    if decoding:
-      self.ssm_state[...] = final
-    normed = self.norm(out_BTHV.astype(x_BTD.dtype)).astype(jnp.float32)
-    gated = (normed * jax.nn.silu(z.astype(jnp.float32))).astype(x_BTD.dtype)
+    if self.group > 1:  # each key head serves `group` consecutive value heads
+      q_BTHK = jnp.repeat(q_BTHK, self.group, axis=2)
+      k_BTHK = jnp.repeat(k_BTHK, self.group, axis=2)
+    return q_BTHK * kd**-0.5, k_BTHK, v_BTHV
+
+  def _output(self, out_BTHV, z_BTHV, dtype):
+    """Each value head's output RMS-normalised, gated by ``silu(z)``, projected back."""
+    normed = self.norm(out_BTHV.astype(dtype)).astype(jnp.float32)
+    gated = (normed * jax.nn.silu(z_BTHV.astype(jnp.float32))).astype(dtype)
     return self.out_proj(gated)
+
+  def _paged_rule(self, mixed_TC, decay_TH, beta_TH, paged: PagedBatch) -> jax.Array:
+    """``[T, value_heads, value_dim]``: the convolution and the delta rule of each row of
+    ``paged``, from its slot's states (zero for a row starting at position 0), which are
+    then replaced by the states after the row's last token."""
+    num_tokens, taps = mixed_TC.shape[0], self.conv1d.weight.shape[1]
+    conv_SPC, ssm_SHKV = self.conv_state[...], self.ssm_state[...]
+    out_THV = None
+    for group in paged.row_groups():  # the rows gathered max_q wide, then one-token rows
+      slots_R = group.state_slots_B
+      fresh_R11 = (group.kv_lens_B == group.q_lens_B)[:, None, None]
+      valid_RQ = jnp.arange(group.max_q)[None] < group.q_lens_B[:, None]
+      x_RQC = group.gather_rows(mixed_TC)  # padded at each row's end: read by no real token
+      history_RPC = jnp.where(fresh_R11, 0, conv_SPC[slots_R]).astype(x_RQC.dtype)
+      conv_RQC = jax.nn.silu(self.conv1d(x_RQC, history_RPC, None))
+      window_RSC = jnp.concatenate([history_RPC, x_RQC], axis=1)
+      last_inputs_RP = group.q_lens_B[:, None] + jnp.arange(taps - 1)[None]
+      conv_SPC = conv_SPC.at[slots_R].set(jnp.take_along_axis(
+          window_RSC, last_inputs_RP[..., None], axis=1).astype(conv_SPC.dtype))
+      q_RQHK, k_RQHK, v_RQHV = self._queries_keys_values(conv_RQC)
+      # Padding neither decays nor writes: the state stays as the row's last token left it.
+      k_RQHK = jnp.where(valid_RQ[..., None, None], k_RQHK, 0.0)
+      decay_RQH = jnp.where(valid_RQ[..., None], group.gather_rows(decay_TH), 0.0)
+      beta_RQH = jnp.where(valid_RQ[..., None], group.gather_rows(beta_TH), 0.0)
+      state_RHKV = jnp.where(fresh_R11[..., None], 0.0, ssm_SHKV[slots_R])
+      out_RQHV, final_RHKV = self.kernel(q_RQHK, k_RQHK, v_RQHV, decay_RQH, beta_RQH, None,
+                                         state_RHKV)
+      ssm_SHKV = ssm_SHKV.at[slots_R].set(final_RHKV)
+      out_THV = group.scatter_rows(out_RQHV, num_tokens, into=out_THV)
+    self.conv_state[...], self.ssm_state[...] = conv_SPC, ssm_SHKV
+    return out_THV
 
 
 def _l2_normalise(x: jax.Array, eps: float = 1e-6) -> jax.Array:

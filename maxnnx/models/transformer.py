@@ -21,6 +21,7 @@ from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions, 
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock, make_block
 from maxnnx.layers.embedding import Embed, LearnedPositions
+from maxnnx.layers.gated_deltanet import GatedDeltaNet
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.moe import MoeAux
 from maxnnx.layers.mtp import MTPLayer, shift_left
@@ -166,12 +167,14 @@ class Transformer(nnx.Module):
     if self.vision_tower is not None:
       self.cache_blocks = nnx.Cache(jnp.full((batch, max_length), -1, jnp.int32))
 
-  def init_paged_cache(self, num_pages: int, page_size: int, dtype=None) -> None:
-    """Allocate every layer's pool of ``num_pages`` KV pages of ``page_size`` tokens.
+  def init_paged_cache(self, num_pages: int, page_size: int, dtype=None, *,
+                       num_slots: int = 0) -> None:
+    """Allocate every layer's pool of ``num_pages`` KV pages of ``page_size`` tokens, and
+    ``num_slots`` recurrent states in layers that keep one per request (Gated DeltaNet).
 
-    The pools are ``nnx.Cache`` variables of the attention layers, read and written
-    by ``hidden_states(..., paged=batch)``; which page holds what is the caller's
-    business (see :mod:`maxnnx.serving`).
+    The pools and states are ``nnx.Cache`` variables of the token-mixing layers, read and
+    written by ``hidden_states(..., paged=batch)``; which page and slot hold what is the
+    caller's business (see :mod:`maxnnx.serving`).
     """
     dtype = dtype or self.config.jnp_dtype()
     scanned = self.config.runtime.scan_layers
@@ -182,7 +185,14 @@ class Transformer(nnx.Module):
         raise NotImplementedError(
             f'{type(block.attn).__name__} has no paged KV cache (init_paged_cache); paged '
             'serving needs attention layers that take a PagedBatch.')
-    init = lambda block: block.attn.init_paged_cache(num_pages, page_size, dtype)
+    if 'linear' in self.config.resolved_layer_types and num_slots < 1:
+      raise ValueError('Gated DeltaNet layers keep a state per request: init_paged_cache '
+                       'needs num_slots >= 1 (one per running request, plus scratch slot 0).')
+
+    def init(block):
+      slots = {'num_slots': num_slots} if isinstance(block.attn, GatedDeltaNet) else {}
+      block.attn.init_paged_cache(num_pages, page_size, dtype, **slots)
+
     for block in blocks:
       if scanned:
         nnx.vmap(init, in_axes=0, out_axes=0,

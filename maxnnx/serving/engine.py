@@ -50,6 +50,15 @@ row its work.
 Page 0 of the pool is a scratch page: padding tokens write there and empty
 block-table entries point there (masked by the row lengths).
 
+**Recurrent layers.** A model with Gated DeltaNet layers (Qwen3-Next, Qwen3.5) keeps,
+in those layers, a fixed-size state per request instead of pages: the engine gives each
+running request one of ``max_batch`` state slots (``PagedBatch.state_slots_B``; slot 0
+is scratch) and takes it back when the request finishes, is cancelled or is preempted.
+A request that starts (or restarts after preemption) at position 0 starts from a zero
+state, and chunked prefill carries the state from chunk to chunk. Its attention layers
+are paged as usual. Prefix caching is off for such a model: pages could be shared, but
+the state after a shared prefix is not kept.
+
 **Images.** A vision-language model's requests may bring images
 (``add_request(ids, params, images=pixel_values)``, the prompt holding each image's
 placeholders). Their embeddings are computed once, when the request is added; a step
@@ -112,8 +121,8 @@ class Engine:
 
   Args:
     model: a :class:`~maxnnx.Transformer` (not modified; its parameters are
-      shared, not copied). Attention layers must have a paged path
-      (``init_paged_cache``): multi-head / GQA attention and MLA do.
+      shared, not copied). Its token-mixing layers must have a paged path
+      (``init_paged_cache``): multi-head / GQA attention, MLA and Gated DeltaNet do.
     tokenizer: optional; with one, prompts may be strings (encoded as they are,
       no BOS added), outputs carry ``text`` and stop strings work. Anything with
       ``encode(str) -> ids``, ``decode(ids) -> str`` and ``eos_id``.
@@ -127,7 +136,8 @@ class Engine:
     max_model_len: prompt plus output tokens of one request at most; default
       ``model.config.max_position_embeddings``.
     prefix_caching: reuse the pages of full prompt pages already computed by an
-      earlier or concurrent request with the same prefix.
+      earlier or concurrent request with the same prefix. Turned off (with a warning)
+      for a model with recurrent layers (see the module docstring).
     max_logprobs: the largest ``SamplingParams.logprobs`` accepted.
     seed: derives the seed of requests that give none.
     rules: logical-axis rules for the page pools of a sharded model (default
@@ -146,6 +156,7 @@ class Engine:
     step_shapes: the ``(tokens, max_q, pages per row, wide rows)`` buckets run so far.
     last_step_shape: the bucket of the latest step that ran the model (``None`` before one).
     mesh: the mesh of a sharded model, else ``None``.
+    prefix_caching: whether prompt pages are shared (off for recurrent models).
   """
 
   def __init__(self, model, tokenizer=None, *, max_pages: int | None = None,
@@ -180,11 +191,20 @@ class Engine:
     self.allocator = PageAllocator(self.max_pages + 1, reserved=1)
     every_layer_sliding = (cfg.sliding_window is not None
                            and set(cfg.resolved_layer_types) == {'sliding'})
+    recurrent = 'linear' in cfg.resolved_layer_types
+    if recurrent and prefix_caching:
+      logger.warning('prefix_caching is off: this model\'s Gated DeltaNet layers keep a state '
+                     'per request, which is not kept for shared prefixes.')
+    self.prefix_caching = prefix_caching and not recurrent
+    # Recurrent-state slots: 1..max_batch for running requests, 0 scratch (empty rows).
+    self._free_slots = list(range(max_batch, 0, -1)) if recurrent else None
+    self._slots: dict[int, int] = {}  # request id -> its state slot
     self.scheduler = Scheduler(self.allocator, page_size=page_size, max_batch=max_batch,
-                               token_budget=token_budget, prefix_caching=prefix_caching,
+                               token_budget=token_budget, prefix_caching=self.prefix_caching,
                                window=cfg.sliding_window if every_layer_sliding else None)
     work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
-    work.init_paged_cache(self.max_pages + 1, page_size)
+    work.init_paged_cache(self.max_pages + 1, page_size,
+                          num_slots=max_batch + 1 if recurrent else 0)
     self._graphdef, self._params, self._cache = nnx.split(work, nnx.Param, ...)
     self.mesh = _mesh_of(self._params)
     if self.mesh is not None:  # a model sharded by from_pretrained(mesh=...): pools alike
@@ -273,6 +293,7 @@ class Engine:
     if request is None:
       return False
     self._image_embeddings.pop(request_id, None)
+    self._release_slot(request_id)
     self.scheduler.finish(request, 'cancelled')
     self._cancelled.append(self._output(request, (), None))
     return True
@@ -307,6 +328,8 @@ class Engine:
     outputs, self._cancelled = self._cancelled, []
     # Rows with prefill chunks first: only those are gathered max_q wide (PagedBatch.wide_rows).
     scheduled = sorted(self.scheduler.schedule(), key=lambda rc: rc[1] == 1)
+    if self._free_slots is not None:
+      self._assign_slots(scheduled)
     if not scheduled:
       return outputs
     model_inputs, sampling_inputs = self._inputs(scheduled)
@@ -337,6 +360,7 @@ class Engine:
         self.scheduler.finish(request, reason)
         del self._requests[request.request_id]
         self._image_embeddings.pop(request.request_id, None)
+        self._release_slot(request.request_id)
       outputs.append(self._output(request, (token,), logprobs))
     return outputs
 
@@ -387,6 +411,20 @@ class Engine:
 
   # -- internals --------------------------------------------------------------
 
+  def _assign_slots(self, scheduled: list[tuple[Request, int]]) -> None:
+    """Take back the state slots of requests no longer running (finished, cancelled,
+    preempted) and give one to each scheduled request without one."""
+    running = {request.request_id for request in self.scheduler.running}
+    for request_id in [i for i in self._slots if i not in running]:
+      self._release_slot(request_id)
+    for request, _ in scheduled:
+      if request.request_id not in self._slots:
+        self._slots[request.request_id] = self._free_slots.pop()
+
+  def _release_slot(self, request_id: int) -> None:
+    if request_id in self._slots:
+      self._free_slots.append(self._slots.pop(request_id))
+
   def _inputs(self, scheduled: list[tuple[Request, int]]):
     """The model step's arrays (see :class:`PagedBatch`) and the sampler's, for ``scheduled``."""
     ps, rows = self.page_size, self.max_batch
@@ -400,8 +438,8 @@ class Engine:
     wide_rows = None if max_q == 1 else bucket(last_wide + 1, 1, rows)
     ids_T, positions_T, slots_T = (np.zeros(width, np.int32) for _ in range(3))
     page_table_BM = np.zeros((rows, num_pages), np.int32)
-    kv_lens_B, q_starts_B, q_lens_B, last_B, seeds_B, counters_B, top_k_B = (
-        np.zeros(rows, np.int32) for _ in range(7))
+    kv_lens_B, q_starts_B, q_lens_B, last_B, seeds_B, counters_B, top_k_B, state_slots_B = (
+        np.zeros(rows, np.int32) for _ in range(8))
     temperature_B, top_p_B = np.zeros(rows, np.float32), np.ones(rows, np.float32)
     logprob_temperature_B = np.ones(rows, np.float32)
     images = [(r, n) for r, n in scheduled if any(
@@ -430,6 +468,7 @@ class Engine:
       page_table_BM[row, :len(pages)] = pages
       kv_lens_B[row], q_starts_B[row], q_lens_B[row] = positions[-1] + 1, offset, count
       last_B[row] = offset + count - 1
+      state_slots_B[row] = self._slots.get(request.request_id, 0)
       params = request.params
       temperature_B[row] = params.temperature
       top_k_B[row] = params.top_k or 0
@@ -439,7 +478,8 @@ class Engine:
       seeds_B[row], counters_B[row] = request.seed, len(request.output_ids)
       offset += count
     batch = PagedBatch(page_table_BM, kv_lens_B, q_starts_B, q_lens_B, slots_T, max_q,
-                       blocks_T, wide_rows)
+                       blocks_T, wide_rows,
+                       None if self._free_slots is None else state_slots_B)
     self.last_step_shape = (width, max_q, num_pages, wide_rows) + (('images',) if images else ())
     self.step_shapes.add(self.last_step_shape)
     return ((ids_T, positions_T, batch, last_B, embeddings_TD),
