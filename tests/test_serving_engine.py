@@ -266,6 +266,9 @@ SLIDING = dict(vocab_size=VOCAB, d_model=48, num_layers=4, num_heads=4, num_kv_h
     pytest.param(dict(preset='gemma3-1b', **SLIDING), id='gemma3_list', marks=pytest.mark.slow),
     pytest.param(dict(attention_type='mla', head_dim=None, kv_lora_rank=8, qk_nope_head_dim=8,
                       qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12), id='mla'),
+    pytest.param(dict(attention_type='mla', head_dim=None, mla=dict(
+        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12,
+        index_topk=5, index_num_heads=2, index_head_dim=8)), id='mla_sparse_v32'),
     pytest.param(dict(num_experts=4, num_experts_per_tok=2, moe_mlp_dim=32, scan_layers=True),
                  id='moe', marks=pytest.mark.slow),
     pytest.param(dict(preset='tiny-llama4', attention_chunk_size=6, attn_temperature_floor=3.0,
@@ -279,8 +282,10 @@ SLIDING = dict(vocab_size=VOCAB, d_model=48, num_layers=4, num_heads=4, num_kv_h
                  id='gemma4_per_layer_inputs_shared_kv', marks=pytest.mark.slow),
 ])
 def test_family_under_paging_equals_its_unpaged_decode(family):
-  """Sliding windows with soft-caps (Gemma 2/3 style), MLA's compressed cache and MoE layers
-  give generate's tokens under paging, with prompts and outputs longer than the window."""
+  """Sliding windows with soft-caps (Gemma 2/3 style), MLA's compressed cache (also sparse,
+  DeepSeek V3.2's: its indexer keeps 5 keys of up to 32, from keys in pages of their own) and
+  MoE layers give generate's tokens under paging, with prompts and outputs longer than the
+  window."""
   family = dict(family)
   preset = family.pop('preset', None)
   if preset is None:

@@ -61,14 +61,26 @@ class LightningIndexer(nnx.Module):
     k_BT1D = self.k_norm(self.wk(x_BTD))[:, :, None]
     return self._rotate(k_BT1D, cos_sin)[:, :, 0]
 
+  def queries(self, x_BTD: jax.Array, q_lora_BTR: jax.Array, cos_sin
+              ) -> tuple[jax.Array, jax.Array]:
+    """``(rotated queries [B, T, heads, head_dim], head weights [B, T, heads])`` of this
+    step's tokens, for :meth:`choose`."""
+    q_BTHD = self._rotate(self.wq_b(q_lora_BTR), cos_sin)
+    weights_BTH = self.weights_proj(x_BTD).astype(jnp.float32) * self.heads**-0.5
+    return q_BTHD, weights_BTH
+
   def select(self, x_BTD: jax.Array, q_lora_BTR: jax.Array, cos_sin, keys_BSD: jax.Array,
              visible_BTS: jax.Array) -> jax.Array:
     """``[B, T, S]`` bool: the ``index_topk`` keys of ``keys_BSD`` each query keeps
     (among ``visible_BTS``)."""
-    q_BTHD = self._rotate(self.wq_b(q_lora_BTR), cos_sin)
+    return self.choose(*self.queries(x_BTD, q_lora_BTR, cos_sin), keys_BSD, visible_BTS)
+
+  def choose(self, q_BTHD: jax.Array, weights_BTH: jax.Array, keys_BSD: jax.Array,
+             visible_BTS: jax.Array) -> jax.Array:
+    """:meth:`select` from the queries and weights of :meth:`queries` (the serving
+    engine gathers them per request first)."""
     scores_BTHS = jnp.einsum('bthd,bsd->bths', q_BTHD.astype(jnp.float32),
                              keys_BSD.astype(jnp.float32)) * self.head_dim**-0.5
-    weights_BTH = self.weights_proj(x_BTD).astype(jnp.float32) * self.heads**-0.5
     index_BTS = jnp.einsum('bth,bths->bts', weights_BTH, jax.nn.relu(scores_BTHS))
     index_BTS = jax.lax.stop_gradient(jnp.where(visible_BTS, index_BTS, -jnp.inf))
     k = min(self.topk, index_BTS.shape[-1])

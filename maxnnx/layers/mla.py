@@ -18,7 +18,8 @@ narrower (and sliced back), so the kernel sees one head width.
 With ``mla.index_topk`` (DeepSeek V3.2's sparse attention), a
 :class:`~maxnnx.layers.indexer.LightningIndexer` picks the keys each query keeps and
 the kernel gets them as ``AttentionOptions.key_mask_BTS``; decoding caches the
-indexer's keys beside the latents. The paged cache does not cover it yet.
+indexer's keys beside the latents, and the paged cache holds them in pages of their own
+(``pages_index_keys``): each request's queries choose among its gathered keys.
 
 With YaRN scaling and ``mscale_all_dim``, the softmax scale is multiplied by
 ``mscale(factor, mscale_all_dim) ** 2`` as DeepSeek does (unless
@@ -119,6 +120,7 @@ class MLA(nnx.Module):
     self.cache_index_keys = nnx.data(None)
     self.pages_latent = nnx.data(None)
     self.pages_k_rope = nnx.data(None)
+    self.pages_index_keys = nnx.data(None)
 
   def init_cache(self, batch: int, max_length: int, dtype) -> None:
     """Allocate an empty compressed cache (latent + rotated key part)."""
@@ -129,12 +131,13 @@ class MLA(nnx.Module):
           jnp.zeros((batch, max_length, self.indexer.head_dim), dtype))
 
   def init_paged_cache(self, num_pages: int, page_size: int, dtype) -> None:
-    """Allocate an empty pool of pages holding the latent and the rotated key part."""
-    if self.indexer is not None:
-      raise NotImplementedError('Sparse MLA (an indexer, DeepSeek V3.2) has no paged cache yet; '
-                                'the serving engine cannot run this model.')
+    """Allocate an empty pool of pages holding the latent and the rotated key part (and
+    the indexer's keys, with one)."""
     self.pages_latent = nnx.Cache(jnp.zeros((num_pages, page_size, self.kv_lora_rank), dtype))
     self.pages_k_rope = nnx.Cache(jnp.zeros((num_pages, page_size, self.rope), dtype))
+    if self.indexer is not None:
+      self.pages_index_keys = nnx.Cache(
+          jnp.zeros((num_pages, page_size, self.indexer.head_dim), dtype))
 
   def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
                mask: AttentionMask | None, *, sliding_window: int | jax.Array | None = None,
@@ -147,7 +150,10 @@ class MLA(nnx.Module):
     """
     q_BTNQ, latent_BTL, k_rot_BT1R, q_lora_BTR = self._project(x_BTD, cos_sin)
     if paged is not None:
-      return self._paged(q_BTNQ, latent_BTL, k_rot_BT1R, paged, sliding_window)
+      index = (None if self.indexer is None else
+               (self.indexer.keys(x_BTD, cos_sin),
+                *self.indexer.queries(x_BTD, q_lora_BTR, cos_sin)))
+      return self._paged(q_BTNQ, latent_BTL, k_rot_BT1R, paged, sliding_window, index)
     index_keys_BSD = None if self.indexer is None else self.indexer.keys(x_BTD, cos_sin)
     if cache_index is not None:
       if self.cache_latent is None:
@@ -211,7 +217,11 @@ class MLA(nnx.Module):
     out = self.kernel(q_BTNQ, k_BSNQ, v_BSNQ, mask, options)
     return checkpoint_name(constrain(out[..., :self.v_dim], Q_AXES), 'attention_out')
 
-  def _paged(self, q_1TNQ, latent_1TL, k_rot_1T1R, paged: PagedBatch, sliding_window):
+  def _paged(self, q_1TNQ, latent_1TL, k_rot_1T1R, paged: PagedBatch, sliding_window,
+             index=None):
+    """``[1, T, d_model]``: the flat tokens' attention over their requests' pages.
+    ``index``: the indexer's ``(keys [1, T, D], queries [1, T, H, D], weights [1, T, H])``
+    of these tokens (sparse MLA), or ``None``."""
     if self.pages_latent is None:
       raise ValueError('Paged attention needs a page pool: call '
                        'model.init_paged_cache(num_pages, page_size).')
@@ -219,12 +229,22 @@ class MLA(nnx.Module):
     self.pages_k_rope[...] = paged.write(self.pages_k_rope[...], k_rot_1T1R[0, :, 0])
     dtype = q_1TNQ.dtype
     pages_latent, pages_k_rope = self.pages_latent[...], self.pages_k_rope[...]
+    if index is not None:
+      index_keys_1TD, index_q_1THD, index_w_1TH = index
+      self.pages_index_keys[...] = paged.write(self.pages_index_keys[...], index_keys_1TD[0])
+      pages_index_keys = self.pages_index_keys[...]
 
     def attend_rows(group: PagedBatch):
       latent_BSL = group.gather_pages(pages_latent).astype(dtype)
       k_rot_BS1R = group.gather_pages(pages_k_rope)[:, :, None].astype(dtype)
-      return self._attend(group.gather_rows(q_1TNQ[0]), latent_BSL, k_rot_BS1R,
-                          group.row_mask(latent_BSL.shape[1]), sliding_window)
+      mask = group.row_mask(latent_BSL.shape[1])
+      key_mask_BQS = None
+      if index is not None:  # each row's queries choose among its own gathered keys
+        key_mask_BQS = self.indexer.choose(
+            group.gather_rows(index_q_1THD[0]), group.gather_rows(index_w_1TH[0]),
+            group.gather_pages(pages_index_keys), mask.dense(sliding_window))
+      return self._attend(group.gather_rows(q_1TNQ[0]), latent_BSL, k_rot_BS1R, mask,
+                          sliding_window, key_mask_BQS)
 
     out_TNV = paged.map_row_groups(attend_rows, q_1TNQ.shape[1])
     return self.o_proj(out_TNV[None])

@@ -25,8 +25,9 @@ the layers, rather than threading explicit arrays through every layer call,
 means the layers carry them through both layer layouts (a list, or ``lax.scan``
 over stacked layers) with the code that already carries ``nnx.Cache``, and the
 engine never needs a family's cache layout: GQA pages hold keys and values,
-MLA pages the compressed latent and rotated key part. What changes every step,
-the block tables, write slots and lengths, is a plain argument
+MLA pages the compressed latent and rotated key part (and DeepSeek V3.2's indexer
+keys), Gated DeltaNet layers a state per slot. What changes every step, the block
+tables, write slots and lengths, is a plain argument
 (:class:`~maxnnx.kernels.paged_attention.PagedBatch`) built on the host.
 
 **Compiled shapes.** A step is two jitted calls: the model, whose shapes are
