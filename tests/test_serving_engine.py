@@ -332,8 +332,39 @@ def test_pages_behind_an_every_layer_window_go_back_to_the_pool():
   assert [list(c.token_ids) for c in small_pool.generate(prompts[:1], _greedy(40))] == [
       want.tokens[0].tolist()]
   _assert_idle(small_pool)
+  assert engine.window_allocator is None  # one pool: every layer gives pages back
+
+
+def test_sliding_layers_of_a_mixed_model_give_back_their_pages():
+  """Sliding and full layers (window 6): the sliding layers' pages come from a pool of their
+  own and go back behind the window, the full layers keep every page; tokens stay
+  generate's, and a prompt served again starts from both pools' cached pages."""
   mixed = maxnnx.Transformer(maxnnx.ModelConfig.from_dict(SLIDING), rngs=nnx.Rngs(0))
-  assert Engine(mixed, max_model_len=16).scheduler.window is None  # full layers read it all
+  engine = Engine(mixed, page_size=4, max_batch=2, token_budget=8, max_model_len=64)
+  bound = -(-(6 + 8) // 4) + 1  # window plus a step's tokens, and a page's edge
+  assert engine.window_pages_per_request == bound and engine.max_window_pages == 2 * 2 * bound
+  rng = np.random.default_rng(6)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in (13, 5, 22)]
+  want = maxnnx.generate(mixed, prompts, max_new_tokens=30, eos_ids=None)
+  ids = [engine.add_request(p, _greedy(30)) for p in prompts]
+  tokens, held = {i: [] for i in ids}, []
+  while engine.has_unfinished():
+    for out in engine.step():
+      tokens[out.request_id].extend(out.new_token_ids)
+    for request in engine.scheduler.running:
+      assert len(request.pages) == -(-request.num_computed // 4)  # full layers: every page
+      held.append(len(request.window_pages) - request.num_released)
+    engine.allocator.check()
+    engine.window_allocator.check()
+  assert [tokens[i] for i in ids] == want.tokens.tolist()
+  assert 0 < max(held) <= bound
+  [again] = engine.generate(prompts[2:], _greedy(30))
+  assert again.num_cached_tokens == 20 and list(again.token_ids) == want.tokens[2].tolist()
+  _assert_idle(engine)
+  assert engine.window_allocator.num_available == engine.max_window_pages
+  scanned = maxnnx.Transformer(maxnnx.ModelConfig.from_dict({**SLIDING, 'scan_layers': True}),
+                               rngs=nnx.Rngs(0))
+  assert Engine(scanned, max_model_len=16).window_allocator is None  # one pool: all kept
 
 
 def test_a_model_sharded_over_tensor_devices_serves_the_same_tokens(model, tmp_path):

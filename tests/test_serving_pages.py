@@ -103,11 +103,16 @@ def test_preemption_frees_pages_and_requeues_first():
   alloc.check()
 
 
-def test_thousand_random_requests_leave_no_page_behind():
-  """Random arrivals, prefixes, lengths, cancellations: every page comes back."""
+@pytest.mark.parametrize('layers', ['full', 'every_layer_sliding', 'sliding_and_full'])
+def test_thousand_random_requests_leave_no_page_behind(layers):
+  """Random arrivals, prefixes, lengths, cancellations: every page comes back, from both
+  pools when sliding layers have their own (which then hold only a window's pages)."""
   rng = np.random.default_rng(0)
-  alloc = PageAllocator(41)
-  sched = Scheduler(alloc, page_size=4, max_batch=8, token_budget=24)
+  alloc = PageAllocator(13 if layers == 'every_layer_sliding' else 41)  # preempts in all 3
+  window_alloc = PageAllocator(21) if layers == 'sliding_and_full' else None
+  window = None if layers == 'full' else 5
+  sched = Scheduler(alloc, page_size=4, max_batch=8, token_budget=24, window=window,
+                    window_allocator=window_alloc)
   prefixes = [rng.integers(0, 50, 12).tolist() for _ in range(5)]
   live, next_id, cached = {}, 0, 0
   while next_id < 1000 or sched.has_unfinished():
@@ -128,7 +133,18 @@ def test_thousand_random_requests_leave_no_page_behind():
     if live and rng.random() < 0.05:
       sched.finish(live.pop(int(rng.choice(list(live)))), 'cancelled')
     alloc.check()
-  assert alloc.num_available == alloc.num_usable and not any(alloc.ref_counts)
+    for req in sched.running:
+      sliding = req.pages if window_alloc is None else req.window_pages
+      if window_alloc is not None:
+        assert len(req.window_pages) == len(req.pages) and 0 not in req.pages
+      assert sliding[:req.num_released] == [0] * req.num_released
+      assert 0 not in sliding[req.num_released:]
+      if window is not None:  # the window and a step's tokens, and a page's edge
+        assert len(sliding) - req.num_released <= -(-(window + 24) // 4) + 1
+    if window_alloc is not None:
+      window_alloc.check()
+  for pool in (alloc,) if window_alloc is None else (alloc, window_alloc):
+    assert pool.num_available == pool.num_usable and not any(pool.ref_counts)
   assert sched.num_preemptions > 0 and alloc.evictions > 0 and cached > 0
 
 

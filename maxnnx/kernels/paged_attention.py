@@ -76,6 +76,9 @@ class PagedBatch:
       are gathered one token wide. ``None``: every row is ``max_q`` wide.
     state_slots_B: ``[B]`` int32 recurrent-state slot of each row (layers with a state
       per request, such as Gated DeltaNet; 0: scratch, for empty rows), or ``None``.
+    window_page_table_BM, window_slots_T: the sliding layers' page table and write slots
+      when they have a pool of their own (a model mixing sliding and full layers; see
+      :meth:`sliding_layers`), else ``None``.
   """
 
   page_table_BM: jax.Array
@@ -87,6 +90,18 @@ class PagedBatch:
   blocks_T: jax.Array | None = None
   wide_rows: int | None = None
   state_slots_B: jax.Array | None = None
+  window_page_table_BM: jax.Array | None = None
+  window_slots_T: jax.Array | None = None
+
+  def sliding_layers(self) -> 'PagedBatch':
+    """The batch as a sliding layer reads it: its own pool's page table and write slots
+    when it has one (pages behind the window read as the scratch page, masked by the
+    window), else this batch."""
+    if self.window_page_table_BM is None:
+      return self
+    return dataclasses.replace(self, page_table_BM=self.window_page_table_BM,
+                               slots_T=self.window_slots_T, window_page_table_BM=None,
+                               window_slots_T=None)
 
   def _row_index(self):
     """``[B, Q]`` flat index of each row's tokens, and which of them exist."""
@@ -121,7 +136,7 @@ class PagedBatch:
       return dataclasses.replace(
           self, page_table_BM=self.page_table_BM[span], kv_lens_B=self.kv_lens_B[span],
           q_starts_B=self.q_starts_B[span], q_lens_B=self.q_lens_B[span], max_q=max_q,
-          wide_rows=None,
+          wide_rows=None, window_page_table_BM=None, window_slots_T=None,
           state_slots_B=None if self.state_slots_B is None else self.state_slots_B[span])
 
     return part(slice(None, self.wide_rows), self.max_q), part(slice(self.wide_rows, None), 1)
@@ -184,7 +199,8 @@ class PagedBatch:
 
 jax.tree_util.register_dataclass(
     PagedBatch, data_fields=['page_table_BM', 'kv_lens_B', 'q_starts_B', 'q_lens_B', 'slots_T',
-                             'blocks_T', 'state_slots_B'],
+                             'blocks_T', 'state_slots_B', 'window_page_table_BM',
+                             'window_slots_T'],
     meta_fields=['max_q', 'wide_rows'])
 
 

@@ -168,9 +168,13 @@ class Transformer(nnx.Module):
       self.cache_blocks = nnx.Cache(jnp.full((batch, max_length), -1, jnp.int32))
 
   def init_paged_cache(self, num_pages: int, page_size: int, dtype=None, *,
-                       num_slots: int = 0) -> None:
+                       num_slots: int = 0, window_pages: int | None = None) -> None:
     """Allocate every layer's pool of ``num_pages`` KV pages of ``page_size`` tokens, and
     ``num_slots`` recurrent states in layers that keep one per request (Gated DeltaNet).
+
+    ``window_pages``: the pool size of the sliding layers instead (unscanned models mixing
+    sliding and full layers; their pages come from a pool of their own, read through
+    ``PagedBatch.window_page_table_BM``).
 
     The pools and states are ``nnx.Cache`` variables of the token-mixing layers, read and
     written by ``hidden_states(..., paged=batch)``; which page and slot hold what is the
@@ -189,16 +193,21 @@ class Transformer(nnx.Module):
       raise ValueError('Gated DeltaNet layers keep a state per request: init_paged_cache '
                        'needs num_slots >= 1 (one per running request, plus scratch slot 0).')
 
-    def init(block):
-      slots = {'num_slots': num_slots} if isinstance(block.attn, GatedDeltaNet) else {}
-      block.attn.init_paged_cache(num_pages, page_size, dtype, **slots)
+    if window_pages is not None and scanned:
+      raise ValueError('window_pages needs unscanned layers (scan_layers=False).')
 
-    for block in blocks:
+    def init(block, pages):
+      slots = {'num_slots': num_slots} if isinstance(block.attn, GatedDeltaNet) else {}
+      block.attn.init_paged_cache(pages, page_size, dtype, **slots)
+
+    for i, block in enumerate(blocks):
       if scanned:
-        nnx.vmap(init, in_axes=0, out_axes=0,
+        nnx.vmap(lambda block: init(block, num_pages), in_axes=0, out_axes=0,
                  transform_metadata={nnx.PARTITION_NAME: 'layers'})(block)
+      elif window_pages is not None and self.config.resolved_layer_types[i] == 'sliding':
+        init(block, window_pages)
       else:
-        init(block)
+        init(block, num_pages)
 
   # -- forward ----------------------------------------------------------------
 
@@ -438,8 +447,9 @@ class Transformer(nnx.Module):
         extra['per_layer_input'] = per_layer_BTLP[:, :, i]
       if donors[i] is not None:
         extra['shared_kv'] = shared[donors[i]]
-      out = self._apply_block(block, x_BTD, layer_cos_sin, mask, window, cache_index, paged,
-                              chunk, return_kv=i in wanted, **extra)
+      layer_paged = paged if paged is None or window is None else paged.sliding_layers()
+      out = self._apply_block(block, x_BTD, layer_cos_sin, mask, window, cache_index,
+                              layer_paged, chunk, return_kv=i in wanted, **extra)
       x_BTD, shared[i] = out if i in wanted else (out, None)
     return x_BTD
 

@@ -51,6 +51,12 @@ row its work.
 Page 0 of the pool is a scratch page: padding tokens write there and empty
 block-table entries point there (masked by the row lengths).
 
+**Sliding windows.** When every attention layer slides, a request's pages behind the
+window of its next token go back to the pool as it advances. When sliding and full layers
+mix (unscanned), the sliding layers have a smaller pool of their own
+(:attr:`Engine.window_allocator`, ``PagedBatch.window_page_table_BM``) whose pages go back
+the same way, while the full layers keep every page.
+
 **Recurrent layers.** A model with Gated DeltaNet layers (Qwen3-Next, Qwen3.5) keeps,
 in those layers, a fixed-size state per request instead of pages: the engine gives each
 running request one of ``max_batch`` state slots (``PagedBatch.state_slots_B``; slot 0
@@ -129,7 +135,8 @@ class Engine:
       ``encode(str) -> ids``, ``decode(ids) -> str`` and ``eos_id``.
     max_pages: pages in the pool (per layer), each ``page_size`` tokens; default
       enough for ``max_batch`` requests of ``max_model_len`` tokens. One more
-      page is allocated as scratch.
+      page is allocated as scratch. The sliding layers of a model that mixes sliding
+      and full layers get ``max_window_pages`` instead (see Attributes).
     page_size: tokens per page.
     max_batch: requests computed in one step at most.
     token_budget: tokens computed in one step at most (decode tokens plus
@@ -151,6 +158,13 @@ class Engine:
   Attributes:
     scheduler: the :class:`~maxnnx.serving.scheduler.Scheduler` (queues, preemption count).
     allocator: the :class:`~maxnnx.serving.pages.PageAllocator` of the pool.
+    window_allocator: the sliding layers' own pool when sliding and full layers mix
+      (unscanned), else ``None``.
+    window_pages_per_request: pages a request's sliding layers hold at most (its
+      window, a step's tokens and a page's edge; all its pages without sliding layers).
+    max_window_pages: pages of the sliding layers' own pool: ``min(max_pages, 2 *
+      max_batch * window_pages_per_request)``, room to keep released pages cached
+      (0 without that pool).
     tokenizer: the tokenizer, or ``None``.
     eos_ids: ids that end a request unless ``ignore_eos``: ``model.config.eos_token_id``,
       else the tokenizer's ``eos_id``.
@@ -190,8 +204,21 @@ class Engine:
             f'{rotary.long_threshold} tokens, which a batch of independent requests cannot do; '
             f'serve this model with max_model_len <= {rotary.long_threshold}.')
     self.allocator = PageAllocator(self.max_pages + 1, reserved=1)
-    every_layer_sliding = (cfg.sliding_window is not None
-                           and set(cfg.resolved_layer_types) == {'sliding'})
+    types = set(cfg.resolved_layer_types)
+    window = cfg.sliding_window if 'sliding' in types else None
+    # A request's pages that its sliding layers still attend to, at most.
+    self.window_pages_per_request = (
+        self.pages_per_request if window is None else
+        min(self.pages_per_request, math.ceil((window + token_budget) / page_size) + 1))
+    # Mixed sliding and full layers (unscanned): the sliding layers get a pool of their own,
+    # twice what the running requests hold, so released pages stay cached for prefix hits.
+    self.window_allocator = None
+    self.max_window_pages = 0
+    if window is not None and types == {'sliding', 'full'} and not cfg.runtime.scan_layers:
+      self.max_window_pages = min(self.max_pages, 2 * max_batch * self.window_pages_per_request)
+      self.window_allocator = PageAllocator(self.max_window_pages + 1, reserved=1)
+    elif types != {'sliding'}:
+      window = None  # full (or chunked) layers read every page
     recurrent = 'linear' in cfg.resolved_layer_types
     if recurrent and prefix_caching:
       logger.warning('prefix_caching is off: this model\'s Gated DeltaNet layers keep a state '
@@ -202,10 +229,12 @@ class Engine:
     self._slots: dict[int, int] = {}  # request id -> its state slot
     self.scheduler = Scheduler(self.allocator, page_size=page_size, max_batch=max_batch,
                                token_budget=token_budget, prefix_caching=self.prefix_caching,
-                               window=cfg.sliding_window if every_layer_sliding else None)
+                               window=window, window_allocator=self.window_allocator)
     work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
     work.init_paged_cache(self.max_pages + 1, page_size,
-                          num_slots=max_batch + 1 if recurrent else 0)
+                          num_slots=max_batch + 1 if recurrent else 0,
+                          window_pages=self.max_window_pages + 1 if self.max_window_pages
+                          else None)
     self._graphdef, self._params, self._cache = nnx.split(work, nnx.Param, ...)
     self.mesh = _mesh_of(self._params)
     if self.mesh is not None:  # a model sharded by from_pretrained(mesh=...): pools alike
@@ -260,10 +289,11 @@ class Engine:
                        'leaves no room for output.')
     longest = min(len(ids) + params.max_tokens, self.max_model_len) - 1  # tokens ever cached
     pages_held = math.ceil(longest / self.page_size)
-    window = self.scheduler.window
-    if window is not None:  # pages behind the window go back as the request advances
-      pages_held = min(pages_held, math.ceil((window + self.token_budget) / self.page_size) + 1)
-    if pages_held > self.max_pages:
+    window_pages_held = min(pages_held, self.window_pages_per_request)
+    if self.scheduler.window is not None and self.window_allocator is None:
+      pages_held = window_pages_held  # every layer slides: pages behind the window go back
+    if pages_held > self.max_pages or (self.window_allocator is not None
+                                       and window_pages_held > self.max_window_pages):
       raise ValueError(f'The request can reach {longest} cached tokens, more than the pool '
                        f'holds ({self.max_pages} pages of {self.page_size}).')
     if params.logprobs is not None and params.logprobs > self.max_logprobs:
@@ -409,6 +439,8 @@ class Engine:
       raise ValueError('load_weights() needs a model of the same architecture and shapes.')
     self._params = params
     self.allocator.clear_cache()
+    if self.window_allocator is not None:
+      self.window_allocator.clear_cache()
 
   # -- internals --------------------------------------------------------------
 
@@ -439,6 +471,9 @@ class Engine:
     wide_rows = None if max_q == 1 else bucket(last_wide + 1, 1, rows)
     ids_T, positions_T, slots_T = (np.zeros(width, np.int32) for _ in range(3))
     page_table_BM = np.zeros((rows, num_pages), np.int32)
+    window_table_BM = window_slots_T = None
+    if self.window_allocator is not None:
+      window_table_BM, window_slots_T = np.zeros_like(page_table_BM), np.zeros_like(slots_T)
     kv_lens_B, q_starts_B, q_lens_B, last_B, seeds_B, counters_B, top_k_B, state_slots_B = (
         np.zeros(rows, np.int32) for _ in range(8))
     temperature_B, top_p_B = np.zeros(rows, np.float32), np.ones(rows, np.float32)
@@ -467,6 +502,10 @@ class Engine:
       positions_T[span] = positions
       slots_T[span] = pages[positions // ps] * ps + positions % ps
       page_table_BM[row, :len(pages)] = pages
+      if window_table_BM is not None:
+        window_pages = np.asarray(request.window_pages, np.int32)
+        window_slots_T[span] = window_pages[positions // ps] * ps + positions % ps
+        window_table_BM[row, :len(window_pages)] = window_pages
       kv_lens_B[row], q_starts_B[row], q_lens_B[row] = positions[-1] + 1, offset, count
       last_B[row] = offset + count - 1
       state_slots_B[row] = self._slots.get(request.request_id, 0)
@@ -480,7 +519,8 @@ class Engine:
       offset += count
     batch = PagedBatch(page_table_BM, kv_lens_B, q_starts_B, q_lens_B, slots_T, max_q,
                        blocks_T, wide_rows,
-                       None if self._free_slots is None else state_slots_B)
+                       None if self._free_slots is None else state_slots_B,
+                       window_table_BM, window_slots_T)
     self.last_step_shape = (width, max_q, num_pages, wide_rows) + (('images',) if images else ())
     self.step_shapes.add(self.last_step_shape)
     return ((ids_T, positions_T, batch, last_B, embeddings_TD),

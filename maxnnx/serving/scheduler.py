@@ -21,6 +21,15 @@ running request is preempted: its pages are released (they stay in the prefix
 cache while nothing evicts them) and it goes back to the front of the queue, to be
 recomputed from its tokens. No new request is admitted in a step that preempted.
 
+With a ``window`` (sliding-window attention), pages that lie wholly before the window of
+a request's next token go back to the pool as it advances. When every attention layer
+slides, those are the request's pages; when sliding and full layers mix (Gemma 2/3,
+GPT-OSS, OLMo 3), the sliding layers keep their pages apart, from a second pool
+(``window_allocator``, ``Request.window_pages``): the full layers' pages are kept, the
+sliding layers' go back. A prefix-cache hit then needs both: the full layers' pages of the
+prefix and the sliding layers' pages of its last window (the hit is cut shorter until
+both are cached).
+
 A request with images (a vision-language model) lists its images' token spans: a
 prefill chunk never ends inside one (an image's tokens attend to each other in both
 directions, so they are computed in one step), and its pages are hashed after a digest
@@ -47,9 +56,13 @@ class Request:
     params: its :class:`SamplingParams`.
     seed: the seed of its samples.
     num_computed: leading tokens whose keys and values are in the cache.
-    pages: its pages, in sequence order (the first ``num_released`` given back: see
-      ``Scheduler``'s ``window``; they read as the scratch page 0).
-    num_released: leading pages released because no later token attends to them.
+    pages: its pages, in sequence order (when every layer slides, the first
+      ``num_released`` are given back: see ``Scheduler``'s ``window``; they read as the
+      scratch page 0).
+    window_pages: its sliding layers' pages when sliding and full layers mix (the first
+      ``num_released`` given back), else empty.
+    num_released: leading pages (of ``window_pages`` when there are, else of ``pages``)
+      released because no later token attends to them.
     hashes: content hashes of its first ``len(hashes)`` pages (full and computed).
     num_cached_tokens: prompt tokens taken from the prefix cache at admission.
     finish_reason: ``None`` until finished.
@@ -66,6 +79,7 @@ class Request:
   seed: int
   num_computed: int = 0
   pages: list[int] = dataclasses.field(default_factory=list)
+  window_pages: list[int] = dataclasses.field(default_factory=list)
   num_released: int = 0
   hashes: list[bytes] = dataclasses.field(default_factory=list)
   num_cached_tokens: int = 0
@@ -99,14 +113,18 @@ class Scheduler:
     max_batch: requests running at once at most (rows of a step).
     token_budget: tokens computed per step at most; at least ``max_batch``.
     prefix_caching: share full prompt pages between requests by content hash.
-    window: when every attention layer sees only the last ``window`` positions, a
-      request's pages that lie wholly before the window of its next token are given
-      back to the pool as it advances (they stay in the prefix cache when hashed),
-      so a long request holds about ``window / page_size + 1`` pages.
+    window: the sliding layers' window: a request's pages that lie wholly before the
+      window of its next token are given back to the pool as it advances (they stay in
+      the prefix cache when hashed), so a long request holds about
+      ``window / page_size + 1`` of them. They are its pages when every attention layer
+      slides (no ``window_allocator``).
+    window_allocator: the sliding layers' own pool, when sliding and full layers mix;
+      requests then hold pages of both pools, and only the sliding layers' go back.
   """
 
   def __init__(self, allocator: PageAllocator, *, page_size: int, max_batch: int,
-               token_budget: int, prefix_caching: bool = True, window: int | None = None):
+               token_budget: int, prefix_caching: bool = True, window: int | None = None,
+               window_allocator: PageAllocator | None = None):
     if min(max_batch, token_budget, page_size) < 1 or token_budget < max_batch:
       raise ValueError(f'Need page_size >= 1 and token_budget >= max_batch >= 1 (every running '
                        f'request can decode in each step); got page_size={page_size}, '
@@ -116,7 +134,10 @@ class Scheduler:
     self.max_batch = max_batch
     self.token_budget = token_budget
     self.prefix_caching = prefix_caching
+    if window_allocator is not None and window is None:
+      raise ValueError('A window_allocator needs the sliding layers\' window.')
     self.window = window
+    self.window_allocator = window_allocator
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.num_preemptions = 0
@@ -188,18 +209,31 @@ class Scheduler:
       parent = request.hashes[-1] if request.hashes else request.cache_salt
       new = page_hashes(request.token_ids[:full * self.page_size], self.page_size,
                         start=len(request.hashes), parent=parent)
-      for page, content_hash in zip(request.pages[len(request.hashes):full], new):
+      for index, content_hash in enumerate(new, start=len(request.hashes)):
         if self.prefix_caching:
-          self.allocator.register(page, content_hash)
+          self.allocator.register(request.pages[index], content_hash)
+          if self.window_allocator is not None and index >= request.num_released:
+            self.window_allocator.register(request.window_pages[index], content_hash)
       request.hashes.extend(new)
     if self.window is not None:
-      # The next token (position num_computed) attends to positions > num_computed - window.
-      first_kept = max(0, request.num_computed - self.window + 1) // self.page_size
+      first_kept = self._first_in_window(request.num_computed)
       if first_kept > request.num_released:
-        self.allocator.release(request.pages[request.num_released:first_kept])
-        request.pages[request.num_released:first_kept] = (
+        pages, allocator = self._sliding_pages(request)
+        allocator.release(pages[request.num_released:first_kept])
+        pages[request.num_released:first_kept] = (
             [SCRATCH_PAGE] * (first_kept - request.num_released))
         request.num_released = first_kept
+
+  def _first_in_window(self, num_computed: int) -> int:
+    """The first page the token at position ``num_computed`` (the next one) attends to:
+    it sees the positions after ``num_computed - window``."""
+    return max(0, num_computed - self.window + 1) // self.page_size
+
+  def _sliding_pages(self, request: Request) -> tuple[list[int], PageAllocator]:
+    """The pages that go back behind the window, and their pool."""
+    if self.window_allocator is None:
+      return request.pages, self.allocator
+    return request.window_pages, self.window_allocator
 
   def append_token(self, request: Request, token_id: int) -> None:
     """Append a generated token; it is computed in a later step."""
@@ -222,6 +256,12 @@ class Scheduler:
     pages = self.allocator.allocate(needed)
     if pages is None:
       return False
+    if self.window_allocator is not None:
+      window_pages = self.window_allocator.allocate(needed)
+      if window_pages is None:
+        self.allocator.release(pages)
+        return False
+      request.window_pages.extend(window_pages)
     request.pages.extend(pages)
     return True
 
@@ -233,21 +273,44 @@ class Scheduler:
     """
     hashes = page_hashes(request.token_ids[:request.num_tokens - 1], self.page_size,
                          parent=request.cache_salt)
+    pages = []
     for content_hash in hashes:
       page = self.allocator.lookup(content_hash)
       if page is None:
         break
+      pages.append(page)
+    window_pages, first_kept = [], 0
+    if self.window_allocator is not None:
+      # The sliding layers need their pages of the hit's last window: cut the hit shorter
+      # until those are cached too.
+      while pages:
+        first_kept = self._first_in_window(len(pages) * self.page_size)
+        window_pages = [self.window_allocator.lookup(h) for h in hashes[first_kept:len(pages)]]
+        if None not in window_pages:
+          break
+        pages.pop()
+      if not pages:
+        window_pages, first_kept = [], 0
+      for page in window_pages:
+        self.window_allocator.retain(page)
+      request.window_pages = [SCRATCH_PAGE] * first_kept + window_pages
+      request.num_released = first_kept
+    for page in pages:
       self.allocator.retain(page)
-      request.pages.append(page)
-      request.hashes.append(content_hash)
+    request.pages = pages
+    request.hashes = hashes[:len(pages)]
     request.num_computed = len(request.pages) * self.page_size
     if request.num_tokens == request.num_prompt:  # not a recomputation after preemption
       request.num_cached_tokens = request.num_computed
 
   def _drop_pages(self, request: Request) -> None:
-    self.allocator.release(request.pages[request.num_released:])
-    request.pages, request.hashes, request.num_released = [], [], 0
-    request.num_computed = 0
+    if self.window_allocator is None:
+      self.allocator.release(request.pages[request.num_released:])
+    else:
+      self.allocator.release(request.pages)
+      self.window_allocator.release(request.window_pages[request.num_released:])
+    request.pages, request.window_pages, request.hashes = [], [], []
+    request.num_released = request.num_computed = 0
 
   def _preempt(self, request: Request) -> None:
     self.running.remove(request)
