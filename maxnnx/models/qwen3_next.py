@@ -15,8 +15,9 @@ What it changes in Llama, as :class:`ModelConfig` fields:
 
 Checkpoint layout: linear layers live under ``linear_attn`` (our ``attn``, renamed by
 the hooks), full ones under ``self_attn``; experts one ``Linear`` each, as Qwen3-MoE.
-The hybrid stack runs unscanned (``scan_layers=False``), and the serving engine has no
-paged state for the linear layers yet.
+The hybrid stack runs unscanned (``scan_layers=False``). The serving engine gives each
+request a state slot in the linear layers (and pages in the full ones), without prefix
+caching.
 """
 
 import re
