@@ -117,6 +117,9 @@ SERVE_KEYS = {
     'page_size': (16, 'tokens per KV-cache page'),
     'max_pages': (0, 'KV-cache pages in the pool (0: enough for max_batch requests of '
                   'max_model_len tokens)'),
+    'max_window_pages': (0, "pages in the sliding layers' own pool, for models mixing "
+                         'sliding and full layers (0: twice what max_batch requests hold '
+                         'within the window)'),
     'max_model_len': (0, "prompt plus output tokens of one request (0: the model's "
                       'max_position_embeddings)'),
     'max_queue': (64, 'requests waiting beyond the max_batch running ones; more are answered '
@@ -909,6 +912,7 @@ def serve(options: dict) -> None:
              dtype=options['dtype'] or None, max_batch=options['max_batch'],
              token_budget=options['token_budget'], page_size=options['page_size'],
              max_pages=options['max_pages'] or None,
+             max_window_pages=options['max_window_pages'] or None,
              max_model_len=options['max_model_len'] or None,
              prefix_caching=options['prefix_caching'], max_logprobs=options['max_logprobs'],
              seed=options['seed'], tensor_parallel=options['tensor_parallel'])

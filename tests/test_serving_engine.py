@@ -362,6 +362,13 @@ def test_sliding_layers_of_a_mixed_model_give_back_their_pages():
   assert again.num_cached_tokens == 20 and list(again.token_ids) == want.tokens[2].tolist()
   _assert_idle(engine)
   assert engine.window_allocator.num_available == engine.max_window_pages
+  small = Engine(mixed, page_size=4, max_batch=2, token_budget=8, max_model_len=64,
+                 max_window_pages=3)
+  assert small.max_window_pages == 3 and small.window_allocator.num_usable == 3
+  with pytest.raises(ValueError, match='3 for sliding layers'):
+    small.add_request(prompts[2], _greedy(30))  # its window needs more than 3 pages
+  with pytest.raises(ValueError, match='max_window_pages=0'):
+    Engine(mixed, max_model_len=64, max_window_pages=0)
   scanned = maxnnx.Transformer(maxnnx.ModelConfig.from_dict({**SLIDING, 'scan_layers': True}),
                                rngs=nnx.Rngs(0))
   assert Engine(scanned, max_model_len=16).window_allocator is None  # one pool: all kept

@@ -152,3 +152,32 @@ def test_scheduler_needs_a_budget_for_every_row():
   """A budget smaller than the batch would starve running requests: refused."""
   with pytest.raises(ValueError, match='token_budget >= max_batch'):
     Scheduler(PageAllocator(4), page_size=2, max_batch=4, token_budget=3)
+
+
+@pytest.mark.parametrize('window_pool, cached', [(20, 0), (64, 44)])
+def test_a_mixed_models_prefix_hit_needs_the_sliding_pages_of_its_last_window(window_pool,
+                                                                               cached):
+  """Sliding and full layers (window 6): a prompt served again after a long generation hits
+  the full layers' 11 cached pages only while the sliding layers' pool still caches the
+  pages of that prefix's last window. A pool the size of the running windows (20) has
+  evicted them, so the hit is lost; one as large as the full pool (64) keeps them."""
+  alloc, window_alloc = PageAllocator(65), PageAllocator(window_pool + 1)
+  sched = Scheduler(alloc, page_size=4, max_batch=2, token_budget=8, window=6,
+                    window_allocator=window_alloc)
+  prompt = list(range(48))
+  first = _request(0, prompt, max_tokens=80)
+  sched.add(first)
+  while first.finish_reason is None:
+    for request, count in sched.schedule():
+      sched.advance(request, count)
+      if request.num_computed == request.num_tokens:
+        sched.append_token(request, 7)
+        if len(request.output_ids) == 80:
+          sched.finish(request, 'length')
+  again = _request(1, prompt)
+  sched.add(again)
+  [(request, count)] = sched.schedule()
+  assert request is again and again.num_cached_tokens == cached and count == min(8, 48 - cached)
+  assert again.window_pages[:again.num_released] == [0] * again.num_released
+  alloc.check()
+  window_alloc.check()

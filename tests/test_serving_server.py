@@ -331,6 +331,7 @@ def test_health_models_and_metrics(server):
   assert _metric(server, 'generation_tokens_total') >= 2
   assert _metric(server, 'time_to_first_token_seconds_count') >= 1
   assert _metric(server, 'queue_depth') == 0
+  assert _metric(server, 'kv_sliding_pages_total') == 0  # no sliding layers: one pool
 
 
 def test_stable_text_holds_back_what_may_change():

@@ -136,7 +136,13 @@ class Engine:
     max_pages: pages in the pool (per layer), each ``page_size`` tokens; default
       enough for ``max_batch`` requests of ``max_model_len`` tokens. One more
       page is allocated as scratch. The sliding layers of a model that mixes sliding
-      and full layers get ``max_window_pages`` instead (see Attributes).
+      and full layers get ``max_window_pages`` instead.
+    max_window_pages: pages in the sliding layers' own pool (a model mixing sliding and
+      full layers, unscanned; ignored otherwise); default ``min(max_pages, 2 * max_batch
+      * window_pages_per_request)``: room for the running requests' windows and as many
+      released pages kept for prefix-cache hits. A hit needs the sliding pages of the
+      prefix's last window, which a small pool evicts first: give more pages (up to
+      ``max_pages``) where prompts are reused long after they were served.
     page_size: tokens per page.
     max_batch: requests computed in one step at most.
     token_budget: tokens computed in one step at most (decode tokens plus
@@ -162,9 +168,7 @@ class Engine:
       (unscanned), else ``None``.
     window_pages_per_request: pages a request's sliding layers hold at most (its
       window, a step's tokens and a page's edge; all its pages without sliding layers).
-    max_window_pages: pages of the sliding layers' own pool: ``min(max_pages, 2 *
-      max_batch * window_pages_per_request)``, room to keep released pages cached
-      (0 without that pool).
+    max_window_pages: pages of the sliding layers' own pool (0 without one).
     tokenizer: the tokenizer, or ``None``.
     eos_ids: ids that end a request unless ``ignore_eos``: ``model.config.eos_token_id``,
       else the tokenizer's ``eos_id``.
@@ -177,7 +181,8 @@ class Engine:
   def __init__(self, model, tokenizer=None, *, max_pages: int | None = None,
                page_size: int = 16, max_batch: int = 8, token_budget: int = 256,
                max_model_len: int | None = None, prefix_caching: bool = True,
-               max_logprobs: int = 5, seed: int = 0, rules: dict | None = None):
+               max_logprobs: int = 5, seed: int = 0, rules: dict | None = None,
+               max_window_pages: int | None = None):
     cfg = model.config
     self.model_config = cfg
     self.tokenizer = tokenizer
@@ -215,7 +220,11 @@ class Engine:
     self.window_allocator = None
     self.max_window_pages = 0
     if window is not None and types == {'sliding', 'full'} and not cfg.runtime.scan_layers:
-      self.max_window_pages = min(self.max_pages, 2 * max_batch * self.window_pages_per_request)
+      if max_window_pages is not None and max_window_pages < 1:
+        raise ValueError(f'max_window_pages={max_window_pages}: the sliding layers\' pool '
+                         'needs at least one page (None: the default size).')
+      self.max_window_pages = (min(self.max_pages, 2 * max_batch * self.window_pages_per_request)
+                               if max_window_pages is None else max_window_pages)
       self.window_allocator = PageAllocator(self.max_window_pages + 1, reserved=1)
     elif types != {'sliding'}:
       window = None  # full (or chunked) layers read every page
@@ -295,7 +304,8 @@ class Engine:
     if pages_held > self.max_pages or (self.window_allocator is not None
                                        and window_pages_held > self.max_window_pages):
       raise ValueError(f'The request can reach {longest} cached tokens, more than the pool '
-                       f'holds ({self.max_pages} pages of {self.page_size}).')
+                       f'holds ({self.max_pages} pages of {self.page_size}; '
+                       f'{self.max_window_pages or self.max_pages} for sliding layers).')
     if params.logprobs is not None and params.logprobs > self.max_logprobs:
       raise ValueError(f'logprobs={params.logprobs} is more than the engine returns '
                        f'(max_logprobs={self.max_logprobs}).')

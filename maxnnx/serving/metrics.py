@@ -81,9 +81,14 @@ class ServerMetrics:
         'queue_depth': ('Requests accepted and waiting for a batch slot.',
                         max(in_flight - running, 0)),
         'requests_in_flight': ('Requests the server holds, queued or running.', in_flight),
-        'kv_pages_used': ('KV-cache pages held by requests or the prefix cache.',
+        'kv_pages_used': ('KV-cache pages held by requests.',
                           stats.get('pages_used', 0)),
         'kv_pages_total': ('KV-cache pages in the pool.', stats.get('pages_total', 0)),
+        'kv_sliding_pages_used': ("Pages of the sliding layers' own pool held by requests "
+                                  '(models mixing sliding and full layers; else 0).',
+                                  stats.get('sliding_pages_used', 0)),
+        'kv_sliding_pages_total': ("Pages in the sliding layers' own pool (0: none).",
+                                   stats.get('sliding_pages_total', 0)),
     }
     with self._lock:
       counters = {

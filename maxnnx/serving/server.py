@@ -90,7 +90,9 @@ class EngineLoop:
   Attributes:
     engine: the engine (touch it only through this loop while it runs).
     stats: a snapshot published after each step: ``running``, ``waiting``,
-      ``pages_used``, ``pages_total``, ``preemptions``, ``steps``.
+      ``pages_used``, ``pages_total``, ``preemptions``, ``steps`` (and
+      ``sliding_pages_used`` / ``sliding_pages_total`` when the sliding layers have a
+      pool of their own).
   """
 
   def __init__(self, engine: Engine):
@@ -230,6 +232,10 @@ class EngineLoop:
         'pages_used': engine.max_pages - engine.allocator.num_available,
         'pages_total': engine.max_pages, 'preemptions': engine.scheduler.num_preemptions,
         'steps': self._steps}
+    if engine.window_allocator is not None:
+      self.stats['sliding_pages_used'] = (engine.max_window_pages
+                                          - engine.window_allocator.num_available)
+      self.stats['sliding_pages_total'] = engine.max_window_pages
 
 
 def _deliver(sink: Callable, event) -> None:
