@@ -233,8 +233,8 @@ class Engine:
       logger.warning('prefix_caching is off: this model\'s Gated DeltaNet layers keep a state '
                      'per request, which is not kept for shared prefixes.')
     self.prefix_caching = prefix_caching and not recurrent
+    self._recurrent = recurrent
     # Recurrent-state slots: 1..max_batch for running requests, 0 scratch (empty rows).
-    self._free_slots = list(range(max_batch, 0, -1)) if recurrent else None
     self._slots: dict[int, int] = {}  # request id -> its state slot
     self.scheduler = Scheduler(self.allocator, page_size=page_size, max_batch=max_batch,
                                token_budget=token_budget, prefix_caching=self.prefix_caching,
@@ -301,11 +301,12 @@ class Engine:
     window_pages_held = min(pages_held, self.window_pages_per_request)
     if self.scheduler.window is not None and self.window_allocator is None:
       pages_held = window_pages_held  # every layer slides: pages behind the window go back
+    sliding_pool = (f'; {self.max_window_pages} for sliding layers'
+                    if self.window_allocator is not None else '')
     if pages_held > self.max_pages or (self.window_allocator is not None
                                        and window_pages_held > self.max_window_pages):
       raise ValueError(f'The request can reach {longest} cached tokens, more than the pool '
-                       f'holds ({self.max_pages} pages of {self.page_size}; '
-                       f'{self.max_window_pages or self.max_pages} for sliding layers).')
+                       f'holds ({self.max_pages} pages of {self.page_size}{sliding_pool}).')
     if params.logprobs is not None and params.logprobs > self.max_logprobs:
       raise ValueError(f'logprobs={params.logprobs} is more than the engine returns '
                        f'(max_logprobs={self.max_logprobs}).')
@@ -334,7 +335,7 @@ class Engine:
     if request is None:
       return False
     self._image_embeddings.pop(request_id, None)
-    self._release_slot(request_id)
+    self._slots.pop(request_id, None)
     self.scheduler.finish(request, 'cancelled')
     self._cancelled.append(self._output(request, (), None))
     return True
@@ -369,7 +370,7 @@ class Engine:
     outputs, self._cancelled = self._cancelled, []
     # Rows with prefill chunks first: only those are gathered max_q wide (PagedBatch.wide_rows).
     scheduled = sorted(self.scheduler.schedule(), key=lambda rc: rc[1] == 1)
-    if self._free_slots is not None:
+    if self._recurrent:
       self._assign_slots(scheduled)
     if not scheduled:
       return outputs
@@ -401,7 +402,7 @@ class Engine:
         self.scheduler.finish(request, reason)
         del self._requests[request.request_id]
         self._image_embeddings.pop(request.request_id, None)
-        self._release_slot(request.request_id)
+        self._slots.pop(request.request_id, None)
       outputs.append(self._output(request, (token,), logprobs))
     return outputs
 
@@ -455,18 +456,15 @@ class Engine:
   # -- internals --------------------------------------------------------------
 
   def _assign_slots(self, scheduled: list[tuple[Request, int]]) -> None:
-    """Take back the state slots of requests no longer running (finished, cancelled,
-    preempted) and give one to each scheduled request without one."""
+    """Take back the state slots of requests no longer running (preempted; finished and
+    cancelled ones gave theirs back already) and give a free one to each scheduled request
+    without one."""
     running = {request.request_id for request in self.scheduler.running}
-    for request_id in [i for i in self._slots if i not in running]:
-      self._release_slot(request_id)
+    self._slots = {i: slot for i, slot in self._slots.items() if i in running}
+    free = sorted(set(range(1, self.max_batch + 1)) - set(self._slots.values()), reverse=True)
     for request, _ in scheduled:
       if request.request_id not in self._slots:
-        self._slots[request.request_id] = self._free_slots.pop()
-
-  def _release_slot(self, request_id: int) -> None:
-    if request_id in self._slots:
-      self._free_slots.append(self._slots.pop(request_id))
+        self._slots[request.request_id] = free.pop()
 
   def _inputs(self, scheduled: list[tuple[Request, int]]):
     """The model step's arrays (see :class:`PagedBatch`) and the sampler's, for ``scheduled``."""
@@ -529,7 +527,7 @@ class Engine:
       offset += count
     batch = PagedBatch(page_table_BM, kv_lens_B, q_starts_B, q_lens_B, slots_T, max_q,
                        blocks_T, wide_rows,
-                       None if self._free_slots is None else state_slots_B,
+                       state_slots_B if self._recurrent else None,
                        window_table_BM, window_slots_T)
     self.last_step_shape = (width, max_q, num_pages, wide_rows) + (('images',) if images else ())
     self.step_shapes.add(self.last_step_shape)

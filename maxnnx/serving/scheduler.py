@@ -212,7 +212,7 @@ class Scheduler:
       for index, content_hash in enumerate(new, start=len(request.hashes)):
         if self.prefix_caching:
           self.allocator.register(request.pages[index], content_hash)
-          if self.window_allocator is not None and index >= request.num_released:
+          if self.window_allocator is not None:  # released pages are older than any new hash
             self.window_allocator.register(request.window_pages[index], content_hash)
       request.hashes.extend(new)
     if self.window is not None:
