@@ -309,10 +309,9 @@ def test_overlong_conversation_is_truncated_and_counted(tmp_path, checkpoint):
 def test_bad_record_names_its_line(tmp_path, checkpoint):
   path = tmp_path / 'bad.jsonl'
   path.write_text('{"messages": [{"role": "user", "content": "a"}]}\n{"text": "b"}\n')
-  pipe = make_sft_pipeline(DataConfig(sources=(str(path),), shuffle=False, num_epochs=1),
-                           str(checkpoint), batch_size=1, seq_len=16)
-  with pytest.raises(ValueError, match='line 2'):
-    list(pipe)
+  with pytest.raises(ValueError, match='bad.jsonl line 2: expected "messages"'):
+    make_sft_pipeline(DataConfig(sources=(str(path),), shuffle=False, num_epochs=1),
+                      str(checkpoint), batch_size=1, seq_len=16)  # before any batch
 
 
 def test_split_keeps_loss_mask_aligned(tmp_path, checkpoint, tokenizer):
@@ -356,3 +355,90 @@ def test_trained_sentencepiece_has_single_chatml_pieces(tmp_path):
   ids, mask = encode_chat(tokenizer, 'chatml', CONVERSATION[1:3])
   assert ids.count(specials['<|im_start|>']) == 2 and ids.count(specials['<|im_end|>']) == 2
   assert _trained_text(tokenizer, ids, mask) == ['A king.<|im_end|>']
+
+
+# --- ShareGPT records, and data that would train on nothing --------------------
+
+SHAREGPT = {'conversations': [{'from': 'system', 'value': 'Be brief.'},
+                              {'from': 'human', 'value': 'Who art thou?'},
+                              {'from': 'gpt', 'value': 'A king.'},
+                              {'from': 'human', 'value': 'Of where?'},
+                              {'from': 'gpt', 'value': 'Of Denmark, good sir.'}]}
+
+
+def _jsonl(path, records):
+  path.write_text(''.join(json.dumps(r) + '\n' for r in records), encoding='utf-8')
+  return str(path)
+
+
+def test_sharegpt_records_train_on_the_gpt_turns_like_messages(tmp_path, checkpoint, tokenizer):
+  config = lambda path: DataConfig(sources=(path,), shuffle=False, num_epochs=1)
+  batches = {}
+  for name, record in (('sharegpt', SHAREGPT), ('messages', {'messages': CONVERSATION})):
+    path = _jsonl(tmp_path / f'{name}.jsonl', [record])
+    batches[name] = list(make_sft_pipeline(config(path), str(checkpoint), batch_size=1,
+                                           seq_len=96))
+  assert len(batches['sharegpt']) == len(batches['messages']) == 1
+  for key in ('inputs', 'targets', 'loss_mask', 'segment_ids'):
+    np.testing.assert_array_equal(batches['sharegpt'][0][key], batches['messages'][0][key])
+  batch = batches['sharegpt'][0]
+  trained = tokenizer.decode(batch['targets'][0][batch['loss_mask'][0] == 1])
+  assert trained == 'A king.<|im_end|>Of Denmark, good sir.<|im_end|>'
+
+
+def test_sharegpt_unknown_speaker_names_line_and_turn(tmp_path, checkpoint):
+  bad = {'conversations': [{'from': 'human', 'value': 'Hi'}, {'from': 'bot', 'value': 'Hey'}]}
+  path = _jsonl(tmp_path / 'chat.jsonl', [SHAREGPT, bad])
+  with pytest.raises(ValueError, match=r'chat.jsonl line 2: "conversations"\[1\]: "from": '
+                                       r'"bot" is not a ShareGPT role'):
+    make_sft_pipeline(path, str(checkpoint), batch_size=1, seq_len=96)
+
+
+def test_chats_without_assistant_turns_are_refused_before_any_batch(tmp_path, checkpoint):
+  path = _jsonl(tmp_path / 'users.jsonl', [{'messages': CONVERSATION[:2]}] * 3)
+  with pytest.raises(ValueError, match=r'users.jsonl: no record has a token to train on '
+                                       r'\(no "assistant" message'):
+    make_sft_pipeline(path, str(checkpoint), batch_size=1, seq_len=96)
+
+
+def test_answers_cut_off_by_seq_len_are_refused_unless_split(tmp_path, checkpoint):
+  long_prompt = [{'role': 'user', 'content': 'Who art thou? ' * 20},
+                 {'role': 'assistant', 'content': 'A king.'}]
+  path = _jsonl(tmp_path / 'long.jsonl', [{'messages': long_prompt}] * 3)
+  with pytest.raises(ValueError, match=r'long.jsonl: no record has a trainable \(assistant\) '
+                                       r'token within seq_len=16: data.overlong=truncate keeps '
+                                       r'the first 16 targets .* set data.overlong=split'):
+    make_sft_pipeline(path, str(checkpoint), batch_size=1, seq_len=16)
+  split = DataConfig(sources=(path,), overlong='split', num_epochs=1)
+  pipe = make_sft_pipeline(split, str(checkpoint), batch_size=1, seq_len=16)
+  assert sum(b['loss_mask'].sum() for b in pipe) > 0
+
+
+def test_non_string_content_names_line_and_message(tmp_path, checkpoint):
+  records = [{'messages': CONVERSATION}] * 3 + [
+      {'messages': [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 5}]}]
+  path = _jsonl(tmp_path / 'chat.jsonl', records)
+  with pytest.raises(ValueError, match=r'chat.jsonl line 4: "messages"\[1\].content is an int '
+                                       r'\(5\); expected a string'):
+    make_sft_pipeline(path, str(checkpoint), batch_size=1, seq_len=96)
+
+
+def test_template_syntax_error_names_file_and_line(tmp_path, tokenizer):
+  bad = ChatTemplate("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}",
+                     origin='bad.jinja')
+  with pytest.raises(ValueError, match=r"^bad.jinja line 2: syntax error in the chat template: "
+                                       r"unexpected '}'"):
+    encode_chat(tokenizer, bad, CONVERSATION)
+
+
+def test_template_failing_on_a_record_is_one_value_error(tmp_path, checkpoint):
+  """A template's raise_exception (here Gemma's user/assistant alternation) names the record's
+  line and the template's, as a ValueError rather than a raw Jinja error."""
+  template = ChatTemplate(builtin_template('gemma'), origin='gemma.jinja')
+  path = _jsonl(tmp_path / 'chat.jsonl', [{'messages': CONVERSATION[1:]},
+                                          {'messages': CONVERSATION[2:]}])
+  pipe = make_sft_pipeline(DataConfig(sources=(path,), shuffle=False, num_epochs=1),
+                           str(checkpoint), template, batch_size=1, seq_len=96)
+  with pytest.raises(ValueError, match=r'chat.jsonl line 2: gemma.jinja line 1: rendering failed '
+                                       r'\(TemplateError: Gemma conversations alternate'):
+    list(pipe)

@@ -151,9 +151,26 @@ class ChatTemplate:
 
   def _render(self, messages, add_generation_prompt: bool, kwargs) -> str:
     variables = {'bos_token': self.bos_token, 'eos_token': self.eos_token, **kwargs}
-    return _compile(self.source).render(messages=list(messages),
-                                        add_generation_prompt=add_generation_prompt,
-                                        **variables)
+    return _compile(self.source, self.origin).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, **variables)
+
+  def _render_for_training(self, messages, add_generation_prompt: bool, kwargs) -> str:
+    """:meth:`_render`, a failure of the template (its ``raise_exception``, or an operation
+    the record's values do not support) becoming one ``ValueError`` naming the template and
+    its line."""
+    import jinja2  # noqa: PLC0415
+    try:
+      return self._render(messages, add_generation_prompt, kwargs)
+    except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:
+      line = _template_line(e.__traceback__)
+      where = (self.origin or 'the chat template') + (f' line {line}' if line else '')
+      raise ValueError(f'{where}: rendering failed ({type(e).__name__}: {e}).') from None
+
+  def check(self) -> ChatTemplate:
+    """The template itself, after compiling it: a syntax error is a ``ValueError`` naming
+    :attr:`origin` and the template's line."""
+    _compile(self.source, self.origin)
+    return self
 
 
 def load_chat_template(path: str, *, family: str | None = None, name: str = 'default'
@@ -202,7 +219,9 @@ def load_chat_template(path: str, *, family: str | None = None, name: str = 'def
 def template_for(tokenizer, template: ChatTemplate | str) -> ChatTemplate:
   """``template`` as a :class:`ChatTemplate`, a string being a built-in name or Jinja text.
 
-  A template without ``bos_token`` / ``eos_token`` gets them from the tokenizer's ids.
+  A template without ``bos_token`` / ``eos_token`` gets them from the tokenizer's ids. The
+  template is compiled here, so a syntax error shows before any record is read
+  (:meth:`ChatTemplate.check`).
   """
   if isinstance(template, str):
     source = (template if '{' in template else builtin_template(template))
@@ -213,7 +232,7 @@ def template_for(tokenizer, template: ChatTemplate | str) -> ChatTemplate:
     token_id = getattr(tokenizer, attr, None)
     if not getattr(template, field) and token_id is not None:
       fill[field] = special_tokens_by_id(tokenizer).get(token_id) or ''
-  return dataclasses.replace(template, **fill) if fill else template
+  return (dataclasses.replace(template, **fill) if fill else template).check()
 
 
 def _read_json(path: str) -> dict:
@@ -235,11 +254,28 @@ def _token_string(value) -> str:
 _COMPILED: dict[str, Any] = {}
 
 
-def _compile(source: str):
-  """The template compiled in the sandbox (cached by source)."""
+def _compile(source: str, origin: str = ''):
+  """The template compiled in the sandbox (cached by source); a syntax error is a
+  ``ValueError`` naming ``origin`` and the line."""
+  import jinja2  # noqa: PLC0415
   if source not in _COMPILED:
-    _COMPILED[source] = _environment().from_string(source)
+    try:
+      _COMPILED[source] = _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+      raise ValueError(f'{origin or "the chat template"} line {e.lineno}: syntax error in the '
+                       f'chat template: {e.message}.') from None
   return _COMPILED[source]
+
+
+def _template_line(traceback) -> int | None:
+  """The template line a rendering error was raised at (Jinja's frames of the template
+  carry the template's line numbers), if any."""
+  line = None
+  while traceback is not None:
+    if traceback.tb_frame.f_code.co_filename == '<template>':
+      line = traceback.tb_lineno
+    traceback = traceback.tb_next
+  return line
 
 
 def _environment():
@@ -349,6 +385,66 @@ def encode_with_specials(tokenizer, text: str) -> list[int]:
   return ids
 
 
+# --- records: messages, ShareGPT conversations ---------------------------------
+
+SHAREGPT_ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant',
+                  'system': 'system', 'tool': 'tool'}
+"""ShareGPT's ``"from"`` values and the chat roles they become."""
+
+
+def sharegpt_messages(conversations, field: str = 'conversations') -> list[dict]:
+  """ShareGPT's ``[{"from": "human" | "gpt" | "system", "value": ...}, ...]`` as chat
+  messages (``human`` -> ``user``, ``gpt`` -> ``assistant``, :data:`SHAREGPT_ROLES`).
+  Entries already in ``{"role", "content"}`` form are kept; anything else is a
+  ``ValueError`` naming the entry (``field[i]``)."""
+  if not isinstance(conversations, list):
+    raise ValueError(f'"{field}" must be a list of {{"from", "value"}} objects, got '
+                     f'{type(conversations).__name__}.')
+  messages = []
+  for i, turn in enumerate(conversations):
+    if isinstance(turn, dict) and 'role' in turn and 'from' not in turn:
+      messages.append(turn)
+      continue
+    if not (isinstance(turn, dict) and 'from' in turn and 'value' in turn):
+      keys = sorted(turn) if isinstance(turn, dict) else type(turn).__name__
+      raise ValueError(f'"{field}"[{i}] must be a {{"from", "value"}} object, got {keys}.')
+    role = SHAREGPT_ROLES.get(turn['from'])
+    if role is None:
+      raise ValueError(f'"{field}"[{i}]: "from": {json.dumps(turn["from"])} is not a ShareGPT '
+                       f'role; use one of {", ".join(SHAREGPT_ROLES)}.')
+    extra = {k: v for k, v in turn.items() if k not in ('from', 'value')}
+    messages.append({**extra, 'role': role, 'content': turn['value']})
+  return messages
+
+
+def check_messages(messages, field: str = 'messages') -> None:
+  """Refuse a message list a template could not render as meant: a ``ValueError`` naming
+  the message (``field[i]``) unless every message is an object with a string ``role`` and a
+  ``content`` that is a string, a list of part objects, or null (missing)."""
+  if not isinstance(messages, list):
+    raise ValueError(f'"{field}" must be a list of {{"role", "content"}} objects, got '
+                     f'{type(messages).__name__}.')
+  for i, message in enumerate(messages):
+    if not isinstance(message, dict):
+      raise ValueError(f'"{field}"[{i}] must be a {{"role", "content"}} object, got '
+                       f'{type(message).__name__}.')
+    if not isinstance(message.get('role'), str):
+      raise ValueError(f'"{field}"[{i}] needs a string "role", got '
+                       f'{json.dumps(message.get("role"))}.')
+    content = message.get('content')
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+      continue
+    if content is not None and not isinstance(content, str):
+      raise ValueError(f'"{field}"[{i}].content is {_describe(content)}; expected a string, a '
+                       'list of {"type": ...} parts, or null.')
+
+
+def _describe(value) -> str:
+  name, text = type(value).__name__, json.dumps(value, default=repr)
+  article = 'an' if name[0] in 'aeiou' else 'a'
+  return f'{article} {name} ({text[:40]}{"..." if len(text) > 40 else ""})'
+
+
 # --- encoding with loss masks --------------------------------------------------
 
 
@@ -366,8 +462,8 @@ def chat_pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], *
   for i, message in enumerate(messages):
     if message.get('role') != 'assistant' or i < train_from:
       continue
-    prompt = template._render(messages[:i], True, kwargs)
-    full = template._render(messages[:i + 1], False, kwargs)
+    prompt = template._render_for_training(messages[:i], True, kwargs)
+    full = template._render_for_training(messages[:i + 1], False, kwargs)
     if not (prompt.startswith(done) and full.startswith(prompt)):
       raise ValueError(
           f'{template.origin or "the chat template"}: rendering the conversation up to '
@@ -378,7 +474,7 @@ def chat_pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], *
     kept = answer.rstrip()
     pieces += [(prompt[len(done):], False), (kept, True)]
     done = prompt + kept
-  whole = template._render(messages, False, kwargs)
+  whole = template._render_for_training(messages, False, kwargs)
   if not whole.startswith(done):
     raise ValueError(f'{template.origin or "the chat template"}: the whole conversation does '
                      'not extend its rendered prefixes; use generation markers.')
@@ -389,9 +485,9 @@ def chat_pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], *
 def _marked_pieces(template, messages, train_from, kwargs) -> list[tuple[str, bool]]:
   skip = ''
   if train_from:  # text of the prompt turns is not trained on, even inside markers
-    skip = template._render(messages[:train_from], False, kwargs)
+    skip = template._render_for_training(messages[:train_from], False, kwargs)
     skip = skip.replace(_GEN_START, '').replace(_GEN_END, '')
-  text = template._render(messages, False, kwargs)
+  text = template._render_for_training(messages, False, kwargs)
   pieces, trained, position = [], False, 0
   for part in re.split(f'({re.escape(_GEN_START)}|{re.escape(_GEN_END)})', text):
     if part in (_GEN_START, _GEN_END):
@@ -430,6 +526,7 @@ def encode_chat(tokenizer, template: ChatTemplate | str, messages: Sequence[Mapp
     belongs to an assistant turn's content or the end-of-turn token closing it.
     The template adds BOS (if it does); nothing else is added.
   """
+  check_messages(messages)
   template = template_for(tokenizer, template)
   return _encode_pieces(tokenizer, chat_pieces(template, messages, **kwargs))
 
@@ -456,10 +553,12 @@ def encode_prompt_completion(tokenizer, prompt, completion, *,
     completion_ids = list(tokenizer.encode(completion)) + ([eos] if eos is not None else [])
     return (prompt_ids + completion_ids,
             [0] * len(prompt_ids) + [1] * len(completion_ids))
+  check_messages(prompt, 'prompt')
   if template is None:
     raise ValueError('A conversational prompt (a message list) needs a chat template.')
   if isinstance(completion, str):
     completion = [{'role': 'assistant', 'content': completion}]
+  check_messages(completion, 'completion')
   messages = list(prompt) + list(completion)
   template = template_for(tokenizer, template)
   return _encode_pieces(tokenizer, chat_pieces(template, messages, train_from=len(prompt),

@@ -28,6 +28,14 @@ COUNTS = ('documents', 'empty_skipped', 'overlong', 'overlong_split_pieces',
           'overlong_truncated', 'overlong_dropped', 'targets_dropped')
 
 
+def kept_targets(length: int, seq_len: int, overlong: str) -> int:
+  """How many of a document's ``length`` targets its examples keep (from the start) under
+  the ``overlong`` policy (``'error'``: all; reading such a document raises)."""
+  if length <= seq_len or overlong in ('split', 'error'):
+    return length
+  return seq_len if overlong == 'truncate' else 0
+
+
 class ExamplesIterDataset(grain.IterDataset):
   """Token documents -> ``{'inputs', 'targets'}`` examples of at most ``seq_len`` pairs.
 

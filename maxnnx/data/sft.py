@@ -4,9 +4,18 @@ Records are JSON objects (JSONL lines, a JSON list, or Parquet rows), either
 
 * ``{"messages": [{"role": ..., "content": ...}, ...]}``: rendered with the chat
   template; the loss covers the assistant turns (:func:`maxnnx.data.chat.encode_chat`);
+* ``{"conversations": [{"from": "human" | "gpt" | "system", "value": ...}, ...]}``
+  (ShareGPT's layout): read as ``messages``, ``human`` being the user and ``gpt`` the
+  assistant (:func:`maxnnx.data.chat.sharegpt_messages`);
 * ``{"prompt": ..., "completion": ...}``: the loss covers the completion only; the
   prompt is text or a message list
   (:func:`maxnnx.data.chat.encode_prompt_completion`).
+
+Before the pipeline is returned (so before a train step compiles), every record's shape
+is checked (a message's ``content`` must be a string, a list of parts or null) and each
+source is read until a record with a token to train on within ``seq_len`` turns up; data
+in which none has one (no assistant turns, or answers the ``overlong`` policy cuts off) is
+refused (:func:`check_sft_sources`). Errors name the file and line of the record.
 
 Each record becomes token ids and a per-id loss mask, then an example of
 ``inputs = ids[:-1]``, ``targets = ids[1:]`` and ``loss_mask = mask[1:]`` (the
@@ -43,10 +52,12 @@ from maxnnx.data import packing
 from maxnnx.data.chat import (
   ChatTemplate,
   chat_pieces,
+  check_messages,
   encode_chat,
   encode_prompt_completion,
   encode_with_specials,
   load_chat_template,
+  sharegpt_messages,
   template_for,
 )
 from maxnnx.data.config import DataConfig
@@ -71,6 +82,12 @@ class RecordSource:
 
   def __len__(self) -> int:
     return len(self.records)
+
+  @property
+  def name(self) -> str:
+    """The source's files, for messages (the first and a count when there are many)."""
+    files = list(dict.fromkeys(self.files))
+    return ', '.join(files) if len(files) <= 3 else f'{files[0]} and {len(files) - 1} more files'
 
   def __getitem__(self, index: int) -> dict:
     return self.records[index]
@@ -111,30 +128,57 @@ def _read_records(path: str, kind: str):
         raise ValueError(f'{path} line {number}: not valid JSON ({e.msg}).') from None
 
 
+def chat_record(record):
+  """``record`` with ShareGPT's ``"conversations"`` (``from``/``value`` turns) read as
+  ``"messages"`` (:func:`maxnnx.data.chat.sharegpt_messages`); any other record as it is."""
+  if isinstance(record, dict) and 'conversations' in record and 'messages' not in record:
+    rest = {k: v for k, v in record.items() if k != 'conversations'}
+    return {**rest, 'messages': sharegpt_messages(record['conversations'])}
+  return record
+
+
+def check_sft_record(record) -> dict:
+  """The record as it is encoded (:func:`chat_record`), after checking its shape without
+  rendering or tokenizing it: a ``ValueError`` says what is wrong (the caller names the
+  record)."""
+  if not isinstance(record, dict):
+    raise ValueError(f'expected a JSON object, got {type(record).__name__}.')
+  record = chat_record(record)
+  if 'messages' in record:
+    check_messages(record['messages'])
+    return record
+  if 'prompt' in record and 'completion' in record:
+    prompt, completion = record['prompt'], record['completion']
+    if isinstance(prompt, str):
+      if not isinstance(completion, str):
+        raise ValueError('a text "prompt" needs a text "completion", got '
+                         f'{type(completion).__name__}.')
+      return record
+    check_messages(prompt, 'prompt')
+    if not isinstance(completion, str):
+      check_messages(completion, 'completion')
+    return record
+  raise ValueError(f'expected "messages", "conversations" (ShareGPT) or "prompt" and '
+                   f'"completion", got keys {sorted(record)}.')
+
+
 def encode_sft_record(tokenizer, template: ChatTemplate | str | None, record,
                       *, add_bos: bool = True, add_eos: bool = True
                       ) -> tuple[list[int], list[int]]:
-  """``(ids, loss_mask)`` of one ``messages`` or ``prompt``/``completion`` record.
+  """``(ids, loss_mask)`` of one ``messages`` (or ShareGPT ``conversations``) or
+  ``prompt``/``completion`` record.
 
   ``add_bos`` / ``add_eos`` apply to text prompt/completion records only (a chat
   template adds its own special tokens).
   """
-  if not isinstance(record, dict):
-    raise ValueError(f'expected a JSON object, got {type(record).__name__}.')
+  record = check_sft_record(record)
   if 'messages' in record:
-    messages = record['messages']
-    if not (isinstance(messages, list)
-            and all(isinstance(m, dict) and 'role' in m for m in messages)):
-      raise ValueError('"messages" must be a list of {"role", "content"} objects.')
     if template is None:
       raise ValueError('a "messages" record needs a chat template; the tokenizer directory '
                        'has none: pass template= (e.g. "chatml").')
-    return encode_chat(tokenizer, template, messages)
-  if 'prompt' in record and 'completion' in record:
-    return encode_prompt_completion(tokenizer, record['prompt'], record['completion'],
-                                    template=template, add_bos=add_bos, add_eos=add_eos)
-  raise ValueError(f'expected "messages" or "prompt" and "completion", got keys '
-                   f'{sorted(record)}.')
+    return encode_chat(tokenizer, template, record['messages'])
+  return encode_prompt_completion(tokenizer, record['prompt'], record['completion'],
+                                  template=template, add_bos=add_bos, add_eos=add_eos)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +261,7 @@ class EncodeSFT(grain.transforms.Map):
     source, index, record = element
     where = self.sources[source].describe(index)
     try:
+      record = chat_record(record)
       if self.images is not None and isinstance(record, dict) and 'messages' in record:
         ids, mask, pixels = self._encode_with_images(record, self.sources[source].directory(index))
       else:
@@ -271,6 +316,55 @@ def _refuse_images(record) -> None:
                        'images_per_row=).')
 
 
+SCAN_RECORDS = 1000
+"""How many records of a source :func:`check_sft_sources` encodes at most while looking for
+one with a token to train on."""
+
+
+def check_sft_sources(sources, encode: EncodeSFT, *, seq_len: int, overlong: str,
+                      scan: int = SCAN_RECORDS) -> None:
+  """Refuse SFT data that would train on nothing, before any batch is made.
+
+  Every record's shape is checked (:func:`check_sft_record`); then each source's records are
+  encoded in order until one has a trained target that the ``overlong`` policy keeps within
+  ``seq_len`` (for good data, the first). A source without one (among its first ``scan``
+  records) is a ``ValueError`` saying why: no assistant turn or completion at all, or every
+  answer cut off. A bad record is a ``ValueError`` naming its file and line.
+  """
+  for number, source in enumerate(sources):
+    for index in range(len(source)):
+      try:
+        check_sft_record(source[index])
+      except ValueError as e:
+        raise ValueError(f'{source.describe(index)}: {e}') from None
+    _check_trainable(number, source, encode, seq_len, overlong, scan)
+
+
+def _check_trainable(number: int, source: RecordSource, encode: EncodeSFT, seq_len: int,
+                     overlong: str, scan: int) -> None:
+  earliest = None  # the first trained target of any record, when none is kept
+  for index in range(min(len(source), scan)):
+    example = encode.map((number, index, source[index]))
+    trained = np.flatnonzero(example['loss_mask'][1:])
+    kept = packing.kept_targets(len(example['ids']) - 1, seq_len, overlong)
+    if trained.size and trained[0] < kept:
+      return
+    if trained.size:
+      earliest = min(int(trained[0]), earliest if earliest is not None else int(trained[0]))
+  among = f' among its first {scan} records' if len(source) > scan else ''
+  if earliest is None:
+    raise ValueError(
+        f'{source.name}: no record{among} has a token to train on (no "assistant" message, '
+        'no non-empty "completion"); SFT computes its loss on those tokens only, so training '
+        'would change nothing. Check the roles ("role": "assistant"; ShareGPT: "from": "gpt").')
+  why = (f'data.overlong={overlong} drops every record longer than that, and each one with an '
+         'answer is' if overlong == 'drop' else
+         f'data.overlong={overlong} keeps the first {seq_len} targets of each record, and the '
+         f'earliest answer starts at target {earliest + 1}')
+  raise ValueError(f'{source.name}: no record{among} has a trainable (assistant) token within '
+                   f'seq_len={seq_len}: {why}. Raise seq_len, or set data.overlong=split.')
+
+
 def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
                       template: ChatTemplate | str | None = None, *, batch_size: int,
                       seq_len: int, seed: int = 0, shard_index: int | None = None,
@@ -312,8 +406,10 @@ def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
   vocab_size = vocab_size or tokenizer.vocab_size
   sources, ds = record_dataset(config, seed=seed, shard_index=shard_index,
                                shard_count=shard_count)
-  ds = ds.map(EncodeSFT(tokenizer, template, sources, add_bos=config.add_bos,
-                        add_eos=config.add_eos, vocab_size=vocab_size, images=images))
+  encode = EncodeSFT(tokenizer, template, sources, add_bos=config.add_bos,
+                     add_eos=config.add_eos, vocab_size=vocab_size, images=images)
+  check_sft_sources(sources, encode, seq_len=seq_len, overlong=config.overlong)
+  ds = ds.map(encode)
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   examples = packing.ExamplesIterDataset(
       ds, seq_len=seq_len, overlong=config.overlong,
