@@ -219,3 +219,50 @@ def test_grpo_trains_on_rollouts_and_writes_them(base, tmp_path, capsys):
   assert cli.main([a for a in args if not a.startswith('reward')] + [
       f'output_dir={tmp_path}/other']) == 2
   assert 'grpo needs reward=' in capsys.readouterr().err
+
+
+LONG_PROMPT = {'messages': [{'role': 'user', 'content': 'Who speaks this line? ' * 20},
+                            {'role': 'assistant', 'content': 'ROMEO'}]}
+
+
+@pytest.mark.parametrize('records, message', [
+    ([{'messages': c['messages'][:1]} for c in CHATS],
+     'no record has a token to train on (no "assistant" message'),
+    ([LONG_PROMPT] * 8,
+     'no record has a trainable (assistant) token within seq_len=32: data.overlong=truncate'),
+    ([CHATS[0], {'messages': [{'role': 'user', 'content': 'Hi'},
+                              {'role': 'assistant', 'content': 5}]}],
+     'chat.jsonl line 2: "messages"[1].content is an int (5); expected a string'),
+])
+def test_sft_refuses_data_that_trains_on_nothing_before_compiling(base, tmp_path, capsys, records,
+                                                                  message):
+  out = str(tmp_path / 'run')
+  args = ['sft', f'model={base}', f"data={_jsonl(tmp_path / 'chat.jsonl', records)}", 'steps=2',
+          f'output_dir={out}', *SMALL]
+  assert cli.main(args) == 2
+  captured = capsys.readouterr()
+  assert message in captured.err and len(captured.err.strip().splitlines()) == 1
+  assert 'compiled train step' not in captured.out
+  assert not os.path.exists(os.path.join(out, 'final'))
+
+
+def test_sft_names_the_line_of_a_template_syntax_error_before_compiling(base, tmp_path, capsys):
+  template = tmp_path / 'bad.jinja'
+  template.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+  args = ['sft', f'model={base}', f"data={_jsonl(tmp_path / 'chat.jsonl', CHATS)}", 'steps=2',
+          f'template={template}', f"output_dir={tmp_path / 'run'}", *SMALL]
+  assert cli.main(args) == 2
+  captured = capsys.readouterr()
+  assert f"error: {template} line 2: syntax error in the chat template: unexpected '}}'" in \
+      captured.err
+  assert 'compiled train step' not in captured.out
+
+
+def test_dpo_refuses_chosen_equal_to_rejected_before_compiling(base, tmp_path, capsys):
+  same = [{**p, 'rejected': p['chosen']} for p in PREFS]
+  args = ['dpo', f'model={base}', f"data={_jsonl(tmp_path / 'prefs.jsonl', same)}", 'steps=2',
+          f"output_dir={tmp_path / 'run'}", *SMALL]
+  assert cli.main(args) == 2
+  captured = capsys.readouterr()
+  assert '"chosen" equals "rejected" in every record (8)' in captured.err
+  assert 'compiled train step' not in captured.out

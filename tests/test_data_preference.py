@@ -73,10 +73,8 @@ def test_long_completion_is_cut_and_counted(tmp_path, tokenizer):
 ])
 def test_bad_records_name_their_line(tmp_path, tokenizer, record, message):
   data = _write_jsonl(tmp_path / 'bad.jsonl', [TEXT_PAIRS[0], record])
-  pipeline = make_preference_pipeline(_unshuffled(data), tokenizer, batch_size=4,
-                                      seq_len=16)
   with pytest.raises(ValueError, match=rf'bad.jsonl line 2: .*{message}'):
-    next(pipeline)
+    next(make_preference_pipeline(_unshuffled(data), tokenizer, batch_size=4, seq_len=16))
 
 
 def test_odd_batch_is_refused(tmp_path, tokenizer):
@@ -102,3 +100,19 @@ def test_resumes_from_state(tmp_path, tokenizer):
 def _unshuffled(path):
   from maxnnx.data import DataConfig
   return DataConfig.from_string(path, shuffle=False)
+
+
+def test_chosen_equal_to_rejected_everywhere_is_refused_before_any_batch(tmp_path, tokenizer):
+  same = [{**r, 'rejected': r['chosen']} for r in TEXT_PAIRS]
+  data = _write_jsonl(tmp_path / 'same.jsonl', same)
+  with pytest.raises(ValueError, match=r'same.jsonl: "chosen" equals "rejected" in every record '
+                                       r'\(4\), so DPO has no preference to learn'):
+    make_preference_pipeline(data, tokenizer, batch_size=2, seq_len=24)
+
+
+def test_chosen_equal_to_rejected_in_some_records_is_counted(tmp_path, tokenizer, capsys):
+  records = TEXT_PAIRS[:3] + [{**TEXT_PAIRS[3], 'rejected': TEXT_PAIRS[3]['chosen']}]
+  data = _write_jsonl(tmp_path / 'prefs.jsonl', records)
+  next(make_preference_pipeline(data, tokenizer, batch_size=2, seq_len=24))
+  assert ('Warning: ' + data + ': "chosen" equals "rejected" in 1 of 4 records (the first: '
+          + data + ' line 4)') in capsys.readouterr().out

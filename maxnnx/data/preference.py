@@ -14,7 +14,8 @@ sequence per row (never packed), padded to ``seq_len`` with ``segment_ids`` 0
 and ``loss_mask`` 0. A sequence longer than ``seq_len`` targets keeps its first
 ``seq_len`` (the end of the completion is cut, counted in ``stats``); a pair
 whose prompt leaves no completion token inside the window is an error naming the
-record.
+record. Data in which every record's ``chosen`` equals its ``rejected`` is refused before
+any batch is made (:func:`check_preference_sources`).
 """
 
 from __future__ import annotations
@@ -35,16 +36,45 @@ from maxnnx.data.tokenizer import Tokenizer
 PAIR_KEYS = ('prompt', 'chosen', 'rejected')
 
 
-def encode_preference_record(tokenizer, template: ChatTemplate | None, record, *,
-                             add_bos: bool = True, add_eos: bool = True
-                             ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
-  """``((chosen ids, mask), (rejected ids, mask))`` of one preference record."""
+def check_preference_sources(sources) -> None:
+  """Refuse preference data DPO cannot learn from, before any batch is made: a record
+  without ``prompt``/``chosen``/``rejected`` is a ``ValueError`` naming its file and line,
+  and so is a source whose every record has ``chosen`` equal to ``rejected`` (the loss
+  then stays at log 2 with gradient 0); where only some have, a warning counts them."""
+  for source in sources:
+    same = []
+    for index in range(len(source)):
+      record = source[index]
+      try:
+        _check_pair_keys(record)
+      except ValueError as e:
+        raise ValueError(f'{source.describe(index)}: {e}') from None
+      if record['chosen'] == record['rejected']:
+        same.append(index)
+    if len(same) == len(source):
+      raise ValueError(f'{source.name}: "chosen" equals "rejected" in every record '
+                       f'({len(same)}), so DPO has no preference to learn (its loss stays at '
+                       'log 2, gradient 0). Check which columns hold the two completions.')
+    if same:
+      print(f'Warning: {source.name}: "chosen" equals "rejected" in {len(same)} of '
+            f'{len(source)} records (the first: {source.describe(same[0])}); they train on '
+            'nothing.')
+
+
+def _check_pair_keys(record) -> None:
   if not isinstance(record, dict):
     raise ValueError(f'expected a JSON object, got {type(record).__name__}.')
   missing = [k for k in PAIR_KEYS if k not in record]
   if missing:
     raise ValueError(f'a preference record needs "prompt", "chosen" and "rejected"; missing '
                      f'{", ".join(repr(k) for k in missing)} (keys: {sorted(record)}).')
+
+
+def encode_preference_record(tokenizer, template: ChatTemplate | None, record, *,
+                             add_bos: bool = True, add_eos: bool = True
+                             ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+  """``((chosen ids, mask), (rejected ids, mask))`` of one preference record."""
+  _check_pair_keys(record)
   return tuple(encode_prompt_completion(tokenizer, record['prompt'], record[side],
                                         template=template, add_bos=add_bos, add_eos=add_eos)
                for side in ('chosen', 'rejected'))
@@ -158,6 +188,7 @@ def make_preference_pipeline(config: DataConfig | str, tokenizer: Tokenizer | st
   vocab_size = vocab_size or tokenizer.vocab_size
   sources, ds = record_dataset(config, seed=seed, shard_index=shard_index,
                                shard_count=shard_count)
+  check_preference_sources(sources)
   ds = ds.map(EncodePair(tokenizer, template, sources, seq_len=seq_len, add_bos=config.add_bos,
                          add_eos=config.add_eos, vocab_size=vocab_size,
                          pad_id=tokenizer.pad_id or 0))
@@ -173,4 +204,5 @@ def make_preference_pipeline(config: DataConfig | str, tokenizer: Tokenizer | st
                             batch_size=batch_size, seq_len=seq_len)
 
 
-__all__ = ['PreferencePipeline', 'encode_preference_record', 'make_preference_pipeline']
+__all__ = ['PreferencePipeline', 'check_preference_sources', 'encode_preference_record',
+           'make_preference_pipeline']
