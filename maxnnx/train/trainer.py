@@ -76,6 +76,18 @@ def _next_batch(data) -> Any:
   return next(data)
 
 
+def _check_trains_on_something(batch, step: int) -> None:
+  """Stop before a step whose batch would train on nothing (``loss_mask`` 0 everywhere: loss
+  0, gradient 0). Checked on one process only: with several, each sees just its rows."""
+  if not isinstance(batch, dict) or 'loss_mask' not in batch or jax.process_count() > 1:
+    return
+  if not np.asarray(batch['loss_mask']).any():
+    raise TrainingError(
+        f'The batch of step {step} holds no token to train on (its loss_mask is 0 everywhere), '
+        'so the step would change nothing; every record in it lacks trained tokens (e.g. chat '
+        'records without an assistant answer within seq_len). Check the data.')
+
+
 # -- the trainer -------------------------------------------------------------------
 
 def row_range(indices, num_rows: int) -> slice:
@@ -451,6 +463,7 @@ class Trainer:
     if batch is None:
       with self._goodput.time('data'):
         batch = _next_batch(self.data)
+      _check_trains_on_something(batch, self.step_count + 1)
       if hasattr(self.data, 'pop_metrics'):  # e.g. RL rollouts: rewards, lengths
         host_metrics = dict(self.data.pop_metrics() or {})
     placed = self._place(batch)
