@@ -19,6 +19,7 @@ from maxnnx.data import (
     load_tokenizer,
     train_sentencepiece,
 )
+from maxnnx.data.text import sentences
 
 SAMPLES = ['Hello, world!', 'First Citizen:\nBefore we proceed any further, hear me speak.',
            '  spaces,\ttabs and ünïcödé 日本語 🙂', '<|end_of_text|> is just text here', '']
@@ -124,6 +125,31 @@ def test_sentencepiece_matches_the_library(tmp_path):
     ids = tok.encode(text)
     assert ids == processor.encode(text)
     assert tok.decode(np.asarray(ids)) == text
+
+
+def test_sentencepiece_trains_on_a_file_of_one_long_line(tmp_path):
+  """sentencepiece skips lines over 64 KiB; a 3 MB one-line corpus is cut into shorter
+  sentences for it instead of leaving it nothing to train on."""
+  with open(DEFAULT_CORPUS, encoding='utf-8') as f:
+    text = f.read().replace('\n', ' ')
+  one_line = tmp_path / 'one_line.txt'
+  one_line.write_text((text * (3_000_000 // len(text) + 1))[:3_000_000], encoding='utf-8')
+  tok = load_tokenizer(train_sentencepiece(str(one_line), str(tmp_path / 'sp'), 400))
+  assert tok.vocab_size == 400
+  sample = text[:2000]
+  ids = tok.encode(sample)
+  assert tok.decode(np.asarray(ids)) == sample and len(ids) < 0.8 * len(sample)  # merges
+
+
+def test_long_lines_are_cut_at_spaces_for_the_tokenizer_trainer(tmp_path):
+  path = tmp_path / 'text.txt'
+  long_words, no_space = ' '.join(['word'] * 30), 'x' * 25
+  path.write_text(f'short\n{long_words}\n\n{no_space}\n', encoding='utf-8')
+  pieces = list(sentences(str(path), limit=20))
+  assert all(len(p) <= 20 for p in pieces)
+  assert pieces[0] == 'short' and pieces[-3:] == ['', 'x' * 20, 'x' * 5]
+  assert ''.join(pieces[1:-3]) == long_words
+  assert all(p.startswith(' ') for p in pieces[2:-3])  # each cut before a space
 
 
 def test_load_tokenizer_picks_by_directory_contents_and_fails_clearly(tmp_path, hf_dir):

@@ -54,9 +54,30 @@ def train_sentencepiece(text_path: str, model_prefix: str, vocab_size: int) -> s
   return model_prefix + '.model'
 
 
+MAX_SENTENCE_CHARS = 1 << 14
+"""Longest line the tokenizer trainer is given: sentencepiece skips lines over 64 KiB
+(``max_sentence_length``), and a character takes at most 4 bytes, so longer lines are cut
+(at a space where one is near) rather than lost."""
+
+
+def sentences(text_path: str, limit: int = MAX_SENTENCE_CHARS):
+  """The lines of ``text_path`` (without their line break), each cut into pieces of at most
+  ``limit`` characters, at the last space in the second half of the limit when there is one."""
+  with open(text_path, encoding='utf-8', newline='\n') as f:
+    for line in f:
+      line = line.removesuffix('\n')
+      while len(line) > limit:
+        cut = line.rfind(' ', limit // 2, limit)
+        cut = cut if cut > 0 else limit
+        yield line[:cut]
+        line = line[cut:]
+      yield line
+
+
 def _train(text_path: str, model_prefix: str, vocab_size: int) -> None:
   spm.SentencePieceTrainer.train(
-      input=text_path, model_prefix=model_prefix, vocab_size=vocab_size, model_type='bpe',
+      sentence_iterator=sentences(text_path), model_prefix=model_prefix,
+      vocab_size=vocab_size, model_type='bpe',
       character_coverage=1.0, byte_fallback=True, bos_id=1, eos_id=2, pad_id=0, unk_id=3,
       hard_vocab_limit=False, num_threads=2, minloglevel=2, split_digits=True,
       # Keep the text exactly (line breaks and spacing matter in verse and code).
