@@ -28,6 +28,16 @@ COUNTS = ('documents', 'empty_skipped', 'overlong', 'overlong_split_pieces',
           'overlong_truncated', 'overlong_dropped', 'targets_dropped')
 
 
+def check_image_fits(doc: dict, seq_len: int, overlong: str, name: str) -> None:
+  """Refuse a document (named ``name``) whose image tokens run past ``seq_len``: an image
+  cannot be cut, so only ``overlong='drop'`` (which skips it) lets it through."""
+  if doc.get('images') is not None and doc.get('image_end', 0) > seq_len and overlong != 'drop':
+    raise ValueError(
+        f"{name}: the conversation's image tokens run to position {doc['image_end']}, past "
+        f"seq_len={seq_len}; an image cannot be cut. Raise seq_len, or set "
+        "DataConfig.overlong='drop'.")
+
+
 def kept_targets(length: int, seq_len: int, overlong: str) -> int:
   """How many of a document's ``length`` targets its examples keep (from the start) under
   the ``overlong`` policy (``'error'``: all; reading such a document raises)."""
@@ -112,11 +122,7 @@ class _ExamplesIterator(grain.DatasetIterator):
     if length <= self.seq_len:
       return [piece(0, length)]
     self.counts['overlong'] += 1
-    if images is not None and doc.get('image_end', 0) > self.seq_len and self.overlong != 'drop':
-      raise ValueError(
-          f"{self.describe(*doc['where'])}: the conversation's image tokens run to position "
-          f"{doc['image_end']}, past seq_len={self.seq_len}; an image cannot be cut. Raise "
-          "seq_len, or set DataConfig.overlong='drop'.")
+    check_image_fits(doc, self.seq_len, self.overlong, self.describe(*doc['where']))
     if self.overlong == 'error':
       raise ValueError(
           f"{self.describe(*doc['where'])}: the document has {length + 1} tokens "

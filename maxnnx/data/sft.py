@@ -345,6 +345,7 @@ def _check_trainable(number: int, source: RecordSource, encode: EncodeSFT, seq_l
   earliest = None  # the first trained target of any record, when none is kept
   for index in range(min(len(source), scan)):
     example = encode.map((number, index, source[index]))
+    packing.check_image_fits(example, seq_len, overlong, source.describe(index))
     trained = np.flatnonzero(example['loss_mask'][1:])
     kept = packing.kept_targets(len(example['ids']) - 1, seq_len, overlong)
     if trained.size and trained[0] < kept:
