@@ -124,6 +124,8 @@ SERVE_KEYS = {
                       'max_position_embeddings)'),
     'max_queue': (64, 'requests waiting beyond the max_batch running ones; more are answered '
                   'with HTTP 429'),
+    'max_request_bytes': (8 << 20, 'the longest request body taken (8 MiB; images in chat '
+                          'messages travel inline); longer ones are answered with HTTP 413'),
     'prefix_caching': (True, 'reuse the KV-cache pages of prompt prefixes already computed'),
     'max_logprobs': (5, 'the most log-probabilities per token a request may ask for'),
     'add_bos': (True, "start text prompts of /v1/completions with the tokenizer's BOS token"),
@@ -908,7 +910,8 @@ def serve(options: dict) -> None:
   _use_compile_cache(options)
   serve_http(model, host=options['host'], port=options['port'],
              log_level=options['log_level'], model_name=options['served_model_name'] or None,
-             max_queue=options['max_queue'], add_bos=options['add_bos'],
+             max_queue=options['max_queue'], max_request_bytes=options['max_request_bytes'],
+             add_bos=options['add_bos'],
              dtype=options['dtype'] or None, max_batch=options['max_batch'],
              token_budget=options['token_budget'], page_size=options['page_size'],
              max_pages=options['max_pages'] or None,

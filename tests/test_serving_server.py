@@ -245,7 +245,8 @@ def test_bad_requests_answer_400_and_the_server_goes_on(server):
       error = response.json()['error']
       assert set(error) == {'message', 'type', 'param', 'code'} and error['message']
       assert error['type'] == 'invalid_request_error' and error['param'] == param, error
-    for raw in (b'{"model": "tiny-chat", "prompt": ', b'\xff\xfe', b'[1, 2]', b'"text"'):
+    for raw in (b'{"model": "tiny-chat", "prompt": ', b'\xff\xfe', b'[1, 2]', b'"text"',
+                b'[' * 100_000, b'{"model": "tiny-chat", "prompt": "to \\ud800 be"}'):
       response = http.post('/completions', content=raw,
                            headers={'content-type': 'application/json'})
       assert response.status_code == 400 and response.json()['error']['message'], raw
@@ -259,6 +260,116 @@ def test_bad_requests_answer_400_and_the_server_goes_on(server):
   ok = client.completions.create(model=NAME, prompt='hi', max_tokens=3, temperature=0,
                                  extra_body={'ignore_eos': True})
   assert ok.choices[0].finish_reason == 'length' and ok.usage.completion_tokens == 3
+
+
+def test_a_long_prompt_holds_up_no_other_client(server):
+  """A 1.5 MB text prompt (about 640,000 tokens, some seconds of tokenizing here) is answered
+  400 naming prompt; while it is tokenized another client's /health answers every time within
+  1 s (tokenized on the event loop, as before, /health waited for all of it: over 3 s here)."""
+  body = {'model': NAME, 'prompt': 'To be, or not to be: ' * 72_000, 'max_tokens': 2}
+  answer = {}
+  sender = threading.Thread(target=lambda: answer.update(
+      response=httpx.post(f'{server}/v1/completions', json=body, timeout=120)))
+  started = time.monotonic()
+  sender.start()
+  gaps, last = [], started
+  with httpx.Client(timeout=60) as http:
+    while sender.is_alive():
+      assert http.get(f'{server}/health').status_code == 200
+      gaps.append(time.monotonic() - last)  # the server runs in this process: a stall in
+      last = time.monotonic()                # it stalls this thread too, whenever it comes
+      time.sleep(0.05)
+  took = time.monotonic() - started
+  sender.join()
+  assert len(gaps) > 5, (took, gaps)  # /health was asked while it ran
+  assert max(gaps) < 1.0, (took, gaps)
+  error = answer['response'].json()['error']
+  assert answer['response'].status_code == 400 and error['param'] == 'prompt', error
+  assert error['code'] == 'context_length_exceeded'
+
+
+def test_a_body_over_the_limit_answers_413(server):
+  with httpx.Client(base_url=f'{server}/v1', timeout=60) as http:
+    response = http.post('/completions', content=b'x' * (9 << 20),
+                         headers={'content-type': 'application/json'})
+    assert response.status_code == 413, response.text
+    error = response.json()['error']
+    assert error['code'] == 'request_too_large' and 'max_request_bytes' in error['message']
+
+    def chunks():  # no Content-Length: refused as the body arrives
+      for _ in range(9):
+        yield b' ' * (1 << 20)
+
+    response = http.post('/completions', content=chunks(),
+                         headers={'content-type': 'application/json'})
+    assert response.status_code == 413, response.text
+  ok = _client(server).completions.create(model=NAME, prompt='hi', max_tokens=2)
+  assert ok.usage.completion_tokens == 2
+
+
+FUZZ_FIELDS = ('model', 'prompt', 'messages', 'n', 'temperature', 'top_p', 'top_k', 'seed',
+               'stop', 'stop_token_ids', 'stream', 'stream_options', 'logprobs', 'top_logprobs',
+               'ignore_eos', 'return_token_ids', 'best_of', 'echo', 'suffix', 'logit_bias',
+               'presence_penalty', 'response_format', 'tool_choice', 'modalities', 'user')
+
+
+def _random_json(rng, depth=0):
+  """A random JSON value: edge-case numbers, odd text, nested arrays and objects."""
+  kind = int(rng.integers(0, 8 if depth < 2 else 6))
+  if kind == 0:
+    return None
+  if kind == 1:
+    return bool(rng.integers(0, 2))
+  if kind == 2:
+    return [0, 1, 2, -1, 3, 511, 512, 2**31, -2**31, 2**63, 10**30][int(rng.integers(0, 11))]
+  if kind == 3:
+    return [0.0, -0.0, 0.5, 1.0, 1.5, -2.5, 1e-300, 1e308, 2.0][int(rng.integers(0, 9))]
+  if kind in (4, 5):
+    return ['', 'hi', NAME, 'user', 'assistant', 'text', 'image_url', '\x00', '\ud800', 'é' * 3,
+            '<|im_end|>', 'data:image/png;base64,xx', 'x' * 300][int(rng.integers(0, 13))]
+  if kind == 6:
+    return [_random_json(rng, depth + 1) for _ in range(int(rng.integers(0, 4)))]
+  keys = ['role', 'content', 'type', 'text', 'image_url', 'url', 'include_usage', 'name']
+  return {keys[int(rng.integers(0, len(keys)))]: _random_json(rng, depth + 1)
+          for _ in range(int(rng.integers(0, 4)))}
+
+
+def _fuzzed(rng) -> tuple[str, bytes]:
+  """``(endpoint, body)``: a good request (2 tokens: max_tokens is left alone, so the test stays
+  fast) with 1 to 3 fields set to random values, now and then a random JSON value as the whole
+  body, or bytes that are not UTF-8."""
+  endpoint = ('completions', 'chat/completions')[int(rng.integers(0, 2))]
+  body = {'model': NAME, 'max_tokens': 2}
+  if endpoint == 'completions':
+    body['prompt'] = 'hi'
+  else:
+    body['messages'] = [{'role': 'user', 'content': 'hi'}]
+  for _ in range(int(rng.integers(1, 4))):
+    body[FUZZ_FIELDS[int(rng.integers(0, len(FUZZ_FIELDS)))]] = _random_json(rng)
+  roll = rng.random()
+  if roll < 0.05:
+    return endpoint, b'{"model": "\xff\xfe' + bytes(rng.integers(128, 256, 8).tolist())
+  if roll < 0.1:
+    body = _random_json(rng)
+  return endpoint, json.dumps(body).encode()
+
+
+def test_fuzzed_requests_answer_2xx_or_4xx_and_the_server_goes_on(server):
+  """200 random requests (seeded): none is answered 5xx, then a good request is served."""
+  rng = np.random.default_rng(44)
+  statuses = {}
+  with httpx.Client(base_url=f'{server}/v1', timeout=60) as http:
+    for _ in range(200):
+      endpoint, content = _fuzzed(rng)
+      response = http.post(f'/{endpoint}', content=content,
+                           headers={'content-type': 'application/json'})
+      assert 200 <= response.status_code < 500, (endpoint, content, response.text)
+      if response.status_code >= 400:
+        assert response.json()['error']['message'], response.text
+      statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+  assert statuses.get(200, 0) >= 20 and statuses.get(400, 0) >= 50, statuses  # both kinds ran
+  ok = _client(server).completions.create(model=NAME, prompt='hi', max_tokens=2)
+  assert ok.usage.completion_tokens == 2
 
 
 def test_a_full_queue_answers_429_then_serves_again(small):

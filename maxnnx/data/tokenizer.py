@@ -109,6 +109,9 @@ class _SpecialIds:
     return self._ids['pad_token']
 
 
+_LONG_TEXT = 1 << 14  # characters from which HFTokenizer.encode lets other threads run
+
+
 class HFTokenizer(_SpecialIds):
   """A Hugging Face ``tokenizer.json`` (read with the ``tokenizers`` package).
 
@@ -146,7 +149,11 @@ class HFTokenizer(_SpecialIds):
     return self.backend.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str) -> list[int]:
-    return self.backend.encode(text, add_special_tokens=False).ids
+    """``text`` as ids; a long text is encoded with the GIL released (``encode_batch``), so
+    other threads (a server's event loop) run meanwhile."""
+    if len(text) < _LONG_TEXT:
+      return self.backend.encode(text, add_special_tokens=False).ids
+    return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
   def decode(self, ids) -> str:
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -12,9 +12,11 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``),
 **Threads.** The engine is driven from one thread only: :class:`EngineLoop` owns
 it on a thread of its own, takes commands (add, cancel) from a thread-safe queue,
 and runs ``step()`` while any request is unfinished (it sleeps on the queue
-otherwise). The HTTP handlers run on uvicorn's asyncio loop: a request is parsed
-and validated there (:mod:`~maxnnx.serving.openai_api`; a bad one is answered 400
-before the engine sees it), each of its choices is submitted with a *sink*, a
+otherwise). The HTTP handlers run on uvicorn's asyncio loop: a request's body is read
+there (at most ``max_request_bytes``; a longer one is answered 413), then parsed,
+tokenized and validated in a worker thread, so a long prompt never holds up the other
+clients (:mod:`~maxnnx.serving.openai_api`; a bad request is answered 4xx before the
+engine sees it). Each of its choices is submitted with a *sink*, a
 callable the engine thread calls with every output, which hands the output to the
 handler's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. A handler that
 sees its client disconnect (a task waiting on the ASGI ``receive``) cancels its
@@ -36,11 +38,13 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -67,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 ACCEPTED = 'accepted'  # what a sink receives once the engine has taken its request
 _DISCONNECTED = 'disconnected'
+MAX_REQUEST_BYTES = 8 << 20  # the default longest request body (8 MiB)
 
 
 class Ticket:
@@ -399,8 +404,9 @@ class _Api:
   """The endpoints, sharing the engine loop, the served model and the metrics."""
 
   def __init__(self, loop: EngineLoop, served: ServedModel, metrics: ServerMetrics,
-               max_queue: int):
+               max_queue: int, max_request_bytes: int):
     self.loop, self.served, self.metrics = loop, served, metrics
+    self.max_request_bytes = max_request_bytes
     self.capacity = loop.engine.max_batch + max_queue
     self.in_flight = 0  # choices submitted and not finished (touched on the event loop only)
 
@@ -414,7 +420,8 @@ class _Api:
     arrival = time.monotonic()
     job = None
     try:
-      parsed = parse(await _json_body(request), self.served)
+      body = await _read_body(request, self.max_request_bytes)
+      parsed = await run_in_threadpool(_parse_json, parse, body, self.served)
       if self.in_flight + len(parsed.params) > self.capacity:
         raise ApiError(f'The server is full ({self.in_flight} requests in flight, at most '
                        f'{self.capacity}); retry later.', status=429, type='rate_limit_error',
@@ -470,11 +477,66 @@ class _Api:
                              media_type='text/plain; version=0.0.4')
 
 
-async def _json_body(request: Request):
+async def _read_body(request: Request, limit: int) -> bytes:
+  """The request's body, refused with 413 once it is longer than ``limit`` bytes (by its
+  ``Content-Length`` before any of it is read, else as it arrives)."""
+  declared = request.headers.get('content-length', '')
+  if declared.isdigit() and int(declared) > limit:
+    raise _too_large(limit)
+  chunks, size = [], 0
+  async for part in request.stream():
+    size += len(part)
+    if size > limit:
+      raise _too_large(limit)
+    chunks.append(part)
+  return b''.join(chunks)
+
+
+def _too_large(limit: int) -> ApiError:
+  return ApiError(f'The request body is larger than this server takes ({limit} bytes, '
+                  'max_request_bytes).', status=413, code='request_too_large')
+
+
+def _parse_json(parse: Callable, body: bytes, served: ServedModel) -> ParsedRequest:
+  """``parse`` (:func:`~maxnnx.serving.openai_api.parse_completion` or ``parse_chat``) of the
+  JSON ``body``: what a worker thread runs (tokenizing a long prompt takes a while)."""
   try:
-    return json.loads(await request.body())
-  except ValueError as e:
+    value = json.loads(body)
+  except ValueError as e:  # also text that is not UTF-8
     raise ApiError(f'The request body is not valid JSON: {e}', code='invalid_json') from None
+  except RecursionError:
+    raise ApiError('The request body is not valid JSON: nested too deeply.',
+                   code='invalid_json') from None
+  if _SURROGATE_ESCAPE.search(body):
+    _check_text(value)
+  return parse(value, served)
+
+
+def _encodes(text: str) -> bool:
+  try:
+    text.encode('utf-8')
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
+_SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F]')
+
+
+def _check_text(value) -> None:
+  """Refuse a string holding half of a UTF-16 surrogate pair (JSON's ``"\\ud800"``): no
+  text, and no tokenizer takes it."""
+  stack = [(None, value)]
+  while stack:
+    where, item = stack.pop()
+    if isinstance(item, dict):
+      stack.extend((where or key, v) for key, v in item.items())
+    elif isinstance(item, list):
+      stack.extend((where, v) for v in item)
+    elif isinstance(item, str) and not _encodes(item):
+      raise ApiError(f'{where or "The request body"} holds a lone UTF-16 surrogate (an '
+                     'unpaired \\ud800-\\udfff escape), which is not text.', param=where,
+                     code='invalid_value')
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -530,8 +592,9 @@ def _template(tokenizer, chat_template: ChatTemplate | str | None) -> ChatTempla
 
 
 def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str | None = None,
-             max_queue: int = 64, chat_template: ChatTemplate | str | None = None,
-             add_bos: bool = True, dtype: str | None = None, tensor_parallel: int = 1,
+             max_queue: int = 64, max_request_bytes: int = MAX_REQUEST_BYTES,
+             chat_template: ChatTemplate | str | None = None, add_bos: bool = True,
+             dtype: str | None = None, tensor_parallel: int = 1,
              image_processor=None, **engine_kwargs) -> Starlette:
   """The server as an ASGI app (run it with uvicorn); nothing starts until the app does.
 
@@ -543,6 +606,8 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
       or ``'maxnnx'`` for an engine.
     max_queue: requests (choices) held beyond the ``max_batch`` running ones; more
       are answered 429.
+    max_request_bytes: the longest request body taken; a longer one is answered 413
+      (images in chat messages travel inline, base64: leave room for them).
     chat_template: a :class:`~maxnnx.data.ChatTemplate`, built-in name or Jinja text;
       default the template stored beside the tokenizer (none: the chat endpoint
       answers 400).
@@ -581,6 +646,8 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
     raise ValueError('The server needs an Engine with a tokenizer.')
   if max_queue < 0:
     raise ValueError(f'max_queue={max_queue} must be >= 0.')
+  if max_request_bytes < 1:
+    raise ValueError(f'max_request_bytes={max_request_bytes} must be at least 1.')
   image_processor, image_prompt = _image_side(engine, directory, image_processor)
   served = ServedModel(name=name, tokenizer=tokenizer, template=_template(tokenizer, chat_template),
                        max_model_len=engine.max_model_len,
@@ -590,7 +657,7 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
                        image_processor=image_processor, image_prompt=image_prompt)
   leader = _leader(engine)
   loop, metrics = EngineLoop(leader or engine), ServerMetrics()
-  api = _Api(loop, served, metrics, max_queue)
+  api = _Api(loop, served, metrics, max_queue, max_request_bytes)
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
@@ -650,7 +717,8 @@ def _leave_processes() -> None:
   jax.distributed.shutdown()
 
 
-_APP_ONLY = ('model_name', 'max_queue', 'chat_template', 'add_bos', 'image_processor')
+_APP_ONLY = ('model_name', 'max_queue', 'max_request_bytes', 'chat_template', 'add_bos',
+             'image_processor')
 
 
 def serve(model_dir: str, *, host: str = '127.0.0.1', port: int = 8000,
