@@ -856,6 +856,10 @@ def convert(options: dict) -> str:
     raise UsageError('convert needs src=<directory> and dst=<directory>.')
   if not paths.isdir(src):
     raise FileNotFoundError(f'src={src}: no such directory.')
+  held = _checkpoint_files(dst)
+  if held:
+    raise UsageError(f'dst={dst} already has a checkpoint ({held}); convert never overwrites '
+                     'one: choose a new or empty directory.')
   source = 'hf' if paths.exists(paths.join(src, 'config.json')) else 'orbax'
   target = options['format'] or {'hf': 'orbax', 'orbax': 'hf'}[source]
   if target not in ('hf', 'orbax'):
@@ -887,6 +891,16 @@ def convert(options: dict) -> str:
     save_params(model, dst)
   print(f'Converted {src} ({source}) to {dst} ({target}{layout}).')
   return dst
+
+
+def _checkpoint_files(directory: str) -> str:
+  """What of a checkpoint ``directory`` holds, as a few names (empty: none): a Hugging Face
+  checkpoint's ``config.json`` and ``*.safetensors``, an orbax checkpoint's step directories."""
+  if not paths.isdir(directory):
+    return ''
+  names = sorted(paths.listdir(directory))
+  held = [n for n in names if n == 'config.json' or n.endswith('.safetensors') or n.isdigit()]
+  return ', '.join(held[:3]) + (', ...' if len(held) > 3 else '')
 
 
 def _use_compile_cache(options: dict) -> None:

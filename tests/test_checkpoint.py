@@ -380,6 +380,51 @@ def test_convert_and_save_pretrained_write_the_dtype_asked_for(tmp_path, capsys)
   assert 'dtype=bfloat16 sets the dtype of a Hugging Face output' in capsys.readouterr().err
 
 
+def _file_bytes(directory: str) -> dict[str, bytes]:
+  found = {}
+  for root, _, names in os.walk(directory):
+    for name in names:
+      path = os.path.join(root, name)
+      found[os.path.relpath(path, directory)] = open(path, 'rb').read()
+  return found
+
+
+def test_convert_takes_relative_paths_and_never_overwrites_a_checkpoint(tmp_path, monkeypatch,
+                                                                        capsys):
+  """HF -> orbax -> HF with relative paths (orbax takes absolute ones only); converting again
+  into either output is refused with one line, and its files stay byte for byte."""
+  monkeypatch.chdir(tmp_path)
+  source = os.path.join(ROOT, 'tests', 'fixtures', 'hf', 'llama')
+  assert cli.main(['convert', f'src={source}', 'dst=orbax']) == 0
+  assert cli.main(['convert', 'src=orbax', 'dst=hf']) == 0
+  capsys.readouterr()
+  for src, dst, held in ((source, 'hf', 'config.json'), ('orbax', 'hf', 'config.json'),
+                         (source, 'orbax', '0'), ('orbax', 'hf', 'model.safetensors')):
+    if held == 'model.safetensors':  # the weights alone are a checkpoint too
+      os.remove(os.path.join(dst, 'config.json'))
+    before = _file_bytes(dst)
+    assert cli.main(['convert', f'src={src}', f'dst={dst}']) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f'dst={dst} already has a checkpoint ({held}' in err
+    assert _file_bytes(dst) == before
+
+
+def test_generate_reads_the_checkpoint_of_a_run_given_by_a_relative_path(tmp_path, monkeypatch,
+                                                                        capsys):
+  """``maxnnx generate output_dir=run`` on a run without final/ loads its newest orbax
+  checkpoint from a relative path."""
+  from maxnnx.data import DEFAULT_CORPUS, train_sentencepiece
+  from maxnnx.models.checkpoints import save_params
+  monkeypatch.chdir(tmp_path)
+  os.makedirs('run')
+  train_sentencepiece(DEFAULT_CORPUS, os.path.join('run', 'tokenizer'), 400)
+  model = maxnnx.Transformer(maxnnx.get_preset('tiny', vocab_size=400, num_layers=1),
+                             rngs=nnx.Rngs(0))
+  save_params(model, os.path.join('run', 'checkpoints'), step=3)
+  assert cli.main(['generate', 'output_dir=run', 'prompt=KING:', 'max_new_tokens=3']) == 0
+  assert capsys.readouterr().out.startswith('KING:')
+
+
 @pytest.mark.slow
 def test_cli_train_resumes_and_generate_falls_back_to_the_checkpoint(tmp_path, capsys):
   """maxnnx train checkpoint_every=N resumes when rerun (same losses as the first run),

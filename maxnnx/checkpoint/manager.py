@@ -297,8 +297,9 @@ def restore_params(directory: str, abstract_params: Any, step: int | None = None
   parameters (their shardings are used when set), or a function from the
   checkpoint's meta record to that tree; the optimizer state is never read.
   Works on training checkpoints and on parameter-only ones (``state[0]`` is
-  the model in both).
+  the model in both). A relative ``directory`` is taken from the working directory.
   """
+  directory = paths.absolute(directory)  # orbax reads absolute paths only
   meta = read_meta(directory, step)
   step = meta['step']
   if callable(abstract_params):
