@@ -534,7 +534,8 @@ def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
     model_config = model if hasattr(model, 'to_dict') else model.config
     try:
       run_dir.check_config(run_config(model_config, train_config, tokenizer_record,
-                                      objective=recipe.record(options) or None))
+                                      objective=recipe.record(options) or None),
+                           train_config.checkpoint_dir)
     except ValueError:
       shutil.rmtree(_tokenizer_staging(out), ignore_errors=True)
       raise

@@ -113,6 +113,20 @@ def test_changed_config_is_refused_and_nothing_is_touched(run_copy, capsys, chan
   assert _snapshot(run_copy) == before
 
 
+def test_a_start_that_failed_before_its_first_step_pins_no_config(tmp_path, capsys):
+  """A start refused for its mesh (after its config was stored) leaves no config that refuses
+  the corrected command, which also changes the model; a run that wrote a checkpoint does."""
+  out = tmp_path / 'run'
+  assert _train(out, 'model.num_layers=2', 'mesh.data=16', 'global_batch_size=16') != 0
+  assert 'uses 16 devices' in _error_line(capsys.readouterr().err)
+  assert os.path.exists(out / run_dir.RUN_CONFIG)
+  assert _train(out, 'steps=1', 'checkpoint_every=0') == 0
+  assert 'wrote no checkpoint; this run replaces it' in capsys.readouterr().out
+  assert os.path.exists(out / 'final' / 'config.json')
+  assert _train(out, 'steps=1', 'checkpoint_every=0', 'model.num_layers=2') != 0  # final/ pins
+  assert 'model.num_layers: 1 -> 2' in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_resume_never_moves_the_old_run_aside(run_copy, capsys):
   before = _snapshot(run_copy)

@@ -11,7 +11,8 @@ of one training run. :class:`RunDir` keeps that run whole across restarts:
 * :meth:`RunDir.check_config` stores the run's config (:func:`run_config`: the model, the
   optimizer-relevant training fields and the tokenizer's fingerprint, not ``steps``, logging or
   the mesh) in ``run_config.json``, and refuses a restart whose config differs, with a short
-  diff and the two ways out;
+  diff and the two ways out, once the run has written something to resume or keep (a
+  checkpoint or ``final/``): the config of a start that failed before that is replaced;
 * :meth:`RunDir.trim_metrics` cuts ``metrics.jsonl`` back to the restored step, so a resumed
   run lists every step once.
 
@@ -218,13 +219,20 @@ class RunDir:
       raise RunDirError(f'{self.config_path} is not valid JSON ({e}); move it away to start '
                         'over, or fix it.') from None
 
-  def check_config(self, record: dict) -> None:
-    """Store ``record`` (a :func:`run_config`) for a new run, or check it against the stored one.
+  def check_config(self, record: dict, checkpoint_dir: str | None = None) -> None:
+    """Store ``record`` (a :func:`run_config`) for a new run, or check it against the stored one
+    when the earlier run wrote a checkpoint (in ``checkpoint_dir`` or ``checkpoints/``) or
+    ``final/``; the stored config of a run that wrote neither (a start that failed) is replaced.
 
     Raises:
       RunDirError: the stored config differs: a short diff and the two ways out.
     """
     stored = self.stored_config()
+    if stored is not None and not self.has_written(checkpoint_dir):
+      if config_diff(stored, record) and jax.process_index() == 0:
+        print(f'Note: {self.config_path} is of a run that wrote no checkpoint; this run '
+              'replaces it.')
+      stored = None
     if stored is not None:
       diff = config_diff(stored, record)
       if diff:
@@ -234,6 +242,13 @@ class RunDir:
             f'{paths.join(self.directory, PREVIOUS)}/ and start fresh.')
     if jax.process_index() == 0 and stored != record:
       write_json(self.config_path, record)
+
+  def has_written(self, checkpoint_dir: str | None = None) -> bool:
+    """Whether a run here wrote something a restart resumes or keeps: a checkpoint step (in
+    ``checkpoint_dir`` or the default ``checkpoints/``) or ``final/``."""
+    return bool(paths.exists(paths.join(self.directory, 'final'))
+                or checkpoint_steps(checkpoint_dir)
+                or checkpoint_steps(paths.join(self.directory, 'checkpoints')))
 
   def trim_metrics(self, path: str, step: int | None) -> None:
     """Keep the lines of ``metrics.jsonl`` up to ``step`` (all of them go for a fresh run)."""
