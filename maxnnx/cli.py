@@ -93,7 +93,8 @@ TRAIN_OVERRIDES = {  # defaults of the default run that differ from TrainConfig'
 GENERATE_KEYS = {
     'output_dir': ('runs/tiny-shakespeare', 'a directory written by maxnnx train'),
     'prompt': ('ROMEO:', 'text to continue'),
-    'max_new_tokens': (120, 'tokens to generate'),
+    'max_new_tokens': (120, "tokens to generate (capped, with a note, to what the model's "
+                       'context leaves after the prompt)'),
     'temperature': (0.8, 'sampling temperature (0: greedy)'),
     'top_p': (0.95, 'nucleus sampling mass'),
     'top_k': (0, 'sample among the k most likely tokens (0: all; more than the vocabulary is '
@@ -783,9 +784,28 @@ def compile_step(options: dict) -> dict:
 def _sample(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, top_k=0) -> str:
   import maxnnx  # noqa: PLC0415
   ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
+  max_new_tokens = _within_context(model.config.max_position_embeddings, len(ids),
+                                   max_new_tokens)
   result = maxnnx.generate(model, [ids], max_new_tokens, temperature=temperature, top_p=top_p,
                            top_k=top_k or None, eos_ids=[tokenizer.eos_id], seed=seed)
   return prompt + tokenizer.decode(result.as_lists()[0])
+
+
+def _within_context(limit: int, prompt_tokens: int, max_new_tokens: int) -> int:
+  """``max_new_tokens`` capped to what the model's context leaves after the prompt (a note
+  says so), as the server caps ``max_tokens``.
+
+  Raises:
+    UsageError: the prompt alone fills the context.
+  """
+  room = limit - prompt_tokens
+  if room < 1:
+    raise UsageError(f'prompt= has {prompt_tokens} tokens; the model takes {limit} '
+                     '(max_position_embeddings), with room for output: shorten it.')
+  if max_new_tokens > room:
+    print(f'Note: max_new_tokens={max_new_tokens} is capped to {room}: the prompt has '
+          f"{prompt_tokens} tokens of the model's {limit} (max_position_embeddings).")
+  return min(max_new_tokens, room)
 
 
 def generate(options: dict) -> str:

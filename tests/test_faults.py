@@ -310,6 +310,20 @@ def test_seq_len_past_the_positions(tmp_path, capsys):
   assert 'seq_len=1024' in line and 'max_position_embeddings=512' in line
 
 
+def test_generate_caps_max_new_tokens_to_the_context(finished, capsys, caplog):
+  """max_new_tokens=1000 runs to the end of the 512-token context and says so in one line (it
+  ran on past the trained positions with only a warning); a prompt that fills it is refused."""
+  with caplog.at_level(logging.WARNING):
+    assert cli.main(['generate', f'output_dir={finished}', 'prompt=KING:', 'temperature=0',
+                     'max_new_tokens=1000']) == 0
+  notes = [line for line in capsys.readouterr().out.splitlines() if 'capped' in line]
+  assert notes and notes[0].startswith('Note: max_new_tokens=1000 is capped to 5')
+  assert "of the model's 512 (max_position_embeddings)" in notes[0]
+  assert 'run past' not in caplog.text
+  assert cli.main(['generate', f'output_dir={finished}', 'prompt=' + 'KING ' * 600]) == 2
+  assert 'max_position_embeddings' in _error_line(capsys.readouterr().err)
+
+
 def test_top_k_past_the_vocabulary_is_clamped(finished, capsys, caplog):
   with caplog.at_level(logging.WARNING):
     assert cli.main(['generate', f'output_dir={finished}', 'top_k=100000',
