@@ -115,6 +115,9 @@ class MoEConfig(ValidatedConfig):
       sum of its best two (``top2_sum``, DeepSeek V3).
     router_score_bias: aux-loss-free load balancing: a per-expert bias added to the
       scores for choosing experts only (``e_score_correction_bias``).
+    router_bias_update_rate: training: after every optimizer step, move each expert's
+      ``router_score_bias`` by this much towards balance, ``bias += rate * sign(mean
+      load - load)`` over the step's tokens (DeepSeek V3 used 0.001); 0 = frozen bias.
     router_bias: bias on the router projection (GPT-OSS).
     router_weights_on_input: scale each expert's *input* by the token's routing
       weight instead of its output (Llama 4; the two differ because an expert is
@@ -153,6 +156,7 @@ class MoEConfig(ValidatedConfig):
   router_topk_groups: int = 1
   router_group_score: Literal['max', 'top2_sum'] = 'max'
   router_score_bias: bool = False
+  router_bias_update_rate: float = 0.0
   router_bias: bool = False
   router_weights_on_input: bool = False
   router_input_norm: bool = False
@@ -191,6 +195,12 @@ class MoEConfig(ValidatedConfig):
                         f'{self.num_experts_per_tok}.')
     if self.router_group_score == 'top2_sum' and self.router_groups > 1 and per_group < 2:
       raise ConfigError(f"{p}.router_group_score='top2_sum' needs >= 2 experts per group.")
+    if not self.router_bias_update_rate >= 0:
+      raise ConfigError(f'{p}.router_bias_update_rate must be >= 0 (0 = off), got '
+                        f'{self.router_bias_update_rate}.')
+    if self.router_bias_update_rate and not self.router_score_bias:
+      raise ConfigError(f'{p}.router_bias_update_rate needs router_score_bias=True (the bias '
+                        'it moves); set both, or the rate to 0.')
     if self.capacity_factor <= 0:
       raise ConfigError(f'{p}.capacity_factor must be > 0, got {self.capacity_factor}.')
     if self.swiglu_limit is not None and self.swiglu_limit <= 0:

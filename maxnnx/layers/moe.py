@@ -23,8 +23,10 @@ Auxiliary outputs: every forward pass overwrites three :class:`MoeAux`
 variables on the module (``tokens_per_expert [E]``, ``load_balance_loss``,
 ``router_z_loss``); in a scanned stack they carry a leading ``layers`` axis.
 Read them after the forward pass inside the loss function with
-:func:`moe_aux_losses` (differentiable) or :func:`moe_stats`, and update the
-aux-loss-free bias after the optimizer step with :func:`update_router_bias`.
+:func:`moe_aux_losses` (differentiable), :func:`expert_loads` or :func:`moe_stats`. The
+train step moves the aux-loss-free bias after the optimizer step with
+:func:`balance_router_biases` (rate ``MoEConfig.router_bias_update_rate``) from the
+step's loads; :func:`update_router_bias` does the same by hand with a rate of your own.
 """
 
 from __future__ import annotations
@@ -61,10 +63,15 @@ class RouterBias(nnx.Param):
   """The aux-loss-free balancing bias (``e_score_correction_bias``).
 
   A ``Param`` subclass so checkpoints load and save it, but it has no gradient
-  (it only decides which experts are chosen): exclude it from the optimizer
-  with ``wrt=nnx.All(nnx.Param, nnx.Not(RouterBias))`` and change it with
-  :func:`update_router_bias`.
+  (it only decides which experts are chosen): the optimizer leaves it out
+  (:data:`TRAINED_PARAMS`) and the train step changes it with
+  :func:`balance_router_biases`.
   """
+
+
+TRAINED_PARAMS = nnx.All(nnx.Param, nnx.Not(RouterBias))
+"""The nnx filter of the parameters a gradient trains: every ``nnx.Param`` but the
+:class:`RouterBias`, which moves by the balancing rule instead."""
 
 
 class Router(DenseGeneral):
@@ -397,9 +404,41 @@ def router_bias_update(bias_E: jax.Array, tokens_per_expert_E: jax.Array,
   return bias_E + rate * jnp.sign(load.mean(axis=-1, keepdims=True) - load)
 
 
+def expert_loads(model) -> list[jax.Array]:
+  """Assignments per expert of the last forward pass, one array per MoE module of ``model``
+  (``[E]``, or ``[layers, E]`` for a scanned stack), in graph order; traceable, unlike
+  :func:`moe_stats`. Empty for a model without MoE layers."""
+  return [moe.tokens_per_expert[...] for moe in _moe_modules(model)]
+
+
+def balance_router_biases(model, loads: list[jax.Array]) -> None:
+  """The aux-loss-free balancing step of every MoE module of ``model`` in place: each
+  module's ``router_score_bias`` moves by its ``router_bias_update_rate`` with
+  :func:`router_bias_update` against ``loads`` (:func:`expert_loads` of the same model,
+  e.g. summed over a step's micro-batches). Modules with no bias or a rate of 0 keep theirs."""
+  for moe, load in zip(_moe_modules(model), loads, strict=True):
+    bias, rate = moe.router.e_score_correction_bias, moe.cfg.router_bias_update_rate
+    if bias is not None and rate:
+      bias[...] = router_bias_update(bias[...], load, rate).astype(bias.dtype)
+
+
+def load_spread(loads: list[jax.Array]) -> dict[str, jax.Array]:
+  """How unevenly tokens went to experts, averaged over MoE layers: ``moe_load_cv`` (the
+  standard deviation of the load over experts divided by its mean) and
+  ``moe_max_violation`` (``(max load - mean load) / mean load``). Empty without MoE layers."""
+  if not loads:
+    return {}
+  rows = jnp.concatenate([load.reshape(-1, load.shape[-1]).astype(jnp.float32)
+                          for load in loads])
+  mean = jnp.maximum(rows.mean(axis=-1), 1e-9)
+  return {'moe_load_cv': (rows.std(axis=-1) / mean).mean(),
+          'moe_max_violation': ((rows.max(axis=-1) - mean) / mean).mean()}
+
+
 def update_router_bias(model, rate: float) -> None:
   """Apply :func:`router_bias_update` to every MoE layer of ``model`` in place,
-  using the loads recorded by its last forward pass. Call after each optimizer step."""
+  using the loads recorded by its last forward pass (by hand: the Trainer's step does
+  this itself with :func:`balance_router_biases` when ``router_bias_update_rate`` is set)."""
   for moe in _moe_modules(model):
     bias = moe.router.e_score_correction_bias
     if bias is not None:

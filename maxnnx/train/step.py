@@ -8,7 +8,9 @@ first non-finite step. :func:`train_step` composes
   ``grad_accum_steps`` micro-batches;
 * :func:`guard`: whether to apply the update (finite loss and gradient norm,
   no loss spike) and the guard's new bookkeeping;
-* :func:`apply_update`: the optimizer update, kept or dropped by the guard;
+* :func:`apply_update`: the optimizer update and the MoE balancing-bias step
+  (:func:`~maxnnx.layers.moe.balance_router_biases`, outside the gradient), kept or
+  dropped by the guard;
 * :func:`step_metrics`: the step's metrics.
 
 ``Trainer`` jits :func:`train_step` (and :func:`eval_step`) with the run's
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from maxnnx.layers.moe import TRAINED_PARAMS, balance_router_biases, expert_loads, load_spread
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.lora.dropout import adapter_dropout
 from maxnnx.train.objectives import Objective
@@ -93,10 +96,16 @@ def guard(extra: dict[str, jax.Array], step: jax.Array, loss: jax.Array, grad_no
               'bad_metric': bad_metric}
 
 
-def apply_update(model: nnx.Module, optimizer: nnx.Optimizer, grads, ok: jax.Array):
-  """The state of ``(model, optimizer)`` after ``optimizer.update`` (before it when not ``ok``)."""
+def apply_update(model: nnx.Module, optimizer: nnx.Optimizer, grads, ok: jax.Array,
+                 loads: list[jax.Array] = ()):
+  """The state of ``(model, optimizer)`` after ``optimizer.update`` and the aux-loss-free
+  balancing step of the MoE router biases from the step's ``loads`` (tokens per expert of
+  each MoE module, :func:`~maxnnx.layers.moe.expert_loads`); the state before both when
+  not ``ok``."""
   old_state = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))  # fresh Variables
   optimizer.update(model, grads)
+  if loads:
+    balance_router_biases(model, loads)
   new_state = nnx.state((model, optimizer))
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
 
@@ -111,15 +120,18 @@ def step_metrics(objective_metrics: Metrics, grad_norm: jax.Array, lr: jax.Array
 
 def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, frozen_state=None,
                *, frozen_graphdef=None, objective: Objective, config: TrainConfig,
-               schedule: Callable, trainable=nnx.Param
+               schedule: Callable, trainable=TRAINED_PARAMS
                ) -> tuple[Any, dict[str, jax.Array], Metrics]:
   """One optimizer step: ``(state, extra, batch) -> (new_state, new_extra, metrics)``.
 
   ``graphdef``/``state`` are ``nnx.split((model, optimizer))``; ``frozen_graphdef``
   and ``frozen_state`` split the objective's frozen models (a dict), which the
   loss sees merged and which are never updated. ``trainable`` is the nnx filter
-  of the parameters differentiated (the optimizer's ``wrt``): every ``nnx.Param``,
-  or e.g. ``nnx.LoRAParam`` when only adapters train; the rest is held constant.
+  of the parameters differentiated (the optimizer's ``wrt``): every ``nnx.Param`` but
+  the MoE balancing biases, or e.g. ``nnx.LoRAParam`` when only adapters train; the
+  rest is held constant. MoE models also log how evenly the step's tokens (summed
+  over micro-batches) went to experts (:func:`~maxnnx.layers.moe.load_spread`), and
+  their router biases move by ``moe.router_bias_update_rate`` after the update.
   The loss is traced under :func:`~maxnnx.train.lora.dropout.adapter_dropout`
   with a key of ``config.seed``, the step and the micro-batch (LoRA adapters
   with dropout drop their input here, and only here).
@@ -137,13 +149,15 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
     m = nnx.merge(model_graphdef, params, jax.tree.map(lambda x: x, rest))
     frozen = _merge_frozen(frozen_graphdef, frozen_state)
     with adapter_dropout(jax.random.fold_in(step_key, index)):
-      return objective.loss(m, micro, frozen=frozen, norm=norm)
+      loss, sums = objective.loss(m, micro, frozen=frozen, norm=norm)
+    return loss, (sums, expert_loads(m))
 
-  grads, sums = accumulate_gradients(loss_fn, params, batch, config.grad_accum_steps)
+  grads, (sums, loads) = accumulate_gradients(loss_fn, params, batch, config.grad_accum_steps)
   metrics = objective.metrics(sums, norm)
+  metrics.update(load_spread(loads))
   grad_norm = optax.global_norm(grads)
   ok, extra = guard(extra, step, metrics['loss'], grad_norm, config.skip_spike_factor)
-  new_state = apply_update(model, optimizer, grads, ok)
+  new_state = apply_update(model, optimizer, grads, ok, loads)
   return new_state, extra, step_metrics(metrics, grad_norm, schedule(step), ok)
 
 
