@@ -16,6 +16,8 @@ from maxnnx.data import TokenWindows
 from maxnnx.train import TrainConfig, Trainer, make_schedule
 from maxnnx.train.flops import forward_flops_per_token, mean_keys_per_query
 from maxnnx.train.metrics import TensorBoardWriter, crc32c, read_tensorboard_scalars
+from maxnnx.train.optimizers import make_optimizer
+from maxnnx.train.run_dir import config_diff, run_config
 from maxnnx.train.trainer import masked_cross_entropy
 
 
@@ -160,3 +162,128 @@ def test_cli_trains_on_jsonl_through_the_pipeline(tmp_path, capsys):
   assert cli.main(base + [f'tokenizer={tok}']) == 0, capsys.readouterr().err
   rows = [json.loads(line) for line in open(out / 'metrics.jsonl')]
   assert len(rows) == 3 and all(np.isfinite(r['loss']) for r in rows)
+
+
+# -- optimizer details: mu_dtype, adam_eps_root, schedule length, weight-decay exclusion --------
+
+
+def _abstract_tiny():
+  cfg = maxnnx.get_preset('tiny', vocab_size=64, num_layers=1, d_model=32, mlp_dim=64)
+  return nnx.eval_shape(lambda: maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def _params(model, value=1.0) -> dict:
+  """Every parameter of ``model`` filled with ``value``, as a plain nested dict."""
+  shapes = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  return jax.tree.map(lambda s: jnp.full(s.shape, value, s.dtype), shapes)
+
+
+def _paths(tree) -> dict[str, np.ndarray]:
+  return {'/'.join(str(getattr(k, 'key', k)) for k in path): np.asarray(x)
+          for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize('optimizer', ['adamw', 'muon'])
+def test_mu_dtype_sets_the_first_moments_dtype(optimizer):
+  model = _abstract_tiny()
+  params = _params(model)
+  for mu_dtype, expected in ((None, jnp.float32), ('bfloat16', jnp.bfloat16)):
+    tx = make_optimizer(TrainConfig(optimizer=optimizer, mu_dtype=mu_dtype), model)
+    state = tx.init(params)
+    mus = jax.tree.leaves([x for _, x in optax.tree.get_all_with_path(state, 'mu')])
+    nus = jax.tree.leaves([x for _, x in optax.tree.get_all_with_path(state, 'nu')])
+    assert mus and {x.dtype for x in mus} == {jnp.dtype(expected)}, (optimizer, mu_dtype)
+    assert {x.dtype for x in nus} == {jnp.dtype(jnp.float32)}  # the second moment stays
+
+
+def test_adam_eps_root_enters_the_update_like_float64_numpy():
+  """Two AdamW steps with eps_root: ``-lr * m_hat / (sqrt(v_hat + eps_root) + eps)``."""
+  b1, b2, eps, eps_root, lr = 0.9, 0.95, 1e-8, 1e-4, 0.1
+  config = TrainConfig(learning_rate=lr, schedule='constant', warmup_steps=0, weight_decay=0.0,
+                       clip_norm=None, b1=b1, b2=b2, eps=eps, adam_eps_root=eps_root)
+  model = _abstract_tiny()
+  params = _params(model)
+  rng = np.random.default_rng(0)
+  grads = [jax.tree.map(lambda p: jnp.asarray(rng.normal(0, 0.01, p.shape), p.dtype), params)
+           for _ in range(2)]
+  tx = make_optimizer(config, model)
+  state = tx.init(params)
+  for g in grads:
+    updates, state = tx.update(g, state, params)
+  m = v = 0.0
+  for g in grads:
+    g64 = _paths(g)['layers/0/attn/q_proj/kernel'].astype(np.float64)
+    m, v = b1 * m + (1 - b1) * g64, b2 * v + (1 - b2) * g64**2
+  m_hat, v_hat = m / (1 - b1**2), v / (1 - b2**2)
+  expected = -lr * m_hat / (np.sqrt(v_hat + eps_root) + eps)
+  got = _paths(updates)['layers/0/attn/q_proj/kernel']
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-8)
+  without = -lr * m_hat / (np.sqrt(v_hat) + eps)
+  assert np.abs(got - without).max() > 1e-2  # eps_root matters at these gradient sizes
+
+
+def test_the_schedule_runs_over_learning_rate_schedule_steps():
+  """A 100-step run of a 200-step cosine schedule stops half way; past its end it is flat."""
+  base = dict(learning_rate=1.0, warmup_steps=10)
+  cut = make_schedule(TrainConfig(steps=100, learning_rate_schedule_steps=200, **base))
+  full = make_schedule(TrainConfig(steps=200, **base))
+  assert float(cut(100)) == pytest.approx(float(full(100))) and float(cut(100)) > 0.5
+  assert float(make_schedule(TrainConfig(steps=100, **base))(100)) == pytest.approx(0.1)
+  longer = make_schedule(TrainConfig(steps=300, learning_rate_schedule_steps=200, **base))
+  assert [float(longer(s)) for s in (200, 300)] == pytest.approx([0.1, 0.1])
+  wsd = make_schedule(TrainConfig(steps=50, learning_rate_schedule_steps=100, schedule='wsd',
+                                  decay_fraction=0.2, **base))
+  assert float(wsd(50)) == pytest.approx(1.0) and float(wsd(90)) == pytest.approx(0.55)
+  assert TrainConfig(steps=100, learning_rate_schedule_steps=400).resolved_warmup_steps == 20
+  with pytest.raises(ConfigError, match='TrainConfig.warmup_steps must be in'):
+    TrainConfig(steps=100, learning_rate_schedule_steps=50, warmup_steps=60)
+  with pytest.raises(ConfigError, match='TrainConfig.learning_rate_schedule_steps must be >= 1'):
+    TrainConfig(learning_rate_schedule_steps=0)
+
+
+@pytest.mark.parametrize('optimizer', ['adamw', 'muon'])
+@pytest.mark.parametrize('decay_all, exclude, decayed', [
+    (False, (), {'kernel'}),                              # today's default: kernels only
+    (False, (r'/attn/',), {'mlp'}),                       # attention kernels excluded
+    (True, (r'norm/', r'^embed/'), {'kernel', 'head'}),  # all but norms and the embedding
+])
+def test_weight_decay_reaches_exactly_the_unexcluded_parameters(optimizer, decay_all, exclude,
+                                                                decayed):
+  """After one step with a zero gradient only decayed parameters move, by ``lr * wd``
+  (Muon included: its Adam part no longer decays embeddings and norms by default)."""
+  lr, wd = 0.5, 0.1
+  config = TrainConfig(optimizer=optimizer, learning_rate=lr, schedule='constant',
+                       warmup_steps=0, weight_decay=wd, decay_all=decay_all,
+                       weight_decay_exclude=exclude, clip_norm=None)
+  model = _abstract_tiny()
+  params = _params(model)
+  tx = make_optimizer(config, model)
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  expected = {  # which paths each case decays
+      'kernel': lambda path: path.endswith('/kernel'),
+      'mlp': lambda path: path.endswith('/kernel') and '/attn/' not in path,
+      'head': lambda path: not path.startswith('embed/') and 'norm/' not in path,
+  }
+  for path, update in _paths(updates).items():
+    wanted = any(expected[name](path) for name in decayed)
+    np.testing.assert_allclose(update, -lr * wd if wanted else 0.0, rtol=1e-6, err_msg=path)
+
+
+def test_a_bad_weight_decay_pattern_is_one_clear_line(capsys):
+  with pytest.raises(ConfigError, match=r"TrainConfig.weight_decay_exclude: '\(' is not a "):
+    TrainConfig(weight_decay_exclude=('(',))
+  assert cli.main(['train', 'model=tiny', 'weight_decay_exclude=a(b', 'steps=1']) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and 'weight_decay_exclude' in err[0], err
+
+
+def test_the_new_optimizer_keys_are_part_of_a_runs_config_only_when_set():
+  """A run directory records them when set (a resume with other values is refused) and
+  leaves them out at their defaults (older run directories stay resumable)."""
+  model = maxnnx.get_preset('tiny')
+  plain = run_config(model, TrainConfig())['train']
+  assert not {'mu_dtype', 'adam_eps_root', 'learning_rate_schedule_steps',
+              'weight_decay_exclude'} & set(plain)
+  changed = TrainConfig(mu_dtype='bfloat16', weight_decay_exclude=('norm',))
+  assert config_diff(run_config(model, TrainConfig()), run_config(model, changed)) == [
+      'mu_dtype: (unset) -> bfloat16', "weight_decay_exclude: (unset) -> ['norm']"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Literal
 
 from maxnnx.config import ConfigError, MeshConfig, ValidatedConfig
@@ -16,7 +17,8 @@ class TrainConfig(ValidatedConfig):
   """Optimizer, schedule, batch, precision, parallelism and logging of a run.
 
   Attributes:
-    steps: optimizer steps (also the length of the learning-rate schedule).
+    steps: optimizer steps (also the length of the learning-rate schedule unless
+      ``learning_rate_schedule_steps`` is set).
     global_batch_size: sequences per optimizer step, over all devices and hosts.
     seq_len: tokens per sequence.
     images_per_row: image+text training (a model with a vision tower): every row of a
@@ -29,14 +31,24 @@ class TrainConfig(ValidatedConfig):
     learning_rate: peak learning rate.
     schedule: ``cosine`` (warmup then cosine), ``wsd`` (warmup, stable, decay)
       or ``constant`` (warmup then flat).
-    warmup_steps: linear warmup from 0; ``None`` means 5% of ``steps``.
+    learning_rate_schedule_steps: length of the learning-rate schedule when it differs
+      from ``steps`` (a run cut short of, or continued past, its schedule: after the
+      schedule's end the rate stays at its final value); ``None`` means ``steps``.
+    warmup_steps: linear warmup from 0; ``None`` means 5% of the schedule's length.
     decay_fraction: ``wsd`` only: the last fraction of steps that decays.
     decay_shape: ``wsd`` only: ``linear`` or ``cosine`` decay.
     final_lr_fraction: the learning rate at the end, as a fraction of the peak.
     weight_decay: decoupled weight decay (AdamW, Muon), applied to matmul
       kernels only unless ``decay_all`` is set.
     decay_all: also decay norms, biases and embeddings.
+    weight_decay_exclude: regular expressions on parameter paths (names joined by ``/``,
+      e.g. ``layers/0/attn/q_proj/kernel``, ``embed/embedding``); a parameter whose path
+      any of them matches (``re.search``) is never decayed, whatever ``decay_all`` says.
     b1, b2, eps: Adam moments and epsilon (AdamW, the Adam part of Muon).
+    adam_eps_root: epsilon added to the second moment inside the square root (AdamW, the
+      Adam part of Muon): ``m / (sqrt(v + eps_root) + eps)``.
+    mu_dtype: dtype of the first moment (AdamW, Muon's momentum, SGD's momentum), e.g.
+      ``bfloat16`` to halve its memory; ``None`` keeps the parameters' dtype.
     momentum: SGD momentum (0 = plain SGD).
     clip_norm: clip gradients to this global norm (``None``: no clipping).
     z_loss: weight of ``logsumexp(logits)^2`` added to the loss (PaLM).
@@ -99,6 +111,7 @@ class TrainConfig(ValidatedConfig):
   seed: int = 0
   optimizer: Literal['adamw', 'sgd', 'adafactor', 'muon'] = 'adamw'
   learning_rate: float = 3e-4
+  learning_rate_schedule_steps: int | None = None
   schedule: Literal['cosine', 'wsd', 'constant'] = 'cosine'
   warmup_steps: int | None = None
   decay_fraction: float = 0.2
@@ -106,9 +119,12 @@ class TrainConfig(ValidatedConfig):
   final_lr_fraction: float = 0.1
   weight_decay: float = 0.1
   decay_all: bool = False
+  weight_decay_exclude: tuple[str, ...] = ()
   b1: float = 0.9
   b2: float = 0.95
   eps: float = 1e-8
+  adam_eps_root: float = 0.0
+  mu_dtype: Literal['float32', 'bfloat16'] | None = None
   momentum: float = 0.9
   clip_norm: float | None = 1.0
   z_loss: float = 0.0
@@ -153,9 +169,21 @@ class TrainConfig(ValidatedConfig):
     if not math.isfinite(self.learning_rate) or self.learning_rate < 0:  # 0: frozen weights
       raise ConfigError(f'TrainConfig.learning_rate must be finite and >= 0, got '
                         f'{self.learning_rate}.')
-    if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
-      raise ConfigError(f'TrainConfig.warmup_steps must be in [0, steps={self.steps}], got '
-                        f'{self.warmup_steps}.')
+    if self.learning_rate_schedule_steps is not None and self.learning_rate_schedule_steps < 1:
+      raise ConfigError(f'TrainConfig.learning_rate_schedule_steps must be >= 1 (or None for '
+                        f'steps), got {self.learning_rate_schedule_steps}.')
+    length = self.resolved_schedule_steps
+    if self.warmup_steps is not None and not 0 <= self.warmup_steps <= length:
+      raise ConfigError(f'TrainConfig.warmup_steps must be in [0, the schedule length {length}]'
+                        f', got {self.warmup_steps}.')
+    if not self.adam_eps_root >= 0:
+      raise ConfigError(f'TrainConfig.adam_eps_root must be >= 0, got {self.adam_eps_root}.')
+    for pattern in self.weight_decay_exclude:
+      try:
+        re.compile(pattern)
+      except re.error as e:
+        raise ConfigError(f'TrainConfig.weight_decay_exclude: {pattern!r} is not a regular '
+                          f'expression ({e}).') from None
     if not 0 <= self.decay_fraction <= 1:
       raise ConfigError('TrainConfig.decay_fraction must be in [0, 1].')
     if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
@@ -179,6 +207,13 @@ class TrainConfig(ValidatedConfig):
       raise ConfigError('TrainConfig.watchdog_min_seconds must be >= 0.')
 
   @property
+  def resolved_schedule_steps(self) -> int:
+    """The learning-rate schedule's length: ``learning_rate_schedule_steps`` or ``steps``."""
+    return self.learning_rate_schedule_steps or self.steps
+
+  @property
   def resolved_warmup_steps(self) -> int:
-    """``warmup_steps`` with its default (5% of ``steps``, at least 1) applied."""
-    return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
+    """``warmup_steps`` with its default (5% of the schedule, at least 1) applied."""
+    if self.warmup_steps is not None:
+      return self.warmup_steps
+    return max(1, self.resolved_schedule_steps // 20)

@@ -3,12 +3,16 @@
 Everything here is plain optax; the Trainer wraps the result in
 ``nnx.Optimizer``. Masks and Muon's matrix shapes are read from each
 parameter's metadata (its logical axis names and, for dense kernels,
-``contract_ndim``), so they follow the model rather than name patterns.
+``contract_ndim``), so they follow the model rather than name patterns; only
+``TrainConfig.weight_decay_exclude`` adds patterns on parameter paths.
 """
 
 from __future__ import annotations
 
+import re
+
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -40,7 +44,8 @@ def param_metadata(model: nnx.Module) -> dict[tuple, dict]:
   params = nnx.state(model, nnx.Param)
   table = {}
   for path, var in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]:
-    table[_key(path)] = {**var.get_metadata(), 'ndim': len(var.shape)}
+    key = _key(path)
+    table[key] = {**var.get_metadata(), 'ndim': len(var.shape), 'path': '/'.join(key)}
   return table
 
 
@@ -66,9 +71,32 @@ def _map_params(fn, table: dict, tree):
   return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_var)
 
 
-def decay_mask(table: dict, decay_all: bool = False):
-  """A mask function (``True`` = decayed) for optax, from :func:`param_metadata`."""
-  return lambda tree: _map_params(lambda m: decay_all or is_matmul_kernel(m), table, tree)
+def decay_mask(table: dict, decay_all: bool = False, exclude: tuple[str, ...] = ()):
+  """A mask function (``True`` = decayed) for optax, from :func:`param_metadata`: matmul
+  kernels (every parameter with ``decay_all``), less those whose path (names joined by
+  ``/``) an ``exclude`` regular expression matches."""
+  patterns = [re.compile(p) for p in exclude]
+
+  def decayed(meta):
+    if any(p.search(meta.get('path', '')) for p in patterns):
+      return False
+    return decay_all or is_matmul_kernel(meta)
+
+  return lambda tree: _map_params(decayed, table, tree)
+
+
+def decoupled_weight_decay(learning_rate: optax.Schedule, rate: float, mask
+                           ) -> optax.GradientTransformation:
+  """Adds ``-learning_rate(step) * rate * param`` to the updates of the parameters ``mask``
+  selects: AdamW's decoupled decay, for an optimizer whose own decay cannot be masked."""
+  decay = optax.chain(optax.add_decayed_weights(rate, mask),
+                      optax.scale_by_learning_rate(learning_rate))
+
+  def update(updates, state, params=None):
+    decayed, state = decay.update(jax.tree.map(jnp.zeros_like, updates), state, params)
+    return jax.tree.map(jnp.add, updates, decayed), state
+
+  return optax.GradientTransformation(decay.init, update)
 
 
 def muon_dimension_numbers(table: dict):
@@ -96,8 +124,9 @@ def muon_dimension_numbers(table: dict):
 
 
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
-  """The learning rate at each step: warmup, then cosine, WSD or constant."""
-  peak, steps, warmup = cfg.learning_rate, cfg.steps, cfg.resolved_warmup_steps
+  """The learning rate at each step: warmup, then cosine, WSD or constant, over
+  ``learning_rate_schedule_steps`` (default ``steps``) and flat after them."""
+  peak, steps, warmup = cfg.learning_rate, cfg.resolved_schedule_steps, cfg.resolved_warmup_steps
   end = peak * cfg.final_lr_fraction
   warm = optax.linear_schedule(0.0, peak, warmup) if warmup else optax.constant_schedule(peak)
   if cfg.schedule == 'constant':
@@ -124,21 +153,23 @@ def make_optimizer(cfg: TrainConfig, model: nnx.Module) -> optax.GradientTransfo
   """
   lr = make_schedule(cfg)
   table = param_metadata(model)
-  mask = decay_mask(table, cfg.decay_all)
+  mask = decay_mask(table, cfg.decay_all, cfg.weight_decay_exclude)
+  mu_dtype = None if cfg.mu_dtype is None else jnp.dtype(cfg.mu_dtype)
   if cfg.optimizer == 'adamw':
-    tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                     mask=mask)
+    tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, eps_root=cfg.adam_eps_root,
+                     mu_dtype=mu_dtype, weight_decay=cfg.weight_decay, mask=mask)
   elif cfg.optimizer == 'sgd':
     tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay, mask),
-                     optax.sgd(lr, momentum=cfg.momentum or None))
+                     optax.sgd(lr, momentum=cfg.momentum or None, accumulator_dtype=mu_dtype))
   elif cfg.optimizer == 'adafactor':
     tx = optax.adafactor(lr, weight_decay_rate=cfg.weight_decay or None,
                          weight_decay_mask=mask, multiply_by_parameter_scale=False)
-  else:  # muon
-    tx = optax.contrib.muon(lr, weight_decay=cfg.weight_decay, weight_decay_mask=mask,
-                            adam_b1=cfg.b1, adam_b2=cfg.b2, eps=cfg.eps,
-                            adam_weight_decay=cfg.weight_decay,
-                            muon_weight_dimension_numbers=muon_dimension_numbers(table))
+  else:  # muon; its Adam part's own decay has no mask, so one decay covers both parts
+    tx = optax.chain(
+        optax.contrib.muon(lr, adam_b1=cfg.b1, adam_b2=cfg.b2, eps=cfg.eps,
+                           adam_eps_root=cfg.adam_eps_root, mu_dtype=mu_dtype,
+                           muon_weight_dimension_numbers=muon_dimension_numbers(table)),
+        decoupled_weight_decay(lr, cfg.weight_decay, mask))
   if cfg.clip_norm is not None:
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
   return tx

@@ -42,6 +42,9 @@ TRAIN_FIELDS = ('global_batch_size', 'seq_len', 'grad_accum_steps', 'seed', 'opt
                 'final_lr_fraction', 'weight_decay', 'decay_all', 'b1', 'b2', 'eps', 'momentum',
                 'clip_norm', 'z_loss', 'router_aux_loss_coef', 'router_z_loss_coef',
                 'mtp_loss_scaling_factor', 'skip_spike_factor', 'quantization')
+# TrainConfig fields added later: recorded only when set, so older runs stay resumable.
+LATER_TRAIN_FIELDS = {'learning_rate_schedule_steps': None, 'weight_decay_exclude': (),
+                      'adam_eps_root': 0.0, 'mu_dtype': None}
 # RuntimeConfig fields that change what a checkpoint holds (the others are how it is computed).
 RUNTIME_FIELDS = ('param_dtype', 'scan_layers')
 
@@ -63,6 +66,9 @@ def run_config(model_config, train_config, tokenizer: dict | None = None, *,
   runtime = model.pop('runtime', {})
   model.update({k: runtime[k] for k in RUNTIME_FIELDS if k in runtime})
   record = {'model': model, 'train': {k: getattr(train_config, k) for k in TRAIN_FIELDS}}
+  record['train'].update({k: getattr(train_config, k) for k, default in
+                          LATER_TRAIN_FIELDS.items()
+                          if getattr(train_config, k, default) != default})
   lora = getattr(train_config, 'lora', None)
   if lora is not None and lora.enabled:  # recorded only when on: older runs stay resumable
     record['train']['lora'] = lora.to_dict()
