@@ -28,7 +28,6 @@ from maxnnx.checkpoint.safetensors import (
 from maxnnx.config import ConfigError, MeshConfig
 from maxnnx.data import TokenWindows
 from maxnnx.layers.linear import DenseGeneral
-from maxnnx.layers.moe import TRAINED_PARAMS
 from maxnnx.models.hf import PretrainedError
 from maxnnx.train import DPOObjective, TrainConfig, Trainer
 from maxnnx.train.lora import (
@@ -109,7 +108,7 @@ def test_apply_selects_targets_starts_equal_and_leaves_the_original():
   ids = _ids()
   adapted = apply_lora(base, LoraConfig(rank=4, alpha=8))
   assert not has_adapters(base) and has_adapters(adapted)
-  assert trainable_filter(base) is TRAINED_PARAMS and trainable_filter(adapted) is nnx.LoRAParam
+  assert trainable_filter(base) is nnx.Param and trainable_filter(adapted) is nnx.LoRAParam
   names = sorted(p[-1] for p, _ in _adapted_modules(adapted))
   assert names == sorted(SEVEN * 2)  # all-linear: seven projections in each of 2 layers
   np.testing.assert_array_equal(adapted(ids), base(ids))  # B starts at zero

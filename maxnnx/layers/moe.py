@@ -62,16 +62,11 @@ class MoeAux(nnx.Variable):
 class RouterBias(nnx.Param):
   """The aux-loss-free balancing bias (``e_score_correction_bias``).
 
-  A ``Param`` subclass so checkpoints load and save it, but it has no gradient
-  (it only decides which experts are chosen): the optimizer leaves it out
-  (:data:`TRAINED_PARAMS`) and the train step changes it with
-  :func:`balance_router_biases`.
+  A ``Param`` subclass so checkpoints load and save it, but its gradient is zero
+  (it only decides which experts are chosen) and weight decay never applies to it,
+  so the optimizer leaves it where it is; the train step moves it with
+  :func:`balance_router_biases` after the update.
   """
-
-
-TRAINED_PARAMS = nnx.All(nnx.Param, nnx.Not(RouterBias))
-"""The nnx filter of the parameters a gradient trains: every ``nnx.Param`` but the
-:class:`RouterBias`, which moves by the balancing rule instead."""
 
 
 class Router(DenseGeneral):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from maxnnx.layers.moe import RouterBias
 from maxnnx.train.config import TrainConfig
 
 # Leading kernel axes that index independent matrices rather than being part of one.
@@ -45,7 +46,8 @@ def param_metadata(model: nnx.Module) -> dict[tuple, dict]:
   table = {}
   for path, var in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]:
     key = _key(path)
-    table[key] = {**var.get_metadata(), 'ndim': len(var.shape), 'path': '/'.join(key)}
+    table[key] = {**var.get_metadata(), 'ndim': len(var.shape), 'path': '/'.join(key),
+                  'balancing_bias': isinstance(var, RouterBias)}
   return table
 
 
@@ -74,11 +76,13 @@ def _map_params(fn, table: dict, tree):
 def decay_mask(table: dict, decay_all: bool = False, exclude: tuple[str, ...] = ()):
   """A mask function (``True`` = decayed) for optax, from :func:`param_metadata`: matmul
   kernels (every parameter with ``decay_all``), less those whose path (names joined by
-  ``/``) an ``exclude`` regular expression matches."""
+  ``/``) an ``exclude`` regular expression matches. MoE balancing biases
+  (:class:`~maxnnx.layers.moe.RouterBias`) are never decayed: only the balancing rule moves
+  them."""
   patterns = [re.compile(p) for p in exclude]
 
   def decayed(meta):
-    if any(p.search(meta.get('path', '')) for p in patterns):
+    if meta.get('balancing_bias') or any(p.search(meta.get('path', '')) for p in patterns):
       return False
     return decay_all or is_matmul_kernel(meta)
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from maxnnx.layers.moe import TRAINED_PARAMS, balance_router_biases, expert_loads, load_spread
+from maxnnx.layers.moe import balance_router_biases, expert_loads, load_spread
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.lora.dropout import adapter_dropout
 from maxnnx.train.objectives import Objective
@@ -120,18 +120,18 @@ def step_metrics(objective_metrics: Metrics, grad_norm: jax.Array, lr: jax.Array
 
 def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, frozen_state=None,
                *, frozen_graphdef=None, objective: Objective, config: TrainConfig,
-               schedule: Callable, trainable=TRAINED_PARAMS
+               schedule: Callable, trainable=nnx.Param
                ) -> tuple[Any, dict[str, jax.Array], Metrics]:
   """One optimizer step: ``(state, extra, batch) -> (new_state, new_extra, metrics)``.
 
   ``graphdef``/``state`` are ``nnx.split((model, optimizer))``; ``frozen_graphdef``
   and ``frozen_state`` split the objective's frozen models (a dict), which the
   loss sees merged and which are never updated. ``trainable`` is the nnx filter
-  of the parameters differentiated (the optimizer's ``wrt``): every ``nnx.Param`` but
-  the MoE balancing biases, or e.g. ``nnx.LoRAParam`` when only adapters train; the
-  rest is held constant. MoE models also log how evenly the step's tokens (summed
-  over micro-batches) went to experts (:func:`~maxnnx.layers.moe.load_spread`), and
-  their router biases move by ``moe.router_bias_update_rate`` after the update.
+  of the parameters differentiated (the optimizer's ``wrt``): every ``nnx.Param``,
+  or e.g. ``nnx.LoRAParam`` when only adapters train; the rest is held constant.
+  MoE models also log how evenly the step's tokens (summed over micro-batches) went
+  to experts (:func:`~maxnnx.layers.moe.load_spread`), and their router biases move
+  by ``moe.router_bias_update_rate`` after the update.
   The loss is traced under :func:`~maxnnx.train.lora.dropout.adapter_dropout`
   with a key of ``config.seed``, the step and the micro-batch (LoRA adapters
   with dropout drop their input here, and only here).

@@ -37,7 +37,6 @@ import numpy as np
 from flax import nnx
 
 from maxnnx.layers.linear import DenseGeneral
-from maxnnx.layers.moe import TRAINED_PARAMS
 from maxnnx.models.transformer import layer_stacks
 from maxnnx.processes import host_value, place_host_value
 from maxnnx.train.chunks import model_sequence_logps
@@ -82,9 +81,8 @@ def has_adapters(model: nnx.Module) -> bool:
 
 def trainable_filter(model: nnx.Module):
   """The nnx filter of the parameters to train: ``nnx.LoRAParam`` for a model with
-  adapters (its base stays frozen), else every ``nnx.Param`` but the MoE balancing
-  biases (:data:`~maxnnx.layers.moe.TRAINED_PARAMS`), which have no gradient."""
-  return nnx.LoRAParam if has_adapters(model) else TRAINED_PARAMS
+  adapters (its base stays frozen), else ``nnx.Param``."""
+  return nnx.LoRAParam if has_adapters(model) else nnx.Param
 
 
 def lora_config_of(model: nnx.Module) -> LoraConfig:
