@@ -278,9 +278,14 @@ def test_a_bad_weight_decay_pattern_is_one_clear_line(capsys):
 
 
 def test_the_new_optimizer_keys_are_part_of_a_runs_config_only_when_set():
-  """A run directory records them when set (a resume with other values is refused) and
-  leaves them out at their defaults (older run directories stay resumable)."""
+  """A run directory records them (and the MoE bias update rate) when set, so a resume with
+  other values is refused, and leaves them out at their defaults (older run directories
+  stay resumable)."""
   model = maxnnx.get_preset('tiny')
+  assert 'router_bias_update_rate' not in run_config(model, TrainConfig())['model']['moe']
+  balanced = model.replace(**{'moe.num_experts': 4, 'moe.router_score_bias': True,
+                              'moe.router_bias_update_rate': 0.001})
+  assert run_config(balanced, TrainConfig())['model']['moe']['router_bias_update_rate'] == 0.001
   plain = run_config(model, TrainConfig())['train']
   assert not {'mu_dtype', 'adam_eps_root', 'learning_rate_schedule_steps',
               'weight_decay_exclude'} & set(plain)

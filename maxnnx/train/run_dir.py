@@ -42,7 +42,8 @@ TRAIN_FIELDS = ('global_batch_size', 'seq_len', 'grad_accum_steps', 'seed', 'opt
                 'final_lr_fraction', 'weight_decay', 'decay_all', 'b1', 'b2', 'eps', 'momentum',
                 'clip_norm', 'z_loss', 'router_aux_loss_coef', 'router_z_loss_coef',
                 'mtp_loss_scaling_factor', 'skip_spike_factor', 'quantization')
-# TrainConfig fields added later: recorded only when set, so older runs stay resumable.
+# Fields added later, with their defaults: recorded only when set, so older runs stay resumable.
+LATER_MODEL_FIELDS = {('moe', 'router_bias_update_rate'): 0.0}
 LATER_TRAIN_FIELDS = {'learning_rate_schedule_steps': None, 'weight_decay_exclude': (),
                       'adam_eps_root': 0.0, 'mu_dtype': None}
 # RuntimeConfig fields that change what a checkpoint holds (the others are how it is computed).
@@ -65,6 +66,9 @@ def run_config(model_config, train_config, tokenizer: dict | None = None, *,
   model = model_config.to_dict()
   runtime = model.pop('runtime', {})
   model.update({k: runtime[k] for k in RUNTIME_FIELDS if k in runtime})
+  for (group, name), default in LATER_MODEL_FIELDS.items():
+    if model.get(group, {}).get(name, default) == default:
+      model.get(group, {}).pop(name, None)
   record = {'model': model, 'train': {k: getattr(train_config, k) for k in TRAIN_FIELDS}}
   record['train'].update({k: getattr(train_config, k) for k, default in
                           LATER_TRAIN_FIELDS.items()
