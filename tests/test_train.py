@@ -15,7 +15,7 @@ from maxnnx.data import TokenWindows
 from maxnnx.data.text import read_text
 from maxnnx.train import TrainConfig, Trainer, TrainingError
 from maxnnx.train.optimizers import decay_mask, param_metadata
-from maxnnx.train.trainer import row_range
+from maxnnx.train.trainer import EMPTY_BATCHES_BEFORE_STOP, row_range
 
 
 def _tiny(vocab=64):
@@ -94,17 +94,19 @@ def test_nan_loss_aborts_with_the_step():
   np.testing.assert_array_equal(kernel, np.asarray(trainer.model.final_norm.scale[...]))
 
 
-def test_a_batch_with_nothing_to_train_on_stops_the_run():
-  """A data batch whose loss_mask is 0 everywhere (loss 0, gradient 0) ends fit with one line
-  naming the step; the model keeps the parameters of the step before."""
+def test_batches_with_nothing_to_train_on_stop_the_run():
+  """Batches whose loss_mask is 0 everywhere (loss 0, gradient 0): one alone is trained past,
+  EMPTY_BATCHES_BEFORE_STOP in a row end fit with one line naming their steps, before the last
+  of them runs."""
   tokens = np.random.default_rng(0).integers(0, 64, (4, 17)).astype(np.int32)
-  batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-           'loss_mask': np.ones((4, 16), np.float32)}
-  data = iter([batch, {**batch, 'loss_mask': np.zeros((4, 16), np.float32)}])
-  trainer = Trainer(_tiny(), _config(3, 1e-3, batch=4, seq_len=16, warmup_steps=0), data=data)
-  with pytest.raises(TrainingError, match='The batch of step 2 holds no token to train on'):
+  full = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+          'loss_mask': np.ones((4, 16), np.float32)}
+  empty = {**full, 'loss_mask': np.zeros((4, 16), np.float32)}
+  data = iter([full, empty, full] + [empty] * EMPTY_BATCHES_BEFORE_STOP + [full])
+  trainer = Trainer(_tiny(), _config(8, 1e-3, batch=4, seq_len=16, warmup_steps=0), data=data)
+  with pytest.raises(TrainingError, match='The batches of steps 4-6 hold no token to train on'):
     trainer.fit(log=lambda line: None)
-  assert trainer.step_count == 1
+  assert trainer.step_count == 5
 
 
 def test_windows_are_seeded_and_held_out():

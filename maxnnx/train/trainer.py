@@ -76,16 +76,29 @@ def _next_batch(data) -> Any:
   return next(data)
 
 
-def _check_trains_on_something(batch, step: int) -> None:
-  """Stop before a step whose batch would train on nothing (``loss_mask`` 0 everywhere: loss
-  0, gradient 0). Checked on one process only: with several, each sees just its rows."""
+#: Batches in a row without a token to train on after which ``fit`` stops. One such batch can be
+#: bad luck with a small batch of sparse data (its step changes little); several in a row mean
+#: the data trains on nothing.
+EMPTY_BATCHES_BEFORE_STOP = 3
+
+
+def _trains_on_nothing(batch) -> bool:
+  """Whether ``batch`` holds no token to train on (``loss_mask`` 0 everywhere: loss 0, gradient
+  0). Told on one process only: with several, each sees just its rows."""
   if not isinstance(batch, dict) or 'loss_mask' not in batch or jax.process_count() > 1:
-    return
-  if not np.asarray(batch['loss_mask']).any():
+    return False
+  return not np.asarray(batch['loss_mask']).any()
+
+
+def _check_trains_on_something(empty_in_a_row: int, step: int) -> None:
+  """Stop before the step that would be the ``EMPTY_BATCHES_BEFORE_STOP``-th in a row to train
+  on nothing."""
+  if empty_in_a_row >= EMPTY_BATCHES_BEFORE_STOP:
     raise TrainingError(
-        f'The batch of step {step} holds no token to train on (its loss_mask is 0 everywhere), '
-        'so the step would change nothing; every record in it lacks trained tokens (e.g. chat '
-        'records without an assistant answer within seq_len). Check the data.')
+        f'The batches of steps {step - empty_in_a_row + 1}-{step} hold no token to train on '
+        '(their loss_mask is 0 everywhere), so the steps would change nothing; the records in '
+        'them lack trained tokens (e.g. chat records without an assistant answer within '
+        'seq_len). Check the data.')
 
 
 # -- the trainer -------------------------------------------------------------------
@@ -167,6 +180,7 @@ class Trainer:
     self._step_offset = 0  # steps taken before the restored checkpoint, not in history
     self.stopped_by: str | None = None
     self._goodput = GoodputRecorder()
+    self._empty_batches_in_a_row = 0
     self._high_water: int | None = None  # the furthest step any run of checkpoint_dir reached
     self._high_water_saved, self._high_water_written = 0, -float('inf')
 
@@ -463,7 +477,9 @@ class Trainer:
     if batch is None:
       with self._goodput.time('data'):
         batch = _next_batch(self.data)
-      _check_trains_on_something(batch, self.step_count + 1)
+      self._empty_batches_in_a_row = (self._empty_batches_in_a_row + 1
+                                      if _trains_on_nothing(batch) else 0)
+      _check_trains_on_something(self._empty_batches_in_a_row, self.step_count + 1)
       if hasattr(self.data, 'pop_metrics'):  # e.g. RL rollouts: rewards, lengths
         host_metrics = dict(self.data.pop_metrics() or {})
     placed = self._place(batch)
