@@ -613,6 +613,8 @@ def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
     resumed = trainer.restore_checkpoint() if cfg.checkpoint_dir else None
     if resumed is not None:
       print(f'Resuming from the checkpoint of step {resumed} in {cfg.checkpoint_dir}.')
+      if trainer.schedule_note:
+        print(f'Note: {trainer.schedule_note}')
     elif saved:
       print(f'Every checkpoint in {cfg.checkpoint_dir} is unusable (moved to corrupt-*); '
             'starting from scratch.')

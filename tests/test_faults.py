@@ -23,7 +23,8 @@ from maxnnx import cli, paths
 from maxnnx.checkpoint.manager import CheckpointManager
 from maxnnx.checkpoint.run_lock import RunLock
 from maxnnx.data import DEFAULT_CORPUS
-from maxnnx.train import run_dir
+from maxnnx.train import TrainConfig, run_dir
+from maxnnx.train.optimizers import make_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ['model=tiny', 'model.num_layers=1', 'seq_len=32', 'global_batch_size=4',
@@ -139,10 +140,25 @@ def test_resume_never_moves_the_old_run_aside(run_copy, capsys):
   assert _steps(run_copy) == [1, 2]
 
 
-def test_training_longer_resumes(run_copy, capsys):
+def test_training_longer_resumes_and_says_the_schedule_is_stretched(run_copy, capsys):
   assert _train(run_copy, 'steps=6') == 0
-  assert 'Resuming from the checkpoint of step 4' in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert 'Resuming from the checkpoint of step 4' in out
+  [note] = [line for line in out.splitlines() if 'schedule' in line]
+  made_for, now = (TrainConfig(steps=n, learning_rate=3e-3) for n in (4, 6))
+  before, after = (float(make_schedule(c)(4)) for c in (made_for, now))
+  assert before != after
+  assert note == (f'Note: resuming at step 4 of a run whose learning-rate schedule was 4 steps '
+                  f'long: it is stretched to 6 steps, so the learning rate jumps from '
+                  f'{before:.3g} to {after:.3g}; set learning_rate_schedule_steps=4 to keep it.')
   assert _steps(run_copy) == [1, 2, 3, 4, 5, 6]
+  assert _train(run_copy, 'steps=8') == 0  # its checkpoint of step 6 was made for 6 steps
+  out = capsys.readouterr().out
+  assert 'Resuming from the checkpoint of step 6' in out and 'was 6 steps long' in out
+  shutil.rmtree(run_copy / 'final')
+  assert _train(run_copy, 'steps=8') == 0
+  out = capsys.readouterr().out
+  assert 'Resuming from the checkpoint of step 8' in out and 'schedule' not in out
 
 
 def test_metrics_are_trimmed_to_the_restored_step(run_copy, capsys):

@@ -9,6 +9,7 @@ parameter's metadata (its logical axis names and, for dense kernels,
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -147,6 +148,23 @@ def make_schedule(cfg: TrainConfig) -> optax.Schedule:
     tail = optax.cosine_decay_schedule(peak, decay, end / peak if peak else 0.0)
   return optax.join_schedules([warm, optax.constant_schedule(peak), tail],
                               [warmup, warmup + stable])
+
+
+def schedule_change(cfg: TrainConfig, made_for: int, step: int) -> str | None:
+  """One line saying what resuming at ``step`` a run whose learning-rate schedule was
+  ``made_for`` steps long does to it now that ``cfg``'s schedule has another length (``None``
+  when it has not)."""
+  length = cfg.resolved_schedule_steps
+  if made_for == length:
+    return None
+  before = float(make_schedule(dataclasses.replace(cfg, learning_rate_schedule_steps=made_for))(
+      step))
+  after = float(make_schedule(cfg)(step))
+  rate = (f'the learning rate jumps from {before:.3g} to {after:.3g}' if before != after else
+          f'the learning rate is {after:.3g} at this step either way but differs after it')
+  return (f'resuming at step {step} of a run whose learning-rate schedule was {made_for} steps '
+          f'long: it is {"stretched" if length > made_for else "shrunk"} to {length} steps, so '
+          f'{rate}; set learning_rate_schedule_steps={made_for} to keep it.')
 
 
 def make_optimizer(cfg: TrainConfig, model: nnx.Module) -> optax.GradientTransformation:

@@ -58,7 +58,7 @@ from maxnnx.train.memory import (
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
 from maxnnx.train.monitor import FitMonitor
 from maxnnx.train.objectives import Objective, PretrainObjective
-from maxnnx.train.optimizers import make_optimizer, make_schedule
+from maxnnx.train.optimizers import make_optimizer, make_schedule, schedule_change
 from maxnnx.train.preemption import StopRequest
 from maxnnx.train.quantization import check_supported, is_quantized, quantize
 
@@ -178,6 +178,8 @@ class Trainer:
     self._writers: list = []
     self._checkpoints = None  # a CheckpointManager once checkpoint_dir is used
     self._step_offset = 0  # steps taken before the restored checkpoint, not in history
+    # What resuming a checkpoint made for another `steps` does to the schedule (one line).
+    self.schedule_note: str | None = None
     self.stopped_by: str | None = None
     self._goodput = GoodputRecorder()
     self._empty_batches_in_a_row = 0
@@ -738,7 +740,8 @@ class Trainer:
     if data_state is None:
       logger.warning('The data source has no get_state(): a resumed run restarts its stream.')
     meta = {'history_len': self.step_count, 'data': data_state,
-            'model_config': self.model_config.to_dict()}
+            'model_config': self.model_config.to_dict(),
+            'schedule_steps': self.config.resolved_schedule_steps}
     self._checkpoint_manager().save(self.step_count, self._state, self._extra, meta)
     return self.step_count
 
@@ -749,7 +752,9 @@ class Trainer:
     continue counting from there. A damaged newest checkpoint is reported and
     the one before it used. Returns the step, or ``None`` when there is none.
     Steps taken again after it, up to the furthest step any run reached,
-    count as lost time in :meth:`goodput`.
+    count as lost time in :meth:`goodput`. When the checkpoint was made by a run
+    with a learning-rate schedule of another length (``steps``, or
+    ``learning_rate_schedule_steps``), :attr:`schedule_note` says what that does to the schedule in one line.
     """
     with self._goodput.time('restore'):
       return self._restore_checkpoint(step)
@@ -765,6 +770,11 @@ class Trainer:
     self.history = [m for m in self.history if m['step'] <= step]
     self._step_offset = step - len(self.history)
     self._sync_to_objects()
+    made_for = meta.get('schedule_steps')
+    self.schedule_note = (schedule_change(self.config, made_for, step)
+                          if isinstance(made_for, int) else None)
+    if self.schedule_note:
+      logger.info('%s', self.schedule_note)
     if meta.get('data') is not None:
       if hasattr(self.data, 'set_state'):
         self.data.set_state(meta['data'])
