@@ -163,12 +163,14 @@ class Recipe:
 
   def record(self, options: dict) -> dict:
     """The recipe's keys, for the run's stored config (a resume must match them)."""
-    return {k: options[k] for k in self.keys}
+    return {k: options[k] for k in self.keys if k not in UNRECORDED}
 
 
 GRPO_FIELDS = ('loss_type', 'num_generations', 'max_new_tokens', 'temperature', 'top_k', 'top_p',
                'beta', 'epsilon', 'epsilon_high', 'num_iterations', 'dynamic_sampling',
-               'max_refills', 'sampler')
+               'max_refills', 'sampler', 'reward_timeout_s')
+# Keys that change how a run is watched, not what it trains: left out of the stored config.
+UNRECORDED = ('reward_timeout_s',)
 
 
 def grpo_config(options: dict):
@@ -292,6 +294,8 @@ GRPO = Recipe(
         'reward': ('', 'reward function(s): path/to/file.py:function or module:function, '
                    'comma-separated'),
         'reward_weights': ('', 'one weight per reward function, comma-separated (default 1 each)'),
+        'reward_timeout_s': (60.0, 'seconds a reward function has to return before the run '
+                             'stops, naming it'),
         'template': ('', TEMPLATE_DOC),
         'loss_type': ('grpo', 'grpo, dr_grpo, dapo or gspo'),
         'num_generations': (8, 'completions per prompt (global_batch_size must be a multiple)'),

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -266,3 +267,41 @@ def test_dpo_refuses_chosen_equal_to_rejected_before_compiling(base, tmp_path, c
   captured = capsys.readouterr()
   assert '"chosen" equals "rejected" in every record (8)' in captured.err
   assert 'compiled train step' not in captured.out
+
+
+@pytest.mark.parametrize('body, message', [
+    ('raise ValueError("no score\\nsecond line")', "Reward function 'judge' raised ValueError: "
+     'no score'),
+    ('return [float("nan")] * len(completions)', "Reward function 'judge' returned nan for "
+     'completion 0; rewards must be finite.'),
+    ('return [1.0]', "Reward function 'judge' returned 1 values for 4 completions"),
+    ('return [None] * len(completions)', "Reward function 'judge' returned None for all 4 "
+     'completions of rollout 0, so there is nothing to learn from'),
+])
+def test_grpo_reward_failures_stop_with_one_line(base, tmp_path, capsys, body, message):
+  reward_file = tmp_path / 'rewards.py'
+  reward_file.write_text(f'def judge(prompts, completions, **kwargs):\n  {body}\n')
+  out = tmp_path / 'grpo'
+  assert cli.main(['grpo', f'model={base}', f"prompts={_jsonl(tmp_path / 'p.jsonl', CHATS)}",
+                   f'reward={reward_file}:judge', 'num_generations=2', 'max_new_tokens=4',
+                   'steps=2', f'output_dir={out}', *SMALL]) == 2
+  err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+  assert len(err) == 1 and err[0].startswith(f'error: {message}'), err
+  assert not (out / 'final').exists() and not _metrics(out)  # no step was taken
+
+
+def test_grpo_reward_that_never_returns_stops_at_its_timeout(base, tmp_path, capsys):
+  reward_file = tmp_path / 'rewards.py'
+  started = tmp_path / 'started'
+  reward_file.write_text('import time\n'
+                         'def stuck(prompts, completions, **kwargs):\n'
+                         f'  open({str(started)!r}, "w").write(repr(time.time()))\n'
+                         '  time.sleep(600)\n')
+  assert cli.main(['grpo', f'model={base}', f"prompts={_jsonl(tmp_path / 'p.jsonl', CHATS)}",
+                   f'reward={reward_file}:stuck', 'reward_timeout_s=1', 'num_generations=2',
+                   'max_new_tokens=4', 'steps=2', f'output_dir={tmp_path}/grpo', *SMALL]) == 2
+  waited = time.time() - float(started.read_text())
+  err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+  assert err == ["error: Reward function 'stuck' did not return within 1 s (reward_timeout_s); "
+                 'make it faster or raise reward_timeout_s.']
+  assert 1 <= waited < 5

@@ -55,6 +55,8 @@ class GRPOConfig(ValidatedConfig):
     rollouts_jsonl: append every completion with its rewards to this file.
     sampler: ``generate`` or ``engine`` (the serving engine's continuous batching;
       see :class:`~maxnnx.rl.rollouts.Rollouts`).
+    reward_timeout_s: seconds each reward function has to return before the run stops
+      with an error naming it.
   """
 
   loss_type: str = 'grpo'
@@ -71,8 +73,11 @@ class GRPOConfig(ValidatedConfig):
   max_refills: int = 4
   rollouts_jsonl: str = ''
   sampler: str = 'generate'
+  reward_timeout_s: float = 60.0
 
   def _validate(self):
+    if not self.reward_timeout_s > 0:
+      raise ValueError(f'reward_timeout_s must be > 0 (seconds), got {self.reward_timeout_s}.')
     if self.sampler not in SAMPLERS:
       raise ValueError(f'sampler must be one of {SAMPLERS}, got {self.sampler!r}.')
     if self.loss_type not in LOSS_TYPES:
@@ -116,7 +121,8 @@ def make_rollouts(config: GRPOConfig, prompts: Prompts, rewards: Rewards, tokeni
                   top_p=config.top_p if config.top_p < 1 else None,
                   num_iterations=config.num_iterations, dynamic_sampling=dynamic,
                   max_refills=config.max_refills, seed=seed,
-                  rollouts_jsonl=config.rollouts_jsonl or None, sampler=config.sampler)
+                  rollouts_jsonl=config.rollouts_jsonl or None, sampler=config.sampler,
+                  reward_timeout_s=config.reward_timeout_s)
 
 
 class GRPO:

@@ -10,7 +10,8 @@ one per completion) and the prompt file's other columns as keyword arguments
 ``None`` for a completion means the function does not apply to it (counted as
 0 in the weighted total, left out of the function's mean). :class:`Rewards`
 calls several functions with weights; a function that raises, returns the
-wrong number of values or a non-number stops the run with an error naming it.
+wrong number of values or a non-number, or does not return within a time limit,
+stops the run with a one-line :class:`RewardError` naming it.
 :func:`load_reward` finds a function from ``path/to/file.py:name`` or
 ``package.module:name``, as the CLI's ``reward=`` key gives it.
 """
@@ -22,15 +23,19 @@ import importlib.util
 import math
 import os
 import re
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from maxnnx.train.trainer import TrainingError
+
 RewardFn = Callable[..., Sequence[float | None]]
 
 
-class RewardError(RuntimeError):
-  """A reward function failed or returned something unusable; the message names it."""
+class RewardError(TrainingError):
+  """A reward function failed, hung or returned something unusable; the one-line message
+  names it."""
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -89,13 +94,14 @@ class Rewards:
     self.names = [n if names.count(n) == 1 else f'{n}_{i}' for i, n in enumerate(names)]
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str],
-               columns: dict[str, Sequence] | None = None) -> np.ndarray:
+               columns: dict[str, Sequence] | None = None, *,
+               timeout_s: float | None = None) -> np.ndarray:
+    """The ``[functions, completions]`` rewards; each function must return within
+    ``timeout_s`` seconds (``None``: no limit)."""
     out = np.zeros((len(self.functions), len(completions)))
     for row, (name, fn) in enumerate(zip(self.names, self.functions)):
-      try:
-        values = fn(list(prompts), list(completions), **(columns or {}))
-      except Exception as e:  # noqa: BLE001 (any failure of user code stops the run, named)
-        raise RewardError(f'Reward function {name!r} raised {type(e).__name__}: {e}') from e
+      values = _call_reward(name, fn, (list(prompts), list(completions)), columns or {},
+                            timeout_s)
       values = list(values) if values is not None else None
       if values is None or len(values) != len(completions):
         got = 'None' if values is None else f'{len(values)} values'
@@ -118,6 +124,36 @@ class Rewards:
   def total(self, per_function: np.ndarray) -> np.ndarray:
     """The weighted sum over functions per completion (``None`` counting 0)."""
     return np.nansum(per_function * self.weights[:, None], axis=0)
+
+
+def _call_reward(name: str, fn: RewardFn, args: tuple, kwargs: dict,
+                 timeout_s: float | None) -> Sequence[float | None]:
+  """``fn(*args, **kwargs)`` in a worker thread, given ``timeout_s`` seconds to return.
+
+  Raises:
+    RewardError: ``fn`` raised (its first line is kept) or did not return in time (the thread
+      is left to finish on its own: Python cannot stop it, and it does not keep the process up).
+  """
+  result: dict = {}
+
+  def call():
+    try:
+      result['values'] = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 (any failure of user code stops the run, named)
+      result['error'] = e
+
+  worker = threading.Thread(target=call, name=f'reward-{name}', daemon=True)
+  worker.start()
+  worker.join(timeout_s)
+  if worker.is_alive():
+    raise RewardError(f'Reward function {name!r} did not return within {timeout_s:g} s '
+                      '(reward_timeout_s); make it faster or raise reward_timeout_s.')
+  if 'error' in result:
+    e = result['error']
+    first = (str(e).strip().splitlines() or [''])[0]
+    raise RewardError(f'Reward function {name!r} raised {type(e).__name__}'
+                      + (f': {first}' if first else '')) from e
+  return result['values']
 
 
 # --- rewards for the shipped tasks ------------------------------------------------------

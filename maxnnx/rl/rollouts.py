@@ -106,6 +106,9 @@ class Rollouts:
     sampler: ``generate`` (one static batch per rollout) or ``engine`` (the serving
       engine's continuous batching and prefix cache; the same distribution and
       log-probs, other random draws).
+    reward_timeout_s: seconds each reward function has to return (``None``: no limit);
+      one that takes longer stops the run with a :class:`~maxnnx.rl.RewardError`, as does
+      a batch where every function returns ``None`` for every completion.
 
   Call :meth:`attach` with the Trainer before the first batch (the
   :class:`~maxnnx.rl.GRPO` class does it).
@@ -115,7 +118,8 @@ class Rollouts:
                max_new_tokens: int = 64, top_k: int | None = None, top_p: float | None = None,
                num_iterations: int = 1, eos_ids: Sequence[int] | None = None,
                dynamic_sampling: bool | None = None, max_refills: int = 4, seed: int = 0,
-               rollouts_jsonl: str | None = None, sampler: str = 'generate'):
+               rollouts_jsonl: str | None = None, sampler: str = 'generate',
+               reward_timeout_s: float | None = 60.0):
     if num_generations < 2:
       raise ValueError(f'num_generations must be >= 2 (advantages compare completions of the '
                        f'same prompt), got {num_generations}.')
@@ -124,6 +128,9 @@ class Rollouts:
                        f'{max_new_tokens} and {num_iterations}.')
     if sampler not in SAMPLERS:
       raise ValueError(f'sampler must be one of {SAMPLERS}, got {sampler!r}.')
+    if reward_timeout_s is not None and not reward_timeout_s > 0:
+      raise ValueError(f'reward_timeout_s must be > 0 (seconds), got {reward_timeout_s}.')
+    self.reward_timeout_s = reward_timeout_s
     self.sampler, self._engine = sampler, None
     self.prompts = prompts
     self.rewards = rewards if isinstance(rewards, Rewards) else Rewards(rewards)
@@ -239,11 +246,12 @@ class Rollouts:
     reward may be costly, or not deterministic) and sent to the others."""
     import io  # noqa: PLC0415
     if jax.process_count() == 1:
-      return self.rewards(values, texts, columns)
+      return self.rewards(values, texts, columns, timeout_s=self.reward_timeout_s)
     failure, buffer = None, io.BytesIO()
     if is_primary():
       try:
-        np.save(buffer, np.asarray(self.rewards(values, texts, columns), np.float64),
+        np.save(buffer, np.asarray(self.rewards(values, texts, columns,
+                                                timeout_s=self.reward_timeout_s), np.float64),
                 allow_pickle=False)
       except Exception as e:  # the others must hear of it, not wait for the values
         failure = e
@@ -317,6 +325,7 @@ class Rollouts:
           break
         samples.append(self._sample(attempt))
     rollout, dropped = self._select(samples, cfg.global_batch_size)
+    self._check_some_reward(rollout['per_function'])
     scale = self.trainer.objective.loss_type != 'dr_grpo'
     advantages = losses.group_advantages(rollout['total'], group, scale_by_std=scale)
     batch, sampler_logps = self._rows(rollout, advantages)
@@ -354,6 +363,16 @@ class Rollouts:
       self._write(rollout, advantages)
     self.count += 1
     return batch, metrics
+
+  def _check_some_reward(self, per_function: np.ndarray) -> None:
+    """Refuse a batch no reward function scored (all ``None``): it would train on nothing."""
+    if np.isnan(per_function).all():
+      names = ', '.join(repr(n) for n in self.rewards.names)
+      raise RewardError(f'Reward function{"s" if len(self.rewards.names) > 1 else ""} {names} '
+                        f'returned None for all {per_function.shape[1]} completions of rollout '
+                        f'{self.count}, so there is nothing to learn from; make '
+                        f'{"them" if len(self.rewards.names) > 1 else "it"} return a number '
+                        'where it applies.')
 
   def _rows(self, rollout: dict, advantages: np.ndarray) -> tuple[dict, np.ndarray]:
     """The batch dict and the sampler's log-probs at its target positions ``[B, T]``."""

@@ -754,7 +754,8 @@ class Trainer:
     Steps taken again after it, up to the furthest step any run reached,
     count as lost time in :meth:`goodput`. When the checkpoint was made by a run
     with a learning-rate schedule of another length (``steps``, or
-    ``learning_rate_schedule_steps``), :attr:`schedule_note` says what that does to the schedule in one line.
+    ``learning_rate_schedule_steps``), :attr:`schedule_note` says what that
+    does to the schedule in one line.
     """
     with self._goodput.time('restore'):
       return self._restore_checkpoint(step)
