@@ -17,6 +17,7 @@ platform (slow; for tests of this wrapper).
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +92,13 @@ class PallasFlashAttention(AttentionKernel):
   def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Repeat kv heads, run ``mha`` with segment ids; ``xla`` when index order differs."""
     scale = options.scale  # window, soft-cap and sinks are refused by the capability check
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    with warnings.catch_warnings():
+      # jax 0.12 deprecates this module for tokamax's Triton kernel, which maxnnx offers as
+      # ``tokamax_triton``; this strategy stays while jax ships it, as the one Triton flash
+      # kernel with an interpret mode (its tests run on CPU).
+      warnings.filterwarnings('ignore', 'jax.experimental.pallas.ops.gpu.attention is deprecated',
+                              DeprecationWarning)
+      from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
     groups = q_BTNH.shape[2] // k_BSKH.shape[2]
 

@@ -73,7 +73,8 @@ class TokamaxAttention(AttentionKernel):
         lambda impl: tokamax.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=allowed_B1TS,
                                                    scale=options.scale,
                                                    logits_soft_cap=options.softcap,
-                                                   implementation=impl))
+                                                   implementation=impl),
+        TOKAMAX_ATTENTION_PLATFORMS)
 
 
 register_attention_kernel('tokamax', TokamaxAttention)

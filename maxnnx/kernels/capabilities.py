@@ -95,15 +95,20 @@ def import_tokamax():
   return tokamax
 
 
-def run_first_tokamax(kind: str, name: str, implementations, call):
+def run_first_tokamax(kind: str, name: str, implementations, call, platforms: dict):
   """``call(impl)`` for the first tokamax implementation that runs; log which ran.
 
-  Implementations that refuse (``NotImplementedError``, or a build without
-  them) are skipped and named in a warning (once), so a drop to XLA is
-  visible. Raises ``NotImplementedError`` when none can run.
+  Implementations not made for this platform (``platforms[impl]``: tokamax 0.0.17 no longer
+  refuses them itself, its Mosaic TPU kernels ask a CPU for TPU chip facts), and those that
+  refuse (``NotImplementedError``, or a build without them), are skipped and named in a warning
+  (once), so a drop to XLA is visible. Raises ``NotImplementedError`` when none can run.
   """
   errors = []
+  platform = current_platform()
   for impl in implementations:
+    if platform not in platforms[impl]:
+      errors.append(f'{impl}: not made for {platform} (only {", ".join(platforms[impl])})')
+      continue
     try:
       out = call(impl)
     except NotImplementedError as e:

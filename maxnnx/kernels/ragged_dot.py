@@ -222,7 +222,8 @@ class TokamaxRaggedDot(RaggedDotKernel):
         'ragged_dot', self.name, self.implementations,
         lambda impl: tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G,
                                         preferred_element_type=options.preferred_element_type,
-                                        implementation=impl))
+                                        implementation=impl),
+        TOKAMAX_RAGGED_DOT_PLATFORMS)
 
 
 RAGGED_DOT_IMPLEMENTATIONS: dict[str, Callable[[], RaggedDotKernel]] = {
