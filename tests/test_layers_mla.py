@@ -91,7 +91,7 @@ def test_sparse_attention_equals_dense_attention_over_the_selected_keys():
   sparse = attn(x, cos_sin, mask)
   dense_attn = nnx.merge(nnx.graphdef(MLA(model.config.replace(**{'mla.index_topk': None}),
                                           rngs=nnx.Rngs(0))),
-                         nnx.state(attn).filter(lambda path, _: 'indexer' not in path))
+                         nnx.filter_state(nnx.state(attn), lambda path, _: 'indexer' not in path))
   original = dense_attn.kernel
   dense_attn.kernel = _with_key_mask(original, jnp.asarray(selected))
   masked = dense_attn(x, cos_sin, mask)

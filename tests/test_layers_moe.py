@@ -57,7 +57,7 @@ def _module(cfg, seed=0):
 
 
 def _params(moe):
-  return nnx.state(moe, nnx.Param).to_pure_dict()
+  return nnx.to_pure_dict(nnx.state(moe, nnx.Param))
 
 
 def _x(cfg, n=24, seed=1):

@@ -70,7 +70,7 @@ def _ids(seed=0):
 
 
 def _adapted_modules(model):
-  return [(p, m) for p, m in model.iter_modules()
+  return [(p, m) for p, m in nnx.iter_modules(model)
           if isinstance(m, DenseGeneral) and hasattr(m, 'kernel_lora_a')]
 
 
@@ -131,7 +131,7 @@ def test_adapters_have_qwix_layout_and_logical_sharding():
   ours = apply_lora(base, LoraConfig(rank=4, alpha=8, targets='q_proj,o_proj'))
   # qwix creating the adapters itself in its initialising call (possible here: unscanned)
   reference = nnx.clone(base)
-  for _, module in reference.iter_modules():
+  for _, module in nnx.iter_modules(reference):
     if isinstance(module, DenseGeneral):
       module.custom_gradient = False
   rule = qwix.LoraRule(module_path=r'layers/\d+/attn/(q|o)_proj', rank=4, alpha=8.0,
@@ -167,7 +167,7 @@ def test_merge_is_w_plus_scaled_b_a_in_float64(scan, base_quantization, tmp_path
   adapted = _randomise_adapters(apply_lora(_base(scan), config))
   merged = merge_adapters(adapted)
   assert type(merged) is maxnnx.Transformer and not has_adapters(merged)
-  assert all(m.custom_gradient for _, m in merged.iter_modules() if isinstance(m, DenseGeneral))
+  assert all(m.custom_gradient for _, m in nnx.iter_modules(merged) if isinstance(m, DenseGeneral))
   ids = _ids()
   np.testing.assert_allclose(merged(ids), adapted(ids), atol=2e-5)
   maxnnx.save_pretrained(merged, str(tmp_path))

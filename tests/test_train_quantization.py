@@ -128,7 +128,7 @@ def test_default_rules_pick_projections_and_experts_only():
   for scan in (False, True):
     cfg = maxnnx.get_preset('tiny-moe', scan_layers=scan, first_k_dense_layers=1)
     model = nnx.eval_shape(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)))
-    nodes = {'/'.join(map(str, p)): node for p, node in model.iter_modules()}
+    nodes = {'/'.join(map(str, p)): node for p, node in nnx.iter_modules(model)}
     paths = list(nodes)
     projections = {p for p in paths if re.fullmatch(PROJECTIONS_PATH, p)}
     experts = {p for p in paths if re.fullmatch(EXPERTS_PATH, p)}

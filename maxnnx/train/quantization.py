@@ -128,7 +128,7 @@ def check_supported(model_config, recipe: str, *, mesh_shape: dict | None = None
 
 
 def _check_rules(model: nnx.Module, rules: Sequence) -> None:
-  paths = ['/'.join(map(str, path)) for path, _ in model.iter_modules()]
+  paths = ['/'.join(map(str, path)) for path, _ in nnx.iter_modules(model)]
   for rule in rules:
     if getattr(rule, 'act_static_scale', None):
       raise ValueError(f'QtRule(module_path={rule.module_path!r}) sets act_static_scale=True: '

@@ -155,7 +155,7 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
   grads, (sums, loads) = accumulate_gradients(loss_fn, params, batch, config.grad_accum_steps)
   metrics = objective.metrics(sums, norm)
   metrics.update(load_spread(loads))
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   ok, extra = guard(extra, step, metrics['loss'], grad_norm, config.skip_spike_factor)
   new_state = apply_update(model, optimizer, grads, ok, loads)
   return new_state, extra, step_metrics(metrics, grad_norm, schedule(step), ok)

@@ -99,7 +99,7 @@ def candidate_modules(model: nnx.Module) -> list[tuple[tuple, DenseGeneral]]:
   blocks and of Llama 4's projector (``all-linear``); a target name adapts all of them
   where they share it, as PEFT does."""
   out = []
-  for path, module in model.iter_modules():
+  for path, module in nnx.iter_modules(model):
     name = _path_str(path)
     if isinstance(module, DenseGeneral) and (
         (re.fullmatch(STACKS_PATH, name) and re.fullmatch(PROJECTIONS_PATH, name))
@@ -269,7 +269,7 @@ def adapted_modules(model: nnx.Module) -> list[tuple[DenseGeneral, list[tuple]]]
   stacks = ({name: (start, count) for name, start, count, _ in layer_stacks(cfg)}
             if cfg.runtime.scan_layers else {})
   out = []
-  for path, module in model.iter_modules():
+  for path, module in nnx.iter_modules(model):
     if not isinstance(module, DenseGeneral) or getattr(module, 'kernel_lora_a', None) is None:
       continue
     path = tuple(path)
@@ -351,7 +351,7 @@ def merge_adapters(model: nnx.Module) -> nnx.Module:
   config = lora_config_of(model)
   plain_type = getattr(type(model), '_unquantized_type', type(model))
   merged = nnx.clone(model)
-  for _, module in merged.iter_modules():
+  for _, module in nnx.iter_modules(merged):
     if not isinstance(module, DenseGeneral) or getattr(module, 'kernel_lora_a', None) is None:
       continue
     template = module.kernel
@@ -367,7 +367,7 @@ def merge_adapters(model: nnx.Module) -> nnx.Module:
     if 'lora_dropout_seed' in vars(module):
       del module.lora_dropout_seed
     module.custom_gradient = True
-  for _, module in merged.iter_modules():
+  for _, module in nnx.iter_modules(merged):
     for name in ('qwix_path', 'qwix_rngs', 'disable_quant_stats_update'):
       if name in vars(module):
         delattr(module, name)
