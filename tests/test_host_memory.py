@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 
 from maxnnx.host_memory import _glibc
@@ -40,6 +41,10 @@ _FAULTS_PER_CALL = textwrap.dedent('''
 _PAGES_PER_CALL = 2048 * 8192 * 4 // 4096
 
 
+def jax_version() -> tuple[int, ...]:
+  return tuple(int(p) for p in jax.__version__.split('.')[:2])
+
+
 def _run(script: str, **env) -> dict:
   environ = {k: v for k, v in os.environ.items()
              if k not in ('MAXNNX_KEEP_HOST_MEMORY', 'JAX_PLATFORMS')}
@@ -53,11 +58,14 @@ def test_import_before_jax_stops_per_step_page_faults():
   tuned = _run(_FAULTS_PER_CALL.format(imports='import maxnnx'), JAX_PLATFORMS='cpu')
   assert tuned['applied'] and tuned['before_backend']
   assert tuned['faults'] < 0.01 * _PAGES_PER_CALL, tuned
-  # The same program with the setting turned off faults in every page of the result.
+  # The same program with the setting turned off faults in every page of the result with jax
+  # 0.10's CPU runtime; jax 0.12's keeps its step temporaries itself (2-3 faults per call,
+  # measured 2026-11-26), so there the setting saves nothing and costs nothing.
   untouched = _run(_FAULTS_PER_CALL.format(imports='import maxnnx'), JAX_PLATFORMS='cpu',
                    MAXNNX_KEEP_HOST_MEMORY='0')
   assert not untouched['applied']
-  assert untouched['faults'] > 0.5 * _PAGES_PER_CALL, untouched
+  if jax_version() < (0, 11):
+    assert untouched['faults'] > 0.5 * _PAGES_PER_CALL, untouched
 
 
 def test_import_after_the_backend_started_says_so():
