@@ -39,8 +39,10 @@ def test_packed_documents_equal_each_document_alone():
   logits = np.asarray(forward(model, docs.reshape(1, 18), np.array([[1] * 9 + [2] * 9]),
                               positions))[0]
   alone = np.asarray(forward(model, docs, np.ones((2, 9), int), positions[:, :9].repeat(2, 0)))
-  np.testing.assert_allclose(logits[:9], alone[0], atol=2e-5)
-  np.testing.assert_allclose(logits[9:], alone[1], atol=2e-5)
+  # float32 logits of order 1; a packed row sums in another order than a row alone (up to
+  # 2.3e-5 apart on an AMX CPU with jax 0.10.2), a leak moves them by far more (below).
+  np.testing.assert_allclose(logits[:9], alone[0], atol=1e-4)
+  np.testing.assert_allclose(logits[9:], alone[1], atol=1e-4)
   leaked = np.asarray(forward(model, docs.reshape(1, 18), np.ones((1, 18), int), positions))[0]
   assert np.abs(leaked[9:] - alone[1]).max() > 1e-2
 
