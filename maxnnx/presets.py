@@ -35,7 +35,8 @@ MAXTEXT_ALIASES: dict[str, str] = {
     'qwen3-8b-base': 'qwen3-8b',
     'qwen3-14b-base': 'qwen3-14b',
     'qwen3-30b-a3b-base': 'qwen3-30b-a3b',
-    # fp8 releases: the same architecture (maxnnx loads unquantized weights).
+    # fp8 releases: the same architecture; their block-wise fp8 checkpoints are dequantized
+    # as they load (maxnnx.checkpoint.quantized).
     'qwen3.5-35b-a3b-fp8': 'qwen3.5-35b-a3b',
     'qwen3.5-397b-a17b-fp8': 'qwen3.5-397b-a17b',
 }

@@ -158,6 +158,28 @@ def test_convert_to_orbax_holds_a_few_tensors_not_the_model(tmp_path):
   assert sorted(os.listdir(orbax)) == ['0']
 
 
+_MAKE_FP8_CHECKPOINT = _MAKE_CHECKPOINT.replace(
+    'sys.argv[1])', "sys.argv[1], quantization_config={'quant_method': 'fp8', "
+    "'weight_block_size': [128, 128]})")
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads VmHWM from /proc')
+def test_loading_an_fp8_release_grows_host_memory_by_about_the_float_model(tmp_path):
+  """A block-wise fp8 checkpoint (~150 MB; the ~465 MB float32 model of the test above) is
+  dequantized tensor by tensor: peak RSS grows by at most 1.2x the float32 model it becomes,
+  not by the float model plus a dequantized copy of the checkpoint."""
+  _run(_MAKE_FP8_CHECKPOINT, str(tmp_path))
+  size = sum(os.path.getsize(tmp_path / n) for n in os.listdir(tmp_path)
+             if n.endswith('.safetensors'))
+  report = json.loads(_run(_MEASURE_LOAD, str(tmp_path)).splitlines()[-1])
+  model_bytes = 4 * 115_969_536  # the float32 parameters of _MAKE_CHECKPOINT's model
+  assert size < 0.4 * model_bytes  # the weights are stored quantized
+  ratio = report['growth_bytes'] / model_bytes
+  print(f'fp8 load: peak RSS grew by {ratio:.3f}x the float32 model '
+        f'({size / 1e6:.0f} MB checkpoint, {model_bytes / 1e6:.0f} MB model)')
+  assert 0.9 <= ratio <= 1.2, f'peak RSS grew by {ratio:.2f}x the float32 model'
+
+
 _MEASURE_LOAD_IN_PROCESS = """
 import json, sys
 port, process_id, directory = sys.argv[1:]

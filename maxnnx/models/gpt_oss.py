@@ -16,8 +16,8 @@ gate and up *interleaved* on the last axis (gate = ``[..., ::2]``), its bias
 ``gate_up_proj_bias`` ``[experts, 2 * intermediate]``, ``down_proj``
 ``[experts, intermediate, hidden]`` (in x out, unlike a ``Linear``),
 ``down_proj_bias`` ``[experts, hidden]``, ``mlp.router.{weight,bias}`` and
-``self_attn.sinks`` ``[heads]``. Only unquantized checkpoints load: OpenAI's
-MXFP4 releases (``*_blocks``/``*_scales`` tensors) must be dequantized first.
+``self_attn.sinks`` ``[heads]``. OpenAI's MXFP4 releases (``*_blocks``/``*_scales``
+experts) are dequantized as they load (:mod:`maxnnx.checkpoint.quantized`).
 """
 
 import numpy as np
@@ -36,17 +36,8 @@ from maxnnx.models.registry import FamilySpec
 # The rotary embedding transformers assumes when a config names none.
 DEFAULT_ROPE = {'rope_type': 'yarn', 'factor': 32.0, 'beta_fast': 32.0, 'beta_slow': 1.0,
                 'truncate': False, 'original_max_position_embeddings': 4096}
-DEQUANTIZE_HINT = ('maxnnx loads unquantized weights only: dequantize the checkpoint first, e.g. '
-                   'load it in transformers with quantization_config=Mxfp4Config(dequantize=True) '
-                   'and save_pretrained it, or use a bfloat16 release of the model.')
-
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
-  quant = hf.data.get('quantization_config')
-  if quant and not quant.get('dequantize', False):
-    raise PretrainedError(f"{hf.path}: quantization_config (quant_method "
-                          f"'{quant.get('quant_method')}') says the weights are quantized. "
-                          + DEQUANTIZE_HINT)
   if 'rope_parameters' not in hf.data and 'rope_scaling' not in hf.data:
     hf = HFConfig({**hf.data, 'rope_parameters': {
         **DEFAULT_ROPE, 'rope_theta': hf.get('rope_theta')}}, hf.path, hf.defaults)
@@ -91,11 +82,6 @@ def _check_convertible(cfg: ModelConfig) -> None:
 
 def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
   """Split each layer's interleaved ``gate_up_proj`` (and its bias) into our gate/up tensors."""
-  quantized = sorted(n for n in tensors if n.endswith(('_blocks', '_scales')))
-  if quantized:
-    raise PretrainedError(f"{tensors[quantized[0]][0]}: tensor '{quantized[0]}' (and "
-                          f'{len(quantized) - 1} more) hold MXFP4-quantized experts. '
-                          + DEQUANTIZE_HINT)
   out = dict(tensors)
   e, d, f = cfg.moe.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
   expected = {'gate_up_proj': (e, d, 2 * f), 'gate_up_proj_bias': (e, 2 * f),
@@ -112,8 +98,7 @@ def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
     for fused, (gate, up) in (('gate_up_proj', ('gate_proj', 'up_proj')),
                               ('gate_up_proj_bias', ('gate_bias', 'up_bias'))):
       if f'{prefix}.{fused}' in out:  # else the loader reports the split names as missing
-        source, array = out.pop(f'{prefix}.{fused}')
-        array = np.asarray(array)
+        source, array = out.pop(f'{prefix}.{fused}')  # slices stay views (or lazy: MXFP4)
         out[f'{prefix}.{gate}'] = (source, array[..., ::2])
         out[f'{prefix}.{up}'] = (source, array[..., 1::2])
     if f'{prefix}.down_proj_bias' in out:

@@ -246,8 +246,7 @@ def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
     if array.shape != (e, d, 2 * f):
       raise PretrainedError(f"{source}: tensor '{key}' has shape {array.shape}, the config "
                             f'implies {(e, d, 2 * f)} (experts, hidden, 2 * intermediate).')
-    array = np.asarray(array)
-    prefix = key.rsplit('.', 1)[0]
+    prefix = key.rsplit('.', 1)[0]  # slices stay views (or lazy, for a quantized release)
     out[f'{prefix}.gate_proj'] = (source, array[..., :f])
     out[f'{prefix}.up_proj'] = (source, array[..., f:])
   return out

@@ -13,6 +13,10 @@ are released before the next, so the host holds the placed parameters plus
 about one tensor (one stacked tensor for scanned layers), never a second copy
 of the model. With a mesh, each process places only the shards its own devices
 hold.
+
+Quantized releases (block-wise FP8, MXFP4, compressed-tensors; see
+:mod:`maxnnx.checkpoint.quantized`) are checked against their
+``quantization_config`` and dequantized the same way, tensor by tensor.
 """
 
 from __future__ import annotations
@@ -30,11 +34,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from maxnnx.checkpoint.quantized import (
+  QuantizationError,
+  dequantize_checkpoint,
+  quantize_tensors,
+  release,
+)
 from maxnnx.checkpoint.safetensors import (
   SafetensorsError,
   plan_shards,
   read_safetensors_dir,
-  release_pages,
   write_safetensors,
   write_sharded,
 )
@@ -136,7 +145,12 @@ def _read_sources(directory: str, overrides: dict):
   """Config, abstract model and every parameter's checked source tensor(s) of a checkpoint."""
   cfg = config_from_pretrained(directory, **overrides)
   family = FAMILIES[cfg.family]
-  tensors = read_safetensors_dir(directory)
+  data, config_path = load_config_json(directory)
+  try:  # quantized releases: every weight checked against its scales, read lazily
+    tensors = dequantize_checkpoint(read_safetensors_dir(directory),
+                                    data.get('quantization_config'), config_path)
+  except QuantizationError as e:
+    raise PretrainedError(str(e)) from None
   mtp_chosen = any(key in overrides for key in ('mtp_num_layers', 'mtp.num_layers', 'mtp'))
   cfg, skipped = _choose_mtp_layers(cfg, family, tensors, mtp_chosen, directory)
   if family.unfuse is not None:
@@ -171,7 +185,8 @@ EXPORT_DTYPES = {'bfloat16': ml_dtypes.bfloat16, 'float16': np.float16, 'float32
 
 
 def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int = 5 * 1024**3,
-                    dtype: str | None = None) -> list[str]:
+                    dtype: str | None = None,
+                    quantization_config: dict[str, Any] | None = None) -> list[str]:
   """Write ``model`` as a Hugging Face directory that transformers loads.
 
   Writes ``config.json`` (transformers-5 layout) and ``model.safetensors`` (or
@@ -179,6 +194,14 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
   ``float16`` or ``float32``; ``config.json`` says so too). Existing files of the
   same names are replaced atomically, each only once its new version is complete.
   Returns the written file names.
+
+  ``quantization_config`` writes the weights quantized, in a release format
+  (``{'quant_method': 'fp8', 'weight_block_size': [128, 128]}`` as DeepSeek V3,
+  or ``{'quant_method': 'mxfp4'}`` as GPT-OSS; see
+  :func:`maxnnx.checkpoint.quantized.quantize_tensors` for which tensors), and
+  ``config.json`` carries it. Pass the ``quantization_config`` of the release a
+  model was loaded from to send a fine-tuned model back in its own format:
+  unchanged weights get back their bytes.
 
   A model whose parameters span several processes (a multi-process run) is saved by
   all of them: every process calls it with the same ``directory`` (shared by the
@@ -230,6 +253,12 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
         tensors[f'model.layers.{cfg.num_layers + k}.{suffix}'] = tensors[main]
   if family.fuse is not None:
     tensors = family.fuse(tensors, cfg)
+  if quantization_config is not None:
+    try:
+      tensors = quantize_tensors(tensors, quantization_config)
+    except QuantizationError as e:
+      raise PretrainedError(f'save_pretrained quantization_config: {e}') from None
+    hf_config['quantization_config'] = dict(quantization_config)
   os.makedirs(directory, exist_ok=True)
   if together:
     files = _write_process_shards(directory, tensors, max_shard_bytes)
@@ -461,7 +490,7 @@ def _host_params(sources: dict, abstract_state, cfg: ModelConfig):
       parts = [(host, sources[tuple(path)])]
     for out, (array, shape, n_in) in parts:
       _hf_to_ours(array, shape, n_in, out)
-      release_pages(array)
+      release(array)
     del parts
     yield path, var, host
     del host

@@ -1,0 +1,153 @@
+"""Quantized releases (block-wise FP8, MXFP4, compressed-tensors) load, check and save back.
+
+The fixtures (``tests/hf_parity/make_quantized_fixtures.py``) are laid out as the
+releases are: three shards with every scale in another file than its weight,
+partial fp8 blocks, float32 and bfloat16 scales. Their reference logits are
+transformers' float32 model on weights dequantized in torch by each format's
+rule, so a loader that ignored a scale or guessed a block size fails here.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import FIXTURES, reference, rel_error
+
+import maxnnx
+from maxnnx.checkpoint.quantized import quantize_fp8_blocks, unpack_int32
+from maxnnx.checkpoint.safetensors import read_safetensors, read_safetensors_dir, write_safetensors
+
+QUANTIZED = os.path.join(FIXTURES, 'quantized')
+CASES = {'deepseek_v3_fp8': 'deepseek_v3', 'qwen3_fp8': 'qwen3', 'gpt_oss_mxfp4': 'gpt_oss',
+         'llama_ct_fp8_channel': 'llama', 'mistral_ct_fp8_tensor': 'mistral',
+         'qwen2_ct_w4a16': 'qwen2'}
+REL_TOL = 1e-4
+
+
+def _reference(case):
+  with np.load(os.path.join(QUANTIZED, case, 'reference.npz')) as data:
+    return dict(data)
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_logits_match_transformers_on_the_dequantized_weights(case):
+  """float32 logits equal transformers' (rel 1e-4); quantizing moved them far more than that,
+  so the scales, block sizes and packing all count."""
+  ref = _reference(case)
+  unquantized = reference(CASES[case])['logits']
+  assert rel_error(unquantized, ref['logits']) > 30 * REL_TOL  # the fixture bites
+  model = maxnnx.from_pretrained(os.path.join(QUANTIZED, case), dtype='float32')
+  assert rel_error(model(ref['input_ids']), ref['logits']) < REL_TOL
+
+
+def _copy(case, tmp_path):
+  directory = tmp_path / case
+  shutil.copytree(os.path.join(QUANTIZED, case), directory)
+  return directory
+
+
+@pytest.mark.parametrize('case,extra', [('deepseek_v3_fp8', {}),
+                                        ('qwen3_fp8', {'scale_dtype': 'bfloat16'}),
+                                        ('gpt_oss_mxfp4', {})])
+def test_save_in_the_release_format_gives_back_every_byte(case, extra, tmp_path):
+  """Load (dequantized to float32), save in the same format: every quantized tensor and scale
+  is byte-identical to the release's, and transformers' config keeps its quantization_config."""
+  source = os.path.join(QUANTIZED, case)
+  with open(os.path.join(source, 'config.json')) as f:
+    quant = json.load(f)['quantization_config']
+  model = maxnnx.from_pretrained(source, dtype='float32')
+  maxnnx.save_pretrained(model, str(tmp_path), quantization_config={**quant, **extra})
+  original, saved = read_safetensors_dir(source), read_safetensors_dir(str(tmp_path))
+  assert sorted(saved) == sorted(original)
+  quantized = [n for n in original if n.endswith(('_scale_inv', '_blocks', '_scales'))]
+  quantized += [n.removesuffix('_scale_inv') for n in quantized if n.endswith('_scale_inv')]
+  assert len(quantized) >= 6
+  for name in quantized:
+    a, b = original[name][1], saved[name][1]
+    assert a.dtype == b.dtype and a.shape == b.shape, name
+    assert a.tobytes() == b.tobytes(), name
+  with open(tmp_path / 'config.json') as f:
+    assert json.load(f)['quantization_config']['quant_method'] == quant['quant_method']
+  again = maxnnx.from_pretrained(str(tmp_path), dtype='float32')
+  ref = _reference(case)
+  assert rel_error(again(ref['input_ids']), ref['logits']) < REL_TOL
+
+
+def test_fp8_scales_are_a_blocks_largest_magnitude_over_448():
+  """Fresh weights: every block's scale is amax / 448 within an ulp, codes within fp8 rounding,
+  partial blocks included."""
+  rng = np.random.default_rng()
+  values = rng.normal(size=(2, 37, 50)).astype(np.float32)
+  weight, scale = quantize_fp8_blocks(values, (16, 24))
+  assert weight.shape == values.shape and scale.shape == (2, 3, 3)
+  amax = np.abs(values[0, 32:, 48:]).max()  # the last, partial block
+  np.testing.assert_allclose(scale[0, 2, 2], amax / 448, rtol=3e-7)
+  deq = weight.astype(np.float32) * np.repeat(np.repeat(scale, 16, 1)[:, :37], 24, 2)[..., :50]
+  np.testing.assert_allclose(deq, values, atol=float(scale.max()) * 16)
+
+
+def test_int4_unpacking_reads_the_packed_bit_stream():
+  """Values -8..7 stored plus 8, little-endian nibbles, a row across several words."""
+  rng = np.random.default_rng()
+  values = rng.integers(-8, 8, size=(3, 24))
+  unsigned = (values + 8).astype(np.uint64)
+  words = np.zeros((3, 3), np.uint64)
+  for i in range(24):
+    words[:, i // 8] |= unsigned[:, i] << np.uint64(4 * (i % 8))
+  np.testing.assert_array_equal(unpack_int32(words.astype(np.uint32).view(np.int32), 4, 24),
+                                values)
+
+
+def _drop_tensor(directory, name):
+  """Rewrite the shard holding ``name`` without it (the index keeps naming it, as a user's
+  hand-edited checkpoint would not: drop it there too)."""
+  index_path = directory / 'model.safetensors.index.json'
+  index = json.loads(index_path.read_text())
+  shard = directory / index['weight_map'].pop(name)
+  tensors = {k: np.array(v) for k, v in read_safetensors(str(shard)).items() if k != name}
+  write_safetensors(str(shard), tensors)
+  index_path.write_text(json.dumps(index))
+
+
+def test_a_weight_whose_scale_was_deleted_is_refused(tmp_path):
+  """The fp8 weight stays, its weight_scale_inv is gone, config.json still says fp8: refused,
+  naming the tensor (the old loader ran it with logits off by several units)."""
+  directory = _copy('deepseek_v3_fp8', tmp_path)
+  name = 'model.layers.1.self_attn.o_proj.weight'
+  _drop_tensor(directory, name + '_scale_inv')
+  with pytest.raises(maxnnx.PretrainedError, match=rf"'{name}_scale_inv' is missing"):
+    maxnnx.from_pretrained(str(directory))
+
+
+def test_every_scale_deleted_and_the_config_removed_is_refused_too(tmp_path):
+  """float8 weights with no quantization_config are not read as plain floats."""
+  directory = _copy('qwen3_fp8', tmp_path)
+  config = json.loads((directory / 'config.json').read_text())
+  del config['quantization_config']
+  (directory / 'config.json').write_text(json.dumps(config))
+  with pytest.raises(maxnnx.PretrainedError, match='no quantization_config'):
+    maxnnx.from_pretrained(str(directory))
+
+
+@pytest.mark.parametrize('change,message', [
+    ({'weight_block_size': [16, 16]}, r'in blocks of \[16, 16\] \(weight_block_size\) needs'),
+    ({'weight_block_size': None}, 'weight_block_size is None'),
+    ({'quant_method': 'gptq'}, "quant_method 'gptq' is not a format maxnnx reads"),
+])
+def test_a_quantization_config_that_does_not_fit_is_refused(tmp_path, change, message):
+  directory = _copy('deepseek_v3_fp8', tmp_path)
+  config = json.loads((directory / 'config.json').read_text())
+  config['quantization_config'].update(change)
+  (directory / 'config.json').write_text(json.dumps(config))
+  with pytest.raises(maxnnx.PretrainedError, match=message):
+    maxnnx.from_pretrained(str(directory))
+
+
+def test_mxfp4_blocks_without_scales_are_refused(tmp_path):
+  directory = _copy('gpt_oss_mxfp4', tmp_path)
+  _drop_tensor(directory, 'model.layers.0.mlp.experts.down_proj_scales')
+  with pytest.raises(maxnnx.PretrainedError, match="has no 'model.layers.0.mlp.experts.down_proj"
+                                                    "_scales'"):
+    maxnnx.from_pretrained(str(directory))
