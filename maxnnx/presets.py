@@ -23,12 +23,12 @@ MAXTEXT_ALIASES: dict[str, str] = {
     'deepseek2-16b': 'deepseek-v2-lite',
     'deepseek2-236b': 'deepseek-v2',
     'deepseek3-671b': 'deepseek-v3',
-    'deepseek3-671b-2dfsdp': 'deepseek-v3',  # MaxText's sharding / schedule variants of V3
-    'deepseek3-671b-batchsplit': 'deepseek-v3',
     'deepseek3.2-671b': 'deepseek-v3.2',
     'gemma4-26b': 'gemma4-26b-a4b',
     'kimi-k2-1t': 'kimi-k2',
     'llama3-405b': 'llama3.1-405b',  # the same shapes (Llama 3's 405B came out as 3.1)
+    'llama3.1-8b-Instruct': 'llama3.1-8b',
+    'llama3.1-70b-Instruct': 'llama3.1-70b',
     'olmo3-7b-pt': 'olmo3-7b',
     'qwen3-1.7b-base': 'qwen3-1.7b',
     'qwen3-4b-base': 'qwen3-4b',
@@ -39,6 +39,40 @@ MAXTEXT_ALIASES: dict[str, str] = {
     # as they load (maxnnx.checkpoint.quantized).
     'qwen3.5-35b-a3b-fp8': 'qwen3.5-35b-a3b',
     'qwen3.5-397b-a17b-fp8': 'qwen3.5-397b-a17b',
+}
+
+# MaxText's model names maxnnx does not build, and why. The sharding / schedule variants of
+# DeepSeek V3 are not aliases: mapping them to plain ``deepseek-v3`` would drop their point.
+MAXTEXT_REFUSED: dict[str, str] = {
+    'deepseek3-671b-2dfsdp': (
+        'its point is 2-D FSDP (a second fsdp axis sharding heads and MLP width), which '
+        "maxnnx's mesh has no axis for; use deepseek3-671b with mesh.fsdp and mesh.tensor"),
+    'deepseek3-671b-batchsplit': (
+        'its point is the batch-split schedule (two half-batches overlapping MoE '
+        'communication, explicit sharding), which maxnnx does not run; use deepseek3-671b '
+        'with mesh.fsdp and mesh.expert'),
+    'deepseek4-tiny': 'DeepSeek V4 (compressed attention, hash layers, hyper-connections) '
+                      'is no maxnnx family yet',
+    'deepseek4-284b': 'DeepSeek V4 (compressed attention, hash layers, hyper-connections) '
+                      'is no maxnnx family yet',
+    'deepseek-custom': "MaxText's experimental DeepSeek variant (hyper-connections, Engram "
+                       'memory layers) has no maxnnx equivalent',
+    'qwen3-vl-2b': 'Qwen3-VL (its vision tower, M-RoPE, deepstack) is no maxnnx family yet',
+    'qwen3-vl-4b': 'Qwen3-VL (its vision tower, M-RoPE, deepstack) is no maxnnx family yet',
+    'qwen3-vl-30b-a3b': 'Qwen3-VL (its vision tower, M-RoPE, deepstack) is no maxnnx family '
+                        'yet',
+    'qwen3-omni-30b-a3b': 'Qwen3-Omni (audio and vision towers, M-RoPE) is no maxnnx family '
+                          'yet',
+    'qwen3-custom-30b-a3b': "MaxText's custom Qwen3 MoE (attention and expert widths apart "
+                            'from the model width) has no maxnnx equivalent',
+    'envy-test': "MaxText's envy block has no published checkpoint to check a maxnnx family "
+                 'against',
+    'envy-switch-base': "MaxText's envy block has no published checkpoint to check a maxnnx "
+                        'family against',
+    'envy-switch-large': "MaxText's envy block has no published checkpoint to check a maxnnx "
+                         'family against',
+    'envy-switch-xxl': "MaxText's envy block has no published checkpoint to check a maxnnx "
+                       'family against',
 }
 
 
@@ -56,9 +90,12 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
     **overrides: :class:`ModelConfig` fields to replace, e.g. ``dtype='bfloat16'``.
 
   Raises:
-    ConfigError: unknown preset (naming the nearest one), unknown field
+    ConfigError: unknown preset (naming the nearest one), one of MaxText's names maxnnx
+      does not build (:data:`MAXTEXT_REFUSED`, with the reason), unknown field
       (naming the nearest field) or an invalid value.
   """
+  if name in MAXTEXT_REFUSED:
+    raise ConfigError(f"MaxText's model '{name}' is not built here: {MAXTEXT_REFUSED[name]}.")
   name = MAXTEXT_ALIASES.get(name, name)
   if name not in PRESETS:
     match = difflib.get_close_matches(name, list_presets(aliases=True), n=1, cutoff=0.0)
@@ -69,4 +106,4 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
   return cfg.replace(**overrides) if overrides else cfg
 
 
-__all__ = ['MAXTEXT_ALIASES', 'PRESETS', 'get_preset', 'list_presets']
+__all__ = ['MAXTEXT_ALIASES', 'MAXTEXT_REFUSED', 'PRESETS', 'get_preset', 'list_presets']
