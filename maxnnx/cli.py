@@ -21,6 +21,7 @@ OpenAI-compatible HTTP server over a Hugging Face checkpoint, :mod:`maxnnx.servi
 ``compile`` (lower and compile the train step for the mesh, report per-device
 memory, and fail fast when it cannot fit, without allocating any weights) and
 ``convert`` (Hugging Face <-> orbax checkpoints, scanned <-> per-layer layout).
+``maxtext-keys`` lists how MaxText's keys are read (:mod:`maxnnx.maxtext_keys`).
 
 ``checkpoint_every=N`` saves to ``<output_dir>/checkpoints``; running the same
 command again resumes from the newest complete checkpoint.
@@ -213,13 +214,16 @@ def parse_overrides(args: list[str], keys: dict[str, Key]) -> dict:
   """``[config.yml | config=run.yml] key=value ...`` -> ``{key: typed value}``.
 
   Run, train and mesh keys come with their defaults; model and data keys only
-  when given. Command-line keys override those of the YAML file.
+  when given. Command-line keys override those of the YAML file. MaxText's keys and YAML
+  files (``base_config: base.yml``) are read through :mod:`maxnnx.maxtext_keys`.
 
   Raises:
     UsageError: on an unknown key (naming the nearest one), a malformed value or
-      a malformed YAML file.
+      a malformed YAML file, or a MaxText key refused by :mod:`maxnnx.maxtext_keys`.
   """
-  return parse_keys(args, keys, ALIASES)
+  from maxnnx import maxtext_keys  # noqa: PLC0415
+  maxtext = maxtext_keys.parse(args, keys, ALIASES)  # None unless the args speak MaxText
+  return maxtext if maxtext is not None else parse_keys(args, keys, ALIASES)
 
 
 def _usage(command: str) -> str:
@@ -241,6 +245,7 @@ def _usage(command: str) -> str:
     lines += ['', 'A YAML file (config=run.yml, or given first) holds the same keys, as nested '
               'mappings',
               '(model: {num_layers: 2}) or dotted names; command-line keys override it.',
+              "MaxText's keys and YAML files work too: maxnnx maxtext-keys lists them.",
               'Each key is listed as: name  type = default  meaning.']
   return '\n'.join(lines + usage_lines(keys, GROUPS))
 
@@ -976,6 +981,10 @@ def main(argv: list[str] | None = None) -> int:
   command = argv[0] if argv and not argv[0].startswith('-') and '=' not in argv[0] and not \
       argv[0].endswith(('.yml', '.yaml')) else 'train'
   rest = argv[1:] if argv and argv[0] == command else argv
+  if command == 'maxtext-keys':
+    from maxnnx.maxtext_keys import listing  # noqa: PLC0415
+    print(listing())
+    return 0
   if command not in COMMANDS:
     print(f"error: unknown command '{command}'; use one of: {', '.join(COMMANDS)}.",
           file=sys.stderr)
