@@ -253,7 +253,9 @@ MAXTEXT_KEYS: dict[str, Rule] = {
                                     'false: no checkpoints (checkpoint_every=0)'),
     'checkpoint_period': _derive('checkpoint_every', int, 10_000, 'checkpoint_every'),
     'async_checkpointing': _noop(bool, True, 'maxnnx saves asynchronously'),
-    'max_num_checkpoints_to_keep': _map('keep_checkpoints', int, 3),
+    'max_num_checkpoints_to_keep': _map('keep_checkpoints', int | None, None,
+                                        lambda n: KEEP_ALL if n is None else n,
+                                        'None: every checkpoint is kept'),
     'load_parameters_path': _refuse(str, '', _NO_CHECKPOINT_YET),
     'load_full_state_path': _refuse(str, '', _NO_CHECKPOINT_YET),
     'log_period': _map('log_every', int, 100),
@@ -290,6 +292,7 @@ DEFAULT_MODEL_KEYS = ('base_emb_dim', 'base_num_query_heads', 'base_num_kv_heads
                       'base_num_decoder_layers', 'head_dim', 'vocab_size',
                       'normalization_layer_epsilon', 'rope_max_timescale')
 WARMUP_FRACTION = 0.1
+KEEP_ALL = 1_000_000  # keep_checkpoints for MaxText's max_num_checkpoints_to_keep: None
 
 # Every model name MaxText takes (``model_name=``); each resolves to a preset or is refused.
 MAXTEXT_MODEL_NAMES: tuple[str, ...] = (
@@ -403,10 +406,12 @@ class _Settings:
     self.values[target] = (source, value)
 
 
-def _device_count() -> int:
+def _device_count(settings: _Settings) -> int:
   """The devices ``per_device_batch_size`` multiplies; refused before a multi-process run
   has joined (counting them would start JAX's backend first)."""
-  if any(os.environ.get(v) for v in ('MAXNNX_COORDINATOR_ADDRESS', 'MAXNNX_NUM_PROCESSES')):
+  coordinator = settings.values.get('coordinator', ('', ''))[1]
+  if coordinator or any(os.environ.get(v) for v in ('MAXNNX_COORDINATOR_ADDRESS',
+                                                    'MAXNNX_NUM_PROCESSES')):
     raise UsageError('per_device_batch_size= in a multi-process run: give global_batch_size= '
                      '(per_device_batch_size x every device of every process).')
   import jax  # noqa: PLC0415
@@ -426,7 +431,7 @@ def _derived(given: dict[str, Any], settings: _Settings, defaults: dict[str, Any
   if given.get('model_name', 'default') != 'default':
     settings.set('model', model_preset(given['model_name']), 'model_name')
   if 'per_device_batch_size' in given:
-    per_device, devices = given['per_device_batch_size'], _device_count()
+    per_device, devices = given['per_device_batch_size'], _device_count(settings)
     total = per_device * devices
     if total < 1 or total != int(total):
       raise UsageError(f'per_device_batch_size={per_device} x {devices} devices = {total}: '
@@ -487,8 +492,6 @@ def _maxtext_value(name: str, raw: Any) -> tuple[Rule, Any]:
   rule = MAXTEXT_KEYS[name]
   if rule.kind is tuple[str, ...] and isinstance(raw, str) and not raw.strip().startswith('['):
     raw = f'[{raw}]'  # mlp_activations=silu,linear and mlp_activations=[silu, linear]
-  if isinstance(raw, str) and raw.strip().lower() in ('none', 'null') and rule.kind is int:
-    return rule, rule.default  # max_num_checkpoints_to_keep: None in MaxText's YAML
   return rule, convert(name, raw, rule.kind)
 
 

@@ -99,6 +99,23 @@ def test_refusals_and_notes(capsys):
                  'maxnnx: model.ragged_dot_impl.']
 
 
+def test_batch_per_device_needs_the_devices_known():
+  """Before a multi-process run joins, the devices are unknown: the global batch is asked
+  for (counting devices then would start JAX's backend before the processes join)."""
+  with pytest.raises(cli.UsageError, match='give global_batch_size='):
+    _parse('per_device_batch_size=2', 'coordinator=localhost:1234', 'num_processes=2',
+           'process_id=0')
+  with pytest.raises(cli.UsageError, match='whole number'):
+    _parse(f'per_device_batch_size={0.5 / jax.device_count()}')
+
+
+def test_keep_every_checkpoint(tmp_path):
+  yml = tmp_path / 'run.yml'
+  yml.write_text('base_config: "base.yml"\nmax_num_checkpoints_to_keep: None\n')
+  assert _parse(f'config={yml}')['keep_checkpoints'] == maxtext_keys.KEEP_ALL
+  assert _parse(f'config={yml}', 'max_num_checkpoints_to_keep=2')['keep_checkpoints'] == 2
+
+
 def test_unknown_keys_name_the_nearest_of_both_vocabularies():
   with pytest.raises(cli.UsageError, match="Did you mean 'per_device_batch_size'"):
     _parse('per_device_batch_size=1', 'per_device_batchsize=2')
