@@ -50,7 +50,8 @@ def pytest_sessionfinish(session):
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf')
 # Image+text fixtures (make_vision_fixtures.py) have their own reference format.
 VISION_CASES = ['gemma3_vision', 'llama4_vision']
-HF_CASES = sorted(set(os.listdir(FIXTURES)) - set(VISION_CASES))
+# quantized/ holds release-format checkpoints (make_quantized_fixtures.py), tested on their own.
+HF_CASES = sorted(set(os.listdir(FIXTURES)) - set(VISION_CASES) - {'quantized'})
 
 
 def free_port() -> int:
