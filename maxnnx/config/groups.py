@@ -101,6 +101,9 @@ class MoEConfig(ValidatedConfig):
     mlp_dim: hidden width of each expert; ``None`` means the model's ``mlp_dim``.
     num_shared_experts: always-on experts, fused into one MLP of width
       ``num_shared_experts * mlp_dim`` (DeepSeek).
+    shared_mlp_dim: width of that fused shared MLP when it is not a multiple of
+      the routed experts' (Qwen3-Next, Qwen3.5); ``None`` means
+      ``num_shared_experts * mlp_dim``. Needs ``num_shared_experts >= 1``.
     shared_expert_gate: scale the shared experts' output per token by
       ``sigmoid(x . w)`` of a learned ``[d_model]`` vector (Qwen3-Next).
     first_k_dense_layers: the first layers use the dense MLP (DeepSeek).
@@ -146,6 +149,7 @@ class MoEConfig(ValidatedConfig):
   num_experts_per_tok: int = 2
   mlp_dim: int | None = None
   num_shared_experts: int = 0
+  shared_mlp_dim: int | None = None
   shared_expert_gate: bool = False
   first_k_dense_layers: int = 0
   layer_step: int = 1
@@ -182,6 +186,11 @@ class MoEConfig(ValidatedConfig):
     for name, low in (('num_shared_experts', 0), ('first_k_dense_layers', 0), ('layer_step', 1)):
       if getattr(self, name) < low:
         raise ConfigError(f'{p}.{name} must be >= {low}, got {getattr(self, name)}.')
+    if self.shared_mlp_dim is not None and (self.shared_mlp_dim <= 0
+                                            or not self.num_shared_experts):
+      raise ConfigError(f'{p}.shared_mlp_dim must be > 0 and needs num_shared_experts >= 1, '
+                        f'got {self.shared_mlp_dim} with num_shared_experts='
+                        f'{self.num_shared_experts}.')
     if self.router_groups < 1 or self.num_experts % self.router_groups:
       raise ConfigError(f'{p}.num_experts ({self.num_experts}) must be a multiple of '
                         f'router_groups ({self.router_groups}).')

@@ -401,6 +401,13 @@ class ModelConfig(ValidatedConfig):
     return self.moe.mlp_dim if self.moe.mlp_dim is not None else self.mlp_dim
 
   @property
+  def resolved_shared_mlp_dim(self) -> int:
+    """Width of the MoE layers' fused shared-expert MLP (0: none)."""
+    if self.moe.shared_mlp_dim is not None:
+      return self.moe.shared_mlp_dim
+    return self.moe.num_shared_experts * self.resolved_moe_mlp_dim
+
+  @property
   def moe_layers(self) -> tuple[bool, ...]:
     """For every layer, whether its feed-forward block is a Mixture-of-Experts."""
     k, step = self.moe.first_k_dense_layers, self.moe.layer_step

@@ -185,7 +185,8 @@ class MoE(nnx.Module):
     router: :class:`Router`.
     experts: :class:`Experts` (stacked expert weights).
     shared_experts: an :class:`~maxnnx.layers.mlp.MLP` of width
-      ``num_shared_experts * expert_dim`` applied to every token, or ``None``.
+      ``shared_mlp_dim`` (default ``num_shared_experts * expert_dim``) applied to every
+      token, or ``None``.
     shared_expert_gate: ``[d_model] -> [1]``, whose sigmoid scales the shared
       experts' output per token (``shared_expert_gate``), or ``None``.
     ragged_dot: the grouped-matmul kernel (``runtime.ragged_dot_impl``), shown in treescope.
@@ -212,7 +213,8 @@ class MoE(nnx.Module):
     param_dtype = runtime.jnp_dtype('param_dtype')
     self.router = Router(cfg, d_model, param_dtype=param_dtype, rngs=rngs, norm_eps=norm_eps)
     self.experts = Experts(cfg, d_model, expert_dim, param_dtype=param_dtype, rngs=rngs)
-    shared_dim = cfg.num_shared_experts * expert_dim
+    shared_dim = (cfg.shared_mlp_dim if cfg.shared_mlp_dim is not None
+                  else cfg.num_shared_experts * expert_dim)
     self.shared_experts = (MLP(d_model, shared_dim, activation=activation, runtime=runtime,
                                rngs=rngs) if shared_dim else None)
     self.shared_expert_gate = (

@@ -26,7 +26,6 @@ from maxnnx.config import LinearAttentionConfig, ModelConfig, MoEConfig, RopeCon
 from maxnnx.models.hf import (
   Family,
   HFConfig,
-  PretrainedError,
   TensorDict,
   common_to_hf,
   layer_types_to_hf,
@@ -47,9 +46,6 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
   is_moe = [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
   expert_dim = hf.get('moe_intermediate_size', 512)
   shared_dim = hf.get('shared_expert_intermediate_size', 512)
-  if shared_dim % expert_dim:
-    raise PretrainedError(f'{hf.path}: shared_expert_intermediate_size ({shared_dim}) must be a '
-                          f'multiple of moe_intermediate_size ({expert_dim}).')
   bias = bool(hf.get('attention_bias', False))
   return ModelConfig(
       family='qwen3_next', **hf.common_fields(), qkv_bias=bias, out_bias=bias,
@@ -63,7 +59,8 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
           conv_kernel_size=hf.get('linear_conv_kernel_dim', 4)),
       moe=MoEConfig(num_experts=experts if any(is_moe) else 0,
                     num_experts_per_tok=hf.get('num_experts_per_tok', 10),
-                    mlp_dim=expert_dim, num_shared_experts=shared_dim // expert_dim,
+                    mlp_dim=expert_dim, num_shared_experts=1 if shared_dim else 0,
+                    shared_mlp_dim=shared_dim or None,
                     shared_expert_gate=True,
                     router_norm_topk=bool(hf.get('norm_topk_prob', True)),
                     **moe_layout(is_moe, hf.path)))
@@ -78,7 +75,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
           'linear_conv_kernel_dim': la.conv_kernel_size,
           'num_experts': moe.num_experts, 'num_experts_per_tok': moe.num_experts_per_tok,
           'moe_intermediate_size': cfg.resolved_moe_mlp_dim,
-          'shared_expert_intermediate_size': moe.num_shared_experts * cfg.resolved_moe_mlp_dim,
+          'shared_expert_intermediate_size': cfg.resolved_shared_mlp_dim,
           'norm_topk_prob': moe.router_norm_topk, 'decoder_sparse_step': 1,
           'mlp_only_layers': [i for i, m in enumerate(cfg.moe_layers) if not m],
           'router_aux_loss_coef': 0.001}  # a training setting (TrainConfig): HF's default

@@ -59,7 +59,8 @@ def _block_flops(cfg: ModelConfig, kind: str, is_moe: bool, seq_len: int) -> flo
   if is_moe:
     width = cfg.moe.mlp_dim or cfg.mlp_dim
     total += 2 * d * cfg.moe.num_experts  # router
-    total += (cfg.moe.num_experts_per_tok + cfg.moe.num_shared_experts) * _mlp_flops(cfg, width)
+    total += cfg.moe.num_experts_per_tok * _mlp_flops(cfg, width)
+    total += _mlp_flops(cfg, cfg.resolved_shared_mlp_dim)  # 0 without shared experts
     if cfg.moe.dense_branch:  # Gemma 4: the dense MLP runs beside the experts
       total += _mlp_flops(cfg, cfg.mlp_dim)
   else:

@@ -217,6 +217,8 @@ def qwen3_next() -> Case:
 def qwen3_5() -> Case:
     # Qwen3.5's MoE text model: Qwen3-Next's stack with separate in_proj_qkv / z / b / a and
     # every layer MoE; 2 key heads serving 4 value heads, partial rotary 0.5 of head_dim 16.
+    # The shared expert (48) is not a multiple of the routed experts' width (32), which
+    # transformers builds and runs.
     return Case(
         config=dict(
             model_type="qwen3_5_moe_text",
@@ -230,7 +232,7 @@ def qwen3_5() -> Case:
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
+            shared_expert_intermediate_size=48,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                  partial_rotary_factor=0.5),
         ),
