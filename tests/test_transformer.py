@@ -9,6 +9,7 @@ from flax import nnx
 
 from maxnnx.config import ModelConfig
 from maxnnx.models.counting import num_params
+from maxnnx.models.pretrained import _unscanned_param_values
 from maxnnx.models.transformer import Transformer
 
 BASE = dict(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -152,10 +153,37 @@ def test_scan_and_loop_give_identical_logits(cfg_dict):
   ref.assert_close(_logits(scanned, ids), _logits(model, ids), rtol=1e-5, atol=1e-6)
 
 
+# An MoE model with a dense first layer (two scanned stacks) and an MTP module after them.
+MOE_TWO_STACKS = dict(BASE, moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 16,
+                                 'first_k_dense_layers': 1}, mtp={'num_layers': 1})
+
+
+@pytest.mark.parametrize('cfg_dict', [BASE, MIXED, MOE_TWO_STACKS],
+                         ids=['dense', 'mixed_layers', 'moe_two_stacks_mtp'])
+def test_a_seed_draws_the_same_weights_scanned_or_not(cfg_dict):
+  """Scanning changes how the stack runs, never its weights: every parameter of the
+  scanned model (layers listed per global index, as a Hugging Face export lists them)
+  is bit-equal to the unscanned model's, the norm, head and MTP built after the stack
+  included."""
+  by_layout = []
+  for scan in (False, True):
+    cfg = ModelConfig.from_dict(dict(cfg_dict, scan_layers=scan))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    by_layout.append(_unscanned_param_values(nnx.state(model, nnx.Param), cfg))
+  looped, scanned = by_layout
+  assert sorted(map(str, scanned)) == sorted(map(str, looped))
+  for path, value in looped.items():
+    np.testing.assert_array_equal(scanned[path], value, err_msg=str(path))
+  # Layers differ from each other (each folds in its own index), so equality is not trivial.
+  kernels = [looped[('layers', i, 'attn', 'q_proj', 'kernel')] for i in range(3)]
+  assert not np.array_equal(kernels[0], kernels[1])
+  assert not np.array_equal(kernels[1], kernels[2])
+
+
 def test_scanned_params_have_leading_layers_axis():
   """Scanned init stacks per-layer params on a leading axis named 'layers'."""
   cfg = ModelConfig.from_dict(dict(MIXED, scan_layers=True))
-  # eval_shape traces the real constructor (vmap + split_rngs) without slow eager init.
+  # eval_shape traces the real constructor (a vmapped build) without slow eager init.
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.Param)))
   assert tuple(specs['layers']['attn']['q_proj']['kernel']) == ('layers', 'embed', 'heads',

@@ -8,7 +8,8 @@ follow the stack; ``model(ids, mtp=True)`` also returns their logits.
 The layer stack is either an ``nnx.List`` of blocks (``scan_layers=False``: easy
 to index, inspect and edit in a notebook) or one block whose parameters carry a
 leading ``layers`` axis, run with ``jax.lax.scan`` (``scan_layers=True``: one
-compiled block however deep the model). Both give identical outputs.
+compiled block however deep the model). Both draw the same weights from a seed
+(see :func:`layer_rngs`) and give identical outputs.
 """
 
 import jax
@@ -50,21 +51,32 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
   return (('layers', 0, n, cfg.moe.num_experts > 0),)
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, num_layers: int | None = None,
-                    use_moe: bool = False, parts: BlockParts | None = None) -> DecoderBlock:
-  """One DecoderBlock whose every variable has a leading ``layers`` axis."""
-  parts = BlockParts() if parts is None else parts
+def layer_rngs(stack_key: jax.Array, index: int | jax.Array) -> nnx.Rngs:
+  """The random streams decoder layer ``index`` (counted over the whole model) draws on.
+
+  ``stack_key`` is one key the model draws for all its layers; each layer folds in its
+  global index. The loop builds layer ``i`` from ``layer_rngs(key, i)`` and the scan
+  vmaps the same call over the indices, so a seed gives the same weights whatever the
+  layout (scanned, looped, one or two stacks, pipelined), and whatever the model builds
+  after the stack draws from the same place in its stream.
+  """
+  return nnx.Rngs(jax.random.fold_in(stack_key, index))
+
+
+def _stacked_blocks(cfg: ModelConfig, stack_key: jax.Array, start: int, count: int,
+                    use_moe: bool, parts: BlockParts) -> DecoderBlock:
+  """Layers ``start .. start + count - 1`` as one DecoderBlock whose every variable has a
+  leading ``layers`` axis (one vmapped build, however many layers)."""
   types = set(cfg.resolved_layer_types)
   linear = types == {'linear'}  # ModelConfig refuses a mixed scan
   # With global_attn, ModelConfig allows a scan only when every layer has one type.
   layer_type = next(iter(types)) if len(types) == 1 else None
 
-  @nnx.split_rngs(splits=num_layers or cfg.num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-  def create(rngs):
-    return make_block(cfg, rngs, use_moe, parts, linear, layer_type)
+  @nnx.vmap(in_axes=(None, 0), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+  def create(key, index):
+    return make_block(cfg, layer_rngs(key, index), use_moe, parts, linear, layer_type)
 
-  return create(rngs)
+  return create(stack_key, jnp.arange(start, start + count))
 
 
 class Transformer(nnx.Module):
@@ -113,14 +125,16 @@ class Transformer(nnx.Module):
     self.vision_tower = VisionEncoder(config, rngs=rngs) if vision else None
     self.multi_modal_projector = make_projector(config, rngs=rngs) if vision else None
     self.dense_layers = nnx.data(None)  # the first_k_dense_layers stack when scanned
+    stack_key = rngs.params()  # one draw for every layer, whatever the layout
     if config.runtime.scan_layers:
-      for name, _, count, use_moe in layer_stacks(config):
-        setattr(self, name, _stacked_blocks(config, rngs, count, use_moe, parts))
+      for name, start, count, use_moe in layer_stacks(config):
+        setattr(self, name, _stacked_blocks(config, stack_key, start, count, use_moe, parts))
     else:
       self.layers = nnx.List([
-          make_block(config, rngs, m, parts, t == 'linear', t, kv_shared=donor is not None)
-          for m, t, donor in zip(config.moe_layers, config.resolved_layer_types,
-                                 config.kv_donors)])
+          make_block(config, layer_rngs(stack_key, i), m, parts, t == 'linear', t,
+                     kv_shared=donor is not None)
+          for i, (m, t, donor) in enumerate(zip(config.moe_layers, config.resolved_layer_types,
+                                                config.kv_donors))])
     self.final_norm = (make_norm(config, rngs=rngs) if parts.norm is None else
                        build_part(parts.norm, config, rngs, 'norm'))
     self.lm_head = (None if config.tie_word_embeddings else
