@@ -101,6 +101,8 @@ GENERATE_KEYS = {
     'top_k': (0, 'sample among the k most likely tokens (0: all; more than the vocabulary is '
               'clamped to it with a warning)'),
     'seed': (0, 'sampling seed'),
+    'quantization': ('none', 'quantize the linear layers for inference: int8, int4, fp8 '
+                     '(weights) or w8a8 (int8 weights and activations)'),
     'tensor_parallel': (1, 'devices the model is sharded over (attention heads and MLP width; '
                         "in a multi-process run, every process's devices)"),
     'compile_cache': ('', "directory of JAX's persistent compilation cache (empty: off): a "
@@ -132,6 +134,8 @@ SERVE_KEYS = {
     'max_logprobs': (5, 'the most log-probabilities per token a request may ask for'),
     'add_bos': (True, "start text prompts of /v1/completions with the tokenizer's BOS token"),
     'dtype': ('', "compute dtype (empty: the checkpoint's)"),
+    'quantization': ('none', 'quantize the linear layers for inference: int8, int4, fp8 '
+                     '(weights) or w8a8 (int8 weights and activations)'),
     'tensor_parallel': (1, 'devices the model is sharded over (attention heads and MLP width); '
                         "the parameters load straight into their shards; in a multi-process "
                         "run, every process's devices: process 0 serves HTTP, the others "
@@ -820,8 +824,10 @@ def generate(options: dict) -> str:
   a URL, whose files are downloaded first)."""
   import maxnnx  # noqa: PLC0415
   from maxnnx.data import SentencePieceTokenizer, load_tokenizer  # noqa: PLC0415
+  from maxnnx.inference.quantize import check_mode, quantize_for_inference  # noqa: PLC0415
   from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
-  mesh = tensor_parallel_mesh(options['tensor_parallel'])  # checked before anything loads
+  check_mode(options['quantization'])  # checked before anything loads, as the mesh
+  mesh = tensor_parallel_mesh(options['tensor_parallel'])
   _use_compile_cache(options)
   out = paths.normalize(options['output_dir'])
   model_dir, tok_path = paths.join(out, 'final'), paths.join(out, 'tokenizer.model')
@@ -843,6 +849,8 @@ def generate(options: dict) -> str:
     model = maxnnx.from_pretrained(local_model_dir, mesh=mesh)
   elif mesh is not None:
     model = _placed(model, mesh)
+  if options['quantization'] != 'none':
+    quantize_for_inference(model, options['quantization'])
   text = _sample(model, tokenizer,
                  options['prompt'], options['max_new_tokens'], options['temperature'],
                  options['top_p'], options['seed'], options['top_k'])
@@ -948,7 +956,9 @@ def serve(options: dict) -> None:
                      'tokenizer>, e.g. model=runs/tiny-shakespeare/final.')
   if not os.path.isdir(model):
     raise FileNotFoundError(f'model={model}: no such directory.')
+  from maxnnx.inference.quantize import check_mode  # noqa: PLC0415
   from maxnnx.serving.server import serve as serve_http  # noqa: PLC0415
+  check_mode(options['quantization'])
   _use_compile_cache(options)
   serve_http(model, host=options['host'], port=options['port'],
              log_level=options['log_level'], model_name=options['served_model_name'] or None,
@@ -960,7 +970,8 @@ def serve(options: dict) -> None:
              max_window_pages=options['max_window_pages'] or None,
              max_model_len=options['max_model_len'] or None,
              prefix_caching=options['prefix_caching'], max_logprobs=options['max_logprobs'],
-             seed=options['seed'], tensor_parallel=options['tensor_parallel'])
+             seed=options['seed'], tensor_parallel=options['tensor_parallel'],
+             quantization=options['quantization'])
 
 
 def _command_keys(command: str) -> dict[str, Key]:

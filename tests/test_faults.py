@@ -345,3 +345,14 @@ def test_top_k_past_the_vocabulary_is_clamped(finished, capsys, caplog):
     assert cli.main(['generate', f'output_dir={finished}', 'top_k=100000',
                      'max_new_tokens=2']) == 0
   assert 'top_k=100000 is larger than the vocabulary (512 tokens)' in caplog.text
+
+
+def test_generate_with_quantized_weights_and_a_mode_that_does_not_exist(finished, capsys):
+  """quantization=int8 generates from int8 linear layers; quantization=int3 is refused in one
+  line naming the choices, before anything loads."""
+  assert cli.main(['generate', f'output_dir={finished}', 'prompt=KING:', 'temperature=0',
+                   'max_new_tokens=4', 'quantization=int8']) == 0
+  assert capsys.readouterr().out.strip()
+  assert cli.main(['generate', f'output_dir={finished}', 'quantization=int3']) != 0
+  line = _error_line(capsys.readouterr().err)
+  assert "quantization='int3': expected one of int8, int4, fp8, w8a8" in line

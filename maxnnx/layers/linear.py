@@ -73,7 +73,12 @@ class DenseGeneral(nnx.Module):
       (LoRA, :mod:`maxnnx.train.lora`) need ``False``: a custom VJP knows only
       ``x`` and ``kernel``, so their parameters would get no gradient. With it the
       kernel may also be a quantized array of the intercepting library (QLoRA).
+    inference_quantization: ``None``, or the mode
+      :func:`~maxnnx.inference.quantize.quantize_for_inference` quantized the kernel
+      with (it is then a qwix ``QArray``).
   """
+
+  inference_quantization: str | None = None  # set by maxnnx.inference.quantize_for_inference
 
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], *,
                axes: Sequence[str], use_bias: bool = False, dtype=jnp.float32,
@@ -96,11 +101,13 @@ class DenseGeneral(nnx.Module):
     if x.shape[x.ndim - n_in:] != self.in_shape:
       raise ValueError(f'DenseGeneral expects trailing dims {self.in_shape}, got {x.shape}.')
     dtype = jnp.dtype(self.dtype)
-    if self.custom_gradient:
-      y = dense_dot(x, self.kernel[...], n_in, dtype)
+    kernel = self.kernel[...]
+    if self.inference_quantization is not None:  # see maxnnx.inference.quantize
+      y = self._quantized_dot(x.astype(dtype), kernel, n_in).astype(dtype)
+    elif self.custom_gradient:
+      y = dense_dot(x, kernel, n_in, dtype)
     else:
       contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-      kernel = self.kernel[...]
       if isinstance(kernel, jax.Array):  # a quantized kernel stays as its library holds it
         kernel = kernel.astype(dtype)
       y = jax.lax.dot_general(x.astype(dtype), kernel, (contract, ((), ())),
@@ -109,3 +116,14 @@ class DenseGeneral(nnx.Module):
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return y
+
+  def _quantized_dot(self, x: jax.Array, kernel, n_in: int) -> jax.Array:
+    """``x · kernel`` with the kernel a qwix ``QArray``; under ``w8a8``, ``x`` is quantized
+    to int8 per token first."""
+    import qwix  # only models quantized for inference need it (a slow import)
+
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    if self.inference_quantization == 'w8a8':
+      x = qwix.quantize(x, jnp.int8, channelwise_axes=tuple(range(x.ndim - n_in)),
+                        scale_dtype=jnp.float32)
+    return qwix.dot_general(x, kernel, (contract, ((), ())), preferred_element_type=jnp.float32)

@@ -551,9 +551,12 @@ async def _server_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def load_engine(model_dir: str, *, dtype: str | None = None, tensor_parallel: int = 1,
-                **engine_kwargs) -> Engine:
+                quantization: str | None = None, **engine_kwargs) -> Engine:
   """An :class:`~maxnnx.serving.Engine` over the Hugging Face checkpoint in ``model_dir``
   and the tokenizer stored with it (``engine_kwargs`` go to the engine).
+
+  ``quantization`` (``int8``, ``int4``, ``fp8``, ``w8a8``) quantizes the linear layers for
+  inference once loaded (:func:`maxnnx.inference.quantize.quantize_for_inference`).
 
   ``tensor_parallel > 1`` loads the parameters straight into their shards over that many
   devices (``MeshConfig(data=1, tensor=tensor_parallel)``); the engine runs there.
@@ -562,6 +565,9 @@ def load_engine(model_dir: str, *, dtype: str | None = None, tensor_parallel: in
   from maxnnx.models.pretrained import from_pretrained  # noqa: PLC0415
   from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
   model = from_pretrained(model_dir, dtype=dtype, mesh=tensor_parallel_mesh(tensor_parallel))
+  if quantization not in (None, 'none'):
+    from maxnnx.inference.quantize import quantize_for_inference  # noqa: PLC0415
+    quantize_for_inference(model, quantization)
   return Engine(model, load_tokenizer(model_dir), **engine_kwargs)
 
 

@@ -1,0 +1,115 @@
+"""Quantized inference (int8 / int4 / fp8 weights, w8a8): the rule against NumPy, the model
+in generate and in the serving engine, and the memory it saves."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import maxnnx
+from maxnnx.inference.quantize import check_mode, param_bytes, quantize_for_inference
+from maxnnx.layers.linear import DenseGeneral
+from maxnnx.serving import Engine, SamplingParams
+
+VOCAB = 64
+MODEL = dict(vocab_size=VOCAB, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+             mlp_dim=128, max_position_embeddings=128, initializer_range=1.0, dtype='float32')
+
+
+def _absmax_round(values, axis, bound, qtype=None):
+  """qwix's symmetric absmax rule in float32: scale = amax * (1 / bound) (as XLA computes a
+  division by a constant), values times the scale's reciprocal, rounded (or cast to
+  ``qtype``) and clipped; returned dequantized, in float64."""
+  values = values.astype(np.float32)
+  scale = np.abs(values).max(axis=axis, keepdims=True) * np.float32(1 / bound)
+  scaled = values * (np.float32(1) / scale)
+  if qtype is None:
+    q = np.clip(np.round(scaled), -np.ceil(bound), np.floor(bound))
+  else:
+    q = scaled.astype(qtype).astype(np.float32)
+  return q.astype(np.float64) * scale.astype(np.float64)
+
+
+def _expected_weight(w, mode):
+  """The dequantized ``[in, heads, dim]`` kernel by each mode's rule (one scale per output
+  channel; int4 also per group of 32 inputs): the largest magnitude maps to 127.5 (int8),
+  7.5 (int4) or 448 (fp8)."""
+  if mode == 'int4':
+    groups = w.reshape(w.shape[0] // 32, 32, *w.shape[1:])
+    return _absmax_round(groups, 1, 7.5).reshape(w.shape)
+  if mode == 'fp8':
+    return _absmax_round(w, 0, 448.0, ml_dtypes.float8_e4m3fn)
+  return _absmax_round(w, 0, 127.5)
+
+
+@pytest.mark.parametrize('mode', ['int8', 'int4', 'fp8', 'w8a8'])
+def test_a_quantized_layer_computes_the_modes_rule(mode):
+  """y = x . dequantize(quantize(w)) (and, under w8a8, x rounded to int8 per token), against
+  float64 NumPy; the quantization error itself is far larger than the tolerance."""
+  rng = np.random.default_rng()
+  layer = DenseGeneral((96,), (4, 16), axes=('embed', 'heads', 'kv'), rngs=nnx.Rngs(0))
+  w = rng.normal(size=(96, 4, 16)).astype(np.float32)
+  layer.kernel.set_value(jnp.asarray(w))
+  x = rng.normal(size=(2, 5, 96)).astype(np.float32)
+  exact = np.einsum('btd,dhk->bthk', x.astype(np.float64), w.astype(np.float64))
+  holder = nnx.Dict(layer=layer)
+  quantize_for_inference(holder, mode)
+  got = np.asarray(layer(jnp.asarray(x)), np.float64)
+  x_ref = x.astype(np.float64)
+  if mode == 'w8a8':
+    x_ref = _absmax_round(x, -1, 127.5)
+  want = np.einsum('btd,dhk->bthk', x_ref, _expected_weight(w, mode))
+  tolerance = 2e-5 * np.abs(want).max()
+  assert np.abs(got - want).max() < tolerance
+  assert np.abs(exact - want).max() > 20 * tolerance  # quantization moved the result
+
+
+def _model():
+  return maxnnx.Transformer(maxnnx.ModelConfig.from_dict(MODEL), rngs=nnx.Rngs(5))
+
+
+def _kernel_bytes(model):
+  """Bytes held by the attention and MLP kernels (values and scales)."""
+  return sum(leaf.size * leaf.dtype.itemsize if leaf.dtype != jnp.int4 else leaf.size // 2
+             for path, module in nnx.iter_graph(model)
+             if isinstance(module, DenseGeneral) and 'lm_head' not in path
+             for leaf in jax.tree.leaves(module.kernel[...]))
+
+
+@pytest.mark.parametrize('mode,most', [('int8', 0.27), ('int4', 0.17), ('fp8', 0.27)])
+def test_weights_take_the_bytes_the_mode_says(mode, most):
+  """The quantized kernels take ~1/4 (8-bit) or ~1/6 (4-bit, a float32 scale per 32 values) of
+  their float32 bytes, scales included, and param_bytes counts the saving."""
+  model = _model()
+  before, total_before = _kernel_bytes(model), param_bytes(model)
+  quantize_for_inference(model, mode)
+  after = _kernel_bytes(model)
+  assert after < most * before, (mode, after / before)
+  assert param_bytes(model) == total_before - before + after
+
+
+@pytest.mark.parametrize('mode', ['int8', 'w8a8'])
+def test_the_engine_serves_a_quantized_model_as_generate_does(mode):
+  """Continuous batching over paged attention gives the quantized model's own greedy tokens."""
+  model = quantize_for_inference(_model(), mode)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 9, 17)]
+  want = maxnnx.generate(model, prompts, max_new_tokens=6, eos_ids=None)
+  engine = Engine(model, page_size=4, max_batch=4, token_budget=32, max_model_len=64)
+  got = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+  for i, done in enumerate(got):
+    assert list(done.token_ids) == want.tokens[i].tolist(), i
+
+
+def test_unknown_mode_and_quantizing_twice_are_refused():
+  model = _model()
+  with pytest.raises(ValueError, match="quantization='int3': expected one of int8, int4"):
+    quantize_for_inference(model, 'int3')
+  with pytest.raises(ValueError, match="quantization='int3': expected one of int8, int4"):
+    check_mode('int3')
+  check_mode('none')
+  quantize_for_inference(model, 'int8')
+  with pytest.raises(ValueError, match='already quantized'):
+    quantize_for_inference(model, 'int8')
