@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import maxnnx
-from maxnnx.inference.sampling import sample_next_token
+from maxnnx.inference.sampling import row_keys, sample_next_token, sample_rows
 
 
 def _model(**overrides):
@@ -118,6 +118,38 @@ def test_top_k_and_top_p_restrict_the_support():
   assert set(np.asarray(sample(keys, top_p=0.01)).tolist()) == {0}
   counts = np.bincount(np.asarray(sample(keys)), minlength=4) / 400
   np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.07)
+
+
+def test_per_row_sampling_follows_the_batch_rule():
+  """The engine's per-row sampler keeps, row by row, the tokens the batch sampler keeps with the
+  same setting, and a greedy row beside sampled ones stays greedy."""
+  logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
+  settings = [(0.0, 0, 1.0), (1.0, 2, 1.0), (1.0, 0, 0.75), (1.0, 0, 0.85), (1.0, 3, 0.75),
+              (1.0, 0, 1.0)]
+  rows = len(settings)
+  temperature_B = jnp.array([t for t, _, _ in settings], jnp.float32)
+  top_k_B = jnp.array([k for _, k, _ in settings], jnp.int32)
+  top_p_B = jnp.array([p for _, _, p in settings], jnp.float32)
+  logits_BV = jnp.tile(logits, (rows, 1))
+
+  def per_row(counter):
+    keys_B = row_keys(jnp.arange(rows, dtype=jnp.uint32), jnp.full((rows,), counter, jnp.int32))
+    return sample_rows(logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
+
+  rows_SB = np.asarray(jax.vmap(per_row)(jnp.arange(400)))
+  keys = jax.random.split(jax.random.key(0), 400)
+
+  def batch_support(temperature, top_k, top_p):
+    def draw(key):
+      return sample_next_token(logits[None], key, temperature=temperature, top_k=top_k or None,
+                               top_p=None if top_p >= 1 else top_p)
+
+    return set(np.asarray(jax.vmap(draw)(keys))[:, 0].tolist())
+
+  for row, setting in enumerate(settings):
+    assert set(rows_SB[:, row].tolist()) == batch_support(*setting), setting
+  assert set(rows_SB[:, 0].tolist()) == {0}
+  assert set(rows_SB[:, 4].tolist()) == {0, 1}
 
 
 def test_generate_leaves_the_model_without_a_cache():

@@ -88,6 +88,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maxnnx.inference.sampling import row_keys, sample_rows
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.processes import host_value
 from maxnnx.serving.pages import PageAllocator
@@ -98,7 +99,6 @@ from maxnnx.serving.params import (
   SamplingParams,
   TokenLogprobs,
 )
-from maxnnx.serving.sampling import row_keys, sample_rows
 from maxnnx.serving.scheduler import Request, Scheduler
 from maxnnx.sharding import state_shardings
 
