@@ -47,7 +47,6 @@ from maxnnx.cli_finetune import PRETRAIN, RECIPES, Recipe
 from maxnnx.cli_keys import (
     Key,
     UsageError,
-    attribute_docs,
     config_keys,
     merge,
     subtree,
@@ -156,8 +155,6 @@ CONVERT_KEYS = {
               "(empty: the parameters' own)"),
 }
 
-
-_attribute_docs = attribute_docs  # the name other modules and older code use
 
 COMPILE_KEYS = {
     'topology': ('', 'compile for this TPU slice instead of the attached devices: a Cloud TPU '

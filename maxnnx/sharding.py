@@ -223,11 +223,6 @@ def pipeline_microbatches() -> int:
   return _PIPELINE_MICROBATCHES.get() or stages
 
 
-def current_rules() -> dict[str, MeshAxes] | None:
-  """The rules set by the innermost :func:`use_mesh`, or ``None``."""
-  return _CURRENT_RULES.get()
-
-
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """Tag activation ``x`` with logical axis ``names`` (a sharding constraint).
 

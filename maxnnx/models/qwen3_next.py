@@ -84,10 +84,6 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 _unfuse_experts, _fuse_experts = expert_hooks('mlp')
 
 
-def _linear_layers(cfg: ModelConfig) -> list[int]:
-  return [i for i, t in enumerate(cfg.resolved_layer_types) if t == 'linear']
-
-
 def _move_linear_layers(tensors: dict, cfg: ModelConfig, source: str, target: str) -> dict:
   """``tensors`` with the linear layers' ``model.layers.{i}.{source}.*`` renamed to ``target``."""
   linear = {i for i, t in enumerate(cfg.resolved_layer_types) if t == 'linear'}
