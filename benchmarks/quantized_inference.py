@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
   for r in rows:
     print(f"{r['mode']:6} {r['params']:>10,} {r['params'] / first['params']:>6.2f} "
           f"{r['kernels']:>10,} {r['kernels'] / first['kernels']:>6.2f} {r['ppl']:>13.3f} "
-          f"{r['top1']:>12.3f} {r['agree']:>13.3f} {r['tok_s']:>13.1f} {r['tok_s'] / r['bound']:>9.1%}")
+          f"{r['top1']:>12.3f} {r['agree']:>13.3f} {r['tok_s']:>13.1f} "
+          f"{r['tok_s'] / r['bound']:>9.1%}")
   print('command: python -m benchmarks.quantized_inference ' + ' '.join(sys.argv[1:]))
   return 0
 
