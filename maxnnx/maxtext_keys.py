@@ -223,8 +223,9 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'shared_experts': _map('model.moe.num_shared_experts', int, 0),
     'decoder_block': _refuse(str, 'llama2', 'the architecture comes from model_name= (a '
                              'preset), whose block is set with it'),
-    'dropout_rate': _refuse(float, 0.0, 'maxnnx models have no dropout'),
-    'enable_dropout': _noop(bool, True, 'maxnnx models have no dropout (dropout_rate 0)'),
+    'dropout_rate': _map('model.dropout_rate', float, 0.0),
+    'enable_dropout': _noop(bool, True, 'dropout runs in the train step whenever '
+                            'model.dropout_rate > 0, and never outside it'),
     'trainable_position_size': _refuse(int, -1, 'learned positions come with the gpt3 presets'),
     # Data
     'dataset_type': _derive('data', str, 'tfds', 'synthetic; hf: hf_train_files or hf_path '

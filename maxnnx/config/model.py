@@ -133,6 +133,9 @@ class ModelConfig(ValidatedConfig):
     scale_embeddings: multiply embeddings by ``sqrt(d_model)`` (Gemma).
     final_logit_softcap: ``cap * tanh(logits / cap)`` on the output logits.
     initializer_range: std of the normal init of the embedding table.
+    dropout_rate: while training, drop the embeddings and each layer's attention and MLP
+      outputs with this probability (:mod:`maxnnx.layers.dropout`; 0 = none). Never
+      in evaluation, generation or serving.
     bos_token_id: beginning-of-sequence id of the model's tokenizer, if any.
     eos_token_id: end-of-sequence id(s); ``generate`` stops at them by default.
     pad_token_id: padding id, if the tokenizer has one.
@@ -197,6 +200,7 @@ class ModelConfig(ValidatedConfig):
   scale_embeddings: bool = False
   final_logit_softcap: float | None = None
   initializer_range: float = 0.02
+  dropout_rate: float = 0.0
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
@@ -223,6 +227,8 @@ class ModelConfig(ValidatedConfig):
     return cls.from_dict(data)
 
   def _validate(self):
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ConfigError(f'ModelConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}.')
     positive = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'mlp_dim',
                 'max_position_embeddings')
     for name in positive:

@@ -6,6 +6,8 @@ from flax import nnx
 from maxnnx.config import LayerType, ModelConfig
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.attention import Attention
+from maxnnx.layers.dropout import ATTENTION, dropout
+from maxnnx.layers.dropout import MLP as MLP_SITE
 from maxnnx.layers.gated_deltanet import GatedDeltaNet
 from maxnnx.layers.mla import MLA
 from maxnnx.layers.mlp import MLP
@@ -49,6 +51,8 @@ class DecoderBlock(nnx.Module):
                parts: BlockParts | None = None, linear_attention: bool = False,
                layer_type: LayerType | None = None, kv_shared: bool = False):
     parts = BlockParts() if parts is None else parts
+    self.dropout_rate = cfg.dropout_rate
+    self.dropout_seed = nnx.data(None)  # a DropoutSeed, set by the model that stacks it
 
     def norm(enabled):
       if not enabled:
@@ -124,7 +128,7 @@ class DecoderBlock(nnx.Module):
       h, kv = h
     if self.attn_post_norm is not None:
       h = self.attn_post_norm(h)
-    x_BTD = x_BTD + h
+    x_BTD = x_BTD + self._dropped(h, ATTENTION)
     h = self.mlp_pre_norm(x_BTD) if self.mlp_pre_norm is not None else x_BTD
     h = self.mlp(h)
     if self.moe is not None:
@@ -132,7 +136,7 @@ class DecoderBlock(nnx.Module):
       h = self.dense_post_norm(h) + self.moe_post_norm(routed)
     if self.mlp_post_norm is not None:
       h = self.mlp_post_norm(h)
-    x_BTD = x_BTD + h
+    x_BTD = x_BTD + self._dropped(h, MLP_SITE)
     if self.per_layer_input is not None:
       if per_layer_input is None:
         raise ValueError('This block takes a per-layer input (ModelConfig.per_layer_input_dim '
@@ -142,6 +146,12 @@ class DecoderBlock(nnx.Module):
       x_BTD = x_BTD * self.layer_scalar[...].astype(x_BTD.dtype)
     x_BTD = constrain(x_BTD, RESIDUAL_AXES)
     return (x_BTD, kv) if return_kv else x_BTD
+
+  def _dropped(self, h: jax.Array, site: int) -> jax.Array:
+    """``h`` under residual dropout (in the train step only; :mod:`maxnnx.layers.dropout`)."""
+    if not self.dropout_rate or self.dropout_seed is None:
+      return h
+    return dropout(h, self.dropout_rate, self.dropout_seed[...], site)
 
 
 def make_block(cfg: ModelConfig, rngs: nnx.Rngs, use_moe: bool = False,

@@ -48,6 +48,7 @@ from maxnnx.checkpoint.safetensors import (
   write_sharded,
 )
 from maxnnx.config import ConfigError, MeshConfig, ModelConfig
+from maxnnx.layers.dropout import DropoutSeed
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.models.hf import (
   IGNORED_HF_TENSORS,
@@ -480,7 +481,7 @@ def _host_params(sources: dict, abstract_state, cfg: ModelConfig):
   stacks = _stacks(cfg)
   for path, var in nnx.to_flat_state(abstract_state):
     if not isinstance(var, nnx.Param):
-      yield path, var, np.zeros(var.shape, var.dtype)
+      yield path, var, _initial_value(path, var, stacks)
       continue
     host = np.empty(var.shape, var.dtype)
     if path[0] in stacks:
@@ -496,12 +497,23 @@ def _host_params(sources: dict, abstract_state, cfg: ModelConfig):
     del host
 
 
+def _initial_value(path: tuple, var, stacks: dict) -> np.ndarray:
+  """A non-parameter variable's starting value: a layer's dropout seed is its index
+  (:mod:`maxnnx.layers.dropout`), anything else (MoE routing statistics) zeros."""
+  if isinstance(var, DropoutSeed):
+    if path[0] in stacks:
+      start, count = stacks[path[0]]
+      return np.arange(start, start + count, dtype=var.dtype)
+    return np.asarray(path[1], var.dtype)  # ('layers', i, 'dropout_seed')
+  return np.zeros(var.shape, var.dtype)
+
+
 def _to_model_layout(values: dict[tuple, np.ndarray], abstract_state, cfg: ModelConfig, convert):
   """Fill ``abstract_state`` from per-layer ``values`` (stacking if scanned)."""
   flat, stacks = [], _stacks(cfg)
   for path, var in nnx.to_flat_state(abstract_state):
-    if not isinstance(var, nnx.Param):  # e.g. MoE routing statistics: start at zero
-      flat.append((path, var.replace(jnp.zeros(var.shape, var.dtype))))
+    if not isinstance(var, nnx.Param):  # MoE routing statistics, dropout seeds
+      flat.append((path, var.replace(jnp.asarray(_initial_value(path, var, stacks)))))
       continue
     if path[0] in stacks:
       start, count = stacks[path[0]]

@@ -21,6 +21,7 @@ from maxnnx.config import ModelConfig
 from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions, image_blocks
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock, make_block
+from maxnnx.layers.dropout import EMBEDDING_SEED, DropoutSeed, dropout
 from maxnnx.layers.embedding import Embed, LearnedPositions
 from maxnnx.layers.gated_deltanet import GatedDeltaNet
 from maxnnx.layers.linear import DenseGeneral
@@ -63,6 +64,14 @@ def layer_rngs(stack_key: jax.Array, index: int | jax.Array) -> nnx.Rngs:
   return nnx.Rngs(jax.random.fold_in(stack_key, index))
 
 
+def with_dropout_seed(block: DecoderBlock, index) -> DecoderBlock:
+  """``block`` carrying its layer ``index`` as a :class:`~maxnnx.layers.dropout.DropoutSeed`
+  when the model has dropout (the masks then depend on the layer, not on the layout)."""
+  if block.dropout_rate:
+    block.dropout_seed = DropoutSeed(jnp.asarray(index, jnp.uint32))
+  return block
+
+
 def _stacked_blocks(cfg: ModelConfig, stack_key: jax.Array, start: int, count: int,
                     use_moe: bool, parts: BlockParts) -> DecoderBlock:
   """Layers ``start .. start + count - 1`` as one DecoderBlock whose every variable has a
@@ -74,7 +83,8 @@ def _stacked_blocks(cfg: ModelConfig, stack_key: jax.Array, start: int, count: i
 
   @nnx.vmap(in_axes=(None, 0), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
   def create(key, index):
-    return make_block(cfg, layer_rngs(key, index), use_moe, parts, linear, layer_type)
+    return with_dropout_seed(
+        make_block(cfg, layer_rngs(key, index), use_moe, parts, linear, layer_type), index)
 
   return create(stack_key, jnp.arange(start, start + count))
 
@@ -131,8 +141,8 @@ class Transformer(nnx.Module):
         setattr(self, name, _stacked_blocks(config, stack_key, start, count, use_moe, parts))
     else:
       self.layers = nnx.List([
-          make_block(config, layer_rngs(stack_key, i), m, parts, t == 'linear', t,
-                     kv_shared=donor is not None)
+          with_dropout_seed(make_block(config, layer_rngs(stack_key, i), m, parts,
+                                       t == 'linear', t, kv_shared=donor is not None), i)
           for i, (m, t, donor) in enumerate(zip(config.moe_layers, config.resolved_layer_types,
                                                 config.kv_donors))])
     self.final_norm = (make_norm(config, rngs=rngs) if parts.norm is None else
@@ -332,7 +342,8 @@ class Transformer(nnx.Module):
       positions = default_positions if positions is None else positions
       mask = AttentionMask.causal(segment_ids, positions, blocks_BT)
 
-    x_BTD = self._embed(self._text_ids(input_ids_BT), positions)
+    x_BTD = dropout(self._embed(self._text_ids(input_ids_BT), positions),
+                    self.config.dropout_rate, EMBEDDING_SEED)  # in the train step only
     if pixel_values is not None:
       x_BTD = self._place_images(x_BTD, input_ids_BT, pixel_values)
     if image_embeddings is not None:

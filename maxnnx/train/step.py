@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from maxnnx.layers.dropout import dropout_key
 from maxnnx.layers.moe import balance_router_biases, expert_loads, load_spread
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.lora.dropout import adapter_dropout
@@ -132,7 +133,8 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
   MoE models also log how evenly the step's tokens (summed over micro-batches) went
   to experts (:func:`~maxnnx.layers.moe.load_spread`), and their router biases move
   by ``moe.router_bias_update_rate`` after the update.
-  The loss is traced under :func:`~maxnnx.train.lora.dropout.adapter_dropout`
+  The loss is traced under :func:`~maxnnx.layers.dropout.dropout_key` (residual dropout,
+  ``model.dropout_rate``) and :func:`~maxnnx.train.lora.dropout.adapter_dropout`
   with a key of ``config.seed``, the step and the micro-batch (LoRA adapters
   with dropout drop their input here, and only here).
   """
@@ -148,7 +150,8 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
     # routing statistics into them, which must happen at this trace level.
     m = nnx.merge(model_graphdef, params, jax.tree.map(lambda x: x, rest))
     frozen = _merge_frozen(frozen_graphdef, frozen_state)
-    with adapter_dropout(jax.random.fold_in(step_key, index)):
+    micro_key = jax.random.fold_in(step_key, index)
+    with adapter_dropout(micro_key), dropout_key(micro_key):
       loss, sums = objective.loss(m, micro, frozen=frozen, norm=norm)
     return loss, (sums, expert_loads(m))
 
