@@ -22,7 +22,7 @@ from maxnnx.checkpoint.safetensors import read_safetensors, read_safetensors_dir
 QUANTIZED = os.path.join(FIXTURES, 'quantized')
 CASES = {'deepseek_v3_fp8': 'deepseek_v3', 'qwen3_fp8': 'qwen3', 'gpt_oss_mxfp4': 'gpt_oss',
          'llama_ct_fp8_channel': 'llama', 'mistral_ct_fp8_tensor': 'mistral',
-         'qwen2_ct_w4a16': 'qwen2'}
+         'qwen2_ct_w4a16': 'qwen2', 'llama_fbgemm_fp8': 'llama'}
 REL_TOL = 1e-4
 
 

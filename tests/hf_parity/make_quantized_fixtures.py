@@ -22,6 +22,8 @@ Cases:
   static ``input_scale`` tensors (which the loader drops).
 - ``qwen2_ct_w4a16``: compressed-tensors ``pack-quantized`` int4, groups of 32
   inputs, packed by compressed-tensors' own ``pack_to_int32``.
+- ``llama_fbgemm_fp8``: ``fbgemm_fp8`` (Llama 4's FP8 release format), fp8 weights with a
+  float32 ``weight_scale`` per output row.
 """
 
 import json
@@ -132,6 +134,14 @@ def quantize_case(case: str, tensors: dict):
             'model.layers.*.self_attn', 'model.layers.*.mlp.router', 'model.embed_tokens',
             'lm_head']}
     linear = {n: a for n, a in tensors.items() if is_layer_linear(n, a)}
+    if case == 'llama_fbgemm_fp8':  # Llama 4's FP8 release format: a float32 scale per row
+        for name, array in linear.items():
+            w = torch.from_numpy(array.copy())
+            scale = w.abs().amax(1, keepdim=True) / 448.0
+            q = (w / scale).to(torch.float8_e4m3fn)
+            stored[name], stored[name + '_scale'], deq[name] = q, scale, q.float() * scale
+        return stored, deq, {'quant_method': 'fbgemm_fp8', 'activation_scale_ub': 1200.0,
+                             'modules_to_not_convert': ['lm_head']}
     if case in ('llama_ct_fp8_channel', 'mistral_ct_fp8_tensor'):
         strategy = 'channel' if case == 'llama_ct_fp8_channel' else 'tensor'
         for name, array in linear.items():
@@ -182,7 +192,7 @@ def write_shards(directory: str, stored: dict) -> None:
 
 BASES = {'deepseek_v3_fp8': 'deepseek_v3', 'qwen3_fp8': 'qwen3', 'gpt_oss_mxfp4': 'gpt_oss',
          'llama_ct_fp8_channel': 'llama', 'mistral_ct_fp8_tensor': 'mistral',
-         'qwen2_ct_w4a16': 'qwen2'}
+         'qwen2_ct_w4a16': 'qwen2', 'llama_fbgemm_fp8': 'llama'}
 
 
 @torch.no_grad()
