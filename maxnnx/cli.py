@@ -34,9 +34,7 @@ command again resumes from the newest complete checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import shutil
 import sys
 import tempfile
 
@@ -48,48 +46,25 @@ from maxnnx.cli_keys import (
     Key,
     UsageError,
     config_keys,
-    merge,
-    subtree,
     usage_lines,
 )
 from maxnnx.cli_keys import parse as parse_keys
 from maxnnx.config import MeshConfig
+from maxnnx.train import (
+    PROCESS_SETTINGS,
+    RUN_SETTINGS,
+    RUN_TRAIN_DEFAULTS,
+    build_trainer,
+    run_model_config,
+    sample_text,
+    split_settings,
+)
+from maxnnx.train import run as run_training
 
-# Joining a multi-process run (train, its recipes, compile, generate, serve).
-PROCESS_KEYS = {
-    'coordinator': ('', 'multi-process run: host:port of process 0\'s coordinator (with '
-                    'num_processes and process_id), or auto: jax.distributed finds the cluster '
-                    '(SLURM, Kubernetes JobSet, TPU pods); empty: the MAXNNX_COORDINATOR_ADDRESS, '
-                    'MAXNNX_NUM_PROCESSES and MAXNNX_PROCESS_ID variables, else one process'),
-    'num_processes': (0, 'how many processes take part (with coordinator=host:port)'),
-    'process_id': (-1, "this process's rank, 0 .. num_processes - 1 (with coordinator=host:port)"),
-}
-# Keys of the run itself (the TrainConfig and MeshConfig fields are added below).
-RUN_KEYS = {
-    'model': ('tiny', 'preset name (see maxnnx.list_presets()) or a local Hugging Face '
-              'checkpoint directory to start from'),
-    'data': ('', "training data: a UTF-8 .txt file, a JSONL/Parquet/ArrayRecord file or dataset "
-             "directory, 'synthetic' (random tokens), or empty for the shipped Shakespeare corpus"),
-    'tokenizer': ('', 'tokenizer file or directory (sentencepiece, tokenizer.json, tiktoken); '
-                  'default: the checkpoint\'s own, or one trained on a .txt corpus'),
-    'output_dir': ('runs/tiny-shakespeare', 'where tokenizer, metrics, plot and model go'),
-    'dtype': ('auto', 'compute dtype: auto (bfloat16 on GPUs/TPUs and on CPUs with native '
-                      'bf16 (AVX-512 BF16, AMX), else float32; printed at the start), bfloat16 '
-                      '(matmuls accumulate in float32) or float32; parameters stay float32'),
-    'scan_layers': (False, 'run the layer stack as one scanned block (mesh.stage > 1 sets it)'),
-    'remat_policy': ('', 'activation rematerialisation: none, minimal, save_dot_except_mlp, '
-                     'save_qkv_proj, save_out_proj, full (empty: the model default)'),
-    'attention_impl': ('', 'attention kernel strategy (empty: the model default)'),
-    'sample_tokens': (120, 'tokens of the sample printed at the end (0: none)'),
-    'resume': ('auto', 'auto: continue the run in output_dir when its stored config matches '
-               '(a different one is refused); never: move an earlier run aside to '
-               'output_dir/previous/<time>/ and start fresh'),
-    **PROCESS_KEYS,
-}
-TRAIN_OVERRIDES = {  # defaults of the default run that differ from TrainConfig's
-    'steps': 600, 'global_batch_size': 16, 'seq_len': 128, 'learning_rate': 3e-3,
-    'log_every': 25, 'eval_every': 100, 'checkpoint_every': 200,
-}
+# The run's keys live with the run (maxnnx.train.runner); the CLI lists and parses them.
+PROCESS_KEYS = PROCESS_SETTINGS
+RUN_KEYS = RUN_SETTINGS
+TRAIN_OVERRIDES = RUN_TRAIN_DEFAULTS  # defaults of the default run that differ from TrainConfig's
 GENERATE_KEYS = {
     'output_dir': ('runs/tiny-shakespeare', 'a directory written by maxnnx train'),
     'prompt': ('ROMEO:', 'text to continue'),
@@ -251,526 +226,21 @@ def _usage(command: str) -> str:
   return '\n'.join(lines + usage_lines(keys, GROUPS))
 
 
-def _plot_loss(history: list[dict], path: str) -> None:
-  """``loss.png``: the training (and held-out) loss; RL runs add the mean reward beside it."""
-  import matplotlib  # noqa: PLC0415
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # noqa: PLC0415
-  rl = any('reward' in m for m in history)
-  fig, axes = plt.subplots(1, 2 if rl else 1, figsize=(11 if rl else 6, 3.5), squeeze=False)
-  ax = axes[0, 0]
-  ax.plot([m['step'] for m in history], [m['loss'] for m in history], label='train')
-  evals = [m for m in history if 'eval_loss' in m]
-  if evals:
-    ax.plot([m['step'] for m in evals], [m['eval_loss'] for m in evals], 'o-', label='held-out')
-  ax.set_xlabel('step')
-  ax.set_ylabel('policy loss' if rl else 'cross-entropy (nats/token)')
-  ax.grid(alpha=0.3)
-  ax.legend()
-  if rl:
-    rewarded = [m for m in history if 'reward' in m]
-    axes[0, 1].plot([m['step'] for m in rewarded], [m['reward'] for m in rewarded])
-    axes[0, 1].set_xlabel('step')
-    axes[0, 1].set_ylabel('mean reward')
-    axes[0, 1].grid(alpha=0.3)
-  fig.tight_layout()
-  with paths.open_file(path, 'wb') as f:
-    fig.savefig(f, format='png', dpi=120)
-  plt.close(fig)
-
-
 def _split_options(options: dict, recipe: Recipe = PRETRAIN):
-  """``(run options, TrainConfig, model changes, data fields)`` from the parsed keys.
-
-  Model changes and data fields are nested dicts of the ``model.*`` and ``data.*``
-  keys given; the recipe's own keys stay in ``options``.
-  """
-  from maxnnx.train.config import TrainConfig  # noqa: PLC0415
-  run = {k: options[k] for k in RUN_KEYS}
-  run['output_dir'] = paths.normalize(run['output_dir'])
-  fields = {k: v for k, v in options.items()
-            if k not in RUN_KEYS and k not in recipe.keys and '.' not in k}
-  if fields.get('checkpoint_every') and not fields.get('checkpoint_dir'):
-    fields['checkpoint_dir'] = paths.join(run['output_dir'], 'checkpoints')
-  train_config = TrainConfig.from_dict({**fields, 'mesh': subtree(options, 'mesh.'),
-                                        'lora': subtree(options, 'lora.')})
-  model_changes, data_fields = subtree(options, 'model.'), subtree(options, 'data.')
-  if 'sources' in data_fields:
-    run['data'] = ','.join(data_fields.pop('sources'))
-  if not run['tokenizer']:
-    run['tokenizer'] = data_fields.get('tokenizer', '')
-  _scan_for_stages(run, train_config.mesh, options)
-  return run, train_config, model_changes, data_fields
-
-
-def _scan_for_stages(run: dict, mesh: MeshConfig, options: dict) -> None:
-  """Pipeline stages run the scanned layer stack: switch ``scan_layers`` on for them."""
-  stages = mesh.stage > 1 or mesh.dcn_stage > 1
-  explicit = any(k.startswith('model.') and k.endswith('.scan_layers') for k in options)
-  if stages and not run['scan_layers'] and not explicit:
-    run['scan_layers'] = True
-    print(f'Note: mesh.stage={mesh.stage} pipelines the scanned layer stack; '
-          'scan_layers is set to true.')
-
-
-def _legacy_model_overrides(run: dict) -> dict:
-  """The ModelConfig fields the flat run keys (``dtype=``, ``scan_layers=``…) set."""
-  overrides = {'dtype': run['dtype'], 'scan_layers': run['scan_layers']}
-  if run['remat_policy']:
-    overrides['remat_policy'] = run['remat_policy']
-  if run['attention_impl']:
-    overrides['attention_impl'] = run['attention_impl']
-  return overrides
+  """``(run options, TrainConfig, model changes, data fields)``: see
+  :func:`maxnnx.train.split_settings`."""
+  return split_settings(options, recipe)
 
 
 def _model_config(run: dict, changes: dict):
-  """``(ModelConfig, from_pretrained overrides)``: the preset's or checkpoint's config with
-  the flat run keys, then the ``model.*`` keys, applied."""
-  import maxnnx  # noqa: PLC0415
-  from maxnnx.models.pretrained import config_from_pretrained  # noqa: PLC0415
-  legacy = _legacy_model_overrides(run)
-  if os.path.isdir(run['model']):
-    base = config_from_pretrained(run['model'], **legacy)
-  else:
-    base = maxnnx.get_preset(run['model'], **legacy)
-  cfg = merge(base, changes) if changes else base
-  return cfg, {**legacy, **{name: getattr(cfg, name) for name in changes}}
-
-
-def _model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None,
-                         pinned: dict | None = None, data_fields: dict | None = None,
-                         recipe: Recipe = PRETRAIN, options: dict | None = None,
-                         mesh: MeshConfig | None = None):
-  """``(model, tokenizer, tokenizer record)``: the model to train (a ModelConfig or loaded
-  model), its tokenizer (or None), and the tokenizer's fingerprint for the run's config.
-  A Hugging Face checkpoint is loaded straight into its shards on ``mesh`` (the run's, unless
-  it pipelines: then the Trainer lays the stages out itself).
-
-  A tokenizer trained on a .txt corpus is pinned to the run: reused while the corpus is the
-  one ``pinned`` (the stored record) names, else trained afresh into ``<out>/.tokenizer-new/``
-  (:func:`_tokenizer_staging`) for :func:`_pin_tokenizer` to move into place once the run's
-  config is accepted. Document data (JSONL, Parquet, a directory) without ``tokenizer=`` gets
-  one trained the same way on the text of its documents (``data.column``).
-  """
-  import maxnnx  # noqa: PLC0415
-  from maxnnx.data import load_tokenizer  # noqa: PLC0415
-  from maxnnx.train.run_dir import file_fingerprint  # noqa: PLC0415
-  cfg, overrides = _model_config(run, changes)
-  cfg = recipe.adjust_model(cfg, options or {}, changes)
-  if os.path.isdir(run['model']):
-    pipelined = mesh is not None and (mesh.stage > 1 or mesh.dcn_stage > 1)
-    model = maxnnx.from_pretrained(run['model'], mesh=None if pipelined else mesh, **overrides)
-    if corpus is None:
-      return model, None, None
-    tokenizer = load_tokenizer(run['tokenizer'] or run['model'])
-    source = getattr(tokenizer, 'path', None) or run['tokenizer'] or run['model']
-    return model, tokenizer, {'sha256': file_fingerprint(source), 'source': source}
-  if corpus is None:
-    return cfg, None, None
-  if recipe.records and not run['tokenizer']:
-    raise UsageError(f"{recipe.name} reads its records with the model's tokenizer: give "
-                     'model=<Hugging Face dir with its tokenizer> (e.g. the final/ of a '
-                     'maxnnx train run) or tokenizer=<path>.')
-  if run['tokenizer']:
-    return cfg, load_tokenizer(run['tokenizer']), {
-        'sha256': file_fingerprint(run['tokenizer']), 'source': run['tokenizer']}
-  if corpus.endswith('.txt') and not os.path.exists(corpus):
-    raise FileNotFoundError(f'data={corpus}: no such file.')
-  if _is_text_file(corpus):
-    tokenizer, record = _corpus_tokenizer(cfg.vocab_size, out, corpus, pinned)
-  else:
-    with tempfile.TemporaryDirectory() as scratch:
-      text = _documents_as_text(corpus, data_fields or {}, os.path.join(scratch, 'corpus.txt'))
-      tokenizer, record = _corpus_tokenizer(cfg.vocab_size, out, text, pinned)
-    record = {**record, 'source': corpus}
-  if tokenizer.vocab_size > cfg.vocab_size:
-    raise UsageError(f'The tokenizer has {tokenizer.vocab_size} tokens but model '
-                     f"{run['model']} only {cfg.vocab_size}.")
-  if tokenizer.vocab_size < cfg.vocab_size:  # a small corpus: fewer pieces than asked for
-    print(f'Note: the tokenizer has {tokenizer.vocab_size} tokens, fewer than the '
-          f'{cfg.vocab_size} asked for (a small corpus); model.vocab_size is set to match.')
-    cfg = cfg.replace(vocab_size=tokenizer.vocab_size)
-  return (cfg.replace(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id), tokenizer,
-          record)
-
-
-def _corpus_tokenizer(vocab_size: int, out: str, corpus: str, pinned: dict | None):
-  """The run's sentencepiece tokenizer for ``corpus`` and its record (see above)."""
-  from maxnnx.data import SentencePieceTokenizer, train_sentencepiece  # noqa: PLC0415
-  from maxnnx.train import distributed  # noqa: PLC0415
-  from maxnnx.train.run_dir import file_fingerprint  # noqa: PLC0415
-  corpus_sha = file_fingerprint(corpus)
-  path = paths.join(out, 'tokenizer.model')
-  reuse = bool(pinned and pinned.get('corpus_sha256') == corpus_sha and paths.exists(path)
-               and file_fingerprint(path) == pinned.get('sha256'))
-  if _process_count() > 1:  # process 0 decides; every process uses its bytes
-    reuse = bool(distributed.broadcast_bytes(b'1' if reuse else b'0') == b'1')
-  if reuse:
-    return SentencePieceTokenizer(paths.local_copy(path)), pinned
-  print(f'Training a {vocab_size}-token sentencepiece BPE tokenizer on {corpus} ...')
-  staging = _tokenizer_staging(out)
-  os.makedirs(staging, exist_ok=True)
-  candidate = os.path.join(staging, 'tokenizer.model')
-  if distributed.is_primary():
-    candidate = train_sentencepiece(corpus, os.path.join(staging, 'tokenizer'), vocab_size)
-  if _process_count() > 1:  # one tokenizer for every process, trained once
-    model_bytes = distributed.broadcast_bytes(
-        open(candidate, 'rb').read() if distributed.is_primary() else None)
-    if not distributed.is_primary():
-      with open(candidate, 'wb') as f:
-        f.write(model_bytes)
-  record = {'sha256': file_fingerprint(candidate), 'source': corpus, 'corpus_sha256': corpus_sha}
-  return SentencePieceTokenizer(candidate), record
-
-
-def _process_count() -> int:
-  """``jax.process_count()`` (imported on first use, like the rest of jax here)."""
-  import jax  # noqa: PLC0415
-  return jax.process_count()
-
-
-def _documents_as_text(data: str, data_fields: dict, path: str,
-                       max_chars: int = 64 << 20) -> str:
-  """Write the text documents of ``data`` (its ``data.column``) to ``path`` for training a
-  tokenizer on them: up to ``max_chars`` characters, documents separated by blank lines."""
-  from maxnnx.data import DataConfig, resolve_source  # noqa: PLC0415
-  from maxnnx.data.sources import InMemorySource  # noqa: PLC0415
-  config = DataConfig.from_string(data, **data_fields)
-  if config.pretokenized:
-    raise UsageError(f'data={data} holds token ids: give its tokenizer with tokenizer=<path>.')
-  written = 0
-  with open(path, 'w', encoding='utf-8') as f:
-    for spec in config.sources:
-      resolved = resolve_source(spec)
-      if resolved.kind not in ('text', 'jsonl', 'parquet'):
-        raise UsageError(f'data={spec} ({resolved.kind}): give its tokenizer with '
-                         'tokenizer=<path> (a sentencepiece model, tokenizer.json or tiktoken '
-                         'file); a tokenizer is trained only on text, JSONL and Parquet data.')
-      source = InMemorySource(resolved.files, resolved.kind, column=config.column)
-      for index in range(len(source)):
-        if written >= max_chars:
-          return path
-        document = source[index]
-        f.write(document + '\n\n')
-        written += len(document) + 2
-  return path
-
-
-def _tokenizer_staging(out: str) -> str:
-  """Where a tokenizer trained for the run in ``out`` waits for the run's config to be
-  accepted: ``<out>/.tokenizer-new``, or a local directory of this process when ``out`` is a
-  URL (sentencepiece writes local files only) or this is not process 0 of a multi-process run
-  (which pins nothing)."""
-  from maxnnx.train import distributed  # noqa: PLC0415
-  if paths.is_remote(out) or not distributed.is_primary():
-    return os.path.join(paths.scratch_dir(), '.tokenizer-new')
-  return os.path.join(out, '.tokenizer-new')
-
-
-def _pin_tokenizer(out: str) -> None:
-  """Move a tokenizer trained for this run into ``out`` (``tokenizer.model``/``.vocab``);
-  process 0's job in a multi-process run."""
-  from maxnnx.train import distributed  # noqa: PLC0415
-  new = _tokenizer_staging(out)
-  if not distributed.is_primary() or not os.path.isdir(new):
-    return
-  for name in os.listdir(new):
-    if paths.is_remote(out):
-      paths.write_bytes(paths.join(out, name), paths.read_bytes(os.path.join(new, name)))
-      os.remove(os.path.join(new, name))
-    else:
-      os.replace(os.path.join(new, name), os.path.join(out, name))
-  os.rmdir(new)
-
-
-def _is_text_file(path: str) -> bool:
-  return os.path.isfile(path) and path.endswith('.txt')
-
-
-def _training_data(run: dict, data_fields: dict, corpus: str | None, model, tokenizer,
-                   train_config):
-  """``(data, token count)``: token windows of a .txt corpus, the grain pipeline for
-  documents (or for any ``data.*`` key), or ``None`` for the Trainer's synthetic tokens."""
-  import jax  # noqa: PLC0415
-
-  from maxnnx.data import DataConfig, TokenWindows, make_pipeline  # noqa: PLC0415
-  from maxnnx.data.text import read_text  # noqa: PLC0415
-  local_batch = train_config.global_batch_size // jax.process_count()
-  if corpus is not None and _is_text_file(corpus) and not data_fields:
-    tokens = np.asarray(tokenizer.encode(read_text(corpus)), np.int32)
-    # Every process draws the same global batches and keeps its own rows, so a run over
-    # several processes trains on what one process would.
-    data = TokenWindows(tokens, train_config.seq_len, train_config.global_batch_size,
-                        seed=train_config.seed,
-                        rows=(jax.process_index() * local_batch, local_batch))
-    return data, len(tokens)
-  if corpus is None and not (data_fields and run['data'] == 'synthetic'):
-    return None, 0
-  vocab = (model.vocab_size if hasattr(model, 'vocab_size') else model.config.vocab_size)
-  config = DataConfig.from_string(corpus or run['data'], **data_fields)
-  return make_pipeline(config, tokenizer, batch_size=local_batch, seq_len=train_config.seq_len,
-                       seed=train_config.seed, vocab_size=vocab), 0
-
-
-def _build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
-                   recipe: Recipe = PRETRAIN, devices=None):
-  """``(trainer, run options, tokenizer, token count)``; with ``run_dir`` (an opened
-  :class:`~maxnnx.train.run_dir.RunDir`) the run's config is checked against the stored one
-  before any data is read. ``recipe`` is the command's (data, objective, own keys).
-  ``devices`` (abstract ones, for compiling only) replace the attached devices in the mesh;
-  the model is then built abstractly from its config."""
-  from maxnnx.data import DEFAULT_CORPUS  # noqa: PLC0415
-  from maxnnx.train import Trainer  # noqa: PLC0415
-  from maxnnx.train.run_dir import check_writable, run_config  # noqa: PLC0415
-
-  run, train_config, model_changes, data_fields = _split_options(options, recipe)
-  recipe.prepare(run, options)
-  out = run['output_dir']
-  if run_dir is None:
-    check_writable(out)
-  stored = run_dir.stored_config() if run_dir is not None else None
-  synthetic = run['data'] == 'synthetic' or not need_data
-  corpus = None if synthetic else (run['data'] or DEFAULT_CORPUS)
-  if devices is not None:  # compile only: the config is all the abstract model needs
-    model, tokenizer, tokenizer_record = _model_config(run, model_changes)[0], None, None
-  else:
-    model, tokenizer, tokenizer_record = _model_and_tokenizer(
-        run, model_changes, out, corpus, (stored or {}).get('tokenizer'), data_fields,
-        recipe, options, mesh=train_config.mesh)
-  if run_dir is not None:
-    model_config = model if hasattr(model, 'to_dict') else model.config
-    try:
-      run_dir.check_config(run_config(model_config, train_config, tokenizer_record,
-                                      objective=recipe.record(options) or None),
-                           train_config.checkpoint_dir)
-    except ValueError:
-      shutil.rmtree(_tokenizer_staging(out), ignore_errors=True)
-      raise
-    _pin_tokenizer(out)
-    if (tokenizer_record and '.tokenizer-new' in getattr(tokenizer, 'path', '')
-        and not os.path.exists(tokenizer.path)):  # pinned: moved into out
-      tokenizer = type(tokenizer)(paths.local_copy(paths.join(out, 'tokenizer.model')))
-  data, num_tokens = None, 0
-  if need_data and recipe.records:
-    import jax  # noqa: PLC0415
-    model_config = model if hasattr(model, 'to_dict') else model.config
-    data = recipe.data(options, run['data'], data_fields, tokenizer, model_config, train_config,
-                       train_config.global_batch_size // jax.process_count())
-  elif need_data:
-    data, num_tokens = _training_data(run, data_fields, corpus, model, tokenizer, train_config)
-  if train_config.eval_every and not hasattr(data, 'eval_batches'):
-    if data is not None:
-      print('Note: this data source has no held-out split; eval_every is set to 0.')
-    train_config = dataclasses.replace(train_config, eval_every=0)
-  objective = recipe.objective(options, model, train_config)
-  mesh = None
-  if devices is not None:
-    from maxnnx import sharding  # noqa: PLC0415
-    mesh = sharding.make_mesh(train_config.mesh, devices)
-  trainer = Trainer(model, train_config, objective, data=data, mesh=mesh)
-  if hasattr(data, 'attach'):  # RL rollouts sample from the trainer's own model
-    data.attach(trainer)
-  return trainer, run, tokenizer, num_tokens
+  """``(ModelConfig, from_pretrained overrides)``: see :func:`maxnnx.train.run_model_config`."""
+  return run_model_config(run, changes)
 
 
 def train(options: dict, recipe: Recipe = PRETRAIN) -> dict:
-  """Run ``maxnnx train`` with parsed ``options``; returns a summary dict.
-
-  The output directory is locked for the run, its stored config checked before resuming
-  (:mod:`maxnnx.train.run_dir`), SIGTERM/SIGINT end it with a checkpoint, and a rerun of a
-  finished run only writes the final artifacts that are missing.
-  """
-  from maxnnx.train.run_dir import RunDir  # noqa: PLC0415
-  with RunDir(options['output_dir'], resume=options['resume']) as run_dir:
-    if run_dir.moved_to:
-      print(f'resume=never: moved the earlier run to {run_dir.moved_to}.')
-    return _train_in(run_dir, options, recipe)
-
-
-def _compute_line(trainer) -> str:
-  """The compute dtype (and why, for ``dtype=auto``) and the ceiling MFU divides by."""
-  from maxnnx.hardware import auto_compute_dtype, resolve_compute_dtype  # noqa: PLC0415
-  chosen = trainer.model_config.runtime.dtype
-  why = f' (dtype=auto: {auto_compute_dtype()[1]})' if chosen == 'auto' else ''
-  return (f'Compute dtype {resolve_compute_dtype(chosen)}{why}; MFU against '
-          f'{trainer.peak_flops / 1e12:.4g} TFLOP/s per device, {trainer.peak_source}.')
-
-
-def _train_in(run_dir, options: dict, recipe: Recipe = PRETRAIN) -> dict:
-  import maxnnx  # noqa: PLC0415
-  from maxnnx.train.run_dir import checkpoint_steps  # noqa: PLC0415
-
-  trainer, run, tokenizer, num_tokens = _build_trainer(options, run_dir=run_dir, recipe=recipe)
-  cfg, out = trainer.config, run['output_dir']
-  template = (recipe.template(options, tokenizer, trainer.model_config.family)
-              if recipe.records and tokenizer is not None else None)
-  source = (f'{num_tokens:,} tokens' if num_tokens else
-            'synthetic tokens' if run['data'] == 'synthetic' else
-            run['data'] or options.get('prompts', ''))
-  print(f"{recipe.name.upper() + ': ' if recipe.records or recipe.name == 'distill' else ''}"
-        f"Training {run['model']} ({maxnnx.num_params(trainer.model_config):,} parameters) on "
-        f'{source} for {cfg.steps} steps of {cfg.global_batch_size} x {cfg.seq_len} tokens; '
-        f'mesh {dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}'
-        + (f'; {trainer.quantization} quantized training.' if trainer.quantization != 'none'
-           else '.'))
-  print(_compute_line(trainer))
-  try:
-    saved = checkpoint_steps(cfg.checkpoint_dir)
-    resumed = trainer.restore_checkpoint() if cfg.checkpoint_dir else None
-    if resumed is not None:
-      print(f'Resuming from the checkpoint of step {resumed} in {cfg.checkpoint_dir}.')
-      if trainer.schedule_note:
-        print(f'Note: {trainer.schedule_note}')
-    elif saved:
-      print(f'Every checkpoint in {cfg.checkpoint_dir} is unusable (moved to corrupt-*); '
-            'starting from scratch.')
-    if cfg.metrics_jsonl is None:
-      trainer.config = cfg = dataclasses.replace(
-          cfg, metrics_jsonl=paths.join(out, 'metrics.jsonl'))
-      run_dir.trim_metrics(cfg.metrics_jsonl, resumed)
-    rollouts_jsonl = getattr(trainer.data, 'rollouts_jsonl', None)
-    if rollouts_jsonl:
-      run_dir.trim_metrics(rollouts_jsonl, resumed)
-    history = trainer.fit() if trainer.step_count < cfg.steps else []
-  finally:
-    trainer.close()
-  if trainer.stopped_by:
-    where = (f'checkpoint of step {trainer.step_count} saved in {cfg.checkpoint_dir}; run the '
-             'same command to resume' if cfg.checkpoint_dir else
-             'no checkpoint_dir, so nothing was saved')
-    print(f'Stopped by {trainer.stopped_by} after step {trainer.step_count}: {where}.')
-    return {'first_loss': None, 'last_loss': None, 'eval_loss': None,
-            'stopped_by': trainer.stopped_by}
-  model = _export_view(trainer.model, out)
-  if not history:
-    written = _finish(model, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl),
-                      only_missing=True, tokenizer=tokenizer, template=template)
-    print(f'Nothing to train: the checkpoint is at step {trainer.step_count} of {cfg.steps}'
-          + (f"; wrote the missing {', '.join(written)}." if written else '.'))
-    return {'first_loss': None, 'last_loss': None, 'eval_loss': None}
-  _finish(model, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl) or history,
-          tokenizer=tokenizer, template=template)
-  trained_tokenizer = paths.exists(paths.join(out, 'tokenizer.model')) and not run['tokenizer']
-  print(f'Wrote {out}/: metrics.jsonl, loss.png, final/ (Hugging Face format)'
-        + (', tokenizer.model' if trained_tokenizer else '') + '.')
-  if run['sample_tokens'] and tokenizer is not None:  # every process: one SPMD program
-    print('\nSample:\n' + _sample(model, tokenizer, 'ROMEO:', run['sample_tokens'],
-                                  0.8, 0.95, cfg.seed))
-  return {'first_loss': history[0]['loss'], 'last_loss': history[-1]['loss'],
-          'eval_loss': history[-1].get('eval_loss')}
-
-
-def _finish(model, run_dir, options: dict, history: list[dict], *, only_missing=False,
-            tokenizer=None, template=None) -> list[str]:
-  """Write ``final/``, ``loss.png`` and ``train_options.json`` (with ``only_missing``: those
-  that are not there yet); returns the names written. ``final/`` appears whole or not at all
-  (at a URL: its ``config.json`` is uploaded last), with the run's tokenizer and chat template
-  beside the weights. A LoRA run also writes ``adapter/`` (PEFT's format), and ``final/`` holds
-  the merged model. Every process calls it with ``model`` from :func:`_export_view`; a model
-  that spans processes is written to ``final/`` by all of them (each its layers), the rest by
-  process 0 alone."""
-  import maxnnx  # noqa: PLC0415
-  from maxnnx.processes import barrier  # noqa: PLC0415
-  from maxnnx.train import distributed  # noqa: PLC0415
-  from maxnnx.train.lora import has_adapters, merge_adapters, save_adapter  # noqa: PLC0415
-  from maxnnx.train.run_dir import write_json  # noqa: PLC0415
-  out, written = run_dir.directory, []
-  final = paths.join(out, 'final')
-  adapters = None  # a LoRA model that spans processes: its adapters on every host, then merged
-  if has_adapters(model) and _spans_processes(model):
-    from flax import nnx  # noqa: PLC0415
-    adapters = distributed.host_local_model(model, nnx.LoRAParam)
-    model = merge_adapters(model)  # every process, one gathered kernel at a time
-  if _spans_processes(model):
-    wanted = not (only_missing and paths.exists(paths.join(final, 'config.json')))
-    if distributed.broadcast_bytes(b'1' if wanted else b'0') == b'1':  # process 0 decides
-      _write_final_together(model, final, tokenizer, template)
-      written.append('final/')
-  if not distributed.is_primary():
-    barrier('run-written')  # stay until process 0 has written everything
-    return written
-  if adapters is not None or has_adapters(model):  # LoRA: the PEFT adapter, final/ merged
-    adapter = paths.join(out, 'adapter')
-    source = model if adapters is None else adapters
-    if not (only_missing and paths.exists(paths.join(adapter, 'adapter_config.json'))):
-      paths.write_dir(adapter, lambda directory: save_adapter(source, directory),
-                      last=('adapter_config.json',))
-      written.append('adapter/')
-    if adapters is None:
-      model = merge_adapters(model)
-  if not _spans_processes(model) and not (
-      only_missing and paths.exists(paths.join(final, 'config.json'))):
-    def export(directory):
-      maxnnx.save_pretrained(model, directory)
-      _save_tokenizer(tokenizer, template, directory)
-    paths.write_dir(final, export, last=('config.json',))
-    written.append('final/')
-  plot = paths.join(out, 'loss.png')
-  if history and not (only_missing and paths.exists(plot)):
-    _plot_loss(history, plot)
-    written.append('loss.png')
-  options_path = paths.join(out, 'train_options.json')
-  if not (only_missing and paths.exists(options_path)):
-    write_json(options_path, options)
-    written.append('train_options.json')
-  barrier('run-written')
-  return written
-
-
-def _spans_processes(model) -> bool:
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-  return any(isinstance(x, jax.Array) and not x.is_fully_addressable
-             for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
-
-def _export_view(model, out: str):
-  """The trained model as :func:`_finish` exports it: the model itself with one process, or
-  when the processes can write ``final/`` together (a local directory they share; a LoRA
-  model is merged there one kernel at a time); else a copy gathered whole onto every process
-  (:func:`~maxnnx.train.distributed.host_local_model`)."""
-  import jax  # noqa: PLC0415
-
-  from maxnnx.train import distributed  # noqa: PLC0415
-  if jax.process_count() == 1 or not paths.is_remote(out):
-    return model
-  return distributed.host_local_model(model)
-
-
-def _write_final_together(model, final: str, tokenizer, template) -> None:
-  """Every process writes its layers of ``final/`` (``save_pretrained`` of a model that spans
-  them) into ``final.tmp``, which process 0 completes with the tokenizer and renames."""
-  import maxnnx  # noqa: PLC0415
-  from maxnnx.processes import barrier, is_primary  # noqa: PLC0415
-  staged = final + '.tmp'
-  if is_primary():
-    shutil.rmtree(staged, ignore_errors=True)
-    os.makedirs(staged)
-  barrier('final-staged')
-  maxnnx.save_pretrained(model, staged)  # returns once every process has written
-  if is_primary():
-    _save_tokenizer(tokenizer, template, staged)
-    if os.path.exists(final):
-      shutil.rmtree(final)
-    os.rename(staged, final)
-
-
-def _save_tokenizer(tokenizer, template, directory: str) -> None:
-  """Copy the tokenizer file (and a ``tokenizer.json``'s config files) into ``directory``
-  and write ``template`` (a :class:`~maxnnx.data.ChatTemplate`) as ``chat_template.jinja``."""
-  path = getattr(tokenizer, 'path', None)
-  if path and os.path.isfile(path):
-    if path.endswith('.json'):
-      shutil.copyfile(path, os.path.join(directory, 'tokenizer.json'))
-      for name in ('tokenizer_config.json', 'special_tokens_map.json'):
-        beside = os.path.join(os.path.dirname(path), name)
-        if os.path.isfile(beside):
-          shutil.copyfile(beside, os.path.join(directory, name))
-    else:
-      shutil.copyfile(path, os.path.join(directory, 'tokenizer.model'))
-  if template is not None:
-    with open(os.path.join(directory, 'chat_template.jinja'), 'w', encoding='utf-8') as f:
-      f.write(template.source)
+  """Run ``maxnnx train`` (or a fine-tuning command) with parsed ``options``: the library's
+  :func:`maxnnx.train.run`, so a notebook gets the same run directory; returns its summary."""
+  return run_training(options, recipe=recipe)
 
 
 def compile_step(options: dict) -> dict:
@@ -785,35 +255,8 @@ def compile_step(options: dict) -> dict:
     devices = topology_devices(target, slices)
     print(f'Compiling for topology={target}: {len(devices)} {devices[0].device_kind} devices'
           + (f' in {slices} slices' if slices > 1 else '') + '.')
-  trainer, _, _, _ = _build_trainer(options, need_data=False, devices=devices)
+  trainer, _, _, _ = build_trainer(options, need_data=False, devices=devices)
   return trainer.compile()
-
-
-def _sample(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, top_k=0) -> str:
-  import maxnnx  # noqa: PLC0415
-  ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
-  max_new_tokens = _within_context(model.config.max_position_embeddings, len(ids),
-                                   max_new_tokens)
-  result = maxnnx.generate(model, [ids], max_new_tokens, temperature=temperature, top_p=top_p,
-                           top_k=top_k or None, eos_ids=[tokenizer.eos_id], seed=seed)
-  return prompt + tokenizer.decode(result.as_lists()[0])
-
-
-def _within_context(limit: int, prompt_tokens: int, max_new_tokens: int) -> int:
-  """``max_new_tokens`` capped to what the model's context leaves after the prompt (a note
-  says so), as the server caps ``max_tokens``.
-
-  Raises:
-    UsageError: the prompt alone fills the context.
-  """
-  room = limit - prompt_tokens
-  if room < 1:
-    raise UsageError(f'prompt= has {prompt_tokens} tokens; the model takes {limit} '
-                     '(max_position_embeddings), with room for output: shorten it.')
-  if max_new_tokens > room:
-    print(f'Note: max_new_tokens={max_new_tokens} is capped to {room}: the prompt has '
-          f"{prompt_tokens} tokens of the model's {limit} (max_position_embeddings).")
-  return min(max_new_tokens, room)
 
 
 def generate(options: dict) -> str:
@@ -848,9 +291,8 @@ def generate(options: dict) -> str:
     model = _placed(model, mesh)
   if options['quantization'] != 'none':
     quantize_for_inference(model, options['quantization'])
-  text = _sample(model, tokenizer,
-                 options['prompt'], options['max_new_tokens'], options['temperature'],
-                 options['top_p'], options['seed'], options['top_k'])
+  text = sample_text(model, tokenizer, options['prompt'], options['max_new_tokens'],
+                     options['temperature'], options['top_p'], options['seed'], options['top_k'])
   print(text)
   return text
 

@@ -18,7 +18,7 @@ import types
 import typing
 from typing import Any, NamedTuple
 
-from maxnnx.config import ValidatedConfig
+from maxnnx.config import ValidatedConfig, subtree  # noqa: F401 (subtree: re-exported)
 
 
 class UsageError(ValueError):
@@ -380,23 +380,6 @@ def usage_lines(keys: dict[str, Key], headings: dict[str, str] | None = None) ->
 
 # ---------------------------------------------------------------------------------------------
 # Applying parsed keys to configs.
-
-
-def subtree(options: dict[str, Any], prefix: str) -> dict[str, Any]:
-  """The options under ``prefix`` as a nested dict (``model.rope.theta`` -> ``{'rope': {..}}``)."""
-  tree: dict[str, Any] = {}
-  for key, value in options.items():
-    if not key.startswith(prefix):
-      continue
-    *parents, leaf = key[len(prefix):].split('.')
-    node = tree
-    for parent in parents:
-      if not isinstance(node.get(parent), dict):  # `x=none` then `x.y=1`: the fields win
-        node[parent] = {}
-      node = node[parent]
-    if not (isinstance(node.get(leaf), dict) and value is None):
-      node[leaf] = value
-  return tree
 
 
 def merge(config: ValidatedConfig, changes: dict[str, Any]) -> ValidatedConfig:

@@ -14,7 +14,7 @@ Two classes matter to users:
   runtime settings: dtypes, layer-stack layout, kernels (:class:`RuntimeConfig`).
 """
 
-from maxnnx.config.base import ConfigError, ValidatedConfig, resolve_dtype
+from maxnnx.config.base import ConfigError, ValidatedConfig, dotted_fields, resolve_dtype, subtree
 from maxnnx.config.groups import (
     GlobalAttentionConfig,
     LayerType,
@@ -36,5 +36,5 @@ __all__ = [
     'LayerType', 'MLAConfig',
     'LinearAttentionConfig', 'MTPConfig', 'MeshConfig', 'ModelConfig', 'MoEConfig', 'RematPolicy',
     'RopeConfig', 'RopeScaling', 'RuntimeConfig', 'ValidatedConfig', 'VisionConfig',
-    'resolve_dtype',
+    'dotted_fields', 'resolve_dtype', 'subtree',
 ]

@@ -179,3 +179,42 @@ def resolve_dtype(name: str):
     raise ConfigError(f"Unknown dtype '{name}'.{_nearest(name, _DTYPES)} "
                       f'Valid: {", ".join(_DTYPES)}.')
   return jnp.dtype(name)
+
+
+def subtree(options: dict[str, Any], prefix: str) -> dict[str, Any]:
+  """The dotted keys under ``prefix`` as a nested dict (``model.rope.x`` -> ``{'rope': {..}}``).
+
+  Args:
+    options: settings by dotted key (``{'model.rope.theta': 5e5, 'steps': 3}``).
+    prefix: the group's prefix with its dot (``'model.'``).
+  """
+  tree: dict[str, Any] = {}
+  for key, value in options.items():
+    if not key.startswith(prefix):
+      continue
+    *parents, leaf = key[len(prefix):].split('.')
+    node = tree
+    for parent in parents:
+      if not isinstance(node.get(parent), dict):  # `x=none` then `x.y=1`: the fields win
+        node[parent] = {}
+      node = node[parent]
+    if not (isinstance(node.get(leaf), dict) and value is None):
+      node[leaf] = value
+  return tree
+
+
+def dotted_fields(config: ValidatedConfig, prefix: str = '') -> dict[str, Any]:
+  """Every field of ``config`` by dotted key (nested configs as ``group.field``).
+
+  Args:
+    config: the config to flatten.
+    prefix: put before every key (``'mesh.'``).
+  """
+  flat = {}
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if isinstance(value, ValidatedConfig):
+      flat.update(dotted_fields(value, f'{prefix}{field.name}.'))
+    else:
+      flat[prefix + field.name] = value
+  return flat
