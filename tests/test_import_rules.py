@@ -1,5 +1,6 @@
 """The design's import rules (``[tool.importlinter]`` in pyproject.toml) hold."""
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -92,3 +93,36 @@ def test_training_names_at_top_level_without_eager_import():
   result = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
                           timeout=300)
   assert result.returncode == 0, result.stderr
+
+
+CLI_MODULES = ('maxnnx.cli', 'maxnnx.cli_keys', 'maxnnx.cli_finetune', 'maxnnx.maxtext_keys')
+RUN_INTERNALS = ('maxnnx.train.runner', 'maxnnx.train.run_tokenizer', 'maxnnx.train.export')
+
+
+def _names_imported_from(path: pathlib.Path, module: str) -> set[str]:
+  tree = ast.parse(path.read_text(), str(path))
+  return {alias.name for node in ast.walk(tree)
+          if isinstance(node, ast.ImportFrom) and node.module == module and not node.level
+          for alias in node.names}
+
+
+def test_the_cli_runs_training_through_the_librarys_public_api():
+  """``maxnnx.train`` never reaches the command line (directly or through another module),
+  and the CLI reaches the run (:func:`maxnnx.train.run`, the run directory, tokenizer and
+  export code) only through the names ``maxnnx.train`` exports."""
+  import grimp  # noqa: PLC0415
+
+  import maxnnx.train  # noqa: PLC0415
+  graph = grimp.build_graph('maxnnx')
+  for cli_module in CLI_MODULES:
+    assert not graph.chain_exists(importer='maxnnx.train', imported=cli_module,
+                                  as_packages=True), cli_module
+  for cli_module in CLI_MODULES:
+    reached = graph.find_modules_directly_imported_by(cli_module) & set(RUN_INTERNALS)
+    assert not reached, f'{cli_module} imports {reached}: use maxnnx.train instead'
+    path = ROOT / (cli_module.replace('.', '/') + '.py')
+    names = _names_imported_from(path, 'maxnnx.train')
+    modules = {n for n in names if f'maxnnx.train.{n}' in graph.modules}  # from . import x
+    assert not modules & {m.rsplit('.', 1)[1] for m in RUN_INTERNALS}, cli_module
+    private = names - modules - set(maxnnx.train.__all__)
+    assert not private, f'{cli_module} imports {private} from maxnnx.train (not in __all__)'

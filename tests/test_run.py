@@ -32,10 +32,10 @@ def test_a_notebook_run_writes_the_directory_maxnnx_train_writes(tmp_path, capsy
   the trained tokenizer, ``final/`` (merged) with it, ``adapter/``, ``loss.png``."""
   corpus = tmp_path / 'corpus.txt'
   corpus.write_text(read_text(DEFAULT_CORPUS)[:30_000])
-  settings = {'model': 'tiny', 'data': str(corpus), 'model.vocab_size': 384, 'seed': 0,
-              'steps': 3, 'global_batch_size': 4, 'seq_len': 16, 'log_every': 1,
-              'eval_every': 0, 'checkpoint_every': 0, 'sample_tokens': 0, 'dtype': 'float32',
-              'mesh.data': 1, 'lora.rank': 2}
+  settings = {'model': 'tiny', 'data': str(corpus), 'model.vocab_size': 384,
+              'model.num_layers': 1, 'seed': 0, 'steps': 3, 'global_batch_size': 4,
+              'seq_len': 16, 'log_every': 1, 'eval_every': 0, 'checkpoint_every': 0,
+              'sample_tokens': 0, 'dtype': 'float32', 'mesh.data': 1, 'lora.rank': 2}
   by_cli, by_call = tmp_path / 'cli', tmp_path / 'call'
   args = [f'{key}={value}' for key, value in settings.items()]
   assert cli.main(['train', *args, f'output_dir={by_cli}']) == 0, capsys.readouterr().err
