@@ -77,5 +77,9 @@ def test_settings_take_config_objects_and_refuse_unknown_keys(tmp_path):
   assert run_settings({})['steps'] == cli.TRAIN_OVERRIDES['steps']  # the CLI's defaults
   _, train_config, _, _ = split_settings(settings)
   assert train_config.steps == 7 and train_config.mesh.data == 1
+  assert run_settings({'train.seq_len': 8})['seq_len'] == 8
   with pytest.raises(ValueError, match="Did you mean 'steps'"):
     maxnnx.train.run({'stesp': 3}, output_dir=str(tmp_path))
+  with pytest.raises(ValueError, match="Did you mean 'output_dir'"):
+    maxnnx.train.run(ouput_dir=str(tmp_path))
+  assert os.listdir(tmp_path) == []  # refused before anything is written

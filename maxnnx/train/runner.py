@@ -17,6 +17,7 @@ objective); the default pre-trains.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import shutil
 from typing import Any, Protocol
@@ -167,6 +168,9 @@ def run_settings(settings: dict[str, Any] | None = None,
   Returns:
     ``{key: value}`` with the run, recipe, TrainConfig and MeshConfig keys at their defaults
     unless given, and the ``model.*`` / ``data.*`` keys given.
+
+  Raises:
+    ValueError: an unknown key, naming the nearest known one.
   """
   from maxnnx.train.config import TrainConfig  # noqa: PLC0415
   given = {}
@@ -174,12 +178,19 @@ def run_settings(settings: dict[str, Any] | None = None,
     if isinstance(value, ValidatedConfig):
       given.update(dotted_fields(value, '' if key == 'train' else f'{key}.'))
     else:
-      given[key] = value
+      given[key.removeprefix('train.')] = value  # train.steps is steps, as on the command line
   options = {k: recipe.run_defaults.get(k, d) for k, (d, _) in RUN_SETTINGS.items()}
   options.update({k: d for k, (d, _) in recipe.keys.items()})
   defaults = {**RUN_TRAIN_DEFAULTS, **recipe.train_defaults}
   for key, value in dotted_fields(TrainConfig()).items():
     options[key] = defaults.get(key, value)
+  for key in given:
+    if key not in options and not key.startswith(('model.', 'data.')):
+      near = difflib.get_close_matches(key, options, n=1)
+      raise ValueError(f"Unknown setting '{key}'."
+                       + (f" Did you mean '{near[0]}'?" if near else '')
+                       + ' Settings are run keys, TrainConfig fields and dotted mesh., lora., '
+                       'model. and data. keys (maxnnx train --help lists them).')
   options.update(given)
   return options
 
