@@ -458,3 +458,19 @@ def test_a_sharded_recurrent_model_serves_the_same_tokens(tmp_path):
   got = engine.generate(prompts, _greedy(6))
   assert [list(c.token_ids) for c in got] == want.tokens.tolist()
   _assert_idle(engine)
+
+
+@pytest.mark.parametrize('setting,message', [
+    ({'page_size': 0}, 'Engine page_size=0: must be >= 1'),
+    ({'page_size': 3.5}, r'Engine page_size=3\.5: expected an integer >= 1'),
+    ({'max_batch': True}, 'Engine max_batch=True: expected an integer'),
+    ({'seed': 'x'}, "Engine seed='x': expected an integer >= 0"),
+    ({'max_logprobs': -1}, 'Engine max_logprobs=-1: must be >= 0'),
+    ({'max_model_len': 0}, 'Engine max_model_len=0: must be >= 1'),
+    ({'prefix_caching': 'yes'}, "Engine prefix_caching='yes': expected True or False"),
+])
+def test_every_engine_setting_is_checked_before_use(model, setting, message):
+  """A bad setting is one ValueError naming it, before any pool is allocated (page_size=0
+  divided by zero, 3.5 failed deep in jax, a string seed was taken)."""
+  with pytest.raises(ValueError, match=message):
+    Engine(model, **setting)

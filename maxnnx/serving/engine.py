@@ -123,6 +123,23 @@ def fine_bucket(n: int, cap: int) -> int:
   return min(three_quarters if power >= 4 and three_quarters >= n else power, cap)
 
 
+def _check_settings(**settings) -> None:
+  """Each engine setting has its type and range, or one error names it and the fix."""
+  lowest = {'page_size': 1, 'max_batch': 1, 'token_budget': 1, 'max_pages': 1,
+            'max_model_len': 1, 'max_logprobs': 0, 'seed': 0, 'max_window_pages': 1}
+  for name, value in settings.items():
+    if name == 'prefix_caching':
+      if not isinstance(value, bool):
+        raise ValueError(f'Engine prefix_caching={value!r}: expected True or False.')
+      continue
+    if value is None and name in ('max_pages', 'max_model_len', 'max_window_pages'):
+      continue  # the default size
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise ValueError(f'Engine {name}={value!r}: expected an integer >= {lowest[name]}.')
+    if value < lowest[name]:
+      raise ValueError(f'Engine {name}={value}: must be >= {lowest[name]}.')
+
+
 class Engine:
   """Serves many requests at once from one model, with a paged KV cache.
 
@@ -183,6 +200,10 @@ class Engine:
                max_model_len: int | None = None, prefix_caching: bool = True,
                max_logprobs: int = 5, seed: int = 0, rules: dict | None = None,
                max_window_pages: int | None = None):
+    _check_settings(page_size=page_size, max_batch=max_batch, token_budget=token_budget,
+                    max_pages=max_pages, max_model_len=max_model_len,
+                    max_logprobs=max_logprobs, seed=seed, max_window_pages=max_window_pages,
+                    prefix_caching=prefix_caching)
     cfg = model.config
     self.model_config = cfg
     self.tokenizer = tokenizer
