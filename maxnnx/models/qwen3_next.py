@@ -59,11 +59,18 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
           conv_kernel_size=hf.get('linear_conv_kernel_dim', 4)),
       moe=MoEConfig(num_experts=experts if any(is_moe) else 0,
                     num_experts_per_tok=hf.get('num_experts_per_tok', 10),
-                    mlp_dim=expert_dim, num_shared_experts=1 if shared_dim else 0,
-                    shared_mlp_dim=shared_dim or None,
+                    mlp_dim=expert_dim, **_shared_expert(shared_dim, expert_dim),
                     shared_expert_gate=True,
                     router_norm_topk=bool(hf.get('norm_topk_prob', True)),
                     **moe_layout(is_moe, hf.path)))
+
+
+def _shared_expert(shared_dim: int, expert_dim: int) -> dict:
+  """MoEConfig fields of a shared expert ``shared_dim`` wide: a count of routed-expert widths
+  when it is a multiple of them (as the presets say it), else its own width."""
+  if shared_dim % expert_dim == 0:
+    return {'num_shared_experts': shared_dim // expert_dim}
+  return {'num_shared_experts': 1, 'shared_mlp_dim': shared_dim}
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
