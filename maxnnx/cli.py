@@ -41,7 +41,7 @@ import tempfile
 import numpy as np
 
 from maxnnx import paths
-from maxnnx.cli_finetune import PRETRAIN, RECIPES, Recipe
+from maxnnx.recipes import PRETRAIN, RECIPES, Recipe
 from maxnnx.cli_keys import (
     Key,
     UsageError,

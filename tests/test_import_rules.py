@@ -95,7 +95,7 @@ def test_training_names_at_top_level_without_eager_import():
   assert result.returncode == 0, result.stderr
 
 
-CLI_MODULES = ('maxnnx.cli', 'maxnnx.cli_keys', 'maxnnx.cli_finetune', 'maxnnx.maxtext_keys')
+CLI_MODULES = ('maxnnx.cli', 'maxnnx.cli_keys', 'maxnnx.recipes', 'maxnnx.maxtext_keys')
 RUN_INTERNALS = ('maxnnx.train.runner', 'maxnnx.train.run_tokenizer', 'maxnnx.train.export')
 
 
@@ -117,10 +117,13 @@ def test_the_cli_runs_training_through_the_librarys_public_api():
   for cli_module in CLI_MODULES:
     assert not graph.chain_exists(importer='maxnnx.train', imported=cli_module,
                                   as_packages=True), cli_module
-  for cli_module in CLI_MODULES:
+  modules = [m for m in graph.modules
+             if any(m == c or m.startswith(c + '.') for c in CLI_MODULES)]  # recipes' modules
+  for cli_module in modules:
     reached = graph.find_modules_directly_imported_by(cli_module) & set(RUN_INTERNALS)
     assert not reached, f'{cli_module} imports {reached}: use maxnnx.train instead'
-    path = ROOT / (cli_module.replace('.', '/') + '.py')
+    path = ROOT / cli_module.replace('.', '/')
+    path = path / '__init__.py' if path.is_dir() else path.with_suffix('.py')
     names = _names_imported_from(path, 'maxnnx.train')
     modules = {n for n in names if f'maxnnx.train.{n}' in graph.modules}  # from . import x
     assert not modules & {m.rsplit('.', 1)[1] for m in RUN_INTERNALS}, cli_module

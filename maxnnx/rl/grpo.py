@@ -45,7 +45,8 @@ class GRPOConfig(ValidatedConfig):
     num_generations: completions per prompt; ``global_batch_size`` must be a multiple.
     max_new_tokens: the completion budget; ``seq_len`` holds prompt and completion.
     temperature: sampling temperature (the loss uses the same distribution).
-    top_k, top_p: sampling restrictions (0 / 1.0 for none).
+    top_k: sample among the ``top_k`` most likely tokens (0: all).
+    top_p: nucleus sampling mass (1.0: off).
     beta: weight of the KL penalty to the reference policy (0: no reference is held).
     epsilon: lower clip range of the importance ratio.
     epsilon_high: upper clip range; 0 means ``epsilon`` (``dapo``: 0.28).

@@ -82,12 +82,17 @@ class RunRecipe(Protocol):
     run_defaults: run settings whose defaults differ (``output_dir``...).
     train_defaults: TrainConfig defaults that differ from :data:`RUN_TRAIN_DEFAULTS`.
     records: the data is records read with the run's tokenizer (none is trained).
+    label: the prefix of the run's opening line (``'SFT: '``; empty for pre-training).
   """
   name: str
   keys: dict[str, tuple[Any, str]]
   run_defaults: dict[str, Any]
   train_defaults: dict[str, Any]
   records: bool
+  label: str
+
+  def attach(self, trainer, data) -> None:
+    """What the method adds once the Trainer exists (GRPO: rollouts from its model)."""
 
   def prepare(self, run: dict, options: dict) -> None:
     """Adjust the run settings before the model and tokenizer are made."""
@@ -119,15 +124,20 @@ class Pretraining:
     run_defaults: none changed.
     train_defaults: none changed.
     records: ``False``: the data is a corpus, its tokenizer trained when none is given.
+    label: empty.
   """
   name: str = 'train'
   keys: dict[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
   run_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
   train_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
   records: bool = False
+  label: str = ''
 
   def prepare(self, run: dict, options: dict) -> None:
     """Nothing to adjust."""
+
+  def attach(self, trainer, data) -> None:
+    """Nothing to add."""
 
   def adjust_model(self, cfg, options: dict, changes: dict):
     """``cfg`` unchanged."""
@@ -332,8 +342,7 @@ def build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
     from maxnnx import sharding  # noqa: PLC0415
     mesh = sharding.make_mesh(train_config.mesh, devices)
   trainer = Trainer(model, train_config, objective, data=data, mesh=mesh)
-  if hasattr(data, 'attach'):  # RL rollouts sample from the trainer's own model
-    data.attach(trainer)
+  recipe.attach(trainer, data)  # e.g. GRPO's rollouts sample from the trainer's own model
   return trainer, run, tokenizer, num_tokens
 
 
@@ -350,7 +359,7 @@ def run(settings: dict[str, Any] | None = None, *, recipe: RunRecipe = PRETRAINI
   Args:
     settings: keys as the command line spells them, or config objects
       (:func:`run_settings`): ``{'model': 'tiny', 'steps': 40, 'model.num_layers': 2}``.
-    recipe: the training method (``maxnnx.cli_finetune``'s recipes); default: pre-training.
+    recipe: the training method (``maxnnx.recipes``); default: pre-training.
     **keys: more bare keys (``steps=40, output_dir='runs/a'``), over ``settings``.
 
   Returns:
@@ -380,8 +389,7 @@ def _headline(trainer, run: dict, options: dict, recipe: RunRecipe, num_tokens: 
   source = (f'{num_tokens:,} tokens' if num_tokens else
             'synthetic tokens' if run['data'] == 'synthetic' else
             run['data'] or options.get('prompts', ''))
-  return (f"{recipe.name.upper() + ': ' if recipe.records or recipe.name == 'distill' else ''}"
-          f"Training {run['model']} ({maxnnx.num_params(trainer.model_config):,} parameters) "
+  return (f"{recipe.label}Training {run['model']} ({maxnnx.num_params(trainer.model_config):,} parameters) "
           f'on {source} for {cfg.steps} steps of {cfg.global_batch_size} x {cfg.seq_len} '
           f'tokens; mesh '
           f'{dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}'
