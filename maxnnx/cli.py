@@ -41,23 +41,23 @@ import tempfile
 import numpy as np
 
 from maxnnx import paths
-from maxnnx.recipes import PRETRAIN, RECIPES, Recipe
 from maxnnx.cli_keys import (
-    Key,
-    UsageError,
-    config_keys,
-    usage_lines,
+  Key,
+  UsageError,
+  config_keys,
+  usage_lines,
 )
 from maxnnx.cli_keys import parse as parse_keys
 from maxnnx.config import MeshConfig
+from maxnnx.recipes import PRETRAIN, RECIPES, Recipe
 from maxnnx.train import (
-    PROCESS_SETTINGS,
-    RUN_SETTINGS,
-    RUN_TRAIN_DEFAULTS,
-    build_trainer,
-    run_model_config,
-    sample_text,
-    split_settings,
+  PROCESS_SETTINGS,
+  RUN_SETTINGS,
+  RUN_TRAIN_DEFAULTS,
+  build_trainer,
+  run_model_config,
+  sample_text,
+  split_settings,
 )
 from maxnnx.train import run as run_training
 

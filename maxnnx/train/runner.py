@@ -389,7 +389,8 @@ def _headline(trainer, run: dict, options: dict, recipe: RunRecipe, num_tokens: 
   source = (f'{num_tokens:,} tokens' if num_tokens else
             'synthetic tokens' if run['data'] == 'synthetic' else
             run['data'] or options.get('prompts', ''))
-  return (f"{recipe.label}Training {run['model']} ({maxnnx.num_params(trainer.model_config):,} parameters) "
+  return (f"{recipe.label}Training {run['model']} "
+          f"({maxnnx.num_params(trainer.model_config):,} parameters) "
           f'on {source} for {cfg.steps} steps of {cfg.global_batch_size} x {cfg.seq_len} '
           f'tokens; mesh '
           f'{dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"}'
