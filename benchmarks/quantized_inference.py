@@ -37,7 +37,7 @@ import numpy as np
 import maxnnx
 from benchmarks import measure
 from maxnnx.data import SentencePieceTokenizer
-from maxnnx.inference.quantize import MODES, param_bytes, quantize_for_inference
+from maxnnx.inference.quantize import MODES, kernel_bytes, param_bytes, quantize_for_inference
 
 CORPUS = os.path.join(os.path.dirname(maxnnx.__file__), 'data', 'corpus', 'tinyshakespeare.txt')
 
@@ -87,19 +87,6 @@ def decode_tokens_per_s(model, prompt: np.ndarray, new_tokens: int, repeats: int
       times.append(time.perf_counter() - start)
     return statistics.median(times)
   return new_tokens / max(timed(new_tokens + 1) - timed(1), 1e-9)
-
-
-def kernel_bytes(model) -> int:
-  """Bytes of the linear kernels :func:`quantize_for_inference` quantizes."""
-  from flax import nnx  # noqa: PLC0415
-
-  from maxnnx.layers.linear import DenseGeneral  # noqa: PLC0415
-  total = 0
-  for path, module in nnx.iter_graph(model):
-    if isinstance(module, DenseGeneral) and 'lm_head' not in path:
-      for leaf in jax.tree.leaves(module.kernel[...]):
-        total += leaf.size // 2 if leaf.dtype == jnp.int4 else leaf.size * leaf.dtype.itemsize
-  return total
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,20 @@ def free_port() -> int:
     return sock.getsockname()[1]
 
 
+def cli_losses(tmp_path, capsys, common: list[str], layouts: dict[str, list[str]]) -> dict:
+  """``{name: per-step losses}`` of ``maxnnx <common> <layouts[name]>`` run into
+  ``tmp_path/name`` through the CLI, each run required to succeed."""
+  import json  # noqa: PLC0415
+
+  from maxnnx import cli  # noqa: PLC0415
+  losses = {}
+  for name, extra in layouts.items():
+    out = tmp_path / name
+    assert cli.main([*common, *extra, f'output_dir={out}']) == 0, capsys.readouterr().err
+    losses[name] = [json.loads(line)['loss'] for line in open(out / 'metrics.jsonl')]
+  return losses
+
+
 def reference(case: str):
   """The arrays a fixture's generator saved beside its checkpoint (``reference.npz``)."""
   return np.load(os.path.join(FIXTURES, case, 'reference.npz'))

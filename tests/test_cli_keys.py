@@ -7,6 +7,7 @@ import typing
 
 import numpy as np
 import pytest
+from conftest import cli_losses
 
 import maxnnx
 from maxnnx import cli
@@ -270,12 +271,8 @@ def test_pipeline_stages_from_the_command_line_match_one_device(tmp_path, capsys
   common = ['train', 'model=tiny', 'model.num_layers=2', 'data=synthetic', 'steps=3',
             'log_every=1', 'global_batch_size=8', 'seq_len=16', 'sample_tokens=0',
             'eval_every=0', 'checkpoint_every=0', 'dtype=float32']
-  losses = {}
-  for name, mesh in (('one', ['mesh.data=1', 'scan_layers=true']),
-                     ('pp', ['mesh.stage=2', 'mesh.fsdp=4'])):
-    out = tmp_path / name
-    assert cli.main([*common, *mesh, f'output_dir={out}']) == 0, capsys.readouterr().err
-    losses[name] = [json.loads(line)['loss'] for line in open(out / 'metrics.jsonl')]
+  losses = cli_losses(tmp_path, capsys, common, {
+      'one': ['mesh.data=1', 'scan_layers=true'], 'pp': ['mesh.stage=2', 'mesh.fsdp=4']})
   assert 'scan_layers is set to true' in capsys.readouterr().out
   assert len(losses['pp']) == 3
   np.testing.assert_allclose(losses['pp'], losses['one'], rtol=1e-5)

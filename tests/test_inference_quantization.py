@@ -1,7 +1,6 @@
 """Quantized inference (int8 / int4 / fp8 weights, w8a8): the rule against NumPy, the model
 in generate and in the serving engine, and the memory it saves."""
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -9,7 +8,12 @@ import pytest
 from flax import nnx
 
 import maxnnx
-from maxnnx.inference.quantize import check_mode, param_bytes, quantize_for_inference
+from maxnnx.inference.quantize import (
+  check_mode,
+  kernel_bytes,
+  param_bytes,
+  quantize_for_inference,
+)
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.serving import Engine, SamplingParams
 
@@ -70,22 +74,14 @@ def _model():
   return maxnnx.Transformer(maxnnx.ModelConfig.from_dict(MODEL), rngs=nnx.Rngs(5))
 
 
-def _kernel_bytes(model):
-  """Bytes held by the attention and MLP kernels (values and scales)."""
-  return sum(leaf.size * leaf.dtype.itemsize if leaf.dtype != jnp.int4 else leaf.size // 2
-             for path, module in nnx.iter_graph(model)
-             if isinstance(module, DenseGeneral) and 'lm_head' not in path
-             for leaf in jax.tree.leaves(module.kernel[...]))
-
-
 @pytest.mark.parametrize('mode,most', [('int8', 0.27), ('int4', 0.17), ('fp8', 0.27)])
 def test_weights_take_the_bytes_the_mode_says(mode, most):
   """The quantized kernels take ~1/4 (8-bit) or ~1/6 (4-bit, a float32 scale per 32 values) of
   their float32 bytes, scales included, and param_bytes counts the saving."""
   model = _model()
-  before, total_before = _kernel_bytes(model), param_bytes(model)
+  before, total_before = kernel_bytes(model), param_bytes(model)
   quantize_for_inference(model, mode)
-  after = _kernel_bytes(model)
+  after = kernel_bytes(model)
   assert after < most * before, (mode, after / before)
   assert param_bytes(model) == total_before - before + after
 

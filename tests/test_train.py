@@ -6,6 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import cli_losses
 from flax import nnx
 
 import maxnnx
@@ -170,12 +171,8 @@ def test_a_seed_trains_the_same_model_looped_scanned_or_pipelined(tmp_path, caps
   common = ['train', 'model=tiny', 'seed=0', 'data=synthetic', 'steps=4', 'log_every=1',
             'global_batch_size=8', 'seq_len=16', 'sample_tokens=0', 'eval_every=0',
             'checkpoint_every=0', 'dtype=float32']
-  losses = {}
-  for name, layout in (('loop', []), ('scan', ['model.runtime.scan_layers=true']),
-                       ('pipeline', ['mesh.stage=2'])):
-    out = tmp_path / name
-    assert cli.main([*common, *layout, f'output_dir={out}']) == 0, capsys.readouterr().err
-    losses[name] = [json.loads(line)['loss'] for line in open(out / 'metrics.jsonl')]
+  losses = cli_losses(tmp_path, capsys, common, {
+      'loop': [], 'scan': ['model.runtime.scan_layers=true'], 'pipeline': ['mesh.stage=2']})
   assert "mesh {'stage': 2" in capsys.readouterr().out
   # Step 1's lr is 0 (warmup): the losses of steps 3 and 4 follow the updates of steps 2-3.
   assert len(losses['loop']) == 4

@@ -75,11 +75,20 @@ def quantize_for_inference(model: nnx.Module, mode: str) -> nnx.Module:
   return model
 
 
+def _nbytes(leaf) -> int:
+  return (leaf.size + 1) // 2 if leaf.dtype == jnp.int4 else leaf.size * leaf.dtype.itemsize
+
+
 def param_bytes(model: nnx.Module) -> int:
   """Bytes the model's parameters hold (quantized values and scales included)."""
-  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-  return sum(leaf.size * leaf.dtype.itemsize if leaf.dtype != jnp.int4 else (leaf.size + 1) // 2
-             for leaf in leaves)
+  return sum(_nbytes(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ['MODES', 'check_mode', 'param_bytes', 'quantize_for_inference']
+def kernel_bytes(model: nnx.Module) -> int:
+  """Bytes of the kernels :func:`quantize_for_inference` quantizes (values and scales)."""
+  return sum(_nbytes(leaf) for path, module in nnx.iter_graph(model)
+             if isinstance(module, DenseGeneral) and not any(p in SKIPPED_MODULES for p in path)
+             for leaf in jax.tree.leaves(module.kernel[...]))
+
+
+__all__ = ['MODES', 'check_mode', 'kernel_bytes', 'param_bytes', 'quantize_for_inference']
