@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     model = maxnnx.from_pretrained(final, dtype=args.dtype, param_dtype=args.dtype)
     if mode != 'none':
       quantize_for_inference(model, mode)
-    tokens = greedy(model, prompts, args.new_tokens)[:, args.prompt_len:]
+    tokens = greedy(model, prompts, args.new_tokens)  # the new tokens only
     baseline = tokens if baseline is None else baseline
     ppl, top1 = held_out_scores(model, held, args.seq)
     baseline_top1 = top1 if baseline_top1 is None else baseline_top1
