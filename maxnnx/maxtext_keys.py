@@ -195,6 +195,11 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'parameter_memory_host_offload': _refuse(bool, False, 'no host offload of parameters'),
     'num_pipeline_microbatches': _map('mesh.pipeline_microbatches', int, -1, _none_if(-1)),
     'pipeline_parallel_layers': _refuse(int, -1, 'maxnnx pipelines every layer over stage'),
+    'num_pipeline_repeats': _map('mesh.pipeline_repeats', int, -1, lambda v: 1 if v == -1 else v,
+                                 '-1: 1 (GPipe); the same numbers, a larger bubble than '
+                                 "MaxText's derived repeats"),
+    'num_layers_per_pipeline_stage': _refuse(int, 1, 'give num_pipeline_repeats = num_layers / '
+                                             '(stages x layers per stage) instead'),
     'num_slices': _noop(int, -1, 'the slices are the dcn_* axes'),
     **_mesh_rules(),
     # The model (over the preset of model_name)

@@ -70,8 +70,8 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
 
 _CURRENT_RULES: contextvars.ContextVar[dict[str, MeshAxes] | None] = contextvars.ContextVar(
     'maxnnx_logical_rules', default=None)
-_PIPELINE_MICROBATCHES: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    'maxnnx_pipeline_microbatches', default=None)
+_PIPELINE_SCHEDULE: contextvars.ContextVar[tuple[int | None, int]] = contextvars.ContextVar(
+    'maxnnx_pipeline_schedule', default=(None, 1))
 
 
 def logical_rules(mesh_config: MeshConfig | None = None) -> dict[str, MeshAxes]:
@@ -201,26 +201,33 @@ def spec_for(names: Sequence[str | None], rules: dict[str, MeshAxes] | None = No
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: dict[str, MeshAxes] | None = None, *,
-             pipeline_microbatches: int | None = None):
+             pipeline_microbatches: int | None = None, pipeline_repeats: int = 1):
   """Make ``mesh`` current (``jax.set_mesh``) and ``rules`` the logical rules.
 
   ``pipeline_microbatches`` is how many micro-batches a pipelined layer stack
-  (mesh axis ``stage`` > 1) splits each batch into (default: one per stage).
+  (mesh axis ``stage`` > 1) splits each batch into (default: one per stage), and
+  ``pipeline_repeats`` how many times each micro-batch goes round the stages (1: GPipe;
+  more: a circular pipeline, see :mod:`maxnnx.parallel.pipeline`).
   """
   token = _CURRENT_RULES.set(dict(DEFAULT_RULES) if rules is None else dict(rules))
-  pipeline_token = _PIPELINE_MICROBATCHES.set(pipeline_microbatches)
+  pipeline_token = _PIPELINE_SCHEDULE.set((pipeline_microbatches, pipeline_repeats))
   try:
     with jax.set_mesh(mesh):
       yield mesh
   finally:
     _CURRENT_RULES.reset(token)
-    _PIPELINE_MICROBATCHES.reset(pipeline_token)
+    _PIPELINE_SCHEDULE.reset(pipeline_token)
 
 
 def pipeline_microbatches() -> int:
   """Micro-batches per step of a pipelined stack under the current mesh."""
   stages = mesh_axis_size('stage')
-  return _PIPELINE_MICROBATCHES.get() or stages
+  return _PIPELINE_SCHEDULE.get()[0] or stages
+
+
+def pipeline_repeats() -> int:
+  """Rounds of the stages each micro-batch makes under the current mesh (1: GPipe)."""
+  return _PIPELINE_SCHEDULE.get()[1]
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -53,6 +53,11 @@ MESHES = {
     'cp_unbalanced': MeshConfig(data=2, context=4, context_load_balance=False),
     'pp': MeshConfig(data=2, stage=4),
     'pp_fsdp_tp_microbatches': MeshConfig(stage=2, fsdp=2, tensor=2, pipeline_microbatches=4),
+    # Circular: 4 layers in 2 stages x 2 repeats, one micro-batch per stage (each output goes
+    # straight round) and twice that (outputs wait in the buffer for stage 0).
+    'pp_circular': MeshConfig(data=4, stage=2, pipeline_repeats=2),
+    'pp_circular_microbatches': MeshConfig(stage=2, fsdp=2, tensor=2, pipeline_microbatches=4,
+                                           pipeline_repeats=2),
 }
 
 

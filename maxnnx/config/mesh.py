@@ -33,6 +33,12 @@ class MeshConfig(ValidatedConfig):
       equal share of causal-attention work.
     pipeline_microbatches: microbatches per step when ``stage > 1``; ``None``
       means one per stage.
+    pipeline_repeats: rounds of the stages each micro-batch makes (MaxText's
+      ``num_pipeline_repeats``). 1 is GPipe: stage ``s`` holds layers
+      ``[s L/S, (s+1) L/S)``. ``R > 1`` is a circular pipeline: the stack is cut into
+      ``R S`` chunks, chunk ``c`` runs on stage ``c mod S``, and the bubble shrinks from
+      ``(S-1)/(M+S-1)`` to ``(S-1)/(R M+S-1)`` of the step; needs
+      ``pipeline_microbatches >= stage`` and ``num_layers`` divisible by ``R S``.
     rules: extra ``(logical name, mesh axes)`` pairs that override the
       defaults in :data:`maxnnx.sharding.DEFAULT_RULES`.
   """
@@ -52,6 +58,7 @@ class MeshConfig(ValidatedConfig):
   sequence_parallel: bool = False
   context_load_balance: bool = True
   pipeline_microbatches: int | None = None
+  pipeline_repeats: int = 1
   rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
 
   def _validate(self):
@@ -65,3 +72,6 @@ class MeshConfig(ValidatedConfig):
                           f'{dict(zip(MESH_AXES, sizes))}.')
     if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
       raise ConfigError('MeshConfig.pipeline_microbatches must be >= 1.')
+    if self.pipeline_repeats < 1:
+      raise ConfigError(f'MeshConfig.pipeline_repeats={self.pipeline_repeats}: must be >= 1 '
+                        '(1 is GPipe).')

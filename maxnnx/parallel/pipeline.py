@@ -1,14 +1,24 @@
-"""GPipe over the ``stage`` mesh axis for a scanned layer stack.
+"""GPipe and circular pipelines over the ``stage`` mesh axis for a scanned layer stack.
 
 A model whose layers are one stacked module (every variable with a leading
 ``layers`` axis, run with ``lax.scan``) hands that module to
 :func:`pipeline_stack` together with a function that runs a contiguous slice
-of it. The stack is split into ``stages`` consecutive groups, one per stage
-device group, and the batch into ``M`` micro-batches. At iteration ``i`` stage
-``s`` runs its layers on micro-batch ``i - s``, then every stage hands its
-output to the next (a collective permute), so after ``M + stages - 1``
-iterations every micro-batch has passed every layer. The numbers are those of
-running the whole stack on the whole batch.
+of it. The batch is split into ``M`` micro-batches and the stack into
+``R * S`` chunks of consecutive layers for ``S`` stages and ``R`` repeats; chunk
+``c`` runs on stage ``c mod S``. At iteration ``i`` stage ``s`` works on item
+``t = i - s`` (micro-batch ``t mod M``, repeat ``t // M``), then every stage hands
+its output to the next (a collective permute). The last stage's output goes back
+to the first stage for the next repeat (kept in a buffer of ``M`` micro-batches
+until stage 0 reaches it), or out after the last repeat. After ``R M + S - 1``
+iterations every micro-batch has passed every layer, in order. The numbers are those
+of running the whole stack on the whole batch.
+
+``R = 1`` is GPipe. More repeats cut the idle share of the step (the bubble) from
+``(S-1)/(M+S-1)`` to ``(S-1)/(R M+S-1)`` (:func:`pipeline_bubble`), for the price of
+``R`` times as many stage-to-stage transfers (each a ``1/R`` share of the work) and
+the buffer. The stack's parameters are stored in layer order, sharded over ``stage``
+in contiguous blocks; with ``R > 1`` each step lays them out by chunk first (a
+re-sharding of ``(R-1)/R`` of every stage's layers).
 """
 
 from __future__ import annotations
@@ -21,31 +31,49 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxnnx.layers.block import RESIDUAL_AXES
-from maxnnx.sharding import constrain, mesh_axis_size, pipeline_microbatches
+from maxnnx.sharding import constrain, mesh_axis_size, pipeline_microbatches, pipeline_repeats
 
 STAGE_AXES = ('activation_stage',)
 
 
+def pipeline_bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
+  """The share of a pipelined step each stage idles: ``(S-1) / (R M + S-1)``."""
+  return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def describe_schedule(stages: int, microbatches: int, repeats: int = 1) -> str:
+  """One line on a pipeline's schedule and its bubble, beside GPipe's with the same batches."""
+  bubble = pipeline_bubble(stages, microbatches, repeats)
+  line = (f'Pipeline: {stages} stages x {repeats} repeat(s), {microbatches} micro-batches: '
+          f'stages idle {bubble:.0%} of each step (the bubble)')
+  if repeats > 1:
+    line += f'; GPipe with these micro-batches: {pipeline_bubble(stages, microbatches):.0%}'
+  return line + '.'
+
+
 def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_row_B: Any,
                    run_stage: Callable, *, stages: int | None = None,
-                   microbatches: int | None = None) -> jax.Array:
+                   microbatches: int | None = None, repeats: int | None = None) -> jax.Array:
   """Run stacked ``layers`` over ``x_BTD`` as a pipeline over the ``stage`` mesh axis.
 
   Args:
     layers: a module whose every variable has a leading ``layers`` axis.
     x_BTD: the stack's input ``[B, T, D]``.
     per_layer_L: a pytree of arrays with a leading ``layers`` axis (per-layer
-      inputs, e.g. which layers use a sliding window); each stage gets its slice.
+      inputs, e.g. which layers use a sliding window); each chunk gets its slice.
     per_row_B: a pytree of arrays with a leading batch axis (e.g. segment ids
       and positions); each micro-batch gets its rows.
-    run_stage: ``run_stage(stage_layers, per_layer_L, x_bTD, per_row_b) -> x_bTD``
-      runs one stage's slice of the stack on one micro-batch (``stage_layers``
-      is a module of the same type as ``layers`` with ``num_layers / stages``
+    run_stage: ``run_stage(chunk_layers, per_layer_L, x_bTD, per_row_b) -> x_bTD``
+      runs one chunk of the stack on one micro-batch (``chunk_layers`` is a module
+      of the same type as ``layers`` with ``num_layers / (stages * repeats)``
       layers). It is vmapped over stages with ``spmd_axis_name='stage'``.
     stages: pipeline stages; default the ``stage`` mesh axis size.
     microbatches: micro-batches per batch; default
       :func:`maxnnx.sharding.pipeline_microbatches` (one per stage unless the
       mesh context says otherwise).
+    repeats: rounds of the stages per micro-batch; default
+      :func:`maxnnx.sharding.pipeline_repeats` (1, GPipe, unless the mesh context
+      says otherwise). More than 1 needs ``microbatches >= stages``.
 
   Returns:
     The stack's output ``[B, T, D]``. Variables ``run_stage`` writes into its
@@ -53,47 +81,63 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
   """
   stages = stages or mesh_axis_size('stage')
   micro = microbatches or pipeline_microbatches()
+  repeats = repeats or pipeline_repeats()
   graphdef, state = nnx.split(layers)
   num_layers = jax.tree.leaves(state)[0].shape[0]
   batch, length, width = x_BTD.shape
-  if num_layers % stages or batch % micro:
+  if num_layers % (stages * repeats) or batch % micro:
     raise ValueError(f'Pipeline: num_layers ({num_layers}) must be divisible by the stages '
-                     f'({stages}) and the batch ({batch}) by the micro-batches ({micro}).')
-  per_stage = num_layers // stages
+                     f'({stages}) times the repeats ({repeats}), and the batch ({batch}) by the '
+                     f'micro-batches ({micro}).')
+  if repeats > 1 and micro < stages:
+    raise ValueError(f'A circular pipeline (pipeline_repeats={repeats}) needs at least one '
+                     f'micro-batch per stage: pipeline_microbatches={micro} < stage={stages}.')
+  per_chunk = num_layers // (stages * repeats)
+  items = repeats * micro  # (micro-batch, repeat) pairs each stage works through
 
-  def by_stage(a):
-    return a.reshape(stages, per_stage, *a.shape[1:])
+  def by_stage(a):  # [L, ...] -> [S, R, L/(R S), ...]: chunk r S + s on stage s
+    return jnp.swapaxes(a.reshape(repeats, stages, per_chunk, *a.shape[1:]), 0, 1)
 
   def by_micro(a):
     return a.reshape(micro, batch // micro, *a.shape[1:])
 
   state_S = jax.tree.map(by_stage, state)
-  per_layer_SL = jax.tree.map(by_stage, per_layer_L)
+  per_layer_S = jax.tree.map(by_stage, per_layer_L)
   x_M = by_micro(x_BTD)
   per_row_M = jax.tree.map(by_micro, per_row_B)
 
-  def one_stage(stage_state, per_layer, x, per_row):
-    return run_stage(nnx.merge(graphdef, stage_state), per_layer, x, per_row)
+  def one_stage(stage_state, per_layer, repeat, x, per_row):
+    chunk_state, chunk_per_layer = jax.tree.map(lambda a: a[repeat], (stage_state, per_layer))
+    return run_stage(nnx.merge(graphdef, chunk_state), chunk_per_layer, x, per_row)
 
   run_stages = jax.vmap(one_stage, spmd_axis_name='stage')
   buffer_axes = STAGE_AXES + RESIDUAL_AXES
 
   def iteration(carry, i):
-    buffer, outputs = carry
-    micro_index_S = jnp.clip(i - jnp.arange(stages), 0, micro - 1)
-    buffer = buffer.at[0].set(x_M[jnp.minimum(i, micro - 1)])
-    out = run_stages(state_S, per_layer_SL, constrain(buffer, buffer_axes),
-                     jax.tree.map(lambda a: a[micro_index_S], per_row_M))
+    buffer, circulating, outputs = carry
+    item_S = jnp.clip(i - jnp.arange(stages), 0, items - 1)
+    first = x_M[jnp.minimum(i, micro - 1)]
+    if repeats > 1:  # from the second round on, stage 0 takes what came round
+      first = jnp.where(i < micro, first, circulating[i % micro])
+    buffer = buffer.at[0].set(first)
+    out = run_stages(state_S, per_layer_S, item_S // micro, constrain(buffer, buffer_axes),
+                     jax.tree.map(lambda a: a[item_S % micro], per_row_M))
     out = constrain(out, buffer_axes)
-    done = i - (stages - 1)
-    updated = jax.lax.dynamic_update_index_in_dim(outputs, out[-1], jnp.maximum(done, 0), 0)
-    outputs = jnp.where(done >= 0, updated, outputs)
-    return (jnp.roll(out, 1, axis=0), outputs), None
+    done = i - (stages - 1)  # the item the last stage finished
+    slot = jnp.maximum(done, 0) % micro
+    last_round = done >= items - micro
+    updated = jax.lax.dynamic_update_index_in_dim(outputs, out[-1], slot, 0)
+    outputs = jnp.where(last_round, updated, outputs)
+    if repeats > 1:
+      kept = jax.lax.dynamic_update_index_in_dim(circulating, out[-1], slot, 0)
+      circulating = jnp.where((done >= 0) & ~last_round, kept, circulating)
+    return (jnp.roll(out, 1, axis=0), circulating, outputs), None
 
   buffer = jnp.zeros((stages, batch // micro, length, width), x_BTD.dtype)
-  (_, outputs), _ = jax.lax.scan(iteration, (buffer, jnp.zeros_like(x_M)),
-                                 jnp.arange(micro + stages - 1))
+  circulating = jnp.zeros_like(x_M) if repeats > 1 else jnp.zeros((), x_BTD.dtype)
+  (_, _, outputs), _ = jax.lax.scan(iteration, (buffer, circulating, jnp.zeros_like(x_M)),
+                                    jnp.arange(items + stages - 1))
   return outputs.reshape(batch, length, width)
 
 
-__all__ = ['STAGE_AXES', 'pipeline_stack']
+__all__ = ['STAGE_AXES', 'describe_schedule', 'pipeline_bubble', 'pipeline_stack']

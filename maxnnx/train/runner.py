@@ -26,6 +26,7 @@ import numpy as np
 
 from maxnnx import paths
 from maxnnx.config import MeshConfig, ValidatedConfig, dotted_fields, subtree
+from maxnnx.parallel.pipeline import describe_schedule
 from maxnnx.train import export
 from maxnnx.train.run_tokenizer import (
     is_text_file,
@@ -234,13 +235,17 @@ def split_settings(options: dict, recipe: RunRecipe = PRETRAINING):
 
 
 def _scan_for_stages(run: dict, mesh: MeshConfig, options: dict) -> None:
-  """Pipeline stages run the scanned layer stack: switch ``scan_layers`` on for them."""
+  """Pipeline stages run the scanned layer stack: switch ``scan_layers`` on for them, and
+  print the schedule's bubble."""
   stages = mesh.stage > 1 or mesh.dcn_stage > 1
   explicit = any(k.startswith('model.') and k.endswith('.scan_layers') for k in options)
   if stages and not run['scan_layers'] and not explicit:
     run['scan_layers'] = True
     print(f'Note: mesh.stage={mesh.stage} pipelines the scanned layer stack; '
           'scan_layers is set to true.')
+  if stages:
+    total = max(mesh.stage, 1) * max(mesh.dcn_stage, 1)
+    print(describe_schedule(total, mesh.pipeline_microbatches or total, mesh.pipeline_repeats))
 
 
 def _training_data(run: dict, data_fields: dict, corpus: str | None, model, tokenizer,

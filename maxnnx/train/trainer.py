@@ -33,7 +33,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from maxnnx import sharding
-from maxnnx.config import ModelConfig
+from maxnnx.config import MeshConfig, ModelConfig
+from maxnnx.parallel.pipeline import describe_schedule
 from maxnnx.train import diagnostics
 from maxnnx.train import flops as flops_lib
 from maxnnx.train import step as step_lib
@@ -203,6 +204,8 @@ class Trainer:
       _check_pipeline_layout(model, stages, 'model')
       self.model_config = model.config
       concrete = abstract_model = model
+    if stages > 1:
+      _check_pipeline_schedule(self.model_config, config.mesh, stages)
     self.quantization = _quantization_name(config, self.model_config, concrete, self.mesh)
     if concrete is not None and config.quantization != 'none':
       concrete = quantize(concrete, config.quantization)
@@ -303,7 +306,8 @@ class Trainer:
 
   def _context(self):
     return sharding.use_mesh(self.mesh, self.rules,
-                             pipeline_microbatches=self.config.mesh.pipeline_microbatches)
+                             pipeline_microbatches=self.config.mesh.pipeline_microbatches,
+                             pipeline_repeats=self.config.mesh.pipeline_repeats)
 
   def mesh_context(self):
     """A context in which the trainer's mesh and logical-axis rules apply (to run the model
@@ -829,6 +833,20 @@ def _quantization_name(config: TrainConfig, model_config: ModelConfig, model, me
   if config.quantization != 'none':
     check_supported(model_config, config.quantization, mesh_shape=dict(mesh.shape))
   return config.quantization
+
+
+def _check_pipeline_schedule(model_config: ModelConfig, mesh: MeshConfig, stages: int) -> None:
+  """Refuse a pipeline schedule the stack cannot follow, and log its bubble."""
+  micro, repeats = mesh.pipeline_microbatches or stages, mesh.pipeline_repeats
+  layers = model_config.num_layers
+  if layers % (stages * repeats):
+    raise ValueError(f'Pipeline: num_layers={layers} must be divisible by stage x '
+                     f'pipeline_repeats = {stages} x {repeats} (the chunks of the stack); pick '
+                     'a stage count and MeshConfig.pipeline_repeats that divide it.')
+  if repeats > 1 and micro < stages:
+    raise ValueError(f'MeshConfig.pipeline_repeats={repeats} (a circular pipeline) needs '
+                     f'pipeline_microbatches >= stage ({stages}), got {micro}.')
+  logger.info(describe_schedule(stages, micro, repeats))
 
 
 def _check_pipeline_layout(model: nnx.Module, stages: int, what: str) -> None:
