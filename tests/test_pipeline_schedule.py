@@ -89,7 +89,8 @@ def test_trainer_logs_the_schedule(caplog):
 
 
 @pytest.mark.parametrize('mesh,match', [
-    (MeshConfig(data=2, stage=4, pipeline_repeats=2), r'num_layers=4 must be divisible by stage x pipeline_repeats = 4 x 2'),
+    (MeshConfig(data=2, stage=4, pipeline_repeats=2),
+     r'num_layers=4 must be divisible by stage x pipeline_repeats = 4 x 2'),
     (MeshConfig(data=4, stage=2, pipeline_repeats=2, pipeline_microbatches=1),
      r'needs pipeline_microbatches >= stage \(2\), got 1'),
 ])
