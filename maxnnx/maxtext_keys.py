@@ -112,7 +112,19 @@ def _mesh_rules() -> dict[str, Rule]:
   return rules
 
 
-_REMAT = {name: name for name in ('none', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj',
+# MaxText's per-tensor remat locations (with remat_policy: custom) -> the tensors maxnnx tags.
+_REMAT_TENSORS = {
+    'query_proj': ('query_proj',), 'key_proj': ('key_proj',), 'value_proj': ('value_proj',),
+    'qkv_proj': ('query_proj', 'key_proj', 'value_proj'), 'mla_q': ('query_proj',),
+    'mla_kv': ('key_proj', 'value_proj'), 'context': ('attention_out',),
+    'attention_out': ('attention_out',), 'out_proj': ('out_proj',), 'mlpwo': ('mlp_out',),
+    'moe_mlpwo': ('mlp_out',),
+}
+_REMAT_LOCATIONS = ('remat', 'device', 'offload')
+_NO_REMAT_TAG = ("maxnnx tags the MLP's activated hidden state, not its input projections: "
+                 'give model.remat_save= or model.remat_offload=mlp_hidden')
+_REMAT = {name: name for name in ('custom', 'none', 'minimal', 'save_dot_except_mlp',
+                                  'save_qkv_proj',
                                   'save_out_proj', 'full')}
 _ATTENTION = {'autoselected': 'auto', 'dot_product': 'xla_flash', 'flash': 'auto',
               'cudnn_flash_te': 'cudnn'}
@@ -191,6 +203,16 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'matmul_precision': _noop(str, 'default', 'maxnnx uses JAX default matmul precision'),
     'shard_mode': _refuse(str, 'auto', "maxnnx's sharding is automatic (GSPMD) only"),
     'allow_split_physical_axes': _noop(bool, False, _TPU),
+    **{key: _derive('model.remat_save', str, 'remat',
+                    f"with remat_policy=custom: device -> model.remat_save, offload -> "
+                    f"model.remat_offload ({', '.join(tensors)})")
+       for key, tensors in _REMAT_TENSORS.items()},
+    **{key: _refuse(str, 'remat', _NO_REMAT_TAG)
+       for key in ('mlpwi', 'mlpwi_0', 'mlpwi_1', 'moe_mlpwi_0', 'moe_mlpwi_1')},
+    **{key: _refuse(str, 'remat', 'maxnnx tags no such tensor')
+       for key in ('query_wa_proj', 'kv_wa_proj', 'engram')},
+    'decoder_layer_input': _refuse(str, 'device', 'the scanned stack keeps each block input on '
+                                   'the device'),
     'optimizer_memory_host_offload': _refuse(bool, False, 'no host offload of the optimizer'),
     'parameter_memory_host_offload': _refuse(bool, False, 'no host offload of parameters'),
     'num_pipeline_microbatches': _map('mesh.pipeline_microbatches', int, -1, _none_if(-1)),
@@ -457,6 +479,7 @@ def _derived(given: dict[str, Any], settings: _Settings, defaults: dict[str, Any
             or settings.values.get('steps', ('', defaults.get('steps')))[1])
   if length and ('warmup_steps_fraction' in given or 'warmup_steps' not in settings.values):
     settings.set('warmup_steps', round(fraction * length), 'warmup_steps_fraction')
+  _remat_locations(given, settings)
   if 'mlp_activations' in given:
     activation, gated = _activation(given['mlp_activations'])
     settings.set('model.mlp_activation', activation, 'mlp_activations')
@@ -469,6 +492,28 @@ def _derived(given: dict[str, Any], settings: _Settings, defaults: dict[str, Any
     out = settings.values.get('output_dir', ('', defaults.get('output_dir')))[1]
     settings.set('tensorboard_dir', os.path.join(out, 'tensorboard'), 'enable_tensorboard')
   _data(given, settings)
+
+
+def _remat_locations(given: dict[str, Any], settings: _Settings) -> None:
+  """``model.remat_save`` / ``model.remat_offload`` from MaxText's per-tensor locations."""
+  keys = [k for k in _REMAT_TENSORS if k in given]
+  if not keys:
+    return
+  chosen = {'device': [], 'offload': []}
+  for key in keys:
+    where = given[key]
+    if where not in _REMAT_LOCATIONS:
+      raise UsageError(f'{key}={where!r}: expected one of {", ".join(_REMAT_LOCATIONS)}.')
+    if where != 'remat':
+      chosen[where].extend(_REMAT_TENSORS[key])
+  policy = settings.values.get('remat_policy', ('', 'full'))[1]
+  if (chosen['device'] or chosen['offload']) and policy != 'custom':
+    raise UsageError(f'{"+".join(keys)}: per-tensor remat locations apply with '
+                     f'remat_policy=custom, but remat_policy={policy!r}.')
+  for where, target in (('device', 'model.runtime.remat_save'),
+                         ('offload', 'model.runtime.remat_offload')):
+    if chosen[where]:
+      settings.set(target, tuple(dict.fromkeys(chosen[where])), '+'.join(keys))
 
 
 def _data(given: dict[str, Any], settings: _Settings) -> None:

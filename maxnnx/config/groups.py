@@ -88,7 +88,11 @@ class RopeConfig(ValidatedConfig):
 LayerType = Literal['full', 'sliding', 'chunked', 'linear']
 
 RematPolicy = Literal['none', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', 'save_out_proj',
-                      'save_attention_out', 'full']
+                      'save_attention_out', 'full', 'custom']
+
+# The intermediates layers tag with ``checkpoint_name`` (see :mod:`maxnnx.layers.remat`).
+RematTensor = Literal['query_proj', 'key_proj', 'value_proj', 'attention_out', 'out_proj',
+                      'mlp_hidden', 'mlp_out']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,7 +500,15 @@ class RuntimeConfig(ValidatedConfig):
       recomputed): ``none`` keeps everything; ``minimal`` keeps matmul outputs
       without batch dims; ``save_dot_except_mlp`` keeps the attention projections
       and outputs; ``save_qkv_proj`` / ``save_out_proj`` / ``save_attention_out``
-      keep only those; ``full`` keeps nothing but the block inputs.
+      keep only those; ``full`` keeps nothing but the block inputs; ``custom``
+      decides per tagged tensor with ``remat_save`` and ``remat_offload``.
+    remat_save: with ``remat_policy='custom'``, the tagged tensors kept in device
+      memory for the backward pass (``query_proj``, ``key_proj``, ``value_proj``,
+      ``attention_out``, ``out_proj``, ``mlp_hidden``, ``mlp_out``).
+    remat_offload: with ``remat_policy='custom'``, the tagged tensors moved to host
+      memory (``pinned_host``) after the forward pass and brought back for the
+      backward pass. Tagged tensors in neither list, and everything untagged, are
+      recomputed.
     kernel_on_unsupported: what a kernel strategy does with a call it declares it
       cannot serve: ``fallback`` (compute it with ``xla``/``lax`` and log a warning
       once) or ``error`` (raise).
@@ -513,7 +525,20 @@ class RuntimeConfig(ValidatedConfig):
   ragged_dot_impl: str = 'lax'
   gated_delta_impl: str = 'chunked'
   remat_policy: RematPolicy = 'none'
+  remat_save: tuple[RematTensor, ...] = ()
+  remat_offload: tuple[RematTensor, ...] = ()
   kernel_on_unsupported: Literal['fallback', 'error'] = 'fallback'
+
+  def _validate(self):
+    chosen = self.remat_save + self.remat_offload
+    if chosen and self.remat_policy != 'custom':
+      raise ConfigError(f"{self._PATH}.remat_save / remat_offload choose tensors for "
+                        f"remat_policy='custom', but remat_policy={self.remat_policy!r}: set "
+                        "remat_policy='custom' (or drop them).")
+    both = sorted(set(self.remat_save) & set(self.remat_offload))
+    if both:
+      raise ConfigError(f'{self._PATH}: {", ".join(both)} is in both remat_save and '
+                        'remat_offload; keep each tensor in one.')
 
   def jnp_dtype(self, which: Literal['dtype', 'param_dtype', 'logits_dtype'] = 'dtype'):
     """The ``jnp`` dtype of ``dtype``, ``param_dtype`` or ``logits_dtype`` (``'auto'``

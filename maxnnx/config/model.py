@@ -34,7 +34,8 @@ LEGACY_MODEL_KEYS: dict[str, str] = {
     'mtp_num_layers': 'mtp.num_layers',
     **{name: f'runtime.{name}' for name in (
         'param_dtype', 'dtype', 'logits_dtype', 'scan_layers', 'attention_impl',
-        'paged_attention_impl', 'ragged_dot_impl', 'remat_policy', 'kernel_on_unsupported')},
+        'paged_attention_impl', 'ragged_dot_impl', 'remat_policy', 'remat_save', 'remat_offload',
+        'kernel_on_unsupported')},
 }
 
 # Training-loss weights that earlier versions kept in ModelConfig -> where they live now.

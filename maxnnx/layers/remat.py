@@ -4,10 +4,13 @@ Layers tag intermediates with ``jax.ad_checkpoint.checkpoint_name``: attention
 and MLA tag ``query_proj``, ``key_proj``, ``value_proj``, ``attention_out`` and
 ``out_proj``; the MLP and the MoE experts tag ``mlp_hidden`` and ``mlp_out``. A
 policy says which tagged values to save.
-Everything not saved is recomputed in the backward pass.
+Everything not saved is recomputed in the backward pass. The ``custom`` policy
+chooses per tagged tensor: kept in device memory, offloaded to host memory
+(``pinned_host``: the forward pass copies it out, the backward pass copies it
+back), or recomputed, as MaxText's ``remat_policy: custom`` does.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 
@@ -24,11 +27,23 @@ REMAT_POLICIES: dict[str, object] = {
 }
 
 
-def remat(fn: Callable, policy: str) -> Callable:
-  """``fn`` wrapped in ``jax.checkpoint`` with the named policy (``none``: unchanged)."""
+def custom_policy(save: Sequence[str] = (), offload: Sequence[str] = ()):
+  """A checkpoint policy keeping the tagged tensors ``save`` on the device, moving those in
+  ``offload`` to host memory and back, and recomputing the rest."""
+  return _CP.save_and_offload_only_these_names(
+      names_which_can_be_saved=list(save), names_which_can_be_offloaded=list(offload),
+      offload_src='device', offload_dst='pinned_host')
+
+
+def remat(fn: Callable, policy: str, *, save: Sequence[str] = (),
+          offload: Sequence[str] = ()) -> Callable:
+  """``fn`` wrapped in ``jax.checkpoint`` with the named policy (``none``: unchanged;
+  ``custom``: :func:`custom_policy` of ``save`` and ``offload``)."""
   if policy == 'none':
     return fn
+  if policy == 'custom':
+    return jax.checkpoint(fn, policy=custom_policy(save, offload), prevent_cse=False)
   if policy not in REMAT_POLICIES:
-    raise ValueError(f"Unknown remat_policy '{policy}'; known: none, "
+    raise ValueError(f"Unknown remat_policy '{policy}'; known: none, custom, "
                      f"{', '.join(REMAT_POLICIES)}.")
   return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)

@@ -543,7 +543,9 @@ class Transformer(nnx.Module):
       block = nnx.merge(graphdef, state)
       return block(x, cos_sin, mask, **spans, **static), nnx.state(block, MoeAux)
 
-    out, aux = remat(run, self.config.runtime.remat_policy)(state, x_BTD, cos_sin, mask, spans)
+    runtime = self.config.runtime
+    out, aux = remat(run, runtime.remat_policy, save=runtime.remat_save,
+                     offload=runtime.remat_offload)(state, x_BTD, cos_sin, mask, spans)
     nnx.update(block, aux)  # MoE routing statistics computed inside the remat
     return out
 
