@@ -1,4 +1,4 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p.
+"""Choosing the next token from logits: controls, then greedy, temperature, top-k, top-p.
 
 The one home of the sampling rule, for :func:`~maxnnx.inference.generate` (one setting for
 the whole batch, as static Python values) and the serving engine (a setting per row, as
@@ -6,7 +6,16 @@ arrays, so that changing one never recompiles). The rule is the same for both: g
 temperature 0; otherwise divide by the temperature, keep the ``top_k`` best tokens (ties
 kept), then the smallest set whose probability reaches ``top_p`` (the most likely token
 always stays), and sample.
+
+Before that rule, the logits may be adjusted per row (:func:`apply_controls`), as vLLM
+does (and OpenAI defines the penalties): a ``logit_bias`` is added (an id masked by
+``min_tokens`` gets ``-inf``), then the repetition penalty (HF / CTRL) divides the positive
+logits and multiplies the negative ones of every token seen in the prompt or the output,
+then the frequency and presence penalties (OpenAI) subtract ``count * frequency +
+(count > 0) * presence`` over the tokens generated so far.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -99,3 +108,85 @@ def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Arra
     return jnp.where(temperature_B > 0, sampled_B, greedy_B)
 
   return jax.lax.cond(jnp.any(temperature_B > 0), sample, lambda _: greedy_B, None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Controls:
+  """Per-row logit adjustments applied before sampling (see :func:`apply_controls`).
+
+  Attributes:
+    bias_ids_BK: ``[B, K]`` token ids to bias; ids ``>= vocab`` are padding.
+    bias_values_BK: ``[B, K]`` float32 value added to each id's logit (``-inf`` masks it).
+    presence_B: ``[B]`` OpenAI presence penalty (0: none).
+    frequency_B: ``[B]`` OpenAI frequency penalty (0: none).
+    repetition_B: ``[B]`` HF repetition penalty (1: none).
+    counts_BV: ``[B, vocab]`` int32 count of each token among the generated tokens, or
+      ``None`` when no row is penalised.
+    prompt_seen_BV: ``[B, vocab]`` bool, whether each token is in the row's prompt (for the
+      repetition penalty), or ``None`` with ``counts_BV``.
+  """
+
+  bias_ids_BK: jax.Array
+  bias_values_BK: jax.Array
+  presence_B: jax.Array
+  frequency_B: jax.Array
+  repetition_B: jax.Array
+  counts_BV: jax.Array | None = None
+  prompt_seen_BV: jax.Array | None = None
+
+
+def add_logit_bias(logits_BV: jax.Array, ids_BK: jax.Array, values_BK: jax.Array) -> jax.Array:
+  """``logits_BV`` plus ``values_BK`` at ``ids_BK`` of each row (repeated ids add up; ids
+  outside the vocabulary are padding and dropped)."""
+  rows_BK = jnp.broadcast_to(jnp.arange(logits_BV.shape[0])[:, None], ids_BK.shape)
+  return logits_BV.at[rows_BK, ids_BK].add(values_BK.astype(logits_BV.dtype), mode='drop')
+
+
+def penalize(logits_BV: jax.Array, counts_BV: jax.Array, prompt_seen_BV: jax.Array,
+             presence_B: jax.Array, frequency_B: jax.Array,
+             repetition_B: jax.Array) -> jax.Array:
+  """Repetition, frequency and presence penalties, as vLLM applies them.
+
+  The repetition penalty ``r`` (HF ``RepetitionPenaltyLogitsProcessor``, from CTRL) acts on
+  every token of the prompt or the output: a positive logit is divided by ``r``, a negative
+  one multiplied by it. Then OpenAI's rule over the generated tokens only:
+  ``logit - count * frequency - (count > 0) * presence``.
+
+  Args:
+    logits_BV: ``[B, vocab]`` float32 logits.
+    counts_BV: ``[B, vocab]`` int count of each token among the row's generated tokens.
+    prompt_seen_BV: ``[B, vocab]`` bool, token in the row's prompt.
+    presence_B, frequency_B: ``[B]`` penalties (0: none).
+    repetition_B: ``[B]`` penalty ``> 0`` (1: none).
+
+  Returns:
+    ``[B, vocab]`` penalised logits.
+  """
+  generated_BV = counts_BV > 0
+  repetition_B1 = repetition_B[:, None]
+  repeated_BV = jnp.where(logits_BV > 0, logits_BV / repetition_B1, logits_BV * repetition_B1)
+  logits_BV = jnp.where(prompt_seen_BV | generated_BV, repeated_BV, logits_BV)
+  return (logits_BV - counts_BV.astype(jnp.float32) * frequency_B[:, None]
+          - generated_BV.astype(jnp.float32) * presence_B[:, None])
+
+
+def apply_controls(logits_BV: jax.Array, controls: Controls | None) -> jax.Array:
+  """``logits_BV`` (as float32) with each row's :class:`Controls` applied; ``None`` or rows
+  that use none leave them as they are.
+
+  The penalties' ``[B, vocab]`` work is skipped (``lax.cond``) when no row asks for one.
+  """
+  logits_BV = logits_BV.astype(jnp.float32)
+  if controls is None:
+    return logits_BV
+  logits_BV = add_logit_bias(logits_BV, controls.bias_ids_BK, controls.bias_values_BK)
+  if controls.counts_BV is None:
+    return logits_BV
+  penalised = (jnp.any(controls.presence_B != 0) | jnp.any(controls.frequency_B != 0)
+               | jnp.any(controls.repetition_B != 1))
+  return jax.lax.cond(
+      penalised,
+      lambda x: penalize(x, controls.counts_BV, controls.prompt_seen_BV, controls.presence_B,
+                         controls.frequency_B, controls.repetition_B),
+      lambda x: x, logits_BV)
