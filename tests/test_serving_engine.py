@@ -9,6 +9,7 @@ from flax import nnx
 import maxnnx
 from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.engine import bucket, fine_bucket
+from tests.test_sampling_controls import numpy_penalties
 
 VOCAB = 97
 MODEL = dict(vocab_size=VOCAB, d_model=48, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=96,
@@ -248,10 +249,76 @@ def test_requests_the_engine_cannot_serve_are_refused(engine):
     engine.add_request([1], SamplingParams(stop='x'))
   with pytest.raises(ValueError, match='top_p=0'):
     SamplingParams(top_p=0)
+  with pytest.raises(ValueError, match=r'logit_bias names token 97, outside .*\[0, 97\)'):
+    engine.add_request([1], SamplingParams(logit_bias={97: 1.0}))
+  with pytest.raises(ValueError, match=r'frequency_penalty=2.5 \(need -2 <= '):
+    SamplingParams(frequency_penalty=2.5)
   small = Engine(_model(), page_size=4, max_batch=2, token_budget=8, max_model_len=64, max_pages=3)
   with pytest.raises(ValueError, match='more than the pool holds'):
     small.add_request(list(range(10)), _greedy(8))
   assert not engine.has_unfinished()
+
+
+def _penalised_greedy(model, prompts, params, steps):
+  """Greedy tokens under each request's penalties, from the definitions in float64 NumPy:
+  every step re-runs the model over the whole sequence (no cache) and penalises its last
+  logits with the counts of the tokens generated so far (``test_sampling_controls``)."""
+  forward = nnx.jit(lambda m, ids: m(ids))
+  width = max(map(len, prompts)) + steps
+  outputs = [[] for _ in prompts]
+  for _ in range(steps):
+    ids = np.zeros((len(prompts), width), np.int32)
+    for b, (prompt, out) in enumerate(zip(prompts, outputs)):
+      ids[b, :len(prompt) + len(out)] = prompt + out
+    logits = np.asarray(forward(model, ids), np.float64)
+    last = np.stack([logits[b, len(p) + len(o) - 1] for b, (p, o) in
+                     enumerate(zip(prompts, outputs))])
+    penalised = numpy_penalties(last, prompts, outputs,
+                                [p.presence_penalty for p in params],
+                                [p.frequency_penalty for p in params],
+                                [p.repetition_penalty for p in params])
+    for out, row in zip(outputs, penalised):
+      out.append(int(row.argmax()))
+  return outputs
+
+
+def test_penalties_steer_greedy_decoding_as_their_definitions_say(model, engine):
+  """Penalised greedy requests, batched continuously with unpenalised ones (and preempted
+  when pages run out, which refills their counts from their history), give the tokens the
+  NumPy reference of each penalty predicts, and those differ from plain greedy."""
+  rng = np.random.default_rng(7)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in rng.integers(8, 40, 8)]
+  penalties = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0), dict(),
+               dict(repetition_penalty=1.8), dict(frequency_penalty=-0.5, presence_penalty=1.0),
+               dict(repetition_penalty=0.6, frequency_penalty=0.4), dict(),
+               dict(presence_penalty=-1)]
+  params = [SamplingParams(max_tokens=20, ignore_eos=True, **p) for p in penalties]
+  preemptions = engine.scheduler.num_preemptions
+  streamed, _ = _run_staggered(engine, prompts, params, [0] * 5 + [2, 3, 3])
+  want = _penalised_greedy(model, prompts, params, 20)
+  assert [streamed[i] for i in range(8)] == want
+  assert engine.scheduler.num_preemptions > preemptions
+  plain = maxnnx.generate(model, prompts, max_new_tokens=20, eos_ids=None).as_lists()
+  assert all((streamed[i] == plain[i]) == (not p) for i, p in enumerate(penalties))
+  _assert_idle(engine)
+
+
+def test_logit_bias_forces_and_bans_and_min_tokens_delays_the_stop(model, engine):
+  """A bias of 100 forces its token, -100 bans greedy's choice, and ``min_tokens`` keeps a
+  stop id from being sampled until that many tokens are out."""
+  prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+  plain = engine.generate([prompt], _greedy(6))[0].token_ids
+  forced, banned, stopped, delayed = engine.generate([prompt] * 4, [
+      SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={11: 100}),
+      SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={plain[0]: -100}),
+      SamplingParams(max_tokens=6, stop_token_ids=(plain[0],)),
+      SamplingParams(max_tokens=6, stop_token_ids=(plain[0],), min_tokens=4)])
+  assert forced.token_ids == (11,) * 6
+  assert banned.token_ids[0] != plain[0]
+  assert stopped.token_ids == plain[:1] and stopped.finish_reason == 'stop'
+  assert len(delayed.token_ids) >= 4 and plain[0] not in delayed.token_ids[:4]
+  assert delayed.token_ids[0] == banned.token_ids[0]  # masked as a -inf bias
+  _assert_idle(engine)
 
 
 SLIDING = dict(vocab_size=VOCAB, d_model=48, num_layers=4, num_heads=4, num_kv_heads=2,

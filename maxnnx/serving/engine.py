@@ -34,7 +34,8 @@ tables, write slots and lengths, is a plain argument
 bucketed so that it compiles once per bucket, not per request mix, and the
 sampler, whose ``[max_batch, vocab]`` logits never change shape (it compiles
 once, and once more for steps where a row asks for log-probabilities, which
-it otherwise skips; the logits stay on the device between the two). The model's buckets:
+it otherwise skips, and for steps where a row uses a logit control, by the power of two
+of logit-bias entries; the logits stay on the device between the two). The model's buckets:
 the flat token count ``T`` is a power of two from 8 up to ``token_budget``; the
 widest row ``max_q`` is 1 (a pure decode step) or a power of two from 8 up to
 ``T``; the pages gathered per row ``M`` is a power of two or three quarters of one
@@ -47,6 +48,16 @@ row its work.
 :attr:`Engine.compile_count` counts the model step's traces,
 :attr:`Engine.step_shapes` lists the buckets run, and
 :meth:`Engine.max_compiles` is the bound.
+
+**Sampling controls.** ``logit_bias`` and ``min_tokens`` (its stop ids get a bias of
+``-inf`` until enough tokens are out) travel as a few ``(id, bias)`` pairs per row. The
+penalties need each request's token counts: rather than sending its history every step,
+the engine keeps two device arrays ``[max_batch + 1, vocab]`` (allocated with the first
+penalised request): the count of each generated token and whether it is in the prompt,
+one row per running penalised request (row 0 scratch). A request's row is filled from its
+history when it is scheduled without one (at admission, or again after a preemption), and
+the sampler adds each new token to it on the device, so a step moves ``O(batch)`` numbers,
+not ``O(batch * history)``.
 
 Page 0 of the pool is a scratch page: padding tokens write there and empty
 block-table entries point there (masked by the row lengths).
@@ -77,6 +88,7 @@ requests of the same images. Steps with image tokens are a second variant of eac
 bucket (two compiles at most per bucket).
 """
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -88,7 +100,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maxnnx.inference.sampling import row_keys, sample_rows
+from maxnnx.inference.sampling import Controls, apply_controls, row_keys, sample_rows
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.processes import host_value
 from maxnnx.serving.pages import PageAllocator
@@ -105,6 +117,7 @@ from maxnnx.sharding import state_shardings
 logger = logging.getLogger(__name__)
 
 MIN_TOKEN_BUCKET = 8
+MIN_BIAS_BUCKET = 8  # logit-bias entries per row: a power of two from 8
 
 
 def bucket(n: int, floor: int, cap: int) -> int:
@@ -257,6 +270,9 @@ class Engine:
     self._recurrent = recurrent
     # Recurrent-state slots: 1..max_batch for running requests, 0 scratch (empty rows).
     self._slots: dict[int, int] = {}  # request id -> its state slot
+    # Penalised requests' token counts on the device (see the module docstring).
+    self._history_rows: dict[int, int] = {}  # request id -> its row of _counts_SV
+    self._counts_SV = self._prompt_seen_SV = None
     self.scheduler = Scheduler(self.allocator, page_size=page_size, max_batch=max_batch,
                                token_budget=token_budget, prefix_caching=self.prefix_caching,
                                window=window, window_allocator=self.window_allocator)
@@ -333,6 +349,9 @@ class Engine:
                        f'(max_logprobs={self.max_logprobs}).')
     if params.stop and self.tokenizer is None:
       raise ValueError('Stop strings need an Engine with a tokenizer.')
+    if params.logit_bias and params.logit_bias[-1][0] >= vocab:
+      raise ValueError(f'logit_bias names token {params.logit_bias[-1][0]}, outside the '
+                       f'vocabulary [0, {vocab}).')
     spans, salt, embeddings = self._images(ids, images)
     request_id = self._next_id
     self._next_id += 1
@@ -396,12 +415,17 @@ class Engine:
     if not scheduled:
       return outputs
     model_inputs, sampling_inputs = self._inputs(scheduled)
+    controls, history_B = self._controls(scheduled), self._history(scheduled)
     logits_BV, self._cache = self._step_fn(self._params, self._cache, *model_inputs)
     # Log-probabilities (a softmax and a top-k over the vocabulary) only when a row asks.
     wants_logprobs = any(r.params.logprobs is not None for r, _ in scheduled)
     num_logprobs = max(self.max_logprobs, 1) if wants_logprobs else 0
-    tokens_B, chosen_B, top_ids_BN, top_lps_BN = _sample(num_logprobs, logits_BV,
-                                                         *sampling_inputs)
+    history = (None,) * 4 if history_B is None else (self._counts_SV, self._prompt_seen_SV,
+                                                     *history_B)
+    tokens_B, chosen_B, top_ids_BN, top_lps_BN, counts_SV = _sample(
+        num_logprobs, logits_BV, *sampling_inputs, controls, *history)
+    if history_B is not None:
+      self._counts_SV = counts_SV
     tokens_B = host_value(tokens_B)  # whole on every process of a model spread over several
     if wants_logprobs:
       chosen_B = host_value(chosen_B)
@@ -486,6 +510,68 @@ class Engine:
     for request, _ in scheduled:
       if request.request_id not in self._slots:
         self._slots[request.request_id] = free.pop()
+
+  def _controls(self, scheduled: list[tuple[Request, int]]):
+    """The rows' logit bias and penalties as :class:`Controls` arrays (without the counts,
+    which :meth:`_history` keeps), or ``None`` when no scheduled row uses a control."""
+    entries = [self._bias_entries(request) for request, _ in scheduled]
+    if not any(entries) and not any(r.params.penalized for r, _ in scheduled):
+      return None
+    rows, vocab = self.max_batch, self.model_config.vocab_size
+    width = bucket(max(len(e) for e in entries), MIN_BIAS_BUCKET, 1 << 30)
+    ids_BK = np.full((rows, width), vocab, np.int32)  # ids >= vocab are padding
+    values_BK = np.zeros((rows, width), np.float32)
+    presence_B, frequency_B = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+    repetition_B = np.ones(rows, np.float32)
+    for row, ((request, _), pairs) in enumerate(zip(scheduled, entries)):
+      if pairs:
+        ids_BK[row, :len(pairs)], values_BK[row, :len(pairs)] = zip(*pairs)
+      params = request.params
+      presence_B[row], frequency_B[row] = params.presence_penalty, params.frequency_penalty
+      repetition_B[row] = params.repetition_penalty
+    return Controls(ids_BK, values_BK, presence_B, frequency_B, repetition_B)
+
+  def _bias_entries(self, request: Request) -> list[tuple[int, float]]:
+    """``(token id, bias)`` pairs of the request's next token: its ``logit_bias``, and
+    ``-inf`` on its stop ids while fewer than ``min_tokens`` tokens are out."""
+    params = request.params
+    pairs = list(params.logit_bias)
+    if len(request.output_ids) < params.min_tokens:
+      stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+      pairs += [(i, -np.inf) for i in sorted(stops)]
+    return pairs
+
+  def _history(self, scheduled: list[tuple[Request, int]]):
+    """``(row of the count arrays, whether a token is added)`` per batch row, both ``[B]``,
+    for a step with penalised rows (else ``None``).
+
+    Frees the count rows of requests no longer running and fills one from its history for
+    each penalised request scheduled without one (new, or back after a preemption).
+    """
+    penalised = [(row, r) for row, (r, _) in enumerate(scheduled) if r.params.penalized]
+    running = {request.request_id for request in self.scheduler.running}
+    self._history_rows = {i: n for i, n in self._history_rows.items() if i in running}
+    if not penalised:
+      return None
+    vocab = self.model_config.vocab_size
+    if self._counts_SV is None:
+      self._counts_SV = jnp.zeros((self.max_batch + 1, vocab), jnp.int32)
+      self._prompt_seen_SV = jnp.zeros((self.max_batch + 1, vocab), bool)
+    free = sorted(set(range(1, self.max_batch + 1)) - set(self._history_rows.values()),
+                  reverse=True)
+    rows_B, emits_B = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, bool)
+    for row, request in penalised:
+      if request.request_id not in self._history_rows:
+        self._history_rows[request.request_id] = n = free.pop()
+        prompt = np.asarray(request.token_ids[:request.num_prompt])
+        self._counts_SV, self._prompt_seen_SV = _write_history(
+            self._counts_SV, self._prompt_seen_SV, n,
+            np.bincount(request.output_ids, minlength=vocab).astype(np.int32),
+            np.bincount(prompt, minlength=vocab) > 0)
+      rows_B[row] = self._history_rows[request.request_id]
+      # A prefill chunk that does not reach the last token samples nothing that is kept.
+      emits_B[row] = request.num_computed + scheduled[row][1] >= request.num_tokens
+    return rows_B, emits_B
 
   def _inputs(self, scheduled: list[tuple[Request, int]]):
     """The model step's arrays (see :class:`PagedBatch`) and the sampler's, for ``scheduled``."""
@@ -647,19 +733,38 @@ def _make_features(graphdef):
   return features
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_history(counts_SV, prompt_seen_SV, row, counts_V, prompt_seen_V):
+  """The count arrays with row ``row`` set to one request's counts and prompt tokens."""
+  return counts_SV.at[row].set(counts_V), prompt_seen_SV.at[row].set(prompt_seen_V)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(9,))
 def _sample(num_logprobs, logits_BV, temperature_B, top_k_B, top_p_B, seeds_B, counters_B,
-            logprob_temperature_B):
-  """Tokens, their log-probabilities and the top ones; ``[B, vocab]`` never changes shape,
-  so this compiles once per ``num_logprobs`` (0 when no row asks for log-probabilities: then
-  only the tokens are computed and the rest is None), apart from the bucketed model step.
-  Log-probabilities are of ``logits / logprob_temperature_B`` (1: the model's own)."""
-  tokens_B = sample_rows(logits_BV, row_keys(seeds_B, counters_B), temperature_B, top_k_B,
-                         top_p_B)
+            logprob_temperature_B, controls, counts_SV, prompt_seen_SV, history_rows_B, emits_B):
+  """Tokens, their log-probabilities and the top ones, and the new token counts.
+
+  ``[B, vocab]`` never changes shape, so this compiles once per ``num_logprobs`` (0 when no
+  row asks for log-probabilities: then only the tokens are computed and the log-probability
+  outputs are None) and per kind of ``controls`` (``None``, or :class:`Controls` without
+  counts and a power of two of bias entries), apart from the bucketed model step.
+  ``counts_SV`` (``None`` in a step without penalised rows) is each penalised request's
+  token counts, ``history_rows_B`` each batch row's row of it, and ``emits_B`` which rows
+  keep their token (added to the counts, which are returned).
+  Log-probabilities are of the model's logits (before the controls) divided by
+  ``logprob_temperature_B`` (1: the model's own).
+  """
+  if counts_SV is not None:
+    controls = dataclasses.replace(controls, counts_BV=counts_SV[history_rows_B],
+                                   prompt_seen_BV=prompt_seen_SV[history_rows_B])
+  tokens_B = sample_rows(apply_controls(logits_BV, controls), row_keys(seeds_B, counters_B),
+                         temperature_B, top_k_B, top_p_B)
+  if counts_SV is not None:
+    counts_SV = counts_SV.at[history_rows_B, tokens_B].add(emits_B.astype(jnp.int32))
   if not num_logprobs:
-    return tokens_B, None, None, None
+    return tokens_B, None, None, None, counts_SV
   scaled_BV = logits_BV.astype(jnp.float32) / logprob_temperature_B[:, None]
   logprobs_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
   chosen_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
   top_lps_BN, top_ids_BN = jax.lax.top_k(logprobs_BV, num_logprobs)
-  return tokens_B, chosen_B, top_ids_BN, top_lps_BN
+  return tokens_B, chosen_B, top_ids_BN, top_lps_BN, counts_SV

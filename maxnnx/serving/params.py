@@ -1,8 +1,11 @@
 """What a request asks for (:class:`SamplingParams`) and what the engine hands back."""
 
 import dataclasses
+import math
 
 MAX_SEED = 2**31 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_PENALTY = 2.0  # OpenAI's range for presence / frequency penalties: [-2, 2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +31,17 @@ class SamplingParams:
     scaled_logprobs: report ``logprobs`` under the distribution the token was drawn
       from, ``log_softmax(logits / temperature)`` (still before top-k and top-p), as
       an RL objective compares them; greedy requests use temperature 1.
+    logit_bias: ``{token_id: bias}`` added to those logits before sampling, each bias in
+      [-100, 100] (OpenAI's rule: -100 bans a token, 100 all but forces it); kept as
+      sorted ``(token_id, bias)`` pairs.
+    presence_penalty: OpenAI's, in [-2, 2]: subtracted once from the logit of every token
+      already generated (positive values favour new tokens).
+    frequency_penalty: OpenAI's, in [-2, 2]: subtracted from each token's logit as many
+      times as it was generated.
+    repetition_penalty: HF / CTRL's, ``> 0`` (1: none): the logit of every token of the
+      prompt or the output is divided by it when positive, multiplied when negative.
+    min_tokens: the end-of-sequence and ``stop_token_ids`` ids cannot be sampled before
+      this many tokens are out (stop strings still apply).
   """
 
   max_tokens: int = 16
@@ -40,9 +54,18 @@ class SamplingParams:
   ignore_eos: bool = False
   logprobs: int | None = None
   scaled_logprobs: bool = False
+  logit_bias: tuple[tuple[int, float], ...] = ()
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  min_tokens: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, 'stop_token_ids', tuple(int(i) for i in self.stop_token_ids))
+    bias = dict(self.logit_bias.items() if hasattr(self.logit_bias, 'items')
+                else self.logit_bias)
+    object.__setattr__(self, 'logit_bias',
+                       tuple(sorted((int(i), float(v)) for i, v in bias.items())))
     stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
     object.__setattr__(self, 'stop', stop)
     problems = []
@@ -60,8 +83,35 @@ class SamplingParams:
       problems.append(f'logprobs={self.logprobs} (need >= 0 or None)')
     if any(not s for s in stop):
       problems.append('an empty stop string')
+    problems += self._control_problems()
     if problems:
       raise ValueError(f"Invalid SamplingParams: {', '.join(problems)}.")
+
+  def _control_problems(self) -> list[str]:
+    """What is wrong with the logit controls (bias, penalties, ``min_tokens``)."""
+    problems = []
+    bad_bias = [(i, v) for i, v in self.logit_bias
+                if i < 0 or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS]
+    if bad_bias:
+      i, v = bad_bias[0]
+      problems.append(f'logit_bias {{{i}: {v}}} (need token ids >= 0 and biases in '
+                      f'[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}])')
+    for name in ('presence_penalty', 'frequency_penalty'):
+      value = getattr(self, name)
+      if not -MAX_PENALTY <= value <= MAX_PENALTY:
+        problems.append(f'{name}={value} (need -{MAX_PENALTY:g} <= {name} <= {MAX_PENALTY:g})')
+    if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+      problems.append(f'repetition_penalty={self.repetition_penalty} (need > 0; 1 is none)')
+    if not 0 <= self.min_tokens <= self.max_tokens:
+      problems.append(f'min_tokens={self.min_tokens} (need 0 <= min_tokens <= max_tokens='
+                      f'{self.max_tokens})')
+    return problems
+
+  @property
+  def penalized(self) -> bool:
+    """Whether a presence, frequency or repetition penalty needs the token history."""
+    return (self.presence_penalty != 0 or self.frequency_penalty != 0
+            or self.repetition_penalty != 1)
 
 
 @dataclasses.dataclass(frozen=True)
