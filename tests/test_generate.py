@@ -8,6 +8,8 @@ from flax import nnx
 
 import maxnnx
 from maxnnx.inference.sampling import row_keys, sample_next_token, sample_rows
+from maxnnx.serving import SamplingParams
+from tests.test_sampling_controls import penalised_greedy
 
 
 def _model(**overrides):
@@ -164,9 +166,32 @@ def test_generate_leaves_the_model_without_a_cache():
     (dict(prompt_ids=[[]]), 'at least one token'),
     (dict(max_new_tokens=0), 'max_new_tokens'),
     (dict(top_p=1.5), 'top_p'),
+    (dict(frequency_penalty=-3), r'frequency_penalty=-3 \(need -2'),
+    (dict(logit_bias={97: 1}), r'logit_bias names token 97'),
+    (dict(min_tokens=4), r'min_tokens=4 \(need 0 <= min_tokens <= max_new_tokens=3'),
 ])
 def test_bad_arguments(bad, message):
   """Bad prompts or sampling settings get a clear error before any compute."""
   kwargs = dict(prompt_ids=[[1, 2]], max_new_tokens=3) | bad
   with pytest.raises(ValueError, match=message):
     maxnnx.generate(_model(), **kwargs)
+
+
+def test_penalties_bias_and_min_tokens_follow_their_definitions():
+  """Penalised greedy rows equal the float64 NumPy reference, a bias of 100 forces its
+  token, and ``min_tokens`` holds back the end-of-sequence id that bias forces."""
+  model = _model()
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(0, 97, n).tolist() for n in (5, 11, 8)]
+  penalties = dict(presence_penalty=0.7, frequency_penalty=1.2, repetition_penalty=1.5)
+  got = maxnnx.generate(model, prompts, max_new_tokens=12, eos_ids=None, **penalties)
+  want = penalised_greedy(model, prompts, [SamplingParams(**penalties)] * 3, 12)
+  assert got.as_lists() == want
+  assert want != maxnnx.generate(model, prompts, max_new_tokens=12, eos_ids=None).as_lists()
+  forced = maxnnx.generate(model, prompts, max_new_tokens=12, logit_bias={7: 100.0},
+                           eos_ids=None)
+  assert (forced.tokens == 7).all()
+  stops = maxnnx.generate(model, prompts, max_new_tokens=12, logit_bias={7: 100.0}, eos_ids=7,
+                          min_tokens=3)
+  assert stops.lengths.tolist() == [4] * 3 and (stops.tokens[:, 3] == 7).all()
+  assert not (stops.tokens[:, :3] == 7).any()

@@ -3,6 +3,7 @@ their definitions, on random logits and random token histories."""
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from maxnnx.inference.sampling import Controls, add_logit_bias, apply_controls, penalize
 
@@ -21,6 +22,29 @@ def numpy_penalties(logits, prompts, outputs, presence, frequency, repetition):
       count = outputs[b].count(token)
       out[b, token] -= count * frequency[b] + presence[b]
   return out
+
+
+def penalised_greedy(model, prompts, params, steps):
+  """Greedy tokens under each request's penalties, from the definitions in float64 NumPy:
+  every step re-runs the model over the whole sequence (no cache) and penalises its last
+  logits with the counts of the tokens generated so far (:func:`numpy_penalties`)."""
+  forward = nnx.jit(lambda m, ids: m(ids))
+  width = max(map(len, prompts)) + steps
+  outputs = [[] for _ in prompts]
+  for _ in range(steps):
+    ids = np.zeros((len(prompts), width), np.int32)
+    for b, (prompt, out) in enumerate(zip(prompts, outputs)):
+      ids[b, :len(prompt) + len(out)] = prompt + out
+    logits = np.asarray(forward(model, ids), np.float64)
+    last = np.stack([logits[b, len(p) + len(o) - 1] for b, (p, o) in
+                     enumerate(zip(prompts, outputs))])
+    penalised = numpy_penalties(last, prompts, outputs,
+                                [p.presence_penalty for p in params],
+                                [p.frequency_penalty for p in params],
+                                [p.repetition_penalty for p in params])
+    for out, row in zip(outputs, penalised):
+      out.append(int(row.argmax()))
+  return outputs
 
 
 def histories(rng):

@@ -9,7 +9,7 @@ from flax import nnx
 import maxnnx
 from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.engine import bucket, fine_bucket
-from tests.test_sampling_controls import numpy_penalties
+from tests.test_sampling_controls import penalised_greedy
 
 VOCAB = 97
 MODEL = dict(vocab_size=VOCAB, d_model=48, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=96,
@@ -259,29 +259,6 @@ def test_requests_the_engine_cannot_serve_are_refused(engine):
   assert not engine.has_unfinished()
 
 
-def _penalised_greedy(model, prompts, params, steps):
-  """Greedy tokens under each request's penalties, from the definitions in float64 NumPy:
-  every step re-runs the model over the whole sequence (no cache) and penalises its last
-  logits with the counts of the tokens generated so far (``test_sampling_controls``)."""
-  forward = nnx.jit(lambda m, ids: m(ids))
-  width = max(map(len, prompts)) + steps
-  outputs = [[] for _ in prompts]
-  for _ in range(steps):
-    ids = np.zeros((len(prompts), width), np.int32)
-    for b, (prompt, out) in enumerate(zip(prompts, outputs)):
-      ids[b, :len(prompt) + len(out)] = prompt + out
-    logits = np.asarray(forward(model, ids), np.float64)
-    last = np.stack([logits[b, len(p) + len(o) - 1] for b, (p, o) in
-                     enumerate(zip(prompts, outputs))])
-    penalised = numpy_penalties(last, prompts, outputs,
-                                [p.presence_penalty for p in params],
-                                [p.frequency_penalty for p in params],
-                                [p.repetition_penalty for p in params])
-    for out, row in zip(outputs, penalised):
-      out.append(int(row.argmax()))
-  return outputs
-
-
 def test_penalties_steer_greedy_decoding_as_their_definitions_say(model, engine):
   """Penalised greedy requests, batched continuously with unpenalised ones (and preempted
   when pages run out, which refills their counts from their history), give the tokens the
@@ -295,7 +272,7 @@ def test_penalties_steer_greedy_decoding_as_their_definitions_say(model, engine)
   params = [SamplingParams(max_tokens=20, ignore_eos=True, **p) for p in penalties]
   preemptions = engine.scheduler.num_preemptions
   streamed, _ = _run_staggered(engine, prompts, params, [0] * 5 + [2, 3, 3])
-  want = _penalised_greedy(model, prompts, params, 20)
+  want = penalised_greedy(model, prompts, params, 20)
   assert [streamed[i] for i in range(8)] == want
   assert engine.scheduler.num_preemptions > preemptions
   plain = maxnnx.generate(model, prompts, max_new_tokens=20, eos_ids=None).as_lists()

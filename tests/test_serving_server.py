@@ -25,9 +25,10 @@ from flax import nnx
 import maxnnx
 from maxnnx.data import load_tokenizer
 from maxnnx.data.chat import encode_with_specials, load_chat_template
-from maxnnx.serving import Engine
+from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.openai_api import stable_text
 from maxnnx.serving.server import make_app
+from tests.test_sampling_controls import penalised_greedy
 
 NAME = 'tiny-chat'
 MAX_MODEL_LEN = 128
@@ -222,8 +223,14 @@ BAD_REQUESTS = [  # (endpoint, body, param)
     ('completions', {'model': NAME, 'prompt': 'hi', 'stream': 'yes'}, 'stream'),
     ('completions', {'model': NAME, 'prompt': 'hi', 'stop': ['']}, 'stop'),
     ('completions', {'model': NAME, 'prompt': 'hi', 'logprobs': 99}, 'logprobs'),
-    ('completions', {'model': NAME, 'prompt': 'hi', 'presence_penalty': 0.5},
+    ('completions', {'model': NAME, 'prompt': 'hi', 'presence_penalty': 2.5},
      'presence_penalty'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'repetition_penalty': 0}, 'repetition_penalty'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'logit_bias': {'x': 1}}, 'logit_bias'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'logit_bias': {'512': 1}}, 'logit_bias'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'logit_bias': {'5': 101}}, 'logit_bias'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'max_tokens': 4, 'min_tokens': 5},
+     'min_tokens'),
     ('completions', {'model': NAME, 'prompt': 5}, 'prompt'),
     ('completions', {'model': NAME, 'prompt': []}, 'prompt'),
     ('completions', {'model': NAME, 'prompt': [1, 100000]}, 'prompt'),
@@ -260,6 +267,42 @@ def test_bad_requests_answer_400_and_the_server_goes_on(server):
   ok = client.completions.create(model=NAME, prompt='hi', max_tokens=3, temperature=0,
                                  extra_body={'ignore_eos': True})
   assert ok.choices[0].finish_reason == 'length' and ok.usage.completion_tokens == 3
+
+
+def test_sampling_controls_through_the_openai_client(server, reference, tokenizer):
+  """Penalties give the greedy tokens their float64 NumPy definitions predict, a bias of 100
+  forces its token (also in chat), ``min_tokens`` holds back an end-of-sequence id the bias
+  forces, and a seed gives the same samples again, choice ``j`` of ``n`` using ``seed + j``."""
+  client = _client(server)
+  prompt = [5, 17, 42, 99, 7, 3, 17, 42]
+
+  def ask(max_tokens=10, temperature=0, extra=(), **fields):
+    response = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+        extra_body={'ignore_eos': True, 'return_token_ids': True, **dict(extra)}, **fields)
+    return [choice.token_ids for choice in response.choices], response.choices[-1]
+
+  [plain], _ = ask()
+  penalties = dict(frequency_penalty=1.5, presence_penalty=0.5)
+  [penalised], _ = ask(**penalties, extra={'repetition_penalty': 1.3})
+  want = penalised_greedy(reference, [prompt], [SamplingParams(**penalties,
+                                                               repetition_penalty=1.3)], 10)
+  assert penalised == want[0] and penalised != plain
+  [forced], _ = ask(logit_bias={'300': 100})
+  assert forced == [300] * 10
+  eos = {str(reference.config.eos_token_id): 100}
+  [at_once], choice = ask(logit_bias=eos, extra={'ignore_eos': False})
+  assert len(at_once) == 1 and choice.finish_reason == 'stop'
+  [held], choice = ask(logit_bias=eos, extra={'ignore_eos': False, 'min_tokens': 3})
+  assert len(held) == 4 and held[-1] == reference.config.eos_token_id
+  assert choice.finish_reason == 'stop'
+  chat = client.chat.completions.create(
+      model=NAME, messages=[{'role': 'user', 'content': 'hi'}], max_tokens=3, temperature=0,
+      logit_bias={'300': 100})
+  assert chat.choices[0].message.content == tokenizer.decode([300] * 3)
+  pair, _ = ask(temperature=1.0, n=2, seed=11)
+  assert ask(temperature=1.0, seed=11)[0][0] == pair[0]
+  assert ask(temperature=1.0, seed=12)[0][0] == pair[1] != pair[0]
 
 
 def test_a_long_prompt_holds_up_no_other_client(server):
@@ -310,7 +353,8 @@ def test_a_body_over_the_limit_answers_413(server):
 FUZZ_FIELDS = ('model', 'prompt', 'messages', 'n', 'temperature', 'top_p', 'top_k', 'seed',
                'stop', 'stop_token_ids', 'stream', 'stream_options', 'logprobs', 'top_logprobs',
                'ignore_eos', 'return_token_ids', 'best_of', 'echo', 'suffix', 'logit_bias',
-               'presence_penalty', 'response_format', 'tool_choice', 'modalities', 'user')
+               'presence_penalty', 'frequency_penalty', 'repetition_penalty', 'min_tokens',
+               'response_format', 'tool_choice', 'modalities', 'user')
 
 
 def _random_json(rng, depth=0):

@@ -11,6 +11,7 @@ token and stops early once every row has produced an end-of-sequence id.
 import dataclasses
 import functools
 import logging
+import types
 from collections.abc import Sequence
 
 import jax
@@ -18,7 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maxnnx.inference.sampling import sample_next_token
+from maxnnx.inference.sampling import (
+  Controls,
+  apply_controls,
+  control_problems,
+  logit_bias_pairs,
+  sample_next_token,
+)
 from maxnnx.processes import host_value
 
 logger = logging.getLogger(__name__)
@@ -86,10 +93,44 @@ def _prefill(graphdef, params, cache, ids, segments, positions, pixel_values=Non
   return model.logits(x_BTD[:, -1:])[:, 0], nnx.state(model, nnx.Not(nnx.Param))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+  """The batch's logit controls for :func:`_decode` (``None`` there when unused).
+
+  ``bias_ids_K`` / ``bias_values_K``: the ``logit_bias`` then the stop ids that
+  ``min_tokens`` masks (``-inf`` while ``step < min_tokens``, flagged by ``held_K``);
+  ``prompt_seen_BV``: each row's prompt tokens (repetition penalty), ``None`` when no
+  penalty is set (then no counts are kept either).
+  """
+
+  bias_ids_K: jax.Array
+  bias_values_K: jax.Array
+  held_K: jax.Array
+  min_tokens: jax.Array
+  penalties: jax.Array  # [presence, frequency, repetition]
+  prompt_seen_BV: jax.Array | None
+
+
+jax.tree_util.register_dataclass(_Rule)
+
+
+def _controls_at(rule: _Rule, step, counts_BV, batch: int) -> Controls:
+  """The :class:`Controls` of decode step ``step`` (``min_tokens`` masks while early)."""
+  values_K = jnp.where(rule.held_K & (step < rule.min_tokens), -jnp.inf, rule.bias_values_K)
+  presence, frequency, repetition = (jnp.full((batch,), p) for p in rule.penalties)
+  return Controls(jnp.broadcast_to(rule.bias_ids_K, (batch,) + rule.bias_ids_K.shape),
+                  jnp.broadcast_to(values_K, (batch,) + values_K.shape), presence, frequency,
+                  repetition, counts_BV, rule.prompt_seen_BV)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(9,))
 def _decode(graphdef, end_step, temperature, top_k, top_p, params, tokens, logprobs, done, cache,
-            logits, start_step, next_positions, eos_ids, pad_id, key):
-  """Sample tokens ``start_step..end_step-1``, feeding each back through the cache."""
+            logits, start_step, next_positions, eos_ids, pad_id, key, rule=None, counts=None):
+  """Sample tokens ``start_step..end_step-1``, feeding each back through the cache.
+
+  ``rule``: the logit controls (:class:`_Rule`), with ``counts`` ``[B, vocab]`` of the
+  tokens generated so far when it has penalties.
+  """
   batch = logits.shape[0]
 
   def cond(carry):
@@ -97,11 +138,15 @@ def _decode(graphdef, end_step, temperature, top_k, top_p, params, tokens, logpr
     return (step < end_step) & ~jnp.all(done)
 
   def body(carry):
-    step, tokens, logprobs, done, cache, logits, key = carry
+    step, tokens, logprobs, done, cache, logits, key, counts = carry
     key, sample_key = jax.random.split(key)
-    token = sample_next_token(logits, sample_key, temperature=temperature, top_k=top_k,
+    controlled = logits if rule is None else apply_controls(
+        logits, _controls_at(rule, step, counts, batch))
+    token = sample_next_token(controlled, sample_key, temperature=temperature, top_k=top_k,
                               top_p=top_p)
     token = jnp.where(done, pad_id, token)
+    if counts is not None:
+      counts = counts.at[jnp.arange(batch), token].add((~done).astype(counts.dtype))
     scaled_BV = logits.astype(jnp.float32) / (temperature or 1.0)
     logprob = (jnp.take_along_axis(scaled_BV, token[:, None], axis=-1)[:, 0]
                - jax.nn.logsumexp(scaled_BV, axis=-1))
@@ -112,11 +157,11 @@ def _decode(graphdef, end_step, temperature, top_k, top_p, params, tokens, logpr
     new_logits = model(token[:, None], segment_ids=jnp.ones((batch, 1), jnp.int32),
                        positions=(next_positions + step)[:, None], decode=True)
     return (step + 1, tokens, logprobs, done, nnx.state(model, nnx.Not(nnx.Param)),
-            new_logits[:, -1], key)
+            new_logits[:, -1], key, counts)
 
-  carry = (start_step, tokens, logprobs, done, cache, logits, key)
-  _, tokens, logprobs, done, cache, logits, key = jax.lax.while_loop(cond, body, carry)
-  return tokens, logprobs, done, cache, logits, key
+  carry = (start_step, tokens, logprobs, done, cache, logits, key, counts)
+  _, tokens, logprobs, done, cache, logits, key, counts = jax.lax.while_loop(cond, body, carry)
+  return tokens, logprobs, done, cache, logits, key, counts
 
 
 def _check_images(model, ids, pixel_values) -> None:
@@ -154,7 +199,9 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_ids: Sequence[int] | int | None | str = 'config', pad_id: int = 0, seed: int = 0,
              prompt_lengths: Sequence[int] | None = None,
-             pixel_values: np.ndarray | None = None) -> GenerationResult:
+             pixel_values: np.ndarray | None = None, logit_bias: dict[int, float] | None = None,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             repetition_penalty: float = 1.0, min_tokens: int = 0) -> GenerationResult:
   """Continue each prompt by up to ``max_new_tokens`` tokens.
 
   Args:
@@ -174,6 +221,11 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
     pixel_values: ``[num_images, channels, H, W]`` images for a model with a vision
       tower: their embeddings take the places of the image placeholder tokens of the
       prompts, in order (see :meth:`~maxnnx.Transformer.hidden_states`).
+    logit_bias, presence_penalty, frequency_penalty, repetition_penalty, min_tokens: logit
+      controls for every row, with :class:`~maxnnx.serving.SamplingParams`' meanings and
+      ranges (applied before temperature, top-k and top-p; see
+      :mod:`maxnnx.inference.sampling`). ``min_tokens`` holds back ``eos_ids``. The returned
+      ``logprobs`` stay those of the model's own logits.
 
   Returns:
     A :class:`GenerationResult` with ``tokens [B, max_new_tokens]`` and ``lengths``.
@@ -186,6 +238,10 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
                      f'temperature={temperature}, top_k={top_k}, top_p={top_p}.')
   ids, segments, positions, lengths = _left_pad(prompt_ids, prompt_lengths, pad_id)
   vocab = model.config.vocab_size
+  controls = _checked_controls(vocab, max_new_tokens, logit_bias=logit_bias or {},
+                               presence_penalty=presence_penalty,
+                               frequency_penalty=frequency_penalty,
+                               repetition_penalty=repetition_penalty, min_tokens=min_tokens)
   if top_k is not None and top_k > vocab:
     logger.warning('top_k=%d is larger than the vocabulary (%d tokens); using top_k=%d.', top_k,
                    vocab, vocab)
@@ -219,13 +275,15 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
   sampling = (float(temperature), top_k, top_p)
   extra = (jnp.asarray(lengths), jnp.asarray(eos), pad_id)
   key = jax.random.key(seed)
+  rule, counts = _rule(controls, ids, segments, eos, vocab)
   switch = _longrope_switch_step(work, width, max_new_tokens)
   if switch is None:
     tokens, logprobs, *_ = decode(max_new_tokens, *sampling, params, tokens, logprobs, done,
-                                  cache, logits, 0, *extra, key)
+                                  cache, logits, 0, *extra, key, rule, counts)
   else:
-    tokens, logprobs, done, cache, _, key = decode(switch, *sampling, params, tokens, logprobs,
-                                                   done, cache, logits, 0, *extra, key)
+    tokens, logprobs, done, cache, _, key, counts = decode(
+        switch, *sampling, params, tokens, logprobs, done, cache, logits, 0, *extra, key, rule,
+        counts)
     # Re-encode prompt + generated tokens with fresh keys, then continue.
     new = host_value(tokens[:, :switch])
     cache = jax.tree.map(jnp.zeros_like, cache)
@@ -235,8 +293,49 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
         np.concatenate([positions, lengths[:, None] + np.arange(switch)], 1),
         None if pixel_values is None else jnp.asarray(pixel_values))
     tokens, logprobs, *_ = decode(max_new_tokens, *sampling, params, tokens, logprobs, done,
-                                  cache, logits, switch, *extra, key)
+                                  cache, logits, switch, *extra, key, rule, counts)
   tokens = host_value(tokens)  # gathered when the rows are sharded over several processes
   ended = np.isin(tokens, eos)
   out_lengths = np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, max_new_tokens)
   return GenerationResult(tokens, out_lengths.astype(np.int32), host_value(logprobs))
+
+
+def _checked_controls(vocab: int, max_new_tokens: int, *, logit_bias, presence_penalty,
+                      frequency_penalty, repetition_penalty, min_tokens):
+  """The logit controls, checked as ``SamplingParams`` checks them (one error naming each
+  argument at fault), as a namespace :func:`_rule` reads."""
+  bias = logit_bias_pairs(logit_bias)
+  problems = control_problems(bias, presence_penalty, frequency_penalty, repetition_penalty,
+                              min_tokens, max_new_tokens)
+  if bias and bias[-1][0] >= vocab:
+    problems.append(f'logit_bias names token {bias[-1][0]}, outside the vocabulary '
+                    f'[0, {vocab})')
+  if problems:
+    raise ValueError(f"Invalid generate arguments: {', '.join(problems)}.".replace(
+        'max_tokens=', 'max_new_tokens='))
+  penalized = presence_penalty != 0 or frequency_penalty != 0 or repetition_penalty != 1
+  return types.SimpleNamespace(logit_bias=bias, presence_penalty=presence_penalty,
+                               frequency_penalty=frequency_penalty,
+                               repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+                               penalized=penalized)
+
+
+def _rule(controls, ids, segments, eos: np.ndarray, vocab: int):
+  """``(_Rule, zero counts)`` for :func:`_decode`, or ``(None, None)`` without controls;
+  counts are ``None`` without a penalty."""
+  held = eos if controls.min_tokens else np.zeros(0, np.int32)
+  if not controls.logit_bias and not held.size and not controls.penalized:
+    return None, None
+  bias_ids = np.array([i for i, _ in controls.logit_bias] + held.tolist(), np.int32)
+  bias_values = np.array([v for _, v in controls.logit_bias] + [0.0] * held.size, np.float32)
+  held_K = np.arange(len(bias_ids)) >= len(controls.logit_bias)
+  prompt_seen = counts = None
+  if controls.penalized:
+    prompt_seen = np.zeros((len(ids), vocab), bool)
+    for row, (row_ids, row_segments) in enumerate(zip(ids, segments)):
+      prompt_seen[row, row_ids[row_segments > 0]] = True
+    counts = jnp.zeros((len(ids), vocab), jnp.int32)
+  penalties = np.array([controls.presence_penalty, controls.frequency_penalty,
+                        controls.repetition_penalty], np.float32)
+  return _Rule(bias_ids, bias_values, held_K, np.int32(controls.min_tokens), penalties,
+               prompt_seen), counts

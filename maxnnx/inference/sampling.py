@@ -16,9 +16,43 @@ then the frequency and presence penalties (OpenAI) subtract ``count * frequency 
 """
 
 import dataclasses
+import math
+from collections.abc import Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_PENALTY = 2.0  # OpenAI's range for presence / frequency penalties: [-2, 2]
+
+
+def logit_bias_pairs(bias: Mapping | Iterable) -> tuple[tuple[int, float], ...]:
+  """``{token id: bias}`` (or ``(id, bias)`` pairs) as sorted ``(int, float)`` pairs."""
+  items = bias.items() if isinstance(bias, Mapping) else bias
+  return tuple(sorted((int(i), float(v)) for i, v in dict(items).items()))
+
+
+def control_problems(logit_bias: tuple[tuple[int, float], ...], presence_penalty: float,
+                     frequency_penalty: float, repetition_penalty: float, min_tokens: int,
+                     max_tokens: int) -> list[str]:
+  """What is wrong with these logit controls, one phrase per argument at fault."""
+  problems = []
+  bad_bias = [(i, v) for i, v in logit_bias
+              if i < 0 or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS]
+  if bad_bias:
+    i, v = bad_bias[0]
+    problems.append(f'logit_bias {{{i}: {v}}} (need token ids >= 0 and biases in '
+                    f'[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}])')
+  for name, value in (('presence_penalty', presence_penalty),
+                      ('frequency_penalty', frequency_penalty)):
+    if not -MAX_PENALTY <= value <= MAX_PENALTY:
+      problems.append(f'{name}={value} (need -{MAX_PENALTY:g} <= {name} <= {MAX_PENALTY:g})')
+  if not (repetition_penalty > 0 and math.isfinite(repetition_penalty)):
+    problems.append(f'repetition_penalty={repetition_penalty} (need > 0; 1 is none)')
+  if not 0 <= min_tokens <= max_tokens:
+    problems.append(f'min_tokens={min_tokens} (need 0 <= min_tokens <= max_tokens='
+                    f'{max_tokens})')
+  return problems
 
 
 def cut_top_k_top_p(scaled_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:

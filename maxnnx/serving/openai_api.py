@@ -9,12 +9,14 @@ is safe to send (never text a stop string could still take back, never half a
 UTF-8 character); the ``*_body`` and ``*_chunk`` functions build the JSON of a
 whole response and of a streamed chunk.
 
-Accepted beyond OpenAI's fields, as other OpenAI-compatible servers name them:
-``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (each choice
-then carries ``token_ids`` and ``prompt_token_ids``). Fields with no effect here
-(``user``, ``metadata``, ...) are ignored; fields that would change the output in
-a way the engine cannot honour (penalties, ``logit_bias``, ``echo``, tools, ...)
-are refused with 400 rather than silently dropped.
+OpenAI's sampling fields ``logit_bias``, ``presence_penalty``, ``frequency_penalty`` and
+``seed`` (choice ``j`` of a request uses ``seed + j``) are honoured. Accepted beyond
+OpenAI's fields, as other OpenAI-compatible servers name them: ``top_k``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and
+``return_token_ids`` (each choice then carries ``token_ids`` and ``prompt_token_ids``).
+Fields with no effect here (``user``, ``metadata``, ...) are ignored; fields that would
+change the output in a way the engine cannot honour (``echo``, tools, ...) are refused
+with 400 rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from maxnnx.data.chat import ChatTemplate, encode_with_specials
+from maxnnx.inference.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
 from maxnnx.serving.params import MAX_SEED, RequestOutput, SamplingParams, TokenLogprobs
 
 MAX_STOP_STRINGS = 4
@@ -202,11 +205,7 @@ def _check_length(ids: Sequence[int], served: ServedModel, param: str) -> None:
 def _sampling(body, served: ServedModel, kind: str, prompts, max_tokens_name: str,
               default_max_tokens: int | None, logprobs: int | None) -> tuple[int, list]:
   """``(n, one SamplingParams per choice)`` from the shared sampling fields."""
-  for name in ('presence_penalty', 'frequency_penalty'):
-    if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-      raise ApiError(f'{name} is not supported by this server (only 0).', param=name,
-                     code='unsupported_parameter')
-  _unsupported(body, 'logit_bias')
+  controls = _controls(body, served)
   n = _field(body, 'n', (int,), 1)
   if n < 1 or n * len(prompts) > MAX_CHOICES:
     raise ApiError(f'n={n} is out of range (need 1 <= n, and at most {MAX_CHOICES} choices in '
@@ -233,6 +232,9 @@ def _sampling(body, served: ServedModel, kind: str, prompts, max_tokens_name: st
     raise ApiError('stop_token_ids must be a list of integers.', param='stop_token_ids',
                    code='invalid_type')
   ignore_eos = _field(body, 'ignore_eos', (bool,), False)
+  if max_tokens is not None and controls['min_tokens'] > max_tokens:
+    raise ApiError(f"min_tokens={controls['min_tokens']} is more than {max_tokens_name}="
+                   f'{max_tokens}.', param='min_tokens', code='invalid_value')
   if kind == 'chat':
     stop_ids = [*stop_ids, *served.chat_stop_ids]
   params = []
@@ -245,10 +247,41 @@ def _sampling(body, served: ServedModel, kind: str, prompts, max_tokens_name: st
             max_tokens=min(max_tokens or room, room), temperature=temperature,
             top_k=top_k if top_k > 0 else None, top_p=None if top_p >= 1.0 else top_p,
             seed=choice_seed, stop_token_ids=tuple(stop_ids), stop=tuple(stop),
-            ignore_eos=ignore_eos, logprobs=logprobs))
+            ignore_eos=ignore_eos, logprobs=logprobs, **controls))
       except ValueError as e:
         raise ApiError(str(e), code='invalid_value') from None
   return n, params
+
+
+def _controls(body, served: ServedModel) -> dict:
+  """The logit controls (bias, penalties, ``min_tokens``) as ``SamplingParams`` fields."""
+  controls = {name: _number(body, name, 0.0, -MAX_PENALTY, MAX_PENALTY)
+              for name in ('presence_penalty', 'frequency_penalty')}
+  controls['repetition_penalty'] = _number(body, 'repetition_penalty', 1.0, 0.0, math.inf,
+                                           low_open=True)
+  controls['min_tokens'] = _field(body, 'min_tokens', (int,), 0)
+  if controls['min_tokens'] < 0:
+    raise ApiError(f"min_tokens={controls['min_tokens']} must be >= 0.", param='min_tokens',
+                   code='invalid_value')
+  controls['logit_bias'] = _logit_bias(_field(body, 'logit_bias', (dict,), {}), served)
+  return controls
+
+
+def _logit_bias(value: Mapping, served: ServedModel) -> dict[int, float]:
+  """``{"token id": bias}`` (JSON keys are strings) as ``{int: float}``, checked."""
+  bias = {}
+  for key, number in value.items():
+    token = int(key) if isinstance(key, str) and key.strip().isdigit() else -1
+    if not 0 <= token < served.vocab_size:
+      raise ApiError(f'logit_bias key {key!r} is not a token id in [0, {served.vocab_size}).',
+                     param='logit_bias', code='invalid_value')
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not (
+        -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS):
+      raise ApiError(f'logit_bias[{key!r}] must be a number in [-{MAX_LOGIT_BIAS:g}, '
+                     f'{MAX_LOGIT_BIAS:g}], got {_json_type(number)}.', param='logit_bias',
+                     code='invalid_value')
+    bias[token] = float(number)
+  return bias
 
 
 def _check_logprobs(value: int | None, served: ServedModel, param: str) -> int | None:

@@ -1,11 +1,10 @@
 """What a request asks for (:class:`SamplingParams`) and what the engine hands back."""
 
 import dataclasses
-import math
+
+from maxnnx.inference.sampling import control_problems, logit_bias_pairs
 
 MAX_SEED = 2**31 - 1
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
-MAX_PENALTY = 2.0  # OpenAI's range for presence / frequency penalties: [-2, 2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +61,7 @@ class SamplingParams:
 
   def __post_init__(self):
     object.__setattr__(self, 'stop_token_ids', tuple(int(i) for i in self.stop_token_ids))
-    bias = dict(self.logit_bias.items() if hasattr(self.logit_bias, 'items')
-                else self.logit_bias)
-    object.__setattr__(self, 'logit_bias',
-                       tuple(sorted((int(i), float(v)) for i, v in bias.items())))
+    object.__setattr__(self, 'logit_bias', logit_bias_pairs(self.logit_bias))
     stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
     object.__setattr__(self, 'stop', stop)
     problems = []
@@ -83,29 +79,11 @@ class SamplingParams:
       problems.append(f'logprobs={self.logprobs} (need >= 0 or None)')
     if any(not s for s in stop):
       problems.append('an empty stop string')
-    problems += self._control_problems()
+    problems += control_problems(self.logit_bias, self.presence_penalty,
+                                 self.frequency_penalty, self.repetition_penalty,
+                                 self.min_tokens, self.max_tokens)
     if problems:
       raise ValueError(f"Invalid SamplingParams: {', '.join(problems)}.")
-
-  def _control_problems(self) -> list[str]:
-    """What is wrong with the logit controls (bias, penalties, ``min_tokens``)."""
-    problems = []
-    bad_bias = [(i, v) for i, v in self.logit_bias
-                if i < 0 or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS]
-    if bad_bias:
-      i, v = bad_bias[0]
-      problems.append(f'logit_bias {{{i}: {v}}} (need token ids >= 0 and biases in '
-                      f'[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}])')
-    for name in ('presence_penalty', 'frequency_penalty'):
-      value = getattr(self, name)
-      if not -MAX_PENALTY <= value <= MAX_PENALTY:
-        problems.append(f'{name}={value} (need -{MAX_PENALTY:g} <= {name} <= {MAX_PENALTY:g})')
-    if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-      problems.append(f'repetition_penalty={self.repetition_penalty} (need > 0; 1 is none)')
-    if not 0 <= self.min_tokens <= self.max_tokens:
-      problems.append(f'min_tokens={self.min_tokens} (need 0 <= min_tokens <= max_tokens='
-                      f'{self.max_tokens})')
-    return problems
 
   @property
   def penalized(self) -> bool:
