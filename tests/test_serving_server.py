@@ -290,11 +290,11 @@ def test_sampling_controls_through_the_openai_client(server, reference, tokenize
   assert penalised == want[0] and penalised != plain
   [forced], _ = ask(logit_bias={'300': 100})
   assert forced == [300] * 10
-  eos = {str(reference.config.eos_token_id): 100}
+  eos = {str(tokenizer.eos_id): 100}
   [at_once], choice = ask(logit_bias=eos, extra={'ignore_eos': False})
   assert len(at_once) == 1 and choice.finish_reason == 'stop'
   [held], choice = ask(logit_bias=eos, extra={'ignore_eos': False, 'min_tokens': 3})
-  assert len(held) == 4 and held[-1] == reference.config.eos_token_id
+  assert len(held) == 4 and held[-1] == tokenizer.eos_id
   assert choice.finish_reason == 'stop'
   chat = client.chat.completions.create(
       model=NAME, messages=[{'role': 'user', 'content': 'hi'}], max_tokens=3, temperature=0,
