@@ -75,6 +75,15 @@ GENERATE_KEYS = {
     'top_k': (0, 'sample among the k most likely tokens (0: all; more than the vocabulary is '
               'clamped to it with a warning)'),
     'seed': (0, 'sampling seed'),
+    'logit_bias': ('', 'token ids and biases added to their logits, as id:bias,id:bias '
+                   '(each bias in [-100, 100]; e.g. 5:-100 bans token 5)'),
+    'presence_penalty': (0.0, "OpenAI's, in [-2, 2]: subtracted once from every generated "
+                         "token's logit"),
+    'frequency_penalty': (0.0, "OpenAI's, in [-2, 2]: subtracted per time a token was "
+                          'generated'),
+    'repetition_penalty': (1.0, "HF's, > 0 (1: none): divides the positive logits and "
+                           'multiplies the negative ones of prompt and generated tokens'),
+    'min_tokens': (0, 'tokens generated before the end-of-sequence token may be'),
     'quantization': ('none', 'quantize the linear layers for inference: int8, int4, fp8 '
                      '(weights) or w8a8 (int8 weights and activations)'),
     'tensor_parallel': (1, 'devices the model is sharded over (attention heads and MLP width; '
@@ -291,10 +300,26 @@ def generate(options: dict) -> str:
     model = _placed(model, mesh)
   if options['quantization'] != 'none':
     quantize_for_inference(model, options['quantization'])
+  controls = {name: options[name] for name in ('presence_penalty', 'frequency_penalty',
+                                               'repetition_penalty', 'min_tokens')}
   text = sample_text(model, tokenizer, options['prompt'], options['max_new_tokens'],
-                     options['temperature'], options['top_p'], options['seed'], options['top_k'])
+                     options['temperature'], options['top_p'], options['seed'], options['top_k'],
+                     logit_bias=_logit_bias(options['logit_bias']), **controls)
   print(text)
   return text
+
+
+def _logit_bias(text: str) -> dict[int, float]:
+  """``logit_bias=id:bias,id:bias`` as ``{id: bias}`` (empty: none)."""
+  bias = {}
+  for item in filter(None, (part.strip() for part in text.split(','))):
+    token, _, value = item.partition(':')
+    try:
+      bias[int(token)] = float(value)
+    except ValueError:
+      raise UsageError(f'logit_bias={text!r}: expected id:bias pairs separated by commas, '
+                       'e.g. logit_bias=5:-100,17:2.5') from None
+  return bias
 
 
 def _placed(model, mesh_config: MeshConfig):

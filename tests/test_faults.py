@@ -347,6 +347,22 @@ def test_top_k_past_the_vocabulary_is_clamped(finished, capsys, caplog):
   assert 'top_k=100000 is larger than the vocabulary (512 tokens)' in caplog.text
 
 
+def test_generate_takes_sampling_controls_and_refuses_bad_ones_in_one_line(finished, capsys):
+  """logit_bias=7:100 forces token 7 on every step (min_tokens and the penalties pass through);
+  a penalty out of range or a malformed bias is one line naming the key."""
+  from maxnnx.data import SentencePieceTokenizer  # noqa: PLC0415
+  assert cli.main(['generate', f'output_dir={finished}', 'prompt=KING:', 'temperature=0',
+                   'max_new_tokens=4', 'logit_bias=7:100', 'min_tokens=2',
+                   'frequency_penalty=0.5', 'repetition_penalty=1.2']) == 0
+  tokenizer = SentencePieceTokenizer(str(finished / 'tokenizer.model'))
+  assert capsys.readouterr().out.strip() == 'KING:' + tokenizer.decode([7] * 4)
+  for bad, named in (('frequency_penalty=3', 'frequency_penalty=3.0 (need -2 <='),
+                     ('logit_bias=7', "logit_bias='7': expected id:bias pairs"),
+                     ('logit_bias=7:500', 'logit_bias {7: 500.0}')):
+    assert cli.main(['generate', f'output_dir={finished}', 'max_new_tokens=2', bad]) == 2
+    assert named in _error_line(capsys.readouterr().err)
+
+
 def test_generate_with_quantized_weights_and_a_mode_that_does_not_exist(finished, capsys):
   """quantization=int8 generates from int8 linear layers; quantization=int3 is refused in one
   line naming the choices, before anything loads."""

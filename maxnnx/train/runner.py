@@ -476,7 +476,7 @@ def train_in(run_dir, options: dict, recipe: RunRecipe = PRETRAINING) -> dict:
 
 
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
-                top_p: float, seed: int, top_k: int = 0) -> str:
+                top_p: float, seed: int, top_k: int = 0, **controls) -> str:
   """``prompt`` continued by ``model`` (the sample a run prints, and ``maxnnx generate``).
 
   Args:
@@ -488,16 +488,19 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature:
     top_p: nucleus sampling mass.
     seed: sampling seed.
     top_k: sample among the k most likely tokens (0: all).
+    **controls: ``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
+      ``repetition_penalty``, ``min_tokens``, as :func:`~maxnnx.generate` takes them.
 
   Raises:
-    ValueError: the prompt alone fills the model's context.
+    ValueError: the prompt alone fills the model's context, or a control is out of range.
   """
   import maxnnx  # noqa: PLC0415
   ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
   max_new_tokens = _within_context(model.config.max_position_embeddings, len(ids),
                                    max_new_tokens)
   result = maxnnx.generate(model, [ids], max_new_tokens, temperature=temperature, top_p=top_p,
-                           top_k=top_k or None, eos_ids=[tokenizer.eos_id], seed=seed)
+                           top_k=top_k or None, eos_ids=[tokenizer.eos_id], seed=seed,
+                           **controls)
   return prompt + tokenizer.decode(result.as_lists()[0])
 
 
