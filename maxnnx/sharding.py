@@ -72,14 +72,19 @@ _CURRENT_RULES: contextvars.ContextVar[dict[str, MeshAxes] | None] = contextvars
     'maxnnx_logical_rules', default=None)
 _PIPELINE_SCHEDULE: contextvars.ContextVar[tuple[int | None, int]] = contextvars.ContextVar(
     'maxnnx_pipeline_schedule', default=(None, 1))
+_CONTEXT_STRATEGY: contextvars.ContextVar[str] = contextvars.ContextVar(
+    'maxnnx_context_parallel_strategy', default='all_gather')
 
 
 def logical_rules(mesh_config: MeshConfig | None = None) -> dict[str, MeshAxes]:
-  """The rules for ``mesh_config``: defaults, then sequence parallelism, then overrides."""
+  """The rules for ``mesh_config``: defaults, then sequence parallelism and the context
+  strategy (``ring`` keeps keys and values split along the sequence), then overrides."""
   rules = dict(DEFAULT_RULES)
   if mesh_config is not None:
     if mesh_config.sequence_parallel:
       rules['activation_norm_length'] = ('context', 'tensor')
+    if mesh_config.context_parallel_strategy == 'ring':
+      rules['activation_kv_length'] = 'context'
     for name, axes in mesh_config.rules:
       rules[name] = axes
   return rules
@@ -201,22 +206,27 @@ def spec_for(names: Sequence[str | None], rules: dict[str, MeshAxes] | None = No
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: dict[str, MeshAxes] | None = None, *,
-             pipeline_microbatches: int | None = None, pipeline_repeats: int = 1):
+             pipeline_microbatches: int | None = None, pipeline_repeats: int = 1,
+             context_parallel_strategy: str = 'all_gather'):
   """Make ``mesh`` current (``jax.set_mesh``) and ``rules`` the logical rules.
 
   ``pipeline_microbatches`` is how many micro-batches a pipelined layer stack
   (mesh axis ``stage`` > 1) splits each batch into (default: one per stage), and
   ``pipeline_repeats`` how many times each micro-batch goes round the stages (1: GPipe;
   more: a circular pipeline, see :mod:`maxnnx.parallel.pipeline`).
+  ``context_parallel_strategy`` is how attention crosses the ``context`` axis
+  (``MeshConfig.context_parallel_strategy``).
   """
   token = _CURRENT_RULES.set(dict(DEFAULT_RULES) if rules is None else dict(rules))
   pipeline_token = _PIPELINE_SCHEDULE.set((pipeline_microbatches, pipeline_repeats))
+  strategy_token = _CONTEXT_STRATEGY.set(context_parallel_strategy)
   try:
     with jax.set_mesh(mesh):
       yield mesh
   finally:
     _CURRENT_RULES.reset(token)
     _PIPELINE_SCHEDULE.reset(pipeline_token)
+    _CONTEXT_STRATEGY.reset(strategy_token)
 
 
 def pipeline_microbatches() -> int:
@@ -228,6 +238,12 @@ def pipeline_microbatches() -> int:
 def pipeline_repeats() -> int:
   """Rounds of the stages each micro-batch makes under the current mesh (1: GPipe)."""
   return _PIPELINE_SCHEDULE.get()[1]
+
+
+def context_parallel_strategy() -> str:
+  """How attention crosses the ``context`` axis under the current mesh (``all_gather``
+  or ``ring``)."""
+  return _CONTEXT_STRATEGY.get()
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from maxnnx.config.base import ConfigError, ValidatedConfig
 
@@ -31,6 +32,13 @@ class MeshConfig(ValidatedConfig):
       sequence over ``tensor`` (norms run on a slice of the tokens).
     context_load_balance: reorder tokens so every ``context`` shard gets an
       equal share of causal-attention work.
+    context_parallel_strategy: how attention reaches the keys of other ``context``
+      shards. ``all_gather`` (the default and the reference): every shard gathers
+      the whole sequence's keys and values (GSPMD). ``ring``: each shard keeps
+      its queries and passes key/value blocks around the ``context`` axis, one
+      neighbour per step, merging the partial results with an online softmax
+      (``maxnnx.layers.context_parallel``); no shard holds the whole sequence's
+      keys in the forward pass.
     pipeline_microbatches: microbatches per step when ``stage > 1``; ``None``
       means one per stage.
     pipeline_repeats: rounds of the stages each micro-batch makes (MaxText's
@@ -57,6 +65,7 @@ class MeshConfig(ValidatedConfig):
   dcn_stage: int = 1
   sequence_parallel: bool = False
   context_load_balance: bool = True
+  context_parallel_strategy: Literal['all_gather', 'ring'] = 'all_gather'
   pipeline_microbatches: int | None = None
   pipeline_repeats: int = 1
   rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()

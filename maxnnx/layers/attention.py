@@ -23,6 +23,7 @@ from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
 from maxnnx.kernels.paged_attention import PagedBatch
+from maxnnx.layers.context_parallel import attend
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.params import logical_param
@@ -30,7 +31,8 @@ from maxnnx.layers.rope import apply_rope, deinterleave
 from maxnnx.sharding import constrain
 
 Q_AXES = ('activation_batch', 'activation_length', 'activation_heads', None)
-# Keys/values are gathered along the sequence under context parallelism.
+# Keys/values are gathered along the sequence under context parallelism (split along it
+# with the ring strategy: see maxnnx.layers.context_parallel).
 KV_AXES = ('activation_batch', 'activation_kv_length', 'activation_kv_heads', None)
 OUT_AXES = ('activation_batch', 'activation_length', 'activation_embed')
 
@@ -211,7 +213,8 @@ class Attention(nnx.Module):
     k_BTKH = checkpoint_name(constrain(k_BTKH, KV_AXES), 'key_proj')
     v_BTKH = checkpoint_name(constrain(v_BTKH, KV_AXES), 'value_proj')
     options = self._options(sliding_window, chunk_size)
-    out_BTNH = self._gate(self.kernel(q_BTNH, k_BTKH, v_BTKH, mask, options), gate_BTNH)
+    out_BTNH = self._gate(attend(self.kernel, q_BTNH, k_BTKH, v_BTKH, mask, options),
+                          gate_BTNH)
     out_BTNH = checkpoint_name(constrain(out_BTNH, Q_AXES), 'attention_out')
     out_BTD = checkpoint_name(constrain(self.o_proj(out_BTNH), OUT_AXES), 'out_proj')
     return (out_BTD, (k_BTKH, v_BTKH)) if return_kv else out_BTD

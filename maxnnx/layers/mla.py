@@ -39,6 +39,7 @@ from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.attention import KV_AXES, OUT_AXES, Q_AXES
+from maxnnx.layers.context_parallel import attend
 from maxnnx.layers.indexer import LightningIndexer
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norms import RMSNorm
@@ -214,7 +215,7 @@ class MLA(nnx.Module):
     v_BSNQ = checkpoint_name(constrain(v_BSNQ, KV_AXES), 'value_proj')
     options = AttentionOptions(scale=self.scale, softcap=self.softcap,
                                sliding_window=sliding_window, key_mask_BTS=key_mask_BTS)
-    out = self.kernel(q_BTNQ, k_BSNQ, v_BSNQ, mask, options)
+    out = attend(self.kernel, q_BTNQ, k_BSNQ, v_BSNQ, mask, options)
     return checkpoint_name(constrain(out[..., :self.v_dim], Q_AXES), 'attention_out')
 
   def _paged(self, q_1TNQ, latent_1TL, k_rot_1T1R, paged: PagedBatch, sliding_window,

@@ -305,9 +305,11 @@ class Trainer:
     return self._frozen_objects
 
   def _context(self):
+    mesh = self.config.mesh
     return sharding.use_mesh(self.mesh, self.rules,
-                             pipeline_microbatches=self.config.mesh.pipeline_microbatches,
-                             pipeline_repeats=self.config.mesh.pipeline_repeats)
+                             pipeline_microbatches=mesh.pipeline_microbatches,
+                             pipeline_repeats=mesh.pipeline_repeats,
+                             context_parallel_strategy=mesh.context_parallel_strategy)
 
   def mesh_context(self):
     """A context in which the trainer's mesh and logical-axis rules apply (to run the model
