@@ -5,13 +5,17 @@ in the plain and the load-balanced token order, with grouped heads, packed docum
 windows and sinks; its gradients equal the all-gather strategy's.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import cli_losses
 from jax.sharding import NamedSharding
 from numpy_reference import attention, visible
 
+from maxnnx.checkpoint.run_lock import LOCK_NAME
 from maxnnx.config import ConfigError, MeshConfig
 from maxnnx.kernels import AttentionMask, AttentionOptions, XlaAttention
 from maxnnx.layers.attention import Q_AXES
@@ -108,3 +112,48 @@ def test_ring_refuses_a_sequence_that_does_not_split():
   with pytest.raises(ConfigError, match='seq_len that is a multiple of 8'):
     _ring(q[:, :20], k[:, :20], v[:, :20], segments[:, :20], positions[:, :20], options,
           mesh_config)
+
+
+def _sequence_gathers(hlo: str, seq_len: int) -> int:
+  """All-gathers in ``hlo`` that assemble a ``[B, seq_len, heads, head_dim]`` array along the
+  sequence (keys or values gathered from the context shards)."""
+  pattern = rf'= f32\[\d+,{seq_len},\d+,\d+\]\{{[\d,]*\}} all-gather\(.*dimensions=\{{1\}}'
+  return len(re.findall(pattern, hlo))
+
+
+@pytest.mark.slow  # 45 s: three CLI runs
+def test_cli_ring_trains_like_one_device(tmp_path, capsys):
+  """``mesh.context_parallel_strategy=ring`` on data=2 x context=4 (load-balanced, sliding and
+  full layers): every step's loss equals one device's, and the compiled train step passes
+  keys and values around the ring where the all-gather strategy gathers them."""
+  common = ['train', 'model=tiny', 'model.num_layers=2', 'model.sliding_window=8',
+            'model.layer_types=sliding,full', 'data=synthetic', 'steps=3', 'log_every=1',
+            'global_batch_size=8', 'seq_len=32', 'sample_tokens=0', 'eval_every=0',
+            'checkpoint_every=0', 'dtype=float32']
+  context = ['mesh.data=2', 'mesh.context=4', 'dump_hlo=true']
+  losses = cli_losses(tmp_path, capsys, common, {
+      'one': ['mesh.data=1'], 'ring': [*context, 'mesh.context_parallel_strategy=ring'],
+      'all_gather': context})
+  np.testing.assert_allclose(losses['ring'], losses['one'], rtol=1e-4)
+  np.testing.assert_allclose(losses['all_gather'], losses['one'], rtol=1e-4)
+  hlo = {name: (tmp_path / name / 'hlo' / 'train_step.optimized.hlo.txt').read_text()
+         for name in ('ring', 'all_gather')}
+  assert hlo['ring'].count('collective-permute(') > 0
+  assert _sequence_gathers(hlo['ring'], 32) == 0
+  assert hlo['all_gather'].count('collective-permute(') == 0
+  assert _sequence_gathers(hlo['all_gather'], 32) > 0
+
+
+def test_cli_refuses_ring_over_an_uneven_split_before_writing(tmp_path, capsys):
+  from maxnnx import cli  # noqa: PLC0415
+  out = tmp_path / 'run'
+  out.mkdir()
+  (out / 'notes.txt').write_text('kept')
+  code = cli.main(['train', 'model=tiny', 'data=synthetic', 'steps=1', 'seq_len=30',
+                   'mesh.data=2', 'mesh.context=4', 'mesh.context_parallel_strategy=ring',
+                   f'output_dir={out}'])
+  err = capsys.readouterr().err.strip()
+  assert code == 2
+  assert err.splitlines() == [err] and 'use a seq_len that is a multiple of 4' in err
+  assert sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME) == ['notes.txt']
+  assert (out / 'notes.txt').read_text() == 'kept'

@@ -84,3 +84,16 @@ class MeshConfig(ValidatedConfig):
     if self.pipeline_repeats < 1:
       raise ConfigError(f'MeshConfig.pipeline_repeats={self.pipeline_repeats}: must be >= 1 '
                         '(1 is GPipe).')
+
+
+def check_ring_split(strategy: str, length: int, shards: int) -> None:
+  """Refuse a ``ring`` context strategy whose sequence of ``length`` tokens does not split
+  evenly over ``shards`` context shards (``all_gather`` takes any length).
+
+  Raises:
+    ConfigError: naming ``seq_len`` and the multiple it needs.
+  """
+  if strategy == 'ring' and shards > 1 and length % shards:
+    raise ConfigError(f'mesh.context_parallel_strategy=ring splits the sequence over '
+                      f'{shards} context shards, but it is {length} tokens long: use a seq_len '
+                      f'that is a multiple of {shards}.')

@@ -14,7 +14,7 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
-from maxnnx.config import ConfigError
+from maxnnx.config import ConfigError, check_ring_split
 from maxnnx.kernels.attention import AttentionKernel
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
@@ -37,11 +37,7 @@ def attend(kernel: AttentionKernel, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH
   self_attention = mask is not None and q_BTNH.shape[1] == k_BSKH.shape[1]
   if context_parallel_strategy() != 'ring' or shards == 1 or not self_attention:
     return kernel(q_BTNH, k_BSKH, v_BSKH, mask, options)
-  length = q_BTNH.shape[1]
-  if length % shards:
-    raise ConfigError(f'mesh.context_parallel_strategy=ring splits the sequence over '
-                      f'mesh.context={shards}, but it is {length} tokens long: use a seq_len '
-                      f'that is a multiple of {shards}.')
+  check_ring_split('ring', q_BTNH.shape[1], shards)
   if options.key_mask_BTS is not None:
     raise ConfigError('mesh.context_parallel_strategy=ring cannot pass a dense key mask '
                       '(sparse attention) around the ring: use '

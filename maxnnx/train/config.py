@@ -7,7 +7,7 @@ import math
 import re
 from typing import Literal
 
-from maxnnx.config import ConfigError, MeshConfig, ValidatedConfig
+from maxnnx.config import ConfigError, MeshConfig, ValidatedConfig, check_ring_split
 from maxnnx.train.diagnostics import parse_profile_spec
 from maxnnx.train.lora.config import LoraConfig
 
@@ -195,6 +195,8 @@ class TrainConfig(ValidatedConfig):
     for name in ('router_aux_loss_coef', 'router_z_loss_coef', 'mtp_loss_scaling_factor'):
       if getattr(self, name) < 0:
         raise ConfigError(f'TrainConfig.{name} must be >= 0, got {getattr(self, name)}.')
+    check_ring_split(self.mesh.context_parallel_strategy, self.seq_len,
+                     self.mesh.context * self.mesh.dcn_context)  # -1 (not known yet): at trace
     if self.skip_spike_factor is not None and self.skip_spike_factor <= 1:
       raise ConfigError('TrainConfig.skip_spike_factor must be > 1 (or None to never skip).')
     if self.profile:
