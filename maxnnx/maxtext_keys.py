@@ -94,7 +94,8 @@ _NO_AXIS = {
     'fsdp_transpose': "maxnnx's mesh has no second FSDP axis (2-D FSDP); use fsdp and tensor",
     'sequence': "MaxText's legacy sequence axis; use ici_context_parallelism (context)",
     'tensor_sequence': 'no tensor-sequence axis; use tensor with mesh.sequence_parallel=true',
-    'context_usp_ulysses': 'no Ulysses (head-exchange) context axis; context all-gathers keys',
+    'context_usp_ulysses': 'no Ulysses (head-exchange) context axis; see '
+                           'context_parallel_strategy',
     'context_autoregressive': 'no autoregressive context axis (inference only in MaxText)',
     'autoregressive': 'no autoregressive axis (inference only in MaxText)',
     'diloco': 'no DiLoCo training',
@@ -223,6 +224,10 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'num_layers_per_pipeline_stage': _refuse(int, 1, 'give num_pipeline_repeats = num_layers / '
                                              '(stages x layers per stage) instead'),
     'num_slices': _noop(int, -1, 'the slices are the dcn_* axes'),
+    'context_parallel_strategy': _map('mesh.context_parallel_strategy', str, 'all_gather',
+                                      _choice({'all_gather': 'all_gather', 'ring': 'ring'},
+                                              'context_parallel_strategy')),
+    'context_parallel_load_balance': _map('mesh.context_load_balance', bool, True),
     **_mesh_rules(),
     # The model (over the preset of model_name)
     'base_emb_dim': _map('model.d_model', int, 2048),

@@ -55,6 +55,14 @@ def test_keys_map_with_their_values_converted():
   assert model.runtime.attention_impl == 'xla_flash'
 
 
+def test_context_parallel_keys_reach_the_mesh():
+  _, train, _ = _configs('per_device_batch_size=1', 'ici_context_parallelism=4',
+                         'context_parallel_strategy=ring', 'context_parallel_load_balance=false')
+  assert train.mesh.context == 4 and train.mesh.context_parallel_strategy == 'ring'
+  assert not train.mesh.context_load_balance
+  assert _configs('per_device_batch_size=1')[1].mesh.context_parallel_strategy == 'all_gather'
+
+
 def test_maxtext_defaults_are_honoured():
   """Its optimizer, schedule, mesh, scan and remat, checkpoint period and default model."""
   run, train, model = _configs('per_device_batch_size=1', 'steps=50')
@@ -84,6 +92,7 @@ def test_refusals_and_notes(capsys):
       'model_name=deepseek3-671b-batchsplit': 'batch-split schedule',
       'model_name=qwen3-vl-4b': 'Qwen3-VL',
       'model_name=llama3.2-1b': 'Did you mean',
+      'context_parallel_strategy=ulysses': "takes 'all_gather', 'ring'",
   }
   for arg, message in cases.items():
     assert cli.main(['train', 'per_device_batch_size=1', arg]) == 2, arg
