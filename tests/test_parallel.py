@@ -51,6 +51,7 @@ MESHES = {
     'tp_sequence_parallel': MeshConfig(data=2, tensor=4, sequence_parallel=True),
     'cp': MeshConfig(data=2, context=4),
     'cp_unbalanced': MeshConfig(data=2, context=4, context_load_balance=False),
+    'cp_ring': MeshConfig(data=2, context=4, context_parallel_strategy='ring'),
     'pp': MeshConfig(data=2, stage=4),
     'pp_fsdp_tp_microbatches': MeshConfig(stage=2, fsdp=2, tensor=2, pipeline_microbatches=4),
     # Circular: 4 layers in 2 stages x 2 repeats, one micro-batch per stage (each output goes
