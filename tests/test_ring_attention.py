@@ -157,3 +157,11 @@ def test_cli_refuses_ring_over_an_uneven_split_before_writing(tmp_path, capsys):
   assert err.splitlines() == [err] and 'use a seq_len that is a multiple of 4' in err
   assert sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME) == ['notes.txt']
   assert (out / 'notes.txt').read_text() == 'kept'
+
+
+def test_ring_refuses_a_dense_key_mask():
+  q, k, v, segments, positions = _inputs(balanced=False, packed=False)
+  key_mask = jnp.ones((BATCH, LENGTH, LENGTH), bool)
+  options = AttentionOptions(scale=1.0, key_mask_BTS=key_mask)
+  with pytest.raises(ConfigError, match='context_parallel_strategy=all_gather'):
+    _ring(q, k, v, segments, positions, options, RING)
