@@ -49,18 +49,21 @@ def device_memory_limit(device, override_gib: float | None = None) -> tuple[int 
 
 
 def memory_report(compiled, mesh: Mesh, override_gib: float | None = None) -> dict:
-  """Per-device bytes of a compiled step: arguments, outputs, temporaries, peak."""
+  """Per-device bytes of a compiled step: arguments, outputs, temporaries, peak, and what
+  lives in host memory (offloaded tensors, on backends that place them there)."""
   analysis = compiled.memory_analysis()
   args = getattr(analysis, 'argument_size_in_bytes', 0)
   outs = getattr(analysis, 'output_size_in_bytes', 0)
   alias = getattr(analysis, 'alias_size_in_bytes', 0)
   temp = getattr(analysis, 'temp_size_in_bytes', 0)
   code = getattr(analysis, 'generated_code_size_in_bytes', 0)
+  host = sum(getattr(analysis, f'host_{k}_size_in_bytes', 0) or 0
+             for k in ('argument', 'output', 'temp'))
   peak = args + outs - alias + temp
   limit, source = device_memory_limit(mesh.devices.flat[0], override_gib)
   return {'argument_bytes': args, 'output_bytes': outs, 'alias_bytes': alias,
           'temp_bytes': temp, 'code_bytes': code, 'peak_bytes': peak, 'limit_bytes': limit,
-          'limit_source': source, 'devices': mesh.size}
+          'limit_source': source, 'devices': mesh.size, 'host_bytes': host}
 
 
 def format_memory_report(report: dict) -> str:
@@ -71,7 +74,9 @@ def format_memory_report(report: dict) -> str:
   return (f"compiled train step in {report.get('compile_seconds', 0):.1f}s{cache}; per device: "
           f"arguments {format_gib(report['argument_bytes'])}, "
           f"temporaries {format_gib(report['temp_bytes'])}, "
-          f"peak {format_gib(report['peak_bytes'])} of {limit}")
+          f"peak {format_gib(report['peak_bytes'])} of {limit}"
+          + (f"; host memory {format_gib(report['host_bytes'])} (offloaded)"
+             if report.get('host_bytes') else ''))
 
 
 def overshoot_message(report: dict) -> str | None:
