@@ -49,6 +49,8 @@ class TrainConfig(ValidatedConfig):
       Adam part of Muon): ``m / (sqrt(v + eps_root) + eps)``.
     mu_dtype: dtype of the first moment (AdamW, Muon's momentum, SGD's momentum), e.g.
       ``bfloat16`` to halve its memory; ``None`` keeps the parameters' dtype.
+    optimizer_memory_host_offload: keep the optimizer's moments in host memory between
+      steps (copied to the devices for each update; :mod:`maxnnx.train.offload`).
     momentum: SGD momentum (0 = plain SGD).
     clip_norm: clip gradients to this global norm (``None``: no clipping).
     z_loss: weight of ``logsumexp(logits)^2`` added to the loss (PaLM).
@@ -125,6 +127,7 @@ class TrainConfig(ValidatedConfig):
   eps: float = 1e-8
   adam_eps_root: float = 0.0
   mu_dtype: Literal['float32', 'bfloat16'] | None = None
+  optimizer_memory_host_offload: bool = False
   momentum: float = 0.9
   clip_norm: float | None = 1.0
   z_loss: float = 0.0

@@ -32,6 +32,7 @@ from maxnnx.layers.moe import balance_router_biases, expert_loads, load_spread
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.lora.dropout import adapter_dropout
 from maxnnx.train.objectives import Objective
+from maxnnx.train.offload import optimizer_state_to_device
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -138,6 +139,8 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
   with a key of ``config.seed``, the step and the micro-batch (LoRA adapters
   with dropout drop their input here, and only here).
   """
+  if config.optimizer_memory_host_offload:
+    state = optimizer_state_to_device(state)
   model, optimizer = nnx.merge(graphdef, state)
   step = optimizer.step[...]
   model_graphdef, params, rest = nnx.split(model, trainable, ...)

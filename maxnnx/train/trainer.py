@@ -59,6 +59,7 @@ from maxnnx.train.memory import (
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
 from maxnnx.train.monitor import FitMonitor
 from maxnnx.train.objectives import Objective, PretrainObjective
+from maxnnx.train.offload import optimizer_state_on_host
 from maxnnx.train.optimizers import make_optimizer, make_schedule, schedule_change
 from maxnnx.train.preemption import StopRequest
 from maxnnx.train.quantization import check_supported, is_quantized, quantize
@@ -232,6 +233,8 @@ class Trainer:
       self._graphdef, state = nnx.split(nnx.eval_shape(build))
       self._build = build
     self._state_shardings = sharding.state_shardings(state, self.mesh, self.rules)
+    if config.optimizer_memory_host_offload:
+      self._state_shardings = optimizer_state_on_host(self._state_shardings)
     self._abstract_state = _abstract_tree(state, self._state_shardings)
     # A given model is placed now; a built one on first use, after compile() had its say.
     self._state = jax.device_put(state, self._state_shardings) if concrete is not None else None
