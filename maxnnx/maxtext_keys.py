@@ -215,6 +215,7 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'decoder_layer_input': _refuse(str, 'device', 'the scanned stack keeps each block input on '
                                    'the device'),
     'optimizer_memory_host_offload': _map('optimizer_memory_host_offload', bool, False),
+    'shard_optimizer_over_data': _map('shard_optimizer_over_data', bool, False),
     'parameter_memory_host_offload': _refuse(bool, False, 'no host offload of parameters'),
     'num_pipeline_microbatches': _map('mesh.pipeline_microbatches', int, -1, _none_if(-1)),
     'pipeline_parallel_layers': _refuse(int, -1, 'maxnnx pipelines every layer over stage'),

@@ -49,8 +49,11 @@ class TrainConfig(ValidatedConfig):
       Adam part of Muon): ``m / (sqrt(v + eps_root) + eps)``.
     mu_dtype: dtype of the first moment (AdamW, Muon's momentum, SGD's momentum), e.g.
       ``bfloat16`` to halve its memory; ``None`` keeps the parameters' dtype.
+    shard_optimizer_over_data: ZeRO-1: split the optimizer's moments over the ``data``
+      mesh axis too, while the parameters stay replicated over it
+      (:mod:`maxnnx.train.optimizer_placement`).
     optimizer_memory_host_offload: keep the optimizer's moments in host memory between
-      steps (copied to the devices for each update; :mod:`maxnnx.train.offload`).
+      steps (copied to the devices for each update; :mod:`maxnnx.train.optimizer_placement`).
     momentum: SGD momentum (0 = plain SGD).
     clip_norm: clip gradients to this global norm (``None``: no clipping).
     z_loss: weight of ``logsumexp(logits)^2`` added to the loss (PaLM).
@@ -127,6 +130,7 @@ class TrainConfig(ValidatedConfig):
   eps: float = 1e-8
   adam_eps_root: float = 0.0
   mu_dtype: Literal['float32', 'bfloat16'] | None = None
+  shard_optimizer_over_data: bool = False
   optimizer_memory_host_offload: bool = False
   momentum: float = 0.9
   clip_norm: float | None = 1.0

@@ -57,8 +57,10 @@ def memory_report(compiled, mesh: Mesh, override_gib: float | None = None) -> di
   alias = getattr(analysis, 'alias_size_in_bytes', 0)
   temp = getattr(analysis, 'temp_size_in_bytes', 0)
   code = getattr(analysis, 'generated_code_size_in_bytes', 0)
-  host = sum(getattr(analysis, f'host_{k}_size_in_bytes', 0) or 0
-             for k in ('argument', 'output', 'temp'))
+  host_sizes = {k: getattr(analysis, f'host_{k}_size_in_bytes', 0) or 0
+                for k in ('argument', 'output', 'alias', 'temp')}
+  host = (host_sizes['argument'] + host_sizes['output'] - host_sizes['alias']
+          + host_sizes['temp'])
   peak = args + outs - alias + temp
   limit, source = device_memory_limit(mesh.devices.flat[0], override_gib)
   return {'argument_bytes': args, 'output_bytes': outs, 'alias_bytes': alias,

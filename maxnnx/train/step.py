@@ -32,7 +32,7 @@ from maxnnx.layers.moe import balance_router_biases, expert_loads, load_spread
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.lora.dropout import adapter_dropout
 from maxnnx.train.objectives import Objective
-from maxnnx.train.offload import optimizer_state_to_device
+from maxnnx.train.optimizer_placement import optimizer_state_to_device
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]

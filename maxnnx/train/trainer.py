@@ -59,7 +59,7 @@ from maxnnx.train.memory import (
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
 from maxnnx.train.monitor import FitMonitor
 from maxnnx.train.objectives import Objective, PretrainObjective
-from maxnnx.train.offload import optimizer_state_on_host
+from maxnnx.train.optimizer_placement import optimizer_state_on_host, optimizer_state_over_data
 from maxnnx.train.optimizers import make_optimizer, make_schedule, schedule_change
 from maxnnx.train.preemption import StopRequest
 from maxnnx.train.quantization import check_supported, is_quantized, quantize
@@ -233,6 +233,8 @@ class Trainer:
       self._graphdef, state = nnx.split(nnx.eval_shape(build))
       self._build = build
     self._state_shardings = sharding.state_shardings(state, self.mesh, self.rules)
+    if config.shard_optimizer_over_data:
+      self._state_shardings = optimizer_state_over_data(self._state_shardings, state)
     if config.optimizer_memory_host_offload:
       self._state_shardings = optimizer_state_on_host(self._state_shardings)
     self._abstract_state = _abstract_tree(state, self._state_shardings)

@@ -1,0 +1,81 @@
+"""Where the optimizer state lives: sharded over ``data`` (ZeRO-1), in host memory, or both.
+
+Both act on the optimizer's moments (``opt_state``: Adam's ``mu`` and ``nu``, momentum
+buffers), never on the parameters or the step counter:
+
+* ``TrainConfig.shard_optimizer_over_data`` (ZeRO-1, MaxText's name): each moment gets its
+  parameter's sharding plus the ``data`` mesh axis on its first dimension that is unsharded
+  and divisible by the ``data`` size, so the data-parallel replicas each hold a slice while the
+  parameters stay replicated over ``data``. A moment with no such dimension stays replicated.
+  XLA then reduce-scatters what the update needs and all-gathers the new parameters.
+* ``TrainConfig.optimizer_memory_host_offload`` (MaxText's name): the moments live in host
+  memory (``pinned_host``) with the sharding they would have on the devices. The train step
+  copies them to the device before the update and its output sharding puts the new moments
+  back, so between steps the devices hold only the parameters: for AdamW in float32 that is
+  two thirds of the training state. The copies cost host-device bandwidth every step.
+"""
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+HOST = 'pinned_host'
+
+
+def _map_moments(fn, shardings, *rest):
+  """``shardings`` of a ``(model, optimizer)`` state with ``fn(named, *rest_leaves)`` applied
+  to each ``NamedSharding`` of the optimizer's ``opt_state`` (``rest``: trees of the same
+  state, e.g. its abstract arrays)."""
+  def value(leaf):
+    return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+
+  def one(leaf, *others):
+    named = value(leaf)
+    if not hasattr(named, 'mesh'):
+      return leaf
+    new = fn(named, *(value(o) for o in others))
+    return leaf.replace(value=new) if isinstance(leaf, nnx.Variable) else new
+
+  shardings[1]['opt_state'] = jax.tree.map(one, shardings[1]['opt_state'],
+                                           *(r[1]['opt_state'] for r in rest),
+                                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return shardings
+
+
+def optimizer_state_over_data(shardings, abstract_state):
+  """ZeRO-1: ``shardings`` with each moment also split over the ``data`` mesh axis (on its
+  first unsharded dimension that ``data`` divides; ``abstract_state`` gives the shapes)."""
+  def over_data(named, abstract):
+    shape = abstract.shape
+    size = dict(named.mesh.shape).get('data', 1)
+    spec = list(named.spec) + [None] * (len(shape) - len(named.spec))
+    used = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    if size == 1 or 'data' in used:
+      return named
+    for dim, entry in enumerate(spec):
+      if entry is None and shape[dim] % size == 0:
+        spec[dim] = 'data'
+        return NamedSharding(named.mesh, P(*spec), memory_kind=named.memory_kind)
+    return named
+
+  return _map_moments(over_data, shardings, abstract_state)
+
+
+def optimizer_state_on_host(shardings):
+  """``shardings`` of a ``(model, optimizer)`` state with the optimizer's ``opt_state`` moved to
+  host memory (the step counter and the model stay on the device)."""
+  return _map_moments(lambda named: named.with_memory_kind(HOST), shardings)
+
+
+def optimizer_state_to_device(state):
+  """Inside the train step: the ``(model, optimizer)`` state with ``opt_state`` copied to the
+  device for the update."""
+  def to_device(x):
+    return jax.device_put(x, jax.memory.Space.Device) if hasattr(x, 'shape') else x
+
+  state[1]['opt_state'] = jax.tree.map(to_device, state[1]['opt_state'])
+  return state
+
+
+__all__ = ['optimizer_state_on_host', 'optimizer_state_over_data', 'optimizer_state_to_device']
