@@ -18,6 +18,10 @@ local path ``/tmp/run``. Every writer of a run goes through these helpers:
   down for a library that only reads local files.
 
 Checkpoint arrays are written by orbax and tensorstore, which take the URL as it is.
+
+Data is only read, so it takes any URL fsspec knows (``gs://``, ``s3://``, ``http(s)://``,
+``hf://``, ``memory://``...): :func:`data_filesystem` finds the filesystem of such a URL and
+:func:`read_data_bytes` reads one of its files, each failure one line naming the URL.
 """
 
 from __future__ import annotations
@@ -351,7 +355,81 @@ def _download(source: str, target: str) -> None:
     _download(join(source, name), os.path.join(target, name))
 
 
+# -- data at any fsspec URL -----------------------------------------------------------------------
+
+# The package that serves a URL scheme through fsspec, and the maxnnx extra that installs it.
+_BACKENDS = {'gs': ('gcsfs', 'gcs'), 'gcs': ('gcsfs', 'gcs'), 's3': ('s3fs', 's3'),
+             's3a': ('s3fs', 's3'), 'az': ('adlfs', 'azure'), 'abfs': ('adlfs', 'azure'),
+             'http': ('aiohttp', 'http'), 'https': ('aiohttp', 'http'),
+             'hf': ('huggingface_hub', 'hf')}
+
+
+def data_filesystem(url: str):
+  """``(fsspec filesystem, path within it)`` for a data URL such as ``s3://bucket/shards``.
+
+  ``s3://`` honours the standard AWS variables (``AWS_ENDPOINT_URL`` for S3-compatible
+  stores, credentials), which s3fs reads itself.
+
+  Raises:
+    ValueError: the URL's backend is not installed (naming the package and maxnnx extra), or
+      fsspec knows no such scheme.
+  """
+  import fsspec  # noqa: PLC0415
+  scheme = _scheme(url) or 'file'
+  try:
+    return fsspec.core.url_to_fs(url)
+  except ImportError:
+    package, extra = _BACKENDS.get(scheme, (None, None))
+    how = (f"pip install {package} (the maxnnx[{extra}] extra)" if package
+           else 'install the fsspec backend for it')
+    raise ValueError(f'{url}: reading {scheme}:// URLs needs {package or "a backend"}; '
+                     f'{how}.') from None
+  except ValueError as e:  # fsspec: "Protocol not known"
+    raise ValueError(f'{url}: fsspec knows no {scheme}:// filesystem ({e}).') from None
+
+
+def data_error(url: str, error: Exception) -> Exception:
+  """The one-line error for a failed read of ``url``: a ``FileNotFoundError`` for a missing
+  object, a ``PermissionError`` for a denied one, else a ``ValueError`` naming the cause."""
+  if isinstance(error, FileNotFoundError):
+    return FileNotFoundError(f'{url}: no such object.')
+  if isinstance(error, PermissionError):
+    return PermissionError(f'{url}: access denied ({error}); check the credentials this '
+                           'process reads (environment, instance role).')
+  return ValueError(f'{url}: cannot read it ({type(error).__name__}: '
+                    f'{str(error).splitlines()[0] if str(error) else "no detail"}).')
+
+
+def read_data_bytes(path: str) -> bytes:
+  """The bytes of data file ``path``: a local path, a ``file://`` URL, or any fsspec URL.
+
+  Raises:
+    FileNotFoundError, PermissionError, ValueError: one line naming ``path``.
+  """
+  if not is_remote(path):
+    with open(normalize(path), 'rb') as f:
+      return f.read()
+  fs, inner = data_filesystem(path)
+  try:
+    return fs.cat_file(inner)
+  except Exception as e:  # each backend raises its own errors (OSError, botocore, httpx...)
+    raise data_error(path, e) from None
+
+
+def download_data_file(url: str) -> str:
+  """A local copy of data file ``url`` in :func:`scratch_dir` (for readers of local files only,
+  such as ArrayRecord's); the local path."""
+  fs, inner = data_filesystem(url)
+  target = os.path.join(tempfile.mkdtemp(dir=scratch_dir()), posixpath.basename(inner))
+  try:
+    fs.get_file(inner, target)
+  except Exception as e:  # each backend raises its own errors
+    raise data_error(url, e) from None
+  return target
+
+
 __all__ = ['REMOTE_SCHEMES', 'AppendFile', 'absolute', 'append_bytes', 'as_path', 'basename',
-           'copy_tree_to', 'exists', 'is_remote', 'isdir', 'isfile', 'join', 'listdir',
-           'local_copy', 'makedirs', 'normalize', 'open_file', 'parent', 'read_bytes', 'read_text',
+           'copy_tree_to', 'data_error', 'data_filesystem', 'download_data_file', 'exists',
+           'is_remote', 'isdir', 'isfile', 'join', 'listdir', 'local_copy', 'makedirs',
+           'normalize', 'open_file', 'parent', 'read_bytes', 'read_data_bytes', 'read_text',
            'remove', 'rename', 'rmtree', 'scratch_dir', 'write_bytes', 'write_dir', 'write_text']

@@ -2,8 +2,11 @@
 
 A source spec is either ``'synthetic'`` or a path: a file, a directory (a
 Hugging Face datasets layout: its data files, recursively, README and other
-files ignored) or a glob (``'data/train-*.parquet'``). The format comes from
-the file names:
+files ignored) or a glob (``'data/train-*.parquet'``). Each may also be a URL
+that fsspec reads (``s3://bucket/shards/*.parquet``, ``gs://bucket/corpus/``,
+``https://host/data.jsonl``, ``hf://datasets/org/name``, ``file:///data/x.txt``):
+a prefix is a directory, and its files are named by their URLs, so a resumed
+run reads them again from there. The format comes from the file names:
 
 ===============  ===========================================================
 kind             files and what a document is
@@ -21,7 +24,9 @@ kind             files and what a document is
 ===============  ===========================================================
 
 Text, JSONL and Parquet sources are read into memory once; ArrayRecord files
-are read record by record, which is the path for corpora larger than memory.
+are read record by record, which is the path for corpora larger than memory
+(ArrayRecord's reader opens local files only: a URL's files are first
+downloaded into a local directory of the process, deleted at exit).
 A document is a ``str``, or, for pre-tokenized data (``pretokenized=True``:
 lists of ints in ``column``, int32 records), a 1-D int32 array.
 """
@@ -37,6 +42,7 @@ import re
 
 import numpy as np
 
+from maxnnx import paths
 from maxnnx.data.text import read_text
 
 SYNTHETIC = 'synthetic'
@@ -71,18 +77,18 @@ def resolve_source(spec: str, kind: str = 'auto') -> ResolvedSource:
   """
   if spec == SYNTHETIC or kind == SYNTHETIC:
     return ResolvedSource(spec, SYNTHETIC, ())
-  if any(c in spec for c in '*?['):
-    files = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+  if paths.is_remote(spec):
+    files = _remote_files(spec, kind)
+  elif _has_glob(path := paths.normalize(spec)):
+    files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
     if not files:
       raise FileNotFoundError(f"data source {spec!r}: the pattern matches no files.")
-  elif os.path.isdir(spec):
-    files = sorted(_data_files(spec, kind))
+  elif os.path.isdir(path):
+    files = sorted(_data_files(path, kind))
     if not files:
-      raise FileNotFoundError(
-          f'data source {spec!r}: the directory holds no data files (*.txt, *.jsonl, *.json, '
-          '*.parquet, *.array_record).')
-  elif os.path.isfile(spec):
-    files = [spec]
+      raise FileNotFoundError(f'data source {spec!r}: {_NO_DATA_FILES}')
+  elif os.path.isfile(path):
+    files = [path]
   else:
     raise FileNotFoundError(f"data source {spec!r}: no such file or directory "
                             "(use 'synthetic' for random tokens).")
@@ -100,14 +106,50 @@ def resolve_source(spec: str, kind: str = 'auto') -> ResolvedSource:
   return ResolvedSource(spec, found[0], tuple(files))
 
 
+_NO_DATA_FILES = ('the directory holds no data files (*.txt, *.jsonl, *.json, *.parquet, '
+                   '*.array_record).')
+
+
+def _has_glob(spec: str) -> bool:
+  return any(c in spec for c in '*?[')
+
+
+def _wanted(name: str, kind: str) -> bool:
+  """Whether file ``name`` is a data file of ``kind`` (hidden files are not)."""
+  found = kind_of_file(name)
+  return not name.startswith('.') and found is not None and kind in ('auto', found)
+
+
+def _remote_files(url: str, kind: str) -> list[str]:
+  """The URLs of the data files a URL names: an object, a glob or a prefix (recursively)."""
+  fs, inner = paths.data_filesystem(url)
+  try:
+    if _has_glob(inner):
+      found = [p for p, info in fs.glob(inner, detail=True).items() if info['type'] == 'file']
+      if not found:
+        raise FileNotFoundError(f"data source {url!r}: the pattern matches no files.")
+    elif fs.info(inner)['type'] == 'directory':  # a prefix of an object store
+      found = [p for p in fs.find(inner) if _wanted(p.rsplit('/', 1)[-1], kind)
+               and not any(part.startswith('.') for part in p[len(inner):].split('/'))]
+      if not found:
+        raise FileNotFoundError(f'data source {url!r}: {_NO_DATA_FILES}')
+    else:
+      found = [inner]
+  except FileNotFoundError as e:
+    if str(e).startswith('data source'):
+      raise
+    raise FileNotFoundError(f'data source {url!r}: no such object or prefix.') from None
+  except Exception as e:  # each backend raises its own errors (OSError, botocore, httpx...)
+    raise paths.data_error(url, e) from None
+  return sorted(fs.unstrip_protocol(p) for p in found)
+
+
 def _data_files(directory: str, kind: str):
   for root, dirs, names in os.walk(directory):
     dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
     for name in names:
-      path = os.path.join(root, name)
-      found = kind_of_file(name)
-      if not name.startswith('.') and found is not None and kind in ('auto', found):
-        yield path
+      if _wanted(name, kind):
+        yield os.path.join(root, name)
 
 
 class InMemorySource:
@@ -193,8 +235,7 @@ def _check_value(value, path, where, column, pretokenized):
 
 
 def _jsonl_documents(path: str, column: str, pretokenized: bool):
-  with open(path, 'rb') as f:
-    raw = f.read()
+  raw = paths.read_data_bytes(path)
   if not raw.strip():
     raise ValueError(f'{path}: the file is empty.')
   if raw.lstrip()[:1] == b'[':  # a .json file holding one list of objects
@@ -227,9 +268,11 @@ def _jsonl_documents(path: str, column: str, pretokenized: bool):
 
 
 def _parquet_documents(path: str, column: str, pretokenized: bool):
+  import pyarrow as pa
   import pyarrow.parquet as pq
+  raw = paths.read_data_bytes(path) if paths.is_remote(path) else None
   try:
-    parquet = pq.ParquetFile(path)
+    parquet = pq.ParquetFile(path if raw is None else pa.BufferReader(raw))
   except Exception as e:  # pyarrow raises ArrowInvalid and friends
     raise ValueError(f'{path}: not a Parquet file ({e}).') from None
   names = parquet.schema_arrow.names
@@ -252,11 +295,13 @@ class ArrayRecordSource:
 
   def __init__(self, files, *, pretokenized: bool = False):
     import grain
-    self.files = tuple(files)
-    for path in self.files:
-      if os.path.getsize(path) == 0:
+    self.files = tuple(files)  # as named (URLs stay URLs in messages)
+    self.local_files = tuple(paths.download_data_file(f) if paths.is_remote(f) else f
+                             for f in self.files)
+    for path, local in zip(self.files, self.local_files, strict=True):
+      if os.path.getsize(local) == 0:
         raise ValueError(f'{path}: the file is empty.')
-    self.records = grain.sources.ArrayRecordDataSource(list(self.files))
+    self.records = grain.sources.ArrayRecordDataSource(list(self.local_files))
     if len(self.records) == 0:
       raise ValueError(f'{", ".join(self.files)}: the ArrayRecord files hold no records.')
     self.pretokenized = pretokenized
@@ -282,8 +327,8 @@ class ArrayRecordSource:
     if len(self.files) == 1:
       return f'{self.files[0]} record {index}'
     from array_record.python.array_record_module import ArrayRecordReader
-    for path in self.files:
-      count = ArrayRecordReader(path).num_records()
+    for path, local in zip(self.files, self.local_files, strict=True):
+      count = ArrayRecordReader(local).num_records()
       if index < count:
         return f'{path} record {index}'
       index -= count

@@ -11,17 +11,21 @@ import os
 import numpy as np
 import sentencepiece as spm
 
+from maxnnx import paths
 from maxnnx.data.tokenizer import SentencePieceTokenizer  # noqa: F401  (its old home)
 
 DEFAULT_CORPUS = os.path.join(os.path.dirname(__file__), 'corpus', 'tinyshakespeare.txt')
 
 
 def read_text(path: str) -> str:
-  """The text of a UTF-8 file, with clear errors for missing, empty or binary files."""
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f'{path}: no such text file.')
-  with open(path, 'rb') as f:
-    raw = f.read()
+  """The text of a UTF-8 file (a local path or a data URL, see
+  :func:`maxnnx.paths.read_data_bytes`), with clear errors for missing, empty or binary files."""
+  if paths.is_remote(path):
+    raw = paths.read_data_bytes(path)
+  else:
+    if not os.path.isfile(paths.normalize(path)):
+      raise FileNotFoundError(f'{path}: no such text file.')
+    raw = paths.read_data_bytes(path)
   try:
     text = raw.decode('utf-8')
   except UnicodeDecodeError as e:

@@ -87,7 +87,7 @@ def model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None, 
   if run['tokenizer']:
     return cfg, load_tokenizer(run['tokenizer']), {
         'sha256': file_fingerprint(run['tokenizer']), 'source': run['tokenizer']}
-  if corpus.endswith('.txt') and not os.path.exists(corpus):
+  if corpus.endswith('.txt') and not paths.is_remote(corpus) and not os.path.exists(corpus):
     raise FileNotFoundError(f'data={corpus}: no such file.')
   if is_text_file(corpus):
     tokenizer, record = _corpus_tokenizer(cfg.vocab_size, out, corpus, pinned)

@@ -229,10 +229,20 @@ def split_settings(options: dict, recipe: RunRecipe = PRETRAINING):
   model_changes, data_fields = subtree(options, 'model.'), subtree(options, 'data.')
   if 'sources' in data_fields:
     run['data'] = ','.join(data_fields.pop('sources'))
+  run['data'] = _local_file_urls(run['data'])
   if not run['tokenizer']:
     run['tokenizer'] = data_fields.get('tokenizer', '')
   _scan_for_stages(run, train_config.mesh, options)
   return run, train_config, model_changes, data_fields
+
+
+def _local_file_urls(data: str) -> str:
+  """``data`` with each ``file://`` source as the local path it names (a .txt corpus is then
+  read as one, and libraries that take paths get them)."""
+  if 'file://' not in data:
+    return data
+  return ','.join(paths.normalize(s.strip()) if s.strip().startswith('file://') else s
+                  for s in data.split(','))
 
 
 def _scan_for_stages(run: dict, mesh: MeshConfig, options: dict) -> None:
