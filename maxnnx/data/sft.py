@@ -47,6 +47,7 @@ import grain
 import jax
 import numpy as np
 
+from maxnnx import paths
 from maxnnx.config import ConfigError
 from maxnnx.data import packing
 from maxnnx.data.chat import (
@@ -103,15 +104,20 @@ class RecordSource:
 
 def _read_records(path: str, kind: str):
   if kind == 'parquet':
+    import pyarrow as pa
     import pyarrow.parquet as pq
-    for number, record in enumerate(pq.read_table(path).to_pylist(), 1):
+    table = pq.read_table(pa.BufferReader(paths.read_data_bytes(path)) if paths.is_remote(path)
+                          else path)
+    for number, record in enumerate(table.to_pylist(), 1):
       yield f'row {number}', record
     return
   if kind != 'jsonl':
     raise ValueError(f'{path}: SFT records are read from JSONL, JSON or Parquet files, '
                      f'not {kind}.')
-  with open(path, encoding='utf-8') as f:
-    raw = f.read()
+  try:
+    raw = paths.read_data_bytes(path).decode('utf-8')
+  except UnicodeDecodeError as e:
+    raise ValueError(f'{path}: not UTF-8 (byte {e.start}).') from None
   if raw.lstrip()[:1] == '[':
     try:
       records = json.loads(raw)

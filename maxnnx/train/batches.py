@@ -112,3 +112,28 @@ def context_permutation(seq_len: int, shards: int) -> np.ndarray:
   chunks = np.arange(seq_len).reshape(2 * shards, -1)
   order = [c for i in range(shards) for c in (chunks[i], chunks[2 * shards - 1 - i])]
   return np.concatenate(order)
+
+
+class HeldOutBatches:
+  """The same held-out batches at every evaluation: the first ones of an iterator of batches
+  (a data pipeline over ``eval_data=``), drawn once and kept.
+
+  Args:
+    batches: an iterator of batches (as the Trainer's ``data`` takes them).
+    name: what the batches are, for the error when there are too few.
+  """
+
+  def __init__(self, batches: Iterator, name: str):
+    self._batches, self.name = batches, name
+    self._kept: list = []
+
+  def eval_batches(self, num_batches: int) -> list:
+    """The first ``num_batches`` batches (drawn on first use)."""
+    while len(self._kept) < num_batches:
+      try:
+        self._kept.append(next(self._batches))
+      except StopIteration:
+        raise ValueError(f'{self.name} gives {len(self._kept)} batches, fewer than the '
+                         f'eval_batches={num_batches} each evaluation takes: lower '
+                         'eval_batches or give more held-out data.') from None
+    return self._kept[:num_batches]

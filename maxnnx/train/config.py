@@ -78,6 +78,9 @@ class TrainConfig(ValidatedConfig):
       sync in the loop).
     eval_every: evaluate every N steps (0: never during ``fit``).
     eval_batches: held-out batches per evaluation.
+    target_eval_loss: end ``fit`` early, with a checkpoint, at the first evaluation whose
+      held-out loss is at or below this (``None``: train all ``steps``); see
+      :attr:`Trainer.reached_target`.
     metrics_jsonl: write one JSON object per step to this file.
     tensorboard_dir: write TensorBoard event files here.
     peak_tflops: per-device peak used for MFU; ``None`` picks a default by
@@ -145,6 +148,7 @@ class TrainConfig(ValidatedConfig):
   log_every: int = 10
   eval_every: int = 0
   eval_batches: int = 4
+  target_eval_loss: float | None = None
   metrics_jsonl: str | None = None
   tensorboard_dir: str | None = None
   peak_tflops: float | None = None
@@ -204,6 +208,13 @@ class TrainConfig(ValidatedConfig):
         raise ConfigError(f'TrainConfig.{name} must be >= 0, got {getattr(self, name)}.')
     check_ring_split(self.mesh.context_parallel_strategy, self.seq_len,
                      self.mesh.context * self.mesh.dcn_context)  # -1 (not known yet): at trace
+    if self.target_eval_loss is not None:
+      if not math.isfinite(self.target_eval_loss) or self.target_eval_loss <= 0:
+        raise ConfigError(f'TrainConfig.target_eval_loss must be a finite loss > 0 (or None), '
+                          f'got {self.target_eval_loss}.')
+      if not self.eval_every:
+        raise ConfigError('TrainConfig.target_eval_loss is checked at evaluations: set '
+                          'eval_every to how often to evaluate.')
     if self.skip_spike_factor is not None and self.skip_spike_factor <= 1:
       raise ConfigError('TrainConfig.skip_spike_factor must be > 1 (or None to never skip).')
     if self.profile:

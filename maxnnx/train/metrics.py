@@ -192,7 +192,8 @@ def format_metrics(m: dict, total_steps: int | None = None) -> str:
   step = f"{m['step']:>6}" + (f'/{total_steps}' if total_steps else '')
   parts = [f'step {step}', f"loss {m['loss']:.4f}"]
   if 'eval_loss' in m:
-    parts.append(f"eval {m['eval_loss']:.4f}")
+    parts.append(f"eval {m['eval_loss']:.4f}" + (f" (ppl {m['eval_perplexity']:.4g})"
+                                                 if 'eval_perplexity' in m else ''))
   if 'reward' in m:
     parts.append(f"reward {m['reward']:.3f}" + (f"  kl {m['kl']:.4f}" if 'kl' in m else ''))
   parts += [f"lr {m['lr']:.2e}", f"grad_norm {m['grad_norm']:.3f}"]

@@ -50,7 +50,12 @@ RUN_SETTINGS = {
     'model': ('tiny', 'preset name (see maxnnx.list_presets()) or a local Hugging Face '
               'checkpoint directory to start from'),
     'data': ('', "training data: a UTF-8 .txt file, a JSONL/Parquet/ArrayRecord file or dataset "
-             "directory, 'synthetic' (random tokens), or empty for the shipped Shakespeare corpus"),
+             "directory, a URL fsspec reads (s3://bucket/shards/*.parquet, gs://, https://, "
+             "hf://), "
+             "'synthetic' (random tokens), or empty for the shipped Shakespeare corpus"),
+    'eval_data': ('', 'held-out data evaluated every eval_every steps (eval_batches batches; '
+                  'eval_loss and eval_perplexity in metrics.jsonl and loss.png): any format '
+                  'and URL data= takes; empty: the held-out tail of a .txt corpus, else none'),
     'tokenizer': ('', 'tokenizer file or directory (sentencepiece, tokenizer.json, tiktoken); '
                   'default: the checkpoint\'s own, or one trained on a .txt corpus'),
     'output_dir': ('runs/tiny-shakespeare', 'where tokenizer, metrics, plot and model go'),
@@ -230,6 +235,7 @@ def split_settings(options: dict, recipe: RunRecipe = PRETRAINING):
   if 'sources' in data_fields:
     run['data'] = ','.join(data_fields.pop('sources'))
   run['data'] = _local_file_urls(run['data'])
+  run['eval_data'] = _local_file_urls(run['eval_data'])
   if not run['tokenizer']:
     run['tokenizer'] = data_fields.get('tokenizer', '')
   _scan_for_stages(run, train_config.mesh, options)
@@ -282,6 +288,30 @@ def _training_data(run: dict, data_fields: dict, corpus: str | None, model, toke
   config = DataConfig.from_string(corpus or run['data'], **data_fields)
   return make_pipeline(config, tokenizer, batch_size=local_batch, seq_len=train_config.seq_len,
                        seed=train_config.seed, vocab_size=vocab), 0
+
+
+def _held_out_data(run: dict, options: dict, recipe: RunRecipe, data_fields: dict, model,
+                   tokenizer, train_config):
+  """The held-out batches of ``eval_data=``: read as the training data is (the recipe's records
+  pipeline, else the document pipeline), in file order, the same batches at every evaluation."""
+  import jax  # noqa: PLC0415
+
+  from maxnnx.data import DataConfig, make_pipeline  # noqa: PLC0415
+  from maxnnx.train.batches import HeldOutBatches  # noqa: PLC0415
+  spec = run['eval_data']
+  if not train_config.eval_every:
+    raise ValueError(f'eval_data={spec} is evaluated every eval_every steps: set eval_every '
+                     '(it is 0).')
+  local_batch = train_config.global_batch_size // jax.process_count()
+  fields = {**{k: v for k, v in data_fields.items() if k != 'weights'}, 'shuffle': False}
+  config = model if hasattr(model, 'to_dict') else model.config
+  if recipe.records:
+    batches = recipe.data(options, spec, fields, tokenizer, config, train_config, local_batch)
+  else:
+    batches = make_pipeline(DataConfig.from_string(spec, **fields), tokenizer,
+                            batch_size=local_batch, seq_len=train_config.seq_len,
+                            seed=train_config.seed, vocab_size=config.vocab_size)
+  return HeldOutBatches(batches, f'eval_data={spec}')
 
 
 def _model_tokenizer_checked(run, model_changes, data_fields, corpus, options, recipe,
@@ -348,16 +378,19 @@ def build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
                        train_config.global_batch_size // jax.process_count())
   elif need_data:
     data, num_tokens = _training_data(run, data_fields, corpus, model, tokenizer, train_config)
-  if train_config.eval_every and not hasattr(data, 'eval_batches'):
+  eval_data = (_held_out_data(run, options, recipe, data_fields, model, tokenizer, train_config)
+               if need_data and run['eval_data'] else None)
+  if train_config.eval_every and eval_data is None and not hasattr(data, 'eval_batches'):
     if data is not None:
-      print('Note: this data source has no held-out split; eval_every is set to 0.')
-    train_config = dataclasses.replace(train_config, eval_every=0)
+      print('Note: this data source has no held-out split (give one with eval_data=); '
+            'eval_every is set to 0.')
+    train_config = dataclasses.replace(train_config, eval_every=0, target_eval_loss=None)
   objective = recipe.objective(options, model, train_config)
   mesh = None
   if devices is not None:
     from maxnnx import sharding  # noqa: PLC0415
     mesh = sharding.make_mesh(train_config.mesh, devices)
-  trainer = Trainer(model, train_config, objective, data=data, mesh=mesh)
+  trainer = Trainer(model, train_config, objective, data=data, eval_data=eval_data, mesh=mesh)
   recipe.attach(trainer, data)  # e.g. GRPO's rollouts sample from the trainer's own model
   return trainer, run, tokenizer, num_tokens
 
@@ -379,7 +412,8 @@ def run(settings: dict[str, Any] | None = None, *, recipe: RunRecipe = PRETRAINI
     **keys: more bare keys (``steps=40, output_dir='runs/a'``), over ``settings``.
 
   Returns:
-    ``{'first_loss', 'last_loss', 'eval_loss'}`` (``None`` when nothing was trained), and
+    ``{'first_loss', 'last_loss', 'eval_loss'}`` (``None`` when nothing was trained), with
+    ``'reached_target'`` (:attr:`~maxnnx.train.Trainer.reached_target`) after training, and
     ``'stopped_by'`` when a signal ended the run early.
   """
   from maxnnx.train.run_dir import RunDir  # noqa: PLC0415
@@ -473,6 +507,10 @@ def train_in(run_dir, options: dict, recipe: RunRecipe = PRETRAINING) -> dict:
     print(f'Nothing to train: the checkpoint is at step {trainer.step_count} of {cfg.steps}'
           + (f"; wrote the missing {', '.join(written)}." if written else '.'))
     return {'first_loss': None, 'last_loss': None, 'eval_loss': None}
+  if trainer.reached_target:
+    reached = trainer.reached_target
+    print(f"Stopped at step {reached['step']} of {cfg.steps}: the held-out loss "
+          f"{reached['eval_loss']:.4f} reached target_eval_loss={reached['target']:g}.")
   export.write_final(model, run_dir, options, run_dir.read_metrics(cfg.metrics_jsonl) or history,
                      tokenizer=tokenizer, template=template)
   trained_tokenizer = paths.exists(paths.join(out, 'tokenizer.model')) and not run['tokenizer']
@@ -482,7 +520,7 @@ def train_in(run_dir, options: dict, recipe: RunRecipe = PRETRAINING) -> dict:
     print('\nSample:\n' + sample_text(model, tokenizer, 'ROMEO:', run['sample_tokens'],
                                       0.8, 0.95, cfg.seed))
   return {'first_loss': history[0]['loss'], 'last_loss': history[-1]['loss'],
-          'eval_loss': history[-1].get('eval_loss')}
+          'eval_loss': history[-1].get('eval_loss'), 'reached_target': trainer.reached_target}
 
 
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -160,6 +161,8 @@ class Trainer:
       quantized (see :mod:`maxnnx.train.quantization`).
     trainable: the nnx filter of the trained parameters.
     objective: the objective in use, bound to ``config``.
+    reached_target: ``{'step', 'eval_loss', 'target'}`` when the last ``fit`` ended early
+      because the held-out loss reached ``config.target_eval_loss``; else ``None``.
     stopped_by: the signal (``'SIGTERM'``, ``'SIGINT'``) that ended the last ``fit`` early,
       after finishing its step and saving a checkpoint (with ``checkpoint_dir``); else ``None``.
   """
@@ -183,6 +186,7 @@ class Trainer:
     # What resuming a checkpoint made for another `steps` does to the schedule (one line).
     self.schedule_note: str | None = None
     self.stopped_by: str | None = None
+    self.reached_target: dict | None = None
     self._goodput = GoodputRecorder()
     self._empty_batches_in_a_row = 0
     self._high_water: int | None = None  # the furthest step any run of checkpoint_dir reached
@@ -611,7 +615,7 @@ class Trainer:
   def _fit(self, steps: int | None, log: Callable[[str], None] | None,
            deferred: list[dict]) -> None:
     cfg = self.config
-    self.stopped_by = None
+    self.stopped_by = self.reached_target = None
     if cfg.checkpoint_dir and self._checkpoints is None:
       self.restore_checkpoint()  # resume where an earlier run of this config stopped
     if steps is None:  # with checkpoints, config.steps is the total over resumed runs
@@ -647,7 +651,10 @@ class Trainer:
             jax.block_until_ready(self._state)  # the step's compute is not the checkpoint's
         monitor.step_finished()
         if records and evaluate:
-          records[-1]['eval_loss'] = self.evaluate()
+          records[-1].update(self._held_out_metrics())
+          if self._target_reached(records[-1]['eval_loss']) and not last:
+            last, save = True, bool(cfg.checkpoint_dir)
+            bar.total = self.step_count
         if records:
           if last:
             deferred.extend(records)
@@ -659,12 +666,30 @@ class Trainer:
             log(format_metrics(records[-1], bar.total))
         if save:
           saved = self.save_checkpoint()
-        if stop and not last:
+        if last:  # the last step, or the held-out loss reached target_eval_loss
+          break
+        if stop:
           self._stop_early(stop.signal_name, saved, bar, log)
           break
     finally:
       stop.__exit__(None, None, None)
       monitor.close(self._state)
+
+  def _held_out_metrics(self) -> dict[str, float]:
+    """``eval_loss`` (:meth:`evaluate`) and its perplexity, ``exp(eval_loss)``."""
+    loss = self.evaluate()
+    return {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
+
+  def _target_reached(self, eval_loss: float) -> bool:
+    """Whether ``eval_loss`` reaches ``config.target_eval_loss`` (kept in
+    :attr:`reached_target`)."""
+    target = self.config.target_eval_loss
+    if target is None or not eval_loss <= target:
+      return False
+    self.reached_target = {'step': self.step_count, 'eval_loss': eval_loss, 'target': target}
+    logger.info('Held-out loss %.4f reached target_eval_loss=%g at step %d.', eval_loss, target,
+                self.step_count)
+    return True
 
   def goodput(self) -> dict[str, float]:
     """Where this Trainer's time went (:mod:`maxnnx.train.goodput`).
