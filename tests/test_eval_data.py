@@ -1,7 +1,10 @@
 """Held-out evaluation on any data: ``eval_data=``, ``eval_every``, ``target_eval_loss``."""
 
 import json
+import shutil
+import uuid
 
+import fsspec
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -99,3 +102,55 @@ def test_eval_data_needs_eval_every_and_names_a_missing_file(tmp_path, corpus, c
                    f'eval_data={missing}']) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith('error: ') and str(missing) in err and '\n' not in err
+
+
+CHATS = [{'messages': [{'role': 'user', 'content': f'Who speaks line {i}?'},
+                       {'role': 'assistant', 'content': name}]}
+         for i, name in enumerate(['ROMEO', 'JULIET', 'MERCUTIO', 'TYBALT'] * 2)]
+PREFS = [{'prompt': [{'role': 'user', 'content': f'Greet number {i}.'}],
+          'chosen': 'Good morrow, my lord.', 'rejected': 'Away!'} for i in range(4)]
+
+
+@pytest.fixture
+def base(chat_checkpoint, tmp_path):
+  """A small random chat model in Hugging Face format, with its tokenizer and template."""
+  from flax import nnx
+  base = tmp_path / 'base'
+  model = maxnnx.Transformer(maxnnx.get_preset('tiny', vocab_size=512, num_layers=1),
+                             rngs=nnx.Rngs(0))
+  maxnnx.save_pretrained(model, str(base))
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    shutil.copy(f'{chat_checkpoint}/{name}', base)
+  return base
+
+
+@pytest.mark.parametrize('recipe,records', [('sft', CHATS), ('dpo', PREFS)])
+def test_fine_tuning_recipes_evaluate_eval_data_at_a_url(recipe, records, base, tmp_path,
+                                                        capsys):
+  """``maxnnx sft|dpo eval_data=memory://…``: the recipe's own records pipeline reads the
+  held-out records from the bucket, and their loss is in metrics.jsonl."""
+  lines = ''.join(json.dumps(r) + '\n' for r in records).encode()
+  bucket = f'/held-out-{uuid.uuid4().hex[:8]}'
+  fsspec.filesystem('memory').pipe(f'{bucket}/records.jsonl', lines)
+  (tmp_path / 'train.jsonl').write_bytes(lines)
+  out = tmp_path / 'run'
+  try:
+    code = cli.main([recipe, f'model={base}', f"data={tmp_path / 'train.jsonl'}",
+                     f'eval_data=memory://{bucket}/*.jsonl', 'steps=2', 'eval_every=1',
+                     'eval_batches=1', 'global_batch_size=2', 'seq_len=32', 'log_every=1',
+                     'mesh.data=1', 'dtype=float32', f'output_dir={out}'])
+  finally:
+    fsspec.filesystem('memory').rm(bucket, recursive=True)
+  assert code == 0, capsys.readouterr().err
+  evals = [r for r in _metrics(out) if 'eval_loss' in r]
+  assert [r['step'] for r in evals] == [1, 2]
+  assert all(np.isfinite(r['eval_loss']) and r['eval_perplexity'] > 1 for r in evals)
+
+
+def test_grpo_refuses_eval_data_in_one_line(base, tmp_path, capsys):
+  prompts = _jsonl(tmp_path / 'p.jsonl', ['x'])
+  assert cli.main(['grpo', f'model={base}', f'prompts={prompts}', 'reward=len',
+                   f'eval_data={prompts}', f"output_dir={tmp_path / 'run'}"]) == 2
+  assert capsys.readouterr().err.strip() == (
+      f'error: eval_data={prompts}: grpo has no held-out loss (its loss is on fresh rollouts); '
+      'score the policy with reward= on held-out prompts instead, or drop eval_data.')

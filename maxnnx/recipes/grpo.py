@@ -50,6 +50,14 @@ class GRPO(RecordsRecipe):
     """``prompts``, ``reward``, ``reward_weights`` and every GRPOConfig field."""
     return {**OWN_KEYS, **_config_keys()}
 
+  def prepare(self, run, options):
+    """Refuse ``eval_data=``: a policy-gradient loss on fresh rollouts has no held-out value."""
+    del options
+    if run.get('eval_data'):
+      raise UsageError(f"eval_data={run['eval_data']}: grpo has no held-out loss (its loss is "
+                       'on fresh rollouts); score the policy with reward= on held-out prompts '
+                       'instead, or drop eval_data.')
+
   def data(self, options, spec, data_fields, tokenizer, model_config, train_config,
            local_batch):
     """The rollouts of the policy (:func:`grpo_rollouts`; :meth:`attach` connects them)."""
