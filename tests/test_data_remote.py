@@ -215,3 +215,27 @@ def test_the_cli_reads_a_file_url(tmp_path):
   assert missing.returncode == 2
   assert missing.stderr.strip().splitlines()[-1] == (
       f"error: data source '{tmp_path}/none/*.jsonl': the pattern matches no files.")
+
+
+def test_a_run_on_a_bucket_resumes_at_the_same_example(bucket, tmp_path, capsys):
+  """A run over ``memory://…/*.jsonl`` killed after its step-2 checkpoint (its directory as
+  it was then: the later checkpoint and exports gone) resumes with the batches of the run that
+  was not killed: steps 3 and 4 have the same losses."""
+  import shutil
+  corpus = read_text(DEFAULT_CORPUS)[:20_000].split('\n\n')
+  lines = ''.join(json.dumps({'text': d}) + '\n' for d in corpus if d.strip())
+  url = f"{_upload(bucket, {'a.jsonl': lines.encode()})}/*.jsonl"
+  settings = {**RUN, 'steps': 4, 'checkpoint_every': 2, 'data': url}
+  reference = tmp_path / 'reference'
+  maxnnx.train.run(settings, output_dir=str(reference))
+  expected = [json.loads(m)['loss'] for m in (reference / 'metrics.jsonl').read_text().splitlines()]
+  killed = tmp_path / 'killed'
+  shutil.copytree(reference, killed)
+  for name in ('checkpoints/4', 'final', 'loss.png'):
+    shutil.rmtree(killed / name) if (killed / name).is_dir() else (killed / name).unlink()
+  capsys.readouterr()
+  maxnnx.train.run(settings, output_dir=str(killed))
+  assert 'Resuming from the checkpoint of step 2' in capsys.readouterr().out
+  losses = [json.loads(m)['loss'] for m in (killed / 'metrics.jsonl').read_text().splitlines()]
+  assert len(losses) == 4
+  np.testing.assert_allclose(losses, expected, rtol=1e-6)
