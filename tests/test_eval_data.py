@@ -91,12 +91,16 @@ def test_target_eval_loss_stops_the_run_early(tmp_path, corpus, capsys):
   assert (out / 'final' / 'config.json').exists()
 
 
-def test_eval_data_needs_eval_every_and_names_a_missing_file(tmp_path, corpus, capsys):
+def test_eval_data_and_target_eval_loss_errors_are_one_line(tmp_path, corpus, capsys):
   train, held_out, _ = corpus
   assert cli.main(['train', *_args(tmp_path / 'a', eval_every=0), f'data={train}',
                    f'eval_data={held_out}']) == 2
   assert capsys.readouterr().err.strip() == (
       f'error: eval_data={held_out} is evaluated every eval_every steps: set eval_every (it is 0).')
+  assert cli.main(['train', *_args(tmp_path / 'c', target_eval_loss=2), f'data={train}']) == 2
+  assert capsys.readouterr().err.strip() == (
+      f'error: target_eval_loss=2 needs held-out data: give eval_data= (data={train} has no '
+      'held-out split).')
   missing = tmp_path / 'none.jsonl'
   assert cli.main(['train', *_args(tmp_path / 'b'), f'data={train}',
                    f'eval_data={missing}']) == 2
@@ -154,3 +158,21 @@ def test_grpo_refuses_eval_data_in_one_line(base, tmp_path, capsys):
   assert capsys.readouterr().err.strip() == (
       f'error: eval_data={prompts}: grpo has no held-out loss (its loss is on fresh rollouts); '
       'score the policy with reward= on held-out prompts instead, or drop eval_data.')
+
+
+def test_the_loss_plot_draws_held_out_loss_with_its_perplexity_scale(tmp_path, monkeypatch):
+  import matplotlib.pyplot as plt
+
+  from maxnnx.train.export import plot_loss
+  drawn = []
+  monkeypatch.setattr(plt, 'close', drawn.append)
+  history = [{'step': s, 'loss': 4.0 - s / 4} for s in range(1, 9)]
+  history[3].update(eval_loss=3.2, eval_perplexity=np.exp(3.2))
+  history[7].update(eval_loss=2.5, eval_perplexity=np.exp(2.5))
+  plot_loss(history, str(tmp_path / 'loss.png'))
+  loss_axes, scale = drawn[0].axes
+  assert [line.get_label() for line in loss_axes.lines] == ['train', 'held-out']
+  assert list(loss_axes.lines[1].get_ydata()) == [3.2, 2.5]
+  assert scale.get_ylabel() == 'held-out perplexity' and scale.get_yscale() == 'log'
+  assert np.allclose(np.log(scale.get_ylim()), loss_axes.get_ylim())
+  assert (tmp_path / 'loss.png').stat().st_size > 0

@@ -8,6 +8,7 @@ settings (``train_options.json``). A model that spans processes is written by al
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
@@ -30,6 +31,12 @@ def plot_loss(history: list[dict], path: str) -> None:
   ax.set_ylabel('policy loss' if rl else 'cross-entropy (nats/token)')
   ax.grid(alpha=0.3)
   ax.legend()
+  if evals:  # perplexity = exp(loss): a second scale on the same curves
+    bottom, top = ax.get_ylim()
+    scale = ax.twinx()
+    scale.set_ylim(math.exp(min(bottom, 700.0)), math.exp(min(top, 700.0)))
+    scale.set_yscale('log')
+    scale.set_ylabel('held-out perplexity')
   if rl:
     rewarded = [m for m in history if 'reward' in m]
     axes[0, 1].plot([m['step'] for m in rewarded], [m['reward'] for m in rewarded])

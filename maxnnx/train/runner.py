@@ -381,6 +381,9 @@ def build_trainer(options: dict, *, need_data: bool = True, run_dir=None,
   eval_data = (_held_out_data(run, options, recipe, data_fields, model, tokenizer, train_config)
                if need_data and run['eval_data'] else None)
   if train_config.eval_every and eval_data is None and not hasattr(data, 'eval_batches'):
+    if data is not None and train_config.target_eval_loss is not None:
+      raise ValueError(f'target_eval_loss={train_config.target_eval_loss:g} needs held-out '
+                       f"data: give eval_data= (data={run['data']} has no held-out split).")
     if data is not None:
       print('Note: this data source has no held-out split (give one with eval_data=); '
             'eval_every is set to 0.')
