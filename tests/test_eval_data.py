@@ -176,3 +176,17 @@ def test_the_loss_plot_draws_held_out_loss_with_its_perplexity_scale(tmp_path, m
   assert scale.get_ylabel() == 'held-out perplexity' and scale.get_yscale() == 'log'
   assert np.allclose(np.log(scale.get_ylim()), loss_axes.get_ylim())
   assert (tmp_path / 'loss.png').stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_distill_evaluates_eval_data(base, tmp_path, corpus, capsys):
+  """``maxnnx distill eval_data=…``: the student's held-out loss on JSONL documents."""
+  train, held_out, _ = corpus
+  out = tmp_path / 'student'
+  assert cli.main(['distill', f'teacher={base}', 'model=tiny', 'model.num_layers=1',
+                   f'data={train}', f'eval_data={held_out}', 'steps=2', 'eval_every=1',
+                   'eval_batches=1', 'global_batch_size=2', 'seq_len=32', 'log_every=1',
+                   'mesh.data=1', f'output_dir={out}']) == 0, capsys.readouterr().err
+  evals = [r for r in _metrics(out) if 'eval_loss' in r]
+  assert [r['step'] for r in evals] == [1, 2]
+  assert all(np.isfinite(r['eval_loss']) for r in evals)
