@@ -25,7 +25,9 @@ import collections
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 
 KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
@@ -87,6 +89,31 @@ def census(hlo_text: str) -> dict[str, dict[str, int]]:
   return {kind: dict(out[kind]) for kind in KINDS if kind in out}
 
 
+def bytes_by_dtype(hlo_text: str, kind: str = 'all-gather') -> dict[str, int]:
+  """``{element type: bytes}`` of the ``kind`` collectives' results in an HLO module."""
+  sizes: dict[str, int] = {}
+  for line in hlo_text.splitlines():
+    match = _INSTRUCTION.match(line)
+    if not match or match['op'] not in (kind, kind + '-start'):
+      continue
+    for array in _ARRAY.finditer(match['type']):
+      sizes[array['dtype']] = sizes.get(array['dtype'], 0) + type_bytes(array[0])
+  return sizes
+
+
+def partitioned_hlo(dump_dir: str, module: str = 'jit_train_step') -> str:
+  """The HLO of ``module`` right after SPMD partitioning, from an XLA dump made with
+  ``--xla_dump_to=<dump_dir> --xla_dump_hlo_pass_re=spmd-partitioning``: which collectives
+  the partitioner chose, in their element types, before a backend rewrites them (XLA's CPU
+  pipeline widens bf16 collectives to float32, so its optimized HLO cannot show them)."""
+  names = sorted(n for n in os.listdir(dump_dir)
+                 if module in n and 'after_spmd-partitioning' in n and n.endswith('.txt'))
+  if not names:
+    raise FileNotFoundError(f'no {module} after spmd-partitioning in {dump_dir}')
+  with open(os.path.join(dump_dir, names[-1]), encoding='utf-8') as f:
+    return f.read()
+
+
 def compiled_step_hlo(config_name: str, layout: dict) -> tuple[str, float]:
   """The optimized HLO of the train step of ``config_name`` on ``layout``, and compile s."""
   from benchmarks.configs import get_config  # noqa: PLC0415
@@ -109,7 +136,15 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--config', nargs='+', default=['cpu-tiny', 'gpu-1b'])
   parser.add_argument('--layouts', nargs='+', default=list(LAYOUTS), choices=list(LAYOUTS))
   parser.add_argument('--json', help='append one JSON line per config x layout to this file')
+  parser.add_argument('--gather-dtypes', action='store_true',
+                      help='also print the all-gather bytes by element type right after SPMD '
+                           'partitioning (before the backend rewrites them)')
   args = parser.parse_args(argv)
+  dump_dir = None
+  if args.gather_dtypes:
+    dump_dir = tempfile.mkdtemp(prefix='collectives-')
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + f' --xla_dump_to={dump_dir}'
+                               ' --xla_dump_hlo_pass_re=spmd-partitioning')
   import jax  # noqa: PLC0415
   if jax.device_count() < 8:
     print('needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8',
@@ -130,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
           cell += f' +{c["count_in_loops"]} in loop'
         cells.append(f'{cell:>22}')
       print(f'{config_name:10} {name:22} {seconds:9.1f}  ' + '  '.join(cells), flush=True)
+      if dump_dir:
+        gathered = bytes_by_dtype(partitioned_hlo(dump_dir))
+        counts['all-gather_bytes_by_dtype_partitioned'] = gathered
+        print(f'{"":33}all-gather after partitioning: ' + ', '.join(
+            f'{d} {b / 2**20:,.1f} MiB' for d, b in sorted(gathered.items())), flush=True)
+        shutil.rmtree(dump_dir)
+        os.makedirs(dump_dir)
       if args.json:
         with open(args.json, 'a', encoding='utf-8') as f:
           f.write(json.dumps({'config': config_name, 'layout': name, 'mesh': LAYOUTS[name],

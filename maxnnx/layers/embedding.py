@@ -1,11 +1,42 @@
 """Token embedding (optionally reused as the output projection) and learned position tables."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from maxnnx.layers.params import logical_param
 from maxnnx.sharding import constrain
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def lookup(table_VD: jax.Array, ids_BT: jax.Array, dtype) -> jax.Array:
+  """Rows ``table_VD[ids_BT]`` in ``dtype``, the table gathered whole along ``embed``.
+
+  The cast comes before the gather, so under FSDP a bf16 copy of the table crosses the wire,
+  not the float32 master (half the bytes). The gradient is summed into the table in float32
+  whatever ``dtype`` is: a token that appears many times in a batch adds all its rows'
+  gradients without bf16 rounding between them.
+  """
+  return _lookup_fwd(table_VD, ids_BT, dtype)[0]
+
+
+def _lookup_fwd(table_VD, ids_BT, dtype):
+  # Cast where the table lies (split as stored), then gather along embed.
+  copy_VD = constrain(constrain(table_VD.astype(dtype), ('vocab', 'embed')), ('vocab', None))
+  return jnp.take(copy_VD, ids_BT, axis=0), (ids_BT, jnp.zeros((0,) + table_VD.shape[1:],
+                                                               table_VD.dtype), table_VD.shape[0])
+
+
+def _lookup_bwd(dtype, residuals, dy_BTD):
+  ids_BT, like, vocab = residuals
+  table = constrain(jnp.zeros((vocab,) + like.shape[1:], jnp.float32), ('vocab', None))
+  grad_VD = table.at[ids_BT].add(dy_BTD.astype(jnp.float32))
+  return grad_VD.astype(like.dtype), None
+
+
+lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 class Embed(nnx.Module):
@@ -27,10 +58,10 @@ class Embed(nnx.Module):
     The table is gathered whole along ``embed`` first (as FSDP gathers every weight) and
     stays split along ``vocab``: looked up while split along ``embed``, the rows would come
     out split along ``d_model`` and XLA cannot move them to the batch-split activation
-    layout without replicating them (an "involuntary full rematerialization").
+    layout without replicating them (an "involuntary full rematerialization"). The table is
+    cast to the compute dtype before that gather (:func:`lookup`).
     """
-    table_VD = constrain(self.embedding[...], ('vocab', None))
-    return jnp.take(table_VD, ids_BT, axis=0).astype(self.dtype)
+    return lookup(self.embedding[...], ids_BT, jnp.dtype(self.dtype))
 
   def attend(self, x_BTD: jax.Array, dtype=None) -> jax.Array:
     """Logits ``x · embeddingᵀ`` (``[B, T, vocab]``), for tied output layers."""
