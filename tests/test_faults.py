@@ -300,6 +300,27 @@ def test_full_disk_while_saving_keeps_the_last_good_checkpoint(tmp_path, capsys,
   RunLock(str(out)).acquire().release()  # the lock went with the failed run
 
 
+def test_a_write_the_file_system_refuses_is_one_line_and_no_traceback(tmp_path):
+  """A real refused write inside orbax's writers (the file-size limit stands in for a full disk:
+  tensorstore reports both as ``RESOURCE_EXHAUSTED ... [os_error_code=N]``): every writer thread
+  used to echo it, 14 to 75 tracebacks before the error line. Now the run ends with one line
+  naming the step's directory and nothing else on stderr."""
+  out = tmp_path / 'run'
+  script = ('import resource, signal, sys\n'
+            'signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n'
+            'resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000))\n'
+            'from maxnnx import cli\n'
+            'sys.exit(cli.main(sys.argv[1:]))\n')
+  done = subprocess.run([sys.executable, '-c', script, 'train', f'output_dir={out}', *ARGS,
+                         'steps=4', 'data=synthetic'], capture_output=True, text=True,
+                        timeout=300,
+                        env={**os.environ, 'PYTHONPATH': ROOT, 'JAX_PLATFORMS': 'cpu'})
+  assert done.returncode == 1, done.stderr[-2000:]
+  lines = [line for line in done.stderr.splitlines() if line.strip()]
+  assert 'Traceback' not in done.stderr, done.stderr[-2000:]
+  assert lines == [f'error: File too large: {out / "checkpoints" / "2"}'], lines
+
+
 # -- smaller faults ----------------------------------------------------------------------------
 
 def test_missing_text_file_is_reported_missing(tmp_path, capsys):

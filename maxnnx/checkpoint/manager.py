@@ -24,7 +24,10 @@ The directory may be a URL (``gs://bucket/run/checkpoints``): it is handed to or
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
 import sys
 from typing import Any
 
@@ -139,16 +142,32 @@ class CheckpointManager:
     if extra:
       items['extra'], sums['extra'] = ocp.args.StandardSave(extra), checksums(extra)
     record = {**(meta or {}), 'step': int(step), 'format': FORMAT_VERSION, 'checksums': sums}
-    self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(record), **items))
+    _quiet_echoes(self.directory)  # a full disk fails one write, and every other one echoes it
+    with self._storage_errors():  # also the previous save's, which this one waits for
+      self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(record), **items))
     return True
 
   def wait(self) -> None:
     """Block until every started save is on disk."""
-    self._manager.wait_until_finished()
+    with self._storage_errors():
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
     """Wait for pending saves and release orbax's threads."""
-    self._manager.close()
+    with self._storage_errors():
+      self._manager.close()
+
+  @contextlib.contextmanager
+  def _storage_errors(self):
+    """Raise a write that the file system refused (tensorstore words it as ``RESOURCE_EXHAUSTED:
+    ... [os_error_code='28']``) as the ``OSError`` it is, naming the step's directory."""
+    try:
+      yield
+    except Exception as e:
+      os_error = _os_error_of(e, self.directory)
+      if os_error is None:
+        raise
+      raise os_error from e
 
   # -- restoring -----------------------------------------------------------------------------
 
@@ -182,7 +201,7 @@ class CheckpointManager:
         if step is not None:
           raise CheckpointError(f'{self._step_dir(candidate)} cannot be restored: {problem}'
                                 ) from e
-        _quiet_failed_reads(self.directory)
+        _quiet_echoes(self.directory)
         logger.warning('Checkpoint step %d in %s is unusable (%s); moving it to corrupt-%d '
                        'and falling back to the previous checkpoint.', candidate,
                        self.directory, problem, candidate)
@@ -234,24 +253,33 @@ class CheckpointManager:
 _QUIETED: set[str] = set()
 
 
-def _quiet_failed_reads(directory: str) -> None:
-  """Silence the echoes of a failed restore from ``directory``.
+def _quiet_echoes(directory: str) -> None:
+  """Silence the echoes of a failed save to, or restore from, ``directory``.
 
-  When one array of a step fails to load, orbax's other reads of that step end later in the
-  background and report themselves (``Future exception was never retrieved`` through the
-  ``asyncio`` logger, ``Event loop is closed`` as unraisable errors). The step is already
-  reported once, so these are dropped; anything else passes through.
+  When one array of a step fails to write (a full disk) or to load, orbax's other writes and
+  reads of that step end later in the background and report themselves: each of its threads
+  logs the error with a traceback through ``absl``, ``Future exception was never retrieved``
+  comes through ``asyncio``, and ``Event loop is closed`` as unraisable errors, dozens of
+  tracebacks in all. The failure itself reaches the caller once (a save's from :meth:`wait` or
+  the next save, a restore's as a warning or :class:`CheckpointError`), so these are dropped;
+  anything that does not name ``directory`` passes through.
   """
   if directory in _QUIETED:
     return
   _QUIETED.add(directory)
 
-  def keep(record: logging.LogRecord) -> bool:
+  def keep_asyncio(record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
     text = f'{record.getMessage()} {error}'
     return not ('never retrieved' in text and directory in text)
 
-  logging.getLogger('asyncio').addFilter(keep)
+  def keep_absl(record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR or not record.exc_info:
+      return True
+    return not any(directory in str(e) for e in _chain(record.exc_info[1]))
+
+  logging.getLogger('asyncio').addFilter(keep_asyncio)
+  logging.getLogger('absl').addFilter(keep_absl)
   if not getattr(sys.unraisablehook, 'maxnnx_quiet', False):
     previous = sys.unraisablehook
 
@@ -263,6 +291,33 @@ def _quiet_failed_reads(directory: str) -> None:
 
     hook.maxnnx_quiet = True
     sys.unraisablehook = hook
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _os_error_of(error: BaseException, directory: str) -> OSError | None:
+  """The ``OSError`` that ``error`` carries as text, with the step directory it names, or
+  ``None`` when it is already an ``OSError`` or carries none."""
+  for e in _chain(error):
+    if isinstance(e, OSError):
+      return None
+    code = _OS_ERROR_CODE.search(str(e))
+    if code:
+      number = int(code.group(1))
+      step = re.search(re.escape(directory.rstrip('/')) + r'/(\d+)', str(e))
+      path = f'{directory.rstrip("/")}/{step.group(1)}' if step else directory
+      return OSError(number, os.strerror(number), path)
+  return None
+
+
+def _chain(error: BaseException | None) -> list[BaseException]:
+  """``error`` and the exceptions it was raised from or while handling."""
+  chain: list[BaseException] = []
+  while error is not None and all(error is not e for e in chain):
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  return chain
 
 
 def _pure(state: Any) -> Any:
