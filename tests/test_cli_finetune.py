@@ -269,6 +269,37 @@ def test_dpo_refuses_chosen_equal_to_rejected_before_compiling(base, tmp_path, c
   assert 'compiled train step' not in captured.out
 
 
+def test_grpo_sigterm_during_a_stuck_reward_stops_at_once_and_resumes(base, tmp_path, capsys):
+  """SIGTERM while a reward function hangs (its timeout far away) stops the run within seconds,
+  before the step whose rollout was cut short; the step before is checkpointed and the run
+  resumes from it. Before, the stop waited out reward_timeout_s."""
+  reward_file, calls = tmp_path / 'rewards.py', tmp_path / 'calls'
+  reward_file.write_text(
+      'import os, signal, time\n'
+      'def judge(prompts, completions, **kwargs):\n'
+      f'  path = {str(calls)!r}\n'
+      '  n = int(open(path).read()) + 1 if os.path.exists(path) else 1\n'
+      '  open(path, "w").write(str(n))\n'
+      '  if n == 2:  # the second rollout: a preemption comes while the reward hangs\n'
+      f'    open({str(tmp_path / "killed")!r}, "w").write(repr(time.time()))\n'
+      '    os.kill(os.getpid(), signal.SIGTERM)\n'
+      '    time.sleep(600)\n'
+      '  return [float(len(c)) for c in completions]\n')
+  out = tmp_path / 'grpo'
+  args = ['grpo', f'model={base}', f"prompts={_jsonl(tmp_path / 'p.jsonl', CHATS)}",
+          f'reward={reward_file}:judge', 'reward_timeout_s=600', 'num_generations=2',
+          'max_new_tokens=4', 'steps=3', 'checkpoint_every=100', f'output_dir={out}', *SMALL]
+  assert cli.main(args) == 0
+  waited = time.time() - float((tmp_path / 'killed').read_text())
+  assert waited < 5
+  assert 'Stopped by SIGTERM after step 1' in capsys.readouterr().out
+  assert [m['step'] for m in _metrics(out)] == [1]
+  assert cli.main(args) == 0
+  assert 'Resuming from the checkpoint of step 1' in capsys.readouterr().out
+  assert [m['step'] for m in _metrics(out)] == [1, 2, 3]
+  assert int(calls.read_text()) == 4  # the cut-short rollout was sampled again
+
+
 @pytest.mark.parametrize('body, message', [
     ('raise ValueError("no score\\nsecond line")', "Reward function 'judge' raised ValueError: "
      'no score'),

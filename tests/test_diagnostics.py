@@ -142,6 +142,18 @@ def test_slow_step_warns_and_the_watchdog_dumps_stacks(tmp_path, caplog, monkeyp
   assert any('watchdog' in r.getMessage() for r in caplog.records)
 
 
+def test_watchdog_sees_a_first_step_that_hangs_before_any_median(tmp_path):
+  """Step 1 stalls in its data (a rollout whose reward hangs): no median is known yet, so the
+  first-step limit applies and the stacks show where the step waits."""
+  trainer = _trainer(3, data=SlowBatches(1, 1.5), log_every=1, watchdog_factor=3,
+                     watchdog_min_seconds=0.4, watchdog_first_step_seconds=0.5,
+                     metrics_jsonl=str(tmp_path / 'metrics.jsonl'))
+  trainer.fit(log=lambda line: None)
+  stacks = (tmp_path / 'watchdog_stacks.txt').read_text()
+  assert stacks.count('maxnnx watchdog: step 1 has run') == 1
+  assert 'no median yet, limit 0.5 s' in stacks and 'in __next__' in stacks
+
+
 def test_profile_and_hlo_dump(tmp_path):
   """profile= writes an XProf/TensorBoard trace; dump_hlo= the step's jaxpr and HLO text.
   (Defaults: profile/ and hlo/ next to the metrics file.)"""

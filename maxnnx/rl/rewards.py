@@ -24,10 +24,12 @@ import math
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from maxnnx.train import preemption
 from maxnnx.train.trainer import TrainingError
 
 RewardFn = Callable[..., Sequence[float | None]]
@@ -126,6 +128,10 @@ class Rewards:
     return np.nansum(per_function * self.weights[:, None], axis=0)
 
 
+#: Seconds between two looks at a stop request while a reward function runs.
+_STOP_POLL_S = 0.1
+
+
 def _call_reward(name: str, fn: RewardFn, args: tuple, kwargs: dict,
                  timeout_s: float | None) -> Sequence[float | None]:
   """``fn(*args, **kwargs)`` in a worker thread, given ``timeout_s`` seconds to return.
@@ -133,6 +139,8 @@ def _call_reward(name: str, fn: RewardFn, args: tuple, kwargs: dict,
   Raises:
     RewardError: ``fn`` raised (its first line is kept) or did not return in time (the thread
       is left to finish on its own: Python cannot stop it, and it does not keep the process up).
+    StopRequested: SIGTERM or SIGINT came while waiting (the run stops before this step
+      rather than waiting out ``timeout_s``).
   """
   result: dict = {}
 
@@ -144,7 +152,13 @@ def _call_reward(name: str, fn: RewardFn, args: tuple, kwargs: dict,
 
   worker = threading.Thread(target=call, name=f'reward-{name}', daemon=True)
   worker.start()
-  worker.join(timeout_s)
+  deadline = None if timeout_s is None else time.monotonic() + timeout_s
+  while worker.is_alive() and (deadline is None or time.monotonic() < deadline):
+    signal_name = preemption.requested()
+    if signal_name:
+      raise preemption.StopRequested(f'{signal_name} while reward function {name!r} ran')
+    worker.join(_STOP_POLL_S if deadline is None else
+                max(0.0, min(_STOP_POLL_S, deadline - time.monotonic())))
   if worker.is_alive():
     raise RewardError(f'Reward function {name!r} did not return within {timeout_s:g} s '
                       '(reward_timeout_s); make it faster or raise reward_timeout_s.')

@@ -58,6 +58,7 @@ from maxnnx.rl import losses
 from maxnnx.rl.objective import ROLLOUT_FIELDS, policy_token_logps
 from maxnnx.rl.prompts import Prompts
 from maxnnx.rl.rewards import RewardError, Rewards
+from maxnnx.train.preemption import StopRequested
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +184,12 @@ class Rollouts:
     if self.trainer is None:
       raise RuntimeError('Rollouts.attach(trainer) first: rollouts sample from its policy.')
     if self._passes_left == 0:
-      self._batch, self._metrics = self.collect()
+      before = self.get_state()
+      try:
+        self._batch, self._metrics = self.collect()
+      except StopRequested:  # the rollout is sampled again on resume: its prompts are not used
+        self.set_state(before)
+        raise
       self._passes_left = self.num_iterations
     self._passes_left -= 1
     return self._local_rows(self._batch)

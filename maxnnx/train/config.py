@@ -102,6 +102,9 @@ class TrainConfig(ValidatedConfig):
     watchdog_factor: dump every thread's stack when a step runs this many times
       the median step time (0: no watchdog).
     watchdog_min_seconds: the watchdog never fires before a step has run this long.
+    watchdog_first_step_seconds: while no median is known (the first steps: the first
+      rollout of RL compiles its sampler), a step is hung after this many seconds
+      (0: the first steps are not watched).
     outlier_factor: log a warning for steps this many times slower than the
       running median (0: never).
     compile_cache: directory of JAX's persistent compilation cache; a restart
@@ -162,6 +165,7 @@ class TrainConfig(ValidatedConfig):
   dump_hlo_dir: str | None = None
   watchdog_factor: float = 10.0
   watchdog_min_seconds: float = 60.0
+  watchdog_first_step_seconds: float = 600.0
   outlier_factor: float = 3.0
   compile_cache: str | None = None
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -223,8 +227,9 @@ class TrainConfig(ValidatedConfig):
       value = getattr(self, name)
       if value and not value > 1:
         raise ConfigError(f'TrainConfig.{name} must be > 1 (or 0 for off), got {value}.')
-    if self.watchdog_min_seconds < 0:
-      raise ConfigError('TrainConfig.watchdog_min_seconds must be >= 0.')
+    for name in ('watchdog_min_seconds', 'watchdog_first_step_seconds'):
+      if not getattr(self, name) >= 0:
+        raise ConfigError(f'TrainConfig.{name} must be >= 0, got {getattr(self, name)}.')
 
   @property
   def resolved_schedule_steps(self) -> int:

@@ -35,7 +35,8 @@ class FitMonitor:
     self.profiler = StepProfiler(config.profile, profile_directory(config))
     self.times = StepTimes(config.outlier_factor)
     self.watchdog = Watchdog(config.watchdog_factor, config.watchdog_min_seconds,
-                             watchdog_path(config)).start()
+                             watchdog_path(config),
+                             first_seconds=config.watchdog_first_step_seconds).start()
 
   def step_started(self, step: int, in_flight: int) -> None:
     """Step ``step`` is about to run; ``in_flight`` steps (itself included) are unfetched."""

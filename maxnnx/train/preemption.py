@@ -5,6 +5,10 @@ While a :class:`StopRequest` is entered (in the main thread only: Python runs si
 there), the first SIGTERM or SIGINT only sets :attr:`StopRequest.signal_name`; the loop
 finishes its step, saves a checkpoint and returns. A second SIGINT (Ctrl-C twice) raises
 ``KeyboardInterrupt`` as usual. The previous handlers are restored on exit.
+
+Code that waits inside a step on something that may never end (a reward function in its
+worker thread) polls :func:`requested` and raises :class:`StopRequested`; the loop then stops
+before that step, which was never taken, and checkpoints the one before.
 """
 
 from __future__ import annotations
@@ -13,6 +17,19 @@ import signal
 import threading
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequested(Exception):
+  """A wait inside a step was cut short by a stop request: the step is not taken."""
+
+
+_ACTIVE: list[StopRequest] = []  # the entered requests, innermost last
+
+
+def requested() -> str | None:
+  """The signal's name (``'SIGTERM'``) once the innermost entered :class:`StopRequest` got one,
+  else ``None``."""
+  return _ACTIVE[-1].signal_name if _ACTIVE else None
 
 
 class StopRequest:
@@ -39,12 +56,15 @@ class StopRequest:
           continue
         self._previous[signum] = previous
         signal.signal(signum, self._handle)
+      _ACTIVE.append(self)
     return self
 
   def __exit__(self, *exc) -> None:
+    if self in _ACTIVE:
+      _ACTIVE.remove(self)
     for signum, previous in self._previous.items():
       signal.signal(signum, previous)
     self._previous = {}
 
 
-__all__ = ['SIGNALS', 'StopRequest']
+__all__ = ['SIGNALS', 'StopRequest', 'StopRequested', 'requested']

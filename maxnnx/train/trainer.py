@@ -62,7 +62,7 @@ from maxnnx.train.monitor import FitMonitor
 from maxnnx.train.objectives import Objective, PretrainObjective
 from maxnnx.train.optimizer_placement import optimizer_state_on_host, optimizer_state_over_data
 from maxnnx.train.optimizers import make_optimizer, make_schedule, schedule_change
-from maxnnx.train.preemption import StopRequest
+from maxnnx.train.preemption import StopRequest, StopRequested
 from maxnnx.train.quantization import check_supported, is_quantized, quantize
 
 logger = logging.getLogger(__name__)
@@ -636,8 +636,15 @@ class Trainer:
         redo = step <= high_water  # re-doing a step an earlier run already took
         self._goodput.lost_steps += redo
         monitor.step_started(step, in_flight=len(self._pending) + 1)
+        try:
+          with self._goodput.time('lost' if redo else 'productive'):
+            self._step(None, fetch=False)
+        except StopRequested:  # stopped while the step waited for its data: it is not taken
+          self._goodput.lost_steps -= redo
+          monitor.step_finished()
+          self._stop_early(stop.signal_name, saved, bar, log)
+          break
         with self._goodput.time('lost' if redo else 'productive'):
-          self._step(None, fetch=False)
           monitor.step_dispatched(step, self._state)
           evaluate = cfg.eval_every and (self.step_count % cfg.eval_every == 0 or last)
           save = cfg.checkpoint_dir and (last or (cfg.checkpoint_every

@@ -9,7 +9,8 @@ most one every ``min_interval`` seconds.
 ``factor`` times the median step time (times the steps still in flight, which
 the step may have to wait for) and at least ``min_seconds``, it writes the
 stack of every thread (``faulthandler``) to stderr and to a file, once per
-hang, and lets the run go on. A file at a URL (``gs://``) gets the stacks written
+hang, and lets the run go on. Before a median is known (the first steps), a step is hung
+after ``first_seconds``. A file at a URL (``gs://``) gets the stacks written
 locally first (``faulthandler`` needs a real file) and then added to it.
 """
 
@@ -95,11 +96,14 @@ class Watchdog:
     path: file the stacks are appended to (``None``: stderr only).
     stream: where else they go (default ``sys.stderr``).
     poll: seconds between checks (default from ``min_seconds``).
+    first_seconds: the limit while no median is known (``None`` or 0: such steps are not
+      watched).
   """
 
   def __init__(self, factor: float, min_seconds: float, path: str | None = None, *,
-               stream=None, poll: float | None = None):
+               stream=None, poll: float | None = None, first_seconds: float | None = None):
     self.factor, self.min_seconds, self.path = factor, min_seconds, path
+    self.first_seconds = first_seconds or None
     self.stream = stream
     self.poll = poll if poll is not None else min(1.0, max(0.02, min_seconds / 5))
     self.dumps = 0
@@ -144,8 +148,10 @@ class Watchdog:
 
   def limit(self) -> float | None:
     """Seconds after which the current step counts as hung (``None``: not watching)."""
-    if self._median is None or self._step is None:
+    if self._step is None:
       return None
+    if self._median is None:
+      return self.first_seconds
     return max(self.min_seconds, self.factor * self._median * self._in_flight)
 
   def _run(self) -> None:
@@ -161,8 +167,9 @@ class Watchdog:
         step, median = self._step, self._median
       self._dump(step, elapsed, median, limit)
 
-  def _dump(self, step: int, elapsed: float, median: float, limit: float) -> None:
-    header = (f'maxnnx watchdog: step {step} has run {elapsed:.1f} s (median step {median:.3f} s, '
+  def _dump(self, step: int, elapsed: float, median: float | None, limit: float) -> None:
+    known = f'median step {median:.3f} s' if median is not None else 'no median yet'
+    header = (f'maxnnx watchdog: step {step} has run {elapsed:.1f} s ({known}, '
               f'limit {limit:.1f} s); stacks of all threads follow '
               f'(pid {os.getpid()}, {time.strftime("%Y-%m-%d %H:%M:%S")}).')
     logger.warning('%s%s', header.split(';')[0],
