@@ -198,6 +198,9 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'megablox': _noop(bool, True, "MaxText's MoE kernel choice; maxnnx: model.ragged_dot_impl"),
     'sparse_matmul': _noop(bool, True, "MaxText's MoE kernel choice; maxnnx's MoE is "
                            'dropless grouped matmuls (model.moe.dispatch)'),
+    'use_ring_of_experts': _refuse(bool, False, 'no ring of experts (token all-gather); '
+                                   'mesh.expert_parallel_strategy=all_to_all sends tokens to '
+                                   'their experts by all-to-all'),
     'float32_qk_product': _noop(bool, False, 'maxnnx computes attention scores in float32'),
     'float32_logits': _noop(bool, False, 'maxnnx computes the softmax in float32'),
     'logits_dot_in_fp32': _noop(bool, False, 'the fused loss accumulates logits in float32'),

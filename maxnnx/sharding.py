@@ -74,6 +74,8 @@ _PIPELINE_SCHEDULE: contextvars.ContextVar[tuple[int | None, int]] = contextvars
     'maxnnx_pipeline_schedule', default=(None, 1))
 _CONTEXT_STRATEGY: contextvars.ContextVar[str] = contextvars.ContextVar(
     'maxnnx_context_parallel_strategy', default='all_gather')
+_EXPERT_STRATEGY: contextvars.ContextVar[str] = contextvars.ContextVar(
+    'maxnnx_expert_parallel_strategy', default='gspmd')
 
 
 def logical_rules(mesh_config: MeshConfig | None = None) -> dict[str, MeshAxes]:
@@ -178,12 +180,13 @@ def spec_for(names: Sequence[str | None], rules: dict[str, MeshAxes] | None = No
   A mesh axis is used at most once per array (the first dimension that asks for
   it gets it); axes of size 1 are dropped; with ``shape`` given, axes that do
   not divide a dimension are dropped from it (the dimension stays replicated
-  along them) so any model runs on any mesh.
+  along them) so any model runs on any mesh. Axes that are manual in ``mesh`` (inside a
+  ``shard_map`` over them) are dropped too: there each device already holds its own block.
   """
   rules = _CURRENT_RULES.get() if rules is None else rules
   rules = rules if rules is not None else dict(DEFAULT_RULES)
   sizes = dict(mesh.shape) if mesh is not None else None
-  used: set[str] = set()
+  used: set[str] = set(getattr(mesh, 'manual_axes', ()) or ())
   spec = []
   for dim, name in enumerate(names):
     axes = rules.get(name) if name is not None else None
@@ -207,7 +210,8 @@ def spec_for(names: Sequence[str | None], rules: dict[str, MeshAxes] | None = No
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: dict[str, MeshAxes] | None = None, *,
              pipeline_microbatches: int | None = None, pipeline_repeats: int = 1,
-             context_parallel_strategy: str = 'all_gather'):
+             context_parallel_strategy: str = 'all_gather',
+             expert_parallel_strategy: str = 'gspmd'):
   """Make ``mesh`` current (``jax.set_mesh``) and ``rules`` the logical rules.
 
   ``pipeline_microbatches`` is how many micro-batches a pipelined layer stack
@@ -215,11 +219,13 @@ def use_mesh(mesh: Mesh, rules: dict[str, MeshAxes] | None = None, *,
   ``pipeline_repeats`` how many times each micro-batch goes round the stages (1: GPipe;
   more: a circular pipeline, see :mod:`maxnnx.parallel.pipeline`).
   ``context_parallel_strategy`` is how attention crosses the ``context`` axis
-  (``MeshConfig.context_parallel_strategy``).
+  (``MeshConfig.context_parallel_strategy``) and ``expert_parallel_strategy`` how MoE
+  tokens cross the ``expert`` axis (``MeshConfig.expert_parallel_strategy``).
   """
   token = _CURRENT_RULES.set(dict(DEFAULT_RULES) if rules is None else dict(rules))
   pipeline_token = _PIPELINE_SCHEDULE.set((pipeline_microbatches, pipeline_repeats))
   strategy_token = _CONTEXT_STRATEGY.set(context_parallel_strategy)
+  expert_token = _EXPERT_STRATEGY.set(expert_parallel_strategy)
   try:
     with jax.set_mesh(mesh):
       yield mesh
@@ -227,6 +233,7 @@ def use_mesh(mesh: Mesh, rules: dict[str, MeshAxes] | None = None, *,
     _CURRENT_RULES.reset(token)
     _PIPELINE_SCHEDULE.reset(pipeline_token)
     _CONTEXT_STRATEGY.reset(strategy_token)
+    _EXPERT_STRATEGY.reset(expert_token)
 
 
 def pipeline_microbatches() -> int:
@@ -244,6 +251,12 @@ def context_parallel_strategy() -> str:
   """How attention crosses the ``context`` axis under the current mesh (``all_gather``
   or ``ring``)."""
   return _CONTEXT_STRATEGY.get()
+
+
+def expert_parallel_strategy() -> str:
+  """How MoE tokens cross the ``expert`` axis under the current mesh (``gspmd`` or
+  ``all_to_all``)."""
+  return _EXPERT_STRATEGY.get()
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -93,6 +93,7 @@ def test_refusals_and_notes(capsys):
       'model_name=qwen3-vl-4b': 'Qwen3-VL',
       'model_name=llama3.2-1b': 'Did you mean',
       'context_parallel_strategy=ulysses': "takes 'all_gather', 'ring'",
+      'use_ring_of_experts=true': 'expert_parallel_strategy=all_to_all',
   }
   for arg, message in cases.items():
     assert cli.main(['train', 'per_device_batch_size=1', arg]) == 2, arg

@@ -231,10 +231,13 @@ def test_an_8b_model_is_refused_before_any_weights_exist():
     trainer.compile(verbose=False)
 
 
-def test_expert_parallel_moe_matches_one_device():
-  """tiny-moe (8 experts, top-2) with experts split over 4 devices, batch over 2."""
+@pytest.mark.parametrize('strategy', ['gspmd', 'all_to_all'])
+def test_expert_parallel_moe_matches_one_device(strategy):
+  """tiny-moe (8 experts, top-2) with experts split over 4 devices, batch over 2; tokens
+  reach their experts as GSPMD chooses or by all-to-all (mesh.expert_parallel_strategy)."""
   moe = maxnnx.get_preset('tiny-moe', scan_layers=True)
   reference = _losses(MeshConfig(data=1), moe, router_aux_loss_coef=0.01)
-  losses = _losses(MeshConfig(data=2, expert=4), moe, router_aux_loss_coef=0.01)
+  losses = _losses(MeshConfig(data=2, expert=4, expert_parallel_strategy=strategy), moe,
+                   router_aux_loss_coef=0.01)
   np.testing.assert_allclose(losses, reference, rtol=1e-4)
   assert losses[-1] < losses[0]

@@ -39,6 +39,16 @@ class MeshConfig(ValidatedConfig):
       neighbour per step, merging the partial results with an online softmax
       (``maxnnx.layers.context_parallel``); no shard holds the whole sequence's
       keys in the forward pass.
+    expert_parallel_strategy: how MoE tokens reach the experts of other ``expert``
+      shards. ``gspmd`` (the default and the reference): the compiler moves tokens
+      however it partitions the global sort (or the per-expert buffers). ``all_to_all``:
+      each shard routes its own tokens, packs them per destination shard into
+      fixed-size buffers, exchanges them with one ``all_to_all``, runs its own experts
+      and sends the results back the same way (``maxnnx.layers.expert_parallel``).
+      It is a mesh key, not a ``moe.dispatch`` value, because it is orthogonal to
+      dispatch: ``dropless`` sends every assignment (buffers of the worst case) and
+      ``capacity`` keeps its per-expert slots (counted per source shard). Needs
+      ``moe.num_experts`` divisible by ``expert``.
     pipeline_microbatches: microbatches per step when ``stage > 1``; ``None``
       means one per stage.
     pipeline_repeats: rounds of the stages each micro-batch makes (MaxText's
@@ -66,6 +76,7 @@ class MeshConfig(ValidatedConfig):
   sequence_parallel: bool = False
   context_load_balance: bool = True
   context_parallel_strategy: Literal['all_gather', 'ring'] = 'all_gather'
+  expert_parallel_strategy: Literal['gspmd', 'all_to_all'] = 'gspmd'
   pipeline_microbatches: int | None = None
   pipeline_repeats: int = 1
   rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()

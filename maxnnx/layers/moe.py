@@ -31,8 +31,6 @@ step's loads; :func:`update_router_bias` does the same by hand with a rate of yo
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,10 +40,12 @@ from jax.ad_checkpoint import checkpoint_name
 from maxnnx.config import ModelConfig, MoEConfig, RuntimeConfig
 from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.options import RaggedDotOptions
+from maxnnx.layers.expert_parallel import dispatch_all_to_all
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.mlp import ACTIVATIONS, MLP
+from maxnnx.layers.moe_dispatch import CapacityPlan, capacity, sorted_inputs
 from maxnnx.layers.params import logical_param
-from maxnnx.sharding import constrain
+from maxnnx.sharding import constrain, expert_parallel_strategy, mesh_axis_size
 
 EXPERT_AXES = ('activation_expert', None, 'activation_embed')
 EXPERT_HIDDEN_AXES = ('activation_expert', None, 'activation_mlp')
@@ -172,12 +172,6 @@ def route(logits_NE: jax.Array, cfg: MoEConfig, score_bias_E: jax.Array | None =
   return weights_NK * cfg.router_scaling_factor, experts_NK.astype(jnp.int32), scores_NE
 
 
-def capacity(num_tokens: int, cfg: MoEConfig) -> int:
-  """Slots per expert of ``capacity`` dispatch for ``num_tokens`` tokens."""
-  return max(1, math.ceil(cfg.capacity_factor * num_tokens * cfg.num_experts_per_tok
-                          / cfg.num_experts))
-
-
 class MoE(nnx.Module):
   """Routed experts (top-k of ``num_experts``) plus optional shared experts.
 
@@ -243,73 +237,77 @@ class MoE(nnx.Module):
     up = jnp.clip(up, -limit, limit)
     return (up + 1) * gate * jax.nn.sigmoid(cfg.swiglu_alpha * gate)
 
+  def expert_weights(self) -> dict[str, jax.Array | None]:
+    """The experts' stacked weights as arrays (``None`` for absent biases), expert axis
+    first: what the feed-forward helpers and the all-to-all dispatch take."""
+    ex = self.experts
+
+    def value(param):
+      return None if param is None else param[...]
+
+    return {'gate': value(ex.gate_proj), 'up': value(ex.up_proj), 'down': value(ex.down_proj),
+            'gate_bias': value(ex.gate_bias), 'up_bias': value(ex.up_bias),
+            'down_bias': value(ex.down_bias)}
+
+  def grouped_ffn(self, x_MD, experts_M, group_sizes_G, weights):
+    """Expert feed-forward of rows sorted by expert (grouped matmuls, float32 out).
+
+    ``experts_M`` is each row's index into ``weights`` (rows past the groups are padding:
+    their results are never read); ``group_sizes_G`` the rows per expert.
+    """
+    dtype = self.dtype
+
+    def grouped(lhs, rhs):
+      return self.ragged_dot(lhs, rhs.astype(dtype), group_sizes_G,
+                             RaggedDotOptions(preferred_element_type=jnp.float32))
+
+    gate_MF, up_MF = grouped(x_MD, weights['gate']), grouped(x_MD, weights['up'])
+    if weights['gate_bias'] is not None:
+      gate_MF = gate_MF + weights['gate_bias'][experts_M].astype(jnp.float32)
+      up_MF = up_MF + weights['up_bias'][experts_M].astype(jnp.float32)
+    h_MF = checkpoint_name(self._glu(gate_MF, up_MF).astype(dtype), 'mlp_hidden')
+    y_MD = grouped(h_MF, weights['down'])
+    if weights['down_bias'] is not None:
+      y_MD = y_MD + weights['down_bias'][experts_M].astype(jnp.float32)
+    return y_MD
+
+  def batched_ffn(self, buffer_ECD, weights):
+    """Expert feed-forward of per-expert buffers ``[experts, slots, d_model]`` (float32 out)."""
+    dtype = self.dtype
+
+    def batched(lhs, rhs):
+      return jnp.einsum('ecd,edf->ecf', lhs, rhs.astype(dtype),
+                        preferred_element_type=jnp.float32)
+
+    gate_ECF, up_ECF = batched(buffer_ECD, weights['gate']), batched(buffer_ECD, weights['up'])
+    if weights['gate_bias'] is not None:
+      gate_ECF = gate_ECF + weights['gate_bias'][:, None].astype(jnp.float32)
+      up_ECF = up_ECF + weights['up_bias'][:, None].astype(jnp.float32)
+    h_ECF = checkpoint_name(constrain(self._glu(gate_ECF, up_ECF).astype(dtype),
+                                      EXPERT_HIDDEN_AXES), 'mlp_hidden')
+    y_ECD = batched(h_ECF, weights['down'])
+    if weights['down_bias'] is not None:
+      y_ECD = y_ECD + weights['down_bias'][:, None].astype(jnp.float32)
+    return y_ECD
+
   def _dropless(self, x_ND, weights_NK, experts_NK, input_weights_NK=None):
     """Sort assignments by expert, grouped matmuls, unsort, weighted sum."""
     num_tokens, k = experts_NK.shape
-    dtype, ex = self.dtype, self.experts
     experts_M = experts_NK.reshape(-1)
     order_M = jnp.argsort(experts_M, stable=True)
-    sorted_experts_M = experts_M[order_M]
-    x_MD = x_ND[order_M // k]
-    if input_weights_NK is not None:
-      x_MD = x_MD * input_weights_NK.reshape(-1)[order_M][:, None].astype(x_MD.dtype)
-    x_MD = x_MD.astype(dtype)
+    x_MD = sorted_inputs(x_ND, order_M, k, input_weights_NK).astype(self.dtype)
     group_sizes_E = jnp.bincount(experts_M, length=self.cfg.num_experts).astype(jnp.int32)
-
-    def grouped(lhs, rhs):
-      return self.ragged_dot(lhs, rhs[...].astype(dtype), group_sizes_E,
-                             RaggedDotOptions(preferred_element_type=jnp.float32))
-
-    gate_MF, up_MF = grouped(x_MD, ex.gate_proj), grouped(x_MD, ex.up_proj)
-    if ex.gate_bias is not None:
-      gate_MF = gate_MF + ex.gate_bias[...][sorted_experts_M].astype(jnp.float32)
-      up_MF = up_MF + ex.up_bias[...][sorted_experts_M].astype(jnp.float32)
-    h_MF = checkpoint_name(self._glu(gate_MF, up_MF).astype(dtype), 'mlp_hidden')
-    y_MD = grouped(h_MF, ex.down_proj)
-    if ex.down_bias is not None:
-      y_MD = y_MD + ex.down_bias[...][sorted_experts_M].astype(jnp.float32)
+    y_MD = self.grouped_ffn(x_MD, experts_M[order_M], group_sizes_E, self.expert_weights())
     y_NKD = y_MD[jnp.argsort(order_M)].reshape(num_tokens, k, -1)
-    return jnp.einsum('nkd,nk->nd', y_NKD, weights_NK), group_sizes_E
+    return jnp.einsum('nkd,nk->nd', y_NKD, weights_NK)
 
   def _capacity(self, x_ND, weights_NK, experts_NK, input_weights_NK=None):
     """Fixed per-expert buffers (first choices first); overflow is dropped."""
-    num_tokens, k = experts_NK.shape
-    num_experts, dtype, ex = self.cfg.num_experts, self.dtype, self.experts
-    slots = capacity(num_tokens, self.cfg)
-    experts_M = experts_NK.T.reshape(-1)            # choice-major: all first choices first
-    tokens_M = jnp.tile(jnp.arange(num_tokens), k)
-    weights_M = weights_NK.T.reshape(-1)
-    x_MD = x_ND[tokens_M]
-    if input_weights_NK is not None:
-      x_MD = x_MD * input_weights_NK.T.reshape(-1)[:, None].astype(x_MD.dtype)
-    group_sizes_E = jnp.bincount(experts_M, length=num_experts)
-    order_M = jnp.argsort(experts_M, stable=True)
-    starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
-    slot_sorted_M = jnp.arange(experts_M.shape[0]) - starts_E[experts_M[order_M]]
-    slot_M = jnp.zeros_like(slot_sorted_M).at[order_M].set(slot_sorted_M)
-    kept_M = slot_M < slots
-    slot_M = jnp.where(kept_M, slot_M, slots)       # out of range: dropped by the scatter
-    buffer_ECD = jnp.zeros((num_experts, slots, x_ND.shape[-1]), dtype)
-    buffer_ECD = buffer_ECD.at[experts_M, slot_M].set(x_MD.astype(dtype), mode='drop')
-    buffer_ECD = constrain(buffer_ECD, EXPERT_AXES)
-
-    def batched(lhs, rhs):
-      return jnp.einsum('ecd,edf->ecf', lhs, rhs[...].astype(dtype),
-                        preferred_element_type=jnp.float32)
-
-    gate_ECF, up_ECF = batched(buffer_ECD, ex.gate_proj), batched(buffer_ECD, ex.up_proj)
-    if ex.gate_bias is not None:
-      gate_ECF = gate_ECF + ex.gate_bias[...][:, None].astype(jnp.float32)
-      up_ECF = up_ECF + ex.up_bias[...][:, None].astype(jnp.float32)
-    h_ECF = checkpoint_name(constrain(self._glu(gate_ECF, up_ECF).astype(dtype),
-                                      EXPERT_HIDDEN_AXES), 'mlp_hidden')
-    y_ECD = batched(h_ECF, ex.down_proj)
-    if ex.down_bias is not None:
-      y_ECD = y_ECD + ex.down_bias[...][:, None].astype(jnp.float32)
-    y_MD = y_ECD[experts_M, jnp.minimum(slot_M, slots - 1)]
-    y_MD = y_MD * jnp.where(kept_M, weights_M, 0.0)[:, None]
-    out_ND = jnp.zeros((num_tokens, y_MD.shape[-1]), jnp.float32).at[tokens_M].add(y_MD)
-    return out_ND, group_sizes_E
+    slots = capacity(x_ND.shape[0], self.cfg)
+    plan = CapacityPlan.of(experts_NK, slots)
+    buffer_ECD = plan.pack(x_ND, input_weights_NK, self.cfg.num_experts, self.dtype)
+    y_ECD = self.batched_ffn(constrain(buffer_ECD, EXPERT_AXES), self.expert_weights())
+    return plan.combine(y_ECD, weights_NK)
 
   def __call__(self, x_BTD: jax.Array, router_input_BTD: jax.Array | None = None) -> jax.Array:
     """MoE output ``[B, T, d_model]``; also records this call's :class:`MoeAux`.
@@ -329,8 +327,12 @@ class MoE(nnx.Module):
     input_weights_NK = None
     if cfg.router_weights_on_input:  # Llama 4: experts see weighted inputs, outputs are summed
       input_weights_NK, weights_NK = weights_NK, jnp.ones_like(weights_NK)
-    dispatch = self._dropless if cfg.dispatch == 'dropless' else self._capacity
-    y_ND, counts_E = dispatch(x_ND, weights_NK, experts_NK, input_weights_NK)
+    if expert_parallel_strategy() == 'all_to_all' and mesh_axis_size('expert') > 1:
+      y_ND = dispatch_all_to_all(self, x_BTD, weights_NK, experts_NK, input_weights_NK)
+    else:
+      dispatch = self._dropless if cfg.dispatch == 'dropless' else self._capacity
+      y_ND = dispatch(x_ND, weights_NK, experts_NK, input_weights_NK)
+    counts_E = jnp.bincount(experts_NK.reshape(-1), length=cfg.num_experts)
     y_BTD = checkpoint_name(y_ND.astype(self.dtype).reshape(batch, length, d), 'mlp_out')
     if self.shared_experts is not None:
       shared_BTD = self.shared_experts(x_BTD)

@@ -318,7 +318,8 @@ class Trainer:
     return sharding.use_mesh(self.mesh, self.rules,
                              pipeline_microbatches=mesh.pipeline_microbatches,
                              pipeline_repeats=mesh.pipeline_repeats,
-                             context_parallel_strategy=mesh.context_parallel_strategy)
+                             context_parallel_strategy=mesh.context_parallel_strategy,
+                             expert_parallel_strategy=mesh.expert_parallel_strategy)
 
   def mesh_context(self):
     """A context in which the trainer's mesh and logical-axis rules apply (to run the model

@@ -1,0 +1,150 @@
+"""MoE tokens across the ``expert`` mesh axis by all-to-all
+(``MeshConfig.expert_parallel_strategy=all_to_all``).
+
+Under the default ``gspmd`` strategy the MoE block's global sort (or its per-expert
+buffers) is partitioned by the compiler, which moves tokens however it likes. Here the
+dispatch runs under ``jax.shard_map`` over ``expert`` alone (``axis_names={'expert'}``:
+the other axes stay with GSPMD, so data, FSDP and tensor parallelism compose as before).
+Each shard holds ``num_experts / expert`` experts and its own tokens, already routed:
+
+1. it packs its assignments per destination shard into a buffer of fixed size:
+   ``dropless`` the worst case (every local assignment, so none is dropped), ``capacity``
+   the per-expert slots of :func:`~maxnnx.layers.moe_dispatch.capacity` counted over the
+   shard's own tokens;
+2. one ``jax.lax.all_to_all`` sends each buffer to the shard of its experts (with the
+   per-expert counts, for ``dropless``);
+3. the shard runs its experts with the block's grouped matmul (``ragged_dot_impl``) or
+   batched matmul;
+4. the reverse ``all_to_all`` brings the results home, where each token sums its
+   assignments with their routing weights.
+
+The buffers have static shapes because XLA:CPU has no ragged all-to-all; a ragged
+exchange would send only the filled rows. Routing and the auxiliary statistics stay
+outside, on the global token set, so they equal the ``gspmd`` path's.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from maxnnx.config import ConfigError
+from maxnnx.layers.moe_dispatch import CapacityPlan, capacity, sorted_inputs
+from maxnnx.sharding import mesh_axis_size, spec_for
+
+EXPERT_AXIS = 'expert'
+
+
+def dispatch_all_to_all(moe, x_BTD: jax.Array, weights_NK: jax.Array, experts_NK: jax.Array,
+                        input_weights_NK: jax.Array | None) -> jax.Array:
+  """The routed experts' output ``[B*T, d_model]`` (float32) of ``moe`` (a
+  :class:`~maxnnx.layers.moe.MoE`), its tokens exchanged by ``all_to_all``.
+
+  Raises:
+    ConfigError: ``num_experts`` or the tokens do not split evenly over ``expert``.
+  """
+  shards = mesh_axis_size(EXPERT_AXIS)
+  cfg = moe.cfg
+  if cfg.num_experts % shards:
+    raise ConfigError(f'mesh.expert_parallel_strategy=all_to_all splits moe.num_experts='
+                      f'{cfg.num_experts} over {shards} expert shards: use a mesh.expert that '
+                      f'divides it, or mesh.expert_parallel_strategy=gspmd.')
+  batch, length, d = x_BTD.shape
+  outer = _batch_shards_before_expert(batch)
+  if (batch * length) % (outer * shards):
+    raise ConfigError(f'mesh.expert_parallel_strategy=all_to_all splits the {batch * length} '
+                      f'tokens of a batch over {outer * shards} shards: use a batch whose '
+                      f'tokens are a multiple of {outer * shards}, or '
+                      'mesh.expert_parallel_strategy=gspmd.')
+
+  def blocks(a):  # [N, ...] -> [outer, expert, N / (outer * expert), ...]
+    return None if a is None else a.reshape(outer, shards, -1, *a.shape[1:])
+
+  exchange = _dropless_shard if cfg.dispatch == 'dropless' else _capacity_shard
+  tokens = P(None, EXPERT_AXIS)
+
+  @functools.partial(jax.shard_map, in_specs=(tokens, tokens, tokens, tokens, P(EXPERT_AXIS)),
+                     out_specs=tokens, axis_names={EXPERT_AXIS}, check_vma=False)
+  def per_shard(x, weights, experts, input_weights, expert_weights):
+    def local(a):
+      return None if a is None else a.reshape(-1, *a.shape[3:])
+
+    y_ND = exchange(moe, shards, local(x), local(weights), local(experts), local(input_weights),
+                    expert_weights)
+    return y_ND.reshape(x.shape[:3] + y_ND.shape[1:])
+
+  y = per_shard(blocks(x_BTD.reshape(-1, d)), blocks(weights_NK), blocks(experts_NK),
+                blocks(input_weights_NK), moe.expert_weights())
+  return y.reshape(batch * length, -1)
+
+
+def _batch_shards_before_expert(batch: int) -> int:
+  """How many shards the mesh axes ahead of ``expert`` cut the batch into (the batch's
+  blocks are ``outer``-major, ``expert``-minor); 1 when ``expert`` does not split it."""
+  mesh = jax.sharding.get_abstract_mesh()
+  spec = spec_for(('activation_batch',), mesh=mesh, shape=(batch,))[0]
+  axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+  if EXPERT_AXIS not in axes:
+    return 1
+  sizes = dict(mesh.shape)
+  return math.prod(sizes[a] for a in axes[:axes.index(EXPERT_AXIS)])
+
+
+def _exchange(buffer: jax.Array) -> jax.Array:
+  """Block ``i`` of ``buffer``'s first axis goes to expert shard ``i``; block ``j`` of the
+  result came from shard ``j``."""
+  return jax.lax.all_to_all(buffer, EXPERT_AXIS, 0, 0, tiled=True)
+
+
+def _dropless_shard(moe, shards, x_ND, weights_NK, experts_NK, input_weights_NK,
+                    expert_weights):
+  """One shard's dropless exchange: every assignment is sent, in buffers of the worst case
+  (all ``N * k`` local assignments bound for one shard)."""
+  num_tokens, k = experts_NK.shape
+  local_experts = moe.cfg.num_experts // shards
+  experts_M = experts_NK.reshape(-1)
+  rows = experts_M.shape[0]
+  order_M = jnp.argsort(experts_M, stable=True)
+  sorted_M = experts_M[order_M]
+  dest_M = sorted_M // local_experts
+  dest_starts_X = jnp.searchsorted(sorted_M, jnp.arange(shards) * local_experts, side='left')
+  pos_M = jnp.arange(rows) - dest_starts_X[dest_M]
+  x_MD = sorted_inputs(x_ND, order_M, k, input_weights_NK).astype(moe.dtype)
+  send_XMD = jnp.zeros((shards, rows, x_ND.shape[-1]), moe.dtype).at[dest_M, pos_M].set(x_MD)
+  counts_XL = jnp.bincount(experts_M, length=moe.cfg.num_experts).reshape(shards, local_experts)
+  recv_XMD, recv_counts_XL = _exchange(send_XMD), _exchange(counts_XL.astype(jnp.int32))
+
+  # Each source's rows arrive sorted by expert; regroup them by expert across sources.
+  ends_XL = jnp.cumsum(recv_counts_XL, axis=1)
+  expert_XM = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(rows), side='right'))(
+      ends_XL)  # == local_experts for padding rows
+  expert_R = expert_XM.reshape(-1)
+  order_R = jnp.argsort(expert_R, stable=True)
+  y_RD = moe.grouped_ffn(recv_XMD.reshape(shards * rows, -1)[order_R],
+                         jnp.minimum(expert_R[order_R], local_experts - 1),
+                         recv_counts_XL.sum(axis=0), expert_weights)
+  y_XMD = jnp.zeros_like(y_RD).at[order_R].set(y_RD).reshape(shards, rows, -1)
+
+  back_XMD = _exchange(y_XMD.astype(moe.dtype))
+  y_MD = back_XMD[dest_M, pos_M][jnp.argsort(order_M)]
+  return jnp.einsum('nkd,nk->nd', y_MD.astype(jnp.float32).reshape(num_tokens, k, -1),
+                    weights_NK)
+
+
+def _capacity_shard(moe, shards, x_ND, weights_NK, experts_NK, input_weights_NK,
+                    expert_weights):
+  """One shard's capacity exchange: each expert's slots for this shard's tokens travel to
+  the expert's shard, which runs all sources' slots in one batched matmul."""
+  num_experts = moe.cfg.num_experts
+  local_experts = num_experts // shards
+  slots = capacity(x_ND.shape[0], moe.cfg)
+  plan = CapacityPlan.of(experts_NK, slots)
+  buffer_ECD = plan.pack(x_ND, input_weights_NK, num_experts, moe.dtype)
+  recv_XLCD = _exchange(buffer_ECD.reshape(shards, local_experts, slots, -1))
+  by_expert_LCD = recv_XLCD.transpose(1, 0, 2, 3).reshape(local_experts, shards * slots, -1)
+  y_LCD = moe.batched_ffn(by_expert_LCD, expert_weights).astype(moe.dtype)
+  y_XLCD = y_LCD.reshape(local_experts, shards, slots, -1).transpose(1, 0, 2, 3)
+  back_ECD = _exchange(y_XLCD).reshape(num_experts, slots, -1)
+  return plan.combine(back_ECD, weights_NK)
