@@ -3,17 +3,19 @@
 
 Under the default ``gspmd`` strategy the MoE block's global sort (or its per-expert
 buffers) is partitioned by the compiler, which moves tokens however it likes. Here the
-dispatch runs under ``jax.shard_map`` over ``expert`` alone (``axis_names={'expert'}``:
-the other axes stay with GSPMD, so data, FSDP and tensor parallelism compose as before).
-Each shard holds ``num_experts / expert`` experts and its own tokens, already routed:
+dispatch runs under ``jax.shard_map`` over ``expert`` and the axes that split the batch ahead
+of it (``data``, ``fsdp``), so each device holds only its own tokens (the FSDP shards of the
+expert weights are gathered on entry, as GSPMD does per layer); the other axes (``tensor``,
+``context``) stay with GSPMD. Each device holds ``num_experts / expert`` experts and its own
+tokens, already routed, and exchanges with the devices that differ from it in ``expert`` alone:
 
 1. it packs its assignments per destination shard into a buffer of fixed size:
    ``dropless`` the worst case (every local assignment, so none is dropped), ``capacity``
    the per-expert slots of :func:`~maxnnx.layers.moe_dispatch.capacity` counted over the
-   shard's own tokens;
-2. one ``jax.lax.all_to_all`` sends each buffer to the shard of its experts (with the
+   device's own tokens;
+2. one ``jax.lax.all_to_all`` sends each buffer to the device of its experts (with the
    per-expert counts, for ``dropless``);
-3. the shard runs its experts with the block's grouped matmul (``ragged_dot_impl``) or
+3. the device runs its experts with the block's grouped matmul (``ragged_dot_impl``) or
    batched matmul;
 4. the reverse ``all_to_all`` brings the results home, where each token sums its
    assignments with their routing weights.
@@ -52,44 +54,35 @@ def dispatch_all_to_all(moe, x_BTD: jax.Array, weights_NK: jax.Array, experts_NK
                       f'{cfg.num_experts} over {shards} expert shards: use a mesh.expert that '
                       f'divides it, or mesh.expert_parallel_strategy=gspmd.')
   batch, length, d = x_BTD.shape
-  outer = _batch_shards_before_expert(batch)
-  if (batch * length) % (outer * shards):
+  token_axes = _token_axes(batch)
+  blocks = math.prod(mesh_axis_size(axis) for axis in token_axes)
+  if (batch * length) % blocks:
     raise ConfigError(f'mesh.expert_parallel_strategy=all_to_all splits the {batch * length} '
-                      f'tokens of a batch over {outer * shards} shards: use a batch whose '
-                      f'tokens are a multiple of {outer * shards}, or '
-                      'mesh.expert_parallel_strategy=gspmd.')
-
-  def blocks(a):  # [N, ...] -> [outer, expert, N / (outer * expert), ...]
-    return None if a is None else a.reshape(outer, shards, -1, *a.shape[1:])
-
+                      f'tokens of a batch over {blocks} shards: use a batch whose tokens are a '
+                      f'multiple of {blocks}, or mesh.expert_parallel_strategy=gspmd.')
   exchange = _dropless_shard if cfg.dispatch == 'dropless' else _capacity_shard
-  tokens = P(None, EXPERT_AXIS)
+  tokens = P(token_axes)
 
   @functools.partial(jax.shard_map, in_specs=(tokens, tokens, tokens, tokens, P(EXPERT_AXIS)),
-                     out_specs=tokens, axis_names={EXPERT_AXIS}, check_vma=False)
-  def per_shard(x, weights, experts, input_weights, expert_weights):
-    def local(a):
-      return None if a is None else a.reshape(-1, *a.shape[3:])
+                     out_specs=tokens, axis_names=set(token_axes), check_vma=False)
+  def per_device(x, weights, experts, input_weights, expert_weights):
+    return exchange(moe, shards, x, weights, experts, input_weights, expert_weights)
 
-    y_ND = exchange(moe, shards, local(x), local(weights), local(experts), local(input_weights),
-                    expert_weights)
-    return y_ND.reshape(x.shape[:3] + y_ND.shape[1:])
-
-  y = per_shard(blocks(x_BTD.reshape(-1, d)), blocks(weights_NK), blocks(experts_NK),
-                blocks(input_weights_NK), moe.expert_weights())
-  return y.reshape(batch * length, -1)
+  return per_device(x_BTD.reshape(-1, d), weights_NK, experts_NK, input_weights_NK,
+                    moe.expert_weights())
 
 
-def _batch_shards_before_expert(batch: int) -> int:
-  """How many shards the mesh axes ahead of ``expert`` cut the batch into (the batch's
-  blocks are ``outer``-major, ``expert``-minor); 1 when ``expert`` does not split it."""
+def _token_axes(batch: int) -> tuple[str, ...]:
+  """The mesh axes the dispatch takes over: those that split the batch up to and including
+  ``expert`` (e.g. ``data, expert``), so each device exchanges only its own tokens with the
+  devices that differ from it in ``expert`` alone; just ``expert`` when it does not split
+  the batch."""
   mesh = jax.sharding.get_abstract_mesh()
   spec = spec_for(('activation_batch',), mesh=mesh, shape=(batch,))[0]
   axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
   if EXPERT_AXIS not in axes:
-    return 1
-  sizes = dict(mesh.shape)
-  return math.prod(sizes[a] for a in axes[:axes.index(EXPERT_AXIS)])
+    return (EXPERT_AXIS,)
+  return axes[:axes.index(EXPERT_AXIS) + 1]
 
 
 def _exchange(buffer: jax.Array) -> jax.Array:
