@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from maxnnx.checkpoint.run_lock import LOCK_NAME
 from maxnnx.config import ConfigError, MeshConfig, ModelConfig
 from maxnnx.layers.moe import MoE, RouterBias
 from maxnnx.sharding import logical_rules, make_mesh, spec_for, state_shardings, use_mesh
@@ -137,6 +138,21 @@ def test_gspmd_moves_tokens_by_collectives_all_to_all_does_not_use():
   across devices."""
   hlo = _run(_cfg('llama4'), MESHES['data2_expert4'], 'gspmd')[3]
   assert _token_collectives(hlo)
+
+
+def test_cli_refuses_experts_that_do_not_split_before_writing(tmp_path, capsys):
+  from maxnnx import cli  # noqa: PLC0415
+  out = tmp_path / 'run'
+  out.mkdir()
+  (out / 'notes.txt').write_text('kept')
+  code = cli.main(['train', 'model=tiny-moe', 'model.moe.num_experts=6', 'data=synthetic',
+                   'steps=1', 'mesh.data=2', 'mesh.expert=4',
+                   'mesh.expert_parallel_strategy=all_to_all', f'output_dir={out}'])
+  err = capsys.readouterr().err.strip()
+  assert code == 2
+  assert err.splitlines() == [err] and 'moe.num_experts=6 over 4 expert shards' in err
+  assert sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME) == ['notes.txt']
+  assert (out / 'notes.txt').read_text() == 'kept'
 
 
 def test_experts_that_do_not_split_over_the_mesh_are_refused():

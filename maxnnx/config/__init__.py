@@ -28,7 +28,7 @@ from maxnnx.config.groups import (
     RuntimeConfig,
     VisionConfig,
 )
-from maxnnx.config.mesh import MESH_AXES, MeshConfig, check_ring_split
+from maxnnx.config.mesh import MESH_AXES, MeshConfig, check_expert_split, check_ring_split
 from maxnnx.config.model import LEGACY_MODEL_KEYS, TRAINING_KEYS, ModelConfig
 
 __all__ = [
@@ -36,5 +36,5 @@ __all__ = [
     'LayerType', 'MLAConfig',
     'LinearAttentionConfig', 'MTPConfig', 'MeshConfig', 'ModelConfig', 'MoEConfig', 'RematPolicy',
     'RopeConfig', 'RopeScaling', 'RuntimeConfig', 'ValidatedConfig', 'VisionConfig',
-    'check_ring_split', 'dotted_fields', 'resolve_dtype', 'subtree',
+    'check_expert_split', 'check_ring_split', 'dotted_fields', 'resolve_dtype', 'subtree',
 ]

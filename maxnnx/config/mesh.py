@@ -108,3 +108,16 @@ def check_ring_split(strategy: str, length: int, shards: int) -> None:
     raise ConfigError(f'mesh.context_parallel_strategy=ring splits the sequence over '
                       f'{shards} context shards, but it is {length} tokens long: use a seq_len '
                       f'that is a multiple of {shards}.')
+
+
+def check_expert_split(strategy: str, num_experts: int, shards: int) -> None:
+  """Refuse the ``all_to_all`` expert strategy when ``num_experts`` (0: a dense model, nothing
+  to split) does not split evenly over ``shards`` expert shards (``gspmd`` takes any count).
+
+  Raises:
+    ConfigError: naming ``moe.num_experts``, the shards and the way out.
+  """
+  if strategy == 'all_to_all' and shards > 1 and num_experts and num_experts % shards:
+    raise ConfigError(f'mesh.expert_parallel_strategy=all_to_all splits moe.num_experts='
+                      f'{num_experts} over {shards} expert shards: use a mesh.expert that '
+                      f'divides it, or mesh.expert_parallel_strategy=gspmd.')

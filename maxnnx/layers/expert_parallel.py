@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from maxnnx.config import ConfigError
+from maxnnx.config import ConfigError, check_expert_split
 from maxnnx.layers.moe_dispatch import CapacityPlan, capacity, sorted_inputs
 from maxnnx.sharding import mesh_axis_size, spec_for
 
@@ -49,10 +49,7 @@ def dispatch_all_to_all(moe, x_BTD: jax.Array, weights_NK: jax.Array, experts_NK
   """
   shards = mesh_axis_size(EXPERT_AXIS)
   cfg = moe.cfg
-  if cfg.num_experts % shards:
-    raise ConfigError(f'mesh.expert_parallel_strategy=all_to_all splits moe.num_experts='
-                      f'{cfg.num_experts} over {shards} expert shards: use a mesh.expert that '
-                      f'divides it, or mesh.expert_parallel_strategy=gspmd.')
+  check_expert_split('all_to_all', cfg.num_experts, shards)
   batch, length, d = x_BTD.shape
   token_axes = _token_axes(batch)
   blocks = math.prod(mesh_axis_size(axis) for axis in token_axes)

@@ -19,6 +19,10 @@ Dispatch, chosen by ``dispatch``:
   choices first; assignments that overflow are dropped (their weight is lost).
   Static shapes, plain batched matmuls.
 
+Across the ``expert`` mesh axis, either dispatch runs as GSPMD partitions it or, with
+``mesh.expert_parallel_strategy=all_to_all``, per device with tokens exchanged by
+``all_to_all`` (:mod:`maxnnx.layers.expert_parallel`).
+
 Auxiliary outputs: every forward pass overwrites three :class:`MoeAux`
 variables on the module (``tokens_per_expert [E]``, ``load_balance_loss``,
 ``router_z_loss``); in a scanned stack they carry a leading ``layers`` axis.

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from maxnnx import paths
-from maxnnx.config import MeshConfig, ValidatedConfig, dotted_fields, subtree
+from maxnnx.config import MeshConfig, ValidatedConfig, check_expert_split, dotted_fields, subtree
 from maxnnx.parallel.pipeline import describe_schedule
 from maxnnx.train import export
 from maxnnx.train.run_tokenizer import (
@@ -314,6 +314,17 @@ def _held_out_data(run: dict, options: dict, recipe: RunRecipe, data_fields: dic
   return HeldOutBatches(batches, f'eval_data={spec}')
 
 
+def _check_expert_split(model_config, mesh_config) -> None:
+  """The Trainer's check of the expert strategy against the model's experts, made before the
+  run directory is written to."""
+  import jax  # noqa: PLC0415
+
+  from maxnnx.sharding import mesh_shape  # noqa: PLC0415
+  ici, dcn = mesh_shape(mesh_config, jax.device_count())
+  check_expert_split(mesh_config.expert_parallel_strategy, model_config.moe.num_experts,
+                     ici['expert'] * dcn['expert'])
+
+
 def _model_tokenizer_checked(run, model_changes, data_fields, corpus, options, recipe,
                              train_config, run_dir, devices):
   """:func:`model_and_tokenizer`, the config checked against ``run_dir``'s stored one and the
@@ -328,6 +339,7 @@ def _model_tokenizer_checked(run, model_changes, data_fields, corpus, options, r
       data_fields=data_fields, options=options, mesh=train_config.mesh)
   if run_dir is not None:
     config = model if hasattr(model, 'to_dict') else model.config
+    _check_expert_split(config, train_config.mesh)  # before run_config.json is written
     try:
       run_dir.check_config(run_config(config, train_config, tokenizer_record,
                                       objective=recipe.record(options) or None),

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from maxnnx import sharding
-from maxnnx.config import MeshConfig, ModelConfig
+from maxnnx.config import MeshConfig, ModelConfig, check_expert_split
 from maxnnx.parallel.pipeline import describe_schedule
 from maxnnx.train import diagnostics
 from maxnnx.train import flops as flops_lib
@@ -211,6 +211,8 @@ class Trainer:
       concrete = abstract_model = model
     if stages > 1:
       _check_pipeline_schedule(self.model_config, config.mesh, stages)
+    check_expert_split(config.mesh.expert_parallel_strategy, self.model_config.moe.num_experts,
+                       dict(self.mesh.shape).get('expert', 1))
     self.quantization = _quantization_name(config, self.model_config, concrete, self.mesh)
     if concrete is not None and config.quantization != 'none':
       concrete = quantize(concrete, config.quantization)
