@@ -231,7 +231,7 @@ def test_an_8b_model_is_refused_before_any_weights_exist():
     trainer.compile(verbose=False)
 
 
-@pytest.mark.parametrize('strategy', ['gspmd', 'all_to_all'])
+@pytest.mark.parametrize('strategy', ['gspmd', pytest.param('all_to_all', marks=pytest.mark.slow)])
 def test_expert_parallel_moe_matches_one_device(strategy):
   """tiny-moe (8 experts, top-2) with experts split over 4 devices, batch over 2; tokens
   reach their experts as GSPMD chooses or by all-to-all (mesh.expert_parallel_strategy)."""
