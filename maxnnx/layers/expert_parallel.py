@@ -60,6 +60,8 @@ def dispatch_all_to_all(moe, x_BTD: jax.Array, weights_NK: jax.Array, experts_NK
   exchange = _dropless_shard if cfg.dispatch == 'dropless' else _capacity_shard
   tokens = P(token_axes)
 
+  # check_vma=False: jax 0.10's searchsorted (the dense and tiled ragged dots use it) fails an
+  # internal assertion on arrays that vary over a manual axis.
   @functools.partial(jax.shard_map, in_specs=(tokens, tokens, tokens, tokens, P(EXPERT_AXIS)),
                      out_specs=tokens, axis_names=set(token_axes), check_vma=False)
   def per_device(x, weights, experts, input_weights, expert_weights):
