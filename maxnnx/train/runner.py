@@ -320,7 +320,12 @@ def _check_expert_split(model_config, mesh_config) -> None:
   import jax  # noqa: PLC0415
 
   from maxnnx.sharding import mesh_shape  # noqa: PLC0415
-  ici, dcn = mesh_shape(mesh_config, jax.device_count())
+  if mesh_config.expert_parallel_strategy != 'all_to_all':
+    return
+  try:
+    ici, dcn = mesh_shape(mesh_config, jax.device_count())
+  except ValueError:  # a mesh of fewer devices than there are: the Trainer checks it on them
+    return
   check_expert_split(mesh_config.expert_parallel_strategy, model_config.moe.num_experts,
                      ici['expert'] * dcn['expert'])
 
