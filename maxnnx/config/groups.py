@@ -509,6 +509,9 @@ class RuntimeConfig(ValidatedConfig):
       memory (``pinned_host``) after the forward pass and brought back for the
       backward pass. Tagged tensors in neither list, and everything untagged, are
       recomputed.
+    record_max_logits: give each attention layer a ``max_logits`` variable that every
+      forward pass fills with each head's largest pre-softmax logit (what QK-clip,
+      ``TrainConfig.qk_clip_threshold``, reads; one more score pass per layer).
     kernel_on_unsupported: what a kernel strategy does with a call it declares it
       cannot serve: ``fallback`` (compute it with ``xla``/``lax`` and log a warning
       once) or ``error`` (raise).
@@ -528,6 +531,7 @@ class RuntimeConfig(ValidatedConfig):
   remat_save: tuple[RematTensor, ...] = ()
   remat_offload: tuple[RematTensor, ...] = ()
   kernel_on_unsupported: Literal['fallback', 'error'] = 'fallback'
+  record_max_logits: bool = False
 
   def _validate(self):
     chosen = self.remat_save + self.remat_offload

@@ -35,7 +35,7 @@ LEGACY_MODEL_KEYS: dict[str, str] = {
     **{name: f'runtime.{name}' for name in (
         'param_dtype', 'dtype', 'logits_dtype', 'scan_layers', 'attention_impl',
         'paged_attention_impl', 'ragged_dot_impl', 'remat_policy', 'remat_save', 'remat_offload',
-        'kernel_on_unsupported')},
+        'kernel_on_unsupported', 'record_max_logits')},
 }
 
 # Training-loss weights that earlier versions kept in ModelConfig -> where they live now.

@@ -27,6 +27,7 @@ from maxnnx.layers.context_parallel import attend
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.params import logical_param
+from maxnnx.layers.qk_clip import MaxLogits, head_max_logits
 from maxnnx.layers.rope import apply_rope, deinterleave
 from maxnnx.sharding import constrain
 
@@ -48,6 +49,9 @@ class Attention(nnx.Module):
     o_proj: ``[heads, head_dim] -> [d_model]``.
     q_norm, k_norm: optional RMSNorms (per head or over the whole projection).
     sinks: ``[heads]`` learned attention-sink logits (``cfg.attention_sinks``) or ``None``.
+    max_logits: :class:`~maxnnx.layers.qk_clip.MaxLogits` ``[heads]``, each head's largest
+      logit in the last forward pass, when ``cfg.runtime.record_max_logits`` (QK-clip reads
+      it); ``None`` otherwise.
     kernel: the attention strategy (``cfg.runtime.attention_impl``), shown in treescope.
     paged_kernel: the paged-attention strategy (``cfg.runtime.paged_attention_impl``).
     cache_k, cache_v: ``nnx.Cache`` ``[B, S, kv_heads, head_dim]`` once
@@ -103,6 +107,8 @@ class Attention(nnx.Module):
     self.cache_v = nnx.data(None)
     self.pages_k = nnx.data(None)
     self.pages_v = nnx.data(None)
+    self.max_logits = (MaxLogits(jnp.zeros((h,), jnp.float32))
+                       if cfg.runtime.record_max_logits else nnx.data(None))
 
   def init_cache(self, batch: int, max_length: int, dtype) -> None:
     """Allocate an empty KV cache for ``batch`` rows of ``max_length`` tokens (none in a
@@ -213,6 +219,9 @@ class Attention(nnx.Module):
     k_BTKH = checkpoint_name(constrain(k_BTKH, KV_AXES), 'key_proj')
     v_BTKH = checkpoint_name(constrain(v_BTKH, KV_AXES), 'value_proj')
     options = self._options(sliding_window, chunk_size)
+    if self.max_logits is not None and cache_index is None and mask is not None:
+      self.max_logits[...] = head_max_logits(q_BTNH, k_BTKH, options.visible(mask),
+                                             self.scale)
     out_BTNH = self._gate(attend(self.kernel, q_BTNH, k_BTKH, v_BTKH, mask, options),
                           gate_BTNH)
     out_BTNH = checkpoint_name(constrain(out_BTNH, Q_AXES), 'attention_out')

@@ -48,14 +48,14 @@ from maxnnx.layers.expert_parallel import dispatch_all_to_all
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.mlp import ACTIVATIONS, MLP
 from maxnnx.layers.moe_dispatch import CapacityPlan, capacity, sorted_inputs
-from maxnnx.layers.params import logical_param
+from maxnnx.layers.params import ForwardStat, logical_param
 from maxnnx.sharding import constrain, expert_parallel_strategy, mesh_axis_size
 
 EXPERT_AXES = ('activation_expert', None, 'activation_embed')
 EXPERT_HIDDEN_AXES = ('activation_expert', None, 'activation_mlp')
 
 
-class MoeAux(nnx.Variable):
+class MoeAux(ForwardStat):
   """Routing statistics and auxiliary losses of the last forward pass.
 
   Not parameters (optimizers built with ``wrt=nnx.Param`` skip them) and not

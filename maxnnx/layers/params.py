@@ -1,4 +1,5 @@
-"""Creating parameters that carry logical sharding names."""
+"""Creating parameters that carry logical sharding names, and the variable type of the
+statistics a forward pass writes."""
 
 from collections.abc import Callable, Sequence
 
@@ -6,6 +7,15 @@ import jax
 from flax import nnx
 
 Initializer = Callable[[jax.Array, Sequence[int], jax.typing.DTypeLike], jax.Array]
+
+
+class ForwardStat(nnx.Variable):
+  """A statistic that each forward pass writes (MoE routing loads, attention max logits).
+
+  Not a parameter: optimizers built with ``wrt=nnx.Param`` skip it and ``save_pretrained``
+  does not write it. Scanned and rematerialised layer stacks carry every ``ForwardStat`` out
+  of their loop, so the model holds the last pass's values whatever its layout.
+  """
 
 
 def logical_param(init: Initializer, key: jax.Array, shape: Sequence[int], dtype,

@@ -25,7 +25,7 @@ from maxnnx.layers.dropout import EMBEDDING_SEED, DropoutSeed, dropout
 from maxnnx.layers.embedding import Embed, LearnedPositions
 from maxnnx.layers.gated_deltanet import GatedDeltaNet
 from maxnnx.layers.linear import DenseGeneral
-from maxnnx.layers.moe import MoeAux
+from maxnnx.layers.params import ForwardStat
 from maxnnx.layers.mtp import MTPLayer, shift_left
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.parts import BlockParts, build_part
@@ -541,12 +541,12 @@ class Transformer(nnx.Module):
 
     def run(state, x, cos_sin, mask, spans):
       block = nnx.merge(graphdef, state)
-      return block(x, cos_sin, mask, **spans, **static), nnx.state(block, MoeAux)
+      return block(x, cos_sin, mask, **spans, **static), nnx.state(block, ForwardStat)
 
     runtime = self.config.runtime
     out, aux = remat(run, runtime.remat_policy, save=runtime.remat_save,
                      offload=runtime.remat_offload)(state, x_BTD, cos_sin, mask, spans)
-    nnx.update(block, aux)  # MoE routing statistics computed inside the remat
+    nnx.update(block, aux)  # forward statistics (ForwardStat) computed inside the remat
     return out
 
   def _scan_layers(self, x_BTD, cos_sin, mask, cache_index, paged=None):
@@ -593,10 +593,10 @@ class Transformer(nnx.Module):
         window, chunk, layer_cos_sin = static_window, static_chunk, cos_sin[static]
       x = self._apply_block(block, x, layer_cos_sin, mask, window, cache_index, paged, chunk,
                             nope)
-      return x, nnx.state(block, (nnx.Cache, MoeAux))
+      return x, nnx.state(block, (nnx.Cache, ForwardStat))
 
     x_BTD, carried_state = jax.lax.scan(body, x_BTD, (state, kinds_L))
-    nnx.update(layers, carried_state)  # KV caches and MoE routing statistics
+    nnx.update(layers, carried_state)  # KV caches and forward statistics (ForwardStat)
     return x_BTD
 
   def _pipeline_layers(self, x_BTD, segment_ids_BT, positions_BT, stages: int):

@@ -68,6 +68,10 @@ class TrainConfig(ValidatedConfig):
     loss_chunk_length: sequence positions per slice of the fused loss; ``None``
       picks the longest divisor of ``seq_len`` whose float32 logits slice fits
       in 32 MiB on CPU or 1 GiB on an accelerator.
+    qk_clip_threshold: QK-clip (Kimi K2's MuonClip with ``optimizer='muon'``; any optimizer
+      takes it): after each update, every attention head whose largest pre-softmax logit in
+      the step passed this value has its query/key projections rescaled to bring it back
+      (:mod:`maxnnx.layers.qk_clip`; K2 uses 100). 0: off.
     skip_spike_factor: skip the update when the loss exceeds this many times
       its running average (``None``: never skip).
     quantization: ``none``, or quantization-aware training through qwix:
@@ -147,6 +151,7 @@ class TrainConfig(ValidatedConfig):
   fused_loss: bool = True
   loss_chunk_length: int | None = None
   skip_spike_factor: float | None = None
+  qk_clip_threshold: float = 0.0
   quantization: Literal['none', 'int8', 'fp8'] = 'none'
   log_every: int = 10
   eval_every: int = 0
@@ -219,6 +224,9 @@ class TrainConfig(ValidatedConfig):
       if not self.eval_every:
         raise ConfigError('TrainConfig.target_eval_loss is checked at evaluations: set '
                           'eval_every to how often to evaluate.')
+    if not self.qk_clip_threshold >= 0:
+      raise ConfigError('TrainConfig.qk_clip_threshold must be >= 0 (0: no QK-clip), got '
+                        f'{self.qk_clip_threshold}.')
     if self.skip_spike_factor is not None and self.skip_spike_factor <= 1:
       raise ConfigError('TrainConfig.skip_spike_factor must be > 1 (or None to never skip).')
     if self.profile:

@@ -29,6 +29,7 @@ from flax import nnx
 
 from maxnnx.layers.dropout import dropout_key
 from maxnnx.layers.moe import balance_router_biases, expert_loads, load_spread
+from maxnnx.layers.qk_clip import attention_max_logits, clip_query_key, qk_clip_metrics
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.lora.dropout import adapter_dropout
 from maxnnx.train.objectives import Objective
@@ -44,14 +45,15 @@ def initial_guard_state() -> dict[str, jax.Array]:
           'bad_metric': jnp.zeros((), jnp.int32)}
 
 
-def accumulate_gradients(loss_fn: Callable, params, batch: Batch, steps: int
-                         ) -> tuple[Any, Metrics]:
+def accumulate_gradients(loss_fn: Callable, params, batch: Batch, steps: int, *,
+                         maxima: bool = False) -> tuple[Any, Metrics]:
   """Gradients of ``loss_fn(params, micro, index) -> (loss, metrics)`` and the summed metrics.
 
   With ``steps > 1`` the batch is split into ``steps`` micro-batches along its
   first axis and their gradients and metrics are summed (in float32, then the
   gradients cast to the parameters' dtypes) with one ``lax.scan``. ``index`` is
-  the micro-batch's number (an int32 scalar, 0 for a single batch).
+  the micro-batch's number (an int32 scalar, 0 for a single batch). With ``maxima``,
+  ``metrics`` is a pair ``(summed, maxed)`` whose second part is combined by maximum.
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if steps == 1:
@@ -61,15 +63,21 @@ def accumulate_gradients(loss_fn: Callable, params, batch: Batch, steps: int
   shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro_batches),
                           jnp.zeros((), jnp.int32))[0][1]
 
+  def combine(acc, x):
+    if not maxima:
+      return jax.tree.map(jnp.add, acc, x)
+    return jax.tree.map(jnp.add, acc[0], x[0]), jax.tree.map(jnp.maximum, acc[1], x[1])
+
   def accumulate(carry, xs):
     grads_acc, sums = carry
     micro, index = xs
     (_, metrics), g = grad_fn(params, micro, index)
-    return (jax.tree.map(jnp.add, grads_acc, g),
-            jax.tree.map(lambda acc, x: acc + x, sums, metrics)), None
+    return (jax.tree.map(jnp.add, grads_acc, g), combine(sums, metrics)), None
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+  if maxima:
+    zero_sums = (zero_sums[0], jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf), shapes[1]))
   (grads, sums), _ = jax.lax.scan(accumulate, (zeros, zero_sums),
                                   (micro_batches, jnp.arange(steps, dtype=jnp.int32)))
   return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), sums
@@ -99,15 +107,20 @@ def guard(extra: dict[str, jax.Array], step: jax.Array, loss: jax.Array, grad_no
 
 
 def apply_update(model: nnx.Module, optimizer: nnx.Optimizer, grads, ok: jax.Array,
-                 loads: list[jax.Array] = ()):
-  """The state of ``(model, optimizer)`` after ``optimizer.update`` and the aux-loss-free
+                 loads: list[jax.Array] = (), max_logits: list[jax.Array] = (),
+                 qk_clip_threshold: float = 0.0):
+  """The state of ``(model, optimizer)`` after ``optimizer.update``, the aux-loss-free
   balancing step of the MoE router biases from the step's ``loads`` (tokens per expert of
-  each MoE module, :func:`~maxnnx.layers.moe.expert_loads`); the state before both when
+  each MoE module, :func:`~maxnnx.layers.moe.expert_loads`) and, with a
+  ``qk_clip_threshold``, QK-clip from the step's ``max_logits``
+  (:func:`~maxnnx.layers.qk_clip.clip_query_key`); the state before all of them when
   not ``ok``."""
   old_state = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))  # fresh Variables
   optimizer.update(model, grads)
   if loads:
     balance_router_biases(model, loads)
+  if qk_clip_threshold:
+    clip_query_key(model, max_logits, qk_clip_threshold)
   new_state = nnx.state((model, optimizer))
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
 
@@ -133,7 +146,10 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
   or e.g. ``nnx.LoRAParam`` when only adapters train; the rest is held constant.
   MoE models also log how evenly the step's tokens (summed over micro-batches) went
   to experts (:func:`~maxnnx.layers.moe.load_spread`), and their router biases move
-  by ``moe.router_bias_update_rate`` after the update.
+  by ``moe.router_bias_update_rate`` after the update. With ``config.qk_clip_threshold`` the
+  query/key projections are rescaled after the update by QK-clip
+  (:mod:`maxnnx.layers.qk_clip`) from the largest logits of the step's micro-batches, and
+  ``max_attention_logit`` / ``qk_clipped_heads`` are logged.
   The loss is traced under :func:`~maxnnx.layers.dropout.dropout_key` (residual dropout,
   ``model.dropout_rate``) and :func:`~maxnnx.train.lora.dropout.adapter_dropout`
   with a key of ``config.seed``, the step and the micro-batch (LoRA adapters
@@ -156,14 +172,18 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
     micro_key = jax.random.fold_in(step_key, index)
     with adapter_dropout(micro_key), dropout_key(micro_key):
       loss, sums = objective.loss(m, micro, frozen=frozen, norm=norm)
-    return loss, (sums, expert_loads(m))
+    return loss, ((sums, expert_loads(m)), attention_max_logits(m))
 
-  grads, (sums, loads) = accumulate_gradients(loss_fn, params, batch, config.grad_accum_steps)
+  grads, ((sums, loads), max_logits) = accumulate_gradients(
+      loss_fn, params, batch, config.grad_accum_steps, maxima=True)
   metrics = objective.metrics(sums, norm)
   metrics.update(load_spread(loads))
+  if config.qk_clip_threshold:
+    metrics.update(qk_clip_metrics(max_logits, config.qk_clip_threshold))
   grad_norm = optax.tree.norm(grads)
   ok, extra = guard(extra, step, metrics['loss'], grad_norm, config.skip_spike_factor)
-  new_state = apply_update(model, optimizer, grads, ok, loads)
+  new_state = apply_update(model, optimizer, grads, ok, loads, max_logits,
+                           config.qk_clip_threshold)
   return new_state, extra, step_metrics(metrics, grad_norm, schedule(step), ok)
 
 

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from maxnnx import sharding
-from maxnnx.config import MeshConfig, ModelConfig, check_expert_split
+from maxnnx.config import ConfigError, MeshConfig, ModelConfig, check_expert_split
 from maxnnx.parallel.pipeline import describe_schedule
 from maxnnx.train import diagnostics
 from maxnnx.train import flops as flops_lib
@@ -62,6 +62,7 @@ from maxnnx.train.monitor import FitMonitor
 from maxnnx.train.objectives import Objective, PretrainObjective
 from maxnnx.train.optimizer_placement import optimizer_state_on_host, optimizer_state_over_data
 from maxnnx.train.optimizers import make_optimizer, make_schedule, schedule_change
+from maxnnx.layers.qk_clip import records_max_logits
 from maxnnx.train.preemption import StopRequest, StopRequested
 from maxnnx.train.quantization import check_supported, is_quantized, quantize
 
@@ -71,6 +72,28 @@ logger = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
   """Training cannot go on: a non-finite metric, or a config that cannot fit."""
+
+
+def _check_qk_clip(config: TrainConfig, model_config: ModelConfig, model, stages: int) -> None:
+  """Refuse ``qk_clip_threshold`` where QK-clip cannot hold the logits down."""
+  if not config.qk_clip_threshold:
+    return
+  where = f'TrainConfig.qk_clip_threshold={config.qk_clip_threshold:g}'
+  if model_config.qk_norm != 'none':
+    raise ConfigError(f"{where}: this model normalises queries and keys (model.qk_norm="
+                      f"{model_config.qk_norm}), which fixes each head's scale, so rescaling the "
+                      'projections cannot lower its logits (the norm bounds them already); '
+                      'set qk_clip_threshold=0.')
+  if stages > 1:
+    raise ConfigError(f'{where}: pipeline stages (mesh.stage={stages}) do not carry '
+                      "the layers' max logits out yet; set mesh.stage=1 or qk_clip_threshold=0.")
+  if config.lora.enabled:
+    raise ConfigError(f'{where} rescales the base query/key projections, which LoRA freezes; '
+                      'train without LoRA or set qk_clip_threshold=0.')
+  if not records_max_logits(model):
+    raise ConfigError(f'{where} needs attention layers that record their max logits: build '
+                      'the model with ModelConfig.runtime.record_max_logits=True (QK-clip '
+                      'covers multi-head and grouped-query attention; MLA is not covered yet).')
 
 
 def _next_batch(data) -> Any:
@@ -199,6 +222,8 @@ class Trainer:
     stages = dict(self.mesh.shape).get('stage', 1)
     concrete = None
     if isinstance(model, ModelConfig):
+      if config.qk_clip_threshold and not model.runtime.record_max_logits:
+        model = model.replace(record_max_logits=True)  # what QK-clip reads
       if stages > 1 and not model.runtime.scan_layers:
         logger.info('mesh.stage=%d: building the model with scan_layers=True (pipeline '
                     'parallelism runs a scanned layer stack).', stages)
@@ -222,6 +247,7 @@ class Trainer:
       else:
         abstract_model = nnx.eval_shape(lambda: apply_lora(_new_model(model, config.seed),
                                                            config.lora, seed=config.seed))
+    _check_qk_clip(config, self.model_config, abstract_model, stages)
     self.trainable = trainable if trainable is not None else trainable_filter(abstract_model)
     if (self.model_config.mtp.num_layers and config.mesh.context_load_balance
         and dict(self.mesh.shape).get('context', 1) > 1):
