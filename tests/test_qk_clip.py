@@ -2,6 +2,8 @@
 rescale against float64 NumPy, logits held at the threshold after the clip, and training that
 equals plain Muon when nothing clips."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,3 +162,39 @@ def test_qk_clip_is_refused_where_it_cannot_work():
     Trainer(plain, TrainConfig(qk_clip_threshold=100.0, mesh=MeshConfig(data=1), seq_len=32))
   with pytest.raises(ConfigError, match='qk_clip_threshold'):
     TrainConfig(qk_clip_threshold=-1.0)
+
+
+def test_mla_clip_scales_nope_by_the_root_and_the_query_rope_by_gamma():
+  """DeepSeek-V2-shaped MLA (low-rank query): the query's nope columns and kv_b's key nope
+  columns by sqrt(gamma), the query's rope columns by gamma, values and the shared rotated key
+  untouched (float64 reference); the first layer's max logits on the same input then come back
+  to min(max, threshold)."""
+  from conftest import FIXTURES  # noqa: PLC0415
+
+  base = maxnnx.from_pretrained(os.path.join(FIXTURES, 'deepseek_v2')).config
+  cfg = base.replace(record_max_logits=True, dtype='float32')
+  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(int(np.random.default_rng().integers(1 << 30))))
+  ids = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, size=(2, 12)))
+  model(ids)
+  attn = model.layers[0].attn
+  logits = np.asarray(attn.max_logits[...], np.float64)
+  assert (logits > 0).all()
+  threshold = float(np.median(logits))
+  query = attn.q_proj if attn.q_proj is not None else attn.q_b_proj
+  q_old = np.asarray(query.kernel[...], np.float64)
+  kv_old = np.asarray(attn.kv_b_proj.kernel[...], np.float64)
+  kv_a_old = np.asarray(attn.kv_a_proj_with_mqa.kernel[...])
+  clip_query_key(model, attention_max_logits(model), threshold)
+
+  gamma = np.where(logits > threshold, threshold / logits, 1.0)[None, :, None]
+  nope, rope = attn.nope, attn.rope
+  q_expected = q_old.copy()
+  q_expected[..., :nope] *= np.sqrt(gamma)
+  q_expected[..., nope:nope + rope] *= gamma
+  kv_expected = kv_old.copy()
+  kv_expected[..., :nope] *= np.sqrt(gamma)
+  np.testing.assert_allclose(query.kernel[...], q_expected, rtol=1e-6, atol=1e-8)
+  np.testing.assert_allclose(attn.kv_b_proj.kernel[...], kv_expected, rtol=1e-6, atol=1e-8)
+  np.testing.assert_array_equal(attn.kv_a_proj_with_mqa.kernel[...], kv_a_old)
+  model(ids)
+  np.testing.assert_allclose(attn.max_logits[...], np.minimum(logits, threshold), rtol=2e-5)

@@ -43,6 +43,7 @@ from maxnnx.layers.context_parallel import attend
 from maxnnx.layers.indexer import LightningIndexer
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norms import RMSNorm
+from maxnnx.layers.qk_clip import MaxLogits, head_max_logits
 from maxnnx.layers.rope import apply_rope, deinterleave
 from maxnnx.sharding import constrain
 
@@ -122,6 +123,8 @@ class MLA(nnx.Module):
     self.pages_latent = nnx.data(None)
     self.pages_k_rope = nnx.data(None)
     self.pages_index_keys = nnx.data(None)
+    self.max_logits = (MaxLogits(jnp.zeros((h,), jnp.float32))
+                       if cfg.runtime.record_max_logits else nnx.data(None))
 
   def init_cache(self, batch: int, max_length: int, dtype) -> None:
     """Allocate an empty compressed cache (latent + rotated key part)."""
@@ -175,7 +178,8 @@ class MLA(nnx.Module):
     if self.indexer is not None:
       key_mask_BTS = self.indexer.select(x_BTD, q_lora_BTR, cos_sin, index_keys_BSD,
                                          mask.dense(sliding_window))
-    out_BTNV = self._attend(q_BTNQ, latent_BTL, k_rot_BT1R, mask, sliding_window, key_mask_BTS)
+    out_BTNV = self._attend(q_BTNQ, latent_BTL, k_rot_BT1R, mask, sliding_window, key_mask_BTS,
+                            record=cache_index is None and mask is not None)
     return checkpoint_name(constrain(self.o_proj(out_BTNV), OUT_AXES), 'out_proj')
 
   def _project(self, x_BTD, cos_sin):
@@ -198,8 +202,10 @@ class MLA(nnx.Module):
     q_BTNQ = jnp.concatenate([q_nope, q_rot.astype(q_nope.dtype)], axis=-1)
     return q_BTNQ, latent_BTL, k_rot_BT1R, q_lora_BTR
 
-  def _attend(self, q_BTNQ, latent_BSL, k_rot_BS1R, mask, sliding_window, key_mask_BTS=None):
-    """Rebuild keys and values from the latents and attend: ``[B, T, N, v_head_dim]``."""
+  def _attend(self, q_BTNQ, latent_BSL, k_rot_BS1R, mask, sliding_window, key_mask_BTS=None,
+              record: bool = False):
+    """Rebuild keys and values from the latents and attend: ``[B, T, N, v_head_dim]``; with
+    ``record`` (a training or prefill pass), also fill :attr:`max_logits` if there is one."""
     kv_BSNX = self.kv_b_proj(latent_BSL)
     k_nope, v_BSNV = kv_BSNX[..., :self.nope], kv_BSNX[..., self.nope:]
     k_rot_BSNR = jnp.broadcast_to(k_rot_BS1R, k_nope.shape[:3] + (self.rope,))
@@ -215,6 +221,8 @@ class MLA(nnx.Module):
     v_BSNQ = checkpoint_name(constrain(v_BSNQ, KV_AXES), 'value_proj')
     options = AttentionOptions(scale=self.scale, softcap=self.softcap,
                                sliding_window=sliding_window, key_mask_BTS=key_mask_BTS)
+    if record and self.max_logits is not None:
+      self.max_logits[...] = head_max_logits(q_BTNQ, k_BSNQ, options.visible(mask), self.scale)
     out = attend(self.kernel, q_BTNQ, k_BSNQ, v_BSNQ, mask, options)
     return checkpoint_name(constrain(out[..., :self.v_dim], Q_AXES), 'attention_out')
 

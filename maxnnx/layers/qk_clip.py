@@ -16,9 +16,11 @@ which scales that head's logits on the same input by exactly ``gamma_h``:
 * biases of the scaled projections scale with them, and of an output-gated query projection
   (``[query, gate]`` per head) only the query half does.
 
+* MLA (the paper's case): each head's query and key ``nope`` columns by ``sqrt(gamma_h)``, its
+  query ``rope`` columns by ``gamma_h``; the rotated key part, shared by every head, stays.
+
 Layers with q/k norms are refused: the norm fixes each head's scale, so rescaling the
-projections cannot lower the logits (and the norm bounds them already). MLA layers are not
-covered yet.
+projections cannot lower the logits (and the norm bounds them already).
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def qk_clip_metrics(max_logits: list[jax.Array], threshold: float) -> dict[str, 
 
 def _attention_modules(model) -> list:
   from maxnnx.layers.attention import Attention  # noqa: PLC0415 (attention imports this)
+  from maxnnx.layers.mla import MLA  # noqa: PLC0415
   return [m for _, m in nnx.iter_modules(model)
-          if isinstance(m, Attention) and m.max_logits is not None]
+          if isinstance(m, (Attention, MLA)) and m.max_logits is not None]
 
 
 def attention_max_logits(model) -> list[jax.Array]:
@@ -83,20 +86,44 @@ def records_max_logits(model) -> bool:
   return bool(_attention_modules(model))
 
 
-def _scale_heads(projection, factor, *, query_width: int | None = None) -> None:
-  """Multiply head ``n`` of a ``[d_model] -> [heads, width]`` projection (kernel
-  ``[*layers, d_model, heads, width]``, bias ``[*layers, heads, width]``) by
-  ``factor[..., n]`` in place; with ``query_width`` only each head's first ``query_width``
-  columns."""
+def _scale_heads(projection, factor, columns: tuple[int, int] | None = None) -> None:
+  """Multiply head ``n`` of a ``[in] -> [heads, width]`` projection (kernel
+  ``[*layers, in, heads, width]``, bias ``[*layers, heads, width]``) by ``factor[..., n]`` in
+  place; with ``columns=(start, stop)`` only those columns of each head."""
   def scale(variable, factor_heads) -> None:  # factor_heads broadcasts over [..., heads]
     value = variable[...]
-    width = value.shape[-1] if query_width is None else query_width
-    f = jnp.where(jnp.arange(value.shape[-1]) < width, factor_heads[..., None], 1.0)
+    start, stop = columns if columns is not None else (0, value.shape[-1])
+    index = jnp.arange(value.shape[-1])
+    f = jnp.where((index >= start) & (index < stop), factor_heads[..., None], 1.0)
     variable[...] = (value.astype(jnp.float32) * f).astype(value.dtype)
 
-  scale(projection.kernel, jnp.expand_dims(factor, axis=-2))  # the d_model axis
+  scale(projection.kernel, jnp.expand_dims(factor, axis=-2))  # the input axis
   if getattr(projection, 'bias', None) is not None:
     scale(projection.bias, factor)
+
+
+def _clip_attention(module, gamma) -> None:
+  width = module.q_proj.kernel.shape[-1]
+  query = (0, width // 2) if module.output_gate else None  # [query, gate] per head
+  own_keys = (module.k_proj is not None and module.v_proj is not None
+              and module.k_proj.kernel.shape[-2] == module.q_proj.kernel.shape[-2])
+  if own_keys:
+    root = jnp.sqrt(gamma)
+    _scale_heads(module.q_proj, root, query)
+    _scale_heads(module.k_proj, root)
+  else:
+    _scale_heads(module.q_proj, gamma, query)
+
+
+def _clip_mla(module, gamma) -> None:
+  """MLA: each head's query and key ``nope`` columns by ``sqrt(gamma)`` (the key's come from
+  ``kv_b_proj``), its query ``rope`` columns by ``gamma``; the rotated key part, shared by
+  every head, and the values stay."""
+  root, nope = jnp.sqrt(gamma), module.nope
+  query = module.q_proj if module.q_proj is not None else module.q_b_proj
+  _scale_heads(query, root, (0, nope))
+  _scale_heads(query, gamma, (nope, nope + module.rope))
+  _scale_heads(module.kv_b_proj, root, (0, nope))
 
 
 def clip_query_key(model, max_logits: list[jax.Array], threshold: float) -> None:
@@ -104,18 +131,10 @@ def clip_query_key(model, max_logits: list[jax.Array], threshold: float) -> None
   place so that its heads' logits on the measured input come back to ``threshold`` (see the
   module docstring). ``max_logits`` is :func:`attention_max_logits` of the same model (e.g.
   the maximum over a step's micro-batches)."""
+  from maxnnx.layers.mla import MLA  # noqa: PLC0415 (mla imports this)
   for module, logits in zip(_attention_modules(model), max_logits, strict=True):
     gamma = clip_factors(logits, threshold)
-    query_width = module.q_proj.kernel.shape[-1] // 2 if module.output_gate else None
-    heads = module.q_proj.kernel.shape[-2]
-    own_keys = (module.k_proj is not None and module.v_proj is not None
-                and module.k_proj.kernel.shape[-2] == heads)
-    if own_keys:
-      root = jnp.sqrt(gamma)
-      _scale_heads(module.q_proj, root, query_width=query_width)
-      _scale_heads(module.k_proj, root)
-    else:
-      _scale_heads(module.q_proj, gamma, query_width=query_width)
+    (_clip_mla if isinstance(module, MLA) else _clip_attention)(module, gamma)
 
 
 __all__ = ['MaxLogits', 'attention_max_logits', 'clip_factors', 'clip_query_key',

@@ -93,7 +93,7 @@ def _check_qk_clip(config: TrainConfig, model_config: ModelConfig, model, stages
   if not records_max_logits(model):
     raise ConfigError(f'{where} needs attention layers that record their max logits: build '
                       'the model with ModelConfig.runtime.record_max_logits=True (QK-clip '
-                      'covers multi-head and grouped-query attention; MLA is not covered yet).')
+                      'covers multi-head, grouped-query and MLA attention).')
 
 
 def _next_batch(data) -> Any:
