@@ -236,6 +236,13 @@ class MLAConfig(ValidatedConfig):
       ``index_topk`` keys a lightning indexer scores highest; ``None`` = dense MLA.
     index_num_heads: heads of the indexer (``index_n_heads``).
     index_head_dim: width of the indexer's queries and keys (``index_head_dim``).
+    indexer_training: the stage of DeepSeek V3.2's indexer training: ``off``;
+      ``dense_warmup`` (attention stays dense, the indexer alone trains, by the KL from the
+      dense attention distribution to its scores over every visible key); ``sparse``
+      (attention uses the indexer's selection, everything trains, the indexer by the same KL
+      over its selected keys, its input detached). The loss is
+      :func:`~maxnnx.layers.indexer.indexer_kl_loss`, weighted by
+      ``TrainConfig.indexer_loss_weight``.
   """
 
   _PATH = 'ModelConfig.mla'
@@ -248,9 +255,13 @@ class MLAConfig(ValidatedConfig):
   index_topk: int | None = None
   index_num_heads: int = 64
   index_head_dim: int = 128
+  indexer_training: Literal['off', 'dense_warmup', 'sparse'] = 'off'
 
   def _validate(self):
     p = self._PATH
+    if self.indexer_training != 'off' and self.index_topk is None:
+      raise ConfigError(f'{p}.indexer_training={self.indexer_training} trains the lightning '
+                        f'indexer of sparse attention: set {p}.index_topk (DeepSeek V3.2: 2048).')
     if self.index_topk is not None:
       if self.index_topk <= 0 or self.index_num_heads <= 0:
         raise ConfigError(f'{p}.index_topk and index_num_heads must be > 0.')

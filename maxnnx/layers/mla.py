@@ -40,7 +40,12 @@ from maxnnx.kernels.options import AttentionOptions
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.attention import KV_AXES, OUT_AXES, Q_AXES
 from maxnnx.layers.context_parallel import attend
-from maxnnx.layers.indexer import LightningIndexer
+from maxnnx.layers.indexer import (
+  IndexerLoss,
+  LightningIndexer,
+  attention_target,
+  indexer_kl_loss,
+)
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norms import RMSNorm
 from maxnnx.layers.qk_clip import MaxLogits, head_max_logits
@@ -125,6 +130,9 @@ class MLA(nnx.Module):
     self.pages_index_keys = nnx.data(None)
     self.max_logits = (MaxLogits(jnp.zeros((h,), jnp.float32))
                        if cfg.runtime.record_max_logits else nnx.data(None))
+    self.indexer_training = mla.indexer_training
+    self.indexer_loss = (IndexerLoss(jnp.zeros((), jnp.float32))
+                         if mla.indexer_training != 'off' else nnx.data(None))
 
   def init_cache(self, batch: int, max_length: int, dtype) -> None:
     """Allocate an empty compressed cache (latent + rotated key part)."""
@@ -174,13 +182,25 @@ class MLA(nnx.Module):
             self.cache_index_keys[...], index_keys_BSD.astype(self.cache_index_keys.dtype),
             (0, cache_index, 0))
         index_keys_BSD = self.cache_index_keys[...]
-    key_mask_BTS = None
+    key_mask_BTS = index_BTS = None
     if self.indexer is not None:
-      key_mask_BTS = self.indexer.select(x_BTD, q_lora_BTR, cos_sin, index_keys_BSD,
-                                         mask.dense(sliding_window))
+      visible_BTS = mask.dense(sliding_window)
+      key_mask_BTS = self.indexer.select(x_BTD, q_lora_BTR, cos_sin, index_keys_BSD, visible_BTS)
+      if self.indexer_loss is not None and cache_index is None:
+        index_BTS = self._index_scores(x_BTD, q_lora_BTR, cos_sin, visible_BTS)
+        if self.indexer_training == 'dense_warmup':
+          key_mask_BTS = None  # the warm-up stage attends densely
     out_BTNV = self._attend(q_BTNQ, latent_BTL, k_rot_BT1R, mask, sliding_window, key_mask_BTS,
-                            record=cache_index is None and mask is not None)
+                            record=cache_index is None and mask is not None, index_BTS=index_BTS)
     return checkpoint_name(constrain(self.o_proj(out_BTNV), OUT_AXES), 'out_proj')
+
+  def _index_scores(self, x_BTD, q_lora_BTR, cos_sin, visible_BTS):
+    """The indexer's differentiable scores ``[B, T, S]`` from a detached input, so that its
+    loss trains the indexer alone (DeepSeek V3.2)."""
+    x_BTD, q_lora_BTR = jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(q_lora_BTR)
+    q_BTHD, weights_BTH = self.indexer.queries(x_BTD, q_lora_BTR, cos_sin)
+    return self.indexer.scores(q_BTHD, weights_BTH, self.indexer.keys(x_BTD, cos_sin),
+                               visible_BTS)
 
   def _project(self, x_BTD, cos_sin):
     """Rotated queries ``[B, T, N, qk]``, latents ``[B, T, L]``, key parts ``[B, T, 1, R]``
@@ -203,9 +223,10 @@ class MLA(nnx.Module):
     return q_BTNQ, latent_BTL, k_rot_BT1R, q_lora_BTR
 
   def _attend(self, q_BTNQ, latent_BSL, k_rot_BS1R, mask, sliding_window, key_mask_BTS=None,
-              record: bool = False):
+              record: bool = False, index_BTS=None):
     """Rebuild keys and values from the latents and attend: ``[B, T, N, v_head_dim]``; with
-    ``record`` (a training or prefill pass), also fill :attr:`max_logits` if there is one."""
+    ``record`` (a training or prefill pass), also fill :attr:`max_logits` if there is one, and
+    with ``index_BTS`` (the indexer's scores) :attr:`indexer_loss`, over the keys attended."""
     kv_BSNX = self.kv_b_proj(latent_BSL)
     k_nope, v_BSNV = kv_BSNX[..., :self.nope], kv_BSNX[..., self.nope:]
     k_rot_BSNR = jnp.broadcast_to(k_rot_BS1R, k_nope.shape[:3] + (self.rope,))
@@ -223,6 +244,10 @@ class MLA(nnx.Module):
                                sliding_window=sliding_window, key_mask_BTS=key_mask_BTS)
     if record and self.max_logits is not None:
       self.max_logits[...] = head_max_logits(q_BTNQ, k_BSNQ, options.visible(mask), self.scale)
+    if index_BTS is not None:
+      over_BTS = options.visible(mask)
+      self.indexer_loss[...] = indexer_kl_loss(
+          index_BTS, attention_target(q_BTNQ, k_BSNQ, over_BTS, self.scale), over_BTS)
     out = attend(self.kernel, q_BTNQ, k_BSNQ, v_BSNQ, mask, options)
     return checkpoint_name(constrain(out[..., :self.v_dim], Q_AXES), 'attention_out')
 
@@ -257,3 +282,10 @@ class MLA(nnx.Module):
 
     out_TNV = paged.map_row_groups(attend_rows, q_1TNQ.shape[1])
     return self.o_proj(out_TNV[None])
+
+
+def indexer_losses(model) -> list[jax.Array]:
+  """The :class:`~maxnnx.layers.indexer.IndexerLoss` of every MLA layer of ``model`` that
+  trains its indexer (``[]`` when none does); traceable."""
+  return [m.indexer_loss[...] for _, m in nnx.iter_modules(model)
+          if isinstance(m, MLA) and m.indexer_loss is not None]

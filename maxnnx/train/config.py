@@ -68,6 +68,8 @@ class TrainConfig(ValidatedConfig):
     loss_chunk_length: sequence positions per slice of the fused loss; ``None``
       picks the longest divisor of ``seq_len`` whose float32 logits slice fits
       in 32 MiB on CPU or 1 GiB on an accelerator.
+    indexer_loss_weight: weight of DeepSeek V3.2's indexer KL in the loss when the model trains
+      its indexer (``model.mla.indexer_training``).
     qk_clip_threshold: QK-clip (Kimi K2's MuonClip with ``optimizer='muon'``; any optimizer
       takes it): after each update, every attention head whose largest pre-softmax logit in
       the step passed this value has its query/key projections rescaled to bring it back
@@ -152,6 +154,7 @@ class TrainConfig(ValidatedConfig):
   loss_chunk_length: int | None = None
   skip_spike_factor: float | None = None
   qk_clip_threshold: float = 0.0
+  indexer_loss_weight: float = 1.0
   quantization: Literal['none', 'int8', 'fp8'] = 'none'
   log_every: int = 10
   eval_every: int = 0
@@ -224,6 +227,9 @@ class TrainConfig(ValidatedConfig):
       if not self.eval_every:
         raise ConfigError('TrainConfig.target_eval_loss is checked at evaluations: set '
                           'eval_every to how often to evaluate.')
+    if not self.indexer_loss_weight >= 0:
+      raise ConfigError('TrainConfig.indexer_loss_weight must be >= 0, got '
+                        f'{self.indexer_loss_weight}.')
     if not self.qk_clip_threshold >= 0:
       raise ConfigError('TrainConfig.qk_clip_threshold must be >= 0 (0: no QK-clip), got '
                         f'{self.qk_clip_threshold}.')

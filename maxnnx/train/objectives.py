@@ -68,6 +68,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxnnx.layers.mla import indexer_losses
 from maxnnx.layers.moe import moe_aux_losses
 from maxnnx.layers.mtp import mtp_targets
 from maxnnx.train.config import TrainConfig
@@ -148,7 +149,9 @@ class PretrainObjective(Objective):
 
   Metrics: ``loss`` (mean cross-entropy per token, without the extra terms),
   ``z_loss`` (mean ``logsumexp^2``), ``moe_aux_loss`` (the weighted MoE terms)
-  and, with MTP, ``mtp_loss`` (mean over depths, unscaled).
+  and, with MTP, ``mtp_loss`` (mean over depths, unscaled); with
+  ``mla.indexer_training``, ``indexer_loss`` (DeepSeek V3.2's indexer KL, mean over MLA
+  layers, unweighted; the loss adds ``indexer_loss_weight`` times it).
   """
 
   config: TrainConfig | None = None
@@ -190,6 +193,13 @@ class PretrainObjective(Objective):
       aux = aux * batch['loss_mask'].sum() / total_tokens
     loss = objective / total_tokens + aux
     sums = {'ce_sum': ce_sum, 'z_sum': z_sum, 'moe_aux_loss': aux, 'mtp_loss': mtp}
+    # DeepSeek V3.2's indexer KL (mla.indexer_training), mean over MLA layers, weighted by
+    # the micro-batch's share of the tokens like the MoE terms.
+    index_terms = indexer_losses(model)
+    if index_terms:
+      kl = jnp.concatenate([t.reshape(-1) for t in index_terms]).mean()
+      sums['indexer_loss'] = kl * batch['loss_mask'].sum() / total_tokens
+      loss = loss + cfg.indexer_loss_weight * sums['indexer_loss']
     return loss + cfg.mtp_loss_scaling_factor * mtp, sums
 
   def metrics(self, sums, norm):
@@ -199,6 +209,8 @@ class PretrainObjective(Objective):
            'moe_aux_loss': jnp.asarray(sums['moe_aux_loss'], jnp.float32)}
     if norm.get('mtp'):
       out['mtp_loss'] = jnp.asarray(sums['mtp_loss'], jnp.float32)
+    if 'indexer_loss' in sums:
+      out['indexer_loss'] = jnp.asarray(sums['indexer_loss'], jnp.float32)
     return out
 
   def eval_loss(self, model, batch, *, frozen):

@@ -249,6 +249,14 @@ class Trainer:
                                                            config.lora, seed=config.seed))
     _check_qk_clip(config, self.model_config, abstract_model, stages)
     self.trainable = trainable if trainable is not None else trainable_filter(abstract_model)
+    indexer_stage = self.model_config.mla.indexer_training
+    if indexer_stage != 'off' and stages > 1:
+      raise ConfigError(f'model.mla.indexer_training={indexer_stage}: pipeline stages (mesh.stage='
+                        f"{stages}) do not carry the layers' indexer loss out yet; set "
+                        'mesh.stage=1.')
+    if indexer_stage == 'dense_warmup' and trainable is None:
+      # DeepSeek V3.2's warm-up: everything but the indexer stays frozen.
+      self.trainable = nnx.All(self.trainable, nnx.PathContains('indexer'))
     if (self.model_config.mtp.num_layers and config.mesh.context_load_balance
         and dict(self.mesh.shape).get('context', 1) > 1):
       raise ValueError('Multi-token prediction shifts tokens along the sequence, which the '
