@@ -30,30 +30,44 @@ keys), Gated DeltaNet layers a state per slot. What changes every step, the bloc
 tables, write slots and lengths, is a plain argument
 (:class:`~maxnnx.kernels.paged_attention.PagedBatch`) built on the host.
 
-**Compiled shapes.** A step is two jitted calls: the model, whose shapes are
-bucketed so that it compiles once per bucket, not per request mix, and the
-sampler, whose ``[max_batch, vocab]`` logits never change shape (it compiles
-once, and once more for steps where a row asks for log-probabilities, which
-it otherwise skips, and for steps where a row uses a logit control, by the power of two
-of logit-bias entries; the logits stay on the device between the two). The model's buckets:
-the flat token count ``T`` is a power of two from 8 up to ``token_budget``; the
-widest row ``max_q`` is 1 (a pure decode step) or a power of two from 8 up to
-``T``; the pages gathered per row ``M`` is a power of two or three quarters of one
-(1, 2, 3, 4, 6, 8, 12, ...) up to ``ceil(max_model_len / page_size)``; the rows are
-always ``max_batch``. In a step with rows of more than one token (prefill chunks),
-those rows come first and only they are gathered ``max_q`` wide
-(``PagedBatch.wide_rows``: a power of two, or ``max_batch``); the other rows (decoding,
-or a one-token chunk) are gathered one token wide, so a chunk does not give each decode
-row its work.
-:attr:`Engine.compile_count` counts the model step's traces,
-:attr:`Engine.step_shapes` lists the buckets run, and
-:meth:`Engine.max_compiles` is the bound.
+**Compiled shapes, and warm-up.** A step is two jitted calls: the model, whose shapes are
+bucketed so that it compiles once per bucket, not per request mix, and the sampler, whose
+``[max_batch, vocab]`` logits never change shape. The buckets form a small set known when
+the engine is built (:meth:`Engine.step_buckets`, :meth:`Engine.sampler_variants`), so
+:meth:`Engine.warmup` compiles every one of them before any request, and a warm engine never
+compiles while it serves. The model's buckets ``(T, max_q, M, wide rows)``:
+
+* ``T``, the flat token count, is one of ``token_buckets`` (default the powers of two from 8
+  below ``token_budget``, and ``token_budget``): the smallest that holds the step's tokens. A
+  pure decode step (every row one token) always takes the smallest that holds ``max_batch``.
+* ``max_q`` is 1 in a pure decode step, else ``T``.
+* ``M``, the pages gathered per row, is one of ``page_buckets`` (default the powers of two
+  below ``ceil(max_model_len / page_size)``, and that).
+* In a step with rows of more than one token (prefill chunks), those rows come first and
+  are gathered ``max_q`` wide: the first row only when it is the one chunk
+  (``PagedBatch.wide_rows`` 1), else every row (``max_batch``); the other rows (decoding, or a
+  one-token chunk) are gathered one token wide, so a chunk does not give each decode row its
+  work.
+
+So there are ``len(page_buckets) * (1 + len(token_buckets) * 2)`` model buckets at most (one
+wide-row choice when ``max_batch`` is 1), twice that for a vision-language model (steps with
+image tokens; only the prefill buckets have them). The sampler's variants: with or without
+log-probabilities, times no control, or logit-bias pairs of a width among the powers of 8
+from 8 up to the first at least the vocabulary (each with or without the penalties' counts).
+Fewer buckets warm faster but pad more: shrink ``token_buckets`` and ``page_buckets`` for a
+quick start, or keep the defaults and a ``compile_cache`` so that a restart reads the
+programs back. :attr:`Engine.compile_count` counts the model step's traces,
+:attr:`Engine.step_shapes` lists the buckets run, :meth:`Engine.max_compiles` is the bound,
+and :attr:`Engine.compiles` counts the programs built (compiled, or read from the persistent
+cache) inside the engine's calls, before and after warm-up.
 
 **Sampling controls.** ``logit_bias`` and ``min_tokens`` (its stop ids get a bias of
-``-inf`` until enough tokens are out) travel as a few ``(id, bias)`` pairs per row. The
+``-inf`` until enough tokens are out) travel as ``(id, bias)`` pairs per row, 64 of them
+(the vocabulary's size in a step where a row has more), in every step. The
 penalties need each request's token counts: rather than sending its history every step,
-the engine keeps two device arrays ``[max_batch + 1, vocab]`` (allocated with the first
-penalised request): the count of each generated token and whether it is in the prompt,
+the engine keeps two device arrays ``[max_batch + 1, vocab]`` (allocated at warm-up or the
+first step), passed to every step (penalties skipped by ``lax.cond`` when none): the count
+of each generated token and whether it is in the prompt,
 one row per running penalised request (row 0 scratch). A request's row is filled from its
 history when it is scheduled without one (at admission, or again after a preemption), and
 the sampler adds each new token to it on the device, so a step moves ``O(batch)`` numbers,
@@ -88,12 +102,15 @@ requests of the same images. Steps with image tokens are a second variant of eac
 bucket (two compiles at most per bucket).
 """
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -117,7 +134,9 @@ from maxnnx.sharding import state_shardings
 logger = logging.getLogger(__name__)
 
 MIN_TOKEN_BUCKET = 8
-MIN_BIAS_BUCKET = 8  # logit-bias entries per row: a power of two from 8
+FEW_BIAS_ENTRIES = 64  # logit-bias pairs per row: 64, else the vocabulary's size
+BACKEND_COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'  # a program built
+CACHE_HIT_EVENT = '/jax/compilation_cache/cache_hits'  # ... read from the persistent cache
 
 
 def bucket(n: int, floor: int, cap: int) -> int:
@@ -134,6 +153,95 @@ def fine_bucket(n: int, cap: int) -> int:
   power = 1 << max(n - 1, 0).bit_length()
   three_quarters = power * 3 // 4
   return min(three_quarters if power >= 4 and three_quarters >= n else power, cap)
+
+
+def bias_bucket(n: int, vocab: int) -> int:
+  """Logit-bias pairs per row for ``n`` entries (at most one per id): 64, or the vocabulary's
+  size beyond that."""
+  return FEW_BIAS_ENTRIES if n <= FEW_BIAS_ENTRIES else max(vocab, FEW_BIAS_ENTRIES)
+
+
+def bias_widths(vocab: int) -> tuple[int, ...]:
+  """Every width :func:`bias_bucket` gives for a vocabulary of ``vocab``."""
+  return tuple(sorted({FEW_BIAS_ENTRIES, max(vocab, FEW_BIAS_ENTRIES)}))
+
+
+def default_buckets(lowest: int, cap: int) -> tuple[int, ...]:
+  """The powers of two from ``lowest`` below ``cap``, and ``cap``."""
+  sizes, size = [], lowest
+  while size < cap:
+    sizes.append(size)
+    size *= 2
+  return (*sizes, cap)
+
+
+def _bucket_set(name: str, given, cap: int, lowest: int) -> tuple[int, ...]:
+  """``given`` (a sequence of sizes, or ``None``: :func:`default_buckets`) as a sorted tuple
+  that ends with ``cap``; one error names the setting and the fix when a size is out of range."""
+  if given is None:
+    return default_buckets(lowest, cap)
+  sizes = [given] if isinstance(given, (int, np.integer)) else list(given)
+  bad = [v for v in sizes if isinstance(v, bool) or not isinstance(v, (int, np.integer))
+         or not 1 <= v <= cap]
+  if bad or not sizes:
+    raise ValueError(f'Engine {name}={given!r}: expected sizes in [1, {cap}] (the largest, '
+                     f'{cap}, is always added).')
+  return tuple(sorted({int(v) for v in sizes} | {cap}))
+
+
+def smallest_holding(sizes: Sequence[int], n: int) -> int:
+  """The first of the sorted ``sizes`` ``>= n`` (the last one holds every ``n``)."""
+  return next((size for size in sizes if size >= n), sizes[-1])
+
+
+@dataclasses.dataclass
+class CompileCounts:
+  """Programs an engine built inside its own calls (see :meth:`Engine.warmup`).
+
+  Attributes:
+    programs: programs built: compiled, or read back from the persistent cache.
+    cache_hits: of those, the ones read back (``compile_cache``).
+    after_warmup: programs built after :meth:`Engine.warmup` ended (0 while every request
+      meets a warm bucket).
+    warm: whether :meth:`Engine.warmup` has ended.
+  """
+
+  programs: int = 0
+  cache_hits: int = 0
+  after_warmup: int = 0
+  warm: bool = False
+
+  @property
+  def compiled(self) -> int:
+    """Programs compiled (not read back from the persistent cache)."""
+    return self.programs - self.cache_hits
+
+
+_counting = threading.local()  # .counts: the CompileCounts of the engine call this thread runs
+_listening = threading.Lock()
+_listeners: list = []
+
+
+def _on_duration(event: str, duration: float, **_) -> None:
+  counts = getattr(_counting, 'counts', None)
+  if counts is not None and event == BACKEND_COMPILE_EVENT:
+    counts.programs += 1
+    counts.after_warmup += counts.warm
+
+
+def _on_event(event: str, **_) -> None:
+  counts = getattr(_counting, 'counts', None)
+  if counts is not None and event == CACHE_HIT_EVENT:
+    counts.cache_hits += 1
+
+
+def _listen_to_compiles() -> None:
+  """Register (once per process) the listeners that count the programs JAX builds."""
+  with _listening:
+    if not _listeners:
+      jax.monitoring.register_event_duration_secs_listener(_on_duration)
+      jax.monitoring.register_event_listener(_on_event)
+      _listeners.extend((_on_duration, _on_event))
 
 
 def _check_settings(**settings) -> None:
@@ -186,6 +294,10 @@ class Engine:
     seed: derives the seed of requests that give none.
     rules: logical-axis rules for the page pools of a sharded model (default
       :data:`maxnnx.sharding.DEFAULT_RULES`).
+    token_buckets: the flat token counts a step is padded to (``token_budget`` is always
+      one); default the powers of two from 8 below it. See the module docstring.
+    page_buckets: the pages per row a step gathers (``ceil(max_model_len / page_size)`` is
+      always one); default the powers of two below it.
 
   A model placed on a mesh (``from_pretrained(dir, mesh=MeshConfig(tensor=4))``)
   is served on it: every step runs over the model's devices, and the page pools
@@ -206,13 +318,17 @@ class Engine:
     last_step_shape: the bucket of the latest step that ran the model (``None`` before one).
     mesh: the mesh of a sharded model, else ``None``.
     prefix_caching: whether prompt pages are shared (off for recurrent models).
+    token_buckets, page_buckets: the sorted bucket sizes in use.
+    compiles: the :class:`CompileCounts` of the programs built in the engine's calls.
   """
 
   def __init__(self, model, tokenizer=None, *, max_pages: int | None = None,
                page_size: int = 16, max_batch: int = 8, token_budget: int = 256,
                max_model_len: int | None = None, prefix_caching: bool = True,
                max_logprobs: int = 5, seed: int = 0, rules: dict | None = None,
-               max_window_pages: int | None = None):
+               max_window_pages: int | None = None,
+               token_buckets: Sequence[int] | None = None,
+               page_buckets: Sequence[int] | None = None):
     _check_settings(page_size=page_size, max_batch=max_batch, token_budget=token_budget,
                     max_pages=max_pages, max_model_len=max_model_len,
                     max_logprobs=max_logprobs, seed=seed, max_window_pages=max_window_pages,
@@ -228,6 +344,9 @@ class Engine:
     self.seed = seed
     self.pages_per_request = math.ceil(self.max_model_len / page_size)
     self.max_pages = (max_batch * self.pages_per_request if max_pages is None else max_pages)
+    self.token_buckets = _bucket_set('token_buckets', token_buckets, token_budget,
+                                     MIN_TOKEN_BUCKET)
+    self.page_buckets = _bucket_set('page_buckets', page_buckets, self.pages_per_request, 1)
     if min(page_size, max_batch, token_budget, self.max_pages, self.max_model_len) < 1 or (
         max_logprobs < 0):
       raise ValueError('page_size, max_batch, token_budget, max_pages and max_model_len must '
@@ -299,6 +418,8 @@ class Engine:
     self.last_step_shape: tuple | None = None
     self._step_fn = _make_step(self._graphdef, self._traces)
     self._features_fn = _make_features(self._graphdef) if cfg.vision.num_layers else None
+    self.compiles = CompileCounts()
+    _listen_to_compiles()
 
   # -- requests ---------------------------------------------------------------
 
@@ -352,7 +473,8 @@ class Engine:
     if params.logit_bias and params.logit_bias[-1][0] >= vocab:
       raise ValueError(f'logit_bias names token {params.logit_bias[-1][0]}, outside the '
                        f'vocabulary [0, {vocab}).')
-    spans, salt, embeddings = self._images(ids, images)
+    with self._counting_compiles():
+      spans, salt, embeddings = self._images(ids, images)
     request_id = self._next_id
     self._next_id += 1
     seed = params.seed
@@ -386,27 +508,103 @@ class Engine:
 
   @property
   def compile_count(self) -> int:
-    """How many times the step function was traced (one compile per bucketed shape).
+    """How many times the model step was traced (one compile per bucket run).
 
     Equals ``len(step_shapes)``, the ``(tokens, max_q, pages per row, wide rows)`` buckets
-    run so far.
+    run so far (warm-up included).
     """
     return self._traces[0]
 
-  def max_compiles(self) -> int:
-    """How many bucketed step shapes exist, hence compiles at most."""
-    def sizes(to_bucket, cap):
-      return len({to_bucket(n, cap) for n in range(1, cap + 1)})
+  def step_buckets(self) -> list[tuple]:
+    """Every bucket a model step can take (see the module docstring), smallest first."""
+    decode_tokens = smallest_holding(self.token_buckets, self.max_batch)
+    wide = sorted({1, self.max_batch})
+    variants = [()] + ([('images',)] if self._features_fn is not None else [])
+    shapes = []
+    for pages in self.page_buckets:
+      shapes.append((decode_tokens, 1, pages, None))
+      shapes += [(tokens, tokens, pages, rows) + kind for kind in variants
+                 for tokens in self.token_buckets for rows in wide]
+    return shapes
 
-    tokens = sizes(lambda n, cap: bucket(n, MIN_TOKEN_BUCKET, cap), self.token_budget)
-    variants = 2 if self._features_fn is not None else 1  # with and without image tokens
-    wide = sizes(lambda n, cap: bucket(n, 1, cap), self.max_batch)  # rows with chunks
-    return variants * tokens * (1 + tokens * wide) * sizes(fine_bucket, self.pages_per_request)
+  def max_compiles(self) -> int:
+    """How many model step buckets exist, hence its compiles at most."""
+    return len(self.step_buckets())
+
+  def sampler_variants(self) -> list[tuple[int, int]]:
+    """Every ``(log-probabilities, logit-bias width)`` the sampler is called with (see the
+    module docstring)."""
+    logprobs = sorted({0, max(self.max_logprobs, 1)})
+    return [(n, width) for n in logprobs for width in bias_widths(self.model_config.vocab_size)]
+
+  def warmup(self, progress=None) -> float:
+    """Compile every model bucket and sampler variant (and the image tower and the penalty
+    counts' writer) before serving, so that no request meets a cold program; returns the
+    seconds it took. ``progress(done, total)`` is called after each program. Idle engine only.
+
+    A step of each bucket runs with every row empty: it writes the scratch page and state
+    slot 0 only, and samples nothing that is kept. With JAX's persistent cache on
+    (``compile_cache``) a restart reads the programs back instead of compiling them.
+    """
+    if self.has_unfinished():
+      raise RuntimeError('warmup() needs an idle engine.')
+    start = time.monotonic()
+    shapes, variants = self.step_buckets(), self.sampler_variants()
+    total, done = len(shapes) + len(variants) + 1, 0
+    with self._counting_compiles():
+      logits_BV = None
+      for shape in shapes:
+        inputs = self._model_inputs(shape, self._blank_inputs(shape))
+        logits_BV, self._cache = self._step_fn(self._params, self._cache, *inputs)
+        self.step_shapes.add(shape)
+        done += 1
+        if progress is not None:
+          progress(done, total)
+      sampling = self._sampling_inputs(self._blank_inputs(shapes[0]))
+      for num_logprobs, width in variants:
+        self._warm_sampler(logits_BV, sampling, num_logprobs, width)
+        done += 1
+        if progress is not None:
+          progress(done, total)
+      if self._features_fn is not None:
+        v = self.model_config.vision
+        jax.block_until_ready(self._features_fn(self._params, self._cache, np.zeros(
+            (1, v.num_channels, v.image_size, v.image_size), np.float32)))
+      jax.block_until_ready(logits_BV)
+    self.compiles.warm = True
+    return time.monotonic() - start
+
+  def _warm_sampler(self, logits_BV, sampling, num_logprobs: int, width: int) -> None:
+    """Run the sampler once in one of :meth:`sampler_variants` (no row emits a token)."""
+    rows, vocab = self.max_batch, self.model_config.vocab_size
+    controls = Controls(np.full((rows, width), vocab, np.int32),
+                        np.zeros((rows, width), np.float32), np.zeros(rows, np.float32),
+                        np.zeros(rows, np.float32), np.ones(rows, np.float32))
+    self._history([])  # the count arrays, and their writer
+    self._write_row(0, [], [])
+    tokens_B, *_, self._counts_SV = _sample(
+        num_logprobs, logits_BV, *sampling, controls, self._counts_SV, self._prompt_seen_SV,
+        np.zeros(rows, np.int32), np.zeros(rows, bool))
+    jax.block_until_ready(tokens_B)
+
+  @contextlib.contextmanager
+  def _counting_compiles(self) -> Iterator[None]:
+    """Count in :attr:`compiles` the programs JAX builds on this thread inside the block."""
+    outer = getattr(_counting, 'counts', None)
+    _counting.counts = self.compiles
+    try:
+      yield
+    finally:
+      _counting.counts = outer
 
   # -- stepping ---------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
     """Run one batch; returns an output for every request that got a token or ended."""
+    with self._counting_compiles():
+      return self._step()
+
+  def _step(self) -> list[RequestOutput]:
     outputs, self._cancelled = self._cancelled, []
     # Rows with prefill chunks first: only those are gathered max_q wide (PagedBatch.wide_rows).
     scheduled = sorted(self.scheduler.schedule(), key=lambda rc: rc[1] == 1)
@@ -420,12 +618,9 @@ class Engine:
     # Log-probabilities (a softmax and a top-k over the vocabulary) only when a row asks.
     wants_logprobs = any(r.params.logprobs is not None for r, _ in scheduled)
     num_logprobs = max(self.max_logprobs, 1) if wants_logprobs else 0
-    history = (None,) * 4 if history_B is None else (self._counts_SV, self._prompt_seen_SV,
-                                                     *history_B)
-    tokens_B, chosen_B, top_ids_BN, top_lps_BN, counts_SV = _sample(
-        num_logprobs, logits_BV, *sampling_inputs, controls, *history)
-    if history_B is not None:
-      self._counts_SV = counts_SV
+    tokens_B, chosen_B, top_ids_BN, top_lps_BN, self._counts_SV = _sample(
+        num_logprobs, logits_BV, *sampling_inputs, controls, self._counts_SV,
+        self._prompt_seen_SV, *history_B)
     tokens_B = host_value(tokens_B)  # whole on every process of a model spread over several
     if wants_logprobs:
       chosen_B = host_value(chosen_B)
@@ -513,12 +708,11 @@ class Engine:
 
   def _controls(self, scheduled: list[tuple[Request, int]]):
     """The rows' logit bias and penalties as :class:`Controls` arrays (without the counts,
-    which :meth:`_history` keeps), or ``None`` when no scheduled row uses a control."""
+    which :meth:`_history` keeps): every step passes them, so that the sampler's shapes stay
+    among :meth:`sampler_variants` (rows without a control add nothing)."""
     entries = [self._bias_entries(request) for request, _ in scheduled]
-    if not any(entries) and not any(r.params.penalized for r, _ in scheduled):
-      return None
     rows, vocab = self.max_batch, self.model_config.vocab_size
-    width = bucket(max(len(e) for e in entries), MIN_BIAS_BUCKET, 1 << 30)
+    width = bias_bucket(max(len(e) for e in entries), vocab)
     ids_BK = np.full((rows, width), vocab, np.int32)  # ids >= vocab are padding
     values_BK = np.zeros((rows, width), np.float32)
     presence_B, frequency_B = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
@@ -535,24 +729,23 @@ class Engine:
     """``(token id, bias)`` pairs of the request's next token: its ``logit_bias``, and
     ``-inf`` on its stop ids while fewer than ``min_tokens`` tokens are out."""
     params = request.params
-    pairs = list(params.logit_bias)
+    pairs = dict(params.logit_bias)  # one entry per id: at most the vocabulary
     if len(request.output_ids) < params.min_tokens:
       stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
-      pairs += [(i, -np.inf) for i in sorted(stops)]
-    return pairs
+      pairs.update((i, -np.inf) for i in sorted(stops) if i < self.model_config.vocab_size)
+    return list(pairs.items())
 
   def _history(self, scheduled: list[tuple[Request, int]]):
-    """``(row of the count arrays, whether a token is added)`` per batch row, both ``[B]``,
-    for a step with penalised rows (else ``None``).
+    """``(row of the count arrays, whether a token is added)`` per batch row, both ``[B]``
+    (row 0, nothing added, for rows without a penalty).
 
-    Frees the count rows of requests no longer running and fills one from its history for
-    each penalised request scheduled without one (new, or back after a preemption).
+    Allocates the count arrays the first time. Frees the count rows of requests no longer
+    running and fills one from its history for each penalised request scheduled without
+    one (new, or back after a preemption).
     """
     penalised = [(row, r) for row, (r, _) in enumerate(scheduled) if r.params.penalized]
     running = {request.request_id for request in self.scheduler.running}
     self._history_rows = {i: n for i, n in self._history_rows.items() if i in running}
-    if not penalised:
-      return None
     vocab = self.model_config.vocab_size
     if self._counts_SV is None:
       self._counts_SV = jnp.zeros((self.max_batch + 1, vocab), jnp.int32)
@@ -563,43 +756,79 @@ class Engine:
     for row, request in penalised:
       if request.request_id not in self._history_rows:
         self._history_rows[request.request_id] = n = free.pop()
-        prompt = np.asarray(request.token_ids[:request.num_prompt])
-        self._counts_SV, self._prompt_seen_SV = _write_history(
-            self._counts_SV, self._prompt_seen_SV, n,
-            np.bincount(request.output_ids, minlength=vocab).astype(np.int32),
-            np.bincount(prompt, minlength=vocab) > 0)
+        self._write_row(n, request.output_ids, request.token_ids[:request.num_prompt])
       rows_B[row] = self._history_rows[request.request_id]
       # A prefill chunk that does not reach the last token samples nothing that is kept.
       emits_B[row] = request.num_computed + scheduled[row][1] >= request.num_tokens
     return rows_B, emits_B
 
+  def _write_row(self, row: int, output_ids: Sequence[int], prompt_ids: Sequence[int]) -> None:
+    """Set row ``row`` of the count arrays to these tokens' counts and prompt presence."""
+    vocab = self.model_config.vocab_size
+    self._counts_SV, self._prompt_seen_SV = _write_history(
+        self._counts_SV, self._prompt_seen_SV, row,
+        np.bincount(np.asarray(output_ids, np.int64), minlength=vocab).astype(np.int32),
+        np.bincount(np.asarray(prompt_ids, np.int64), minlength=vocab) > 0)
+
+  def _step_bucket(self, scheduled: list[tuple[Request, int]], images: bool) -> tuple:
+    """The ``(T, max_q, pages per row, wide rows)`` bucket of a step (``+ ('images',)`` with
+    image tokens): see the module docstring."""
+    num_pages = smallest_holding(self.page_buckets, max(len(r.pages) for r, _ in scheduled))
+    chunks = sum(count > 1 for _, count in scheduled)
+    if not chunks:
+      return (smallest_holding(self.token_buckets, self.max_batch), 1, num_pages, None)
+    width = smallest_holding(self.token_buckets, sum(count for _, count in scheduled))
+    wide_rows = 1 if chunks == 1 else self.max_batch  # step() lists the chunk rows first
+    return (width, width, num_pages, wide_rows) + (('images',) if images else ())
+
+  def _blank_inputs(self, shape: tuple) -> dict:
+    """Zeroed arrays of one step of bucket ``shape`` (every row empty: it reads and writes the
+    scratch page and state slot 0)."""
+    width, _, num_pages, _, *kind = shape
+    rows, cfg = self.max_batch, self.model_config
+    arrays = {name: np.zeros(width, np.int32) for name in ('ids_T', 'positions_T', 'slots_T')}
+    arrays['page_table_BM'] = np.zeros((rows, num_pages), np.int32)
+    arrays['window_table_BM'] = arrays['window_slots_T'] = None
+    if self.window_allocator is not None:
+      arrays['window_table_BM'] = np.zeros_like(arrays['page_table_BM'])
+      arrays['window_slots_T'] = np.zeros_like(arrays['slots_T'])
+    for name in ('kv_lens_B', 'q_starts_B', 'q_lens_B', 'last_B', 'seeds_B', 'counters_B',
+                 'top_k_B', 'state_slots_B'):
+      arrays[name] = np.zeros(rows, np.int32)
+    arrays['temperature_B'] = np.zeros(rows, np.float32)
+    arrays['top_p_B'] = np.ones(rows, np.float32)
+    arrays['logprob_temperature_B'] = np.ones(rows, np.float32)
+    arrays['embeddings_TD'] = arrays['blocks_T'] = None
+    if kind:
+      arrays['embeddings_TD'] = np.zeros((width, cfg.d_model), np.float32)
+      if cfg.vision.bidirectional:
+        arrays['blocks_T'] = np.full(width, -1, np.int32)
+    return arrays
+
+  def _model_inputs(self, shape: tuple, arrays: dict) -> tuple:
+    """The model step's arguments after the parameters and cache (see :class:`PagedBatch`)."""
+    _, max_q, _, wide_rows, *_ = shape
+    a = arrays
+    batch = PagedBatch(a['page_table_BM'], a['kv_lens_B'], a['q_starts_B'], a['q_lens_B'],
+                       a['slots_T'], max_q, a['blocks_T'], wide_rows,
+                       a['state_slots_B'] if self._recurrent else None,
+                       a['window_table_BM'], a['window_slots_T'])
+    return a['ids_T'], a['positions_T'], batch, a['last_B'], a['embeddings_TD']
+
+  @staticmethod
+  def _sampling_inputs(arrays: dict) -> tuple:
+    """The sampler's per-row arguments after the logits."""
+    return tuple(arrays[name] for name in ('temperature_B', 'top_k_B', 'top_p_B', 'seeds_B',
+                                           'counters_B', 'logprob_temperature_B'))
+
   def _inputs(self, scheduled: list[tuple[Request, int]]):
     """The model step's arrays (see :class:`PagedBatch`) and the sampler's, for ``scheduled``."""
-    ps, rows = self.page_size, self.max_batch
-    total = sum(count for _, count in scheduled)
-    width = bucket(total, MIN_TOKEN_BUCKET, self.token_budget)
-    widest = max(count for _, count in scheduled)
-    max_q = 1 if widest == 1 else bucket(widest, MIN_TOKEN_BUCKET, width)
-    num_pages = fine_bucket(max(len(r.pages) for r, _ in scheduled), self.pages_per_request)
-    # step() lists the rows of more than one token first; the wide rows reach the last one.
-    last_wide = max((row for row, (_, count) in enumerate(scheduled) if count > 1), default=-1)
-    wide_rows = None if max_q == 1 else bucket(last_wide + 1, 1, rows)
-    ids_T, positions_T, slots_T = (np.zeros(width, np.int32) for _ in range(3))
-    page_table_BM = np.zeros((rows, num_pages), np.int32)
-    window_table_BM = window_slots_T = None
-    if self.window_allocator is not None:
-      window_table_BM, window_slots_T = np.zeros_like(page_table_BM), np.zeros_like(slots_T)
-    kv_lens_B, q_starts_B, q_lens_B, last_B, seeds_B, counters_B, top_k_B, state_slots_B = (
-        np.zeros(rows, np.int32) for _ in range(8))
-    temperature_B, top_p_B = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-    logprob_temperature_B = np.ones(rows, np.float32)
+    ps = self.page_size
     images = [(r, n) for r, n in scheduled if any(
         start < r.num_computed + n and r.num_computed < stop for start, stop in r.image_spans)]
-    blocks_T = embeddings_TD = None
-    if images:
-      embeddings_TD = np.zeros((width, self.model_config.d_model), np.float32)
-    if images and self.model_config.vision.bidirectional:
-      blocks_T = np.full(width, -1, np.int32)
+    shape = self._step_bucket(scheduled, bool(images))
+    a = self._blank_inputs(shape)
+    embeddings_TD, blocks_T = a['embeddings_TD'], a['blocks_T']
     offset = 0
     for row, (request, count) in enumerate(scheduled):
       positions = np.arange(request.num_computed, request.num_computed + count)
@@ -613,33 +842,29 @@ class Engine:
         embeddings_TD[offset:offset + len(inside)] = embedded[inside]
       pages = np.asarray(request.pages, np.int32)
       span = slice(offset, offset + count)
-      ids_T[span] = request.token_ids[request.num_computed:request.num_computed + count]
-      positions_T[span] = positions
-      slots_T[span] = pages[positions // ps] * ps + positions % ps
-      page_table_BM[row, :len(pages)] = pages
-      if window_table_BM is not None:
+      a['ids_T'][span] = request.token_ids[request.num_computed:request.num_computed + count]
+      a['positions_T'][span] = positions
+      a['slots_T'][span] = pages[positions // ps] * ps + positions % ps
+      a['page_table_BM'][row, :len(pages)] = pages
+      if a['window_table_BM'] is not None:
         window_pages = np.asarray(request.window_pages, np.int32)
-        window_slots_T[span] = window_pages[positions // ps] * ps + positions % ps
-        window_table_BM[row, :len(window_pages)] = window_pages
-      kv_lens_B[row], q_starts_B[row], q_lens_B[row] = positions[-1] + 1, offset, count
-      last_B[row] = offset + count - 1
-      state_slots_B[row] = self._slots.get(request.request_id, 0)
+        a['window_slots_T'][span] = window_pages[positions // ps] * ps + positions % ps
+        a['window_table_BM'][row, :len(window_pages)] = window_pages
+      a['kv_lens_B'][row], a['q_starts_B'][row], a['q_lens_B'][row] = (
+          positions[-1] + 1, offset, count)
+      a['last_B'][row] = offset + count - 1
+      a['state_slots_B'][row] = self._slots.get(request.request_id, 0)
       params = request.params
-      temperature_B[row] = params.temperature
-      top_k_B[row] = params.top_k or 0
-      top_p_B[row] = 1.0 if params.top_p is None else params.top_p
+      a['temperature_B'][row] = params.temperature
+      a['top_k_B'][row] = params.top_k or 0
+      a['top_p_B'][row] = 1.0 if params.top_p is None else params.top_p
       if params.scaled_logprobs and params.temperature > 0:
-        logprob_temperature_B[row] = params.temperature
-      seeds_B[row], counters_B[row] = request.seed, len(request.output_ids)
+        a['logprob_temperature_B'][row] = params.temperature
+      a['seeds_B'][row], a['counters_B'][row] = request.seed, len(request.output_ids)
       offset += count
-    batch = PagedBatch(page_table_BM, kv_lens_B, q_starts_B, q_lens_B, slots_T, max_q,
-                       blocks_T, wide_rows,
-                       state_slots_B if self._recurrent else None,
-                       window_table_BM, window_slots_T)
-    self.last_step_shape = (width, max_q, num_pages, wide_rows) + (('images',) if images else ())
-    self.step_shapes.add(self.last_step_shape)
-    return ((ids_T, positions_T, batch, last_B, embeddings_TD),
-            (temperature_B, top_k_B, top_p_B, seeds_B, counters_B, logprob_temperature_B))
+    self.last_step_shape = shape
+    self.step_shapes.add(shape)
+    return self._model_inputs(shape, a), self._sampling_inputs(a)
 
   def _images(self, ids: list[int], images):
     """``(image spans, cache salt, [prompt, d_model] embeddings at the placeholders)`` of a
@@ -746,10 +971,9 @@ def _sample(num_logprobs, logits_BV, temperature_B, top_k_B, top_p_B, seeds_B, c
 
   ``[B, vocab]`` never changes shape, so this compiles once per ``num_logprobs`` (0 when no
   row asks for log-probabilities: then only the tokens are computed and the log-probability
-  outputs are None) and per kind of ``controls`` (``None``, or :class:`Controls` without
-  counts and a power of two of bias entries), apart from the bucketed model step.
-  ``counts_SV`` (``None`` in a step without penalised rows) is each penalised request's
-  token counts, ``history_rows_B`` each batch row's row of it, and ``emits_B`` which rows
+  outputs are None) and per logit-bias width of ``controls`` (:func:`bias_bucket`), apart
+  from the bucketed model step. ``counts_SV`` is each penalised request's token counts
+  (row 0 scratch), ``history_rows_B`` each batch row's row of it, and ``emits_B`` which rows
   keep their token (added to the counts, which are returned).
   Log-probabilities are of the model's logits (before the controls) divided by
   ``logprob_temperature_B`` (1: the model's own).
