@@ -32,6 +32,9 @@ from tests.test_sampling_controls import penalised_greedy
 
 NAME = 'tiny-chat'
 MAX_MODEL_LEN = 128
+# Few buckets, so that warm-up takes seconds: every step at 32 tokens and 16 pages per row.
+SERVER_ENGINE = dict(max_batch=4, token_budget=32, page_size=8, max_model_len=MAX_MODEL_LEN,
+                     token_buckets=(32,), page_buckets=(16,))
 
 
 @pytest.fixture(scope='module')
@@ -79,9 +82,9 @@ def _running(app):
 @pytest.fixture(scope='module')
 def server(model_dir):
   """The server as ``maxnnx serve`` builds it (from the directory): 4 rows, 12 more queued."""
-  app = make_app(model_dir, model_name=NAME, max_queue=12, max_batch=4, token_budget=32,
-                 page_size=8, max_model_len=MAX_MODEL_LEN)
+  app = make_app(model_dir, model_name=NAME, max_queue=12, **SERVER_ENGINE)
   with _running(app) as (url, _):
+    _wait_until_ready(url)
     yield url
 
 
@@ -104,9 +107,10 @@ class Gate:
 def small(model_dir, tokenizer):
   """A server from an Engine, with room for 2 requests (1 running, 1 queued) and a gate."""
   engine = Engine(maxnnx.from_pretrained(model_dir), tokenizer, max_batch=1, token_budget=8,
-                  page_size=8, max_model_len=64)
+                  page_size=8, max_model_len=64, page_buckets=(8,))
   app = make_app(engine, model_name=NAME, max_queue=1)
   with _running(app) as (url, uvicorn_server):
+    _wait_until_ready(url)
     yield url, Gate(engine), app.state.engine_loop
 
 
@@ -125,6 +129,11 @@ def _wait_for(condition, timeout=30):
   while not condition():
     assert time.monotonic() < deadline, 'timed out'
     time.sleep(0.02)
+
+
+def _wait_until_ready(url):
+  """Wait for the warm-up: ``/health`` answers 200."""
+  _wait_for(lambda: httpx.get(f'{url}/health').status_code == 200, timeout=300)
 
 
 def test_greedy_completions_match_generate_for_16_concurrent_requests(server, reference,
@@ -534,6 +543,49 @@ def test_health_models_and_metrics(server):
   assert _metric(server, 'time_to_first_token_seconds_count') >= 1
   assert _metric(server, 'queue_depth') == 0
   assert _metric(server, 'kv_sliding_pages_total') == 0  # no sliding layers: one pool
+
+
+def _burst_params(rng, i):
+  """The sampling fields of request ``i`` of a burst: greedy, top-p, penalties, a bias."""
+  kinds = [{'temperature': 0},
+           {'temperature': 0.8, 'top_p': 0.9, 'seed': int(rng.integers(1000))},
+           {'temperature': 0, 'presence_penalty': 0.5, 'frequency_penalty': 0.3,
+            'extra_body': {'repetition_penalty': 1.2}},
+           {'temperature': 0.7, 'logit_bias': {str(int(rng.integers(512))): 5}, 'logprobs': 2,
+            'extra_body': {'min_tokens': 2}}]
+  return {**kinds[i % len(kinds)], 'max_tokens': int(rng.integers(2, 8))}
+
+
+def test_health_is_503_until_warm_then_bursts_compile_nothing(model_dir, tokenizer):
+  """/health answers 503 while the engine warms up, 200 after; then ten bursts of 12
+  concurrent requests of mixed lengths and sampling settings compile no program."""
+  engine = Engine(maxnnx.from_pretrained(model_dir), tokenizer, **SERVER_ENGINE)
+  opened, warmup = threading.Event(), engine.warmup
+  engine.warmup = lambda progress=None: opened.wait(60) and warmup(progress)
+  app = make_app(engine, model_name=NAME, max_queue=12)
+  with _running(app) as (url, _):
+    response = httpx.get(f'{url}/health')
+    assert response.status_code == 503 and response.json()['status'] == 'warming up'
+    opened.set()
+    _wait_until_ready(url)
+    assert httpx.get(f'{url}/health').json() == {'status': 'ok'}
+    built = _metric(url, 'compiles_total') + _metric(url, 'compile_cache_hits_total')
+    assert built >= len(engine.step_buckets())  # every model bucket, compiled or read back
+    rng = np.random.default_rng(7)
+
+    async def burst():
+      prompts = [rng.integers(0, 512, int(n)).tolist() for n in rng.integers(1, 70, 12)]
+      async with openai.AsyncOpenAI(base_url=f'{url}/v1', api_key='unused',
+                                    max_retries=0) as client:
+        return await asyncio.gather(*[
+            client.completions.create(model=NAME, prompt=prompt, **_burst_params(rng, i))
+            for i, prompt in enumerate(prompts)])
+
+    for _ in range(10):
+      answers = asyncio.run(burst())
+      assert all(a.choices[0].finish_reason in ('stop', 'length') for a in answers)
+      assert _metric(url, 'compiles_after_ready_total') == 0
+    assert engine.compiles.after_warmup == 0 and engine.compiles.warm
 
 
 def test_stable_text_holds_back_what_may_change():

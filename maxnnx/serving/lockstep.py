@@ -4,7 +4,7 @@ A model sharded over the devices of several processes (``jax.distributed``) runs
 engine step as one SPMD program, so every process must call the engine's methods in the
 same order with the same arguments. In a server only process 0 hears the requests. Process
 0 therefore drives a :class:`LeaderEngine`, which publishes every call
-(``add_request``, ``cancel``, ``step``) on a :class:`Channel` *before* making it, and
+(``add_request``, ``cancel``, ``warmup``, ``step``) on a :class:`Channel` *before* making it, and
 every other process runs :func:`follow`, which makes the same calls on its own engine
 in the same order, until the leader publishes ``stop``.
 
@@ -95,8 +95,8 @@ class Channel:
 
 def encode_call(op: str, *args) -> bytes:
   """One engine call as JSON bytes: ``('add', prompt, params, images)``,
-  ``('cancel', request_id)``, ``('step',)`` or ``('stop',)``. Images travel as ``.npy``
-  bytes (never pickle)."""
+  ``('cancel', request_id)``, ``('warmup',)``, ``('step',)`` or ``('stop',)``. Images travel
+  as ``.npy`` bytes (never pickle)."""
   if op == 'add':
     prompt, params, images = args
     body = {'prompt': [int(i) for i in np.asarray(prompt).reshape(-1)],
@@ -159,6 +159,11 @@ class LeaderEngine:
     self.channel.publish(encode_call('cancel', request_id))
     return self.engine.cancel(request_id)
 
+  def warmup(self, progress=None) -> float:
+    """:meth:`Engine.warmup`, made on every process."""
+    self.channel.publish(encode_call('warmup'))
+    return self.engine.warmup(progress)
+
   def step(self) -> list[RequestOutput]:
     """:meth:`Engine.step`, made on every process."""
     self.channel.publish(encode_call('step'))
@@ -189,6 +194,8 @@ def follow(engine: Engine, channel) -> int:
         pass
     elif op == 'cancel':
       engine.cancel(*args)
+    elif op == 'warmup':
+      engine.warmup()
     elif op == 'step':
       steps += 1
       try:

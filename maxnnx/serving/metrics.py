@@ -99,6 +99,13 @@ class ServerMetrics:
           'engine_steps_total': ('Engine steps run.', stats.get('steps', 0)),
           'preemptions_total': ('Requests preempted for lack of pages.',
                                 stats.get('preemptions', 0)),
+          'compiles_total': ('Programs the engine compiled (warm-up included; not those read '
+                             'back from compile_cache).', stats.get('compiles', 0)),
+          'compile_cache_hits_total': ('Programs the engine read back from compile_cache.',
+                                       stats.get('compile_cache_hits', 0)),
+          'compiles_after_ready_total': ('Programs the engine compiled or read back after '
+                                         'warm-up, while serving (0: every step was warm).',
+                                         stats.get('compiles_after_ready', 0)),
       }
       lines = _family('http_requests_total', 'counter',
                       'HTTP responses of the API endpoints, by endpoint and status.',

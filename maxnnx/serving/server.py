@@ -22,6 +22,13 @@ handler's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. A handler tha
 sees its client disconnect (a task waiting on the ASGI ``receive``) cancels its
 choices in the engine, which releases their pages at once.
 
+**Warm-up.** The engine thread first compiles every program the engine can need
+(:meth:`Engine.warmup <maxnnx.serving.Engine.warmup>`; with ``compile_cache`` a restart reads
+them back), printing how long it took; ``GET /health`` answers 503 (``"status": "warming
+up"``) until then, and ``/metrics`` counts the compiles (``maxnnx_compiles_total``) and any
+after ready (``maxnnx_compiles_after_ready_total``: 0 while every request meets a warm
+bucket).
+
 **Admission.** The server holds at most ``max_batch + max_queue`` requests
 (choices) at a time, running or queued; beyond that it answers 429. After SIGTERM
 (or Ctrl-C) uvicorn stops accepting connections and waits for the requests in
@@ -94,8 +101,11 @@ class EngineLoop:
 
   Attributes:
     engine: the engine (touch it only through this loop while it runs).
-    stats: a snapshot published after each step: ``running``, ``waiting``,
-      ``pages_used``, ``pages_total``, ``preemptions``, ``steps`` (and
+    warming: what the warm-up is doing, ``None`` once it ended (``/health`` answers 503
+      until then; requests submitted meanwhile wait in the queue).
+    stats: a snapshot published after warm-up and each step: ``running``, ``waiting``,
+      ``pages_used``, ``pages_total``, ``preemptions``, ``steps``, ``compiles``,
+      ``compile_cache_hits``, ``compiles_after_ready`` (and
       ``sliding_pages_used`` / ``sliding_pages_total`` when the sliding layers have a
       pool of their own).
   """
@@ -110,6 +120,7 @@ class EngineLoop:
     self._steps = 0
     self._failures = 0
     self.broken: str | None = None
+    self.warming: str | None = 'waiting for the engine thread'
     self.stats: dict = {}
     self._publish()
 
@@ -122,9 +133,9 @@ class EngineLoop:
 
   @property
   def healthy(self) -> bool:
-    """Whether the engine thread runs and takes requests."""
+    """Whether the engine thread runs, has warmed up and takes requests."""
     return (self._thread is not None and self._thread.is_alive() and self.broken is None
-            and not self._stopping.is_set())
+            and self.warming is None and not self._stopping.is_set())
 
   def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Callable,
              images=None) -> Ticket:
@@ -157,6 +168,7 @@ class EngineLoop:
   # -- the engine thread ----------------------------------------------------------
 
   def _run(self) -> None:
+    self._warm_up()
     while True:
       busy = self.engine.has_unfinished()
       if not busy and self._stopping.is_set() and self._commands.empty():
@@ -166,6 +178,25 @@ class EngineLoop:
         self._step()
     for sink in self._sinks.values():  # only left if the engine failed
       _deliver(sink, ApiError('The server stopped.', status=503, type='server_error'))
+
+  def _warm_up(self) -> None:
+    """Compile every program the engine can need (:meth:`~maxnnx.serving.Engine.warmup`)
+    before the loop takes requests (they queue meanwhile); ``/health`` answers 503 until it
+    ends, and its time is printed."""
+    def progress(done: int, total: int) -> None:
+      self.warming = f'warming up: {done} of {total} programs compiled'
+
+    try:
+      seconds = self.engine.warmup(progress)
+    except Exception as e:
+      logger.exception('Warm-up failed; the server answers 503.')
+      self.broken = f'warm-up failed: {type(e).__name__}: {e}'
+    else:
+      counts = self.engine.compiles
+      print(f'Warm: {counts.programs} programs in {seconds:.1f} s ({counts.cache_hits} read '
+            f'from compile_cache); ready.', flush=True)
+    self.warming = None
+    self._publish()
 
   def _take_commands(self, wait: bool) -> None:
     try:
@@ -236,7 +267,9 @@ class EngineLoop:
         'running': len(engine.scheduler.running), 'waiting': len(engine.scheduler.waiting),
         'pages_used': engine.max_pages - engine.allocator.num_available,
         'pages_total': engine.max_pages, 'preemptions': engine.scheduler.num_preemptions,
-        'steps': self._steps}
+        'steps': self._steps, 'compiles': engine.compiles.compiled,
+        'compile_cache_hits': engine.compiles.cache_hits,
+        'compiles_after_ready': engine.compiles.after_warmup}
     if engine.window_allocator is not None:
       self.stats['sliding_pages_used'] = (engine.max_window_pages
                                           - engine.window_allocator.num_available)
@@ -469,6 +502,9 @@ class _Api:
   async def health(self, request: Request) -> Response:
     if self.loop.healthy:
       return JSONResponse({'status': 'ok'})
+    if self.loop.broken is None and self.loop.warming is not None:
+      return JSONResponse({'status': 'warming up', 'reason': self.loop.warming},
+                          status_code=503)
     return JSONResponse({'status': 'unavailable', 'reason': self.loop.broken or 'stopping'},
                         status_code=503)
 
