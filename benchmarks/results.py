@@ -207,6 +207,22 @@ def cpu_description() -> str:
   return f'cpu: {model} x{cores} cores'
 
 
+#: The CPU flags that decide how fast XLA:CPU computes (recorded beside every CPU figure).
+CPU_FLAGS = ('fma', 'avx', 'f16c', 'avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16',
+             'amx_tile', 'amx_int8')
+
+
+def cpu_flags() -> str:
+  """The :data:`CPU_FLAGS` this CPU has, space-separated (``''`` where /proc/cpuinfo is not
+  readable)."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      flags = next((line.split(':', 1)[1].split() for line in f if line.startswith('flags')), [])
+  except OSError:
+    return ''
+  return ' '.join(flag for flag in CPU_FLAGS if flag in flags)
+
+
 def package_versions(*names: str) -> dict[str, str]:
   """``{name: version}`` of the installed packages among ``names`` (plus python)."""
   from importlib import metadata  # noqa: PLC0415
