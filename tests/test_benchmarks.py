@@ -203,6 +203,7 @@ def test_decode_bytes_match_the_parameter_count():
   assert one['weights'] == pytest.approx(n - v * d + d - unused)
 
 
+@pytest.mark.slow  # a benchmark harness end to end; the training harness runs by default
 def test_decode_harness_smoke():
   """The decode harness runs generate on a micro config and reports consistent rates."""
   rows = decode.run(MICRO, name='micro', batches=(2,), prefill=8, decode=4, repeats=1,
@@ -215,6 +216,7 @@ def test_decode_harness_smoke():
   assert row['bandwidth_gbs'] > 0 and np.isfinite(row['fraction_of_bound'])
 
 
+@pytest.mark.slow  # a benchmark harness end to end; the training harness runs by default
 def test_rollouts_harness_smoke():
   """The rollout harness times both samplers on a micro config with consistent rates."""
   from benchmarks import rollouts  # noqa: PLC0415
@@ -281,6 +283,7 @@ def test_serving_load_closed_loop_batches_and_statistics():
   assert serving_load.percentile([1, 2, 3, 4], 50) == 2.5
 
 
+@pytest.mark.slow  # a benchmark harness end to end; the training harness runs by default
 def test_serving_harness_smoke(tmp_path):
   """The serving benchmark on a micro config: the engine and generate serve every request with
   exactly its output length, greedy engine tokens equal generate's, nothing compiles in the
@@ -325,6 +328,7 @@ def test_hf_decode_step_times_and_agreement():
   assert hf_decode.agreement([], [1]) == 0
 
 
+@pytest.mark.slow  # a benchmark harness end to end; the training harness runs by default
 def test_hf_decode_loads_the_peer_checkpoint_and_times_both(monkeypatch, tmp_path):
   """The launcher gives the torch side the run's settings, loads the checkpoint it saved with
   from_pretrained, times maxnnx on the same prompts and reports both (torch side faked here
