@@ -418,7 +418,7 @@ def serve(options: dict) -> None:
   if not model:
     raise UsageError('serve needs model=<a Hugging Face checkpoint directory with its '
                      'tokenizer>, e.g. model=runs/tiny-shakespeare/final.')
-  if not os.path.isdir(model):
+  if not paths.is_remote(model) and not os.path.isdir(model):
     raise FileNotFoundError(f'model={model}: no such directory.')
   from maxnnx.inference.quantize import check_mode  # noqa: PLC0415
   from maxnnx.serving.server import serve as serve_http  # noqa: PLC0415

@@ -355,6 +355,52 @@ def _download(source: str, target: str) -> None:
     _download(join(source, name), os.path.join(target, name))
 
 
+# -- model directories at any fsspec URL ----------------------------------------------------------
+
+#: What a model directory's download keeps: configs, safetensors, tokenizers and templates.
+#: Pickle weights (``*.bin``, ``*.pt``), GGUF and other formats are never read, so never fetched.
+MODEL_FILE_SUFFIXES = ('.json', '.safetensors', '.model', '.jinja', '.txt', '.tiktoken')
+
+_MODEL_COPIES: dict[str, str] = {}
+
+
+def local_model_dir(path) -> str:
+  """A local directory holding the model directory ``path``: ``path`` itself when local, else
+  (``s3://``, ``gs://``, ``hf://org/name``, ``https://``, any fsspec URL) a copy of its files
+  that a checkpoint uses (:data:`MODEL_FILE_SUFFIXES`, top level only), downloaded once per
+  process into :func:`scratch_dir` and reused by later calls.
+
+  Raises:
+    FileNotFoundError: nothing at ``path``, or no file a checkpoint uses (one line naming it).
+    PermissionError, ValueError: a denied read or a missing fsspec backend (naming the URL).
+  """
+  if not is_remote(path):
+    return normalize(path)
+  url = str(path).rstrip('/')
+  if url in _MODEL_COPIES:
+    return _MODEL_COPIES[url]
+  fs, inner = data_filesystem(url)
+  try:
+    entries = fs.ls(inner, detail=True)
+  except Exception as e:  # each backend raises its own errors
+    raise data_error(url, e) from None
+  names = sorted(posixpath.basename(e['name'].rstrip('/')) for e in entries
+                 if e.get('type') != 'directory')
+  wanted = [n for n in names if n.endswith(MODEL_FILE_SUFFIXES)]
+  if not wanted:
+    raise FileNotFoundError(f'{url}: no model files there (config.json, *.safetensors, '
+                            'tokenizer files).')
+  target = os.path.join(tempfile.mkdtemp(dir=scratch_dir()), posixpath.basename(inner) or 'model')
+  os.makedirs(target)
+  for name in wanted:
+    try:
+      fs.get_file(posixpath.join(inner, name), os.path.join(target, name))
+    except Exception as e:  # each backend raises its own errors
+      raise data_error(f'{url}/{name}', e) from None
+  _MODEL_COPIES[url] = target
+  return target
+
+
 # -- data at any fsspec URL -----------------------------------------------------------------------
 
 # The package that serves a URL scheme through fsspec, and the maxnnx extra that installs it.

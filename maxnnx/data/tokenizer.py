@@ -26,6 +26,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
+from maxnnx import paths
+
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -280,8 +282,13 @@ def load_tokenizer(path: str, **kwargs) -> Tokenizer:
   * ``*.tiktoken``, or any file of ``base64 rank`` lines: tiktoken BPE;
   * anything else (``*.model``): sentencepiece.
 
-  ``kwargs`` go to the tokenizer class (e.g. ``special_tokens=`` for tiktoken).
+  ``kwargs`` go to the tokenizer class (e.g. ``special_tokens=`` for tiktoken). A directory
+  URL (``s3://``, ``hf://org/name``, any fsspec URL) is downloaded once per process first
+  (:func:`maxnnx.paths.local_model_dir`).
   """
+  if paths.is_remote(path):
+    path = (paths.local_model_dir(path) if not str(path).endswith(paths.MODEL_FILE_SUFFIXES)
+            else paths.download_data_file(str(path)))
   if os.path.isdir(path):
     for name in ('tokenizer.json', 'tokenizer.model'):
       if os.path.isfile(os.path.join(path, name)):

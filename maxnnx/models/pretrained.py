@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from maxnnx import paths
 from maxnnx.checkpoint.quantized import (
   QuantizationError,
   dequantize_checkpoint,
@@ -81,7 +82,7 @@ def config_from_pretrained(directory: str, **overrides: Any) -> ModelConfig:
 
   ``overrides`` replace config fields, e.g. ``dtype='bfloat16'``, ``scan_layers=True``.
   """
-  data, path = load_config_json(directory)
+  data, path = load_config_json(paths.local_model_dir(directory))
   family = family_for_model_type(data['model_type'], path)
   try:
     cfg = family.config_from_hf(HFConfig(data, path, family.defaults))
@@ -98,7 +99,9 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   Args:
     directory: holds ``config.json`` and ``*.safetensors`` (one file, or shards
       with ``model.safetensors.index.json``). Tokenizer files are not needed,
-      and pickle checkpoints (``*.bin``) are never read.
+      and pickle checkpoints (``*.bin``) are never read. A URL (``s3://``, ``gs://``,
+      ``hf://org/name``, any fsspec URL) is downloaded once per process first
+      (:func:`maxnnx.paths.local_model_dir`).
     dtype: compute dtype (default: the config's, ``float32``).
     param_dtype: dtype parameters are stored in (default ``float32``).
     scan_layers: build the layer stack scanned (default: unscanned).
@@ -124,7 +127,8 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   for key, value in (('dtype', dtype), ('param_dtype', param_dtype), ('scan_layers', scan_layers)):
     if value is not None:
       overrides[key] = value
-  cfg, graphdef, abstract_state, sources = _read_sources(directory, overrides)
+  cfg, graphdef, abstract_state, sources = _read_sources(paths.local_model_dir(directory),
+                                                         overrides)
   shardings = _shardings(abstract_state, mesh, rules)
   state = _place_params(sources, abstract_state, cfg, shardings)
   return nnx.merge(graphdef, state)
@@ -137,7 +141,8 @@ def host_params(directory: str, **overrides: Any):
   tensors as :func:`from_pretrained` does, without building the model (``maxnnx convert``
   streams them into an orbax checkpoint). The checkpoint is checked in full first.
   """
-  cfg, _, abstract_state, sources = _read_sources(directory, overrides)  # checks everything
+  # checks everything
+  cfg, _, abstract_state, sources = _read_sources(paths.local_model_dir(directory), overrides)
   return cfg, ((path, host) for path, var, host in _host_params(sources, abstract_state, cfg)
                if isinstance(var, nnx.Param))
 

@@ -57,6 +57,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from maxnnx import paths
 from maxnnx.data.chat import ChatTemplate, load_chat_template, template_for
 from maxnnx.inference.chat import end_of_turn_ids
 from maxnnx.serving.engine import Engine
@@ -643,7 +644,8 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
   Args:
     engine_or_model_dir: an :class:`~maxnnx.serving.Engine` with a tokenizer, or a
       Hugging Face checkpoint directory holding the tokenizer (and chat template),
-      such as the ``final/`` of ``maxnnx train`` / ``maxnnx sft``.
+      such as the ``final/`` of ``maxnnx train`` / ``maxnnx sft``, or its URL (``s3://``,
+      ``hf://org/name``: downloaded once, :func:`maxnnx.paths.local_model_dir`).
     model_name: the name clients send as ``model``; default the directory as given,
       or ``'maxnnx'`` for an engine.
     max_queue: requests (choices) held beyond the ``max_batch`` running ones; more
@@ -679,10 +681,11 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
       raise TypeError('Engine arguments and dtype apply to a model directory, not to an Engine.')
     engine, name = engine_or_model_dir, model_name or 'maxnnx'
   else:
-    directory = os.fspath(engine_or_model_dir)
+    given = os.fspath(engine_or_model_dir)
+    directory = paths.local_model_dir(given)  # a URL (s3://, hf://...) is downloaded once
     engine = load_engine(directory, dtype=dtype, tensor_parallel=tensor_parallel,
                          **engine_kwargs)
-    name = model_name or directory
+    name = model_name or given
   tokenizer = engine.tokenizer
   if tokenizer is None:
     raise ValueError('The server needs an Engine with a tokenizer.')

@@ -31,6 +31,13 @@ def _legacy_model_overrides(run: dict) -> dict:
   return overrides
 
 
+def is_checkpoint(model: str) -> bool:
+  """Whether ``model=`` names a Hugging Face checkpoint (a directory, or a URL such as
+  ``s3://bucket/model`` or ``hf://org/name``, downloaded once per process) rather than a
+  preset."""
+  return paths.is_remote(model) or os.path.isdir(model)
+
+
 def run_model_config(run: dict, changes: dict):
   """``(ModelConfig, from_pretrained overrides)``: the preset's or checkpoint's config with
   the flat run keys, then the ``model.*`` keys, applied.
@@ -42,7 +49,7 @@ def run_model_config(run: dict, changes: dict):
   import maxnnx  # noqa: PLC0415
   from maxnnx.models.pretrained import config_from_pretrained  # noqa: PLC0415
   legacy = _legacy_model_overrides(run)
-  if os.path.isdir(run['model']):
+  if is_checkpoint(run['model']):
     base = config_from_pretrained(run['model'], **legacy)
   else:
     base = maxnnx.get_preset(run['model'], **legacy)
@@ -70,14 +77,16 @@ def model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None, 
   from maxnnx.train.run_dir import file_fingerprint  # noqa: PLC0415
   cfg, overrides = run_model_config(run, changes)
   cfg = recipe.adjust_model(cfg, options or {}, changes)
-  if os.path.isdir(run['model']):
+  if is_checkpoint(run['model']):
     pipelined = mesh is not None and (mesh.stage > 1 or mesh.dcn_stage > 1)
     model = maxnnx.from_pretrained(run['model'], mesh=None if pipelined else mesh, **overrides)
     if corpus is None:
       return model, None, None
-    tokenizer = load_tokenizer(run['tokenizer'] or run['model'])
-    source = getattr(tokenizer, 'path', None) or run['tokenizer'] or run['model']
-    return model, tokenizer, {'sha256': file_fingerprint(source), 'source': source}
+    given = run['tokenizer'] or run['model']
+    tokenizer = load_tokenizer(given)
+    local = getattr(tokenizer, 'path', None) or given
+    return model, tokenizer, {'sha256': file_fingerprint(local),
+                              'source': given if paths.is_remote(given) else local}
   if corpus is None:
     return cfg, None, None
   if recipe.records and not run['tokenizer']:
