@@ -219,7 +219,7 @@ MAXTEXT_KEYS: dict[str, Rule] = {
                                    'the device'),
     'optimizer_memory_host_offload': _map('optimizer_memory_host_offload', bool, False),
     'shard_optimizer_over_data': _map('shard_optimizer_over_data', bool, False),
-    'parameter_memory_host_offload': _refuse(bool, False, 'no host offload of parameters'),
+    'parameter_memory_host_offload': _map('parameter_memory_host_offload', bool, False),
     'num_pipeline_microbatches': _map('mesh.pipeline_microbatches', int, -1, _none_if(-1)),
     'pipeline_parallel_layers': _refuse(int, -1, 'maxnnx pipelines every layer over stage'),
     'num_pipeline_repeats': _map('mesh.pipeline_repeats', int, -1, lambda v: 1 if v == -1 else v,

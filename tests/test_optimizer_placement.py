@@ -100,3 +100,20 @@ def test_zero1_and_offload_together():
   trainer.fit(log=lambda line: None)
   assert _memory_kinds(trainer._state[1]['opt_state']) == {'pinned_host'}
   assert all('data' in axes for axes in _mesh_axes(trainer._state[1]['opt_state']))
+
+
+@pytest.mark.slow  # three trainers over 8 devices; the moments' offload runs by default
+def test_offloaded_parameters_train_and_evaluate_like_device_ones(reference):
+  """parameter_memory_host_offload (with the moments offloaded too): the losses of the device
+  run, the held-out loss of the device run, and between steps the whole training state is in
+  pinned_host but the step counter."""
+  trainer = _trainer(MeshConfig(data=2, fsdp=4), True, parameter_memory_host_offload=True)
+  losses = [m['loss'] for m in trainer.fit(log=lambda line: None)]
+  np.testing.assert_allclose(losses, reference, rtol=1e-4)
+  model_state, optimizer_state = trainer._state[0], trainer._state[1]
+  assert _memory_kinds(model_state) == {'pinned_host'}
+  assert _memory_kinds(optimizer_state['opt_state']) == {'pinned_host'}
+  assert _memory_kinds(optimizer_state['step']) == {'device'}
+  on_device = _trainer(MeshConfig(data=2, fsdp=4))
+  on_device.fit(log=lambda line: None)
+  assert trainer.evaluate(2) == pytest.approx(on_device.evaluate(2), rel=1e-5)

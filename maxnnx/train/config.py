@@ -54,6 +54,8 @@ class TrainConfig(ValidatedConfig):
       (:mod:`maxnnx.train.optimizer_placement`).
     optimizer_memory_host_offload: keep the optimizer's moments in host memory between
       steps (copied to the devices for each update; :mod:`maxnnx.train.optimizer_placement`).
+    parameter_memory_host_offload: keep the model's parameters in host memory between steps
+      (copied to the devices at the start of each train and eval step).
     momentum: SGD momentum (0 = plain SGD).
     clip_norm: clip gradients to this global norm (``None``: no clipping).
     z_loss: weight of ``logsumexp(logits)^2`` added to the loss (PaLM).
@@ -144,6 +146,7 @@ class TrainConfig(ValidatedConfig):
   mu_dtype: Literal['float32', 'bfloat16'] | None = None
   shard_optimizer_over_data: bool = False
   optimizer_memory_host_offload: bool = False
+  parameter_memory_host_offload: bool = False
   momentum: float = 0.9
   clip_norm: float | None = 1.0
   z_loss: float = 0.0

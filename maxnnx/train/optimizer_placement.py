@@ -1,6 +1,7 @@
-"""Where the optimizer state lives: sharded over ``data`` (ZeRO-1), in host memory, or both.
+"""Where the training state lives: the optimizer's moments sharded over ``data`` (ZeRO-1) or in
+host memory, and the parameters in host memory.
 
-Both act on the optimizer's moments (``opt_state``: Adam's ``mu`` and ``nu``, momentum
+The first two act on the optimizer's moments (``opt_state``: Adam's ``mu`` and ``nu``, momentum
 buffers), never on the parameters or the step counter:
 
 * ``TrainConfig.shard_optimizer_over_data`` (ZeRO-1, MaxText's name): each moment gets its
@@ -13,6 +14,12 @@ buffers), never on the parameters or the step counter:
   copies them to the device before the update and its output sharding puts the new moments
   back, so between steps the devices hold only the parameters: for AdamW in float32 that is
   two thirds of the training state. The copies cost host-device bandwidth every step.
+
+``TrainConfig.parameter_memory_host_offload`` (MaxText's name) does the same for the model's
+state (its parameters and the statistics a forward pass records): in host memory between
+steps, copied to the devices at the start of each train and eval step, written back by the
+step's output sharding. With both offloads the devices hold the training state only while a
+step runs.
 """
 
 import jax
@@ -71,11 +78,36 @@ def optimizer_state_on_host(shardings):
 def optimizer_state_to_device(state):
   """Inside the train step: the ``(model, optimizer)`` state with ``opt_state`` copied to the
   device for the update."""
-  def to_device(x):
-    return jax.device_put(x, jax.memory.Space.Device) if hasattr(x, 'shape') else x
-
-  state[1]['opt_state'] = jax.tree.map(to_device, state[1]['opt_state'])
+  state[1]['opt_state'] = jax.tree.map(_to_device, state[1]['opt_state'])
   return state
 
 
-__all__ = ['optimizer_state_on_host', 'optimizer_state_over_data', 'optimizer_state_to_device']
+def _on_host(named):
+  return named.with_memory_kind(HOST) if hasattr(named, 'mesh') else named
+
+
+def parameters_on_host(shardings):
+  """``shardings`` of a ``(model, optimizer)`` state with the model's part moved to host
+  memory (the optimizer's part as it was)."""
+  def one(leaf):
+    if isinstance(leaf, nnx.Variable):
+      return leaf.replace(value=_on_host(leaf.get_value()))
+    return _on_host(leaf)
+
+  shardings[0] = jax.tree.map(one, shardings[0], is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return shardings
+
+
+def parameters_to_device(state):
+  """Inside a step: the ``(model, optimizer)`` state with the model's part copied to the
+  device."""
+  state[0] = jax.tree.map(_to_device, state[0])
+  return state
+
+
+def _to_device(x):
+  return jax.device_put(x, jax.memory.Space.Device) if hasattr(x, 'shape') else x
+
+
+__all__ = ['optimizer_state_on_host', 'optimizer_state_over_data', 'optimizer_state_to_device',
+           'parameters_on_host', 'parameters_to_device']

@@ -33,7 +33,7 @@ from maxnnx.layers.qk_clip import attention_max_logits, clip_query_key, qk_clip_
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.lora.dropout import adapter_dropout
 from maxnnx.train.objectives import Objective
-from maxnnx.train.optimizer_placement import optimizer_state_to_device
+from maxnnx.train.optimizer_placement import optimizer_state_to_device, parameters_to_device
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -157,6 +157,8 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
   """
   if config.optimizer_memory_host_offload:
     state = optimizer_state_to_device(state)
+  if config.parameter_memory_host_offload:
+    state = parameters_to_device(state)
   model, optimizer = nnx.merge(graphdef, state)
   step = optimizer.step[...]
   model_graphdef, params, rest = nnx.split(model, trainable, ...)
@@ -188,8 +190,12 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
 
 
 def eval_step(graphdef, state, batch: Batch, frozen_state=None, *, frozen_graphdef=None,
-              objective: Objective) -> tuple[jax.Array, jax.Array]:
-  """``objective.eval_loss`` of the model in ``state`` on a held-out batch: ``(total, weight)``."""
+              objective: Objective, parameters_on_host: bool = False
+              ) -> tuple[jax.Array, jax.Array]:
+  """``objective.eval_loss`` of the model in ``state`` on a held-out batch: ``(total, weight)``
+  (``parameters_on_host``: the model's state is copied to the device first)."""
+  if parameters_on_host:
+    state = parameters_to_device(state)
   model, _ = nnx.merge(graphdef, state)
   frozen = _merge_frozen(frozen_graphdef, frozen_state)
   return objective.eval_loss(model, batch, frozen=frozen)

@@ -60,7 +60,11 @@ from maxnnx.train.memory import (
 from maxnnx.train.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, format_metrics
 from maxnnx.train.monitor import FitMonitor
 from maxnnx.train.objectives import Objective, PretrainObjective
-from maxnnx.train.optimizer_placement import optimizer_state_on_host, optimizer_state_over_data
+from maxnnx.train.optimizer_placement import (
+  optimizer_state_on_host,
+  optimizer_state_over_data,
+  parameters_on_host,
+)
 from maxnnx.train.optimizers import make_optimizer, make_schedule, schedule_change
 from maxnnx.layers.qk_clip import records_max_logits
 from maxnnx.train.preemption import StopRequest, StopRequested
@@ -277,6 +281,8 @@ class Trainer:
       self._state_shardings = optimizer_state_over_data(self._state_shardings, state)
     if config.optimizer_memory_host_offload:
       self._state_shardings = optimizer_state_on_host(self._state_shardings)
+    if config.parameter_memory_host_offload:
+      self._state_shardings = parameters_on_host(self._state_shardings)
     self._abstract_state = _abstract_tree(state, self._state_shardings)
     # A given model is placed now; a built one on first use, after compile() had its say.
     self._state = jax.device_put(state, self._state_shardings) if concrete is not None else None
@@ -611,9 +617,10 @@ class Trainer:
 
   def _compile_eval_step(self) -> None:
     with self._goodput.time('compile'):
-      eval_step = functools.partial(step_lib.eval_step, self._graphdef,
-                                    frozen_graphdef=self._frozen_graphdef,
-                                    objective=self.objective)
+      eval_step = functools.partial(
+          step_lib.eval_step, self._graphdef, frozen_graphdef=self._frozen_graphdef,
+          objective=self.objective,
+          parameters_on_host=self.config.parameter_memory_host_offload)
       with self._context():
         self._eval_compiled = jax.jit(eval_step).lower(
             self._abstract_state, self._abstract_batch(), self._frozen_state).compile()
