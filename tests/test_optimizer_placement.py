@@ -9,6 +9,7 @@ resumes exactly.
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from maxnnx.config import MeshConfig
 from maxnnx.data import TokenWindows
@@ -106,7 +107,7 @@ def test_zero1_and_offload_together():
 def test_offloaded_parameters_train_and_evaluate_like_device_ones(reference):
   """parameter_memory_host_offload (with the moments offloaded too): the losses of the device
   run, the held-out loss of the device run, and between steps the whole training state is in
-  pinned_host but the step counter."""
+  pinned_host but the step counter, while ``trainer.model`` holds device arrays."""
   trainer = _trainer(MeshConfig(data=2, fsdp=4), True, parameter_memory_host_offload=True)
   losses = [m['loss'] for m in trainer.fit(log=lambda line: None)]
   np.testing.assert_allclose(losses, reference, rtol=1e-4)
@@ -114,6 +115,7 @@ def test_offloaded_parameters_train_and_evaluate_like_device_ones(reference):
   assert _memory_kinds(model_state) == {'pinned_host'}
   assert _memory_kinds(optimizer_state['opt_state']) == {'pinned_host'}
   assert _memory_kinds(optimizer_state['step']) == {'device'}
+  assert _memory_kinds(nnx.state(trainer.model)) == {'device'}  # what code outside steps uses
   on_device = _trainer(MeshConfig(data=2, fsdp=4))
   on_device.fit(log=lambda line: None)
   assert trainer.evaluate(2) == pytest.approx(on_device.evaluate(2), rel=1e-5)

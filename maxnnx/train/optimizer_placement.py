@@ -82,20 +82,30 @@ def optimizer_state_to_device(state):
   return state
 
 
-def _on_host(named):
-  return named.with_memory_kind(HOST) if hasattr(named, 'mesh') else named
+def _model_part_in(shardings, kind: str):
+  """A new tree of ``shardings`` (of a ``(model, optimizer)`` state) with the model's part in
+  memory ``kind``; the optimizer's part as it was."""
+  def one(path, leaf):
+    named = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+    if not hasattr(named, 'mesh') or getattr(path[0], 'key', None) != 0:
+      return leaf
+    moved = named.with_memory_kind(kind)
+    return leaf.replace(value=moved) if isinstance(leaf, nnx.Variable) else moved
+
+  return jax.tree_util.tree_map_with_path(one, shardings,
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def parameters_on_host(shardings):
   """``shardings`` of a ``(model, optimizer)`` state with the model's part moved to host
-  memory (the optimizer's part as it was)."""
-  def one(leaf):
-    if isinstance(leaf, nnx.Variable):
-      return leaf.replace(value=_on_host(leaf.get_value()))
-    return _on_host(leaf)
+  memory (a new tree; the optimizer's part as it was)."""
+  return _model_part_in(shardings, HOST)
 
-  shardings[0] = jax.tree.map(one, shardings[0], is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return shardings
+
+def parameters_on_device(shardings):
+  """The inverse of :func:`parameters_on_host`: the model's part in device memory (what code
+  outside the step computes with)."""
+  return _model_part_in(shardings, 'device')
 
 
 def parameters_to_device(state):
@@ -106,8 +116,9 @@ def parameters_to_device(state):
 
 
 def _to_device(x):
+  """``x`` copied to device memory (inside a step)."""
   return jax.device_put(x, jax.memory.Space.Device) if hasattr(x, 'shape') else x
 
 
 __all__ = ['optimizer_state_on_host', 'optimizer_state_over_data', 'optimizer_state_to_device',
-           'parameters_on_host', 'parameters_to_device']
+           'parameters_on_device', 'parameters_on_host', 'parameters_to_device']

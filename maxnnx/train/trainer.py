@@ -63,6 +63,7 @@ from maxnnx.train.objectives import Objective, PretrainObjective
 from maxnnx.train.optimizer_placement import (
   optimizer_state_on_host,
   optimizer_state_over_data,
+  parameters_on_device,
   parameters_on_host,
 )
 from maxnnx.train.optimizers import make_optimizer, make_schedule, schedule_change
@@ -281,8 +282,12 @@ class Trainer:
       self._state_shardings = optimizer_state_over_data(self._state_shardings, state)
     if config.optimizer_memory_host_offload:
       self._state_shardings = optimizer_state_on_host(self._state_shardings)
+    # What trainer.model / trainer.optimizer hold: device arrays even when the step's state
+    # keeps the parameters in host memory (code outside the step computes with them).
+    self._object_shardings = self._state_shardings
     if config.parameter_memory_host_offload:
       self._state_shardings = parameters_on_host(self._state_shardings)
+      self._object_shardings = parameters_on_device(self._state_shardings)
     self._abstract_state = _abstract_tree(state, self._state_shardings)
     # A given model is placed now; a built one on first use, after compile() had its say.
     self._state = jax.device_put(state, self._state_shardings) if concrete is not None else None
@@ -410,8 +415,14 @@ class Trainer:
   def _live(self):
     self._materialise()
     if self._objects is None:
-      self._objects = nnx.merge(self._graphdef, self._state)
+      self._objects = nnx.merge(self._graphdef, self._object_view(self._state))
     return self._objects
+
+  def _object_view(self, state):
+    """``state`` as the live objects hold it: with the parameters on the devices."""
+    if self._object_shardings is self._state_shardings:
+      return state
+    return jax.device_put(state, self._object_shardings)
 
   def _sync_from_objects(self) -> None:
     """Take back edits a user made to ``trainer.model`` between steps."""
@@ -421,7 +432,7 @@ class Trainer:
   def _sync_to_objects(self) -> None:
     """Point the live model/optimizer (if a user holds them) at the new state."""
     if self._objects is not None:
-      nnx.update(self._objects, self._state)
+      nnx.update(self._objects, self._object_view(self._state))
 
   @property
   def step_count(self) -> int:
