@@ -34,7 +34,12 @@ from maxnnx.inference.chat import chat
 from maxnnx.inference.generate import GenerationResult, generate
 from maxnnx.models.counting import num_active_params, num_params, num_vision_params
 from maxnnx.models.hf import PretrainedError
-from maxnnx.models.pretrained import config_from_pretrained, from_pretrained, save_pretrained
+from maxnnx.models.pretrained import (
+  config_from_pretrained,
+  from_maxtext,
+  from_pretrained,
+  save_pretrained,
+)
 from maxnnx.models.transformer import Transformer
 from maxnnx.presets import get_preset, list_presets
 
@@ -64,6 +69,6 @@ __all__ = [
     'ConfigError', 'DataConfig', 'GenerationResult', 'MLAConfig', 'MTPConfig', 'MeshConfig',
     'ModelConfig', 'MoEConfig', 'PretrainedError', 'RopeConfig', 'RuntimeConfig',
     'SafetensorsError', 'TrainConfig', 'Trainer', 'Transformer', 'config_from_pretrained',
-    'chat', 'from_pretrained', 'generate', 'get_preset', 'list_presets', 'make_pipeline',
+    'chat', 'from_maxtext', 'from_pretrained', 'generate', 'get_preset', 'list_presets', 'make_pipeline',
     'num_active_params', 'num_params', 'num_vision_params', 'save_pretrained',
 ]

@@ -130,10 +130,15 @@ SERVE_KEYS = {
     **PROCESS_KEYS,
 }
 CONVERT_KEYS = {
-    'src': ('', 'a Hugging Face directory (config.json + safetensors) or an orbax checkpoint '
-            'directory (training or parameter-only)'),
+    'src': ('', 'a Hugging Face directory (config.json + safetensors), an orbax checkpoint '
+            'directory (training or parameter-only), or a step directory MaxText wrote '
+            '(.../checkpoints/<step>: full state or parameters only, scanned or not)'),
     'dst': ('', 'where to write the converted model (must not hold a checkpoint already)'),
-    'format': ('', "output format: 'hf', 'orbax' (empty: the other one than src)"),
+    'format': ('', "output format: 'hf', 'orbax' (empty: the other one than src; 'hf' for a "
+               'MaxText src)'),
+    'maxtext_config': ('', "a MaxText src's settings: its YAML, or key=value pairs joined by "
+                       "commas (decoder_block, num_experts_per_tok, normalization_layer_epsilon, "
+                       "rope_max_timescale...; MaxText's defaults otherwise)"),
     'scan_layers': (False, 'layer layout of an orbax output: stacked (true) or per layer'),
     'dtype': ('', "floating-point dtype of a Hugging Face output: bfloat16, float16 or float32 "
               "(empty: the parameters' own)"),
@@ -360,8 +365,12 @@ def convert(options: dict) -> str:
   if held:
     raise UsageError(f'dst={dst} already has a checkpoint ({held}); convert never overwrites '
                      'one: choose a new or empty directory.')
-  source = 'hf' if paths.exists(paths.join(src, 'config.json')) else 'orbax'
-  target = options['format'] or {'hf': 'orbax', 'orbax': 'hf'}[source]
+  source = ('hf' if paths.exists(paths.join(src, 'config.json')) else
+            'maxtext' if paths.isdir(paths.join(src, 'items')) else 'orbax')
+  if options['maxtext_config'] and source != 'maxtext':
+    raise UsageError(f'maxtext_config= describes a MaxText checkpoint; src={src} is a {source} '
+                     'one.')
+  target = options['format'] or {'hf': 'orbax', 'orbax': 'hf', 'maxtext': 'hf'}[source]
   if target not in ('hf', 'orbax'):
     raise UsageError(f"format={target!r}: expected 'hf' or 'orbax'.")
   scan = bool(options['scan_layers']) and target == 'orbax'
@@ -377,7 +386,12 @@ def convert(options: dict) -> str:
     save_params_streaming(*host_params(paths.local_copy(src), scan_layers=scan), dst)
     print(f'Converted {src} ({source}) to {dst} ({target}{layout}).')
     return dst
-  if source == 'hf':
+  if source == 'maxtext':
+    settings = options['maxtext_config'] or None
+    if settings and not settings.endswith(('.yml', '.yaml')):
+      settings = [item for item in settings.split(',') if item.strip()]
+    model = maxnnx.from_maxtext(paths.local_copy(src), settings, scan_layers=scan)
+  elif source == 'hf':
     model = maxnnx.from_pretrained(paths.local_copy(src), scan_layers=scan)
   else:
     model = _model_from_checkpoint(src, scan_layers=scan)

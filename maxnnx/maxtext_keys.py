@@ -130,8 +130,9 @@ _REMAT = {name: name for name in ('custom', 'none', 'minimal', 'save_dot_except_
 _ATTENTION = {'autoselected': 'auto', 'dot_product': 'xla_flash', 'flash': 'auto',
               'cudnn_flash_te': 'cudnn'}
 _QUANT = {'': 'none', 'int8': 'int8', 'fp8': 'fp8'}
-_NO_CHECKPOINT_YET = ('loading a MaxText checkpoint is not built yet: convert it to Hugging '
-                      'Face format with MaxText and give model=<that directory>')
+_NO_CHECKPOINT_YET = ('a run does not start from a MaxText checkpoint yet: convert it first '
+                      '(maxnnx convert src=<its step directory> dst=<dir> '
+                      'maxtext_config=<its YAML>) and give model=<dir>')
 _TPU = 'a TPU kernel or runtime setting; no effect on this backend'
 
 MAXTEXT_KEYS: dict[str, Rule] = {

@@ -134,6 +134,20 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   return nnx.merge(graphdef, state)
 
 
+def from_maxtext(step_dir: str, settings=None, **kwargs: Any) -> Transformer:
+  """A :class:`Transformer` with the parameters of a step directory MaxText wrote
+  (``.../checkpoints/<step>``: a training state or parameters only, scanned or not; see
+  :mod:`maxnnx.checkpoint.maxtext` for the blocks read). ``settings`` are MaxText's settings of
+  that run (its YAML path, a ``key=value`` list or a dict; MaxText's defaults otherwise);
+  ``kwargs`` go to :func:`from_pretrained` (``dtype``, ``scan_layers``, ``mesh``...)."""
+  import tempfile  # noqa: PLC0415
+
+  from maxnnx.checkpoint.maxtext import write_hf  # noqa: PLC0415
+  with tempfile.TemporaryDirectory() as scratch:
+    write_hf(step_dir, scratch, settings)
+    return from_pretrained(scratch, **kwargs)
+
+
 def host_params(directory: str, **overrides: Any):
   """``(config, iterator)`` over a Hugging Face checkpoint's parameters in the model's layout,
   one at a time: the iterator yields ``(path, NumPy array)`` for every parameter of
@@ -530,4 +544,4 @@ def _to_model_layout(values: dict[tuple, np.ndarray], abstract_state, cfg: Model
 
 
 __all__ = ['FAMILIES', 'PretrainedError', 'SafetensorsError', 'config_from_pretrained',
-           'from_pretrained', 'host_params', 'save_pretrained']
+           'from_maxtext', 'from_pretrained', 'host_params', 'save_pretrained']

@@ -1,0 +1,243 @@
+"""Checkpoints that MaxText wrote, read into maxnnx.
+
+MaxText saves one orbax item, ``items``, per step directory. Its trainers (Linen, and the NNX
+trainer, which writes the same layout plus an ``nnx_aux`` subtree of random-number state) hold
+the weights under ``params/params/...`` beside ``opt_state`` and ``step``; its
+parameters-only checkpoints (``generate_param_only_checkpoint``) hold them under
+``params/params/...`` (Linen) or at the top level with every leaf wrapped as ``{"value": x}``
+(NNX). A scanned model stacks each layer's arrays on axis 1 (``param_scan_axis``), also after
+the expert axis of MoE weights; an unscanned one names them ``layers_0 ... layers_{L-1}``.
+
+The Llama-2 / Mistral / Mixtral decoder blocks are read (``decoder_block`` ``llama2``,
+``mistral``, ``mixtral``: what ``tests/maxtext_fixtures/LAYOUT.md`` documents, with MaxText's own
+fixtures). The weights become the Hugging Face tensors of the matching family
+(:func:`write_hf`), which :func:`maxnnx.from_maxtext` then loads as it loads any checkpoint. Two of MaxText's
+conventions differ from Hugging Face's and are undone here:
+
+* the query kernel carries the attention's ``1 / sqrt(head_dim)`` (MaxText's dot product does
+  not scale the scores), so it is multiplied back;
+* kernels are ``[in, out]`` with the heads split (``[embed, heads, head_dim]``), where torch
+  weights are ``[out, in]``.
+
+What the shapes cannot say comes from MaxText's settings (its YAML or ``key=value`` list, with
+MaxText's defaults): ``decoder_block``, ``num_experts_per_tok``,
+``normalization_layer_epsilon``, ``rope_max_timescale``, ``sliding_window_size`` and
+``max_target_length``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from maxnnx.checkpoint.manager import CheckpointError
+
+#: MaxText's defaults (its ``configs/base.yml``) for the settings a conversion reads.
+MAXTEXT_DEFAULTS = {'decoder_block': 'llama2', 'num_experts_per_tok': 1,
+                    'normalization_layer_epsilon': 1e-5, 'rope_max_timescale': 10_000,
+                    'rope_min_timescale': 1, 'sliding_window_size': 0,
+                    'max_target_length': 2048, 'rope_type': 'default'}
+
+#: The decoder blocks read, and the Hugging Face family each becomes.
+BLOCKS = {'llama2': 'llama', 'mistral': 'mistral', 'mixtral': 'mixtral'}
+
+
+def read_settings(items: list[str] | dict | str | None) -> dict[str, Any]:
+  """MaxText's settings for a conversion: ``items`` is a dict, a list of ``key=value``
+  strings, a MaxText YAML path, or ``None``; MaxText's defaults fill what is not given."""
+  settings = dict(MAXTEXT_DEFAULTS)
+  if items is None:
+    return settings
+  if isinstance(items, str):
+    import yaml  # noqa: PLC0415
+    with open(items) as f:
+      items = {k: v for k, v in (yaml.safe_load(f) or {}).items() if k != 'base_config'}
+  if not isinstance(items, dict):
+    pairs = {}
+    for item in items:
+      key, sep, value = str(item).partition('=')
+      if not sep:
+        raise ValueError(f'MaxText setting {item!r}: expected key=value.')
+      pairs[key.strip()] = value.strip()
+    items = pairs
+  for key, value in items.items():
+    if key in MAXTEXT_DEFAULTS and isinstance(value, str):
+      default = MAXTEXT_DEFAULTS[key]
+      value = type(default)(float(value)) if isinstance(default, (int, float)) else value
+    settings[key] = value
+  return settings
+
+
+def _restore(step_dir: str) -> dict:
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  items = os.path.join(os.path.abspath(step_dir), 'items')
+  if not os.path.isdir(items):
+    raise CheckpointError(f'{step_dir}: not a MaxText step directory (no items/ inside; give '
+                          'the step directory, e.g. .../checkpoints/2).')
+  try:
+    tree = ocp.PyTreeCheckpointer().restore(items)
+  except Exception as e:  # orbax's and tensorstore's own errors
+    raise CheckpointError(f'{step_dir}: orbax cannot read it ({type(e).__name__}: '
+                          f'{str(e).splitlines()[0] if str(e) else ""}).') from None
+  return tree
+
+
+def _unwrap(tree):
+  """NNX parameters-only checkpoints wrap every leaf as ``{"value": x}``."""
+  if isinstance(tree, dict):
+    if set(tree) == {'value'} and not isinstance(tree['value'], dict):
+      return tree['value']
+    return {k: _unwrap(v) for k, v in tree.items()}
+  return tree
+
+
+def maxtext_params(step_dir: str) -> tuple[dict, dict]:
+  """``(parameters, record)`` of a MaxText step directory: the nested parameter tree (NumPy,
+  as stored) and ``{'step': int | None, 'layout': ..., 'full_state': bool}``.
+
+  Raises:
+    CheckpointError: not a MaxText checkpoint (naming what is missing).
+  """
+  tree = _restore(step_dir)
+  if isinstance(tree.get('params'), dict) and 'params' in tree['params']:
+    params, layout = tree['params']['params'], 'params/params'
+  elif 'decoder' in tree and 'token_embedder' in tree:
+    params, layout = _unwrap({k: tree[k] for k in ('decoder', 'token_embedder')}), 'nnx'
+  else:
+    raise CheckpointError(f'{step_dir}: no MaxText parameters in it (expected params/params/... '
+                          f'or decoder/ and token_embedder/; found {sorted(tree)}).')
+  step = tree.get('step')
+  params = _to_numpy(params)
+  return params, {'step': None if step is None else int(np.asarray(step)), 'layout': layout,
+                  'full_state': 'opt_state' in tree}
+
+
+def _to_numpy(tree):
+  if isinstance(tree, dict):
+    return {k: _to_numpy(v) for k, v in tree.items()}
+  return np.asarray(tree)
+
+
+def _layers(decoder: dict) -> list[dict]:
+  """Per-layer parameter trees: unstacked from axis 1 when scanned."""
+  if 'layers' in decoder:
+    stacked = decoder['layers']
+    count = _first_leaf(stacked).shape[1]
+    return [_map(lambda x, i=i: np.take(x, i, axis=1), stacked) for i in range(count)]
+  names = sorted((k for k in decoder if k.startswith('layers_')), key=lambda k: int(k[7:]))
+  if not names:
+    raise CheckpointError('MaxText decoder without layers (neither layers/ nor layers_0/).')
+  return [decoder[name] for name in names]
+
+
+def _first_leaf(tree):
+  while isinstance(tree, dict):
+    tree = next(iter(tree.values()))
+  return tree
+
+
+def _map(fn, tree):
+  return {k: _map(fn, v) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
+
+
+def _f32(x) -> np.ndarray:
+  return np.asarray(x, np.float32)
+
+
+def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """``(config.json dict, {tensor name: float32 array})`` of the Hugging Face checkpoint that
+  holds MaxText ``params`` (a tree from :func:`maxtext_params`) under ``settings``
+  (:func:`read_settings`).
+
+  Raises:
+    CheckpointError: a decoder block or setting this reader does not cover, or a tree that
+      does not look like the block's.
+  """
+  block = settings['decoder_block']
+  if block not in BLOCKS:
+    raise CheckpointError(f'decoder_block={block}: MaxText checkpoints of the '
+                          f"{', '.join(BLOCKS)} blocks are read so far.")
+  if settings['rope_type'] != 'default' or int(settings['rope_min_timescale']) != 1:
+    raise CheckpointError('rope_type other than default (or rope_min_timescale != 1): these '
+                          'MaxText rotary layouts are not read yet.')
+  decoder = params['decoder']
+  layers = _layers(decoder)
+  embedding = _f32(params['token_embedder']['embedding'])
+  vocab, d_model = embedding.shape
+  first = layers[0]
+  query = first['self_attention']['query']['kernel']
+  _, heads, head_dim = query.shape
+  kv_heads = first['self_attention']['key']['kernel'].shape[1]
+  moe = 'MoeBlock_0' in first
+  tensors = {'model.embed_tokens.weight': embedding,
+             'model.norm.weight': _f32(decoder['decoder_norm']['scale'])}
+  tied = 'logits_dense' not in decoder
+  if not tied:
+    tensors['lm_head.weight'] = _f32(decoder['logits_dense']['kernel']).T
+  for i, layer in enumerate(layers):
+    p, attn = f'model.layers.{i}.', layer['self_attention']
+    q = _f32(attn['query']['kernel']) * math.sqrt(head_dim)  # MaxText folds 1/sqrt(hd) in
+    tensors[p + 'self_attn.q_proj.weight'] = q.reshape(d_model, -1).T
+    for name in ('key', 'value'):
+      kernel = _f32(attn[name]['kernel']).reshape(d_model, -1).T
+      tensors[p + f'self_attn.{name[0]}_proj.weight'] = kernel
+    tensors[p + 'self_attn.o_proj.weight'] = _f32(attn['out']['kernel']).reshape(-1, d_model).T
+    tensors[p + 'input_layernorm.weight'] = _f32(layer['pre_self_attention_layer_norm']['scale'])
+    tensors[p + 'post_attention_layernorm.weight'] = _f32(
+        layer['post_self_attention_layer_norm']['scale'])
+    if moe:
+      block_moe = layer['MoeBlock_0']
+      tensors[p + 'block_sparse_moe.gate.weight'] = _f32(block_moe['gate']['kernel']).T
+      for j in range(block_moe['wi_0'].shape[0]):
+        e = p + f'block_sparse_moe.experts.{j}.'
+        tensors[e + 'w1.weight'] = _f32(block_moe['wi_0'][j]).T
+        tensors[e + 'w3.weight'] = _f32(block_moe['wi_1'][j]).T
+        tensors[e + 'w2.weight'] = _f32(block_moe['wo'][j]).T
+    else:
+      mlp = layer['mlp']
+      tensors[p + 'mlp.gate_proj.weight'] = _f32(mlp['wi_0']['kernel']).T
+      tensors[p + 'mlp.up_proj.weight'] = _f32(mlp['wi_1']['kernel']).T
+      tensors[p + 'mlp.down_proj.weight'] = _f32(mlp['wo']['kernel']).T
+  if moe != (block == 'mixtral'):
+    raise CheckpointError(f'decoder_block={block}, but the checkpoint\'s layers '
+                          f"{'have' if moe else 'have no'} MoeBlock_0: give MaxText's settings "
+                          'of the run that wrote it (config=...).')
+  mlp_dim = (layers[0]['MoeBlock_0']['wi_0'].shape[-1] if moe
+             else layers[0]['mlp']['wi_0']['kernel'].shape[-1])
+  config = {'model_type': BLOCKS[block], 'architectures': [], 'vocab_size': int(vocab),
+            'hidden_size': int(d_model), 'intermediate_size': int(mlp_dim),
+            'num_hidden_layers': len(layers), 'num_attention_heads': int(heads),
+            'num_key_value_heads': int(kv_heads), 'head_dim': int(head_dim),
+            'rms_norm_eps': float(settings['normalization_layer_epsilon']),
+            'rope_theta': float(settings['rope_max_timescale']), 'hidden_act': 'silu',
+            'max_position_embeddings': int(settings['max_target_length']),
+            'tie_word_embeddings': tied, 'torch_dtype': 'float32'}
+  if block == 'mistral' and int(settings['sliding_window_size']):
+    config['sliding_window'] = int(settings['sliding_window_size'])
+  if moe:
+    config.update(num_local_experts=int(layers[0]['MoeBlock_0']['wi_0'].shape[0]),
+                  num_experts_per_tok=int(settings['num_experts_per_tok']))
+  return config, tensors
+
+
+def write_hf(step_dir: str, directory: str, settings=None) -> dict:
+  """Write the Hugging Face checkpoint of MaxText step directory ``step_dir`` into
+  ``directory`` (``config.json`` + ``model.safetensors``); returns :func:`maxtext_params`'s
+  record. ``settings``: MaxText's YAML path, ``key=value`` list or dict."""
+  import json  # noqa: PLC0415
+
+  from maxnnx.checkpoint.safetensors import write_safetensors  # noqa: PLC0415
+  params, record = maxtext_params(step_dir)
+  config, tensors = hf_checkpoint(params, read_settings(settings))
+  os.makedirs(directory, exist_ok=True)
+  write_safetensors(os.path.join(directory, 'model.safetensors'), tensors)
+  with open(os.path.join(directory, 'config.json'), 'w') as f:
+    json.dump(config, f, indent=2)
+  return record
+
+
+__all__ = ['BLOCKS', 'MAXTEXT_DEFAULTS', 'hf_checkpoint', 'maxtext_params', 'read_settings',
+           'write_hf']

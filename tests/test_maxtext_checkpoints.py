@@ -1,0 +1,80 @@
+"""Checkpoints MaxText itself wrote (``tests/maxtext_fixtures``, made by its ``make_fixtures.py``
+with MaxText's own trainer and ``generate_param_only_checkpoint``): maxnnx's logits from each
+equal the logits MaxText's own model computed from it."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import maxnnx
+from maxnnx import cli
+from maxnnx.checkpoint.manager import CheckpointError
+from maxnnx.checkpoint.maxtext import maxtext_params, read_settings
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'maxtext_fixtures')
+CASES = {  # fixture: its step directory
+    'llama2_scanned': 2, 'llama2_unscanned': 2, 'llama2_scanned_linen': 2,
+    'llama2_params_only_nnx': 0, 'llama2_params_only_linen': 0, 'mixtral_moe_scanned': 2}
+
+
+def _fixture(name):
+  directory = os.path.join(FIXTURES, name)
+  with open(os.path.join(directory, 'overrides.txt')) as f:
+    settings = f.read().split()
+  with open(os.path.join(directory, 'tokens.json')) as f:
+    tokens = jnp.asarray(json.load(f)['tokens'])
+  return (os.path.join(directory, 'checkpoints', str(CASES[name])), settings, tokens,
+          np.load(os.path.join(directory, 'logits.npy')))
+
+
+@pytest.mark.parametrize('name', list(CASES))
+def test_logits_equal_maxtexts_own(name):
+  """Trainer states (NNX and Linen, scanned and not), parameters-only checkpoints (both
+  layouts, bfloat16) and a Mixtral-style MoE: maxnnx's float32 logits equal MaxText's."""
+  step_dir, settings, tokens, expected = _fixture(name)
+  model = maxnnx.from_maxtext(step_dir, settings, dtype='float32')
+  np.testing.assert_allclose(model(tokens), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_scanned_load_and_the_record():
+  step_dir, settings, tokens, expected = _fixture('llama2_unscanned')
+  model = maxnnx.from_maxtext(step_dir, settings, dtype='float32', scan_layers=True)
+  np.testing.assert_allclose(model(tokens), expected, rtol=1e-4, atol=1e-4)
+  _, record = maxtext_params(step_dir)
+  assert record == {'step': 3, 'layout': 'params/params', 'full_state': True}
+  _, record = maxtext_params(_fixture('llama2_params_only_nnx')[0])
+  assert record == {'step': None, 'layout': 'nnx', 'full_state': False}
+
+
+def test_cli_converts_a_maxtext_step_to_hugging_face(tmp_path, capsys):
+  step_dir, settings, tokens, expected = _fixture('mixtral_moe_scanned')
+  keys = ','.join(s for s in settings if s.split('=')[0] in (
+      'decoder_block', 'num_experts_per_tok', 'max_target_length'))
+  assert cli.main(['convert', f'src={step_dir}', f'dst={tmp_path}/hf',
+                   f'maxtext_config={keys}']) == 0
+  assert '(maxtext) to' in capsys.readouterr().out
+  model = maxnnx.from_pretrained(str(tmp_path / 'hf'), dtype='float32')
+  assert model.config.family == 'mixtral' and model.config.moe.num_experts_per_tok == 2
+  np.testing.assert_allclose(model(tokens), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_settings_and_refusals(tmp_path, capsys):
+  yaml_path = tmp_path / 'run.yml'
+  yaml_path.write_text('base_config: base.yml\ndecoder_block: mistral\n'
+                       'normalization_layer_epsilon: 1.0e-6\n')
+  settings = read_settings(str(yaml_path))
+  assert settings['decoder_block'] == 'mistral' and settings['normalization_layer_epsilon'] == 1e-6
+  step_dir = _fixture('llama2_scanned')[0]
+  with pytest.raises(CheckpointError, match='decoder_block=gemma3'):
+    maxnnx.from_maxtext(step_dir, ['decoder_block=gemma3'])
+  with pytest.raises(CheckpointError, match='no MoeBlock_0'):
+    maxnnx.from_maxtext(step_dir, ['decoder_block=mixtral'])
+  with pytest.raises(CheckpointError, match='no items/ inside'):
+    maxnnx.from_maxtext(str(tmp_path))
+  assert cli.main(['convert', f'src={step_dir}', f'dst={tmp_path}/out',
+                   'maxtext_config=decoder_block=gemma3']) == 2
+  assert 'decoder_block=gemma3' in capsys.readouterr().err
+  assert not (tmp_path / 'out' / 'config.json').exists()
