@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server, queried with the ``openai`` client package against live
 uvicorn servers on a tiny model: greedy parity with maxnnx.generate under concurrency, streaming,
-the chat template, bad requests, a full queue, client disconnects, metrics, and SIGTERM."""
+the chat template, bad requests, a full queue, client disconnects, metrics, SIGTERM, and
+``echo`` (prompt log-probabilities, as lm-evaluation-harness scores with) and ``best_of``."""
 
 import asyncio
 import contextlib
@@ -16,6 +17,7 @@ import threading
 import time
 
 import httpx
+import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
@@ -634,3 +636,130 @@ def test_sigterm_lets_the_requests_in_flight_finish(model_dir):
   finally:
     if process.poll() is None:
       process.kill()
+
+
+# -- echo and best_of ----------------------------------------------------------------------
+
+
+def _reference_logprobs(model, ids):
+  """``[len(ids), vocab]`` float64 log-softmax of the model's logits after each token."""
+  logits = np.asarray(model(jnp.asarray([ids]))[0], np.float64)
+  shifted = logits - logits.max(-1, keepdims=True)
+  return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _check_prompt_part(logprobs, ids, want, tokenizer, top):
+  """The first ``len(ids)`` entries of a completions ``logprobs`` object score ``ids`` as the
+  reference log-probabilities ``want`` do."""
+  tokens = [tokenizer.decode([i]) for i in ids]
+  assert logprobs['tokens'][:len(ids)] == tokens
+  assert logprobs['text_offset'][:len(ids)] == np.cumsum([0] + [len(t) for t in tokens])[
+      :-1].tolist()
+  assert logprobs['token_logprobs'][0] is None and logprobs['top_logprobs'][0] is None
+  got = np.array(logprobs['token_logprobs'][1:len(ids)])
+  expected = np.array([want[t - 1, ids[t]] for t in range(1, len(ids))])
+  np.testing.assert_allclose(got, expected, rtol=1e-4)
+  for t in range(1, len(ids)):
+    entry = logprobs['top_logprobs'][t]
+    best = np.sort(want[t - 1])[::-1][:top]
+    assert len(entry) <= top  # two tokens with the same text share one key
+    if len(entry) == top:
+      np.testing.assert_allclose(sorted(entry.values(), reverse=True), best, rtol=1e-4)
+    for text, value in entry.items():
+      assert any(abs(value - want[t - 1, i]) <= 1e-4 * abs(value)
+                 for i in np.argsort(-want[t - 1])[:top] if tokenizer.decode([i]) == text)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_as_the_model_does(server, reference,
+                                                                    tokenizer):
+  """lm-evaluation-harness's request: the text is the prompt exactly, one log-probability per
+  prompt token (BOS included), the first null, the others the model's own log-softmax."""
+  prompt = 'ROMEO: But soft, what light through yonder window breaks?'
+  ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
+  response = httpx.post(f'{server}/v1/completions', timeout=60, json={
+      'model': NAME, 'prompt': prompt, 'max_tokens': 0, 'echo': True, 'logprobs': 2})
+  assert response.status_code == 200, response.text
+  choice = response.json()['choices'][0]
+  assert choice['text'] == prompt and choice['finish_reason'] == 'length'
+  assert len(choice['logprobs']['tokens']) == len(ids)
+  _check_prompt_part(choice['logprobs'], ids, _reference_logprobs(reference, ids), tokenizer, 2)
+  usage = response.json()['usage']
+  assert usage['prompt_tokens'] == len(ids) and usage['completion_tokens'] == 0
+
+
+def test_echo_of_token_id_prompts_then_generated_tokens(server, reference, tokenizer):
+  """Two token-id prompts with ``max_tokens=2``: each choice is its prompt (decoded, scored as
+  the model does) followed by exactly the normal greedy completion and its log-probabilities."""
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, 512, 9).tolist(), rng.integers(0, 512, 17).tolist()]
+  args = {'model': NAME, 'prompt': prompts, 'max_tokens': 2, 'temperature': 0,
+          'ignore_eos': True, 'logprobs': 1}
+  with httpx.Client(base_url=f'{server}/v1', timeout=60) as http:
+    plain = http.post('/completions', json=args).json()['choices']
+    echoed = http.post('/completions', json={**args, 'echo': True}).json()['choices']
+  for ids, normal, choice in zip(prompts, plain, echoed):
+    text = tokenizer.decode(ids)
+    assert choice['text'] == text + normal['text']
+    lp, tail = choice['logprobs'], normal['logprobs']
+    assert len(lp['tokens']) == len(ids) + 2
+    _check_prompt_part(lp, ids, _reference_logprobs(reference, ids), tokenizer, 1)
+    assert lp['tokens'][len(ids):] == tail['tokens']
+    # the prefix cache may serve the second request's prompt: the same numbers to float32
+    np.testing.assert_allclose(lp['token_logprobs'][len(ids):], tail['token_logprobs'],
+                               rtol=1e-5)
+    for echoed_top, top in zip(lp['top_logprobs'][len(ids):], tail['top_logprobs']):
+      assert echoed_top.keys() == top.keys()
+      np.testing.assert_allclose(list(echoed_top.values()), list(top.values()), rtol=1e-5)
+    assert lp['text_offset'][len(ids):] == [len(text) + o for o in tail['text_offset']]
+
+
+def test_the_openai_client_takes_an_echoed_prompt(server):
+  client = _client(server)
+  response = client.completions.create(model=NAME, prompt='Speak, speak.', echo=True,
+                                       logprobs=2, max_tokens=0)
+  choice = response.choices[0]
+  assert choice.text == 'Speak, speak.' and choice.logprobs.token_logprobs[0] is None
+  assert all(p < 0 for p in choice.logprobs.token_logprobs[1:])
+  plain = client.completions.create(model=NAME, prompt='Speak', echo=True, max_tokens=3,
+                                    temperature=0)
+  assert plain.choices[0].text.startswith('Speak') and plain.choices[0].logprobs is None
+
+
+ECHO_BAD_REQUESTS = [  # (endpoint, body, param)
+    ('completions', {'prompt': 'hi', 'max_tokens': 0}, 'max_tokens'),
+    ('completions', {'prompt': 'hi', 'max_tokens': 0, 'echo': False}, 'max_tokens'),
+    ('completions', {'prompt': 'hi', 'echo': 'yes'}, 'echo'),
+    ('completions', {'prompt': 'hi', 'echo': True, 'stream': True}, 'echo'),
+    ('completions', {'prompt': 'hi', 'echo': True, 'logprobs': 99}, 'logprobs'),
+    ('chat/completions', {'messages': [{'role': 'user', 'content': 'hi'}], 'echo': True},
+     'echo'),
+    ('completions', {'prompt': 'hi', 'best_of': 3, 'stream': True}, 'best_of'),
+    ('completions', {'prompt': 'hi', 'n': 3, 'best_of': 2}, 'best_of'),
+    ('completions', {'prompt': 'hi', 'best_of': 65}, 'best_of'),
+    ('completions', {'prompt': 'hi', 'best_of': 0}, 'best_of'),
+    ('completions', {'prompt': 'hi', 'best_of': 2, 'max_tokens': 0, 'echo': True}, 'best_of'),
+]
+
+
+@pytest.mark.parametrize('endpoint,body,param', ECHO_BAD_REQUESTS)
+def test_bad_echo_and_best_of_requests_answer_400_naming_the_field(server, endpoint, body,
+                                                                   param):
+  response = httpx.post(f'{server}/v1/{endpoint}', json={'model': NAME, **body}, timeout=30)
+  assert response.status_code == 400, response.text
+  assert response.json()['error']['param'] == param, response.text
+
+
+def test_best_of_answers_the_samples_with_the_highest_mean_logprob(server):
+  """``best_of=4, n=2`` answers, of the 4 samples ``n=4`` gives with the same seed, the two
+  with the highest mean log-probability per token, best first; usage counts all 4."""
+  args = {'model': NAME, 'prompt': 'To be, or not', 'max_tokens': 5, 'temperature': 1.0,
+          'seed': 7, 'ignore_eos': True}
+  with httpx.Client(base_url=f'{server}/v1', timeout=60) as http:
+    samples = http.post('/completions', json={**args, 'n': 4, 'logprobs': 0}).json()['choices']
+    best = http.post('/completions', json={**args, 'n': 2, 'best_of': 4}).json()
+  means = [np.mean(c['logprobs']['token_logprobs']) for c in samples]
+  order = sorted(range(4), key=lambda i: -means[i])
+  assert [c['text'] for c in best['choices']] == [samples[i]['text'] for i in order[:2]]
+  assert [c['index'] for c in best['choices']] == [0, 1]
+  assert all(c['logprobs'] is None for c in best['choices'])
+  assert best['usage']['completion_tokens'] == 20

@@ -395,6 +395,8 @@ class Engine:
     self.scheduler = Scheduler(self.allocator, page_size=page_size, max_batch=max_batch,
                                token_budget=token_budget, prefix_caching=self.prefix_caching,
                                window=window, window_allocator=self.window_allocator)
+    # The model without pools, for scoring whole prompts in one plain forward pass.
+    self._plain_graphdef, _, self._plain_rest = nnx.split(model, nnx.Param, ...)
     work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
     work.init_paged_cache(self.max_pages + 1, page_size,
                           num_slots=max_batch + 1 if recurrent else 0,
@@ -417,6 +419,7 @@ class Engine:
     self.step_shapes: set[tuple] = set()
     self.last_step_shape: tuple | None = None
     self._step_fn = _make_step(self._graphdef, self._traces)
+    self._score_fn = _make_scorer(self._plain_graphdef)
     self._features_fn = _make_features(self._graphdef) if cfg.vision.num_layers else None
     self.compiles = CompileCounts()
     _listen_to_compiles()
@@ -596,6 +599,42 @@ class Engine:
       yield
     finally:
       _counting.counts = outer
+
+  def score_prompt(self, prompt: Sequence[int], num_top: int = 0) -> tuple[TokenLogprobs, ...]:
+    """The log-probability of each token of ``prompt`` after the first, given the tokens
+    before it, and the ``num_top`` most likely tokens there (one plain forward pass, float32
+    log-softmax of the model's logits; the OpenAI API's ``echo``).
+
+    It touches neither the page pools nor the requests, so any thread may call it while
+    another drives :meth:`step`. The prompt is padded to a power of two (at least
+    :data:`MIN_TOKEN_BUCKET`, at most ``max_model_len``), so it compiles once per bucket and
+    ``num_top``.
+
+    Returns:
+      ``len(prompt) - 1`` :class:`TokenLogprobs`, for ``prompt[1:]``.
+
+    Raises:
+      ValueError: an empty prompt or one longer than ``max_model_len``, a token id outside
+        the vocabulary, or ``num_top`` beyond ``max_logprobs``.
+    """
+    ids = [int(i) for i in prompt]
+    vocab = self.model_config.vocab_size
+    if not 1 <= len(ids) <= self.max_model_len:
+      raise ValueError(f'A scored prompt has 1 to max_model_len={self.max_model_len} tokens, '
+                       f'not {len(ids)}.')
+    if min(ids) < 0 or max(ids) >= vocab:
+      raise ValueError(f'The prompt holds token ids outside [0, {vocab}).')
+    if not 0 <= num_top <= self.max_logprobs:
+      raise ValueError(f'num_top={num_top} is outside [0, max_logprobs={self.max_logprobs}].')
+    padded = np.zeros(bucket(len(ids), MIN_TOKEN_BUCKET, self.max_model_len), np.int32)
+    padded[:len(ids)] = ids
+    chosen_T, top_ids_TN, top_lps_TN = (host_value(a) for a in self._score_fn(
+        max(num_top, 1), self._params, self._plain_rest, jnp.asarray(padded)))
+    return tuple(
+        TokenLogprobs(ids[t], float(chosen_T[t - 1]),
+                      tuple((int(i), float(p)) for i, p in
+                            zip(top_ids_TN[t - 1, :num_top], top_lps_TN[t - 1, :num_top])))
+        for t in range(1, len(ids)))
 
   # -- stepping ---------------------------------------------------------------
 
@@ -946,6 +985,22 @@ def _make_step(graphdef, traces: list[int]):
     return logits_BV, nnx.state(model, nnx.Not(nnx.Param))
 
   return step
+
+
+def _make_scorer(graphdef):
+  """The jitted prompt scorer over ``graphdef``'s model (without page pools): for tokens
+  ``ids_T``, the log-probability of each next token ``[T - 1]`` and the ``num_top`` most likely
+  ids and log-probabilities after each position ``[T, num_top]``."""
+
+  @functools.partial(jax.jit, static_argnums=(0,))
+  def score(num_top, params, rest, ids_T):
+    model = nnx.merge(graphdef, params, rest)
+    logprobs_TV = jax.nn.log_softmax(model(ids_T[None])[0].astype(jnp.float32), axis=-1)
+    chosen_T = jnp.take_along_axis(logprobs_TV[:-1], ids_T[1:, None], axis=-1)[:, 0]
+    top_lps_TN, top_ids_TN = jax.lax.top_k(logprobs_TV, num_top)
+    return chosen_T, top_ids_TN, top_lps_TN
+
+  return score
 
 
 def _make_features(graphdef):

@@ -105,6 +105,12 @@ class ParsedRequest:
     logprobs: log-probabilities to return per token (``None``: none).
     return_token_ids: choices carry ``token_ids`` and ``prompt_token_ids``.
     images: the chat's pixels ``[num_images, 3, H, W]``, or ``None``.
+    echo: each choice's text (and log-probabilities) starts with its prompt's.
+    prompt_texts: the prompts' text when ``echo`` (a text prompt as sent, token ids decoded).
+    score_only: ``max_tokens=0`` with ``echo``: nothing is generated, the prompts are only
+      scored (``params`` are kept for the choices' shape, with ``max_tokens=1``, not run).
+    best_of: choices sampled per prompt, of which the ``n`` with the highest mean
+      log-probability per token are answered (``None``: ``n``).
   """
 
   kind: str
@@ -116,10 +122,19 @@ class ParsedRequest:
   logprobs: int | None = None
   return_token_ids: bool = False
   images: Any = None
+  echo: bool = False
+  prompt_texts: tuple[str, ...] = ()
+  score_only: bool = False
+  best_of: int | None = None
+
+  @property
+  def samples_per_prompt(self) -> int:
+    """Choices sampled per prompt: ``best_of``, else ``n``."""
+    return self.best_of or self.n
 
   def prompt_of(self, choice: int) -> tuple[int, ...]:
-    """The prompt choice ``choice`` continues."""
-    return self.prompts[choice // self.n]
+    """The prompt the sampled choice ``choice`` (an index into ``params``) continues."""
+    return self.prompts[choice // self.samples_per_prompt]
 
 
 # -- field readers ---------------------------------------------------------------------
@@ -314,7 +329,7 @@ def parse_completion(body: Any, served: ServedModel) -> ParsedRequest:
   """
   body = _object(body)
   _check_model(body, served)
-  _unsupported(body, 'echo', (None, False))
+  echo = _field(body, 'echo', (bool,), False)
   _unsupported(body, 'suffix', (None, ''))
   prompt = body.get('prompt')
   if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
@@ -338,14 +353,42 @@ def parse_completion(body: Any, served: ServedModel) -> ParsedRequest:
                      'list of such lists.', param='prompt', code='invalid_type')
     _check_length(prompts[-1], served, 'prompt')
   logprobs = _check_logprobs(_field(body, 'logprobs', (int,), None), served, 'logprobs')
-  n, params = _sampling(body, served, 'completion', prompts, 'max_tokens', 16, logprobs)
-  best_of = _field(body, 'best_of', (int,), n)
-  if best_of != n:
-    raise ApiError('best_of other than n is not supported by this server.', param='best_of',
-                   code='unsupported_parameter')
   stream, include_usage = _stream_fields(body)
+  if echo and stream:
+    raise ApiError('echo is not supported with stream=true by this server; ask without '
+                   'streaming.', param='echo', code='unsupported_parameter')
+  score_only = _field(body, 'max_tokens', (int,), None) == 0
+  if score_only and not echo:
+    raise ApiError('max_tokens=0 needs echo=true (the prompt scored, nothing generated).',
+                   param='max_tokens', code='invalid_value')
+  n = _field(body, 'n', (int,), 1)
+  best_of = _field(body, 'best_of', (int,), None)
+  if best_of == n:
+    best_of = None
+  elif best_of is not None:
+    if stream:
+      raise ApiError('best_of is not supported with stream=true.', param='best_of',
+                     code='unsupported_parameter')
+    if score_only:
+      raise ApiError('best_of needs max_tokens >= 1 (there is nothing to rank).',
+                     param='best_of', code='invalid_value')
+    if not 1 <= n <= best_of <= MAX_CHOICES // len(prompts):
+      raise ApiError(f'best_of={best_of} is out of range (need 1 <= n={n} <= best_of, and '
+                     f'at most {MAX_CHOICES} choices in all).', param='best_of',
+                     code='invalid_value')
+  sampled = dict(body, max_tokens=1) if score_only else body
+  if best_of is not None:  # every sample gets log-probabilities, to be ranked by them
+    _, params = _sampling(dict(sampled, n=best_of), served, 'completion', prompts, 'max_tokens',
+                          16, 0 if logprobs is None else logprobs)
+  else:
+    n, params = _sampling(sampled, served, 'completion', prompts, 'max_tokens', 16, logprobs)
+  texts = ()
+  if echo:
+    texts = tuple(p if isinstance(p, str) else served.tokenizer.decode(ids)
+                  for p, ids in zip(prompt, prompts))
   return ParsedRequest('completion', tuple(prompts), tuple(params), n, stream, include_usage,
-                       logprobs, _field(body, 'return_token_ids', (bool,), False))
+                       logprobs, _field(body, 'return_token_ids', (bool,), False), echo=echo,
+                       prompt_texts=texts, score_only=score_only, best_of=best_of)
 
 
 def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
@@ -371,6 +414,7 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
                    code='no_chat_template')
   for name in ('tools', 'functions', 'audio', 'prediction'):
     _unsupported(body, name)
+  _unsupported(body, 'echo', (None, False))  # the chat API has no echo
   for name in ('tool_choice', 'function_call'):
     _unsupported(body, name, (None, 'none', 'auto'))
   _unsupported(body, 'modalities', (None, ['text']))
@@ -521,6 +565,7 @@ class ChoiceStream:
     self.finish_reason: str | None = None
     self.num_cached_tokens = 0
     self.text_offset = 0           # completions logprobs: where the next token's text starts
+    self.cumulative_logprob = 0.0  # of every generated token, a stop token included
 
   @property
   def finished(self) -> bool:
@@ -532,6 +577,7 @@ class ChoiceStream:
     self.token_ids = out.token_ids
     self.num_cached_tokens = out.num_cached_tokens
     new_logprobs = list(out.new_logprobs or ())
+    self.cumulative_logprob += sum(lp.logprob for lp in new_logprobs)
     if out.finished:
       self.finish_reason = out.finish_reason
       text = out.text or ''
@@ -550,6 +596,25 @@ class ChoiceStream:
     """One token's text."""
     return self.tokenizer.decode([token_id])
 
+  @property
+  def mean_logprob(self) -> float:
+    """The mean log-probability per generated token (``best_of`` ranks choices by it; needs
+    log-probabilities from the engine), ``-inf`` with no token."""
+    return self.cumulative_logprob / len(self.token_ids) if self.token_ids else -math.inf
+
+
+def best_choices(request: ParsedRequest, choices: Sequence[ChoiceStream]) -> list[ChoiceStream]:
+  """The choices to answer, in answer order: all of them, or with ``best_of`` the ``n`` of each
+  prompt's samples with the highest mean log-probability per token (the earlier sample first
+  on a tie)."""
+  if request.best_of is None:
+    return list(choices)
+  per_prompt, best = request.samples_per_prompt, []
+  for start in range(0, len(choices), per_prompt):
+    samples = choices[start:start + per_prompt]
+    best += sorted(samples, key=lambda c: -c.mean_logprob)[:request.n]
+  return best
+
 
 # -- response bodies ------------------------------------------------------------------------
 
@@ -560,10 +625,11 @@ def new_id(kind: str) -> str:
 
 
 def usage(request: ParsedRequest, choices: Sequence[ChoiceStream]) -> dict:
-  """OpenAI's ``usage`` object (each prompt counted once, whatever ``n``)."""
+  """OpenAI's ``usage`` object of every sampled choice (each prompt counted once, whatever
+  ``n``; with ``best_of`` every sample's tokens count)."""
   prompt = sum(len(p) for p in request.prompts)
   completion = sum(len(c.token_ids) for c in choices)
-  cached = sum(c.num_cached_tokens for c in choices[::request.n])
+  cached = sum(c.num_cached_tokens for c in choices[::request.samples_per_prompt])
   return {'prompt_tokens': prompt, 'completion_tokens': completion,
           'total_tokens': prompt + completion,
           'prompt_tokens_details': {'cached_tokens': cached}}
@@ -581,6 +647,24 @@ def completion_logprobs(choice: ChoiceStream, logprobs: Sequence[TokenLogprobs])
           'text_offset': offsets}
 
 
+def echo_logprobs(choice: ChoiceStream, prompt: Sequence[int],
+                  scores: Sequence[TokenLogprobs], text: str) -> dict:
+  """The completions API's ``logprobs`` object of an echoed ``prompt`` (its ``text``): the
+  first token has ``null`` log-probabilities (nothing predicts it), ``scores`` give the others
+  (:meth:`~maxnnx.serving.Engine.score_prompt`). The generated tokens' offsets then start
+  at the end of ``text``."""
+  tokens = [choice.token_text(i) for i in prompt]
+  offsets, offset = [], 0
+  for token in tokens:
+    offsets.append(offset)
+    offset += len(token)
+  choice.text_offset = len(text)
+  return {'tokens': tokens, 'token_logprobs': [None] + [lp.logprob for lp in scores],
+          'top_logprobs': [None] + [{choice.token_text(i): p for i, p in lp.top}
+                                    for lp in scores],
+          'text_offset': offsets}
+
+
 def chat_logprobs(choice: ChoiceStream, logprobs: Sequence[TokenLogprobs]) -> dict:
   """The chat API's ``logprobs`` object:
   ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}``."""
@@ -592,30 +676,50 @@ def chat_logprobs(choice: ChoiceStream, logprobs: Sequence[TokenLogprobs]) -> di
                        'top_logprobs': [entry(i, p) for i, p in lp.top]} for lp in logprobs]}
 
 
-def _token_fields(request: ParsedRequest, choice: ChoiceStream) -> dict:
+def _token_fields(request: ParsedRequest, choice: ChoiceStream,
+                  prompt: Sequence[int]) -> dict:
   if not request.return_token_ids:
     return {}
-  return {'token_ids': list(choice.token_ids),
-          'prompt_token_ids': list(request.prompt_of(choice.index))}
+  return {'token_ids': list(choice.token_ids), 'prompt_token_ids': list(prompt)}
 
 
 def response_body(request: ParsedRequest, response_id: str, model: str,
-                  choices: Sequence[ChoiceStream]) -> dict:
-  """The whole (non-streamed) response of a finished request."""
+                  choices: Sequence[ChoiceStream], *,
+                  sampled: Sequence[ChoiceStream] | None = None,
+                  prompt_scores: Sequence[Sequence[TokenLogprobs]] | None = None) -> dict:
+  """The whole (non-streamed) response of a finished request.
+
+  Args:
+    choices: the choices answered, ``n`` per prompt in order (:func:`best_choices`).
+    sampled: every choice sampled, for ``usage`` (default ``choices``).
+    prompt_scores: with ``echo`` and ``logprobs``, each prompt's
+      :meth:`~maxnnx.serving.Engine.score_prompt`.
+  """
   created = int(time.time())
   out = []
-  for c in choices:
+  for index, c in enumerate(choices):
+    which = index // request.n
+    prompt = request.prompts[which]
     if request.kind == 'chat':
       lp = chat_logprobs(c, c.logprobs) if request.logprobs is not None else None
-      out.append({'index': c.index, 'message': {'role': 'assistant', 'content': c.text},
-                  'logprobs': lp, 'finish_reason': c.finish_reason, **_token_fields(request, c)})
-    else:
-      lp = completion_logprobs(c, c.logprobs) if request.logprobs is not None else None
-      out.append({'index': c.index, 'text': c.text, 'logprobs': lp,
-                  'finish_reason': c.finish_reason, **_token_fields(request, c)})
+      out.append({'index': index, 'message': {'role': 'assistant', 'content': c.text},
+                  'logprobs': lp, 'finish_reason': c.finish_reason,
+                  **_token_fields(request, c, prompt)})
+      continue
+    text = c.text
+    lp = None
+    if request.echo:
+      text = request.prompt_texts[which] + c.text
+      if request.logprobs is not None:
+        lp = echo_logprobs(c, prompt, prompt_scores[which], request.prompt_texts[which])
+    if request.logprobs is not None:
+      generated = completion_logprobs(c, c.logprobs)
+      lp = generated if lp is None else {key: lp[key] + generated[key] for key in lp}
+    out.append({'index': index, 'text': text, 'logprobs': lp,
+                'finish_reason': c.finish_reason, **_token_fields(request, c, prompt)})
   return {'id': response_id, 'object': 'chat.completion' if request.kind == 'chat' else
           'text_completion', 'created': created, 'model': model, 'choices': out,
-          'usage': usage(request, choices)}
+          'usage': usage(request, choices if sampled is None else sampled)}
 
 
 def chunk(request: ParsedRequest, response_id: str, model: str, choice: ChoiceStream | None,
@@ -628,7 +732,8 @@ def chunk(request: ParsedRequest, response_id: str, model: str, choice: ChoiceSt
   if usage_of is not None:
     return {**body, 'choices': [], 'usage': usage(request, usage_of)}
   finish = choice.finish_reason
-  extra = _token_fields(request, choice) if finish is not None else {}
+  extra = (_token_fields(request, choice, request.prompt_of(choice.index))
+           if finish is not None else {})
   if request.kind == 'chat':
     delta = {'role': 'assistant', 'content': text} if first else (
         {'content': text} if text or finish is None else {})

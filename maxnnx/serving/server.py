@@ -67,6 +67,7 @@ from maxnnx.serving.openai_api import (
   ChoiceStream,
   ParsedRequest,
   ServedModel,
+  best_choices,
   chunk,
   new_id,
   parse_chat,
@@ -438,8 +439,10 @@ class _Api:
   """The endpoints, sharing the engine loop, the served model and the metrics."""
 
   def __init__(self, loop: EngineLoop, served: ServedModel, metrics: ServerMetrics,
-               max_queue: int, max_request_bytes: int):
+               max_queue: int, max_request_bytes: int, scorer: Callable | None = None):
     self.loop, self.served, self.metrics = loop, served, metrics
+    self.scorer = scorer  # Engine.score_prompt, or None where echo cannot score prompts
+    self._scoring = threading.Lock()  # one prompt scored at a time
     self.max_request_bytes = max_request_bytes
     self.capacity = loop.engine.max_batch + max_queue
     self.in_flight = 0  # choices submitted and not finished (touched on the event loop only)
@@ -456,6 +459,11 @@ class _Api:
     try:
       body = await _read_body(request, self.max_request_bytes)
       parsed = await run_in_threadpool(_parse_json, parse, body, self.served)
+      scores = None
+      if parsed.echo and parsed.logprobs is not None:
+        scores = await run_in_threadpool(self._score, parsed)
+      if parsed.score_only:
+        return self._scored(endpoint, parsed, scores)
       if self.in_flight + len(parsed.params) > self.capacity:
         raise ApiError(f'The server is full ({self.in_flight} requests in flight, at most '
                        f'{self.capacity}); retry later.', status=429, type='rate_limit_error',
@@ -480,7 +488,30 @@ class _Api:
       return Response(status_code=499)  # nobody reads it; the choices were cancelled
     self.metrics.answered(endpoint, 200)
     return JSONResponse(response_body(parsed, new_id(parsed.kind), self.served.name,
-                                      job.choices))
+                                      best_choices(parsed, job.choices), sampled=job.choices,
+                                      prompt_scores=scores))
+
+  def _score(self, parsed: ParsedRequest) -> list:
+    """Each prompt's log-probabilities (``echo``): what a worker thread runs."""
+    if self.scorer is None:
+      raise ApiError('echo with logprobs is not supported by a multi-process server.',
+                     param='echo', code='unsupported_parameter')
+    with self._scoring:
+      try:
+        return [self.scorer(prompt, parsed.logprobs) for prompt in parsed.prompts]
+      except ValueError as e:
+        raise ApiError(str(e), param='prompt', code='invalid_value') from None
+
+  def _scored(self, endpoint: str, parsed: ParsedRequest, scores) -> Response:
+    """The answer of ``max_tokens=0`` with ``echo``: the prompts, nothing generated."""
+    engine = self.loop.engine
+    choices = [ChoiceStream(i, engine.tokenizer, p, engine.eos_ids)
+               for i, p in enumerate(parsed.params)]
+    for choice in choices:
+      choice.finish_reason = 'length'
+    self.metrics.answered(endpoint, 200)
+    return JSONResponse(response_body(parsed, new_id(parsed.kind), self.served.name, choices,
+                                      prompt_scores=scores))
 
   def error(self, endpoint: str, error: ApiError) -> JSONResponse:
     self.metrics.answered(endpoint, error.status)
@@ -702,7 +733,8 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
                        image_processor=image_processor, image_prompt=image_prompt)
   leader = _leader(engine)
   loop, metrics = EngineLoop(leader or engine), ServerMetrics()
-  api = _Api(loop, served, metrics, max_queue, max_request_bytes)
+  api = _Api(loop, served, metrics, max_queue, max_request_bytes,
+             scorer=engine.score_prompt if leader is None else None)
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
