@@ -15,8 +15,17 @@ OpenAI's fields, as other OpenAI-compatible servers name them: ``top_k``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and
 ``return_token_ids`` (each choice then carries ``token_ids`` and ``prompt_token_ids``).
 Fields with no effect here (``user``, ``metadata``, ...) are ignored; fields that would
-change the output in a way the engine cannot honour (``echo``, tools, ...) are refused
+change the output in a way the engine cannot honour (``suffix``, tools, ...) are refused
 with 400 rather than silently dropped.
+
+``/v1/completions`` takes ``echo``: each choice's ``text`` starts with its prompt's, and with
+``logprobs`` the ``logprobs`` object covers every prompt token first (the first ``null``: nothing
+predicts it), as OpenAI's legacy API and lm-evaluation-harness's ``local-completions`` want.
+``max_tokens=0`` is allowed with ``echo`` only: the prompt is scored, nothing generated. The
+server computes the prompt's log-probabilities with
+:meth:`~maxnnx.serving.Engine.score_prompt`. ``best_of`` (``>= n``) samples that many choices
+per prompt and answers the ``n`` with the highest mean log-probability per token
+(:func:`best_choices`). Neither streams (400 naming the field); chat has no ``echo``.
 """
 
 from __future__ import annotations
