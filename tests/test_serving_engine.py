@@ -185,6 +185,38 @@ def test_logprobs_are_the_models(model, engine):
   _assert_idle(engine)
 
 
+def test_score_prompt_is_the_models_log_softmax_and_leaves_running_requests_alone(model,
+                                                                                 engine):
+  """score_prompt (echo's prompt log-probabilities) between the steps of a running request:
+  each token's log-probability given the ones before and the top ones equal a float64
+  log-softmax of the model's logits, and the running request still gives generate's tokens."""
+  prompt = np.random.default_rng(5).integers(0, VOCAB, 21).tolist()
+  running = engine.add_request([3, 1, 4, 1, 5], _greedy(6))
+  engine.step()
+  scores = engine.score_prompt(prompt, 3)
+  outputs = {}
+  while engine.has_unfinished():
+    outputs.update({out.request_id: out for out in engine.step() if out.finished})
+  logits = np.asarray(model(np.asarray([prompt]))[0], np.float64)
+  shifted = logits - logits.max(-1, keepdims=True)
+  want = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+  assert [s.token_id for s in scores] == prompt[1:]
+  np.testing.assert_allclose([s.logprob for s in scores],
+                             [want[t - 1, prompt[t]] for t in range(1, len(prompt))], rtol=1e-4)
+  for t, entry in enumerate(scores, start=1):
+    assert [i for i, _ in entry.top] == np.argsort(-want[t - 1])[:3].tolist()
+    np.testing.assert_allclose([p for _, p in entry.top], np.sort(want[t - 1])[::-1][:3],
+                               rtol=1e-4)
+  assert engine.score_prompt(prompt[:1]) == () and engine.score_prompt(prompt)[0].top == ()
+  greedy = maxnnx.generate(model, [[3, 1, 4, 1, 5]], max_new_tokens=6, eos_ids=None)
+  assert list(outputs[running].token_ids) == greedy.tokens[0].tolist()
+  for bad, message in (([], '1 to max_model_len'), ([0] * 65, '1 to max_model_len'),
+                       ([VOCAB], 'outside'), ([1, 2], 'num_top')):
+    with pytest.raises(ValueError, match=message):
+      engine.score_prompt(bad, 9 if message == 'num_top' else 0)
+  _assert_idle(engine)
+
+
 class _DigitsTokenizer:
   """Token ``i`` decodes to ``<i>``."""
 
@@ -438,7 +470,10 @@ def test_a_model_sharded_over_tensor_devices_serves_the_same_tokens(model, tmp_p
   prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 17, 9, 30, 5)]
   params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
   ours = engine.generate(prompts, params)
-  one_device = Engine(model, **kwargs).generate(prompts, params)
+  single = Engine(model, **kwargs)
+  one_device = single.generate(prompts, params)
+  np.testing.assert_allclose([t.logprob for t in engine.score_prompt(prompts[3], 2)],
+                             [t.logprob for t in single.score_prompt(prompts[3], 2)], atol=1e-4)
   want = maxnnx.generate(model, prompts, max_new_tokens=6, eos_ids=None)
   for i, (a, b) in enumerate(zip(ours, one_device)):
     assert list(a.token_ids) == want.tokens[i].tolist() == list(b.token_ids), i
