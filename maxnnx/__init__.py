@@ -69,6 +69,7 @@ __all__ = [
     'ConfigError', 'DataConfig', 'GenerationResult', 'MLAConfig', 'MTPConfig', 'MeshConfig',
     'ModelConfig', 'MoEConfig', 'PretrainedError', 'RopeConfig', 'RuntimeConfig',
     'SafetensorsError', 'TrainConfig', 'Trainer', 'Transformer', 'config_from_pretrained',
-    'chat', 'from_maxtext', 'from_pretrained', 'generate', 'get_preset', 'list_presets', 'make_pipeline',
+    'chat', 'from_maxtext', 'from_pretrained', 'generate', 'get_preset', 'list_presets',
+    'make_pipeline',
     'num_active_params', 'num_params', 'num_vision_params', 'save_pretrained',
 ]

@@ -4,7 +4,6 @@ equals plain Muon when nothing clips."""
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

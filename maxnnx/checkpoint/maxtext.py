@@ -11,8 +11,8 @@ the expert axis of MoE weights; an unscanned one names them ``layers_0 ... layer
 The Llama-2 / Mistral / Mixtral decoder blocks are read (``decoder_block`` ``llama2``,
 ``mistral``, ``mixtral``: what ``tests/maxtext_fixtures/LAYOUT.md`` documents, with MaxText's own
 fixtures). The weights become the Hugging Face tensors of the matching family
-(:func:`write_hf`), which :func:`maxnnx.from_maxtext` then loads as it loads any checkpoint. Two of MaxText's
-conventions differ from Hugging Face's and are undone here:
+(:func:`write_hf`), which :func:`maxnnx.from_maxtext` then loads as it loads any checkpoint.
+Two of MaxText's conventions differ from Hugging Face's and are undone here:
 
 * the query kernel carries the attention's ``1 / sqrt(head_dim)`` (MaxText's dot product does
   not scale the scores), so it is multiplied back;

@@ -25,9 +25,9 @@ from maxnnx.layers.dropout import EMBEDDING_SEED, DropoutSeed, dropout
 from maxnnx.layers.embedding import Embed, LearnedPositions
 from maxnnx.layers.gated_deltanet import GatedDeltaNet
 from maxnnx.layers.linear import DenseGeneral
-from maxnnx.layers.params import ForwardStat
 from maxnnx.layers.mtp import MTPLayer, shift_left
 from maxnnx.layers.norm_factory import make_norm
+from maxnnx.layers.params import ForwardStat
 from maxnnx.layers.parts import BlockParts, build_part
 from maxnnx.layers.per_layer_inputs import PerLayerInputs
 from maxnnx.layers.remat import remat

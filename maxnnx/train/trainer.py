@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxnnx import sharding
 from maxnnx.config import ConfigError, MeshConfig, ModelConfig, check_expert_split
+from maxnnx.layers.qk_clip import records_max_logits
 from maxnnx.parallel.pipeline import describe_schedule
 from maxnnx.train import diagnostics
 from maxnnx.train import flops as flops_lib
@@ -67,7 +68,6 @@ from maxnnx.train.optimizer_placement import (
   parameters_on_host,
 )
 from maxnnx.train.optimizers import make_optimizer, make_schedule, schedule_change
-from maxnnx.layers.qk_clip import records_max_logits
 from maxnnx.train.preemption import StopRequest, StopRequested
 from maxnnx.train.quantization import check_supported, is_quantized, quantize
 
