@@ -369,7 +369,8 @@ def _rss_bytes() -> int:
 @pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads VmRSS from /proc')
 def test_a_32_mb_body_stalls_no_one_and_leaves_no_memory_behind(server):
   """One client streams a 32 MB body (no Content-Length, so the server cannot refuse it up
-  front); meanwhile another's /health answers within 100 ms every time. The body is refused
+  front); meanwhile another's /health answers within 100 ms (all but scheduling noise: at least
+  90% of the polls, none over 0.5 s). The body is refused
   413 once past max_request_bytes, and the process (server and both clients: they run here)
   ends within 24 MiB of where it started. Before the limit, such a body stalled /health for
   6.2 s and left the process 2.9 GB larger."""
@@ -399,7 +400,10 @@ def test_a_32_mb_body_stalls_no_one_and_leaves_no_memory_behind(server):
       waits.append(time.monotonic() - asked)
       time.sleep(0.01)
   sender.join()
-  assert max(waits) < 0.1, sorted(waits)[-5:]
+  # Every wait within 100 ms but for scheduling noise: on a loaded 2-core machine one poll in
+  # a run can miss it (146 ms seen); a server that stalls on the body misses it for seconds.
+  fast = sum(w < 0.1 for w in waits) / len(waits)
+  assert fast >= 0.9 and max(waits) < 0.5, sorted(waits)[-5:]
   if 'response' in answer:
     assert answer['response'].status_code == 413, answer['response'].text
   after = _rss_bytes()
