@@ -99,7 +99,12 @@ class LightningIndexer(nnx.Module):
              visible_BTS: jax.Array) -> jax.Array:
     """:meth:`select` from the queries and weights of :meth:`queries` (the serving
     engine gathers them per request first)."""
-    index_BTS = jax.lax.stop_gradient(self.scores(q_BTHD, weights_BTH, keys_BSD, visible_BTS))
+    return self.top_keys(self.scores(q_BTHD, weights_BTH, keys_BSD, visible_BTS), visible_BTS)
+
+  def top_keys(self, index_BTS: jax.Array, visible_BTS: jax.Array) -> jax.Array:
+    """``[B, T, S]`` bool: the ``index_topk`` best-scored visible keys of each query (no
+    gradient flows through the choice)."""
+    index_BTS = jax.lax.stop_gradient(index_BTS)
     k = min(self.topk, index_BTS.shape[-1])
     _, chosen_BTK = jax.lax.top_k(index_BTS, k)
     selected_BTS = jnp.zeros(index_BTS.shape, bool)

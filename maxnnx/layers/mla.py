@@ -185,11 +185,15 @@ class MLA(nnx.Module):
     key_mask_BTS = index_BTS = None
     if self.indexer is not None:
       visible_BTS = mask.dense(sliding_window)
-      key_mask_BTS = self.indexer.select(x_BTD, q_lora_BTR, cos_sin, index_keys_BSD, visible_BTS)
-      if self.indexer_loss is not None and cache_index is None:
+      if self.indexer_loss is not None and cache_index is None:  # training the indexer
+        # One scoring pass, from a detached input: its loss trains the indexer alone, and the
+        # selection (no gradient) takes the same scores.
         index_BTS = self._index_scores(x_BTD, q_lora_BTR, cos_sin, visible_BTS)
-        if self.indexer_training == 'dense_warmup':
-          key_mask_BTS = None  # the warm-up stage attends densely
+        if self.indexer_training == 'sparse':  # the warm-up stage attends densely
+          key_mask_BTS = self.indexer.top_keys(index_BTS, visible_BTS)
+      else:
+        key_mask_BTS = self.indexer.select(x_BTD, q_lora_BTR, cos_sin, index_keys_BSD,
+                                           visible_BTS)
     out_BTNV = self._attend(q_BTNQ, latent_BTL, k_rot_BT1R, mask, sliding_window, key_mask_BTS,
                             record=cache_index is None and mask is not None, index_BTS=index_BTS)
     return checkpoint_name(constrain(self.o_proj(out_BTNV), OUT_AXES), 'out_proj')
