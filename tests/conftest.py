@@ -41,6 +41,35 @@ if jax.default_backend() == 'gpu':
   jax.config.update('jax_default_matmul_precision', 'highest')
 
 
+SLOW_TESTS = os.path.join(os.path.dirname(__file__), 'slow_tests.txt')
+
+
+def _slow_test_ids() -> set[str]:
+  with open(SLOW_TESTS) as f:
+    return {line.strip() for line in f if line.strip() and not line.startswith('#')}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """Marks the tests that ``slow_tests.txt`` lists slow, before ``-m`` selects.
+
+  When whole files are collected, an entry naming a test that such a file no longer has
+  (renamed, or its parameters changed) stops the run, so the list cannot silently rot.
+  """
+  slow = _slow_test_ids()
+  collected = {item.nodeid for item in items}
+  for item in items:
+    if item.nodeid in slow:
+      item.add_marker(pytest.mark.slow)
+  if any('::' in arg for arg in config.args):
+    return  # single tests were asked for: the other entries of their files are not collected
+  files = {nodeid.split('::')[0] for nodeid in collected}
+  stale = sorted(i for i in slow if i.split('::')[0] in files and i not in collected)
+  if stale:
+    raise pytest.UsageError(f'{SLOW_TESTS} lists tests that do not exist (update it): '
+                            + ', '.join(stale))
+
+
 def pytest_sessionfinish(session):
   """The run's own compilation cache goes when the run ends (in the controlling process)."""
   if _OWN_COMPILE_CACHE and not hasattr(session.config, 'workerinput'):
