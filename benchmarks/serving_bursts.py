@@ -26,37 +26,18 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
 import statistics
 import tempfile
-import threading
 import time
 
 import httpx
 import numpy as np
 import openai
-import uvicorn
 
 from benchmarks import measure, results
-from maxnnx.serving.server import make_app
+from maxnnx.serving.server import make_app, serve_in_thread
 
 NAME = 'bench'
-
-
-@contextlib.contextmanager
-def _serving(app):
-  """``app`` under uvicorn on a free port in a thread; yields its base URL."""
-  sock = socket.socket()
-  sock.bind(('127.0.0.1', 0))
-  server = uvicorn.Server(uvicorn.Config(app, log_level='warning'))
-  thread = threading.Thread(target=server.run, kwargs={'sockets': [sock]}, daemon=True)
-  thread.start()
-  try:
-    yield f'http://127.0.0.1:{sock.getsockname()[1]}'
-  finally:
-    server.should_exit = True
-    thread.join(60)
-    sock.close()
 
 
 def _wait_until_ready(url: str, timeout: float = 1800.0) -> float:
@@ -126,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     app = make_app(model_dir, model_name=NAME, max_batch=args.concurrency,
                    max_queue=args.concurrency, max_model_len=args.max_model_len)
     vocab = app.state.engine_loop.engine.model_config.vocab_size
-    with _serving(app) as url:
+    with serve_in_thread(app) as (url, _):
       warm_s = _wait_until_ready(url)
       programs = _metric(url, 'compiles_total') + _metric(url, 'compile_cache_hits_total')
       print(f'ready after {warm_s:.1f} s of warm-up ({programs:.0f} programs)', flush=True)

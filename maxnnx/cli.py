@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f'error: {e}', file=sys.stderr)
     return 2
   except Exception as e:  # a filesystem fault, also when raised inside orbax's writers
-    os_error = _os_error_in(e)
+    os_error = paths.os_error_in(e)
     if os_error is None:
       raise
     print(f'error: {_describe_os_error(os_error)}', file=sys.stderr)
@@ -529,17 +529,6 @@ def _join_processes(options: dict) -> None:
     sys.stdout.flush()
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # native libraries' prints too
     sys.stdout = open(os.devnull, 'w')  # noqa: SIM115 (closed by main)
-
-
-def _os_error_in(error: BaseException) -> OSError | None:
-  """The ``OSError`` that ``error`` is or was raised from, if any."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    if isinstance(error, OSError):
-      return error
-    seen.add(id(error))
-    error = error.__cause__ or error.__context__
-  return None
 
 
 def _describe_os_error(error: OSError) -> str:

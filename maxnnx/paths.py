@@ -22,6 +22,7 @@ Checkpoint arrays are written by orbax and tensorstore, which take the URL as it
 Data is only read, so it takes any URL fsspec knows (``gs://``, ``s3://``, ``http(s)://``,
 ``hf://``, ``memory://``...): :func:`data_filesystem` finds the filesystem of such a URL and
 :func:`read_data_bytes` reads one of its files, each failure one line naming the URL.
+:func:`os_error_in` finds the file system's refusal behind a library's exception.
 """
 
 from __future__ import annotations
@@ -432,6 +433,21 @@ def data_filesystem(url: str):
                      f'{how}.') from None
   except ValueError as e:  # fsspec: "Protocol not known"
     raise ValueError(f'{url}: fsspec knows no {scheme}:// filesystem ({e}).') from None
+
+
+def exception_chain(error: BaseException | None) -> list[BaseException]:
+  """``error`` and the exceptions it was raised from or while handling, outermost first."""
+  chain: list[BaseException] = []
+  while error is not None and all(error is not e for e in chain):
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  return chain
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+  """The ``OSError`` that ``error`` is or was raised from, if any: what a library's own
+  exception hides when the file system refused a read or a write."""
+  return next((e for e in exception_chain(error) if isinstance(e, OSError)), None)
 
 
 def data_error(url: str, error: Exception) -> Exception:

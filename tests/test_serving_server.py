@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-import uvicorn
 from flax import nnx
 
 import maxnnx
@@ -29,7 +28,7 @@ from maxnnx.data import load_tokenizer
 from maxnnx.data.chat import encode_with_specials, load_chat_template
 from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.openai_api import stable_text
-from maxnnx.serving.server import make_app
+from maxnnx.serving.server import make_app, serve_in_thread
 from tests.test_sampling_controls import penalised_greedy
 
 NAME = 'tiny-chat'
@@ -61,24 +60,9 @@ def tokenizer(model_dir):
   return load_tokenizer(model_dir)
 
 
-@contextlib.contextmanager
 def _running(app):
-  """``app`` served by uvicorn on a free port in a thread; yields ``(base url, server)``."""
-  sock = socket.socket()
-  sock.bind(('127.0.0.1', 0))
-  server = uvicorn.Server(uvicorn.Config(app, log_level='warning'))
-  thread = threading.Thread(target=server.run, kwargs={'sockets': [sock]}, daemon=True)
-  thread.start()
-  deadline = time.monotonic() + 60
-  while not server.started:
-    assert thread.is_alive() and time.monotonic() < deadline, 'the server did not start'
-    time.sleep(0.01)
-  try:
-    yield f'http://127.0.0.1:{sock.getsockname()[1]}', server
-  finally:
-    server.should_exit = True
-    thread.join(60)
-    sock.close()
+  """``app`` served on a free port in a thread; yields ``(base url, server)``."""
+  return serve_in_thread(app)
 
 
 @pytest.fixture(scope='module')

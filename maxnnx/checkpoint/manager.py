@@ -276,7 +276,7 @@ def _quiet_echoes(directory: str) -> None:
   def keep_absl(record: logging.LogRecord) -> bool:
     if record.levelno < logging.ERROR or not record.exc_info:
       return True
-    return not any(directory in str(e) for e in _chain(record.exc_info[1]))
+    return not any(directory in str(e) for e in paths.exception_chain(record.exc_info[1]))
 
   logging.getLogger('asyncio').addFilter(keep_asyncio)
   logging.getLogger('absl').addFilter(keep_absl)
@@ -299,7 +299,7 @@ _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 def _os_error_of(error: BaseException, directory: str) -> OSError | None:
   """The ``OSError`` that ``error`` carries as text, with the step directory it names, or
   ``None`` when it is already an ``OSError`` or carries none."""
-  for e in _chain(error):
+  for e in paths.exception_chain(error):
     if isinstance(e, OSError):
       return None
     code = _OS_ERROR_CODE.search(str(e))
@@ -309,15 +309,6 @@ def _os_error_of(error: BaseException, directory: str) -> OSError | None:
       path = f'{directory.rstrip("/")}/{step.group(1)}' if step else directory
       return OSError(number, os.strerror(number), path)
   return None
-
-
-def _chain(error: BaseException | None) -> list[BaseException]:
-  """``error`` and the exceptions it was raised from or while handling."""
-  chain: list[BaseException] = []
-  while error is not None and all(error is not e for e in chain):
-    chain.append(error)
-    error = error.__cause__ or error.__context__
-  return chain
 
 
 def _pure(state: Any) -> Any:

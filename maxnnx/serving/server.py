@@ -798,6 +798,42 @@ _APP_ONLY = ('model_name', 'max_queue', 'max_request_bytes', 'chat_template', 'a
              'image_processor')
 
 
+@contextlib.contextmanager
+def serve_in_thread(app, *, host: str = '127.0.0.1', port: int = 0, log_level: str = 'warning',
+                    start_timeout: float = 60.0):
+  """Serve the ASGI ``app`` (from :func:`make_app`) with uvicorn in a background thread.
+
+  For a notebook, a test or a benchmark that talks to the server from the same process::
+
+    with serve_in_thread(make_app('runs/sft/final')) as (url, server):
+      openai.OpenAI(base_url=f'{url}/v1', api_key='none').completions.create(...)
+
+  ``port=0`` takes a free port. Yields ``(base URL, uvicorn.Server)`` once the server listens
+  (``/health`` answers 503 until the engine's warm-up is done); leaving the block stops it and
+  lets the requests in flight finish.
+  """
+  import socket  # noqa: PLC0415
+
+  import uvicorn  # noqa: PLC0415
+  sock = socket.socket()
+  sock.bind((host, port))
+  server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+  thread = threading.Thread(target=server.run, kwargs={'sockets': [sock]}, daemon=True,
+                            name='maxnnx-server')
+  thread.start()
+  deadline = time.monotonic() + start_timeout
+  try:
+    while not server.started:
+      if not thread.is_alive() or time.monotonic() > deadline:
+        raise RuntimeError(f'The server on {host}:{sock.getsockname()[1]} did not start.')
+      time.sleep(0.01)
+    yield f'http://{host}:{sock.getsockname()[1]}', server
+  finally:
+    server.should_exit = True
+    thread.join(60)
+    sock.close()
+
+
 def serve(model_dir: str, *, host: str = '127.0.0.1', port: int = 8000,
           log_level: str = 'info', **app_kwargs) -> None:
   """Serve the checkpoint in ``model_dir`` over HTTP until SIGTERM or Ctrl-C.
