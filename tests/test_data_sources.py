@@ -69,15 +69,18 @@ def test_hugging_face_directory_layout_and_globs(tmp_path):
   for split in ('train', 'test'):
     pq.write_table(pa.table({'text': [f'{split} {i}' for i in range(3)]}),
                    str(tmp_path / 'data' / f'{split}-00000-of-00001.parquet'))
-  resolved = resolve_source(str(tmp_path))
-  assert resolved.kind == 'parquet' and len(resolved.files) == 2
+  resolved = resolve_source(str(tmp_path))  # the train split, as datasets reads it
+  assert resolved.kind == 'parquet'
+  assert _docs(InMemorySource(resolved.files, 'parquet')) == ['train 0', 'train 1', 'train 2']
+  held_out = resolve_source(str(tmp_path), split='validation|test')
+  assert _docs(InMemorySource(held_out.files, 'parquet')) == ['test 0', 'test 1', 'test 2']
   train = resolve_source(str(tmp_path / 'data' / 'train-*.parquet'))
   assert _docs(InMemorySource(train.files, 'parquet')) == ['train 0', 'train 1', 'train 2']
-  _jsonl(tmp_path / 'data' / 'extra.jsonl', [{'text': 'z'}])
+  _jsonl(tmp_path / 'data' / 'train-00000-of-00001.jsonl', [{'text': 'z'}])
   with pytest.raises(ValueError, match='mixes formats .*jsonl, parquet'):
     resolve_source(str(tmp_path))
   assert resolve_source(str(tmp_path), kind='jsonl').files == (str(tmp_path / 'data' /
-                                                                   'extra.jsonl'),)
+                                                                   'train-00000-of-00001.jsonl'),)
 
 
 def test_resolve_errors_name_the_source(tmp_path):

@@ -34,6 +34,12 @@ class DataConfig(ValidatedConfig):
       ArrayRecord records) and are not tokenized again.
     text_split: what one document of a ``.txt`` file is: a block between blank
       lines, one line, or the whole file.
+    split: the split read from a directory laid out as a Hugging Face Hub dataset
+      (``data/train-00000-of-00002.parquet``, ``test.jsonl``, a README's ``configs``;
+      see :mod:`maxnnx.data.hub_layout`); ``'validation|test'`` reads the first of these
+      it has. A directory that names no splits, a file and a glob are read whole.
+    config_name: the config (subset) of such a dataset, as its README names it (``''``:
+      its default config).
     tokenizer: path for :func:`~maxnnx.data.tokenizer.load_tokenizer` (``''``:
       pass a tokenizer to ``make_pipeline``, or use synthetic/pre-tokenized data).
     add_bos: start every document with the tokenizer's BOS id.
@@ -62,6 +68,8 @@ class DataConfig(ValidatedConfig):
   column: str = 'text'
   pretokenized: bool = False
   text_split: TextSplit = 'blank_lines'
+  split: str = 'train'
+  config_name: str = ''
   tokenizer: str = ''
   add_bos: bool = True
   add_eos: bool = True
@@ -83,6 +91,8 @@ class DataConfig(ValidatedConfig):
                           f'{len(self.sources)} sources; give one weight per source.')
       if any(w <= 0 for w in self.weights):
         raise ConfigError(f'DataConfig.weights must all be > 0, got {self.weights}.')
+    if not self.split.strip('| '):
+      raise ConfigError("DataConfig.split must name a split, e.g. 'train' or 'validation|test'.")
     if not self.column:
       raise ConfigError("DataConfig.column must name a field, e.g. 'text'.")
     if self.packing_bins < 0:

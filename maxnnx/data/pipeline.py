@@ -217,7 +217,8 @@ def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = 
     bos = _special(tokenizer, 'bos_id', config.add_bos)
     eos = _special(tokenizer, 'eos_id', config.add_eos)
 
-  resolved = [resolve_source(spec, config.kind) for spec in config.sources]
+  resolved = [resolve_source(spec, config.kind, split=config.split, config_name=config.config_name)
+              for spec in config.sources]
   sources, datasets = [], []
   for i, res in enumerate(resolved):
     source = _make_source(res, config, vocab_size=vocab_size, seq_len=seq_len,

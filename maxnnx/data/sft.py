@@ -481,7 +481,8 @@ def record_dataset(config: DataConfig, *, seed: int, shard_index: int, shard_cou
   ``config.weights``."""
   sources, datasets = [], []
   for i, spec in enumerate(config.sources):
-    resolved = resolve_source(spec, config.kind)
+    resolved = resolve_source(spec, config.kind, split=config.split,
+                              config_name=config.config_name)
     source = RecordSource(resolved.files, resolved.kind)
     if len(source) < shard_count:
       raise ValueError(f'data source {spec!r} has {len(source)} records, fewer than '

@@ -43,6 +43,7 @@ import re
 import numpy as np
 
 from maxnnx import paths
+from maxnnx.data.hub_layout import select_files
 from maxnnx.data.text import read_text
 
 SYNTHETIC = 'synthetic'
@@ -68,17 +69,25 @@ class ResolvedSource:
   files: tuple[str, ...]
 
 
-def resolve_source(spec: str, kind: str = 'auto') -> ResolvedSource:
+def resolve_source(spec: str, kind: str = 'auto', *, split: str = 'train',
+                   config_name: str = '') -> ResolvedSource:
   """Resolve ``'synthetic'``, a file, a directory or a glob into a kind and files.
+
+  A directory (or prefix) laid out as a Hugging Face Hub dataset gives the files of one split
+  of one config (:mod:`maxnnx.data.hub_layout`): ``split`` names it (``'validation|test'``: the
+  first of these it has), ``config_name`` the config; a directory that names no splits is read
+  whole. A file or a glob is read as named. ``hf://org/name`` is the Hub dataset
+  ``hf://datasets/org/name``.
 
   Raises:
     FileNotFoundError: nothing matches ``spec``.
-    ValueError: the format cannot be told from the names, or a directory mixes formats.
+    ValueError: the format cannot be told from the names, a directory mixes formats, or it
+      has no such split or config (the message lists those it has).
   """
   if spec == SYNTHETIC or kind == SYNTHETIC:
     return ResolvedSource(spec, SYNTHETIC, ())
   if paths.is_remote(spec):
-    files = _remote_files(spec, kind)
+    files = _remote_files(_dataset_url(spec), kind, split, config_name)
   elif _has_glob(path := paths.normalize(spec)):
     files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
     if not files:
@@ -87,11 +96,17 @@ def resolve_source(spec: str, kind: str = 'auto') -> ResolvedSource:
     files = sorted(_data_files(path, kind))
     if not files:
       raise FileNotFoundError(f'data source {spec!r}: {_NO_DATA_FILES}')
+    readme = os.path.join(path, 'README.md')
+    files = _split_files(spec, path, files, split, config_name,
+                         lambda: open(readme).read() if os.path.isfile(readme) else '')
   elif os.path.isfile(path):
     files = [path]
   else:
     raise FileNotFoundError(f"data source {spec!r}: no such file or directory "
                             "(use 'synthetic' for random tokens).")
+  if config_name and not paths.is_remote(spec) and not os.path.isdir(path):
+    raise ValueError(f'data source {spec!r}: data.config_name={config_name!r} chooses a config '
+                     'of a dataset directory; this is a file or a pattern (drop config_name).')
   if kind != 'auto':
     return ResolvedSource(spec, kind, tuple(files))
   kinds = {f: kind_of_file(f) for f in files}
@@ -120,8 +135,32 @@ def _wanted(name: str, kind: str) -> bool:
   return not name.startswith('.') and found is not None and kind in ('auto', found)
 
 
-def _remote_files(url: str, kind: str) -> list[str]:
-  """The URLs of the data files a URL names: an object, a glob or a prefix (recursively)."""
+def _dataset_url(url: str) -> str:
+  """``hf://org/name`` read as data is the Hub dataset ``hf://datasets/org/name``."""
+  if url.startswith('hf://') and not url[5:].startswith(('datasets/', 'spaces/', 'buckets/')):
+    return 'hf://datasets/' + url[5:]
+  return url
+
+
+def _split_files(spec: str, root: str, files: list[str], split: str, config_name: str,
+                 readme) -> list[str]:
+  """``files`` (under ``root``) of the split and config asked for; ``readme()`` reads the
+  directory's README.md (``''`` when there is none)."""
+  root = root.rstrip('/')
+  relative = [f[len(root) + 1:] for f in files]
+  try:
+    chosen = select_files(relative, split, readme(), config_name,
+                          where=f'data source {spec!r}')
+  except ValueError as e:
+    message = str(e)
+    raise ValueError(message if message.startswith('data source') else
+                     f'data source {spec!r}: {message}') from None
+  return [f'{root}/{f}' for f in chosen]
+
+
+def _remote_files(url: str, kind: str, split: str = 'train', config_name: str = '') -> list[str]:
+  """The URLs of the data files a URL names: an object, a glob or a prefix (recursively; a
+  Hub dataset layout gives one split of one config)."""
   fs, inner = paths.data_filesystem(url)
   try:
     if _has_glob(inner):
@@ -133,11 +172,19 @@ def _remote_files(url: str, kind: str) -> list[str]:
                and not any(part.startswith('.') for part in p[len(inner):].split('/'))]
       if not found:
         raise FileNotFoundError(f'data source {url!r}: {_NO_DATA_FILES}')
+      readme = f"{inner.rstrip('/')}/README.md"
+      found = _split_files(url, inner, sorted(found), split, config_name,
+                           lambda: fs.cat_file(readme).decode() if fs.exists(readme) else '')
     else:
+      if config_name:
+        raise ValueError(f'data source {url!r}: data.config_name={config_name!r} chooses a '
+                         'config of a dataset directory; this is one object (drop config_name).')
       found = [inner]
-  except FileNotFoundError as e:
+  except (FileNotFoundError, ValueError) as e:
     if str(e).startswith('data source'):
       raise
+    if isinstance(e, ValueError):
+      raise paths.data_error(url, e) from None
     raise FileNotFoundError(f'data source {url!r}: no such object or prefix.') from None
   except Exception as e:  # each backend raises its own errors (OSError, botocore, httpx...)
     raise paths.data_error(url, e) from None

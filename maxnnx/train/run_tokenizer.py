@@ -163,7 +163,7 @@ def _documents_as_text(data: str, data_fields: dict, path: str,
   written = 0
   with open(path, 'w', encoding='utf-8') as f:
     for spec in config.sources:
-      resolved = resolve_source(spec)
+      resolved = resolve_source(spec, split=config.split, config_name=config.config_name)
       if resolved.kind not in ('text', 'jsonl', 'parquet'):
         raise ValueError(f'data={spec} ({resolved.kind}): give its tokenizer with '
                          'tokenizer=<path> (a sentencepiece model, tokenizer.json or tiktoken '

@@ -56,6 +56,9 @@ RUN_SETTINGS = {
     'eval_data': ('', 'held-out data evaluated every eval_every steps (eval_batches batches; '
                   'eval_loss and eval_perplexity in metrics.jsonl and loss.png): any format '
                   'and URL data= takes; empty: the held-out tail of a .txt corpus, else none'),
+    'eval_split': ('validation|test', 'the split eval_data reads from a directory laid out as a '
+                   'Hugging Face Hub dataset (the first it has; data.split names the training '
+                   "one, 'train' by default)"),
     'tokenizer': ('', 'tokenizer file or directory (sentencepiece, tokenizer.json, tiktoken); '
                   'default: the checkpoint\'s own, or one trained on a .txt corpus'),
     'output_dir': ('runs/tiny-shakespeare', 'where tokenizer, metrics, plot and model go'),
@@ -303,7 +306,8 @@ def _held_out_data(run: dict, options: dict, recipe: RunRecipe, data_fields: dic
     raise ValueError(f'eval_data={spec} is evaluated every eval_every steps: set eval_every '
                      '(it is 0).')
   local_batch = train_config.global_batch_size // jax.process_count()
-  fields = {**{k: v for k, v in data_fields.items() if k != 'weights'}, 'shuffle': False}
+  fields = {**{k: v for k, v in data_fields.items() if k != 'weights'}, 'shuffle': False,
+            'split': run['eval_split']}
   config = model if hasattr(model, 'to_dict') else model.config
   if recipe.records:
     batches = recipe.data(options, spec, fields, tokenizer, config, train_config, local_batch)
