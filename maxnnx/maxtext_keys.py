@@ -130,9 +130,9 @@ _REMAT = {name: name for name in ('custom', 'none', 'minimal', 'save_dot_except_
 _ATTENTION = {'autoselected': 'auto', 'dot_product': 'xla_flash', 'flash': 'auto',
               'cudnn_flash_te': 'cudnn'}
 _QUANT = {'': 'none', 'int8': 'int8', 'fp8': 'fp8'}
-_NO_CHECKPOINT_YET = ('a run does not start from a MaxText checkpoint yet: convert it first '
-                      '(maxnnx convert src=<its step directory> dst=<dir> '
-                      'maxtext_config=<its YAML>) and give model=<dir>')
+_NO_FULL_STATE = ("a run starts from a MaxText checkpoint's parameters, not its optimizer "
+                  'state: give load_parameters_path=<the same step directory> (the optimizer '
+                  'starts fresh)')
 _TPU = 'a TPU kernel or runtime setting; no effect on this backend'
 
 MAXTEXT_KEYS: dict[str, Rule] = {
@@ -294,8 +294,11 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'max_num_checkpoints_to_keep': _map('keep_checkpoints', int | None, None,
                                         lambda n: KEEP_ALL if n is None else n,
                                         'None: every checkpoint is kept'),
-    'load_parameters_path': _refuse(str, '', _NO_CHECKPOINT_YET),
-    'load_full_state_path': _refuse(str, '', _NO_CHECKPOINT_YET),
+    'load_parameters_path': _derive('model', str, '',
+                                    "the run starts from this MaxText step directory's "
+                                    'parameters (converted at the start; model_name and the '
+                                    "model keys describe it)"),
+    'load_full_state_path': _refuse(str, '', _NO_FULL_STATE),
     'log_period': _map('log_every', int, 100),
     'metrics_file': _map('metrics_jsonl', str, ''),
     'enable_tensorboard': _derive('tensorboard_dir', bool, True,
@@ -466,7 +469,12 @@ def _derived(given: dict[str, Any], settings: _Settings, defaults: dict[str, Any
     out = os.path.join(base or 'runs', name) if name else base
     if out:
       settings.set('output_dir', out, source('base_output_directory', 'run_name'))
-  if given.get('model_name', 'default') != 'default':
+  if given.get('load_parameters_path'):
+    step_dir = given['load_parameters_path'].rstrip('/')
+    step_dir = step_dir[:-len('/items')] if step_dir.endswith('/items') else step_dir
+    settings.set('model', step_dir, 'load_parameters_path')
+    settings.set('maxtext_config', _checkpoint_settings(given), 'load_parameters_path')
+  elif given.get('model_name', 'default') != 'default':
     settings.set('model', model_preset(given['model_name']), 'model_name')
   if 'per_device_batch_size' in given:
     per_device, devices = given['per_device_batch_size'], _device_count(settings)
@@ -502,6 +510,27 @@ def _derived(given: dict[str, Any], settings: _Settings, defaults: dict[str, Any
     out = settings.values.get('output_dir', ('', defaults.get('output_dir')))[1]
     settings.set('tensorboard_dir', os.path.join(out, 'tensorboard'), 'enable_tensorboard')
   _data(given, settings)
+
+
+def _checkpoint_settings(given: dict[str, Any]) -> str:
+  """``maxtext_config=``: what the conversion of ``load_parameters_path`` reads that the
+  tensors' shapes cannot say, from the keys given, else from ``model_name``'s preset."""
+  from maxnnx.checkpoint.maxtext import BLOCKS, MAXTEXT_DEFAULTS  # noqa: PLC0415
+  chosen: dict[str, Any] = {}
+  if given.get('model_name', 'default') != 'default':
+    import maxnnx  # noqa: PLC0415
+    preset = maxnnx.get_preset(model_preset(given['model_name']))
+    block = {family: block for block, family in BLOCKS.items()}.get(preset.family)
+    if block is None:
+      raise UsageError(f"load_parameters_path with model_name={given['model_name']}: a run "
+                       f'starts from MaxText checkpoints of the {", ".join(BLOCKS)} decoder '
+                       f'blocks; this is a {preset.family} model.')
+    chosen = {'decoder_block': block, 'normalization_layer_epsilon': preset.norm_eps,
+              'rope_max_timescale': preset.rope.theta,
+              'sliding_window_size': preset.sliding_window or 0,
+              'num_experts_per_tok': preset.moe.num_experts_per_tok}
+  chosen.update({k: given[k] for k in MAXTEXT_DEFAULTS if k in given})
+  return ','.join(f'{k}={v}' for k, v in chosen.items())
 
 
 def _remat_locations(given: dict[str, Any], settings: _Settings) -> None:

@@ -78,3 +78,33 @@ def test_settings_and_refusals(tmp_path, capsys):
                    'maxtext_config=decoder_block=gemma3']) == 2
   assert 'decoder_block=gemma3' in capsys.readouterr().err
   assert not (tmp_path / 'out' / 'config.json').exists()
+
+
+def test_a_maxtext_command_line_starts_from_load_parameters_path(tmp_path, capsys):
+  """MaxText's ``load_parameters_path`` with its model keys: the run starts from the checkpoint's
+  parameters (at learning rate 0, ``final/`` keeps them: its logits equal MaxText's own)."""
+  step_dir, settings, tokens, expected = _fixture('llama2_scanned')
+  model_keys = [s for s in settings if s.split('=')[0] in (
+      'base_emb_dim', 'base_num_query_heads', 'base_num_kv_heads', 'base_mlp_dim',
+      'base_num_decoder_layers', 'head_dim', 'vocab_size', 'max_target_length',
+      'per_device_batch_size', 'dataset_type', 'scan_layers')]
+  out = tmp_path / 'run'
+  assert cli.main(['train', f'load_parameters_path={step_dir}/items', *model_keys,
+                   'steps=1', 'learning_rate=0', f'base_output_directory={tmp_path}',
+                   'run_name=run', 'enable_checkpointing=false', 'dtype=float32',
+                   'sample_tokens=0']) == 0
+  assert f'Starting from the MaxText checkpoint {step_dir} (its step 3)' in capsys.readouterr().out
+  model = maxnnx.from_pretrained(str(out / 'final'), dtype='float32')
+  np.testing.assert_allclose(model(tokens), expected, rtol=1e-4, atol=1e-4)
+  assert cli.main(['train', 'model=tiny', 'maxtext_config=decoder_block=llama2',
+                   f'output_dir={tmp_path}/third']) == 2
+  assert 'model=tiny is not one (no items/ inside)' in capsys.readouterr().err
+
+
+def test_load_parameters_path_reads_what_the_shapes_cannot_say_from_the_model_name():
+  from maxnnx.maxtext_keys import _checkpoint_settings
+  assert _checkpoint_settings({'model_name': 'mistral-7b'}) == (
+      'decoder_block=mistral,normalization_layer_epsilon=1e-05,rope_max_timescale=1000000.0,'
+      'sliding_window_size=0,num_experts_per_tok=2')
+  assert 'num_experts_per_tok=3' in _checkpoint_settings(
+      {'model_name': 'mixtral-8x7b', 'num_experts_per_tok': 3})

@@ -83,7 +83,7 @@ def test_maxtext_defaults_are_honoured():
 
 def test_refusals_and_notes(capsys):
   cases = {
-      'load_parameters_path=gs://b/ckpt/items/100': 'convert it first',
+      'load_full_state_path=gs://b/ckpt/100': 'load_parameters_path=<the same step directory>',
       'ici_fsdp_transpose_parallelism=2': 'no second FSDP axis',
       'decoder_block=gemma2': 'model_name=',
       'dataset_type=tfds': 'no TFDS reader',

@@ -59,6 +59,10 @@ RUN_SETTINGS = {
     'eval_split': ('validation|test', 'the split eval_data reads from a directory laid out as a '
                    'Hugging Face Hub dataset (the first it has; data.split names the training '
                    "one, 'train' by default)"),
+    'maxtext_config': ('', 'with model=<a MaxText step directory> (MaxText\'s '
+                       'load_parameters_path): its settings, a MaxText YAML or key=value pairs '
+                       'joined by commas (decoder_block, rope_max_timescale...); the run starts '
+                       'from its parameters converted to Hugging Face format'),
     'tokenizer': ('', 'tokenizer file or directory (sentencepiece, tokenizer.json, tiktoken); '
                   'default: the checkpoint\'s own, or one trained on a .txt corpus'),
     'output_dir': ('runs/tiny-shakespeare', 'where tokenizer, metrics, plot and model go'),
@@ -239,10 +243,41 @@ def split_settings(options: dict, recipe: RunRecipe = PRETRAINING):
     run['data'] = ','.join(data_fields.pop('sources'))
   run['data'] = _local_file_urls(run['data'])
   run['eval_data'] = _local_file_urls(run['eval_data'])
+  run['model'] = _from_maxtext_step(run['model'], run['maxtext_config'])
   if not run['tokenizer']:
     run['tokenizer'] = data_fields.get('tokenizer', '')
   _scan_for_stages(run, train_config.mesh, options)
   return run, train_config, model_changes, data_fields
+
+
+def _from_maxtext_step(model: str, maxtext_config: str) -> str:
+  """``model=`` as the run reads it: a MaxText step directory (``.../checkpoints/<step>``,
+  ``items/`` inside; local or at a URL, downloaded first) becomes its Hugging Face conversion,
+  written once per process into a local scratch directory; anything else is returned as it
+  is."""
+  step_dir = model.rstrip('/')
+  step_dir = step_dir[:-len('/items')] if step_dir.endswith('/items') else step_dir
+  try:
+    is_maxtext = (paths.isdir(paths.join(step_dir, 'items'))
+                  and not paths.exists(paths.join(step_dir, 'config.json')))
+  except Exception:  # a Hub repo id or a URL no file system here reads: not a step directory
+    is_maxtext = False
+  if not is_maxtext:
+    if maxtext_config:
+      raise ValueError(f'maxtext_config= describes a MaxText step directory given as model=; '
+                       f'model={model} is not one (no items/ inside).')
+    return model
+  from maxnnx.checkpoint.maxtext import write_hf  # noqa: PLC0415
+  settings = maxtext_config or None
+  if settings and not settings.endswith(('.yml', '.yaml')):
+    settings = [item for item in settings.split(',') if item.strip()]
+  target = os.path.join(paths.scratch_dir(), 'maxtext-' + os.path.basename(step_dir))
+  if not os.path.exists(os.path.join(target, 'config.json')):
+    record = write_hf(paths.local_copy(step_dir), target, settings)
+    step = f" (its step {record['step']})" if record['step'] is not None else ''
+    print(f'Starting from the MaxText checkpoint {step_dir}{step}: converted to Hugging Face '
+          'format for this run.')
+  return target
 
 
 def _local_file_urls(data: str) -> str:
