@@ -135,13 +135,16 @@ CONVERT_KEYS = {
             '(.../checkpoints/<step>: full state or parameters only, scanned or not)'),
     'dst': ('', 'where to write the converted model (must not hold a checkpoint already)'),
     'format': ('', "output format: 'hf', 'orbax' (empty: the other one than src; 'hf' for a "
-               'MaxText src)'),
+               "MaxText src) or 'maxtext' (a MaxText parameters-only checkpoint, dst/0/items, "
+               "for MaxText's load_parameters_path; Llama, Mistral and Mixtral)"),
     'maxtext_config': ('', "a MaxText src's settings: its YAML, or key=value pairs joined by "
                        "commas (decoder_block, num_experts_per_tok, normalization_layer_epsilon, "
                        "rope_max_timescale...; MaxText's defaults otherwise)"),
-    'scan_layers': (False, 'layer layout of an orbax output: stacked (true) or per layer'),
-    'dtype': ('', "floating-point dtype of a Hugging Face output: bfloat16, float16 or float32 "
-              "(empty: the parameters' own)"),
+    'scan_layers': (False, 'layer layout of an orbax or maxtext output: stacked (true; '
+                    "MaxText's scan_layers default) or per layer"),
+    'dtype': ('', "floating-point dtype of a Hugging Face output (bfloat16, float16 or float32; "
+              "empty: the parameters' own) or of a maxtext one (its weight_dtype; empty: "
+              'float32)'),
 }
 
 
@@ -371,10 +374,12 @@ def convert(options: dict) -> str:
     raise UsageError(f'maxtext_config= describes a MaxText checkpoint; src={src} is a {source} '
                      'one.')
   target = options['format'] or {'hf': 'orbax', 'orbax': 'hf', 'maxtext': 'hf'}[source]
-  if target not in ('hf', 'orbax'):
-    raise UsageError(f"format={target!r}: expected 'hf' or 'orbax'.")
+  if target not in ('hf', 'orbax', 'maxtext'):
+    raise UsageError(f"format={target!r}: expected 'hf', 'orbax' or 'maxtext'.")
   scan = bool(options['scan_layers']) and target == 'orbax'
   dtype = options['dtype'] or None
+  if target == 'maxtext':
+    return _convert_to_maxtext(src, source, dst, options)
   if dtype is not None and target != 'hf':
     raise UsageError(f'dtype={dtype} sets the dtype of a Hugging Face output (format=hf); an '
                      'orbax output keeps the parameters as they are.')
@@ -404,6 +409,32 @@ def convert(options: dict) -> str:
   else:
     save_params(model, dst)
   print(f'Converted {src} ({source}) to {dst} ({target}{layout}).')
+  return dst
+
+
+def _convert_to_maxtext(src: str, source: str, dst: str, options: dict) -> str:
+  """``maxnnx convert format=maxtext``: the model as a MaxText parameters-only checkpoint."""
+  import maxnnx  # noqa: PLC0415
+  from maxnnx.checkpoint.maxtext import write_maxtext  # noqa: PLC0415
+  dtype = options['dtype'] or 'float32'
+  if dtype not in ('float32', 'bfloat16'):
+    raise UsageError(f"dtype={dtype}: a MaxText checkpoint's weight_dtype is float32 or "
+                     'bfloat16.')
+  if source == 'maxtext':
+    raise UsageError(f'src={src} is a MaxText checkpoint already.')
+  with tempfile.TemporaryDirectory() as scratch:
+    model = (maxnnx.from_pretrained(paths.local_copy(src), dtype='float32') if source == 'hf'
+             else _model_from_checkpoint(src))
+    maxnnx.save_pretrained(model, os.path.join(scratch, 'hf'), dtype='float32')
+    local = os.path.join(scratch, 'maxtext') if paths.is_remote(dst) else dst
+    items, settings = write_maxtext(os.path.join(scratch, 'hf'), local,
+                                    scan_layers=bool(options['scan_layers']), dtype=dtype)
+    if local != dst:
+      paths.copy_tree_to(local, dst)
+      items = paths.join(dst, '0', 'items')
+  print(f'Converted {src} ({source}) to {dst} (maxtext). In MaxText: load_parameters_path={items} '
+        + ' '.join(f'{k}={str(v).lower() if isinstance(v, bool) else v}'
+                   for k, v in settings.items()))
   return dst
 
 

@@ -108,3 +108,52 @@ def test_load_parameters_path_reads_what_the_shapes_cannot_say_from_the_model_na
       'sliding_window_size=0,num_experts_per_tok=2')
   assert 'num_experts_per_tok=3' in _checkpoint_settings(
       {'model_name': 'mixtral-8x7b', 'num_experts_per_tok': 3})
+
+
+def _flat(tree, prefix=''):
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f'{prefix}{key}/'))
+    else:
+      out[prefix + key] = np.asarray(value, np.float32)
+  return out
+
+
+@pytest.mark.parametrize('name,scan', [('llama2_scanned', True), ('llama2_unscanned', False),
+                                       ('mixtral_moe_scanned', True)])
+def test_the_maxtext_tree_written_is_the_one_maxtext_wrote(name, scan):
+  """Hugging Face -> MaxText is the inverse of the reader: from a checkpoint MaxText wrote, the
+  tree maxnnx writes back has MaxText's own keys, shapes and values."""
+  from maxnnx.checkpoint.maxtext import hf_checkpoint, maxtext_tree
+  step_dir, settings, _, _ = _fixture(name)
+  params, _ = maxtext_params(step_dir)
+  tree, written = maxtext_tree(*hf_checkpoint(params, read_settings(settings)), scan_layers=scan)
+  expected, got = _flat(params), _flat(tree)
+  assert sorted(got) == sorted(expected)
+  for key in expected:
+    np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, atol=1e-7, err_msg=key)
+  given = dict(s.split('=', 1) for s in settings)
+  for key in ('base_emb_dim', 'base_num_query_heads', 'base_num_kv_heads', 'head_dim',
+              'base_num_decoder_layers', 'vocab_size'):
+    assert str(written[key]) == given[key], key
+
+
+def test_cli_converts_hugging_face_to_a_maxtext_checkpoint(tmp_path, capsys):
+  step_dir, settings, tokens, expected = _fixture('llama2_scanned')
+  assert cli.main(['convert', f'src={step_dir}', f'dst={tmp_path}/hf']) == 0
+  assert cli.main(['convert', f'src={tmp_path}/hf', f'dst={tmp_path}/mt', 'format=maxtext',
+                   'scan_layers=true']) == 0
+  printed = capsys.readouterr().out
+  assert f'load_parameters_path={tmp_path}/mt/0/items decoder_block=llama2 scan_layers=true' in (
+      printed)
+  written, record = maxtext_params(str(tmp_path / 'mt' / '0'))
+  assert record['layout'] == 'params/params' and not record['full_state']
+  original, _ = maxtext_params(step_dir)
+  assert sorted(_flat(written)) == sorted(_flat(original))
+  mt_keys = printed.split('load_parameters_path=')[1].split()[1:]
+  model = maxnnx.from_maxtext(str(tmp_path / 'mt' / '0'), mt_keys, dtype='float32')
+  np.testing.assert_allclose(model(tokens), expected, rtol=1e-4, atol=1e-4)
+  assert cli.main(['convert', f'src={tmp_path}/hf', f'dst={tmp_path}/mt2', 'format=maxtext',
+                   'dtype=float16']) == 2
+  assert 'weight_dtype is float32 or bfloat16' in capsys.readouterr().err

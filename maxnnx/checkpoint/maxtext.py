@@ -223,6 +223,119 @@ def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[st
   return config, tensors
 
 
+def maxtext_tree(config: dict, tensors: dict[str, np.ndarray], *, scan_layers: bool = True
+                 ) -> tuple[dict, dict[str, Any]]:
+  """The inverse of :func:`hf_checkpoint`: ``(MaxText parameter tree, MaxText settings)`` of a
+  Hugging Face Llama / Mistral / Mixtral checkpoint (``config.json`` dict, float32 tensors).
+
+  The tree is MaxText's Linen layout (``decoder/...``, ``token_embedder/...``), scanned (each
+  layer's arrays stacked on axis 1) or ``layers_0 ...``; the settings are the MaxText keys its
+  run needs beside the tensors' shapes (``decoder_block``, ``rope_max_timescale``...).
+
+  Raises:
+    CheckpointError: a family or feature MaxText's blocks here do not hold.
+  """
+  family = config.get('model_type')
+  blocks = {f: b for b, f in BLOCKS.items()}
+  if family not in blocks:
+    raise CheckpointError(f"model_type={family!r}: MaxText checkpoints are written for the "
+                          f"{', '.join(blocks)} families.")
+  scaling = config.get('rope_scaling') or {}
+  if scaling and scaling.get('rope_type', scaling.get('type')) not in (None, 'default'):
+    raise CheckpointError(f'rope_scaling={scaling}: MaxText rotary scalings are not written yet.')
+  head_dim = int(config.get('head_dim') or config['hidden_size'] // config['num_attention_heads'])
+  d_model, heads = int(config['hidden_size']), int(config['num_attention_heads'])
+  kv_heads = int(config.get('num_key_value_heads') or heads)
+  layers = []
+  for i in range(int(config['num_hidden_layers'])):
+    p = f'model.layers.{i}.'
+    t = {k[len(p):]: _f32(v) for k, v in tensors.items() if k.startswith(p)}
+    attention = {
+        'query': {'kernel': (t['self_attn.q_proj.weight'].T / math.sqrt(head_dim)).reshape(
+            d_model, heads, head_dim)},
+        'key': {'kernel': t['self_attn.k_proj.weight'].T.reshape(d_model, kv_heads, head_dim)},
+        'value': {'kernel': t['self_attn.v_proj.weight'].T.reshape(d_model, kv_heads, head_dim)},
+        'out': {'kernel': t['self_attn.o_proj.weight'].T.reshape(heads, head_dim, d_model)}}
+    layer = {'self_attention': attention,
+             'pre_self_attention_layer_norm': {'scale': t['input_layernorm.weight']},
+             'post_self_attention_layer_norm': {'scale': t['post_attention_layernorm.weight']}}
+    if family == 'mixtral':
+      count = int(config['num_local_experts'])
+      e = 'block_sparse_moe.experts.{}.{}.weight'
+      layer['MoeBlock_0'] = {
+          'gate': {'kernel': t['block_sparse_moe.gate.weight'].T},
+          'wi_0': np.stack([t[e.format(j, 'w1')].T for j in range(count)]),
+          'wi_1': np.stack([t[e.format(j, 'w3')].T for j in range(count)]),
+          'wo': np.stack([t[e.format(j, 'w2')].T for j in range(count)])}
+    else:
+      layer['mlp'] = {'wi_0': {'kernel': t['mlp.gate_proj.weight'].T},
+                      'wi_1': {'kernel': t['mlp.up_proj.weight'].T},
+                      'wo': {'kernel': t['mlp.down_proj.weight'].T}}
+    layers.append(layer)
+  decoder: dict[str, Any] = {'decoder_norm': {'scale': _f32(tensors['model.norm.weight'])}}
+  if scan_layers:
+    decoder['layers'] = _map_many(lambda *xs: np.stack(xs, axis=1), layers)
+  else:
+    decoder.update({f'layers_{i}': layer for i, layer in enumerate(layers)})
+  tied = config.get('tie_word_embeddings', False) or 'lm_head.weight' not in tensors
+  if not tied:
+    decoder['logits_dense'] = {'kernel': _f32(tensors['lm_head.weight']).T}
+  tree = {'decoder': decoder,
+          'token_embedder': {'embedding': _f32(tensors['model.embed_tokens.weight'])}}
+  settings = {'decoder_block': blocks[family], 'scan_layers': scan_layers,
+              'base_emb_dim': d_model, 'base_num_query_heads': heads,
+              'base_num_kv_heads': kv_heads, 'head_dim': head_dim,
+              'base_num_decoder_layers': int(config['num_hidden_layers']),
+              'vocab_size': int(config['vocab_size']),
+              'normalization_layer_epsilon': float(config.get('rms_norm_eps', 1e-5)),
+              'rope_max_timescale': float(config.get('rope_theta', 10_000)),
+              'logits_via_embedding': bool(tied)}
+  if family == 'mixtral':
+    settings.update(num_experts=int(config['num_local_experts']),
+                    num_experts_per_tok=int(config['num_experts_per_tok']),
+                    base_moe_mlp_dim=int(config['intermediate_size']))
+  else:
+    settings['base_mlp_dim'] = int(config['intermediate_size'])
+  if family == 'mistral' and config.get('sliding_window'):
+    settings['sliding_window_size'] = int(config['sliding_window'])
+  return tree, settings
+
+
+def _map_many(fn, trees: list):
+  """``fn`` over the leaves of trees of one structure."""
+  if isinstance(trees[0], dict):
+    return {k: _map_many(fn, [t[k] for t in trees]) for k in trees[0]}
+  return fn(*trees)
+
+
+def write_maxtext(hf_dir: str, directory: str, *, scan_layers: bool = True,
+                  dtype: str = 'float32') -> tuple[str, dict[str, Any]]:
+  """Write the Hugging Face checkpoint in ``hf_dir`` as a MaxText parameters-only checkpoint:
+  ``directory/0/items`` holds ``{'params': {'params': tree}}`` (what MaxText's
+  ``load_parameters_path`` restores) in ``dtype`` (MaxText's ``weight_dtype``). Returns
+  ``(the items path, the MaxText settings of the model)``."""
+  import json  # noqa: PLC0415
+
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  from maxnnx.checkpoint.safetensors import read_safetensors_dir  # noqa: PLC0415
+  with open(os.path.join(hf_dir, 'config.json')) as f:
+    config = json.load(f)
+  tensors = {name: array for name, (_, array) in read_safetensors_dir(hf_dir).items()}
+  tree, settings = maxtext_tree(config, tensors, scan_layers=scan_layers)
+  tree = _map(lambda x: np.asarray(x, dtype=np.dtype(dtype) if dtype != 'bfloat16'
+                                   else _bfloat16()), tree)
+  items = os.path.join(os.path.abspath(directory), '0', 'items')
+  ocp.PyTreeCheckpointer().save(items, {'params': {'params': tree}})
+  settings['weight_dtype'] = dtype
+  return items, settings
+
+
+def _bfloat16():
+  import ml_dtypes  # noqa: PLC0415
+  return ml_dtypes.bfloat16
+
+
 def write_hf(step_dir: str, directory: str, settings=None) -> dict:
   """Write the Hugging Face checkpoint of MaxText step directory ``step_dir`` into
   ``directory`` (``config.json`` + ``model.safetensors``); returns :func:`maxtext_params`'s
@@ -239,5 +352,5 @@ def write_hf(step_dir: str, directory: str, settings=None) -> dict:
   return record
 
 
-__all__ = ['BLOCKS', 'MAXTEXT_DEFAULTS', 'hf_checkpoint', 'maxtext_params', 'read_settings',
-           'write_hf']
+__all__ = ['BLOCKS', 'MAXTEXT_DEFAULTS', 'hf_checkpoint', 'maxtext_params', 'maxtext_tree',
+           'read_settings', 'write_hf', 'write_maxtext']
