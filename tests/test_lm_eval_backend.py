@@ -1,0 +1,141 @@
+"""The lm-evaluation-harness backend (``maxnnx.evaluation.harness``) gives the harness's own
+Hugging Face backend's numbers.
+
+``tests/lm_eval_task/reference.json`` holds lm-eval 0.4.13's HF backend on the Llama parity
+fixture with the task's tokenizer, in float32 (``tests/lm_eval_task/make_reference.py``).
+"""
+
+import functools
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip('lm_eval')
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+import maxnnx  # noqa: E402
+from maxnnx.evaluation.harness import MaxnnxLM  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASK_DIR = os.path.join(ROOT, 'tests', 'lm_eval_task')
+FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'hf', 'llama')
+
+
+def reference() -> dict:
+  """The harness's HF backend's numbers on ``tiny_mc`` and the rolling texts."""
+  with open(os.path.join(TASK_DIR, 'reference.json')) as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope='session')
+def lm_eval_model_dir(tmp_path_factory):
+  """The Llama parity fixture with the task's 256-token tokenizer."""
+  directory = tmp_path_factory.mktemp('lm_eval_model')
+  for name in ('config.json', 'model.safetensors'):
+    shutil.copy(os.path.join(FIXTURE, name), directory / name)
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    shutil.copy(os.path.join(TASK_DIR, 'tokenizer', name), directory / name)
+  return str(directory)
+
+
+@pytest.fixture(scope='module')
+def lm(lm_eval_model_dir):
+  return MaxnnxLM(lm_eval_model_dir, dtype='float32', batch_size=3)
+
+
+def _requests(kind, args):
+  return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+def test_multiple_choice_loglikelihoods_equal_the_hf_backends(lm):
+  import lm_eval
+  from lm_eval.tasks import TaskManager
+  want = reference()
+  results = lm_eval.simple_evaluate(model=lm, tasks=['tiny_mc'], log_samples=True,
+                                    task_manager=TaskManager(include_path=TASK_DIR))
+  got = sorted(results['samples']['tiny_mc'], key=lambda s: s['doc_id'])
+  assert [s['doc_id'] for s in got] == [s['doc_id'] for s in want['samples']]
+  for sample, expected in zip(got, want['samples']):
+    np.testing.assert_allclose([r[0] for r in sample['filtered_resps']],
+                               expected['loglikelihoods'], rtol=1e-4)
+    assert [r[1] for r in sample['filtered_resps']] == expected['is_greedy']
+    assert (sample['acc'], sample['acc_norm']) == (expected['acc'], expected['acc_norm'])
+  assert results['results']['tiny_mc']['acc,none'] == want['acc']
+
+
+def test_rolling_loglikelihood_scores_windows_as_the_hf_backend(lm):
+  want = reference()['rolling']
+  assert lm.max_length == 64
+  long_text = want[1]['text']
+  assert len(lm.tok_encode(long_text)) > lm.max_length  # two windows at least
+  got = lm.loglikelihood_rolling(_requests('loglikelihood_rolling',
+                                           [(w['text'],) for w in want]))
+  np.testing.assert_allclose(got, [w['loglikelihood'] for w in want], rtol=1e-4)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _next_tokens(graphdef, state, ids_BT):
+  return jnp.argmax(nnx.merge(graphdef, state)(ids_BT).astype(jnp.float32), axis=-1)
+
+
+def _greedy_by_forward_passes(model, ids, steps, eos):
+  """Greedy continuation of ``ids``: one full forward pass (no cache) per token over a
+  right-padded row of ``max_position_embeddings`` tokens, read at the last real token."""
+  graphdef, state = nnx.split(model)
+  width = model.config.max_position_embeddings
+  ids, out = list(ids), []
+  for _ in range(steps):
+    row = np.zeros((1, width), np.int32)
+    row[0, :len(ids)] = ids
+    token = int(_next_tokens(graphdef, state, row)[0, len(ids) - 1])
+    if token == eos:
+      break
+    out.append(token)
+    ids.append(token)
+  return out
+
+
+def test_generate_until_is_the_greedy_continuation_cut_at_the_stop_string(lm):
+  contexts = ['Question: Where do the fish live?\nAnswer:', 'ROMEO: O', 'To be']
+  greedy = [_greedy_by_forward_passes(lm.model, lm.tok_encode(c), 10, lm.eot_token_id)
+            for c in contexts]
+  texts = [lm.tokenizer.decode(ids) for ids in greedy]
+  stop = texts[0][len(texts[0]) // 2:][:2]  # a stop string inside the first continuation
+  got = lm.generate_until(_requests('generate_until', [
+      (c, {'until': [stop], 'max_gen_toks': 10, 'do_sample': False}) for c in contexts]))
+  assert got == [t.split(stop)[0] for t in texts]
+  assert got[0] != texts[0]
+
+
+def test_the_greedy_flag_is_true_only_for_the_greedy_continuation(lm):
+  context = lm.tok_encode('ROMEO: What light')
+  greedy = _greedy_by_forward_passes(lm.model, context, 6, lm.eot_token_id)
+  other = greedy[:-1] + [(greedy[-1] + 1) % lm.model.config.vocab_size]
+  (score, is_greedy), (other_score, other_greedy) = lm._loglikelihood_tokens(
+      [(None, context, greedy), (None, context, other)])
+  assert is_greedy and not other_greedy
+  assert score > other_score
+
+
+@pytest.mark.parametrize('args, field', [
+    ({'batch_size': 'auto'}, 'batch_size'),
+    ({'batch_size': 0}, 'batch_size'),
+    ({'max_length': 'long'}, 'max_length'),
+    ({'temperature': 1}, 'temperature'),
+])
+def test_bad_model_args_name_the_field(lm_eval_model_dir, args, field):
+  with pytest.raises(ValueError, match=field):
+    MaxnnxLM(lm_eval_model_dir, **args)
+
+
+def test_a_model_object_needs_its_tokenizer(lm):
+  with pytest.raises(ValueError, match='tokenizer='):
+    MaxnnxLM(model=lm.model)
+  assert isinstance(MaxnnxLM(model=lm.model, tokenizer=lm.tokenizer).model, maxnnx.Transformer)
