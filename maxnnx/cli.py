@@ -16,7 +16,8 @@ YAML file (``config=run.yml``, or given first) holds the same keys as nested
 mappings or dotted names, and ``key=value`` arguments override it.
 ``maxnnx train --help`` lists every key with its type, default and meaning.
 
-Other commands: ``generate`` (continue a prompt from a trained run), ``serve`` (an
+Other commands: ``generate`` (continue a prompt from a trained run), ``eval``
+(lm-evaluation-harness tasks on a checkpoint, :mod:`maxnnx.evaluation.harness`), ``serve`` (an
 OpenAI-compatible HTTP server over a Hugging Face checkpoint, :mod:`maxnnx.serving.server`),
 ``compile`` (lower and compile the train step for the mesh, report per-device
 memory, and fail fast when it cannot fit, without allocating any weights) and
@@ -146,6 +147,24 @@ CONVERT_KEYS = {
               "empty: the parameters' own) or of a maxtext one (its weight_dtype; empty: "
               'float32)'),
 }
+EVAL_KEYS = {
+    'model': ('', 'a Hugging Face checkpoint directory (or URL) with its tokenizer, e.g. the '
+              'final/ of a maxnnx train or sft run'),
+    'tasks': ('', "lm-evaluation-harness task names, comma-separated (the harness's own, or "
+              'those of include_path)'),
+    'include_path': ('', 'a directory of your own task YAML files'),
+    'output': ('', "where the results JSON and per-sample logs go, as lm-evaluation-harness's "
+               'EvaluationTracker writes them (empty: print only)'),
+    'data': ('', 'instead of tasks=: a .txt file (one text) or .jsonl (its "text" fields) whose '
+             'loss and perplexity per token to print'),
+    'batch_size': (8, 'rows scored (or prompts generated) in one forward pass'),
+    'limit': (0.0, 'documents per task at most (0: all; below 1: that fraction)'),
+    'dtype': ('', "compute dtype (empty: the checkpoint's)"),
+    'num_fewshot': (-1, "examples in each prompt (-1: the task's own)"),
+    'max_length': (0, "the longest sequence scored, in tokens (0: the model's "
+                   'max_position_embeddings)'),
+    'seed': (0, "the harness's seeds (Python, NumPy, few-shot sampling)"),
+}
 
 
 COMPILE_KEYS = {
@@ -200,7 +219,8 @@ def _generate_keys() -> dict[str, Key]:
   return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in GENERATE_KEYS.items()}
 
 
-COMMANDS = ('train', 'sft', 'dpo', 'distill', 'grpo', 'generate', 'compile', 'convert', 'serve')
+COMMANDS = ('train', 'sft', 'dpo', 'distill', 'grpo', 'generate', 'compile', 'convert', 'serve',
+            'eval')
 
 
 def parse_overrides(args: list[str], keys: dict[str, Key]) -> dict:
@@ -226,6 +246,8 @@ def _usage(command: str) -> str:
           'generate': 'maxnnx generate [key=value ...]',
           'convert': 'maxnnx convert src=DIR dst=DIR [format=hf|orbax] [scan_layers=...]',
           'serve': 'maxnnx serve model=HF_DIR [host=127.0.0.1] [port=8000] [key=value ...]',
+          'eval': 'maxnnx eval model=HF_DIR tasks=NAME[,NAME] [include_path=DIR] [output=DIR] '
+                  '[key=value ...]  |  maxnnx eval model=HF_DIR data=FILE',
           'sft': 'maxnnx sft model=HF_DIR data=chat.jsonl [key=value ...]',
           'dpo': 'maxnnx dpo model=HF_DIR data=prefs.jsonl [beta=0.1] [key=value ...]',
           'distill': 'maxnnx distill teacher=DIR model=PRESET|DIR [key=value ...]',
@@ -483,9 +505,78 @@ def serve(options: dict) -> None:
              quantization=options['quantization'])
 
 
+def evaluate(options: dict) -> dict:
+  """Run ``maxnnx eval``: lm-evaluation-harness ``tasks`` on the checkpoint in ``model``
+  (:mod:`maxnnx.evaluation.harness`), printing the harness's table; or, with ``data=``, the
+  loss and perplexity per token of a text file. Returns the harness's results (or
+  ``{'loss', 'perplexity', 'tokens'}``)."""
+  model = options['model']
+  if not model:
+    raise UsageError('eval needs model=<a Hugging Face checkpoint directory with its '
+                     'tokenizer>, e.g. model=runs/tiny-shakespeare/final.')
+  if not paths.is_remote(model) and not os.path.isdir(model):
+    raise FileNotFoundError(f'model={model}: no such directory.')
+  if bool(options['tasks']) == bool(options['data']):
+    raise UsageError('eval needs tasks=<lm-evaluation-harness task names> or data=<a text '
+                     'file>, not both.' if options['tasks'] else
+                     'eval needs tasks=<lm-evaluation-harness task names, comma-separated> '
+                     '(or data=<a .txt or .jsonl file> for loss and perplexity).')
+  if options['include_path'] and not os.path.isdir(options['include_path']):
+    raise FileNotFoundError(f"include_path={options['include_path']}: no such directory.")
+  from maxnnx.evaluation import require_lm_eval  # noqa: PLC0415
+  try:
+    require_lm_eval()
+  except ImportError as e:
+    raise UsageError(str(e)) from None
+  from maxnnx.evaluation import harness  # noqa: PLC0415
+  if options['data']:
+    return _evaluate_text(harness, options)
+  limit = options['limit']
+  results = harness.evaluate_tasks(
+      model, options['tasks'], include_path=options['include_path'], output=options['output'],
+      batch_size=options['batch_size'], limit=None if limit <= 0 else
+      (limit if limit < 1 else int(limit)), dtype=options['dtype'] or None,
+      num_fewshot=None if options['num_fewshot'] < 0 else options['num_fewshot'],
+      max_length=options['max_length'] or None, seed=options['seed'])
+  from lm_eval.utils import make_table  # noqa: PLC0415
+  print(make_table(results))
+  if 'groups' in results:
+    print(make_table(results, 'groups'))
+  if options['output']:
+    print(f"Results and per-sample logs written under {options['output']}.")
+  return results
+
+
+def _evaluate_text(harness, options: dict) -> dict:
+  """``maxnnx eval data=FILE``: the loss and perplexity per token of the file's texts."""
+  import json  # noqa: PLC0415
+  import math  # noqa: PLC0415
+  path = options['data']
+  if not paths.exists(path):
+    raise FileNotFoundError(f'data={path}: no such file.')
+  with open(paths.local_copy(path), encoding='utf-8') as f:
+    if path.endswith('.jsonl'):
+      texts = []
+      for number, line in enumerate(f, 1):
+        if line.strip():
+          record = json.loads(line)
+          if not isinstance(record, dict) or not isinstance(record.get('text'), str):
+            raise UsageError(f'data={path} line {number}: expected an object with a "text" '
+                             'string.')
+          texts.append(record['text'])
+    else:
+      texts = [f.read()]
+  lm = harness.MaxnnxLM(options['model'], dtype=options['dtype'] or None,
+                        batch_size=options['batch_size'], max_length=options['max_length'] or None)
+  loss, tokens = harness.text_loss(lm, texts)
+  print(f'{path}: {tokens} tokens, loss {loss:.4f}, perplexity {math.exp(loss):.4f} '
+        f'(windows of {lm.max_length} tokens).')
+  return {'loss': loss, 'perplexity': math.exp(loss), 'tokens': tokens}
+
+
 def _command_keys(command: str) -> dict[str, Key]:
-  if command in ('convert', 'serve'):
-    keys = CONVERT_KEYS if command == 'convert' else SERVE_KEYS
+  if command in ('convert', 'serve', 'eval'):
+    keys = {'convert': CONVERT_KEYS, 'serve': SERVE_KEYS, 'eval': EVAL_KEYS}[command]
     return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in keys.items()}
   if command == 'compile':
     return {**{k: Key(d, doc, type(d), 'compile') for k, (d, doc) in COMPILE_KEYS.items()},
@@ -521,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
       train(options, RECIPES[command])
     else:
       {'generate': generate, 'compile': compile_step, 'convert': convert,
-       'serve': serve}[command](options)
+       'serve': serve, 'eval': evaluate}[command](options)
   except (ValueError, FileNotFoundError, TrainingError) as e:  # UsageError, ConfigError…
     print(f'error: {e}', file=sys.stderr)
     return 2

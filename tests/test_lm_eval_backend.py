@@ -1,14 +1,18 @@
-"""The lm-evaluation-harness backend (``maxnnx.evaluation.harness``) gives the harness's own
-Hugging Face backend's numbers.
+"""The lm-evaluation-harness backend (``maxnnx.evaluation.harness``) and ``maxnnx eval`` give
+the harness's own Hugging Face backend's numbers.
 
 ``tests/lm_eval_task/reference.json`` holds lm-eval 0.4.13's HF backend on the Llama parity
 fixture with the task's tokenizer, in float32 (``tests/lm_eval_task/make_reference.py``).
 """
 
+import contextlib
 import functools
+import io
 import json
 import os
+import re
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +25,7 @@ pytest.importorskip('lm_eval')
 from lm_eval.api.instance import Instance  # noqa: E402
 
 import maxnnx  # noqa: E402
+from maxnnx import cli  # noqa: E402
 from maxnnx.evaluation.harness import MaxnnxLM  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,20 +59,68 @@ def _requests(kind, args):
   return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
 
 
-def test_multiple_choice_loglikelihoods_equal_the_hf_backends(lm):
-  import lm_eval
-  from lm_eval.tasks import TaskManager
+def _eval(*args):
+  """``maxnnx eval`` in this process: ``(exit status, stdout, stderr)``."""
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    status = cli.main(['eval', *args])
+  return status, out.getvalue(), err.getvalue()
+
+
+def test_maxnnx_eval_gives_the_hf_backends_loglikelihoods_and_accuracies(
+    lm_eval_model_dir, tmp_path, monkeypatch):
+  monkeypatch.chdir(ROOT)  # the task's data_files are relative to the repository root
   want = reference()
-  results = lm_eval.simple_evaluate(model=lm, tasks=['tiny_mc'], log_samples=True,
-                                    task_manager=TaskManager(include_path=TASK_DIR))
-  got = sorted(results['samples']['tiny_mc'], key=lambda s: s['doc_id'])
+  status, out, err = _eval(f'model={lm_eval_model_dir}', 'tasks=tiny_mc',
+                           f'include_path={TASK_DIR}', f'output={tmp_path}', 'batch_size=3',
+                           'dtype=float32')
+  assert status == 0, err
+  assert re.search(r'\|tiny_mc\s*\|.*\|acc\s*\|.*\|\s*0\.25\d*\|', out), out
+  (results,) = tmp_path.glob('*/results_*.json')
+  (samples_file,) = tmp_path.glob('*/samples_tiny_mc_*.jsonl')
+  with open(results) as f:
+    assert json.load(f)['results']['tiny_mc']['acc_norm,none'] == want['acc_norm']
+  with open(samples_file) as f:
+    got = sorted((json.loads(line) for line in f), key=lambda s: s['doc_id'])
   assert [s['doc_id'] for s in got] == [s['doc_id'] for s in want['samples']]
   for sample, expected in zip(got, want['samples']):
-    np.testing.assert_allclose([r[0] for r in sample['filtered_resps']],
+    np.testing.assert_allclose([float(r[0]) for r in sample['filtered_resps']],
                                expected['loglikelihoods'], rtol=1e-4)
-    assert [r[1] for r in sample['filtered_resps']] == expected['is_greedy']
+    assert [r[1] in (True, 'True') for r in sample['filtered_resps']] == expected['is_greedy']
     assert (sample['acc'], sample['acc_norm']) == (expected['acc'], expected['acc_norm'])
-  assert results['results']['tiny_mc']['acc,none'] == want['acc']
+
+
+def test_maxnnx_eval_data_prints_the_loss_per_token(lm_eval_model_dir, lm, tmp_path):
+  want = reference()['rolling']
+  data = tmp_path / 'texts.jsonl'
+  data.write_text(''.join(json.dumps({'text': w['text']}) + '\n' for w in want))
+  tokens = sum(len(lm.tok_encode(w['text'])) for w in want)
+  loss = -sum(w['loglikelihood'] for w in want) / tokens
+  status, out, err = _eval(f'model={lm_eval_model_dir}', f'data={data}', 'dtype=float32')
+  assert status == 0, err
+  printed = re.search(r'(\d+) tokens, loss ([\d.]+), perplexity ([\d.]+)', out)
+  assert int(printed[1]) == tokens
+  np.testing.assert_allclose(float(printed[2]), loss, rtol=1e-3)
+  np.testing.assert_allclose(float(printed[3]), np.exp(loss), rtol=1e-3)
+
+
+@pytest.mark.parametrize('args, message', [
+    (['tasks=tiny_mcq', f'include_path={TASK_DIR}'], 'tasks=tiny_mcq: no such task'),
+    ([], 'eval needs tasks='),
+    (['tasks=tiny_mc', 'data=x.txt'], 'not both'),
+    (['tasks=tiny_mc', 'batch_size=two'], 'batch_size'),
+    (['tasks=tiny_mc', 'include_path=/no/such/dir'], 'include_path=/no/such/dir'),
+    (['tasks=tiny_mc', 'taks=x'], "unknown key 'taks'"),
+])
+def test_bad_eval_commands_are_one_line(lm_eval_model_dir, args, message):
+  status, _, err = _eval(f'model={lm_eval_model_dir}', *args)
+  assert status == 2 and message in err and err.count('\n') == 1, err
+
+
+def test_without_lm_eval_eval_names_the_extra(lm_eval_model_dir, monkeypatch):
+  monkeypatch.setitem(sys.modules, 'lm_eval', None)
+  status, _, err = _eval(f'model={lm_eval_model_dir}', 'tasks=tiny_mc')
+  assert status == 2 and "pip install 'maxnnx[eval]'" in err, err
 
 
 def test_rolling_loglikelihood_scores_windows_as_the_hf_backend(lm):

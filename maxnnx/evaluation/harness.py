@@ -258,4 +258,91 @@ class MaxnnxLM(TemplateLM):
     return outputs
 
 
-__all__ = ['MaxnnxLM']
+
+def task_names(tasks: str, include_path: str = '') -> tuple[list[str], object]:
+  """``(the names in tasks, a TaskManager that knows them)``.
+
+  Raises:
+    ValueError: no task named, or a name neither the harness nor ``include_path`` defines
+      (with the nearest names).
+  """
+  import difflib  # noqa: PLC0415
+
+  from lm_eval.tasks import TaskManager  # noqa: PLC0415
+  names = [name.strip() for name in tasks.split(',') if name.strip()]
+  if not names:
+    raise ValueError('tasks=: name at least one lm-evaluation-harness task, e.g. '
+                     'tasks=hellaswag,arc_easy.')
+  manager = TaskManager(include_path=include_path or None)
+  known = set(manager.all_tasks)
+  for name in names:
+    if name not in known:
+      near = difflib.get_close_matches(name, sorted(known), n=3)
+      hint = f" (nearest: {', '.join(near)})" if near else ''
+      where = f' nor in include_path={include_path}' if include_path else \
+          '; give include_path=<directory of task YAMLs> for your own'
+      raise ValueError(f"tasks={name}: no such task in lm-evaluation-harness{where}{hint}.")
+  return names, manager
+
+
+def evaluate_tasks(model_dir: str, tasks: str, *, include_path: str = '', output: str = '',
+                   batch_size: int = 8, limit: float | None = None, dtype: str | None = None,
+                   num_fewshot: int | None = None, max_length: int | None = None,
+                   seed: int = 0) -> dict:
+  """Run lm-evaluation-harness ``tasks`` on the checkpoint in ``model_dir`` with this backend.
+
+  Args:
+    model_dir: a Hugging Face checkpoint directory (or URL) with its tokenizer.
+    tasks: task names, comma-separated.
+    include_path: a directory of the caller's own task YAML files.
+    output: where the results JSON and per-sample logs go, as the harness's
+      ``EvaluationTracker`` writes them (``<output>/<model>/results_<time>.json`` and
+      ``samples_<task>_<time>.jsonl``); empty: nothing is written.
+    batch_size: rows in one forward pass.
+    limit: documents per task at most (a fraction below 1); ``None``: all.
+    dtype: compute dtype (``None``: the checkpoint's).
+    num_fewshot: examples in each prompt (``None``: the task's own).
+    max_length: the longest sequence scored (``None``: the model's positions).
+    seed: the harness's seeds (Python, NumPy, few-shot sampling).
+
+  Returns:
+    The harness's results (``results``, ``configs``, ``samples``...), for
+    ``lm_eval.utils.make_table``.
+  """
+  import lm_eval  # noqa: PLC0415
+  from lm_eval.loggers import EvaluationTracker  # noqa: PLC0415
+  names, manager = task_names(tasks, include_path)
+  args = {'pretrained': model_dir}
+  if dtype:
+    args['dtype'] = dtype
+  if max_length:
+    args['max_length'] = max_length
+  tracker = EvaluationTracker(output_path=output) if output else None
+  results = lm_eval.simple_evaluate(
+      model='maxnnx', model_args=args, tasks=names, num_fewshot=num_fewshot,
+      batch_size=batch_size, limit=limit, task_manager=manager, log_samples=True,
+      evaluation_tracker=tracker, random_seed=seed, numpy_random_seed=seed,
+      fewshot_random_seed=seed)
+  if tracker is not None:
+    samples = results['samples']
+    rest = {key: value for key, value in results.items() if key != 'samples'}
+    tracker.save_results_aggregated(results=rest, samples=samples)
+    for name in results['configs']:
+      tracker.save_results_samples(task_name=name, samples=samples[name])
+  return results
+
+
+def text_loss(lm: MaxnnxLM, texts: list[str]) -> tuple[float, int]:
+  """``(mean negative log-likelihood per token, tokens scored)`` of ``texts``, each scored
+  whole in rolling windows (:meth:`MaxnnxLM.loglikelihood_rolling`)."""
+  from lm_eval.api.instance import Instance  # noqa: PLC0415
+  texts = [text for text in texts if text]
+  if not texts:
+    raise ValueError('data=: no text to score (empty file, or no non-empty text fields).')
+  scores = lm.loglikelihood_rolling([Instance('loglikelihood_rolling', {}, (text,), i)
+                                     for i, text in enumerate(texts)])
+  tokens = sum(len(lm.tok_encode(text)) for text in texts)
+  return -float(np.sum(scores)) / tokens, tokens
+
+
+__all__ = ['MaxnnxLM', 'evaluate_tasks', 'task_names', 'text_loss']
