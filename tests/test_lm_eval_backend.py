@@ -192,3 +192,52 @@ def test_a_model_object_needs_its_tokenizer(lm):
   with pytest.raises(ValueError, match='tokenizer='):
     MaxnnxLM(model=lm.model)
   assert isinstance(MaxnnxLM(model=lm.model, tokenizer=lm.tokenizer).model, maxnnx.Transformer)
+
+
+# -- through the server ----------------------------------------------------------------------
+
+SERVED = 'tiny-llama'
+
+
+@pytest.fixture(scope='module')
+def served(lm_eval_model_dir):
+  """``maxnnx serve``'s app over the checkpoint, run by the server tests' uvicorn helper."""
+  from maxnnx.serving.server import make_app
+  from tests.test_serving_server import SERVER_ENGINE, _running, _wait_until_ready
+  engine = {**SERVER_ENGINE, 'max_model_len': 64, 'page_buckets': (8,)}
+  with _running(make_app(lm_eval_model_dir, model_name=SERVED, **engine)) as (url, _):
+    _wait_until_ready(url)
+    yield url
+
+
+def _tiny_mc_requests():
+  """``(context, continuation)`` of every choice of every question, as the task builds them
+  (the harness puts its target delimiter, a space, before each choice)."""
+  with open(os.path.join(TASK_DIR, 'tiny_mc.jsonl')) as f:
+    docs = [json.loads(line) for line in f]
+  return [[(f"Question: {doc['question']}\nAnswer:", ' ' + choice) for choice in doc['choices']]
+          for doc in docs]
+
+
+def test_local_completions_requests_to_the_server_give_the_hf_backends_loglikelihoods(
+    served, lm):
+  """lm-eval's ``local-completions`` model scores through ``/v1/completions``: the harness's
+  own payload (token-id prompts, ``echo``, ``logprobs=1``, ``max_tokens=1``) and its own
+  parsing give the reference log-likelihoods. (Its client needs ``tenacity``; the request and
+  the parsing are lm-eval's code, sent here with httpx.)"""
+  import types
+
+  import httpx
+  from lm_eval.models.openai_completions import LocalCompletionsAPI
+  want = reference()['samples']
+  harness = types.SimpleNamespace(model=SERVED)
+  for doc, expected in zip(_tiny_mc_requests(), want):
+    pairs = [lm._encode_pair(context, continuation) for context, continuation in doc]
+    payload = LocalCompletionsAPI._create_payload(harness, [c + x for c, x in pairs])
+    assert payload['echo'] is True and payload['max_tokens'] == 1 and payload['logprobs'] == 1
+    response = httpx.post(f'{served}/v1/completions', json=payload, timeout=120)
+    assert response.status_code == 200, response.text
+    got = LocalCompletionsAPI.parse_logprobs(response.json(), ctxlens=[len(c) for c, _ in pairs])
+    np.testing.assert_allclose([score for score, _ in got], expected['loglikelihoods'],
+                               rtol=1e-4)
+    assert [greedy for _, greedy in got] == expected['is_greedy']
