@@ -241,3 +241,12 @@ def test_local_completions_requests_to_the_server_give_the_hf_backends_loglikeli
     np.testing.assert_allclose([score for score, _ in got], expected['loglikelihoods'],
                                rtol=1e-4)
     assert [greedy for _, greedy in got] == expected['is_greedy']
+
+
+def test_only_eval_imports_lm_eval():
+  import subprocess
+  code = ('import sys, maxnnx, maxnnx.cli, maxnnx.evaluation; '
+          "assert 'lm_eval' not in sys.modules, 'imported lm_eval'")
+  result = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, 'PYTHONPATH': ROOT})
+  assert result.returncode == 0, result.stderr
