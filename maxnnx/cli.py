@@ -164,6 +164,7 @@ EVAL_KEYS = {
     'max_length': (0, "the longest sequence scored, in tokens (0: the model's "
                    'max_position_embeddings)'),
     'seed': (0, "the harness's seeds (Python, NumPy, few-shot sampling)"),
+    'tensor_parallel': (1, 'devices the model is sharded over (attention heads and MLP width)'),
 }
 
 
@@ -537,7 +538,8 @@ def evaluate(options: dict) -> dict:
       batch_size=options['batch_size'], limit=None if limit <= 0 else
       (limit if limit < 1 else int(limit)), dtype=options['dtype'] or None,
       num_fewshot=None if options['num_fewshot'] < 0 else options['num_fewshot'],
-      max_length=options['max_length'] or None, seed=options['seed'])
+      max_length=options['max_length'] or None, seed=options['seed'],
+      tensor_parallel=options['tensor_parallel'])
   from lm_eval.utils import make_table  # noqa: PLC0415
   print(make_table(results))
   if 'groups' in results:
@@ -567,7 +569,8 @@ def _evaluate_text(harness, options: dict) -> dict:
     else:
       texts = [f.read()]
   lm = harness.MaxnnxLM(options['model'], dtype=options['dtype'] or None,
-                        batch_size=options['batch_size'], max_length=options['max_length'] or None)
+                        batch_size=options['batch_size'], max_length=options['max_length'] or None,
+                        tensor_parallel=options['tensor_parallel'])
   loss, tokens = harness.text_loss(lm, texts)
   print(f'{path}: {tokens} tokens, loss {loss:.4f}, perplexity {math.exp(loss):.4f} '
         f'(windows of {lm.max_length} tokens).')

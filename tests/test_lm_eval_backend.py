@@ -138,6 +138,16 @@ def _next_tokens(graphdef, state, ids_BT):
   return jnp.argmax(nnx.merge(graphdef, state)(ids_BT).astype(jnp.float32), axis=-1)
 
 
+def test_a_model_sharded_over_two_devices_scores_the_same(lm_eval_model_dir):
+  sharded = MaxnnxLM(lm_eval_model_dir, dtype='float32', tensor_parallel=2)
+  kernel = sharded.model.layers[0].attn.q_proj.kernel[...]
+  assert len(kernel.sharding.device_set) == 2
+  want = reference()['rolling']
+  got = sharded.loglikelihood_rolling(_requests('loglikelihood_rolling',
+                                                [(w['text'],) for w in want]))
+  np.testing.assert_allclose(got, [w['loglikelihood'] for w in want], rtol=1e-4)
+
+
 def _greedy_by_forward_passes(model, ids, steps, eos):
   """Greedy continuation of ``ids``: one full forward pass (no cache) per token over a
   right-padded row of ``max_position_embeddings`` tokens, read at the last real token."""

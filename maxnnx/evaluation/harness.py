@@ -82,6 +82,8 @@ class MaxnnxLM(TemplateLM):
     max_gen_toks: tokens generated when a task gives no ``max_gen_toks``.
     add_bos_token: add the tokenizer's special tokens to every context (``None``: as the
       tokenizer does by default, like ``transformers``).
+    tensor_parallel: devices a model loaded from ``pretrained`` is sharded over (its heads
+      and MLP width, :func:`maxnnx.sharding.tensor_parallel_mesh`; 1: the default device).
     **kwargs: ``device`` and ``max_batch_size``, which the harness passes to every backend,
       are ignored (JAX places the model); any other key is an error.
 
@@ -93,17 +95,18 @@ class MaxnnxLM(TemplateLM):
   def __init__(self, pretrained: str = '', *, model=None, tokenizer=None,
                dtype: str | None = None, batch_size: int | str = 8,
                max_length: int | str | None = None, max_gen_toks: int | str = 256,
-               add_bos_token: bool | None = None, **kwargs):
+               add_bos_token: bool | None = None, tensor_parallel: int | str = 1, **kwargs):
     super().__init__()
     unknown = sorted(set(kwargs) - set(IGNORED_ARGS))
     if unknown:
       raise ValueError(f'model_args {unknown[0]}=: not an argument of the maxnnx backend; it '
                        'takes pretrained, dtype, batch_size, max_length, max_gen_toks, '
-                       'add_bos_token.')
+                       'add_bos_token, tensor_parallel.')
     self.batch_size = _positive_int('batch_size', batch_size)
     self._max_length = _positive_int('max_length', max_length) if max_length else None
     self.max_gen_toks = _positive_int('max_gen_toks', max_gen_toks)
     self.add_bos_token = add_bos_token
+    tensor_parallel = _positive_int('tensor_parallel', tensor_parallel)
     if model is None:
       if not pretrained:
         raise ValueError('pretrained=: the maxnnx backend needs a Hugging Face checkpoint '
@@ -111,8 +114,10 @@ class MaxnnxLM(TemplateLM):
       from maxnnx.data import load_tokenizer  # noqa: PLC0415
       from maxnnx.models.pretrained import from_pretrained  # noqa: PLC0415
       from maxnnx.paths import local_model_dir  # noqa: PLC0415
+      from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
+      mesh = tensor_parallel_mesh(tensor_parallel)
       directory = local_model_dir(pretrained)
-      model = from_pretrained(directory, dtype=dtype or None)
+      model = from_pretrained(directory, dtype=dtype or None, mesh=mesh)
       tokenizer = tokenizer if tokenizer is not None else load_tokenizer(directory)
     elif tokenizer is None:
       raise ValueError('tokenizer=: a model given as an object needs its tokenizer too.')
@@ -288,7 +293,7 @@ def task_names(tasks: str, include_path: str = '') -> tuple[list[str], object]:
 def evaluate_tasks(model_dir: str, tasks: str, *, include_path: str = '', output: str = '',
                    batch_size: int = 8, limit: float | None = None, dtype: str | None = None,
                    num_fewshot: int | None = None, max_length: int | None = None,
-                   seed: int = 0) -> dict:
+                   seed: int = 0, tensor_parallel: int = 1) -> dict:
   """Run lm-evaluation-harness ``tasks`` on the checkpoint in ``model_dir`` with this backend.
 
   Args:
@@ -304,6 +309,7 @@ def evaluate_tasks(model_dir: str, tasks: str, *, include_path: str = '', output
     num_fewshot: examples in each prompt (``None``: the task's own).
     max_length: the longest sequence scored (``None``: the model's positions).
     seed: the harness's seeds (Python, NumPy, few-shot sampling).
+    tensor_parallel: devices the model is sharded over.
 
   Returns:
     The harness's results (``results``, ``configs``, ``samples``...), for
@@ -312,7 +318,7 @@ def evaluate_tasks(model_dir: str, tasks: str, *, include_path: str = '', output
   import lm_eval  # noqa: PLC0415
   from lm_eval.loggers import EvaluationTracker  # noqa: PLC0415
   names, manager = task_names(tasks, include_path)
-  args = {'pretrained': model_dir}
+  args = {'pretrained': model_dir, 'tensor_parallel': tensor_parallel}
   if dtype:
     args['dtype'] = dtype
   if max_length:
