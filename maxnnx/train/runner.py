@@ -243,6 +243,7 @@ def split_settings(options: dict, recipe: RunRecipe = PRETRAINING):
     run['data'] = ','.join(data_fields.pop('sources'))
   run['data'] = _local_file_urls(run['data'])
   run['eval_data'] = _local_file_urls(run['eval_data'])
+  run['model_label'] = run['model']  # what the headline names: the step directory, not its copy
   run['model'] = _from_maxtext_step(run['model'], run['maxtext_config'])
   if not run['tokenizer']:
     run['tokenizer'] = data_fields.get('tokenizer', '')
@@ -498,7 +499,7 @@ def _headline(trainer, run: dict, options: dict, recipe: RunRecipe, num_tokens: 
   source = (f'{num_tokens:,} tokens' if num_tokens else
             'synthetic tokens' if run['data'] == 'synthetic' else
             run['data'] or options.get('prompts', ''))
-  return (f"{recipe.label}Training {run['model']} "
+  return (f"{recipe.label}Training {run.get('model_label', run['model'])} "
           f"({maxnnx.num_params(trainer.model_config):,} parameters) "
           f'on {source} for {cfg.steps} steps of {cfg.global_batch_size} x {cfg.seq_len} '
           f'tokens; mesh '
