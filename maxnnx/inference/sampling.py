@@ -12,7 +12,9 @@ does (and OpenAI defines the penalties): a ``logit_bias`` is added (an id masked
 ``min_tokens`` gets ``-inf``), then the repetition penalty (HF / CTRL) divides the positive
 logits and multiplies the negative ones of every token seen in the prompt or the output,
 then the frequency and presence penalties (OpenAI) subtract ``count * frequency +
-(count > 0) * presence`` over the tokens generated so far.
+(count > 0) * presence`` over the tokens generated so far. Last, a row's token mask (a
+structured output's grammar, :mod:`maxnnx.inference.structured`) sets the logits of the
+tokens it does not allow to ``-inf``.
 """
 
 import dataclasses
@@ -159,6 +161,9 @@ class Controls:
       ``None`` when no row is penalised.
     prompt_seen_BV: ``[B, vocab]`` bool, whether each token is in the row's prompt (for the
       repetition penalty), or ``None`` with ``counts_BV``.
+    allowed_BW: ``[B, ceil(vocab / 32)]`` int32 token masks, bit ``i % 32`` of word
+      ``i // 32`` set when token ``i`` may be sampled (-1 everywhere: every token), or
+      ``None`` for no mask.
   """
 
   bias_ids_BK: jax.Array
@@ -168,6 +173,7 @@ class Controls:
   repetition_B: jax.Array
   counts_BV: jax.Array | None = None
   prompt_seen_BV: jax.Array | None = None
+  allowed_BW: jax.Array | None = None
 
 
 def add_logit_bias(logits_BV: jax.Array, ids_BK: jax.Array, values_BK: jax.Array) -> jax.Array:
@@ -205,6 +211,14 @@ def penalize(logits_BV: jax.Array, counts_BV: jax.Array, prompt_seen_BV: jax.Arr
           - generated_BV.astype(jnp.float32) * presence_B[:, None])
 
 
+def unpack_mask(allowed_BW: jax.Array, vocab: int) -> jax.Array:
+  """``[B, vocab]`` bool from packed ``[B, W]`` int32 masks (bit ``i % 32`` of word
+  ``i // 32`` is token ``i``; ids past ``32 * W`` are not allowed)."""
+  bits_BW32 = (allowed_BW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+  allowed_BV = bits_BW32.reshape(allowed_BW.shape[0], -1).astype(bool)[:, :vocab]
+  return jnp.pad(allowed_BV, ((0, 0), (0, vocab - allowed_BV.shape[1])))
+
+
 def apply_controls(logits_BV: jax.Array, controls: Controls | None) -> jax.Array:
   """``logits_BV`` (as float32) with each row's :class:`Controls` applied; ``None`` or rows
   that use none leave them as they are.
@@ -215,12 +229,15 @@ def apply_controls(logits_BV: jax.Array, controls: Controls | None) -> jax.Array
   if controls is None:
     return logits_BV
   logits_BV = add_logit_bias(logits_BV, controls.bias_ids_BK, controls.bias_values_BK)
-  if controls.counts_BV is None:
-    return logits_BV
-  penalised = (jnp.any(controls.presence_B != 0) | jnp.any(controls.frequency_B != 0)
-               | jnp.any(controls.repetition_B != 1))
-  return jax.lax.cond(
-      penalised,
-      lambda x: penalize(x, controls.counts_BV, controls.prompt_seen_BV, controls.presence_B,
-                         controls.frequency_B, controls.repetition_B),
-      lambda x: x, logits_BV)
+  if controls.counts_BV is not None:
+    penalised = (jnp.any(controls.presence_B != 0) | jnp.any(controls.frequency_B != 0)
+                 | jnp.any(controls.repetition_B != 1))
+    logits_BV = jax.lax.cond(
+        penalised,
+        lambda x: penalize(x, controls.counts_BV, controls.prompt_seen_BV, controls.presence_B,
+                           controls.frequency_B, controls.repetition_B),
+        lambda x: x, logits_BV)
+  if controls.allowed_BW is not None:
+    allowed_BV = unpack_mask(controls.allowed_BW, logits_BV.shape[-1])
+    logits_BV = jnp.where(allowed_BV, logits_BV, -jnp.inf)
+  return logits_BV

@@ -73,6 +73,15 @@ history when it is scheduled without one (at admission, or again after a preempt
 the sampler adds each new token to it on the device, so a step moves ``O(batch)`` numbers,
 not ``O(batch * history)``.
 
+**Structured outputs.** A request with ``SamplingParams.structured`` gets a grammar matcher
+(llguidance, :mod:`maxnnx.inference.structured`) kept on the host beside it. Before a step,
+each such row that samples writes the tokens its grammar allows next into a packed mask
+``[max_batch, ceil(vocab / 32)]`` int32, which every step passes to the sampler (rows
+without a grammar: every bit set), so one program serves both kinds of rows and warm-up
+compiles nothing more. After the step the matcher takes the sampled token; once the
+grammar can take no further token the request finishes (reason ``stop``), and the
+end-of-sequence and stop ids are allowed only where the grammar accepts the output.
+
 Page 0 of the pool is a scratch page: padding tokens write there and empty
 block-table entries point there (masked by the row lengths).
 
@@ -118,6 +127,7 @@ import numpy as np
 from flax import nnx
 
 from maxnnx.inference.sampling import Controls, apply_controls, row_keys, sample_rows
+from maxnnx.inference.structured import fill_allowed, grammar_tokenizer, mask_words, new_matcher
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.processes import host_value
 from maxnnx.serving.pages import PageAllocator
@@ -392,6 +402,8 @@ class Engine:
     # Penalised requests' token counts on the device (see the module docstring).
     self._history_rows: dict[int, int] = {}  # request id -> its row of _counts_SV
     self._counts_SV = self._prompt_seen_SV = None
+    self._matchers: dict = {}  # request id -> its structured output's grammar matcher
+    self._grammar_tokenizer = None  # the tokenizer as llguidance reads it, built when needed
     self.scheduler = Scheduler(self.allocator, page_size=page_size, max_batch=max_batch,
                                token_budget=token_budget, prefix_caching=self.prefix_caching,
                                window=window, window_allocator=self.window_allocator)
@@ -445,8 +457,9 @@ class Engine:
     Raises:
       ValueError: for an empty prompt, ids outside the vocabulary, a prompt that
         leaves no room under ``max_model_len``, a request that could never fit in
-        the page pool, parameters the engine cannot honour, or images that do not
-        match the prompt's placeholders.
+        the page pool, parameters the engine cannot honour, images that do not
+        match the prompt's placeholders, or a structured output whose grammar does not
+        compile.
     """
     params = SamplingParams() if params is None else params
     prompt = self.prompt_ids(prompt)
@@ -476,6 +489,7 @@ class Engine:
     if params.logit_bias and params.logit_bias[-1][0] >= vocab:
       raise ValueError(f'logit_bias names token {params.logit_bias[-1][0]}, outside the '
                        f'vocabulary [0, {vocab}).')
+    matcher = None if params.structured is None else self._new_matcher(params.structured)
     with self._counting_compiles():
       spans, salt, embeddings = self._images(ids, images)
     request_id = self._next_id
@@ -487,6 +501,8 @@ class Engine:
                       seed=seed, image_spans=spans, cache_salt=salt)
     if embeddings is not None:
       self._image_embeddings[request_id] = embeddings
+    if matcher is not None:
+      self._matchers[request_id] = matcher
     self._requests[request_id] = request
     self.scheduler.add(request)
     return request_id
@@ -501,6 +517,7 @@ class Engine:
       return False
     self._image_embeddings.pop(request_id, None)
     self._slots.pop(request_id, None)
+    self._matchers.pop(request_id, None)
     self.scheduler.finish(request, 'cancelled')
     self._cancelled.append(self._output(request, (), None))
     return True
@@ -582,7 +599,8 @@ class Engine:
     rows, vocab = self.max_batch, self.model_config.vocab_size
     controls = Controls(np.full((rows, width), vocab, np.int32),
                         np.zeros((rows, width), np.float32), np.zeros(rows, np.float32),
-                        np.zeros(rows, np.float32), np.ones(rows, np.float32))
+                        np.zeros(rows, np.float32), np.ones(rows, np.float32),
+                        allowed_BW=np.full((rows, mask_words(vocab)), -1, np.int32))
     self._history([])  # the count arrays, and their writer
     self._write_row(0, [], [])
     tokens_B, *_, self._counts_SV = _sample(
@@ -670,18 +688,21 @@ class Engine:
         continue  # a prefill chunk: no token yet
       token = int(tokens_B[row])
       self.scheduler.append_token(request, token)
+      matcher = self._matchers.get(request.request_id)
+      grammar_done = matcher is not None and self._advance_grammar(matcher, request, token)
       logprobs = None
       n = request.params.logprobs
       if n is not None:
         top = tuple(zip(top_ids_BN[row, :n].tolist(), top_lps_BN[row, :n].tolist()))
         logprobs = (TokenLogprobs(token, float(chosen_B[row]), top),)
         request.logprobs.extend(logprobs)
-      reason = self._finish_reason(request, token)
+      reason = self._finish_reason(request, token, grammar_done)
       if reason is not None:
         self.scheduler.finish(request, reason)
         del self._requests[request.request_id]
         self._image_embeddings.pop(request.request_id, None)
         self._slots.pop(request.request_id, None)
+        self._matchers.pop(request.request_id, None)
       outputs.append(self._output(request, (token,), logprobs))
     return outputs
 
@@ -746,9 +767,9 @@ class Engine:
         self._slots[request.request_id] = free.pop()
 
   def _controls(self, scheduled: list[tuple[Request, int]]):
-    """The rows' logit bias and penalties as :class:`Controls` arrays (without the counts,
-    which :meth:`_history` keeps): every step passes them, so that the sampler's shapes stay
-    among :meth:`sampler_variants` (rows without a control add nothing)."""
+    """The rows' logit bias, penalties and token masks as :class:`Controls` arrays (without
+    the counts, which :meth:`_history` keeps): every step passes them, so that the sampler's
+    shapes stay among :meth:`sampler_variants` (rows without a control add nothing)."""
     entries = [self._bias_entries(request) for request, _ in scheduled]
     rows, vocab = self.max_batch, self.model_config.vocab_size
     width = bias_bucket(max(len(e) for e in entries), vocab)
@@ -756,13 +777,40 @@ class Engine:
     values_BK = np.zeros((rows, width), np.float32)
     presence_B, frequency_B = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
     repetition_B = np.ones(rows, np.float32)
-    for row, ((request, _), pairs) in enumerate(zip(scheduled, entries)):
+    allowed_BW = np.full((rows, mask_words(vocab)), -1, np.int32)
+    for row, ((request, count), pairs) in enumerate(zip(scheduled, entries)):
       if pairs:
         ids_BK[row, :len(pairs)], values_BK[row, :len(pairs)] = zip(*pairs)
       params = request.params
       presence_B[row], frequency_B[row] = params.presence_penalty, params.frequency_penalty
       repetition_B[row] = params.repetition_penalty
-    return Controls(ids_BK, values_BK, presence_B, frequency_B, repetition_B)
+      matcher = self._matchers.get(request.request_id)
+      if matcher is not None and request.num_computed + count >= request.num_tokens:
+        fill_allowed(matcher, allowed_BW, row, params.stop_token_ids)
+    return Controls(ids_BK, values_BK, presence_B, frequency_B, repetition_B,
+                    allowed_BW=allowed_BW)
+
+  def _new_matcher(self, structured):
+    """A grammar matcher for a request's structured output (the tokenizer wrapped for
+    llguidance the first time)."""
+    if self.tokenizer is None:
+      raise ValueError('Structured outputs need an Engine with a tokenizer.')
+    if self._grammar_tokenizer is None:
+      self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.model_config.vocab_size,
+                                                  self.eos_ids)
+    return new_matcher(self._grammar_tokenizer, structured)
+
+  def _advance_grammar(self, matcher, request: Request, token: int) -> bool:
+    """Feed ``token`` to the request's matcher; whether the grammar is done (it can take no
+    further token, or refused this one: a ``min_tokens`` ban can leave no allowed token)."""
+    params = request.params
+    if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+      return False  # the request stops at it anyway
+    if not matcher.consume_token(token):
+      logger.warning('request %d: token %d is outside its grammar (%s); it stops here.',
+                     request.request_id, token, matcher.get_error())
+      return True
+    return matcher.is_stopped()
 
   def _bias_entries(self, request: Request) -> list[tuple[int, float]]:
     """``(token id, bias)`` pairs of the request's next token: its ``logit_bias``, and
@@ -935,9 +983,11 @@ class Engine:
           self._features_fn(self._params, self._cache, image[None])), np.float32)
     return spans, hashlib.blake2b(pixels.tobytes(), digest_size=16).digest(), embeddings
 
-  def _finish_reason(self, request: Request, token: int) -> str | None:
+  def _finish_reason(self, request: Request, token: int,
+                     grammar_done: bool = False) -> str | None:
     params = request.params
-    stop = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids)
+    stop = grammar_done or token in params.stop_token_ids or (
+        not params.ignore_eos and token in self.eos_ids)
     if self.tokenizer is not None:
       request.text = self.tokenizer.decode(request.output_ids)
       if not stop and params.stop:

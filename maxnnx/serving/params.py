@@ -3,6 +3,7 @@
 import dataclasses
 
 from maxnnx.inference.sampling import control_problems, logit_bias_pairs
+from maxnnx.inference.structured import StructuredOutput
 
 MAX_SEED = 2**31 - 1
 
@@ -41,6 +42,10 @@ class SamplingParams:
       prompt or the output is divided by it when positive, multiplied when negative.
     min_tokens: the end-of-sequence and ``stop_token_ids`` ids cannot be sampled before
       this many tokens are out (stop strings still apply).
+    structured: a :class:`~maxnnx.inference.structured.StructuredOutput` the whole output
+      follows (each token is sampled among those its grammar allows; the end-of-sequence
+      and stop ids only where the grammar accepts; the request stops once nothing more can
+      follow), or ``None``. Needs an engine with a Hugging Face tokenizer.
   """
 
   max_tokens: int = 16
@@ -58,6 +63,7 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   repetition_penalty: float = 1.0
   min_tokens: int = 0
+  structured: StructuredOutput | None = None
 
   def __post_init__(self):
     object.__setattr__(self, 'stop_token_ids', tuple(int(i) for i in self.stop_token_ids))
@@ -79,6 +85,8 @@ class SamplingParams:
       problems.append(f'logprobs={self.logprobs} (need >= 0 or None)')
     if any(not s for s in stop):
       problems.append('an empty stop string')
+    if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+      problems.append(f'structured={self.structured!r} (need a StructuredOutput or None)')
     problems += control_problems(self.logit_bias, self.presence_penalty,
                                  self.frequency_penalty, self.repetition_penalty,
                                  self.min_tokens, self.max_tokens)
