@@ -235,7 +235,15 @@ BAD_REQUESTS = [  # (endpoint, body, param)
     ('chat/completions', {'model': NAME, 'messages': [{'role': 'user', 'content': 7}]},
      'messages[0].content'),
     ('chat/completions', {'model': NAME, 'messages': [{'role': 'user', 'content': 'hi'}],
-                          'tools': [{'type': 'function', 'function': {'name': 'f'}}]}, 'tools'),
+                          'tools': [{'type': 'function', 'function': {'name': 'f',
+                                                                      'parameters': 'x'}}]},
+     'tools'),
+    ('chat/completions', {'model': NAME, 'messages': [{'role': 'user', 'content': 'hi'}],
+                          'response_format': {'type': 'json_schema', 'json_schema': {
+                              'name': 'x', 'schema': {'type': 'strin'}}}}, 'response_format'),
+    ('chat/completions', {'model': NAME, 'messages': [{'role': 'user', 'content': 'hi'}],
+                          'tool_choice': 'required'}, 'tool_choice'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'guided_regex': '[a-'}, 'guided_regex'),
 ]
 
 

@@ -1,5 +1,6 @@
-"""Structured outputs: a grammar's token mask in the engine, with a tiny random model (its
-free output is garbage, which makes the constraint visible)."""
+"""Structured outputs: a grammar's token mask in the engine, then JSON schemas, regular
+expressions and tool calls through the OpenAI server, with a tiny random model (its free
+output is garbage, which makes the constraint visible)."""
 
 import json
 import re
@@ -14,6 +15,8 @@ import maxnnx
 from maxnnx.data import load_tokenizer
 from maxnnx.inference.structured import StructuredOutput, allowed_ids, grammar_tokenizer
 from maxnnx.serving import Engine, SamplingParams
+from maxnnx.serving.tools import held_back, parse_tool_calls
+from tests.test_serving_server import model_dir, server  # noqa: F401  (module fixtures)
 
 PERSON = {
   'type': 'object',
@@ -139,3 +142,178 @@ def test_a_regex_is_matched_whole_and_sampling_stays_inside_it(engine, tokenizer
 def test_a_grammar_that_does_not_compile_is_one_value_error_naming_it(kind, spec, problem):
   with pytest.raises(ValueError, match=re.escape(problem)):
     StructuredOutput(kind, spec)
+
+
+# -- through the OpenAI server ------------------------------------------------------------
+
+SCHEMAS = {
+  'nested': PERSON,
+  'enum': {'type': 'object', 'properties': {'mood': {'enum': ['calm', 'glad', 'sad']}},
+           'required': ['mood'], 'additionalProperties': False},
+  'array': {'type': 'array', 'items': {'type': 'integer', 'minimum': 0, 'maximum': 9},
+            'minItems': 2, 'maxItems': 4},
+  'integer': {'type': 'object', 'properties': {'n': {'type': 'integer', 'minimum': -5,
+                                                     'maximum': 120}},
+              'required': ['n'], 'additionalProperties': False},
+}
+WEATHER = {'type': 'function', 'function': {
+  'name': 'get_weather', 'description': 'The forecast for a city.',
+  'parameters': {'type': 'object', 'properties': {
+      'city': {'enum': ['rome', 'oslo', 'lima']},
+      'days': {'type': 'integer', 'minimum': 1, 'maximum': 7}},
+    'required': ['city', 'days'], 'additionalProperties': False}}}
+CLOCK = {'type': 'function', 'function': {
+  'name': 'get_time', 'parameters': {'type': 'object', 'properties': {
+      'zone': {'enum': ['utc', 'cet']}}, 'required': ['zone'], 'additionalProperties': False}}}
+ASK = [{'role': 'user', 'content': 'Tell me about the weather.'}]
+
+
+def _chat(client, **fields):
+  from tests.test_serving_server import NAME
+  return client.chat.completions.create(model=NAME, messages=ASK, **fields)
+
+
+@pytest.fixture(scope='module')
+def client(server):  # noqa: F811  (the fixture imported above)
+  from tests.test_serving_server import _client
+  return _client(server)
+
+
+@pytest.mark.parametrize('name', sorted(SCHEMAS))
+def test_every_reply_to_a_json_schema_parses_and_validates(client, name):
+  """Sampled replies (three seeds), and a streamed one, are JSON valid under the schema."""
+  schema = SCHEMAS[name]
+  fmt = {'type': 'json_schema', 'json_schema': {'name': name, 'schema': schema}}
+  for seed in range(3):
+    reply = _chat(client, response_format=fmt, temperature=1.0, seed=seed, max_tokens=100)
+    choice = reply.choices[0]
+    assert choice.finish_reason == 'stop', choice
+    check_schema(json.loads(choice.message.content), schema)
+  chunks = list(_chat(client, response_format=fmt, temperature=1.0, seed=7, max_tokens=100,
+                      stream=True))
+  text = ''.join(c.choices[0].delta.content or '' for c in chunks if c.choices)
+  assert chunks[-1].choices[0].finish_reason == 'stop'
+  check_schema(json.loads(text), schema)
+
+
+def test_json_object_gives_an_object(client):
+  reply = _chat(client, response_format={'type': 'json_object'}, temperature=0, max_tokens=100)
+  assert reply.choices[0].finish_reason == 'stop', reply
+  assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_guided_regex_and_grammar_on_completions(client):
+  from tests.test_serving_server import NAME
+  pattern = r'[a-c]{3}-[0-9]{1,3}'
+  for seed in range(3):
+    out = client.completions.create(model=NAME, prompt='Code:', max_tokens=20, seed=seed,
+                                    temperature=1.0, extra_body={'guided_regex': pattern})
+    assert re.fullmatch(pattern, out.choices[0].text), out.choices[0].text
+    assert out.choices[0].finish_reason == 'stop'
+  grammar = 'start: pair (";" pair)?\npair: KEY "=" NUM\nKEY: /[xy]/\nNUM: /[0-9]/\n'
+  out = client.completions.create(model=NAME, prompt='Set:', max_tokens=20, temperature=0,
+                                  extra_body={'guided_grammar': grammar})
+  assert re.fullmatch(r'[xy]=[0-9](;[xy]=[0-9])?', out.choices[0].text), out.choices[0].text
+
+
+def _check_call(call, tools):
+  function = {t['function']['name']: t['function'] for t in tools}[call.function.name]
+  assert call.type == 'function' and call.id.startswith('call_')
+  check_schema(json.loads(call.function.arguments), function['parameters'])
+
+
+def test_tool_choice_required_and_named_come_back_as_tool_calls(client):
+  tools = [WEATHER, CLOCK]
+  for seed in range(3):
+    reply = _chat(client, tools=tools, tool_choice='required', parallel_tool_calls=False,
+                  temperature=1.0, seed=seed, max_tokens=100)
+    choice = reply.choices[0]
+    assert choice.finish_reason == 'tool_calls', choice
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    _check_call(choice.message.tool_calls[0], tools)
+  named = _chat(client, tools=tools, temperature=1.0, seed=3, max_tokens=100,
+                tool_choice={'type': 'function', 'function': {'name': 'get_time'}})
+  [call] = named.choices[0].message.tool_calls
+  assert call.function.name == 'get_time'
+  _check_call(call, tools)
+  chunks = list(_chat(client, tools=tools, tool_choice='required', parallel_tool_calls=False,
+                      temperature=0, max_tokens=100, stream=True))
+  calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+  assert chunks[-1].choices[0].finish_reason == 'tool_calls'
+  assert [tc.index for tc in calls] == [0]
+  _check_call(calls[0], tools)
+  assert not ''.join(c.choices[0].delta.content or '' for c in chunks if c.choices)
+
+
+def test_a_schema_that_does_not_compile_answers_400_and_the_next_request_is_served(
+    client, server):  # noqa: F811  (the fixture imported above)
+  import openai
+  bad = {'type': 'json_schema', 'json_schema': {'name': 'bad', 'schema': {
+      'type': 'object', 'properties': {'x': {'type': 'intege'}}}}}
+  with pytest.raises(openai.BadRequestError, match='intege') as raised:
+    _chat(client, response_format=bad, max_tokens=5)
+  assert raised.value.body['param'] == 'response_format'
+  with pytest.raises(openai.BadRequestError, match='get_nothing'):
+    _chat(client, tools=[WEATHER], max_tokens=5,
+          tool_choice={'type': 'function', 'function': {'name': 'get_nothing'}})
+  fmt = {'type': 'json_schema', 'json_schema': {'name': 'enum', 'schema': SCHEMAS['enum']}}
+  reply = _chat(client, response_format=fmt, temperature=0, max_tokens=40)
+  check_schema(json.loads(reply.choices[0].message.content), SCHEMAS['enum'])
+  # The masks went through the programs warm-up compiled: nothing compiled since.
+  from tests.test_serving_server import _metric
+  assert _metric(server, 'compiles_total') + _metric(server, 'compile_cache_hits_total') > 0
+  assert _metric(server, 'compiles_after_ready_total') == 0
+
+
+# -- tool calls: the parser and the template --------------------------------------------
+
+
+@pytest.mark.parametrize('fmt, text, content, calls', [
+  ('hermes', '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', None,
+   [('f', {'a': 1})]),
+  ('hermes', 'Sure. <tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
+   '<tool_call>{"name": "g", "arguments": {"b": [1, "x"]}}</tool_call>', 'Sure.',
+   [('f', {}), ('g', {'b': [1, 'x']})]),
+  ('hermes', '<tool_call>{"name": "f", "arguments": {"a": </tool_call>',
+   '<tool_call>{"name": "f", "arguments": {"a": </tool_call>', []),
+  ('hermes', 'no call here', 'no call here', []),
+  ('llama3', '{"name": "f", "parameters": {"q": "é"}}', None, [('f', {'q': 'é'})]),
+  ('llama3', '<|python_tag|>{"name": "f", "parameters": {}}', None, [('f', {})]),
+  ('llama3', '{"answer": 4}', '{"answer": 4}', []),
+  ('llama3', 'It is {"name": "f"}', 'It is {"name": "f"}', []),
+  ('mistral', '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", '
+   '"arguments": {}}]', None, [('f', {'a': 1}), ('g', {})]),
+  ('mistral', '[{"name": "f", "arguments": {}}]', '[{"name": "f", "arguments": {}}]', []),
+])
+def test_tool_calls_parse_out_of_each_format(fmt, text, content, calls):
+  got_content, got = parse_tool_calls(text, fmt)
+  assert got_content == content
+  assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+  assert len({c.id for c in got}) == len(got)
+
+
+def test_streaming_holds_back_only_what_may_become_a_call():
+  assert held_back('Hello <tool_call>{"na', 'hermes') == len('Hello ')
+  assert held_back('Hello <tool', 'hermes') == len('Hello ')
+  assert held_back('Hello there', 'hermes') == len('Hello there')
+  assert held_back('  {"name', 'llama3') == 0
+  assert held_back('It is {', 'llama3') == len('It is {')
+  assert held_back('ok [TOOL_', 'mistral') == len('ok ')
+
+
+def test_the_template_gets_the_tools_and_the_format_follows_it(tokenizer):
+  from maxnnx.data.chat import ChatTemplate
+  from maxnnx.serving.openai_api import ServedModel, parse_chat
+  source = ('{% for t in tools or [] %}TOOL {{ t.function.name }};{% endfor %}'
+            '{% for m in messages %}{{ m.role }}: {{ m.content }};{% endfor %}')
+  served = ServedModel('m', tokenizer, ChatTemplate(source), 128, 512, 5)
+  body = {'model': 'm', 'messages': ASK, 'tools': [WEATHER, CLOCK], 'max_tokens': 4}
+  parsed = parse_chat(body, served)
+  assert tokenizer.decode(parsed.prompts[0]).startswith('TOOL get_weather;TOOL get_time;user')
+  assert parsed.tool_format == 'hermes' and parsed.params[0].structured is None  # auto
+  assert parse_chat({**body, 'tool_choice': 'none'}, served).tool_format is None
+  forced = parse_chat({**body, 'tool_choice': 'required'}, served).params[0].structured
+  assert forced.kind == 'grammar' and '<tool_call>' in forced.spec
+  llama = ServedModel('m', tokenizer, ChatTemplate(source + '<|python_tag|>'), 128, 512, 5)
+  forced = parse_chat({**body, 'tool_choice': 'required'}, llama).params[0].structured
+  assert parse_chat(body, llama).tool_format == 'llama3' and '"parameters"' in forced.spec

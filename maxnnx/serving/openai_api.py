@@ -15,8 +15,25 @@ OpenAI's fields, as other OpenAI-compatible servers name them: ``top_k``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and
 ``return_token_ids`` (each choice then carries ``token_ids`` and ``prompt_token_ids``).
 Fields with no effect here (``user``, ``metadata``, ...) are ignored; fields that would
-change the output in a way the engine cannot honour (``suffix``, tools, ...) are refused
-with 400 rather than silently dropped.
+change the output in a way the engine cannot honour (``suffix``, ``functions``, audio, ...)
+are refused with 400 rather than silently dropped.
+
+Structured outputs: the chat API's ``response_format`` (``{"type": "json_object"}``, or
+``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``), and on both
+endpoints vLLM's ``guided_json`` (a schema), ``guided_regex`` and ``guided_grammar`` (Lark as
+llguidance reads it, or GBNF / EBNF) become ``SamplingParams.structured``: every token is
+sampled among those the grammar allows (:mod:`maxnnx.inference.structured`). A grammar that
+does not compile is a 400 naming the field and the problem.
+
+Tools: the chat API's ``tools`` go to the chat template (its ``tools`` variable, as
+transformers passes them), and each finished reply's calls are parsed in the model's format
+(:mod:`~maxnnx.serving.tools`) into ``message.tool_calls`` (finish reason ``tool_calls``,
+``content`` ``null`` when the reply is calls only; streamed, the text that may become a call
+is held back and the calls come in the last chunk's ``delta.tool_calls``). ``tool_choice``
+``auto`` (the default with tools) lets the model choose, ``none`` parses nothing, and
+``required`` or ``{"type": "function", "function": {"name": ...}}`` constrains the reply with
+a grammar to a call whose arguments follow the function's ``parameters`` schema (one call, or
+with ``parallel_tool_calls`` and ``required``, one or more).
 
 ``/v1/completions`` takes ``echo``: each choice's ``text`` starts with its prompt's, and with
 ``logprobs`` the ``logprobs`` object covers every prompt token first (the first ``null``: nothing
@@ -31,6 +48,7 @@ per prompt and answers the ``n`` with the highest mean log-probability per token
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import uuid
@@ -39,7 +57,16 @@ from typing import Any
 
 from maxnnx.data.chat import ChatTemplate, encode_with_specials
 from maxnnx.inference.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
+from maxnnx.inference.structured import StructuredOutput
 from maxnnx.serving.params import MAX_SEED, RequestOutput, SamplingParams, TokenLogprobs
+from maxnnx.serving.tools import (
+  ToolCall,
+  call_grammar,
+  check_tools,
+  held_back,
+  parse_tool_calls,
+  tool_format,
+)
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 64  # n times the number of prompts, per request
@@ -120,6 +147,8 @@ class ParsedRequest:
       scored (``params`` are kept for the choices' shape, with ``max_tokens=1``, not run).
     best_of: choices sampled per prompt, of which the ``n`` with the highest mean
       log-probability per token are answered (``None``: ``n``).
+    tool_format: the format tool calls are parsed from in each reply
+      (:mod:`~maxnnx.serving.tools`), or ``None`` (no tools, or ``tool_choice`` ``none``).
   """
 
   kind: str
@@ -135,6 +164,7 @@ class ParsedRequest:
   prompt_texts: tuple[str, ...] = ()
   score_only: bool = False
   best_of: int | None = None
+  tool_format: str | None = None
 
   @property
   def samples_per_prompt(self) -> int:
@@ -227,7 +257,8 @@ def _check_length(ids: Sequence[int], served: ServedModel, param: str) -> None:
 
 
 def _sampling(body, served: ServedModel, kind: str, prompts, max_tokens_name: str,
-              default_max_tokens: int | None, logprobs: int | None) -> tuple[int, list]:
+              default_max_tokens: int | None, logprobs: int | None,
+              structured: StructuredOutput | None = None) -> tuple[int, list]:
   """``(n, one SamplingParams per choice)`` from the shared sampling fields."""
   controls = _controls(body, served)
   n = _field(body, 'n', (int,), 1)
@@ -271,7 +302,7 @@ def _sampling(body, served: ServedModel, kind: str, prompts, max_tokens_name: st
             max_tokens=min(max_tokens or room, room), temperature=temperature,
             top_k=top_k if top_k > 0 else None, top_p=None if top_p >= 1.0 else top_p,
             seed=choice_seed, stop_token_ids=tuple(stop_ids), stop=tuple(stop),
-            ignore_eos=ignore_eos, logprobs=logprobs, **controls))
+            ignore_eos=ignore_eos, logprobs=logprobs, structured=structured, **controls))
       except ValueError as e:
         raise ApiError(str(e), code='invalid_value') from None
   return n, params
@@ -306,6 +337,66 @@ def _logit_bias(value: Mapping, served: ServedModel) -> dict[int, float]:
                      code='invalid_value')
     bias[token] = float(number)
   return bias
+
+
+GUIDED_FIELDS = {'guided_json': 'json_schema', 'guided_regex': 'regex',
+                 'guided_grammar': 'grammar'}
+
+
+def _compiled(param: str, kind: str, spec: str) -> StructuredOutput:
+  """``StructuredOutput(kind, spec)``; a grammar that does not compile is a 400 naming
+  ``param`` and the problem."""
+  try:
+    return StructuredOutput(kind, spec)
+  except ValueError as e:
+    raise ApiError(f'{param} does not compile: {e}', param=param, code='invalid_value') from None
+
+
+def _guided(body) -> tuple[str, StructuredOutput] | None:
+  """``(field, structured output)`` of vLLM's ``guided_json`` / ``guided_regex`` /
+  ``guided_grammar`` (at most one), or ``None``."""
+  given = [name for name in GUIDED_FIELDS if body.get(name) is not None]
+  if len(given) > 1:
+    raise ApiError(f'Give one of {", ".join(given)}, not several.', param=given[1],
+                   code='invalid_value')
+  if not given:
+    return None
+  name = given[0]
+  kinds = (dict, str) if name == 'guided_json' else (str,)
+  value = _field(body, name, kinds)
+  spec = json.dumps(value) if isinstance(value, dict) else value
+  return name, _compiled(name, GUIDED_FIELDS[name], spec)
+
+
+def _response_format(body) -> StructuredOutput | None:
+  """The chat API's ``response_format``: ``text`` (``None``), ``json_object`` or
+  ``json_schema`` (``{"json_schema": {"name": ..., "schema": {...}}}``)."""
+  value = _field(body, 'response_format', (dict,), {'type': 'text'})
+  kind = value.get('type')
+  if kind == 'text':
+    return None
+  if kind == 'json_object':
+    return StructuredOutput('json_object')
+  if kind == 'json_schema':
+    spec = value.get('json_schema')
+    schema = spec.get('schema') if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+      raise ApiError('response_format json_schema needs {"json_schema": {"name": ..., '
+                     '"schema": {...}}}, the schema a JSON object.', param='response_format',
+                     code='invalid_value')
+    return _compiled('response_format', 'json_schema', json.dumps(schema))
+  raise ApiError(f'response_format type must be text, json_object or json_schema; got '
+                 f'{kind!r}.', param='response_format', code='invalid_value')
+
+
+def _structured(body, kind: str) -> StructuredOutput | None:
+  """The request's structured output: ``response_format`` (chat) or a ``guided_*`` field."""
+  guided = _guided(body)
+  fmt = _response_format(body) if kind == 'chat' else None
+  if guided is not None and fmt is not None:
+    raise ApiError(f'Give response_format or {guided[0]}, not both.', param=guided[0],
+                   code='invalid_value')
+  return fmt if guided is None else guided[1]
 
 
 def _check_logprobs(value: int | None, served: ServedModel, param: str) -> int | None:
@@ -386,11 +477,13 @@ def parse_completion(body: Any, served: ServedModel) -> ParsedRequest:
                      f'at most {MAX_CHOICES} choices in all).', param='best_of',
                      code='invalid_value')
   sampled = dict(body, max_tokens=1) if score_only else body
+  structured = _structured(body, 'completion')
   if best_of is not None:  # every sample gets log-probabilities, to be ranked by them
     _, params = _sampling(dict(sampled, n=best_of), served, 'completion', prompts, 'max_tokens',
-                          16, 0 if logprobs is None else logprobs)
+                          16, 0 if logprobs is None else logprobs, structured)
   else:
-    n, params = _sampling(sampled, served, 'completion', prompts, 'max_tokens', 16, logprobs)
+    n, params = _sampling(sampled, served, 'completion', prompts, 'max_tokens', 16, logprobs,
+                          structured)
   texts = ()
   if echo:
     texts = tuple(p if isinstance(p, str) else served.tokenizer.decode(ids)
@@ -421,19 +514,23 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
     raise ApiError('This model has no chat template (chat_template.jinja or tokenizer_config.'
                    "json's chat_template); use /v1/completions.", param='messages',
                    code='no_chat_template')
-  for name in ('tools', 'functions', 'audio', 'prediction'):
+  for name in ('functions', 'audio', 'prediction'):
     _unsupported(body, name)
   _unsupported(body, 'echo', (None, False))  # the chat API has no echo
-  for name in ('tool_choice', 'function_call'):
-    _unsupported(body, name, (None, 'none', 'auto'))
+  _unsupported(body, 'function_call', (None, 'none', 'auto'))
   _unsupported(body, 'modalities', (None, ['text']))
-  response_format = _field(body, 'response_format', (dict,), {'type': 'text'})
-  if response_format.get('type') != 'text':
-    raise ApiError('response_format other than {"type": "text"} is not supported by this '
-                   'server.', param='response_format', code='unsupported_parameter')
+  structured = _structured(body, 'chat')
+  tools, fmt, forced = _tools(body, served)
+  if forced is not None:
+    if structured is not None:
+      raise ApiError('tool_choice required or a named function fixes the reply\'s format; '
+                     'give no response_format or guided_* field with it.',
+                     param='tool_choice', code='invalid_value')
+    structured = forced
   messages, sources = _messages(body.get('messages'))
   try:
-    text = served.template.render(messages, add_generation_prompt=True)
+    extra = {} if tools is None else {'tools': tools}
+    text = served.template.render(messages, add_generation_prompt=True, **extra)
   except Exception as e:  # the template's own raise_exception, or a template bug
     raise ApiError(f'The chat template refused the messages: {e}', param='messages',
                    code='invalid_value') from None
@@ -452,10 +549,45 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
                    code='invalid_value')
   name = 'max_completion_tokens' if body.get('max_completion_tokens') is not None else (
       'max_tokens')
-  n, params = _sampling(body, served, 'chat', [ids], name, None, logprobs)
+  n, params = _sampling(body, served, 'chat', [ids], name, None, logprobs, structured)
   stream, include_usage = _stream_fields(body)
   return ParsedRequest('chat', (ids,), tuple(params), n, stream, include_usage, logprobs,
-                       _field(body, 'return_token_ids', (bool,), False), pixels)
+                       _field(body, 'return_token_ids', (bool,), False), pixels,
+                       tool_format=fmt)
+
+
+def _tools(body, served: ServedModel) -> tuple[list | None, str | None, StructuredOutput | None]:
+  """``(tools for the template, the format calls are parsed from, the grammar that forces a
+  call)`` from ``tools``, ``tool_choice`` and ``parallel_tool_calls``."""
+  choice = body.get('tool_choice')
+  if body.get('tools') is None:
+    if choice not in (None, 'none'):
+      raise ApiError('tool_choice needs tools.', param='tool_choice', code='invalid_value')
+    return None, None, None
+  try:
+    tools = check_tools(body['tools'])
+  except ValueError as e:
+    raise ApiError(str(e), param='tools', code='invalid_value') from None
+  choice = 'auto' if choice is None else choice
+  names = [t['function']['name'] for t in tools]
+  named = None
+  if isinstance(choice, dict):
+    function = choice.get('function')
+    named = function.get('name') if isinstance(function, dict) else None
+    if choice.get('type') != 'function' or named not in names:
+      raise ApiError(f'tool_choice must be {{"type": "function", "function": {{"name": ...}}}}'
+                     f' naming one of the tools ({", ".join(names)}); got {choice!r}.',
+                     param='tool_choice', code='invalid_value')
+  elif choice not in ('none', 'auto', 'required'):
+    raise ApiError(f'tool_choice must be none, auto, required or {{"type": "function", '
+                   f'"function": {{"name": ...}}}}; got {choice!r}.', param='tool_choice',
+                   code='invalid_value')
+  fmt = tool_format(served.template.source)
+  if choice in ('none', 'auto'):
+    return tools, None if choice == 'none' else fmt, None
+  parallel = _field(body, 'parallel_tool_calls', (bool,), True) and named is None
+  grammar = call_grammar(tools, fmt, named, parallel)
+  return tools, fmt, _compiled('tools', 'grammar', grammar)
 
 
 def _images(text: str, sources: list[tuple[str, str]], served: ServedModel):
@@ -533,8 +665,34 @@ def _messages(value) -> tuple[list[dict], list[tuple[str, str]]]:
     entry = {'role': role, 'content': content}
     if isinstance(message.get('name'), str):
       entry['name'] = message['name']
+    if role == 'tool' and isinstance(message.get('tool_call_id'), str):
+      entry['tool_call_id'] = message['tool_call_id']
+    if role == 'assistant' and message.get('tool_calls') is not None:
+      entry['tool_calls'] = _past_calls(message['tool_calls'], where)
     messages.append(entry)
   return messages, sources
+
+
+def _past_calls(calls, where: str) -> list[dict]:
+  """An assistant message's ``tool_calls`` for the template: each call's ``arguments``
+  (JSON text in OpenAI's API) as the object templates expect, as transformers renders them."""
+  def call(i, value):
+    function = value.get('function') if isinstance(value, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get('name'), str):
+      raise ApiError(f'{where}.tool_calls[{i}] must be {{"type": "function", "function": '
+                     '{"name", "arguments"}}.', param=f'{where}.tool_calls', code='invalid_value')
+    arguments = function.get('arguments', {})
+    if isinstance(arguments, str):
+      try:
+        arguments = json.loads(arguments)
+      except json.JSONDecodeError:
+        pass  # the template gets the text as it came
+    return {**value, 'function': {**function, 'arguments': arguments}}
+
+  if not isinstance(calls, list):
+    raise ApiError(f'{where}.tool_calls must be an array.', param=f'{where}.tool_calls',
+                   code='invalid_type')
+  return [call(i, value) for i, value in enumerate(calls)]
 
 
 # -- streaming text -----------------------------------------------------------------------
@@ -561,9 +719,13 @@ class ChoiceStream:
     tokenizer: decodes tokens (the finished text without its stop token, token strings).
     params: the choice's :class:`SamplingParams`.
     eos_ids: the engine's end-of-sequence ids.
+    tool_format: parse the finished reply's tool calls in this format
+      (:mod:`~maxnnx.serving.tools`; the text that may become a call is held back while it
+      streams), or ``None``.
   """
 
-  def __init__(self, index: int, tokenizer, params: SamplingParams, eos_ids=()):
+  def __init__(self, index: int, tokenizer, params: SamplingParams, eos_ids=(),
+               tool_format: str | None = None):
     self.index = index
     self.tokenizer = tokenizer
     self.params = params
@@ -575,6 +737,8 @@ class ChoiceStream:
     self.num_cached_tokens = 0
     self.text_offset = 0           # completions logprobs: where the next token's text starts
     self.cumulative_logprob = 0.0  # of every generated token, a stop token included
+    self.tool_format = tool_format
+    self.tool_calls: list[ToolCall] = []  # parsed from the finished reply
 
   @property
   def finished(self) -> bool:
@@ -593,8 +757,16 @@ class ChoiceStream:
       if out.finish_reason == 'stop' and out.token_ids and out.token_ids[-1] in self.stop_ids:
         text = self.tokenizer.decode(out.token_ids[:-1])  # the stop token is not output text
         new_logprobs = new_logprobs[:-1]  # nor are its log-probabilities
+      if self.tool_format is not None:
+        content, self.tool_calls = parse_tool_calls(text, self.tool_format)
+        if self.tool_calls:
+          text = content or ''
+          self.finish_reason = 'tool_calls' if out.finish_reason == 'stop' else (
+              out.finish_reason)
     else:
       text = stable_text(out.text or '', self.params.stop)
+      if self.tool_format is not None:
+        text = text[:held_back(text, self.tool_format)]
     self.logprobs.extend(new_logprobs)
     if not text.startswith(self.text):  # a tokenizer that rewrites earlier text: send nothing
       return '', new_logprobs
@@ -711,7 +883,10 @@ def response_body(request: ParsedRequest, response_id: str, model: str,
     prompt = request.prompts[which]
     if request.kind == 'chat':
       lp = chat_logprobs(c, c.logprobs) if request.logprobs is not None else None
-      out.append({'index': index, 'message': {'role': 'assistant', 'content': c.text},
+      message = {'role': 'assistant', 'content': c.text or None if c.tool_calls else c.text}
+      if c.tool_calls:
+        message['tool_calls'] = [call.as_dict() for call in c.tool_calls]
+      out.append({'index': index, 'message': message,
                   'logprobs': lp, 'finish_reason': c.finish_reason,
                   **_token_fields(request, c, prompt)})
       continue
@@ -746,6 +921,9 @@ def chunk(request: ParsedRequest, response_id: str, model: str, choice: ChoiceSt
   if request.kind == 'chat':
     delta = {'role': 'assistant', 'content': text} if first else (
         {'content': text} if text or finish is None else {})
+    if finish is not None and choice.tool_calls:
+      delta['tool_calls'] = [{'index': k, **call.as_dict()}
+                             for k, call in enumerate(choice.tool_calls)]
     lp = chat_logprobs(choice, logprobs) if request.logprobs is not None and logprobs else None
     entry = {'index': choice.index, 'delta': delta, 'logprobs': lp, 'finish_reason': finish}
   else:

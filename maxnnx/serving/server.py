@@ -298,7 +298,8 @@ class _Job:
     self.api, self.parsed, self.arrival = api, parsed, arrival
     self.events: asyncio.Queue = asyncio.Queue()
     tokenizer, eos = api.loop.engine.tokenizer, api.loop.engine.eos_ids
-    self.choices = [ChoiceStream(i, tokenizer, p, eos) for i, p in enumerate(parsed.params)]
+    self.choices = [ChoiceStream(i, tokenizer, p, eos, parsed.tool_format)
+                    for i, p in enumerate(parsed.params)]
     self.open = set(range(len(self.choices)))
     self.disconnected = False
     self._early: list = []

@@ -1,0 +1,181 @@
+"""Tool calls for the chat API: the ``tools`` a request declares, the grammar that forces a
+call, and the calls parsed back out of the model's text.
+
+A model writes its tool calls in its family's own format; the server recognises three,
+picked from what the chat template writes (:func:`tool_format`):
+
+* ``hermes`` (Qwen 2.5 / 3, Hermes, and the default):
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block per call;
+* ``llama3`` (Llama 3.1 / 3.2 / 3.3): the whole reply is one JSON object
+  ``{"name": ..., "parameters": {...}}`` (``<|python_tag|>`` before it is dropped);
+* ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects.
+
+``tool_choice`` ``required`` or a named function makes the reply a call: a grammar in the
+model's format (:func:`call_grammar`) whose arguments follow the function's ``parameters``
+schema. ``auto`` lets the model choose and parses whatever calls it wrote
+(:func:`parse_tool_calls`); ``none`` parses nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+
+FORMATS = ('hermes', 'llama3', 'mistral')
+_HERMES_CALL = re.compile(r'<tool_call>\s*(.*?)\s*</tool_call>', re.S)
+_MARKERS = {'hermes': '<tool_call>', 'llama3': '<|python_tag|>', 'mistral': '[TOOL_CALLS]'}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+  """One call the model wrote.
+
+  Attributes:
+    name: the function's name.
+    arguments: its arguments as JSON text (OpenAI's ``function.arguments``).
+    id: the call's id (``call_...``).
+  """
+
+  name: str
+  arguments: str
+  id: str = dataclasses.field(default_factory=lambda: 'call_' + uuid.uuid4().hex[:24])
+
+  def as_dict(self) -> dict:
+    """OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+    return {'id': self.id, 'type': 'function',
+            'function': {'name': self.name, 'arguments': self.arguments}}
+
+
+def tool_format(template_source: str) -> str:
+  """The call format a chat template's model writes: ``mistral`` when the template holds
+  ``[TOOL_CALLS]``, ``llama3`` when it holds ``<|python_tag|>`` or the ``ipython`` role, else
+  ``hermes``."""
+  if '[TOOL_CALLS]' in template_source:
+    return 'mistral'
+  if '<|python_tag|>' in template_source or 'ipython' in template_source:
+    return 'llama3'
+  return 'hermes'
+
+
+def check_tools(tools) -> list[dict]:
+  """``tools`` as a list of ``{"type": "function", "function": {"name", "parameters", ...}}``.
+
+  Raises:
+    ValueError: a malformed entry, named by its index (``parameters`` defaults to an empty
+      object schema).
+  """
+  if not isinstance(tools, list) or not tools:
+    raise ValueError('tools must be a non-empty array of {"type": "function", "function": '
+                     '{"name": ..., "parameters": {...}}} objects.')
+  checked, names = [], set()
+  for i, tool in enumerate(tools):
+    function = tool.get('function') if isinstance(tool, dict) else None
+    if not (isinstance(tool, dict) and tool.get('type') == 'function'
+            and isinstance(function, dict)):
+      raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}.')
+    name = function.get('name')
+    if not isinstance(name, str) or not re.fullmatch(r'[A-Za-z0-9_.\-]{1,64}', name):
+      raise ValueError(f'tools[{i}].function.name must be 1 to 64 letters, digits, '
+                       f'underscores, dots or dashes; got {name!r}.')
+    if name in names:
+      raise ValueError(f'tools[{i}].function.name {name!r} is declared twice.')
+    names.add(name)
+    parameters = function.get('parameters', {'type': 'object', 'properties': {}})
+    if not isinstance(parameters, dict):
+      raise ValueError(f'tools[{i}].function.parameters must be a JSON schema object.')
+    checked.append({'type': 'function', 'function': {**function, 'parameters': parameters}})
+  return checked
+
+
+def _call_schema(function: Mapping, fmt: str) -> dict:
+  key = 'parameters' if fmt == 'llama3' else 'arguments'
+  return {'type': 'object',
+          'properties': {'name': {'const': function['name']}, key: function['parameters']},
+          'required': ['name', key], 'additionalProperties': False}
+
+
+def call_grammar(tools: Sequence[Mapping], fmt: str, name: str | None = None,
+                 parallel: bool = False) -> str:
+  """A Lark grammar (llguidance's, with ``%json``) of a reply that is tool calls only, in
+  ``fmt``: one call (or, with ``parallel``, one or more) of the function ``name``, or of any
+  of ``tools``; each call's arguments follow the function's ``parameters`` schema."""
+  functions = [t['function'] for t in tools if name is None or t['function']['name'] == name]
+  schemas = [_call_schema(f, fmt) for f in functions]
+  schema = dict(schemas[0]) if len(schemas) == 1 else {'anyOf': schemas}
+  schema['x-guidance'] = {'whitespace_flexible': False}  # compact JSON, as for schemas
+  call = '%json ' + json.dumps(schema)
+  if fmt == 'hermes':
+    body = f'"<tool_call>\\n" {call} "\\n</tool_call>"'
+    more = ' ("\\n" call)*' if parallel else ''
+    return f'start: call{more}\ncall: {body}\n'
+  if fmt == 'mistral':
+    more = ' ("," call)*' if parallel else ''
+    return f'start: "[TOOL_CALLS][" call{more} "]"\ncall: {call}\n'
+  return f'start: call\ncall: {call}\n'  # llama3: one JSON object per reply
+
+
+def _call(value, fmt: str) -> ToolCall | None:
+  """A parsed JSON value as a call, if it is one."""
+  if not isinstance(value, dict) or not isinstance(value.get('name'), str):
+    return None
+  arguments = value.get('parameters' if 'parameters' in value else 'arguments', {})
+  if isinstance(arguments, str):  # some models write the arguments as JSON text already
+    return ToolCall(value['name'], arguments)
+  return ToolCall(value['name'], json.dumps(arguments, ensure_ascii=False))
+
+
+def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
+  """``(content, calls)`` of a finished reply in ``fmt``: the calls it holds, and the text
+  outside them (``None`` when there is none). Text that does not parse as calls stays
+  content, whole."""
+  calls: list[ToolCall] = []
+  if fmt == 'hermes':
+    for found in _HERMES_CALL.finditer(text):
+      try:
+        call = _call(json.loads(found.group(1)), fmt)
+      except json.JSONDecodeError:
+        call = None
+      if call is None:
+        return text, []
+      calls.append(call)
+    content = _HERMES_CALL.sub('', text).strip() if calls else text
+    return content or None, calls
+  stripped = text.strip()
+  if fmt == 'mistral':
+    if not stripped.startswith('[TOOL_CALLS]'):
+      return text, []
+    stripped = stripped[len('[TOOL_CALLS]'):].strip()
+  elif stripped.startswith('<|python_tag|>'):
+    stripped = stripped[len('<|python_tag|>'):].strip()
+  try:
+    value = json.loads(stripped)
+  except json.JSONDecodeError:
+    return text, []
+  values = value if isinstance(value, list) else [value]
+  calls = [_call(v, fmt) for v in values]
+  if not calls or any(c is None for c in calls):
+    return text, []
+  return None, calls
+
+
+def held_back(text: str, fmt: str) -> int:
+  """Where the text that may still become a tool call starts in a growing reply (streaming
+  sends only what comes before it): at the format's marker or a tail that could begin it,
+  and for ``llama3`` a reply that starts with ``{``."""
+  if fmt == 'llama3' and text.lstrip().startswith('{'):
+    return 0
+  marker = _MARKERS[fmt]
+  found = text.find(marker)
+  if found >= 0:
+    return found
+  for k in range(min(len(marker) - 1, len(text)), 0, -1):
+    if text.endswith(marker[:k]):
+      return len(text) - k
+  return len(text)
+
+
+__all__ = ['FORMATS', 'ToolCall', 'call_grammar', 'check_tools', 'held_back',
+           'parse_tool_calls', 'tool_format']
