@@ -27,6 +27,7 @@ from flax import nnx
 
 import maxnnx
 from maxnnx.data import load_tokenizer
+from maxnnx.inference.structured import StructuredOutput
 from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.lockstep import LeaderEngine, decode_call, encode_call, follow
 
@@ -123,6 +124,8 @@ def test_calls_travel_as_json_with_images_as_npy():
                                                      pixels))
   assert (op, prompt, back) == ('add', [1, 2, 3], params)
   np.testing.assert_array_equal(images, pixels)
+  constrained = SamplingParams(max_tokens=3, structured=StructuredOutput('regex', '[ab]+'))
+  assert decode_call(encode_call('add', [1], constrained, None))[2] == constrained
   assert decode_call(encode_call('cancel', np.int64(4))) == ('cancel', 4)
   assert decode_call(encode_call('step')) == ('step',)
   body = json.loads(encode_call('add', [1], params, pixels))  # the whole message is JSON

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from maxnnx.inference.structured import StructuredOutput
 from maxnnx.serving.engine import Engine
 from maxnnx.serving.params import RequestOutput, SamplingParams
 
@@ -115,7 +116,10 @@ def decode_call(message: bytes) -> tuple:
   op = body['op']
   if op == 'add':
     images = body['images']
-    return (op, body['prompt'], SamplingParams(**body['params']),
+    params = body['params']
+    if params.get('structured') is not None:  # asdict() flattened it to {kind, spec}
+      params = {**params, 'structured': StructuredOutput(**params['structured'])}
+    return (op, body['prompt'], SamplingParams(**params),
             None if images is None else np.load(io.BytesIO(base64.b64decode(images))))
   if op == 'cancel':
     return op, body['request_id']
