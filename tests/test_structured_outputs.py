@@ -317,3 +317,23 @@ def test_the_template_gets_the_tools_and_the_format_follows_it(tokenizer):
   llama = ServedModel('m', tokenizer, ChatTemplate(source + '<|python_tag|>'), 128, 512, 5)
   forced = parse_chat({**body, 'tool_choice': 'required'}, llama).params[0].structured
   assert parse_chat(body, llama).tool_format == 'llama3' and '"parameters"' in forced.spec
+
+
+def test_a_streamed_reply_sends_its_text_and_its_calls_only_once_complete():
+  """ChoiceStream fed a reply piece by piece (tool_choice auto): the text before the call
+  streams, the call's text never does, and the finished reply carries the parsed call."""
+  from maxnnx.serving.openai_api import ChoiceStream
+  from maxnnx.serving.params import RequestOutput
+  pieces = ['Let me ', 'check. <tool', '_call>\n{"name": "get_time", ', '"arguments": ',
+            '{"zone": "utc"}}\n</tool_call>']
+  stream = ChoiceStream(0, None, SamplingParams(), tool_format='hermes')
+  sent = []
+  for k in range(1, len(pieces) + 1):
+    done = k == len(pieces)
+    out = RequestOutput(0, (k,), None, tuple(range(1, k + 1)), done, 'stop' if done else None,
+                        ''.join(pieces[:k]), 0)
+    sent.append(stream.update(out)[0])
+  assert sent == ['Let me ', 'check. ', '', '', '']
+  assert stream.finish_reason == 'tool_calls' and stream.text == 'Let me check.'
+  [call] = stream.tool_calls
+  assert (call.name, json.loads(call.arguments)) == ('get_time', {'zone': 'utc'})

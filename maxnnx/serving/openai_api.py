@@ -769,6 +769,8 @@ class ChoiceStream:
         text = text[:held_back(text, self.tool_format)]
     self.logprobs.extend(new_logprobs)
     if not text.startswith(self.text):  # a tokenizer that rewrites earlier text: send nothing
+      if self.tool_calls:
+        self.text = text  # the content beside the calls (stripped) is the message's
       return '', new_logprobs
     delta, self.text = text[len(self.text):], text
     return delta, new_logprobs
