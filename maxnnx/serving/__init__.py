@@ -2,7 +2,8 @@
 
 :class:`Engine` is the entry point: ``add_request`` / ``step`` / ``cancel`` for a
 driver loop (a server, RL rollouts), ``generate`` to run a list of prompts to
-completion. :class:`SamplingParams` sets each request's sampling and stopping;
+completion. :class:`SamplingParams` sets each request's sampling and stopping (and
+:class:`StructuredOutput`, a grammar its output follows);
 :class:`RequestOutput` and :class:`Completion` are what comes back. The page
 bookkeeping (:class:`PageAllocator`) and the batching policy (:class:`Scheduler`)
 run no model and can be used or tested on their own.
@@ -12,10 +13,11 @@ run no model and can be used or tested on their own.
 imported here, so using the engine does not load the web stack.
 """
 
+from maxnnx.inference.structured import StructuredOutput
 from maxnnx.serving.engine import Engine
 from maxnnx.serving.pages import PageAllocator, page_hashes
 from maxnnx.serving.params import Completion, RequestOutput, SamplingParams, TokenLogprobs
 from maxnnx.serving.scheduler import Request, Scheduler
 
 __all__ = ['Completion', 'Engine', 'PageAllocator', 'Request', 'RequestOutput', 'SamplingParams',
-           'Scheduler', 'TokenLogprobs', 'page_hashes']
+           'Scheduler', 'StructuredOutput', 'TokenLogprobs', 'page_hashes']

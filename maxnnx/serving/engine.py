@@ -559,8 +559,9 @@ class Engine:
 
   def warmup(self, progress=None) -> float:
     """Compile every model bucket and sampler variant (and the image tower and the penalty
-    counts' writer) before serving, so that no request meets a cold program; returns the
-    seconds it took. ``progress(done, total)`` is called after each program. Idle engine only.
+    counts' writer) before serving, so that no request meets a cold program, and wrap the
+    tokenizer for structured outputs; returns the seconds it took. ``progress(done, total)``
+    is called after each program. Idle engine only.
 
     A step of each bucket runs with every row empty: it writes the scratch page and state
     slot 0 only, and samples nothing that is kept. With JAX's persistent cache on
@@ -591,6 +592,11 @@ class Engine:
         jax.block_until_ready(self._features_fn(self._params, self._cache, np.zeros(
             (1, v.num_channels, v.image_size, v.image_size), np.float32)))
       jax.block_until_ready(logits_BV)
+    if self.tokenizer is not None and self._grammar_tokenizer is None:
+      # Wrapping a large vocabulary for llguidance takes a second: not on the first request.
+      with contextlib.suppress(ValueError, ImportError):
+        self._grammar_tokenizer = grammar_tokenizer(
+            self.tokenizer, self.model_config.vocab_size, self.eos_ids)
     self.compiles.warm = True
     return time.monotonic() - start
 
