@@ -337,3 +337,32 @@ def test_a_streamed_reply_sends_its_text_and_its_calls_only_once_complete():
   assert stream.finish_reason == 'tool_calls' and stream.text == 'Let me check.'
   [call] = stream.tool_calls
   assert (call.name, json.loads(call.arguments)) == ('get_time', {'zone': 'utc'})
+
+
+@pytest.mark.parametrize('fmt, first', [('hermes', '<tool_call>'), ('mistral', '[TOOL_CALLS]')])
+def test_a_forced_call_writes_a_marker_token_the_vocabulary_has_as_that_token(
+    model, tmp_path, fmt, first):
+  """With ``<tool_call>`` / ``[TOOL_CALLS]`` special tokens in the vocabulary, the grammar
+  of a forced call starts with that one token (the model's own way to write it), and the
+  reply parses back into a call whose arguments validate."""
+  from maxnnx.data.chat import CHATML_TEMPLATE, special_tokens
+  from maxnnx.serving.tools import call_grammar
+  from tests.conftest import CHAT_SPECIALS, _byte_level_bpe, _write_tokenizer_dir
+  markers = ['<tool_call>', '</tool_call>', '[TOOL_CALLS]']
+  _write_tokenizer_dir(tmp_path, _byte_level_bpe(500, CHAT_SPECIALS + markers),
+                       {'eos_token': '<|im_end|>', 'chat_template': CHATML_TEMPLATE})
+  tok = load_tokenizer(str(tmp_path))
+  specials = special_tokens(tok)
+  engine = Engine(model, tok, max_batch=2, token_budget=32, page_size=8, max_model_len=128,
+                  token_buckets=(32,), page_buckets=(16,))
+  structured = StructuredOutput('grammar', call_grammar([WEATHER], fmt, specials=specials))
+  outs = engine.generate([tok.encode('Weather?')] * 2, [
+      SamplingParams(max_tokens=60, temperature=1.0, seed=s, structured=structured)
+      for s in range(2)])
+  for out in outs:
+    assert out.finish_reason == 'stop' and out.token_ids[0] == specials[first]
+    if fmt == 'hermes':
+      assert out.token_ids[-1] == specials['</tool_call>']
+    content, [call] = parse_tool_calls(out.text, fmt)
+    assert content is None and call.name == 'get_weather'
+    check_schema(json.loads(call.arguments), WEATHER['function']['parameters'])

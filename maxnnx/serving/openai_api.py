@@ -55,7 +55,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from maxnnx.data.chat import ChatTemplate, encode_with_specials
+from maxnnx.data.chat import ChatTemplate, encode_with_specials, special_tokens
 from maxnnx.inference.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
 from maxnnx.inference.structured import StructuredOutput
 from maxnnx.serving.params import MAX_SEED, RequestOutput, SamplingParams, TokenLogprobs
@@ -586,7 +586,7 @@ def _tools(body, served: ServedModel) -> tuple[list | None, str | None, Structur
   if choice in ('none', 'auto'):
     return tools, None if choice == 'none' else fmt, None
   parallel = _field(body, 'parallel_tool_calls', (bool,), True) and named is None
-  grammar = call_grammar(tools, fmt, named, parallel)
+  grammar = call_grammar(tools, fmt, named, parallel, special_tokens(served.tokenizer))
   return tools, fmt, _compiled('tools', 'grammar', grammar)
 
 

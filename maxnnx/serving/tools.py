@@ -98,22 +98,31 @@ def _call_schema(function: Mapping, fmt: str) -> dict:
 
 
 def call_grammar(tools: Sequence[Mapping], fmt: str, name: str | None = None,
-                 parallel: bool = False) -> str:
+                 parallel: bool = False, specials: Mapping[str, int] | None = None) -> str:
   """A Lark grammar (llguidance's, with ``%json``) of a reply that is tool calls only, in
   ``fmt``: one call (or, with ``parallel``, one or more) of the function ``name``, or of any
-  of ``tools``; each call's arguments follow the function's ``parameters`` schema."""
+  of ``tools``; each call's arguments follow the function's ``parameters`` schema.
+
+  ``specials`` (``{text: id}``, :func:`~maxnnx.data.chat.special_tokens`): a marker that is
+  one token of the vocabulary (Qwen's ``<tool_call>``, Mistral's ``[TOOL_CALLS]``) is that
+  token in the grammar, as the model writes it, rather than its text spelled in pieces."""
+  specials = specials or {}
+
+  def literal(text: str) -> str:
+    return f'<[{specials[text]}]>' if text in specials else json.dumps(text)
+
   functions = [t['function'] for t in tools if name is None or t['function']['name'] == name]
   schemas = [_call_schema(f, fmt) for f in functions]
   schema = dict(schemas[0]) if len(schemas) == 1 else {'anyOf': schemas}
   schema['x-guidance'] = {'whitespace_flexible': False}  # compact JSON, as for schemas
   call = '%json ' + json.dumps(schema)
   if fmt == 'hermes':
-    body = f'"<tool_call>\\n" {call} "\\n</tool_call>"'
+    body = f'{literal("<tool_call>")} "\\n" {call} "\\n" {literal("</tool_call>")}'
     more = ' ("\\n" call)*' if parallel else ''
     return f'start: call{more}\ncall: {body}\n'
   if fmt == 'mistral':
     more = ' ("," call)*' if parallel else ''
-    return f'start: "[TOOL_CALLS][" call{more} "]"\ncall: {call}\n'
+    return f'start: {literal("[TOOL_CALLS]")} "[" call{more} "]"\ncall: {call}\n'
   return f'start: call\ncall: {call}\n'  # llama3: one JSON object per reply
 
 
