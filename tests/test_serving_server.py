@@ -244,6 +244,8 @@ BAD_REQUESTS = [  # (endpoint, body, param)
     ('chat/completions', {'model': NAME, 'messages': [{'role': 'user', 'content': 'hi'}],
                           'tool_choice': 'required'}, 'tool_choice'),
     ('completions', {'model': NAME, 'prompt': 'hi', 'guided_regex': '[a-'}, 'guided_regex'),
+    ('completions', {'model': NAME, 'prompt': 'hi', 'guided_choice': ['a', 2]},
+     'guided_choice'),
 ]
 
 

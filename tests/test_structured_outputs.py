@@ -214,6 +214,11 @@ def test_guided_regex_and_grammar_on_completions(client):
   out = client.completions.create(model=NAME, prompt='Set:', max_tokens=20, temperature=0,
                                   extra_body={'guided_grammar': grammar})
   assert re.fullmatch(r'[xy]=[0-9](;[xy]=[0-9])?', out.choices[0].text), out.choices[0].text
+  choices = ['red', 'green', 'a "blue" one']
+  texts = {client.completions.create(
+      model=NAME, prompt='Color:', max_tokens=10, temperature=1.0, seed=seed,
+      extra_body={'guided_choice': choices}).choices[0].text for seed in range(6)}
+  assert texts <= set(choices) and texts, texts
 
 
 def _check_call(call, tools):

@@ -20,8 +20,9 @@ are refused with 400 rather than silently dropped.
 
 Structured outputs: the chat API's ``response_format`` (``{"type": "json_object"}``, or
 ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``), and on both
-endpoints vLLM's ``guided_json`` (a schema), ``guided_regex`` and ``guided_grammar`` (Lark as
-llguidance reads it, or GBNF / EBNF) become ``SamplingParams.structured``: every token is
+endpoints vLLM's ``guided_json`` (a schema), ``guided_regex``, ``guided_grammar`` (Lark as
+llguidance reads it, or GBNF / EBNF) and ``guided_choice`` (one of a list of strings) become
+``SamplingParams.structured``: every token is
 sampled among those the grammar allows (:mod:`maxnnx.inference.structured`). A grammar that
 does not compile is a 400 naming the field and the problem.
 
@@ -340,7 +341,7 @@ def _logit_bias(value: Mapping, served: ServedModel) -> dict[int, float]:
 
 
 GUIDED_FIELDS = {'guided_json': 'json_schema', 'guided_regex': 'regex',
-                 'guided_grammar': 'grammar'}
+                 'guided_grammar': 'grammar', 'guided_choice': 'grammar'}
 
 
 def _compiled(param: str, kind: str, spec: str) -> StructuredOutput:
@@ -354,7 +355,7 @@ def _compiled(param: str, kind: str, spec: str) -> StructuredOutput:
 
 def _guided(body) -> tuple[str, StructuredOutput] | None:
   """``(field, structured output)`` of vLLM's ``guided_json`` / ``guided_regex`` /
-  ``guided_grammar`` (at most one), or ``None``."""
+  ``guided_grammar`` / ``guided_choice`` (at most one), or ``None``."""
   given = [name for name in GUIDED_FIELDS if body.get(name) is not None]
   if len(given) > 1:
     raise ApiError(f'Give one of {", ".join(given)}, not several.', param=given[1],
@@ -362,6 +363,12 @@ def _guided(body) -> tuple[str, StructuredOutput] | None:
   if not given:
     return None
   name = given[0]
+  if name == 'guided_choice':
+    value = _field(body, name, (list,))
+    if not value or not all(isinstance(v, str) and v for v in value):
+      raise ApiError('guided_choice must be a non-empty array of non-empty strings.',
+                     param=name, code='invalid_value')
+    return name, _compiled(name, 'grammar', 'start: ' + ' | '.join(map(json.dumps, value)))
   kinds = (dict, str) if name == 'guided_json' else (str,)
   value = _field(body, name, kinds)
   spec = json.dumps(value) if isinstance(value, dict) else value
