@@ -123,10 +123,16 @@ def test_constrained_greedy_tokens_are_the_argmax_over_the_grammars_allowed_toke
 
 
 def test_a_regex_is_matched_whole_and_sampling_stays_inside_it(engine, tokenizer):
+  """Sampled rows, one with penalties and a logit bias beside its mask: every reply matches."""
   pattern = r'(yes|no) [0-9]{2,4}'
+  digit = tokenizer.encode('7')[0]
+  controls = [{}, {}, {'repetition_penalty': 1.5, 'presence_penalty': 1.0},
+              {'logit_bias': {digit: 100.0}, 'top_k': 3}]
   outs = engine.generate([tokenizer.encode('Well?')] * 4, [
       SamplingParams(max_tokens=20, temperature=1.0, seed=s,
-                     structured=StructuredOutput('regex', pattern)) for s in range(4)])
+                     structured=StructuredOutput('regex', pattern), **c)
+      for s, c in enumerate(controls)])
+  assert '77' in outs[3].text  # the bias still acts among the allowed tokens
   for out in outs:
     assert re.fullmatch(pattern, out.text), out.text
     assert out.finish_reason == 'stop'
