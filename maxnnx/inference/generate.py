@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maxnnx.inference import speculative as spec
 from maxnnx.inference.sampling import (
   Controls,
   apply_controls,
@@ -44,11 +45,25 @@ class GenerationResult:
       ``log_softmax(logits / temperature)`` (``temperature`` 1 for greedy
       decoding), without the ``top_k`` / ``top_p`` cut; 0 after a row's end.
       An RL objective compares these with its own forward pass.
+    accepted_draft_tokens: with ``speculative``, the drafts the target kept (over the
+      rows, counted until each row ended); ``None`` otherwise.
+    proposed_draft_tokens: with ``speculative``, the drafts proposed (prompt lookup counts
+      only the tokens it found); ``None`` otherwise.
   """
 
   tokens: np.ndarray
   lengths: np.ndarray
   logprobs: np.ndarray | None = None
+  accepted_draft_tokens: int | None = None
+  proposed_draft_tokens: int | None = None
+
+  @property
+  def acceptance_rate(self) -> float | None:
+    """Share of the proposed drafts the target kept (``None`` without speculative decoding
+    or when nothing was proposed)."""
+    if not self.proposed_draft_tokens:
+      return None
+    return self.accepted_draft_tokens / self.proposed_draft_tokens
 
   def as_lists(self) -> list[list[int]]:
     """Each row's generated ids, without padding."""
@@ -201,7 +216,9 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
              prompt_lengths: Sequence[int] | None = None,
              pixel_values: np.ndarray | None = None, logit_bias: dict[int, float] | None = None,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             repetition_penalty: float = 1.0, min_tokens: int = 0) -> GenerationResult:
+             repetition_penalty: float = 1.0, min_tokens: int = 0,
+             speculative: 'spec.PromptLookup | spec.DraftModel | None' = None
+             ) -> GenerationResult:
   """Continue each prompt by up to ``max_new_tokens`` tokens.
 
   Args:
@@ -226,6 +243,11 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
       ranges (applied before temperature, top-k and top-p; see
       :mod:`maxnnx.inference.sampling`). ``min_tokens`` holds back ``eos_ids``. The returned
       ``logprobs`` stay those of the model's own logits.
+    speculative: a :class:`~maxnnx.inference.speculative.PromptLookup` or
+      :class:`~maxnnx.inference.speculative.DraftModel` drafter: each step the model
+      verifies its drafts in one forward pass (see :mod:`maxnnx.inference.speculative`).
+      Greedy output is the same token for token; sampling keeps the same distribution
+      (with different random draws). Not with the logit controls.
 
   Returns:
     A :class:`GenerationResult` with ``tokens [B, max_new_tokens]`` and ``lengths``.
@@ -262,6 +284,11 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
     eos_ids = model.config.eos_token_id
   eos = np.asarray([] if eos_ids is None else np.atleast_1d(eos_ids), np.int32)
   batch, width = ids.shape
+  if speculative is not None:
+    spec.check_speculative(speculative, model, pixel_values=pixel_values, controls=controls,
+                           longrope_switch=_longrope_switch_step(model, width, max_new_tokens))
+    return _speculative(model, speculative, ids, segments, positions, lengths, max_new_tokens,
+                        (float(temperature), top_k, top_p), eos, pad_id, seed, pixel_values)
   work = nnx.merge(*nnx.split(model))  # a working copy: the cache is not added to `model`
   work.init_cache(batch, width + max_new_tokens)
   # `cache` holds every non-parameter: KV caches, and MoE routing statistics if any.
@@ -298,6 +325,54 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
   ended = np.isin(tokens, eos)
   out_lengths = np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, max_new_tokens)
   return GenerationResult(tokens, out_lengths.astype(np.int32), host_value(logprobs))
+
+
+def _ended(tokens: np.ndarray, eos: np.ndarray, pad_id: int):
+  """``(tokens with pad_id after each row's first end id, lengths)``."""
+  ended = np.isin(tokens, eos)
+  lengths = np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, tokens.shape[1])
+  tokens = np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, pad_id)
+  return tokens.astype(np.int32), lengths.astype(np.int32)
+
+
+def _speculative(model, speculative, ids, segments, positions, lengths, max_new_tokens: int,
+                 sampling, eos, pad_id: int, seed: int, pixel_values) -> GenerationResult:
+  """:func:`generate` with a drafter (checked): prefill, then
+  :func:`~maxnnx.inference.speculative.speculative_decode`."""
+  batch, width = ids.shape
+  k = speculative.num_draft_tokens
+  slots = spec.cache_slots(width, max_new_tokens, k, batch)
+  images = None if pixel_values is None else jnp.asarray(pixel_values)
+
+  def prefilled(each):
+    work = nnx.merge(*nnx.split(each))
+    work.init_cache(batch, slots)
+    graphdef, params, cache = nnx.split(work, nnx.Param, ...)
+    logits, cache = _prefill(graphdef, params, cache, ids, segments, positions, images)
+    return graphdef, params, cache, logits
+
+  graphdef, params, cache, logits = prefilled(model)
+  draft_graphdef = draft_params = draft_cache = None
+  settings = (k, 0, 0)
+  if isinstance(speculative, spec.DraftModel):
+    draft_graphdef, draft_params, draft_cache, _ = prefilled(speculative.model)
+    draft = nnx.merge(draft_graphdef, draft_params, draft_cache)
+    draft.cache_index[...] = jnp.asarray(width - 1, jnp.int32)  # its last slot is fed again
+    draft_cache = nnx.state(draft, nnx.Not(nnx.Param))
+  else:
+    settings = (k, speculative.max_ngram, speculative.min_ngram)
+  context = np.zeros((batch, width + max_new_tokens + k + 1), np.int32)
+  for row in range(batch):
+    context[row, :lengths[row]] = ids[row, width - lengths[row]:]
+  tokens, logprobs, accepted, proposed = spec.speculative_decode(
+      graphdef, draft_graphdef, settings, sampling, max_new_tokens, params, draft_params, cache,
+      logits, draft_cache, jnp.asarray(context), jnp.asarray(lengths), jnp.asarray(eos),
+      jax.random.key(seed))
+  tokens, out_lengths = _ended(host_value(tokens)[:, :max_new_tokens], eos, pad_id)
+  logprobs = host_value(logprobs)[:, :max_new_tokens]
+  logprobs = np.where(np.arange(max_new_tokens)[None] < out_lengths[:, None], logprobs, 0.0)
+  return GenerationResult(tokens, out_lengths, logprobs.astype(np.float32), int(accepted),
+                          int(proposed))
 
 
 def _checked_controls(vocab: int, max_new_tokens: int, *, logit_bias, presence_penalty,

@@ -1,0 +1,367 @@
+"""Speculative decoding for :func:`~maxnnx.inference.generate`: draft, verify, accept.
+
+Each step a drafter proposes ``k`` tokens; the target model scores the row's last token and
+the ``k`` drafts in one forward pass over its KV cache (``k + 1`` query tokens at the row's
+next positions) and keeps the longest prefix of drafts it agrees with, plus one token of its
+own. Greedy decoding then gives exactly the tokens of plain decoding; sampling keeps the
+target's distribution by rejection sampling (Leviathan et al., 2023; Chen et al., 2023):
+draft ``x`` drawn from ``q`` is kept with probability ``min(1, p(x) / q(x))``, a rejected
+one is replaced by a sample of ``max(0, p - q)`` renormalised, and after ``k`` kept drafts
+a bonus token comes from ``p``. ``p`` is the target's distribution after temperature,
+``top_k`` and ``top_p``, and so is ``q`` for a draft model.
+
+Two drafters:
+
+* :class:`PromptLookup`: the tokens that followed the most recent earlier occurrence of the
+  row's last ``n`` tokens in its prompt and output (``n`` from ``max_ngram`` down to
+  ``min_ngram``); no model, a point mass ``q``, so a draft ``x`` is kept with probability
+  ``p(x)`` and a rejection samples ``p`` without ``x``. Fewer than ``k`` tokens may follow
+  the match, or none may match: the missing drafts are never kept and are not counted as
+  proposed.
+* :class:`DraftModel`: a smaller model with the same vocabulary, with its own KV cache.
+
+Rejected drafts do not corrupt the cache: the cache is indexed by slot and every key carries
+its row's segment id and position (see :class:`~maxnnx.kernels.masks.AttentionMask`). After a
+step the cache index moves on by the most tokens any running row kept, and in rows that kept
+fewer the slots of their rejected drafts get segment id 0, which no query attends to; the
+next step writes over the slots past the index. So rows of a batch keep different counts,
+at the price of dead slots: a batch of ``B > 1`` rows sizes its cache for ``k + 1`` slots per
+generated token in the worst case (one row for one slot per token).
+
+Recurrent layers (Gated DeltaNet, ``layer_types`` ``'linear'``) fold every fed token into a
+state that cannot be rolled back; models with them are refused.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxnnx.inference.sampling import cut_top_k_top_p
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup:
+  """Prompt-lookup (n-gram) drafting: propose what followed the last n-gram before.
+
+  Attributes:
+    num_draft_tokens: ``k``, the drafts proposed (and verified in one pass) per step.
+    max_ngram: the longest suffix of the row looked up first.
+    min_ngram: the shortest suffix tried when the longer ones do not occur earlier.
+  """
+
+  num_draft_tokens: int = 4
+  max_ngram: int = 3
+  min_ngram: int = 1
+
+  def problems(self) -> list[str]:
+    """What is wrong with these settings, one phrase per field at fault."""
+    problems = []
+    if self.num_draft_tokens < 1:
+      problems.append(f'num_draft_tokens={self.num_draft_tokens} (need >= 1)')
+    if not 1 <= self.min_ngram <= self.max_ngram:
+      problems.append(f'min_ngram={self.min_ngram}, max_ngram={self.max_ngram} (need '
+                      '1 <= min_ngram <= max_ngram)')
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+  """A smaller model that drafts autoregressively (same vocabulary as the target).
+
+  Attributes:
+    model: a :class:`~maxnnx.Transformer` (not modified); it samples its drafts with the
+      target's temperature, ``top_k`` and ``top_p``.
+    num_draft_tokens: ``k``, the drafts proposed (and verified in one pass) per step.
+  """
+
+  model: Any
+  num_draft_tokens: int = 4
+
+  def problems(self) -> list[str]:
+    """What is wrong with these settings, one phrase per field at fault."""
+    if self.num_draft_tokens < 1:
+      return [f'num_draft_tokens={self.num_draft_tokens} (need >= 1)']
+    return []
+
+
+def check_speculative(speculative, model, *, pixel_values=None, controls=None,
+                      longrope_switch=None) -> None:
+  """Raise a one-line ``ValueError`` if ``speculative`` cannot decode ``model`` as asked."""
+  if not isinstance(speculative, (PromptLookup, DraftModel)):
+    raise ValueError('speculative must be maxnnx.inference.PromptLookup(...) or '
+                     f'DraftModel(model=...), got {type(speculative).__name__}.')
+  problems = speculative.problems()
+  if problems:
+    raise ValueError(f"Invalid speculative settings: {', '.join(problems)}.")
+  models = [('model', model)]
+  if isinstance(speculative, DraftModel):
+    models.append(('speculative.model', speculative.model))
+    if speculative.model.config.vocab_size != model.config.vocab_size:
+      raise ValueError(f'speculative.model has vocab_size {speculative.model.config.vocab_size}'
+                       f' but the model has {model.config.vocab_size}; a draft model needs the '
+                       'same tokenizer and vocabulary.')
+    if pixel_values is not None:
+      raise ValueError('pixel_values with a DraftModel: the draft model cannot see the images; '
+                       'use PromptLookup or decode without speculative.')
+  for name, each in models:
+    if 'linear' in each.config.resolved_layer_types:
+      raise ValueError(f'{name} ({each.config.family}) has recurrent Gated DeltaNet layers '
+                       "(layer_types 'linear') whose state cannot roll back rejected drafts; "
+                       'decode it without speculative.')
+  if longrope_switch is not None:
+    raise ValueError('speculative decoding does not re-encode the cache at the LongRoPE switch; '
+                     'keep the prompt plus max_new_tokens within the original context or '
+                     'decode without speculative.')
+  if controls is not None and (controls.logit_bias or controls.min_tokens
+                               or controls.penalized):
+    raise ValueError('speculative decoding takes no logit_bias, penalties or min_tokens yet; '
+                     'drop them or decode without speculative.')
+
+
+def prompt_lookup_drafts(context_BL: jax.Array, length_B: jax.Array, k: int, max_ngram: int,
+                         min_ngram: int) -> tuple[jax.Array, jax.Array]:
+  """The ``k`` tokens that followed the most recent earlier match of each row's last n-gram.
+
+  Args:
+    context_BL: ``[B, L]`` each row's prompt then generated tokens, from index 0.
+    length_B: ``[B]`` tokens of each row in ``context_BL`` (the rest is ignored).
+    k: drafts per row.
+    max_ngram, min_ngram: the suffix lengths tried, longest first.
+
+  Returns:
+    ``(drafts_BK, valid_BK)``: int32 drafts, and whether each is a real proposal (false
+    past the row's known tokens, and everywhere when no suffix occurs earlier).
+  """
+  batch, width = context_BL.shape
+  rows_B1 = jnp.arange(batch)[:, None]
+  found_B = jnp.zeros((batch,), bool)
+  follow_B = jnp.zeros((batch,), jnp.int32)  # index of the first token after the match
+  for n in range(max_ngram, min_ngram - 1, -1):
+    if n >= width:
+      continue
+    starts = width - n
+    suffix_Bn = context_BL[rows_B1, jnp.clip(length_B[:, None] - n + jnp.arange(n), 0)]
+    match_BS = jnp.ones((batch, starts), bool)
+    for j in range(n):
+      match_BS &= context_BL[:, j:j + starts] == suffix_Bn[:, j:j + 1]
+    start_S = jnp.arange(starts)
+    # An earlier occurrence, with at least one known token after it.
+    match_BS &= start_S[None] + n < length_B[:, None]
+    match_BS &= (length_B >= n + 1)[:, None]
+    last_B = jnp.max(jnp.where(match_BS, start_S[None], -1), axis=1)
+    use_B = ~found_B & (last_B >= 0)
+    follow_B = jnp.where(use_B, last_B + n, follow_B)
+    found_B |= use_B
+  index_BK = follow_B[:, None] + jnp.arange(k)
+  valid_BK = found_B[:, None] & (index_BK < length_B[:, None])
+  drafts_BK = context_BL[rows_B1, jnp.clip(index_BK, 0, width - 1)]
+  return jnp.where(valid_BK, drafts_BK, 0).astype(jnp.int32), valid_BK
+
+
+def _probs(logits_NV, temperature: float, top_k, top_p):
+  """Float32 probabilities after temperature, ``top_k`` and ``top_p`` (rows of ``[N, V]``)."""
+  scaled_NV = logits_NV.astype(jnp.float32) / temperature
+  if top_k is not None or top_p is not None:
+    rows = scaled_NV.shape[0]
+    scaled_NV = cut_top_k_top_p(scaled_NV, jnp.full((rows,), top_k or 0, jnp.int32),
+                                jnp.full((rows,), 1.0 if top_p is None else top_p, jnp.float32))
+  return jax.nn.softmax(scaled_NV, axis=-1)
+
+
+def _probs_BTV(logits_BTV, sampling):
+  b, t, v = logits_BTV.shape
+  return _probs(logits_BTV.reshape(b * t, v), *sampling).reshape(b, t, v)
+
+
+def _pick(key, probs_BV, sampling):
+  """One token per row: argmax when greedy, else a sample of ``probs_BV``."""
+  if sampling[0] == 0.0:
+    return jnp.argmax(probs_BV, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(key, jnp.log(probs_BV), axis=-1).astype(jnp.int32)
+
+
+def _leading(accept_BK):
+  """Number of leading ``True`` per row."""
+  return jnp.sum(jnp.cumprod(accept_BK.astype(jnp.int32), axis=1), axis=1)
+
+
+def _kill_slots(model, start, keep_B, width: int):
+  """Give segment id 0 to the cache slots ``start + j`` (``j < width``) with ``j > keep_B``,
+  and move the cache index to ``start + advance``."""
+  segments_BS = model.cache_segment_ids[...]
+  batch = segments_BS.shape[0]
+  step_BW = jax.lax.dynamic_slice(segments_BS, (0, start), (batch, width))
+  step_BW = jnp.where(jnp.arange(width)[None] > keep_B[:, None], 0, step_BW)
+  model.cache_segment_ids[...] = jax.lax.dynamic_update_slice(segments_BS, step_BW, (0, start))
+
+
+def _draft_with_model(graphdef, params, cache, prev_B, last_B, pos_B, k, sampling, key):
+  """``k`` drafts of the draft model, fed ``[prev, last]`` then its own drafts.
+
+  Returns drafts ``[B, k]``, their distributions ``[B, k, V]`` (``None`` when greedy), the
+  model after feeding (its cache advanced by ``k + 1``) and the cache index before.
+  """
+  model = nnx.merge(graphdef, params, cache)
+  start = model.cache_index[...]
+  chunk_BT = jnp.stack([prev_B, last_B], axis=1)
+  positions_BT = pos_B[:, None] + jnp.array([-1, 0], jnp.int32)
+  drafts, dists = [], []
+  for i in range(k):
+    logits_BV = model(chunk_BT, segment_ids=jnp.ones(chunk_BT.shape, jnp.int32),
+                      positions=positions_BT, decode=True)[:, -1].astype(jnp.float32)
+    if sampling[0] == 0.0:
+      token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    else:
+      probs_BV = _probs(logits_BV, *sampling)
+      token_B = _pick(jax.random.fold_in(key, i), probs_BV, sampling)
+      dists.append(probs_BV)
+    drafts.append(token_B)
+    if i + 1 < k:
+      chunk_BT = token_B[:, None]
+      positions_BT = (pos_B + i + 1)[:, None]
+  return (jnp.stack(drafts, axis=1), jnp.stack(dists, axis=1) if dists else None, model,
+          start)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def speculative_decode(graphdef, draft_graphdef, settings, sampling, max_new_tokens, params,
+                       draft_params, cache, first_logits_BV, draft_cache, context_BL,
+                       lengths_B, eos_ids, key):
+  """Generate up to ``max_new_tokens`` per row after a prefill, speculatively.
+
+  Args:
+    graphdef, params, cache: the target model split as :func:`generate` splits it, its
+      cache holding the left-padded prompts (index at their width).
+    draft_graphdef, draft_params, draft_cache: the draft model likewise, its cache index
+      set back by one (its last prompt slot is written again), or ``None`` (prompt lookup).
+    settings: ``(k, max_ngram, min_ngram)``.
+    sampling: ``(temperature, top_k, top_p)``.
+    max_new_tokens: tokens to generate per row at most.
+    first_logits_BV: the target's logits after each prompt.
+    context_BL: ``[B, L]`` each row's prompt from index 0 (room for the output after it).
+    lengths_B: ``[B]`` prompt lengths.
+    eos_ids: ``[E]`` ids that end a row.
+    key: the sampling key.
+
+  Returns:
+    ``(tokens, logprobs, accepted, proposed)``: ``[B, max_new_tokens + k + 1]`` tokens (a
+    row may run past its end-of-sequence id or ``max_new_tokens``; the caller cuts),
+    their log-probabilities under ``log_softmax(logits / temperature)``, and the numbers
+    of drafts kept and proposed.
+  """
+  k, max_ngram, min_ngram = settings
+  batch = first_logits_BV.shape[0]
+  greedy = sampling[0] == 0.0
+  temperature = sampling[0] or 1.0
+  buffer = max_new_tokens + k + 1
+  rows_B = jnp.arange(batch)
+  steps_T = jnp.arange(k + 1)
+
+  def logprob_of(logits_BTV, tokens_BT):
+    scaled_BTV = logits_BTV / temperature
+    return (jnp.take_along_axis(scaled_BTV, tokens_BT[..., None], axis=-1)[..., 0]
+            - jax.nn.logsumexp(scaled_BTV, axis=-1))
+
+  key, first_key = jax.random.split(key)
+  first_logits_BV = first_logits_BV.astype(jnp.float32)
+  first_B = (jnp.argmax(first_logits_BV, axis=-1).astype(jnp.int32) if greedy
+             else _pick(first_key, _probs(first_logits_BV, *sampling), sampling))
+  tokens_BN = jnp.zeros((batch, buffer), jnp.int32).at[:, 0].set(first_B)
+  logprobs_BN = jnp.zeros((batch, buffer), jnp.float32).at[:, 0].set(
+      logprob_of(first_logits_BV[:, None], first_B[:, None])[:, 0])
+  context_BL = context_BL.at[rows_B, lengths_B].set(first_B)
+  done_B = jnp.isin(first_B, eos_ids) | (max_new_tokens <= 1)
+  prev_B = context_BL[rows_B, lengths_B - 1]
+  zero = jnp.zeros((), jnp.int32)
+  carry = (jnp.ones((batch,), jnp.int32), prev_B, first_B, lengths_B, context_BL, tokens_BN,
+           logprobs_BN, done_B, cache, draft_cache, key, zero, zero)
+
+  def cond(carry):
+    return ~jnp.all(carry[7])
+
+  def body(carry):
+    (count_B, prev_B, last_B, pos_B, context_BL, tokens_BN, logprobs_BN, done_B, cache,
+     draft_cache, key, accepted, proposed) = carry
+    key, draft_key, accept_key, pick_key = jax.random.split(key, 4)
+    q_BKV = None
+    if draft_graphdef is None:
+      drafts_BK, valid_BK = prompt_lookup_drafts(context_BL, pos_B + 1, k, max_ngram,
+                                                 min_ngram)
+    else:
+      drafts_BK, q_BKV, draft_model, draft_start = _draft_with_model(
+          draft_graphdef, draft_params, draft_cache, prev_B, last_B, pos_B, k, sampling,
+          draft_key)
+      valid_BK = jnp.ones((batch, k), bool)
+    model = nnx.merge(graphdef, params, cache)
+    start = model.cache_index[...]
+    inputs_BT = jnp.concatenate([last_B[:, None], drafts_BK], axis=1)
+    logits_BTV = model(inputs_BT, segment_ids=jnp.ones(inputs_BT.shape, jnp.int32),
+                       positions=pos_B[:, None] + steps_T, decode=True).astype(jnp.float32)
+    if greedy:
+      target_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
+      kept_B = _leading(valid_BK & (drafts_BK == target_BT[:, :k]))
+      out_BT = target_BT  # the kept drafts equal the target's choices
+    else:
+      p_BTV = _probs_BTV(logits_BTV, sampling)
+      p_BK = jnp.take_along_axis(p_BTV[:, :k], drafts_BK[..., None], axis=-1)[..., 0]
+      if q_BKV is None:
+        ratio_BK = p_BK
+      else:
+        ratio_BK = p_BK / jnp.take_along_axis(q_BKV, drafts_BK[..., None], axis=-1)[..., 0]
+      u_BK = jax.random.uniform(accept_key, (batch, k))
+      kept_B = _leading(valid_BK & (u_BK < ratio_BK))
+      p_BV = p_BTV[rows_B, kept_B]
+      at_B = jnp.minimum(kept_B, k - 1)
+      rejected_B = (kept_B < k) & valid_BK[rows_B, at_B]
+      if q_BKV is None:
+        residual_BV = p_BV.at[rows_B, drafts_BK[rows_B, at_B]].set(0.0)
+      else:
+        residual_BV = jnp.maximum(p_BV - q_BKV[rows_B, at_B], 0.0)
+      residual_ok_B = jnp.sum(residual_BV, axis=-1) > 0
+      dist_BV = jnp.where((rejected_B & residual_ok_B)[:, None], residual_BV, p_BV)
+      dist_BV = dist_BV / jnp.sum(dist_BV, axis=-1, keepdims=True)
+      new_B = _pick(pick_key, dist_BV, sampling)
+      padded_BT = jnp.concatenate([drafts_BK, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+      out_BT = jnp.where(steps_T[None] < kept_B[:, None], padded_BT, new_B[:, None])
+    running_B = ~done_B
+    keep_BT = (steps_T[None] <= kept_B[:, None]) & running_B[:, None]
+    index_BT = jnp.where(keep_BT, count_B[:, None] + steps_T, buffer)
+    tokens_BN = tokens_BN.at[rows_B[:, None], index_BT].set(out_BT, mode='drop')
+    logprobs_BN = logprobs_BN.at[rows_B[:, None], index_BT].set(
+        logprob_of(logits_BTV, out_BT), mode='drop')
+    context_index_BT = jnp.where(keep_BT, pos_B[:, None] + 1 + steps_T, context_BL.shape[1])
+    context_BL = context_BL.at[rows_B[:, None], context_index_BT].set(out_BT, mode='drop')
+    ended_B = jnp.any(keep_BT & jnp.isin(out_BT, eos_ids), axis=1)
+    gained_B = jnp.where(running_B, kept_B + 1, 0)
+    advance = jnp.max(gained_B)
+    _kill_slots(model, start, kept_B, k + 1)
+    model.cache_index[...] = start + advance
+    if draft_graphdef is not None:
+      _kill_slots(draft_model, draft_start, kept_B, k + 1)
+      draft_model.cache_index[...] = draft_start + advance
+      draft_cache = nnx.state(draft_model, nnx.Not(nnx.Param))
+    new_last_B = out_BT[rows_B, kept_B]
+    new_prev_B = jnp.where(kept_B > 0, out_BT[rows_B, jnp.maximum(kept_B - 1, 0)], last_B)
+    count_B = count_B + gained_B
+    done_B = done_B | ended_B | (count_B >= max_new_tokens)
+    accepted = accepted + jnp.sum(jnp.where(running_B, kept_B, 0))
+    proposed = proposed + jnp.sum(jnp.where(running_B, valid_BK.sum(axis=1), 0))
+    return (count_B, jnp.where(running_B, new_prev_B, prev_B),
+            jnp.where(running_B, new_last_B, last_B), pos_B + gained_B, context_BL, tokens_BN,
+            logprobs_BN, done_B, nnx.state(model, nnx.Not(nnx.Param)), draft_cache, key,
+            accepted, proposed)
+
+  carry = jax.lax.while_loop(cond, body, carry)
+  return carry[5], carry[6], carry[11], carry[12]
+
+
+def cache_slots(width: int, max_new_tokens: int, k: int, batch: int) -> int:
+  """KV-cache slots speculative decoding needs: the prompt, the output and one step's
+  drafts; a batch of several rows may leave ``k`` dead slots per token (see the module)."""
+  if batch == 1:
+    return width + max_new_tokens + k + 1
+  return width + max_new_tokens * (k + 1) + 1
