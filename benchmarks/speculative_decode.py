@@ -1,0 +1,125 @@
+"""Batch-1 decoding speed of ``maxnnx.generate`` with prompt-lookup speculative decoding.
+
+::
+
+  python -m benchmarks.speculative_decode --config cpu-tiny
+  python -m benchmarks.speculative_decode --config cpu-medium --draft 2 4 8 --decode 64
+
+The prompt is text with repetition: the first ``--prompt-chars`` characters of the shipped
+Shakespeare corpus, as byte ids, ``--repeat`` times over. For plain decoding and for prompt
+lookup with each ``--draft`` count it times ``generate`` (greedy, no early stop) with
+``--decode`` new tokens and with 1 (the prefill), each the median of ``--repeats`` calls after
+a warm-up call (which compiles); decode tokens/s is ``decode / (full - prefill)``. The model
+is randomly initialised, so what it repeats (and so the acceptance rate) is its own; the
+speculative rows check that their tokens equal plain decoding's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+import maxnnx
+from benchmarks import measure, results
+from benchmarks.configs import BENCH_CONFIGS, get_config
+from benchmarks.decode import median_seconds
+from benchmarks.model import model_config
+from maxnnx.inference import PromptLookup, generate
+from maxnnx.models.counting import num_params
+from maxnnx.models.transformer import Transformer
+
+CORPUS = Path(maxnnx.__file__).parent / 'data' / 'corpus' / 'tinyshakespeare.txt'
+
+
+def repeated_prompt(chars: int, repeat: int) -> list[int]:
+  """Byte ids of the corpus' first ``chars`` characters, ``repeat`` times over."""
+  text = CORPUS.read_bytes()[:chars]
+  return list(text) * repeat
+
+
+def run(cfg: dict, *, name: str, drafts=(4,), prompt_chars: int = 200, repeat: int = 2,
+        decode: int = 64, max_ngram: int = 3, dtype: str | None = None, repeats: int = 3,
+        json_path: str | None = None, log=print) -> list[dict]:
+  """Benchmark plain and prompt-lookup ``generate`` at batch 1; one dict per setting."""
+  if decode < 1 or repeats < 1 or repeat < 1 or prompt_chars < 1 or min(drafts) < 1:
+    raise ValueError('--decode, --repeats, --repeat, --prompt-chars and --draft must be >= 1')
+  if cfg['vocab_size'] < 256:
+    raise ValueError(f"config {name} has vocab_size {cfg['vocab_size']}; byte ids need 256")
+  dtype = dtype or ('float32' if measure.on_cpu() else 'bfloat16')
+  prompt = repeated_prompt(prompt_chars, repeat)
+  mcfg = model_config(cfg, dtype=dtype, max_length=len(prompt) + decode + max(drafts) + 1)
+  model = Transformer(mcfg, rngs=nnx.Rngs(0))
+  device = measure.device_description()
+  log(f'{name}: {num_params(mcfg):,} parameters, {dtype}, prompt {len(prompt)} tokens '
+      f'({prompt_chars} characters x {repeat}), decode {decode}, batch 1; {device}')
+
+  def timed(speculative):
+    call = lambda n: generate(model, [prompt], n, eos_ids=None, speculative=speculative)  # noqa: E731
+    prefill = median_seconds(lambda: call(1), repeats)
+    full = median_seconds(lambda: call(decode), repeats)
+    return call(decode), max(full - prefill, 1e-12)
+
+  plain, plain_s = timed(None)
+  settings = [(None, plain, plain_s)]
+  for k in drafts:
+    settings.append((k, *timed(PromptLookup(num_draft_tokens=k, max_ngram=max_ngram))))
+  rows = []
+  for k, out, seconds in settings:
+    rows.append({
+        'kind': 'speculative_decode', 'framework': 'maxnnx', 'config': name, 'device': device,
+        'dtype': dtype, 'batch': 1, 'prefill': len(prompt), 'decode': decode,
+        'drafter': 'none' if k is None else 'prompt_lookup', 'num_draft_tokens': k or 0,
+        'max_ngram': max_ngram if k else None,
+        'decode_s': seconds, 'decode_tokens_per_s': (decode - 1) / seconds,
+        'speedup': plain_s / seconds, 'acceptance_rate': out.acceptance_rate,
+        'accepted_draft_tokens': out.accepted_draft_tokens,
+        'proposed_draft_tokens': out.proposed_draft_tokens,
+        'same_tokens': bool(np.array_equal(out.tokens, plain.tokens)),
+        'date': results.make_date(), 'versions': measure.versions(),
+        'command': results.current_command()})
+  log(format_table(rows))
+  if json_path:
+    results.append_lines(json_path, rows)
+    log(f'appended to {json_path}')
+  return rows
+
+
+def format_table(rows: list[dict]) -> str:
+  """The human-readable report."""
+  lines = [f"  {'drafter':>14} {'k':>3} {'decode tok/s':>12} {'speedup':>7} {'accepted':>8} "
+           f"{'same tokens':>11}"]
+  for r in rows:
+    rate = '-' if r['acceptance_rate'] is None else f"{r['acceptance_rate']:.1%}"
+    lines.append(f"  {r['drafter']:>14} {r['num_draft_tokens']:>3} "
+                 f"{r['decode_tokens_per_s']:>12,.1f} {r['speedup']:>6.2f}x {rate:>8} "
+                 f"{str(r['same_tokens']):>11}")
+  return '\n'.join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Command line entry point."""
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--config', required=True, choices=sorted(BENCH_CONFIGS))
+  parser.add_argument('--draft', type=int, nargs='+', default=[4],
+                      help='draft tokens per step to try (default 4)')
+  parser.add_argument('--prompt-chars', type=int, default=200)
+  parser.add_argument('--repeat', type=int, default=2, help='times the text repeats (default 2)')
+  parser.add_argument('--decode', type=int, default=64, help='new tokens (default 64)')
+  parser.add_argument('--max-ngram', type=int, default=3)
+  parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default=None)
+  parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--json', default=None, help='append one JSON line per setting here')
+  args = parser.parse_args(argv)
+  run(get_config(args.config), name=args.config, drafts=args.draft,
+      prompt_chars=args.prompt_chars, repeat=args.repeat, decode=args.decode,
+      max_ngram=args.max_ngram, dtype=args.dtype, repeats=args.repeats, json_path=args.json)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
