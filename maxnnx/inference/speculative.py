@@ -189,14 +189,13 @@ def _leading(accept_BK):
   return jnp.sum(jnp.cumprod(accept_BK.astype(jnp.int32), axis=1), axis=1)
 
 
-def _kill_slots(model, start, keep_B, width: int):
-  """Give segment id 0 to the cache slots ``start + j`` (``j < width``) with ``j > keep_B``,
-  and move the cache index to ``start + advance``."""
+def _kill_slots(model, start, keep_B, advance):
+  """Give segment id 0 to each row's slots ``start + keep_B + 1 .. start + advance - 1``: its
+  rejected drafts below the new cache index (those past it are written over next step)."""
   segments_BS = model.cache_segment_ids[...]
-  batch = segments_BS.shape[0]
-  step_BW = jax.lax.dynamic_slice(segments_BS, (0, start), (batch, width))
-  step_BW = jnp.where(jnp.arange(width)[None] > keep_B[:, None], 0, step_BW)
-  model.cache_segment_ids[...] = jax.lax.dynamic_update_slice(segments_BS, step_BW, (0, start))
+  slot_S = jnp.arange(segments_BS.shape[1])
+  dead_BS = (slot_S[None] > start + keep_B[:, None]) & (slot_S[None] < start + advance)
+  model.cache_segment_ids[...] = jnp.where(dead_BS, 0, segments_BS)
 
 
 def _draft_with_model(graphdef, params, cache, prev_B, last_B, pos_B, k, sampling, key):
@@ -338,10 +337,14 @@ def speculative_decode(graphdef, draft_graphdef, settings, sampling, max_new_tok
     ended_B = jnp.any(keep_BT & jnp.isin(out_BT, eos_ids), axis=1)
     gained_B = jnp.where(running_B, kept_B + 1, 0)
     advance = jnp.max(gained_B)
-    _kill_slots(model, start, kept_B, k + 1)
+    # Rows that kept fewer drafts than the most keep dead slots below the new index. With one
+    # row there are none: the next step's k + 1 writes cover every rejected slot.
+    if batch > 1:
+      _kill_slots(model, start, kept_B, advance)
     model.cache_index[...] = start + advance
     if draft_graphdef is not None:
-      _kill_slots(draft_model, draft_start, kept_B, k + 1)
+      if batch > 1:
+        _kill_slots(draft_model, draft_start, kept_B, advance)
       draft_model.cache_index[...] = draft_start + advance
       draft_cache = nnx.state(draft_model, nnx.Not(nnx.Param))
     new_last_B = out_BT[rows_B, kept_B]
