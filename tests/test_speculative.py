@@ -13,7 +13,7 @@ from maxnnx.inference.speculative import prompt_lookup_drafts
 
 FAMILIES = {
     'llama': {},
-    'qwen3': {'family': 'qwen3', 'qk_norm': 'head'},
+    'qwen3_scanned': {'family': 'qwen3', 'qk_norm': 'head', 'scan_layers': True},
     'moe_sliding': {'num_experts': 4, 'num_experts_per_tok': 2, 'sliding_window': 5,
                     'layer_types': ('sliding', 'full', 'sliding')},
 }
