@@ -241,3 +241,17 @@ def test_expert_parallel_moe_matches_one_device(strategy):
                    router_aux_loss_coef=0.01)
   np.testing.assert_allclose(losses, reference, rtol=1e-4)
   assert losses[-1] < losses[0]
+
+
+def test_a_compiler_that_runs_out_of_device_memory_is_one_line():
+  """The TPU compiler's refusal (``CompileTimeHbmOom``, as libtpu words it for a DeepSeek-V3
+  step on v5p-256) becomes one line with the sizes and what to change; other errors pass."""
+  from maxnnx.train.memory import compiler_oom_message
+  error = RuntimeError('RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, '
+                       'the total memory required for HLO temporaries (279.14G) exceeds '
+                       'available HBM (95.73G). HLO module: jit_train_step.')
+  message = compiler_oom_message(error)
+  assert message.startswith('The compiler refused the train step: it needs 279.14 G of '
+                            'temporaries per device but 95.73 G is available.')
+  assert '\n' not in message and 'parameter_memory_host_offload' in message
+  assert compiler_oom_message(RuntimeError('INTERNAL: something else')) is None

@@ -7,6 +7,7 @@ step that cannot fit before any weights exist.
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 from jax.sharding import Mesh
@@ -92,5 +93,25 @@ def overshoot_message(report: dict) -> str | None:
           'or seq_len, use grad_accum_steps or remat_policy=full.')
 
 
-__all__ = ['device_memory_limit', 'format_gib', 'format_memory_report', 'memory_report',
-           'overshoot_message']
+_COMPILER_OOM = re.compile(r'required for (?:HLO )?(\w+) \(([\d.]+)\s*([KMGT]i?B?)\)'
+                           r'.*?available \w+ \(([\d.]+)\s*([KMGT]i?B?)\)', re.S)
+
+
+def compiler_oom_message(error: Exception) -> str | None:
+  """The one-line reason of a compiler that refused the step for lack of device memory (the
+  TPU compiler's ``RESOURCE_EXHAUSTED ... CompileTimeHbmOom``), or ``None`` for other errors."""
+  text = str(error)
+  if 'RESOURCE_EXHAUSTED' not in text:
+    return None
+  found = _COMPILER_OOM.search(text)
+  need = (f'{found.group(2)} {found.group(3)} of {found.group(1)} per device but '
+          f'{found.group(4)} {found.group(5)} is available' if found else
+          'more memory per device than there is')
+  return (f'The compiler refused the train step: it needs {need}. Shard further (mesh.fsdp, '
+          'mesh.tensor, mesh.expert), lower global_batch_size or seq_len, use grad_accum_steps, '
+          'remat_policy=full or the host offloads (optimizer_memory_host_offload, '
+          'parameter_memory_host_offload).')
+
+
+__all__ = ['compiler_oom_message', 'device_memory_limit', 'format_gib', 'format_memory_report',
+           'memory_report', 'overshoot_message']

@@ -53,6 +53,7 @@ from maxnnx.train.goodput import GoodputRecorder, read_high_water, write_high_wa
 from maxnnx.train.lora.adapters import apply_lora, has_adapters, trainable_filter
 from maxnnx.train.loss import cross_entropy_loss, masked_cross_entropy
 from maxnnx.train.memory import (
+  compiler_oom_message,
   device_memory_limit,
   format_memory_report,
   memory_report,
@@ -496,7 +497,13 @@ class Trainer:
       traced = jitted.trace(*args) if cfg.dump_hlo else None
       lowered = traced.lower() if traced is not None else jitted.lower(*args)
       with diagnostics.CacheEvents().watch() as cache:
-        compiled = lowered.compile()
+        try:
+          compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+          message = compiler_oom_message(e)
+          if message is None:
+            raise
+          raise TrainingError(message) from None
     report = memory_report(compiled, self.mesh, cfg.memory_limit_gib)
     report['compile_seconds'] = time.perf_counter() - start
     report['compile_cache'] = cache.outcome
