@@ -478,16 +478,22 @@ def _use_compile_cache(options: dict) -> None:
     enable_compile_cache(options['compile_cache'])
 
 
+def _checkpoint_model(options: dict, command: str) -> str:
+  """``model=`` of a command that serves or scores a checkpoint: given, and a directory or URL."""
+  model = options['model']
+  if not model:
+    raise UsageError(f'{command} needs model=<a Hugging Face checkpoint directory with its '
+                     'tokenizer>, e.g. model=runs/tiny-shakespeare/final.')
+  if not paths.is_remote(model) and not os.path.isdir(model):
+    raise FileNotFoundError(f'model={model}: no such directory.')
+  return model
+
+
 def serve(options: dict) -> None:
   """Run ``maxnnx serve``: an OpenAI-compatible HTTP server over the serving engine
   (:mod:`maxnnx.serving.server`) until SIGTERM or Ctrl-C, which let the requests in flight
   finish."""
-  model = options['model']
-  if not model:
-    raise UsageError('serve needs model=<a Hugging Face checkpoint directory with its '
-                     'tokenizer>, e.g. model=runs/tiny-shakespeare/final.')
-  if not paths.is_remote(model) and not os.path.isdir(model):
-    raise FileNotFoundError(f'model={model}: no such directory.')
+  model = _checkpoint_model(options, 'serve')
   from maxnnx.inference.quantize import check_mode  # noqa: PLC0415
   from maxnnx.serving.server import serve as serve_http  # noqa: PLC0415
   check_mode(options['quantization'])
@@ -511,12 +517,7 @@ def evaluate(options: dict) -> dict:
   (:mod:`maxnnx.evaluation.harness`), printing the harness's table; or, with ``data=``, the
   loss and perplexity per token of a text file. Returns the harness's results (or
   ``{'loss', 'perplexity', 'tokens'}``)."""
-  model = options['model']
-  if not model:
-    raise UsageError('eval needs model=<a Hugging Face checkpoint directory with its '
-                     'tokenizer>, e.g. model=runs/tiny-shakespeare/final.')
-  if not paths.is_remote(model) and not os.path.isdir(model):
-    raise FileNotFoundError(f'model={model}: no such directory.')
+  model = _checkpoint_model(options, 'eval')
   if bool(options['tasks']) == bool(options['data']):
     raise UsageError('eval needs tasks=<lm-evaluation-harness task names> or data=<a text '
                      'file>, not both.' if options['tasks'] else
