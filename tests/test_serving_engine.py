@@ -8,7 +8,7 @@ from flax import nnx
 
 import maxnnx
 from maxnnx.serving import Engine, SamplingParams
-from maxnnx.serving.engine import bucket, fine_bucket
+from maxnnx.serving.model_runner import bucket
 from tests.test_sampling_controls import penalised_greedy
 
 VOCAB = 97
@@ -121,13 +121,9 @@ def test_cancel_frees_pages_and_reports_once(engine):
   _assert_idle(engine)
 
 
-def test_buckets_round_up_to_a_power_of_two_or_three_quarters_of_one():
-  """Token counts round to powers of two; pages per row also to 3, 6, 12, 24, ...; both cap."""
+def test_buckets_round_up_to_a_power_of_two():
+  """Token counts round to powers of two, from a floor up to a cap."""
   assert [bucket(n, 8, 256) for n in (1, 8, 9, 200, 300)] == [8, 8, 16, 256, 256]
-  got = [fine_bucket(n, 40) for n in range(1, 50)]
-  assert sorted(set(got)) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40]
-  assert all(n <= b or b == 40 for n, b in zip(range(1, 50), got))  # never below n, but the cap
-  assert all(b <= max(2, 3 * n // 2 + 1) for n, b in zip(range(1, 50), got))  # at most 1.5n
 
 
 def test_compile_count_stays_bounded_across_request_mixes(engine):
@@ -419,7 +415,7 @@ def test_sliding_layers_of_a_mixed_model_give_back_their_pages():
   engine = Engine(mixed, page_size=4, max_batch=2, token_budget=8, max_model_len=64)
   bound = -(-(6 + 8) // 4) + 1  # window plus a step's tokens, and a page's edge
   assert engine.window_pages_per_request == bound and engine.max_window_pages == 2 * 2 * bound
-  pool_pages = sorted(x.shape[0] for x in jax.tree.leaves(engine._cache) if x.ndim == 4)
+  pool_pages = sorted(x.shape[0] for x in jax.tree.leaves(engine.runner.cache) if x.ndim == 4)
   assert pool_pages == [21] * 4 + [33] * 4  # k and v of 2 sliding layers, then 2 full ones
   rng = np.random.default_rng(6)
   prompts = [rng.integers(0, VOCAB, n).tolist() for n in (13, 5, 22)]
@@ -463,7 +459,7 @@ def test_a_model_sharded_over_tensor_devices_serves_the_same_tokens(model, tmp_p
   kwargs = dict(page_size=4, max_batch=4, token_budget=16, max_model_len=64)
   engine = Engine(sharded, **kwargs)
   assert dict(engine.mesh.shape)['tensor'] == 2
-  pools = [x for x in jax.tree.leaves(engine._cache) if x.ndim == 4]
+  pools = [x for x in jax.tree.leaves(engine.runner.cache) if x.ndim == 4]
   assert pools and all(tuple(x.sharding.spec)[:3] == (None, None, 'tensor')
                        and not any(tuple(x.sharding.spec)[3:]) for x in pools), pools[0].sharding
   rng = np.random.default_rng(1)
@@ -514,7 +510,7 @@ def test_a_recurrent_model_keeps_each_requests_state_across_chunks_and_preemptio
   for completion, row, m in zip(got, want.tokens, max_tokens):
     assert list(completion.token_ids) == row[:m].tolist()
   assert engine.scheduler.num_preemptions > 0
-  assert not engine._slots  # every slot came back
+  assert not engine.scheduler.kv_cache.state_slots.slots  # every slot came back
   _assert_idle(engine)
 
 
@@ -528,7 +524,7 @@ def test_a_sharded_recurrent_model_serves_the_same_tokens(tmp_path):
   maxnnx.save_pretrained(model, str(tmp_path))
   sharded = maxnnx.from_pretrained(str(tmp_path), mesh=MeshConfig(data=1, tensor=2))
   engine = Engine(sharded, page_size=8, max_batch=4, token_budget=16, max_model_len=32)
-  states = [x for x in jax.tree.leaves(engine._cache) if x.shape[:1] == (5,) and x.ndim == 4]
+  states = [x for x in jax.tree.leaves(engine.runner.cache) if x.shape[:1] == (5,) and x.ndim == 4]
   assert len(states) == 1 and all(tuple(x.sharding.spec)[:2] == (None, 'tensor')
                                   for x in states), states[0].sharding
   rng = np.random.default_rng(1)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from maxnnx.serving import PageAllocator, Request, SamplingParams, Scheduler, page_hashes
+from maxnnx.serving.kv_cache import CacheManager
 
 
 def _request(request_id, prompt, max_tokens=4):
@@ -181,3 +182,46 @@ def test_a_mixed_models_prefix_hit_needs_the_sliding_pages_of_its_last_window(wi
   assert again.window_pages[:again.num_released] == [0] * again.num_released
   alloc.check()
   window_alloc.check()
+
+
+def test_a_sliding_pool_serves_a_prefix_whose_early_pages_were_evicted():
+  """Every attention layer sliding (window 6, one pool): a prompt served again hits its
+  cached prefix as long as the pages of that prefix's last window are cached, even after the
+  pages behind that window were evicted (they read as scratch)."""
+  prompt = list(range(48))
+  alloc = PageAllocator(65)
+  cache = CacheManager.for_layers(alloc, page_size=4, window=6)
+  first = _request(0, prompt)
+  assert cache.reserve(first, 48)
+  for computed in range(4, 49, 4):  # a page at a time: the pages behind go back in order
+    first.num_computed = computed
+    cache.computed(first, prefix_caching=True)
+  cache.drop(first)
+  alloc.allocate(alloc.num_available - alloc.num_cached + 5)  # evicts pages 0 to 4
+  assert [alloc.lookup(h) is None for h in page_hashes(prompt, 4)[:6]] == [True] * 5 + [False]
+  again = _request(1, prompt)
+  cache.take_cached_prefix(again)
+  assert again.num_cached_tokens == 44 and again.num_released == 9  # the last window: 9, 10
+  assert again.pages[:9] == [0] * 9 and 0 not in again.pages[9:] and len(again.pages) == 11
+  alloc.check()
+
+
+def test_state_slots_are_given_and_taken_back_with_the_request():
+  """Recurrent layers: each scheduled request holds one of the slots, distinct from the
+  others'; a preempted or finished request gives its slot back at once."""
+  alloc = PageAllocator(5)  # 4 usable pages of 2 tokens
+  sched = Scheduler(alloc, page_size=2, max_batch=2, token_budget=8, prefix_caching=False,
+                    num_state_slots=2)
+  slots = sched.kv_cache.state_slots
+  a, b = _request(0, [1, 2, 3, 4]), _request(1, [5, 6, 7, 8])
+  sched.add(a)
+  sched.add(b)
+  batch = sched.schedule()
+  assert {sched.kv_cache.state_slot(r) for r, _ in batch} == {1, 2}
+  for request, count in batch:
+    sched.advance(request, count)
+    sched.append_token(request, 9)
+  sched.schedule()  # each needs a third page: none is left, so b is preempted
+  assert sched.num_preemptions == 1 and list(slots.slots) == [0]
+  sched.finish(a, 'length')
+  assert not slots.slots and sched.kv_cache.state_slot(a) == 0

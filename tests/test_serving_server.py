@@ -27,7 +27,7 @@ import maxnnx
 from maxnnx.data import load_tokenizer
 from maxnnx.data.chat import encode_with_specials, load_chat_template
 from maxnnx.serving import Engine, SamplingParams
-from maxnnx.serving.openai_api import stable_text
+from maxnnx.serving.output_processor import stable_text
 from maxnnx.serving.server import make_app, serve_in_thread
 from tests.test_sampling_controls import penalised_greedy
 

@@ -59,6 +59,7 @@ from typing import Any
 from maxnnx.data.chat import ChatTemplate, encode_with_specials, special_tokens
 from maxnnx.inference.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
 from maxnnx.inference.structured import StructuredOutput
+from maxnnx.serving.output_processor import stable_text, stop_ids
 from maxnnx.serving.params import MAX_SEED, RequestOutput, SamplingParams, TokenLogprobs
 from maxnnx.serving.tools import (
   ToolCall,
@@ -705,25 +706,12 @@ def _past_calls(calls, where: str) -> list[dict]:
 # -- streaming text -----------------------------------------------------------------------
 
 
-def stable_text(text: str, stops: Sequence[str]) -> str:
-  """The part of a growing ``text`` that later tokens cannot change: without a trailing
-  replacement character (half a UTF-8 sequence) or a tail that could begin a stop string."""
-  text = text.rstrip('\ufffd')
-  hold = 0
-  for stop in stops:
-    for k in range(min(len(stop) - 1, len(text)), hold, -1):
-      if text.endswith(stop[:k]):
-        hold = k
-        break
-  return text[:len(text) - hold]
-
-
 class ChoiceStream:
   """One choice's text, tokens and log-probabilities, fed the engine's outputs in order.
 
   Args:
     index: the choice's index in the response.
-    tokenizer: decodes tokens (the finished text without its stop token, token strings).
+    tokenizer: decodes tokens (the text of one token, for log-probabilities).
     params: the choice's :class:`SamplingParams`.
     eos_ids: the engine's end-of-sequence ids.
     tool_format: parse the finished reply's tool calls in this format
@@ -736,7 +724,7 @@ class ChoiceStream:
     self.index = index
     self.tokenizer = tokenizer
     self.params = params
-    self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    self.stop_ids = stop_ids(params, eos_ids)
     self.text = ''                 # the text sent (streaming) or known safe so far
     self.token_ids: tuple[int, ...] = ()
     self.logprobs: list[TokenLogprobs] = []
@@ -760,10 +748,9 @@ class ChoiceStream:
     self.cumulative_logprob += sum(lp.logprob for lp in new_logprobs)
     if out.finished:
       self.finish_reason = out.finish_reason
-      text = out.text or ''
+      text = out.text or ''  # without a stop token's text (OutputProcessor)
       if out.finish_reason == 'stop' and out.token_ids and out.token_ids[-1] in self.stop_ids:
-        text = self.tokenizer.decode(out.token_ids[:-1])  # the stop token is not output text
-        new_logprobs = new_logprobs[:-1]  # nor are its log-probabilities
+        new_logprobs = new_logprobs[:-1]  # nor are a stop token's log-probabilities part of it
       if self.tool_format is not None:
         content, self.tool_calls = parse_tool_calls(text, self.tool_format)
         if self.tool_calls:

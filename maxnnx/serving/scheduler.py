@@ -21,14 +21,17 @@ running request is preempted: its pages are released (they stay in the prefix
 cache while nothing evicts them) and it goes back to the front of the queue, to be
 recomputed from its tokens. No new request is admitted in a step that preempted.
 
-With a ``window`` (sliding-window attention), pages that lie wholly before the window of
-a request's next token go back to the pool as it advances. When every attention layer
-slides, those are the request's pages; when sliding and full layers mix (Gemma 2/3,
-GPT-OSS, OLMo 3), the sliding layers keep their pages apart, from a second pool
+What a request holds of the cache is the scheduler's
+:class:`~maxnnx.serving.kv_cache.CacheManager` (:attr:`Scheduler.kv_cache`), one manager
+per kind of layer. With a ``window`` (sliding-window attention), pages that lie wholly
+before the window of a request's next token go back to the pool as it advances. When every
+attention layer slides, those are the request's pages; when sliding and full layers mix
+(Gemma 2/3, GPT-OSS, OLMo 3), the sliding layers keep their pages apart, from a second pool
 (``window_allocator``, ``Request.window_pages``): the full layers' pages are kept, the
-sliding layers' go back. A prefix-cache hit then needs both: the full layers' pages of the
-prefix and the sliding layers' pages of its last window (the hit is cut shorter until
-both are cached).
+sliding layers' go back. A prefix-cache hit is as long as every pool can serve: the full
+layers need every page of the prefix, the sliding layers only those of its last window.
+Recurrent layers (``num_state_slots``) get a state slot per scheduled request, given back
+when it finishes or is preempted.
 
 A request with images (a vision-language model) lists its images' token spans: a
 prefill chunk never ends inside one (an image's tokens attend to each other in both
@@ -41,7 +44,8 @@ This module runs no model and is tested on its own.
 import collections
 import dataclasses
 
-from maxnnx.serving.pages import PageAllocator, page_hashes
+from maxnnx.serving.kv_cache import CacheManager
+from maxnnx.serving.pages import PageAllocator
 from maxnnx.serving.params import SamplingParams
 
 
@@ -100,10 +104,6 @@ class Request:
     return self.token_ids[self.num_prompt:]
 
 
-#: The pool's scratch page (never handed out): padding writes there, released pages read it.
-SCRATCH_PAGE = 0
-
-
 class Scheduler:
   """Admits, schedules, preempts and retires requests over one :class:`PageAllocator`.
 
@@ -120,11 +120,17 @@ class Scheduler:
       slides (no ``window_allocator``).
     window_allocator: the sliding layers' own pool, when sliding and full layers mix;
       requests then hold pages of both pools, and only the sliding layers' go back.
+    num_state_slots: recurrent-state slots (a model with recurrent layers: ``max_batch``),
+      else 0.
+
+  Attributes:
+    kv_cache: the :class:`~maxnnx.serving.kv_cache.CacheManager` of the requests' pages
+      and state slots.
   """
 
   def __init__(self, allocator: PageAllocator, *, page_size: int, max_batch: int,
                token_budget: int, prefix_caching: bool = True, window: int | None = None,
-               window_allocator: PageAllocator | None = None):
+               window_allocator: PageAllocator | None = None, num_state_slots: int = 0):
     if min(max_batch, token_budget, page_size) < 1 or token_budget < max_batch:
       raise ValueError(f'Need page_size >= 1 and token_budget >= max_batch >= 1 (every running '
                        f'request can decode in each step); got page_size={page_size}, '
@@ -134,10 +140,11 @@ class Scheduler:
     self.max_batch = max_batch
     self.token_budget = token_budget
     self.prefix_caching = prefix_caching
-    if window_allocator is not None and window is None:
-      raise ValueError('A window_allocator needs the sliding layers\' window.')
     self.window = window
     self.window_allocator = window_allocator
+    self.kv_cache = CacheManager.for_layers(allocator, page_size=page_size, window=window,
+                                            window_allocator=window_allocator,
+                                            num_state_slots=num_state_slots)
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.num_preemptions = 0
@@ -176,7 +183,7 @@ class Scheduler:
            and len(self.running) < self.max_batch):
       request = self.waiting[0]
       if self.prefix_caching and request.num_computed == 0 and not request.pages:
-        self._take_cached_prefix(request)
+        self.kv_cache.take_cached_prefix(request)
       count = self._chunk(request, budget)
       if not count or not self._reserve(request, count):
         self._drop_pages(request)
@@ -185,6 +192,8 @@ class Scheduler:
       self.running.append(request)
       scheduled.append((request, count))
       budget -= count
+    if self.kv_cache.state_slots is not None:
+      self.kv_cache.state_slots.assign([request for request, _ in scheduled])
     return scheduled
 
   def _chunk(self, request: Request, budget: int) -> int:
@@ -204,36 +213,7 @@ class Scheduler:
     ``window``, pages no later token attends to go back to the pool.
     """
     request.num_computed += count
-    full = request.num_computed // self.page_size
-    if len(request.hashes) < full:
-      parent = request.hashes[-1] if request.hashes else request.cache_salt
-      new = page_hashes(request.token_ids[:full * self.page_size], self.page_size,
-                        start=len(request.hashes), parent=parent)
-      for index, content_hash in enumerate(new, start=len(request.hashes)):
-        if self.prefix_caching:
-          self.allocator.register(request.pages[index], content_hash)
-          if self.window_allocator is not None:  # released pages are older than any new hash
-            self.window_allocator.register(request.window_pages[index], content_hash)
-      request.hashes.extend(new)
-    if self.window is not None:
-      first_kept = self._first_in_window(request.num_computed)
-      if first_kept > request.num_released:
-        pages, allocator = self._sliding_pages(request)
-        allocator.release(pages[request.num_released:first_kept])
-        pages[request.num_released:first_kept] = (
-            [SCRATCH_PAGE] * (first_kept - request.num_released))
-        request.num_released = first_kept
-
-  def _first_in_window(self, num_computed: int) -> int:
-    """The first page the token at position ``num_computed`` (the next one) attends to:
-    it sees the positions after ``num_computed - window``."""
-    return max(0, num_computed - self.window + 1) // self.page_size
-
-  def _sliding_pages(self, request: Request) -> tuple[list[int], PageAllocator]:
-    """The pages that go back behind the window, and their pool."""
-    if self.window_allocator is None:
-      return request.pages, self.allocator
-    return request.window_pages, self.window_allocator
+    self.kv_cache.computed(request, self.prefix_caching)
 
   def append_token(self, request: Request, token_id: int) -> None:
     """Append a generated token; it is computed in a later step."""
@@ -249,68 +229,10 @@ class Scheduler:
     request.finish_reason = reason
 
   def _reserve(self, request: Request, count: int) -> bool:
-    """Make ``request``'s pages cover ``num_computed + count`` tokens, if pages are left."""
-    needed = -(-(request.num_computed + count) // self.page_size) - len(request.pages)
-    if needed <= 0:
-      return True
-    pages = self.allocator.allocate(needed)
-    if pages is None:
-      return False
-    if self.window_allocator is not None:
-      window_pages = self.window_allocator.allocate(needed)
-      if window_pages is None:
-        self.allocator.release(pages)
-        return False
-      request.window_pages.extend(window_pages)
-    request.pages.extend(pages)
-    return True
-
-  def _take_cached_prefix(self, request: Request) -> None:
-    """Start ``request`` on the cached pages of its longest cached prefix.
-
-    The last prompt token is always computed (its logits give the first output),
-    so a prompt of whole pages takes at most all pages but the last.
-    """
-    hashes = page_hashes(request.token_ids[:request.num_tokens - 1], self.page_size,
-                         parent=request.cache_salt)
-    pages = []
-    for content_hash in hashes:
-      page = self.allocator.lookup(content_hash)
-      if page is None:
-        break
-      pages.append(page)
-    window_pages, first_kept = [], 0
-    if self.window_allocator is not None:
-      # The sliding layers need their pages of the hit's last window: cut the hit shorter
-      # until those are cached too.
-      while pages:
-        first_kept = self._first_in_window(len(pages) * self.page_size)
-        window_pages = [self.window_allocator.lookup(h) for h in hashes[first_kept:len(pages)]]
-        if None not in window_pages:
-          break
-        pages.pop()
-      if not pages:
-        window_pages, first_kept = [], 0
-      for page in window_pages:
-        self.window_allocator.retain(page)
-      request.window_pages = [SCRATCH_PAGE] * first_kept + window_pages
-      request.num_released = first_kept
-    for page in pages:
-      self.allocator.retain(page)
-    request.pages = pages
-    request.hashes = hashes[:len(pages)]
-    request.num_computed = len(request.pages) * self.page_size
-    if request.num_tokens == request.num_prompt:  # not a recomputation after preemption
-      request.num_cached_tokens = request.num_computed
+    return self.kv_cache.reserve(request, count)
 
   def _drop_pages(self, request: Request) -> None:
-    if self.window_allocator is None:
-      self.allocator.release(request.pages[request.num_released:])
-    else:
-      self.allocator.release(request.pages)
-      self.window_allocator.release(request.window_pages[request.num_released:])
-    request.pages, request.window_pages, request.hashes = [], [], []
-    request.num_released = request.num_computed = 0
+    self.kv_cache.drop(request)
 
   def _preempt(self, request: Request) -> None:
     self.running.remove(request)
