@@ -35,6 +35,7 @@ command again resumes from the newest complete checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -49,7 +50,7 @@ from maxnnx.cli_keys import (
   usage_lines,
 )
 from maxnnx.cli_keys import parse as parse_keys
-from maxnnx.config import MeshConfig
+from maxnnx.config import EngineConfig, MeshConfig
 from maxnnx.recipes import PRETRAIN, RECIPES, Recipe
 from maxnnx.train import (
   PROCESS_SETTINGS,
@@ -99,23 +100,10 @@ SERVE_KEYS = {
     'host': ('127.0.0.1', 'address to listen on (0.0.0.0: every interface)'),
     'port': (8000, 'TCP port to listen on'),
     'served_model_name': ('', 'the name clients send as "model" (empty: model= as given)'),
-    'max_batch': (8, 'requests computed in one engine step at most'),
-    'token_budget': (256, 'tokens computed in one engine step at most (decode tokens plus '
-                     'prompt chunks); at least max_batch'),
-    'page_size': (16, 'tokens per KV-cache page'),
-    'max_pages': (0, 'KV-cache pages in the pool (0: enough for max_batch requests of '
-                  'max_model_len tokens)'),
-    'max_window_pages': (0, "pages in the sliding layers' own pool, for models mixing "
-                         'sliding and full layers (0: twice what max_batch requests hold '
-                         'within the window)'),
-    'max_model_len': (0, "prompt plus output tokens of one request (0: the model's "
-                      'max_position_embeddings)'),
     'max_queue': (64, 'requests waiting beyond the max_batch running ones; more are answered '
                   'with HTTP 429'),
     'max_request_bytes': (8 << 20, 'the longest request body taken (8 MiB; images in chat '
                           'messages travel inline); longer ones are answered with HTTP 413'),
-    'prefix_caching': (True, 'reuse the KV-cache pages of prompt prefixes already computed'),
-    'max_logprobs': (5, 'the most log-probabilities per token a request may ask for'),
     'add_bos': (True, "start text prompts of /v1/completions with the tokenizer's BOS token"),
     'dtype': ('', "compute dtype (empty: the checkpoint's)"),
     'quantization': ('none', 'quantize the linear layers for inference: int8, int4, fp8 '
@@ -124,7 +112,6 @@ SERVE_KEYS = {
                         "the parameters load straight into their shards; in a multi-process "
                         "run, every process's devices: process 0 serves HTTP, the others "
                         'follow its engine'),
-    'seed': (0, 'seed of requests that give none'),
     'log_level': ('info', 'uvicorn log level: critical, error, warning, info, debug, trace'),
     'compile_cache': ('', "directory of JAX's persistent compilation cache (empty: off): a "
                       "restarted server finds its engine's step programs compiled"),
@@ -501,15 +488,9 @@ def serve(options: dict) -> None:
   serve_http(model, host=options['host'], port=options['port'],
              log_level=options['log_level'], model_name=options['served_model_name'] or None,
              max_queue=options['max_queue'], max_request_bytes=options['max_request_bytes'],
-             add_bos=options['add_bos'],
-             dtype=options['dtype'] or None, max_batch=options['max_batch'],
-             token_budget=options['token_budget'], page_size=options['page_size'],
-             max_pages=options['max_pages'] or None,
-             max_window_pages=options['max_window_pages'] or None,
-             max_model_len=options['max_model_len'] or None,
-             prefix_caching=options['prefix_caching'], max_logprobs=options['max_logprobs'],
-             seed=options['seed'], tensor_parallel=options['tensor_parallel'],
-             quantization=options['quantization'])
+             add_bos=options['add_bos'], dtype=options['dtype'] or None,
+             tensor_parallel=options['tensor_parallel'], quantization=options['quantization'],
+             **{f.name: options[f.name] for f in dataclasses.fields(EngineConfig)})
 
 
 def evaluate(options: dict) -> dict:
@@ -581,7 +562,10 @@ def _evaluate_text(harness, options: dict) -> dict:
 def _command_keys(command: str) -> dict[str, Key]:
   if command in ('convert', 'serve', 'eval'):
     keys = {'convert': CONVERT_KEYS, 'serve': SERVE_KEYS, 'eval': EVAL_KEYS}[command]
-    return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in keys.items()}
+    listed = {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in keys.items()}
+    if command == 'serve':  # the engine's keys are EngineConfig's fields
+      listed.update(config_keys(EngineConfig, '', 'Keys'))
+    return listed
   if command == 'compile':
     return {**{k: Key(d, doc, type(d), 'compile') for k, (d, doc) in COMPILE_KEYS.items()},
             **train_keys(PRETRAIN)}

@@ -1,12 +1,15 @@
 """The serving engine against maxnnx.generate: continuous batching, chunked prefill, prefix
 caching, preemption, sliding windows, MLA and MoE, sampling, stopping, cancellation, compiles."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 import maxnnx
+from maxnnx.config import ConfigError, EngineConfig
 from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.model_runner import bucket
 from tests.test_sampling_controls import penalised_greedy
@@ -549,3 +552,19 @@ def test_every_engine_setting_is_checked_before_use(model, setting, message):
   divided by zero, 3.5 failed deep in jax, a string seed was taken)."""
   with pytest.raises(ValueError, match=message):
     Engine(model, **setting)
+
+
+def test_an_engine_config_with_overrides_and_the_serve_keys_it_gives(model):
+  """Engine takes an EngineConfig, keyword settings replace its fields, an unknown setting
+  is refused with the nearest name, and maxnnx serve's engine keys are the config's fields
+  with its defaults."""
+  from maxnnx.cli import _command_keys
+  config = EngineConfig(max_batch=2, page_size=4, token_budget=8, max_model_len=32)
+  engine = Engine(model, config=config, seed=7)
+  assert engine.config == config.replace(seed=7) and engine.max_batch == 2
+  assert engine.seed == 7 and engine.max_pages == 2 * 8  # 2 rows of 32 tokens in pages of 4
+  with pytest.raises(ConfigError, match="Unknown Engine field 'max_batches'.*max_batch"):
+    Engine(model, max_batches=4)
+  keys = _command_keys('serve')
+  for field in dataclasses.fields(EngineConfig):
+    assert keys[field.name].default == getattr(EngineConfig(), field.name)

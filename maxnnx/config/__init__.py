@@ -15,6 +15,7 @@ Two classes matter to users:
 """
 
 from maxnnx.config.base import ConfigError, ValidatedConfig, dotted_fields, resolve_dtype, subtree
+from maxnnx.config.engine import EngineConfig
 from maxnnx.config.groups import (
     GlobalAttentionConfig,
     LayerType,
@@ -32,7 +33,8 @@ from maxnnx.config.mesh import MESH_AXES, MeshConfig, check_expert_split, check_
 from maxnnx.config.model import LEGACY_MODEL_KEYS, TRAINING_KEYS, ModelConfig
 
 __all__ = [
-    'LEGACY_MODEL_KEYS', 'MESH_AXES', 'TRAINING_KEYS', 'ConfigError', 'GlobalAttentionConfig',
+    'LEGACY_MODEL_KEYS', 'MESH_AXES', 'TRAINING_KEYS', 'ConfigError', 'EngineConfig',
+    'GlobalAttentionConfig',
     'LayerType', 'MLAConfig',
     'LinearAttentionConfig', 'MTPConfig', 'MeshConfig', 'ModelConfig', 'MoEConfig', 'RematPolicy',
     'RopeConfig', 'RopeScaling', 'RuntimeConfig', 'ValidatedConfig', 'VisionConfig',

@@ -103,6 +103,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from maxnnx.config.engine import EngineConfig
 from maxnnx.serving.batch_sampler import BatchSampler
 from maxnnx.serving.model_runner import (
   MIN_TOKEN_BUCKET,
@@ -126,23 +127,6 @@ from maxnnx.serving.scheduler import Request, Scheduler
 logger = logging.getLogger(__name__)
 
 
-def _check_settings(**settings) -> None:
-  """Each engine setting has its type and range, or one error names it and the fix."""
-  lowest = {'page_size': 1, 'max_batch': 1, 'token_budget': 1, 'max_pages': 1,
-            'max_model_len': 1, 'max_logprobs': 0, 'seed': 0, 'max_window_pages': 1}
-  for name, value in settings.items():
-    if name == 'prefix_caching':
-      if not isinstance(value, bool):
-        raise ValueError(f'Engine prefix_caching={value!r}: expected True or False.')
-      continue
-    if value is None and name in ('max_pages', 'max_model_len', 'max_window_pages'):
-      continue  # the default size
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-      raise ValueError(f'Engine {name}={value!r}: expected an integer >= {lowest[name]}.')
-    if value < lowest[name]:
-      raise ValueError(f'Engine {name}={value}: must be >= {lowest[name]}.')
-
-
 class Engine:
   """Serves many requests at once from one model, with a paged KV cache.
 
@@ -153,39 +137,20 @@ class Engine:
     tokenizer: optional; with one, prompts may be strings (encoded as they are,
       no BOS added), outputs carry ``text`` and stop strings work. Anything with
       ``encode(str) -> ids``, ``decode(ids) -> str`` and ``eos_id``.
-    max_pages: pages in the pool (per layer), each ``page_size`` tokens; default
-      enough for ``max_batch`` requests of ``max_model_len`` tokens. One more
-      page is allocated as scratch. The sliding layers of a model that mixes sliding
-      and full layers get ``max_window_pages`` instead.
-    max_window_pages: pages in the sliding layers' own pool (a model mixing sliding and
-      full layers, unscanned; ignored otherwise); default ``min(max_pages, 2 * max_batch
-      * window_pages_per_request)``: room for the running requests' windows and as many
-      released pages kept for prefix-cache hits. A hit needs the sliding pages of the
-      prefix's last window, which a small pool evicts first: give more pages (up to
-      ``max_pages``) where prompts are reused long after they were served.
-    page_size: tokens per page.
-    max_batch: requests computed in one step at most.
-    token_budget: tokens computed in one step at most (decode tokens plus
-      prefill chunks); at least ``max_batch``.
-    max_model_len: prompt plus output tokens of one request at most; default
-      ``model.config.max_position_embeddings``.
-    prefix_caching: reuse the pages of full prompt pages already computed by an
-      earlier or concurrent request with the same prefix. Turned off (with a warning)
-      for a model with recurrent layers (see the module docstring).
-    max_logprobs: the largest ``SamplingParams.logprobs`` accepted.
-    seed: derives the seed of requests that give none.
+    config: the :class:`~maxnnx.config.EngineConfig` (batch, pages, buckets, seed...);
+      default ``EngineConfig()``.
     rules: logical-axis rules for the page pools of a sharded model (default
       :data:`maxnnx.sharding.DEFAULT_RULES`).
-    token_buckets: the flat token counts a step is padded to (``token_budget`` is always
-      one); default the powers of two from 8 below it. See the module docstring.
-    page_buckets: the pages per row a step gathers (``ceil(max_model_len / page_size)`` is
-      always one); default the powers of two below it.
+    **settings: fields of :class:`~maxnnx.config.EngineConfig` that replace ``config``'s
+      (``Engine(model, max_batch=4)``); an unknown name or a bad value is one
+      ``ConfigError`` naming it.
 
   A model placed on a mesh (``from_pretrained(dir, mesh=MeshConfig(tensor=4))``)
   is served on it: every step runs over the model's devices, and the page pools
   split over the kv heads the way the projections do.
 
   Attributes:
+    config: the :class:`~maxnnx.config.EngineConfig` in use.
     scheduler: the :class:`~maxnnx.serving.scheduler.Scheduler` (queues, preemption count,
       and its ``kv_cache``, what each request holds of the cache).
     runner: the :class:`~maxnnx.serving.model_runner.ModelRunner` (batch layout, buckets, the
@@ -205,32 +170,29 @@ class Engine:
     compiles: the :class:`CompileCounts` of the programs built in the engine's calls.
   """
 
-  def __init__(self, model, tokenizer=None, *, max_pages: int | None = None,
-               page_size: int = 16, max_batch: int = 8, token_budget: int = 256,
-               max_model_len: int | None = None, prefix_caching: bool = True,
-               max_logprobs: int = 5, seed: int = 0, rules: dict | None = None,
-               max_window_pages: int | None = None,
-               token_buckets: Sequence[int] | None = None,
-               page_buckets: Sequence[int] | None = None):
-    _check_settings(page_size=page_size, max_batch=max_batch, token_budget=token_budget,
-                    max_pages=max_pages, max_model_len=max_model_len,
-                    max_logprobs=max_logprobs, seed=seed, max_window_pages=max_window_pages,
-                    prefix_caching=prefix_caching)
+  def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *,
+               rules: dict | None = None, **settings):
+    config = EngineConfig() if config is None else EngineConfig.from_dict(config)
+    self.config = config.replace(**settings) if settings else config
+    page_size, max_batch = self.config.page_size, self.config.max_batch
+    token_budget, max_pages = self.config.token_budget, self.config.max_pages
+    max_logprobs, prefix_caching = self.config.max_logprobs, self.config.prefix_caching
     cfg = model.config
     self.model_config = cfg
     self.page_size = page_size
     self.max_batch = max_batch
     self.token_budget = token_budget
-    self.max_model_len = max_model_len or cfg.max_position_embeddings
+    self.max_model_len = self.config.max_model_len or cfg.max_position_embeddings
     self.max_logprobs = min(max_logprobs, cfg.vocab_size)
-    self.seed = seed
+    self.seed = self.config.seed
     self.pages_per_request = math.ceil(self.max_model_len / page_size)
     self.max_pages = (max_batch * self.pages_per_request if max_pages is None else max_pages)
-    self.token_buckets = bucket_set('token_buckets', token_buckets, token_budget,
+    self.token_buckets = bucket_set('token_buckets', self.config.token_buckets, token_budget,
                                     MIN_TOKEN_BUCKET)
-    self.page_buckets = bucket_set('page_buckets', page_buckets, self.pages_per_request, 1)
+    self.page_buckets = bucket_set('page_buckets', self.config.page_buckets,
+                                   self.pages_per_request, 1)
     self._check_positions(model)
-    window = self._plan_pools(max_window_pages)
+    window = self._plan_pools(self.config.max_window_pages)
     recurrent = 'linear' in cfg.resolved_layer_types
     if recurrent and prefix_caching:
       logger.warning('prefix_caching is off: this model\'s Gated DeltaNet layers keep a state '
@@ -290,9 +252,6 @@ class Engine:
     self.window_allocator = None
     self.max_window_pages = 0
     if window is not None and types == {'sliding', 'full'} and not cfg.runtime.scan_layers:
-      if max_window_pages is not None and max_window_pages < 1:
-        raise ValueError(f'max_window_pages={max_window_pages}: the sliding layers\' pool '
-                         'needs at least one page (None: the default size).')
       self.max_window_pages = (
           min(self.max_pages, 2 * self.max_batch * self.window_pages_per_request)
           if max_window_pages is None else max_window_pages)

@@ -1,0 +1,75 @@
+"""``EngineConfig``: the serving engine's settings (``maxnnx serve``'s engine keys)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from maxnnx.config.base import ConfigError, ValidatedConfig
+
+_LOWEST = {'page_size': 1, 'max_batch': 1, 'token_budget': 1, 'max_pages': 1,
+           'max_model_len': 1, 'max_logprobs': 0, 'seed': 0, 'max_window_pages': 1}
+_OPTIONAL = ('max_pages', 'max_model_len', 'max_window_pages')
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig(ValidatedConfig):
+  """How a serving :class:`~maxnnx.serving.Engine` batches, caches and samples.
+
+  Attributes:
+    max_batch: requests computed in one engine step at most.
+    token_budget: tokens computed in one engine step at most (decode tokens plus prompt
+      chunks); at least max_batch.
+    page_size: tokens per KV-cache page.
+    max_pages: KV-cache pages in the pool, per layer (None: enough for max_batch requests of
+      max_model_len tokens); one more is allocated as scratch.
+    max_window_pages: pages in the sliding layers' own pool, for models mixing sliding and
+      full layers (None: twice what max_batch requests hold within the window). A prefix hit
+      needs the sliding pages of the prefix's last window, which a small pool evicts first.
+    max_model_len: prompt plus output tokens of one request (None: the model's
+      max_position_embeddings).
+    prefix_caching: reuse the KV-cache pages of prompt prefixes already computed (off, with a
+      warning, for models with recurrent layers).
+    max_logprobs: the most log-probabilities per token a request may ask for.
+    seed: seed of requests that give none.
+    token_buckets: the flat token counts a step is padded to (token_budget is always one;
+      None: the powers of two from 8 below it).
+    page_buckets: the pages per row a step gathers (ceil(max_model_len / page_size) is always
+      one; None: the powers of two below it).
+  """
+
+  _PATH = 'Engine'
+
+  max_batch: int = 8
+  token_budget: int = 256
+  page_size: int = 16
+  max_pages: int | None = None
+  max_window_pages: int | None = None
+  max_model_len: int | None = None
+  prefix_caching: bool = True
+  max_logprobs: int = 5
+  seed: int = 0
+  token_buckets: tuple[int, ...] | None = None
+  page_buckets: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    for name, lowest in _LOWEST.items():
+      value = getattr(self, name)
+      if value is None and name in _OPTIONAL:
+        continue  # the default size
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f'Engine {name}={value!r}: expected an integer >= {lowest}.')
+      if value < lowest:
+        raise ConfigError(f'Engine {name}={value}: must be >= {lowest}.')
+      object.__setattr__(self, name, int(value))
+    if not isinstance(self.prefix_caching, bool):
+      raise ConfigError(f'Engine prefix_caching={self.prefix_caching!r}: expected True or False.')
+    for name in ('token_buckets', 'page_buckets'):  # one size, or a list from YAML
+      value = getattr(self, name)
+      if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = (value,)
+      if isinstance(value, (list, tuple, np.ndarray)):
+        value = tuple(int(v) if isinstance(v, np.integer) else v for v in value)
+      object.__setattr__(self, name, value)
+    super().__post_init__()
