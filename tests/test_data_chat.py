@@ -78,12 +78,25 @@ def test_chat_template_jinja_file_wins(tmp_path):
 
 def test_builtin_fallback_and_missing(tmp_path):
   _write_json(tmp_path / 'tokenizer_config.json', {'eos_token': '</s>'})
-  with pytest.raises(FileNotFoundError, match='family='):
+  with pytest.raises(FileNotFoundError, match='builtin='):
     load_chat_template(str(tmp_path))
-  assert load_chat_template(str(tmp_path), family='qwen2').source == CHATML_TEMPLATE
-  assert builtin_template('Llama-3.1') == builtin_template('llama3')
+  assert load_chat_template(str(tmp_path), builtin='chatml').source == CHATML_TEMPLATE
+  assert builtin_template('Llama3') == builtin_template('llama3')
   with pytest.raises(ValueError, match='No built-in chat template'):
-    builtin_template('gpt2')
+    builtin_template('qwen2')  # a family, not a template: its spec names its template
+
+
+def test_each_family_names_its_builtin_chat_template():
+  """Qwen families fall back on ChatML and Gemma families on Gemma's turns; a family with
+  none gets none, and every name given is a built-in template."""
+  from maxnnx.data.chat import BUILTIN_TEMPLATES
+  from maxnnx.models.registry import specs
+  names = {name: spec.chat_template for name, spec in specs().items()}
+  assert {names[f] for f in ('qwen2', 'qwen3', 'qwen3_moe', 'qwen3_next', 'qwen3_5')} == {
+      'chatml'}
+  assert {names[f] for f in ('gemma', 'gemma2', 'gemma3', 'gemma4')} == {'gemma'}
+  assert names['gpt3'] is None
+  assert set(names.values()) - {None} <= set(BUILTIN_TEMPLATES)
 
 
 # --- the sandbox ---------------------------------------------------------------

@@ -123,7 +123,7 @@ def test_the_prompt_writes_each_tile_and_the_global_one():
   vision = VisionConfig(num_layers=1, hidden_size=8, intermediate_size=32, num_heads=2,
                         image_size=28, patch_size=7, tokens_per_image=4, image_token_id=5,
                         projector='pixel_shuffle', adapter_dim=4)
-  prompt = TiledImagePrompt.llama4(Specials(), vision)
+  prompt = TiledImagePrompt.from_tokenizer(Specials(), vision, model='Llama 4')
   prompt = TiledImagePrompt(**{**prompt.__dict__, 'tokens_per_tile': 2})
   text, count = prompt.expand('a<|image|>b<|image|>', [(2, 3), (1, 1)])
   x, y = '<|tile_x_separator|>', '<|tile_y_separator|>'

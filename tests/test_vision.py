@@ -54,7 +54,7 @@ def test_pan_and_scan_prompts_match_transformers_processor_and_model():
   5 pictures, and logits at rel < 1e-4 (``pan_and_scan.npz``)."""
   from maxnnx.data import load_tokenizer
   from maxnnx.data.chat import encode_with_specials
-  from maxnnx.data.images import image_inputs_for
+  from maxnnx.models import image_inputs_for
   ref = np.load(os.path.join(CASE, 'pan_and_scan.npz'))
   model = maxnnx.from_pretrained(CASE)
   tokenizer = load_tokenizer(os.path.join(CASE, 'tokenizer.json'))

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import maxnnx
+from maxnnx.models import gemma3
 from maxnnx.serving import Engine, SamplingParams
 
 
@@ -94,7 +95,7 @@ def test_the_server_answers_chats_with_image_url_data_urls(model, gemma3_tokeniz
   from conftest import FIXTURES
   from test_serving_server import _running
 
-  from maxnnx.data import ImageProcessor, ImagePrompt, load_tokenizer
+  from maxnnx.data import ImageProcessor, load_tokenizer
   from maxnnx.data.chat import encode_with_specials, load_chat_template
   from maxnnx.serving.server import make_app
   v = model.config.vision
@@ -109,7 +110,7 @@ def test_the_server_answers_chats_with_image_url_data_urls(model, gemma3_tokeniz
   text = template.render([{'role': 'user', 'content': [
       {'type': 'text', 'text': 'Look:'}, {'type': 'image'},
       {'type': 'text', 'text': 'What is it?'}]}], add_generation_prompt=True)
-  text, count = ImagePrompt.gemma3(tokenizer, v).expand(text)
+  text, count = gemma3.image_prompt(tokenizer, v).expand(text)
   ids = encode_with_specials(tokenizer, text)
   pixels = ImageProcessor(height=v.image_size, width=v.image_size)([png])[0]
   want = maxnnx.generate(model, [ids], max_new_tokens=5, eos_ids=None, pixel_values=pixels)

@@ -16,7 +16,8 @@ import pytest
 from conftest import FIXTURES
 
 import maxnnx
-from maxnnx.data import DataConfig, ImageProcessor, ImagePrompt, make_sft_pipeline
+from maxnnx.data import DataConfig, ImageProcessor, make_sft_pipeline
+from maxnnx.models import gemma3
 
 IMAGES = os.path.join(os.path.dirname(FIXTURES), 'images')
 
@@ -66,7 +67,7 @@ def _pipeline(path, tokenizer_dir, cfg, **kwargs):
   tokenizer = load_tokenizer(str(tokenizer_dir / 'tokenizer.json'))
   options = dict(batch_size=4, seq_len=96, images_per_row=2,
                  image_processor=_processor(cfg),
-                 image_prompt=ImagePrompt.gemma3(tokenizer, cfg.vision))
+                 image_prompt=gemma3.image_prompt(tokenizer, cfg.vision))
   config = DataConfig(sources=(path,), kind='jsonl', shuffle=False, overlong='truncate')
   return make_sft_pipeline(config, tokenizer, **{**options, **kwargs}), tokenizer
 
@@ -138,7 +139,7 @@ def test_bad_image_records_name_the_record_and_the_fix(tmp_path, gemma3_tokenize
   with pytest.raises(ValueError, match='needs image_processor='):
     _pipeline(path, gemma3_tokenizer_dir, vision_config, image_prompt=None)
   with pytest.raises(ValueError, match="lacks Gemma 3's image tokens: '<start_of_image>'"):
-    ImagePrompt.gemma3(_plain_tokenizer(), vision_config.vision)
+    gemma3.image_prompt(_plain_tokenizer(), vision_config.vision)
 
 
 def _plain_tokenizer():

@@ -4,8 +4,9 @@ A checkpoint's chat template is a Jinja template stored either as
 ``chat_template.jinja`` (written by recent ``transformers``) or as the
 ``chat_template`` field of ``tokenizer_config.json`` (a string, or a list of
 ``{"name", "template"}`` entries, of which ``default`` is used). Checkpoints
-without one can use a built-in template by family (:data:`BUILTIN_TEMPLATES`:
-ChatML for Qwen, Llama 3, Gemma).
+without one can use a built-in template by name (:data:`BUILTIN_TEMPLATES`: ChatML,
+Llama 3, Gemma); each model family says which one is its own
+(``FamilySpec.chat_template``), so this module never names a family.
 
 Templates are untrusted code: they are rendered in Jinja's
 ``ImmutableSandboxedEnvironment`` (no attribute access to internals such as
@@ -104,19 +105,12 @@ BUILTIN_TEMPLATES = {'chatml': CHATML_TEMPLATE, 'llama3': LLAMA3_TEMPLATE,
                      'gemma': GEMMA_TEMPLATE}
 """Fallback templates by name: ``chatml`` (Qwen and others), ``llama3``, ``gemma``."""
 
-_FAMILIES = (('qwen', 'chatml'), ('chatml', 'chatml'), ('llama3', 'llama3'),
-             ('llama-3', 'llama3'), ('llama_3', 'llama3'), ('gemma', 'gemma'))
-
-
-def builtin_template(family: str) -> str:
-  """The built-in template for a family or template name (``'qwen2'``, ``'llama3'``, ...)."""
-  name = family.lower()
-  for prefix, template in _FAMILIES:
-    if name.startswith(prefix):
-      return BUILTIN_TEMPLATES[template]
-  raise ValueError(f'No built-in chat template for {family!r}; the built-in ones are '
-                   f'{sorted(BUILTIN_TEMPLATES)} (also matched by prefixes qwen, llama-3, '
-                   'gemma).')
+def builtin_template(name: str) -> str:
+  """The built-in template called ``name`` (``'chatml'``, ``'llama3'``, ``'gemma'``)."""
+  if name.lower() not in BUILTIN_TEMPLATES:
+    raise ValueError(f'No built-in chat template {name!r}; the built-in ones are '
+                     f'{sorted(BUILTIN_TEMPLATES)}.')
+  return BUILTIN_TEMPLATES[name.lower()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,20 +167,21 @@ class ChatTemplate:
     return self
 
 
-def load_chat_template(path: str, *, family: str | None = None, name: str = 'default'
+def load_chat_template(path: str, *, builtin: str | None = None, name: str = 'default'
                        ) -> ChatTemplate:
   """The chat template of a checkpoint or tokenizer directory.
 
   Looks for ``chat_template.jinja``, then ``tokenizer_config.json``'s
   ``chat_template`` (a string, or a list of named templates of which ``name``
-  is taken). Without either, ``family`` picks a built-in template
-  (:func:`builtin_template`); without ``family`` that is an error.
+  is taken). Without either, the built-in template ``builtin`` is taken
+  (:func:`builtin_template`); without ``builtin`` that is an error.
   ``bos_token`` / ``eos_token`` come from ``tokenizer_config.json`` (or
   ``special_tokens_map.json``) beside it.
 
   Args:
     path: a directory, or a file in it (e.g. its ``tokenizer.json``).
-    family: model family or built-in template name to fall back on.
+    builtin: the built-in template to fall back on (a family's
+      ``FamilySpec.chat_template``).
     name: which of several named templates to take.
   """
   directory = path if os.path.isdir(path) else os.path.dirname(path) or '.'
@@ -210,10 +205,11 @@ def load_chat_template(path: str, *, family: str | None = None, name: str = 'def
   if template is not None:
     raise ValueError(f'{origin}: chat_template is a {type(template).__name__}, expected a '
                      'string or a list of {"name", "template"} objects.')
-  if family is None:
+  if builtin is None:
     raise FileNotFoundError(f'{directory}: no chat_template.jinja and no chat_template in '
-                            'tokenizer_config.json; pass family= to use a built-in template.')
-  return ChatTemplate(builtin_template(family), bos, eos, f'builtin:{family}')
+                            'tokenizer_config.json; pass builtin= to use a built-in template '
+                            f'({", ".join(sorted(BUILTIN_TEMPLATES))}).')
+  return ChatTemplate(builtin_template(builtin), bos, eos, f'builtin:{builtin}')
 
 
 def template_for(tokenizer, template: ChatTemplate | str) -> ChatTemplate:

@@ -27,6 +27,7 @@ import itertools
 import json
 import math
 import os
+import re
 from collections.abc import Sequence
 
 import ml_dtypes
@@ -245,26 +246,18 @@ class ImagePrompt:
   crops_format: str | None = None
 
   @classmethod
-  def gemma3(cls, tokenizer, vision, *, start_token: str = '<start_of_image>',
-             end_token: str = '<end_of_image>') -> ImagePrompt:
-    """Gemma 3's prompt for ``vision`` (a :class:`~maxnnx.config.VisionConfig`), with
-    the placeholder's string looked up in ``tokenizer`` by ``vision.image_token_id``."""
-    from maxnnx.data.chat import special_tokens
-    specials = special_tokens(tokenizer)
-    image_token = {i: s for s, i in specials.items()}.get(vision.image_token_id)
-    missing = [repr(token) for token in (start_token, end_token) if token not in specials]
-    if image_token is None:
-      missing.append(f'a special token of id {vision.image_token_id} '
-                     '(ModelConfig.vision.image_token_id)')
-    if missing:
-      raise ValueError(f"the tokenizer lacks Gemma 3's image tokens: {', '.join(missing)}; "
-                       "use the checkpoint's own tokenizer.")
-    return cls(marker=start_token,
-               expansion=f'\n\n{start_token}{image_token * vision.tokens_per_image}'
-                         f'{end_token}\n\n',
-               image_token_id=vision.image_token_id,
-               crops_format='Here is the original image {image} and here are some crops '
-                            'to help you see better {crops}')
+  def from_tokenizer(cls, tokenizer, vision, *, marker: str, expansion: str,
+                     crops_format: str | None = None, model: str = 'the model') -> ImagePrompt:
+    """The prompt whose ``expansion`` (``{image}`` standing for the run of
+    ``vision.tokens_per_image`` placeholders) replaces each ``marker``; the placeholder's
+    string is looked up in ``tokenizer`` by ``vision.image_token_id``, and every special
+    token the expansion names must be the tokenizer's (``ValueError`` naming the missing
+    ones and ``model``)."""
+    specials = image_placeholder(tokenizer, vision, (marker, *_special_names(expansion)),
+                                     model)
+    return cls(marker=marker,
+               expansion=expansion.format(image=specials * vision.tokens_per_image),
+               image_token_id=vision.image_token_id, crops_format=crops_format)
 
   def expand(self, text: str, layouts: Sequence | None = None, first: int = 0
              ) -> tuple[str, int]:
@@ -310,20 +303,13 @@ class TiledImagePrompt(ImagePrompt):
   tokens_per_tile: int = 144
 
   @classmethod
-  def llama4(cls, tokenizer, vision) -> TiledImagePrompt:
-    """Llama 4's prompt for ``vision``, the placeholder's string found in ``tokenizer``."""
-    from maxnnx.data.chat import special_tokens
-    specials = special_tokens(tokenizer)
-    patch = {i: s for s, i in specials.items()}.get(vision.image_token_id)
-    names = ('<|image|>', cls.start, cls.end, cls.tile_x, cls.tile_y)
-    missing = [repr(t) for t in names if t not in specials]
-    if patch is None:
-      missing.append(f'a special token of id {vision.image_token_id} '
-                     '(ModelConfig.vision.image_token_id)')
-    if missing:
-      raise ValueError(f"the tokenizer lacks Llama 4's image tokens: {', '.join(missing)}; "
-                       "use the checkpoint's own tokenizer.")
-    return cls(marker='<|image|>', expansion=patch, image_token_id=vision.image_token_id,
+  def from_tokenizer(cls, tokenizer, vision, *, marker: str = '<|image|>',
+                     model: str = 'the model') -> TiledImagePrompt:
+    """The tiled prompt for ``vision``, the placeholder's string found in ``tokenizer``
+    (``ValueError`` naming the missing tokens and ``model``)."""
+    patch = image_placeholder(tokenizer, vision,
+                                  (marker, cls.start, cls.end, cls.tile_x, cls.tile_y), model)
+    return cls(marker=marker, expansion=patch, image_token_id=vision.image_token_id,
                tokens_per_tile=vision.tokens_per_image)
 
   def expand(self, text: str, layouts: Sequence | None = None, first: int = 0
@@ -481,30 +467,23 @@ def load_image_processor(directory: str, **overrides):
   return ImageProcessor.from_pretrained(directory, **overrides)
 
 
-def image_inputs_for(model_config, tokenizer, directory: str | None = None, *,
-                     pan_and_scan: bool = False):
-  """``(image processor, image prompt)`` of a vision-language model: the checkpoint
-  ``directory``'s ``preprocessor_config.json`` if it has one, else the tower's own image
-  size with SigLIP's normalisation. Gemma 3's pan-and-scan is off unless ``pan_and_scan``
-  (transformers' ``Gemma3Processor`` also turns it off unless asked, whatever the
-  config says); on, it uses the config's crop settings.
+def _special_names(text: str) -> list[str]:
+  """The ``<...>`` token names in a prompt's expansion (``{image}`` left out)."""
+  return re.findall(r'<[^<>{}\s]+>', text)
 
-  Raises:
-    ValueError: for a model without a tower, a family whose image prompt is unknown, or a
-      tokenizer without the image tokens.
-  """
-  v = model_config.vision
-  if not v.num_layers:
-    raise ValueError('the model has no vision tower (ModelConfig.vision.num_layers is 0).')
-  family = model_config.family
-  if family not in ('gemma3', 'llama4'):
-    raise ValueError(f'the image prompt of {family!r} models is not known (gemma3, llama4).')
-  has_config = directory and os.path.isfile(os.path.join(directory, 'preprocessor_config.json'))
-  if family == 'llama4':
-    processor = (TiledImageProcessor.from_pretrained(directory) if has_config
-                 else TiledImageProcessor(tile_size=v.image_size))
-    return processor, TiledImagePrompt.llama4(tokenizer, v)
-  processor = (ImageProcessor.from_pretrained(directory, pan_and_scan=pan_and_scan)
-               if has_config else ImageProcessor(height=v.image_size, width=v.image_size,
-                                                 pan_and_scan=pan_and_scan))
-  return processor, ImagePrompt.gemma3(tokenizer, v)
+
+def image_placeholder(tokenizer, vision, required: Sequence[str], model: str) -> str:
+  """The placeholder's string (``vision.image_token_id``) in ``tokenizer``, after checking
+  that every token of ``required`` is one of its special tokens (``ValueError`` naming the
+  missing ones and ``model``)."""
+  from maxnnx.data.chat import special_tokens  # noqa: PLC0415
+  specials = special_tokens(tokenizer)
+  placeholder = {i: s for s, i in specials.items()}.get(vision.image_token_id)
+  missing = [repr(t) for t in dict.fromkeys(required) if t not in specials]
+  if placeholder is None:
+    missing.append(f'a special token of id {vision.image_token_id} '
+                   '(ModelConfig.vision.image_token_id)')
+  if missing:
+    raise ValueError(f"the tokenizer lacks {model}'s image tokens: {', '.join(missing)}; use "
+                     "the checkpoint's own tokenizer.")
+  return placeholder

@@ -394,9 +394,9 @@ def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
     batch_size, seq_len, seed, shard_index, shard_count, vocab_size: as for
       :func:`maxnnx.data.make_pipeline`.
     image_processor, image_prompt, images_per_row: image+text records (see the module
-      docstring): the checkpoint's :class:`ImageProcessor`, its :class:`ImagePrompt`
-      (e.g. ``ImagePrompt.gemma3(tokenizer, model_config.vision)``) and the images a
-      row holds (``TrainConfig.images_per_row``). Rows are then not packed.
+      docstring): the checkpoint's :class:`ImageProcessor`, its :class:`ImagePrompt` (both
+      from ``maxnnx.models.image_inputs_for(model_config, tokenizer, checkpoint_dir)``) and
+      the images a row holds (``TrainConfig.images_per_row``). Rows are then not packed.
   """
   if isinstance(config, str):
     config = DataConfig.from_string(config, overlong='truncate')
@@ -454,7 +454,7 @@ def _sft_images(processor, prompt, images_per_row) -> SFTImages | None:
   if len(given) < 2:
     raise ValueError('image+text SFT (images_per_row > 0) needs image_processor= '
                      '(ImageProcessor.from_pretrained(checkpoint)) and image_prompt= '
-                     '(e.g. ImagePrompt.gemma3(tokenizer, model_config.vision)).')
+                     '(e.g. maxnnx.models.image_inputs_for(model_config, tokenizer)[1]).')
   return SFTImages(processor, prompt, images_per_row)
 
 

@@ -11,7 +11,9 @@ from maxnnx.models.pretrained import (
                                       from_pretrained,
                                       save_pretrained,
 )
+from maxnnx.models.registry import image_inputs_for
 from maxnnx.models.transformer import Transformer
 
 __all__ = ['FAMILIES', 'Transformer', 'config_from_pretrained', 'from_pretrained',
-           'num_active_params', 'num_params', 'num_vision_params', 'save_pretrained']
+           'image_inputs_for', 'num_active_params', 'num_params', 'num_vision_params',
+           'save_pretrained']

@@ -70,6 +70,7 @@ def gemma_7b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='gemma',
+    chat_template='gemma',
     description='Llama with GeGLU, `1 + w` RMSNorms, embeddings scaled by sqrt(d_model) and '
                 'a tied output head.',
     hf=Family('gemma', ('gemma',), 'GemmaForCausalLM', config_from_hf, config_to_hf,

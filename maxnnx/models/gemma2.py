@@ -81,6 +81,7 @@ def gemma2_27b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='gemma2',
+    chat_template='gemma',
     description='Gemma with norms before and after each sub-block, soft-capped attention and '
                 'output logits, and sliding-window layers alternating with global ones.',
     hf=Family('gemma2', ('gemma2',), 'Gemma2ForCausalLM', config_from_hf, config_to_hf,

@@ -13,11 +13,13 @@ modules ``model.language_model.*``, ``model.vision_tower.*`` in memory. All load
 writes what transformers 5 writes.
 """
 
+import os
 import re
 
 import numpy as np
 
 from maxnnx.config import ModelConfig, RopeConfig, VisionConfig
+from maxnnx.data.images import ImageProcessor, ImagePrompt
 from maxnnx.models import gemma
 from maxnnx.models.gemma import GEMMA_DEFAULTS, gemma_fields
 from maxnnx.models.gemma2 import SANDWICH_NORM_NAMES, sandwich_fields, sandwich_to_hf
@@ -217,8 +219,37 @@ def tiny_gemma3_vision() -> ModelConfig:
                              'tokens_per_image': 16, 'image_token_id': 511})
 
 
+GEMMA3_CROPS = ('Here is the original image {image} and here are some crops to help you see '
+                'better {crops}')
+
+
+def image_prompt(tokenizer, vision: VisionConfig) -> ImagePrompt:
+  """Gemma 3's image prompt: the template's ``<start_of_image>`` becomes a blank line, the
+  start-of-image token, ``tokens_per_image`` placeholders, the end-of-image token and a
+  blank line; an image with pan-and-scan crops is written with its crops after it."""
+  return ImagePrompt.from_tokenizer(
+      tokenizer, vision, marker='<start_of_image>',
+      expansion='\n\n<start_of_image>{image}<end_of_image>\n\n', crops_format=GEMMA3_CROPS,
+      model='Gemma 3')
+
+
+def image_inputs(model_config: ModelConfig, tokenizer, directory: str | None = None,
+                 pan_and_scan: bool = False) -> tuple[ImageProcessor, ImagePrompt]:
+  """Gemma 3's image processor (the checkpoint's ``preprocessor_config.json`` if
+  ``directory`` has one, else the tower's image size with SigLIP's normalisation) and image
+  prompt. Pan-and-scan is off unless asked, as in transformers' ``Gemma3Processor``."""
+  v = model_config.vision
+  if directory and os.path.isfile(os.path.join(directory, 'preprocessor_config.json')):
+    processor = ImageProcessor.from_pretrained(directory, pan_and_scan=pan_and_scan)
+  else:
+    processor = ImageProcessor(height=v.image_size, width=v.image_size,
+                               pan_and_scan=pan_and_scan)
+  return processor, image_prompt(tokenizer, v)
+
+
 SPEC = FamilySpec(
     name='gemma3',
+    chat_template='gemma',
     description='Gemma with norms before and after each sub-block, per-head q/k norms, '
                 '5 sliding-window layers per global one and a separate rotary base for them.',
     hf=Family('gemma3', ('gemma3_text', 'gemma3'), 'Gemma3ForCausalLM', config_from_hf,
@@ -235,5 +266,6 @@ SPEC = FamilySpec(
               unfuse=unfuse, fuse=fuse, to_peft=to_peft, from_peft=from_peft),
     differences={**gemma.DIFFERENCES, 'post_norm': True, 'qk_norm': 'head',
                  'local_rope': {'theta': 10_000.0}},
+    image_inputs=image_inputs,
     presets={'gemma3-1b': gemma3_1b, 'gemma3-4b': gemma3_4b, 'gemma3-12b': gemma3_12b,
              'gemma3-27b': gemma3_27b, 'tiny-gemma3-vision': tiny_gemma3_vision})

@@ -304,6 +304,7 @@ def tiny_gemma4() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='gemma4',
+    chat_template='gemma',
     description='Gemma 3 with `w` norms, unscaled queries, value norms, learned layer '
                 'scalars and wider global layers (whose values are their keys in 31B and '
                 '26B-A4B); the MoE variant adds routed experts beside the dense MLP, the '

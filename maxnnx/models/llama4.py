@@ -27,11 +27,13 @@ rotary embeddings; the pixel-shuffle projector folds 2x2 patches into one token 
 ``image_size`` pixels (the processor's tiling plus one global tile).
 """
 
+import os
 import re
 
 import numpy as np
 
 from maxnnx.config import ModelConfig, MoEConfig, RopeConfig, VisionConfig
+from maxnnx.data.images import TiledImageProcessor, TiledImagePrompt
 from maxnnx.models.hf import (
   Family,
   HFConfig,
@@ -335,8 +337,25 @@ def tiny_llama4_vision() -> ModelConfig:
   return tiny_llama4().replace(vision=VisionConfig(**vision))
 
 
+def image_inputs(model_config: ModelConfig, tokenizer, directory: str | None = None,
+                 pan_and_scan: bool = False) -> tuple[TiledImageProcessor, TiledImagePrompt]:
+  """Llama 4's tiled image processor (the checkpoint's ``preprocessor_config.json`` if
+  ``directory`` has one, else tiles of the tower's image size) and image prompt
+  (:class:`~maxnnx.data.images.TiledImagePrompt`: ``<|image|>`` becomes the tiles'
+  placeholders between ``<|image_start|>`` and ``<|image_end|>``). ``pan_and_scan`` does not
+  apply (tiles play its part)."""
+  del pan_and_scan
+  v = model_config.vision
+  if directory and os.path.isfile(os.path.join(directory, 'preprocessor_config.json')):
+    processor = TiledImageProcessor.from_pretrained(directory)
+  else:
+    processor = TiledImageProcessor(tile_size=v.image_size)
+  return processor, TiledImagePrompt.from_tokenizer(tokenizer, v, model='Llama 4')
+
+
 SPEC = FamilySpec(
     name='llama4',
+    image_inputs=image_inputs,
     description='Llama with chunked local attention in 3 of 4 layers, NoPE full-attention '
                 'layers with temperature tuning, interleaved rotary pairs, L2 q/k norms '
                 '(Scout) and top-1 sigmoid experts plus a shared expert.',

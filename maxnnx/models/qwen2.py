@@ -89,6 +89,7 @@ def qwen2_5_72b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='qwen2',
+    chat_template='chatml',
     description='Llama with q/k/v biases (and sliding windows on upper layers when enabled).',
     hf=Family('qwen2', ('qwen2',), 'Qwen2ForCausalLM', config_from_hf, config_to_hf,
               defaults={'max_position_embeddings': 32768}),

@@ -68,6 +68,7 @@ def qwen3_32b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='qwen3',
+    chat_template='chatml',
     description='Llama with per-head RMSNorm on queries and keys.',
     hf=Family('qwen3', ('qwen3',), 'Qwen3ForCausalLM', config_from_hf, config_to_hf,
               defaults={'max_position_embeddings': 32768}),

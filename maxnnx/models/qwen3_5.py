@@ -64,6 +64,7 @@ def qwen3_5_397b_a17b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='qwen3_5',
+    chat_template='chatml',
     description="Qwen3-Next's hybrid Gated DeltaNet / gated-attention stack with every layer "
                 'MoE and separate linear-attention projections.',
     hf=Family('qwen3_5', ('qwen3_5_moe_text',), 'Qwen3_5MoeForCausalLM', config_from_hf,

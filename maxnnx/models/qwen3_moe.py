@@ -73,6 +73,7 @@ def qwen3_480b_a35b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='qwen3_moe',
+    chat_template='chatml',
     description='Qwen3 with every MLP replaced by softmax top-8 of its routed experts (128; '
                 '160 in the 480B).',
     hf=Family('qwen3_moe', ('qwen3_moe',), 'Qwen3MoeForCausalLM', config_from_hf,

@@ -143,6 +143,7 @@ def tiny_qwen3_next() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='qwen3_next',
+    chat_template='chatml',
     description='Gated DeltaNet linear-attention layers with one gated full-attention layer '
                 'in four, (1 + w) norms, and top-10 of 512 experts plus a sigmoid-gated '
                 'shared expert.',

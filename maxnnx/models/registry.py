@@ -34,6 +34,10 @@ class FamilySpec:
       {'num_experts': 8}}``); the presets build on them (:meth:`config`).
     presets: preset name -> a function returning a published model's config, whose
       docstring cites the published size.
+    chat_template: the built-in chat template (:data:`maxnnx.data.chat.BUILTIN_TEMPLATES`)
+      for the family's checkpoints that store none, or ``None``.
+    image_inputs: for a vision-language family, ``(model_config, tokenizer, directory,
+      pan_and_scan) -> (image processor, image prompt)`` (see :func:`image_inputs_for`).
   """
 
   name: str
@@ -41,6 +45,8 @@ class FamilySpec:
   hf: Family
   differences: dict[str, Any] = dataclasses.field(default_factory=dict)
   presets: dict[str, Callable[[], ModelConfig]] = dataclasses.field(default_factory=dict)
+  chat_template: str | None = None
+  image_inputs: Callable[..., tuple[Any, Any]] | None = None
 
   def config(self, **fields: Any) -> ModelConfig:
     """A config of this family: the defaults, then :attr:`differences`, then ``fields``.
@@ -104,6 +110,26 @@ def discover(package: str = 'maxnnx.models') -> dict[str, FamilySpec]:
       owners[claim] = spec.name
     specs[spec.name] = spec
   return specs
+
+
+def image_inputs_for(model_config: ModelConfig, tokenizer, directory: str | None = None, *,
+                     pan_and_scan: bool = False):
+  """``(image processor, image prompt)`` of a vision-language model, as its family says
+  (``FamilySpec.image_inputs``): the checkpoint ``directory``'s ``preprocessor_config.json``
+  if it has one, else the tower's own image size. ``pan_and_scan`` turns on Gemma 3's crops.
+
+  Raises:
+    ValueError: for a model without a tower, a family whose image prompt is unknown, or a
+      tokenizer without the image tokens.
+  """
+  if not model_config.vision.num_layers:
+    raise ValueError('the model has no vision tower (ModelConfig.vision.num_layers is 0).')
+  spec = specs().get(model_config.family)
+  if spec is None or spec.image_inputs is None:
+    known = sorted(name for name, s in specs().items() if s.image_inputs is not None)
+    raise ValueError(f'the image prompt of {model_config.family!r} models is not known '
+                     f'({", ".join(known)}).')
+  return spec.image_inputs(model_config, tokenizer, directory, pan_and_scan)
 
 
 @functools.cache

@@ -114,10 +114,11 @@ class RecordsRecipe(Recipe):
 
   def template(self, options: dict, tokenizer, family: str | None = None):
     """``template=`` (a built-in name, Jinja text or a ``.jinja`` file), else the one stored
-    beside the tokenizer, else the built-in template of the model's ``family`` if any."""
+    beside the tokenizer, else the built-in template of the model's ``family`` if it has one
+    (``FamilySpec.chat_template``)."""
     from maxnnx.data import ChatTemplate  # noqa: PLC0415
-    from maxnnx.data.chat import builtin_template  # noqa: PLC0415
     from maxnnx.data.sft import resolve_tokenizer_and_template  # noqa: PLC0415
+    from maxnnx.models.registry import specs  # noqa: PLC0415
     value = options.get('template', '')
     if value.endswith('.jinja') or (value and os.path.isfile(value)):
       if not os.path.isfile(value):
@@ -125,12 +126,9 @@ class RecordsRecipe(Recipe):
       with open(value, encoding='utf-8') as f:
         value = ChatTemplate(f.read(), origin=value)
     template = resolve_tokenizer_and_template(tokenizer, value or None)[1]
-    if template is None and family:
-      try:
-        builtin_template(family)
-      except ValueError:
-        return None
-      template = resolve_tokenizer_and_template(tokenizer, family)[1]
+    spec = specs().get(family) if family else None
+    if template is None and spec is not None and spec.chat_template is not None:
+      template = resolve_tokenizer_and_template(tokenizer, spec.chat_template)[1]
     return template
 
   def records_config(self, spec: str, data_fields: dict):

@@ -41,8 +41,8 @@ class SFT(RecordsRecipe):
 def image_sft_options(checkpoint: str, tokenizer, model_config, images_per_row: int) -> dict:
   """``make_sft_pipeline`` keywords of image+text SFT (``images_per_row=`` > 0): the image
   processor of the checkpoint's ``preprocessor_config.json`` and the family's image prompt
-  (:func:`maxnnx.data.images.image_inputs_for`)."""
-  from maxnnx.data.images import image_inputs_for  # noqa: PLC0415
+  (:func:`maxnnx.models.image_inputs_for`)."""
+  from maxnnx.models import image_inputs_for  # noqa: PLC0415
   if not model_config.vision.num_layers:
     raise UsageError('images_per_row > 0 trains on images: the model needs a vision tower '
                      '(a multimodal checkpoint, e.g. Gemma 3 4B, or a preset with one).')

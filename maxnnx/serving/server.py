@@ -645,7 +645,7 @@ def _image_side(engine: Engine, directory: str | None, processor):
   messages), else ``(None, None)``."""
   if not engine.model_config.vision.num_layers:
     return None, None
-  from maxnnx.data.images import image_inputs_for  # noqa: PLC0415
+  from maxnnx.models import image_inputs_for  # noqa: PLC0415
   try:
     default, prompt = image_inputs_for(engine.model_config, engine.tokenizer, directory)
   except ValueError as e:
