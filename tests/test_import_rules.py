@@ -129,3 +129,30 @@ def test_the_cli_runs_training_through_the_librarys_public_api():
     assert not modules & {m.rsplit('.', 1)[1] for m in RUN_INTERNALS}, cli_module
     private = names - modules - set(maxnnx.train.__all__)
     assert not private, f'{cli_module} imports {private} from maxnnx.train (not in __all__)'
+
+
+def _compared_strings(tree: ast.AST) -> set[str]:
+  """Every string constant a comparison in ``tree`` tests against (``x == 'a'``,
+  ``x in ('a', 'b')``)."""
+  found = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Compare):
+      for side in (node.left, *node.comparators):
+        for leaf in ast.walk(side):
+          if isinstance(leaf, ast.Constant) and isinstance(leaf.value, str):
+            found.add(leaf.value)
+  return found
+
+
+def test_data_never_branches_on_a_model_family():
+  """The data layer decides nothing by family name: chat templates and image prompts are
+  the families' own (``FamilySpec.chat_template`` / ``image_inputs``)."""
+  from maxnnx.models.registry import specs
+  families = set(specs())
+  branching = {}
+  for path in sorted((ROOT / 'maxnnx' / 'data').rglob('*.py')):
+    named = _compared_strings(ast.parse(path.read_text())) & families
+    if named:
+      branching[path.name] = sorted(named)
+  assert not branching, branching
+  assert _compared_strings(ast.parse("if family in ('gemma3', 'x'): pass")) == {'gemma3', 'x'}
