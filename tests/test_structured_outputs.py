@@ -314,7 +314,8 @@ def test_streaming_holds_back_only_what_may_become_a_call():
 
 def test_the_template_gets_the_tools_and_the_format_follows_it(tokenizer):
   from maxnnx.data.chat import ChatTemplate
-  from maxnnx.serving.openai_api import ServedModel, parse_chat
+  from maxnnx.serving.openai_api import ServedModel
+  from maxnnx.serving.openai_chat import parse_chat
   source = ('{% for t in tools or [] %}TOOL {{ t.function.name }};{% endfor %}'
             '{% for m in messages %}{{ m.role }}: {{ m.content }};{% endfor %}')
   served = ServedModel('m', tokenizer, ChatTemplate(source), 128, 512, 5)
@@ -333,7 +334,7 @@ def test_the_template_gets_the_tools_and_the_format_follows_it(tokenizer):
 def test_a_streamed_reply_sends_its_text_and_its_calls_only_once_complete():
   """ChoiceStream fed a reply piece by piece (tool_choice auto): the text before the call
   streams, the call's text never does, and the finished reply carries the parsed call."""
-  from maxnnx.serving.openai_api import ChoiceStream
+  from maxnnx.serving.openai_responses import ChoiceStream
   from maxnnx.serving.params import RequestOutput
   pieces = ['Let me ', 'check. <tool', '_call>\n{"name": "get_time", ', '"arguments": ',
             '{"zone": "utc"}}\n</tool_call>']

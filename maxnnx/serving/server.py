@@ -44,11 +44,10 @@ import functools
 import json
 import logging
 import os
-import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -57,232 +56,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from maxnnx import paths
-from maxnnx.data.chat import ChatTemplate, load_chat_template, template_for
-from maxnnx.inference.chat import end_of_turn_ids
+from maxnnx.data.chat import ChatTemplate
 from maxnnx.serving.engine import Engine
+from maxnnx.serving.engine_loop import ACCEPTED, EngineLoop
+from maxnnx.serving.loading import load_engine, served_model
 from maxnnx.serving.metrics import ServerMetrics
-from maxnnx.serving.openai_api import (
-  ApiError,
+from maxnnx.serving.openai_api import ApiError, ParsedRequest, ServedModel, parse_completion
+from maxnnx.serving.openai_chat import parse_chat
+from maxnnx.serving.openai_responses import (
   ChoiceStream,
-  ParsedRequest,
-  ServedModel,
   best_choices,
   chunk,
   new_id,
-  parse_chat,
-  parse_completion,
   response_body,
 )
-from maxnnx.serving.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-ACCEPTED = 'accepted'  # what a sink receives once the engine has taken its request
 _DISCONNECTED = 'disconnected'
 MAX_REQUEST_BYTES = 8 << 20  # the default longest request body (8 MiB)
-
-
-class Ticket:
-  """A submitted request; ``request_id`` is the engine's id once the engine thread added it."""
-
-  __slots__ = ('request_id',)
-
-  def __init__(self):
-    self.request_id: int | None = None
-
-
-class EngineLoop:
-  """Owns an :class:`~maxnnx.serving.Engine` and drives it from a thread of its own.
-
-  Every method may be called from any thread. A sink (given to :meth:`submit`) is
-  called on the engine thread with :data:`ACCEPTED` once the request is in the
-  engine, then with each :class:`~maxnnx.serving.RequestOutput` of it, or once with
-  an :class:`~maxnnx.serving.openai_api.ApiError` if the engine refused it (400) or
-  failed (500). Sinks must not block.
-
-  Attributes:
-    engine: the engine (touch it only through this loop while it runs).
-    warming: what the warm-up is doing, ``None`` once it ended (``/health`` answers 503
-      until then; requests submitted meanwhile wait in the queue).
-    stats: a snapshot published after warm-up and each step: ``running``, ``waiting``,
-      ``pages_used``, ``pages_total``, ``preemptions``, ``steps``, ``compiles``,
-      ``compile_cache_hits``, ``compiles_after_ready`` (and
-      ``sliding_pages_used`` / ``sliding_pages_total`` when the sliding layers have a
-      pool of their own).
-  """
-
-  def __init__(self, engine: Engine):
-    self.engine = engine
-    self._commands: queue.SimpleQueue = queue.SimpleQueue()
-    self._sinks: dict[int, Callable] = {}
-    self._stopping = threading.Event()
-    self._thread: threading.Thread | None = None
-    self._lock = threading.Lock()
-    self._steps = 0
-    self._failures = 0
-    self.broken: str | None = None
-    self.warming: str | None = 'waiting for the engine thread'
-    self.stats: dict = {}
-    self._publish()
-
-  def start(self) -> None:
-    """Start the engine thread (once; later calls do nothing)."""
-    with self._lock:
-      if self._thread is None:
-        self._thread = threading.Thread(target=self._run, name='maxnnx-engine', daemon=True)
-        self._thread.start()
-
-  @property
-  def healthy(self) -> bool:
-    """Whether the engine thread runs, has warmed up and takes requests."""
-    return (self._thread is not None and self._thread.is_alive() and self.broken is None
-            and self.warming is None and not self._stopping.is_set())
-
-  def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Callable,
-             images=None) -> Ticket:
-    """Queue a request for the engine thread; its events go to ``sink``. ``images``:
-    its pixels (``Engine.add_request``).
-
-    Raises:
-      ApiError: (503) when the loop is stopping or its engine failed.
-    """
-    if self._stopping.is_set() or self.broken is not None:
-      raise ApiError('The server is shutting down.' if self.broken is None else
-                     f'The engine failed: {self.broken}', status=503, type='server_error',
-                     code='unavailable')
-    self.start()
-    ticket = Ticket()
-    self._commands.put(('add', ticket, prompt, params, sink, images))
-    return ticket
-
-  def cancel(self, ticket: Ticket) -> None:
-    """Cancel a submitted request (nothing happens if it already finished)."""
-    self._commands.put(('cancel', ticket, None, None, None, None))
-
-  def stop(self, timeout: float | None = None) -> None:
-    """Stop taking requests, let the engine finish the ones it has, and end the thread."""
-    self._stopping.set()
-    self._commands.put(None)  # wakes the thread if it sleeps on the queue
-    if self._thread is not None:
-      self._thread.join(timeout)
-
-  # -- the engine thread ----------------------------------------------------------
-
-  def _run(self) -> None:
-    self._warm_up()
-    while True:
-      busy = self.engine.has_unfinished()
-      if not busy and self._stopping.is_set() and self._commands.empty():
-        break
-      self._take_commands(wait=not busy)
-      if self.engine.has_unfinished():
-        self._step()
-    for sink in self._sinks.values():  # only left if the engine failed
-      _deliver(sink, ApiError('The server stopped.', status=503, type='server_error'))
-
-  def _warm_up(self) -> None:
-    """Compile every program the engine can need (:meth:`~maxnnx.serving.Engine.warmup`)
-    before the loop takes requests (they queue meanwhile); ``/health`` answers 503 until it
-    ends, and its time is printed."""
-    def progress(done: int, total: int) -> None:
-      self.warming = f'warming up: {done} of {total} programs compiled'
-
-    try:
-      seconds = self.engine.warmup(progress)
-    except Exception as e:
-      logger.exception('Warm-up failed; the server answers 503.')
-      self.broken = f'warm-up failed: {type(e).__name__}: {e}'
-    else:
-      counts = self.engine.compiles
-      print(f'Warm: {counts.programs} programs in {seconds:.1f} s ({counts.cache_hits} read '
-            f'from compile_cache); ready.', flush=True)
-    self.warming = None
-    self._publish()
-
-  def _take_commands(self, wait: bool) -> None:
-    try:
-      command = self._commands.get(timeout=0.5) if wait else self._commands.get_nowait()
-    except queue.Empty:
-      return
-    while True:
-      if command is not None:
-        self._apply(*command)
-      try:
-        command = self._commands.get_nowait()
-      except queue.Empty:
-        return
-
-  def _apply(self, kind: str, ticket: Ticket, prompt, params, sink, images) -> None:
-    if kind == 'cancel':
-      if ticket.request_id in self._sinks:
-        self.engine.cancel(ticket.request_id)
-      return
-    if self.broken is not None:
-      _deliver(sink, ApiError(f'The engine failed: {self.broken}', status=503,
-                              type='server_error', code='unavailable'))
-      return
-    try:
-      request_id = self.engine.add_request(list(prompt), params, images)
-    except ValueError as e:
-      _deliver(sink, ApiError(str(e), code='invalid_value'))
-      return
-    ticket.request_id = request_id
-    self._sinks[request_id] = sink
-    _deliver(sink, ACCEPTED)
-
-  def _step(self) -> None:
-    try:
-      outputs = self.engine.step()
-    except Exception as e:  # keep serving: fail this step's requests, not the server
-      logger.exception('An engine step failed; its requests are answered with an error.')
-      self._fail(e)
-      return
-    self._failures = 0
-    self._steps += 1
-    for out in outputs:
-      sink = (self._sinks.pop(out.request_id, None) if out.finished else
-              self._sinks.get(out.request_id))
-      if sink is not None:
-        _deliver(sink, out)
-    self._publish()
-
-  def _fail(self, error: Exception) -> None:
-    self._failures += 1
-    for request_id, sink in self._sinks.items():
-      _deliver(sink, ApiError(f'The engine failed: {error}', status=500, type='server_error',
-                              code='engine_error'))
-      with contextlib.suppress(Exception):
-        self.engine.cancel(request_id)
-    self._sinks.clear()
-    try:
-      self.engine.step()  # reports the cancellations; runs nothing (no request is left)
-    except Exception:
-      self._failures += 1
-    if self._failures > 1:  # the engine cannot recover: refuse new requests with 503
-      self.broken = f'{type(error).__name__}: {error}'
-      self._stopping.set()
-
-  def _publish(self) -> None:
-    engine = self.engine
-    self.stats = {
-        'running': len(engine.scheduler.running), 'waiting': len(engine.scheduler.waiting),
-        'pages_used': engine.max_pages - engine.allocator.num_available,
-        'pages_total': engine.max_pages, 'preemptions': engine.scheduler.num_preemptions,
-        'steps': self._steps, 'compiles': engine.compiles.compiled,
-        'compile_cache_hits': engine.compiles.cache_hits,
-        'compiles_after_ready': engine.compiles.after_warmup}
-    if engine.window_allocator is not None:
-      self.stats['sliding_pages_used'] = (engine.max_window_pages
-                                          - engine.window_allocator.num_available)
-      self.stats['sliding_pages_total'] = engine.max_window_pages
-
-
-def _deliver(sink: Callable, event) -> None:
-  try:
-    sink(event)
-  except Exception:  # e.g. the handler's event loop has closed
-    logger.debug('Dropped an engine event for a closed handler.', exc_info=True)
 
 
 def _post(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int, event) -> None:
@@ -619,53 +411,6 @@ async def _server_error(request: Request, exc: Exception) -> JSONResponse:
                                type='server_error').body(), status_code=500)
 
 
-def load_engine(model_dir: str, *, dtype: str | None = None, tensor_parallel: int = 1,
-                quantization: str | None = None, **engine_kwargs) -> Engine:
-  """An :class:`~maxnnx.serving.Engine` over the Hugging Face checkpoint in ``model_dir``
-  and the tokenizer stored with it (``engine_kwargs`` go to the engine).
-
-  ``quantization`` (``int8``, ``int4``, ``fp8``, ``w8a8``) quantizes the linear layers for
-  inference once loaded (:func:`maxnnx.inference.quantize.quantize_for_inference`).
-
-  ``tensor_parallel > 1`` loads the parameters straight into their shards over that many
-  devices (``MeshConfig(data=1, tensor=tensor_parallel)``); the engine runs there.
-  """
-  from maxnnx.data import load_tokenizer  # noqa: PLC0415
-  from maxnnx.models.pretrained import from_pretrained  # noqa: PLC0415
-  from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
-  model = from_pretrained(model_dir, dtype=dtype, mesh=tensor_parallel_mesh(tensor_parallel))
-  if quantization not in (None, 'none'):
-    from maxnnx.inference.quantize import quantize_for_inference  # noqa: PLC0415
-    quantize_for_inference(model, quantization)
-  return Engine(model, load_tokenizer(model_dir), **engine_kwargs)
-
-
-def _image_side(engine: Engine, directory: str | None, processor):
-  """``(image processor, image prompt)`` of a vision-language model (images in chat
-  messages), else ``(None, None)``."""
-  if not engine.model_config.vision.num_layers:
-    return None, None
-  from maxnnx.models import image_inputs_for  # noqa: PLC0415
-  try:
-    default, prompt = image_inputs_for(engine.model_config, engine.tokenizer, directory)
-  except ValueError as e:
-    logger.warning('Serving without images: %s', e)
-    return None, None
-  return processor or default, prompt
-
-
-def _template(tokenizer, chat_template: ChatTemplate | str | None) -> ChatTemplate | None:
-  if chat_template is None:
-    path = getattr(tokenizer, 'path', None)
-    if not path:
-      return None
-    try:
-      chat_template = load_chat_template(os.path.dirname(path) or '.')
-    except FileNotFoundError:
-      return None
-  return template_for(tokenizer, chat_template)
-
-
 def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str | None = None,
              max_queue: int = 64, max_request_bytes: int = MAX_REQUEST_BYTES,
              chat_template: ChatTemplate | str | None = None, add_bos: bool = True,
@@ -696,9 +441,9 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
       default the directory's ``preprocessor_config.json`` (or the tower's image size).
       Chat messages may then hold ``{"type": "image_url", "image_url": {"url":
       "data:image/...;base64,..."}}`` parts.
-    **engine_kwargs: :class:`~maxnnx.serving.Engine` arguments (``max_batch``,
-      ``token_budget``, ``page_size``, ``max_pages``, ``max_model_len``, ...) for a
-      model loaded from a directory.
+    **engine_kwargs: :class:`~maxnnx.config.EngineConfig` fields (``max_batch``,
+      ``token_budget``, ``page_size``, ``max_pages``, ``max_model_len``, ...) and
+      ``quantization`` for a model loaded from a directory (:func:`load_engine`).
 
   In a multi-process run (``jax.distributed``, a model sharded over every process's
   devices) this is process 0's app: its engine calls are replayed by the other processes,
@@ -707,31 +452,13 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
   The app's ``state.engine_loop`` is the :class:`EngineLoop` and ``state.metrics`` the
   :class:`~maxnnx.serving.metrics.ServerMetrics`.
   """
-  directory = None
-  if isinstance(engine_or_model_dir, Engine):
-    if engine_kwargs or dtype is not None:
-      raise TypeError('Engine arguments and dtype apply to a model directory, not to an Engine.')
-    engine, name = engine_or_model_dir, model_name or 'maxnnx'
-  else:
-    given = os.fspath(engine_or_model_dir)
-    directory = paths.local_model_dir(given)  # a URL (s3://, hf://...) is downloaded once
-    engine = load_engine(directory, dtype=dtype, tensor_parallel=tensor_parallel,
-                         **engine_kwargs)
-    name = model_name or given
-  tokenizer = engine.tokenizer
-  if tokenizer is None:
-    raise ValueError('The server needs an Engine with a tokenizer.')
   if max_queue < 0:
     raise ValueError(f'max_queue={max_queue} must be >= 0.')
   if max_request_bytes < 1:
     raise ValueError(f'max_request_bytes={max_request_bytes} must be at least 1.')
-  image_processor, image_prompt = _image_side(engine, directory, image_processor)
-  served = ServedModel(name=name, tokenizer=tokenizer, template=_template(tokenizer, chat_template),
-                       max_model_len=engine.max_model_len,
-                       vocab_size=engine.model_config.vocab_size,
-                       max_logprobs=engine.max_logprobs,
-                       chat_stop_ids=tuple(end_of_turn_ids(tokenizer)), add_bos=add_bos,
-                       image_processor=image_processor, image_prompt=image_prompt)
+  engine, served = served_model(engine_or_model_dir, model_name, chat_template, add_bos,
+                                 image_processor, dtype=dtype, tensor_parallel=tensor_parallel,
+                                 **engine_kwargs)
   leader = _leader(engine)
   loop, metrics = EngineLoop(leader or engine), ServerMetrics()
   api = _Api(loop, served, metrics, max_queue, max_request_bytes,
