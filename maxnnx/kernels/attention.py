@@ -14,6 +14,7 @@ to ``xla`` as their ``on_unsupported`` policy says (see
 
 import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -23,45 +24,24 @@ from maxnnx.kernels.capabilities import (
   FLOAT_DTYPES,
   AttentionCapabilities,
   AttentionRequest,
-  check_policy,
+  KernelStrategy,
   lookup_kernel,
-  refuse,
 )
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionKernel:
+class AttentionKernel(KernelStrategy):
   """Base class of attention strategies; instances are stateless and hashable.
 
   A strategy declares :attr:`capabilities` and implements :meth:`attend`;
   ``__call__`` checks each call against the capabilities first and applies the
   ``on_unsupported`` policy (``fallback`` to ``xla`` with a warning logged once,
   or ``error``) when the strategy cannot serve it.
-
-  Attributes:
-    name: the registered name.
-    on_unsupported: ``fallback`` or ``error``.
   """
 
-  name: str = 'base'
-  on_unsupported: str = 'fallback'
-
-  def __post_init__(self):
-    check_policy(self.on_unsupported)
-
-  @property
-  def capabilities(self) -> AttentionCapabilities:
-    """What this strategy supports."""
-    raise TypeError(f'{type(self).__name__} must declare its capabilities.')
-
-  def unsupported_reasons(self, request: AttentionRequest) -> list[str]:
-    """Why this strategy cannot serve ``request`` (empty when it can).
-
-    Strategies with extra limits (shapes, optional packages) extend this.
-    """
-    return self.capabilities.missing(request)
+  kind: ClassVar[str] = 'attention'
 
   def __call__(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                mask: AttentionMask, options: AttentionOptions) -> jax.Array:
@@ -71,15 +51,10 @@ class AttentionKernel:
     window, sinks). Query rows that see no key at all (padding) have
     unspecified output.
     """
-    reasons = self.unsupported_reasons(
-        AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, options, mask))
-    if not reasons:
-      try:
-        return self.attend(q_BTNH, k_BSKH, v_BSKH, mask, options)
-      except NotImplementedError as e:
-        reasons = [f'the backend raised NotImplementedError: {e}']
-    refuse('attention', self.name, reasons, self.on_unsupported, 'xla')
-    return XlaAttention().attend(q_BTNH, k_BSKH, v_BSKH, mask, options)
+    return self.run_checked(
+        AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, options, mask),
+        lambda: self.attend(q_BTNH, k_BSKH, v_BSKH, mask, options),
+        lambda: XlaAttention().attend(q_BTNH, k_BSKH, v_BSKH, mask, options))
 
   def attend(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
              mask: AttentionMask, options: AttentionOptions) -> jax.Array:

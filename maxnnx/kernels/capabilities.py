@@ -19,7 +19,8 @@ when XLA compiles cannot be caught here and surface as they are.
 
 import dataclasses
 import logging
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 import jax
 import numpy as np
@@ -243,35 +244,42 @@ class AttentionCapabilities:
 
   def missing(self, request: AttentionRequest) -> list[str]:
     """Why ``request`` cannot be served; empty when it can."""
-    reasons = []
-    if request.platform not in self.platforms:
-      reasons.append(f"platform '{request.platform}' is not one of {self.platforms}")
-    if request.dtype not in self.dtypes:
-      reasons.append(f"dtype {request.dtype} is not one of {self.dtypes}")
-    if request.num_heads != request.num_kv_heads and not self.gqa:
-      reasons.append('grouped key/value heads (GQA/MQA) are not supported')
+    reasons = attention_reasons(self, request)
     if request.q_length != request.kv_length and not self.decode:
       reasons.append(f'query length {request.q_length} != key length {request.kv_length} '
                      '(decoding) is not supported')
-    if request.window == 'static' and not self.sliding_window:
-      reasons.append('sliding windows are not supported')
-    if request.window == 'traced' and not self.traced_window:
-      reasons.append('traced (per-layer array) sliding windows are not supported')
-    if request.softcap and not self.softcap:
-      reasons.append('logit soft-capping is not supported')
-    if request.sinks and not self.sinks:
-      reasons.append('attention sinks are not supported')
-    if request.head_dim != request.v_head_dim and not self.distinct_v_head_dim:
-      reasons.append(f'v head size {request.v_head_dim} != q/k head size {request.head_dim} '
-                     'is not supported')
-    if request.chunked and not self.chunked:
-      reasons.append('chunked attention is not supported')
     if request.key_mask and not self.key_mask:
       reasons.append('an extra dense key mask (sparse attention) is not supported')
-    if request.blocks and not self.blocks:
-      reasons.append('image blocks (bidirectional attention within an image) are not '
-                     'supported')
     return reasons
+
+
+def attention_reasons(capabilities, request) -> list[str]:
+  """What ``capabilities`` lacks of ``request``, for the facts plain and paged attention
+  share (platform, dtype, GQA, windows, soft-cap, sinks, ``v`` head size, chunks, image
+  blocks)."""
+  reasons = []
+  if request.platform not in capabilities.platforms:
+    reasons.append(f"platform '{request.platform}' is not one of {capabilities.platforms}")
+  if request.dtype not in capabilities.dtypes:
+    reasons.append(f"dtype {request.dtype} is not one of {capabilities.dtypes}")
+  checks = (
+      (request.num_heads != request.num_kv_heads, 'gqa',
+       'grouped key/value heads (GQA/MQA) are not supported'),
+      (request.window == 'static', 'sliding_window', 'sliding windows are not supported'),
+      (request.window == 'traced', 'traced_window',
+       'traced (per-layer array) sliding windows are not supported'),
+      (request.softcap, 'softcap', 'logit soft-capping is not supported'),
+      (request.sinks, 'sinks', 'attention sinks are not supported'),
+      (request.head_dim != request.v_head_dim, 'distinct_v_head_dim',
+       f'v head size {request.v_head_dim} != q/k head size {request.head_dim} is not '
+       'supported'),
+      (request.chunked, 'chunked', 'chunked attention is not supported'),
+      (request.blocks, 'blocks',
+       'image blocks (bidirectional attention within an image) are not supported'),
+  )
+  reasons += [reason for asked, supported, reason in checks
+              if asked and not getattr(capabilities, supported)]
+  return reasons
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,30 +356,7 @@ class PagedAttentionCapabilities:
 
   def missing(self, request: PagedAttentionRequest) -> list[str]:
     """Why ``request`` cannot be served; empty when it can."""
-    reasons = []
-    if request.platform not in self.platforms:
-      reasons.append(f"platform '{request.platform}' is not one of {self.platforms}")
-    if request.dtype not in self.dtypes:
-      reasons.append(f"dtype {request.dtype} is not one of {self.dtypes}")
-    if request.num_heads != request.num_kv_heads and not self.gqa:
-      reasons.append('grouped key/value heads (GQA/MQA) are not supported')
-    if request.window == 'static' and not self.sliding_window:
-      reasons.append('sliding windows are not supported')
-    if request.window == 'traced' and not self.traced_window:
-      reasons.append('traced (per-layer array) sliding windows are not supported')
-    if request.softcap and not self.softcap:
-      reasons.append('logit soft-capping is not supported')
-    if request.sinks and not self.sinks:
-      reasons.append('attention sinks are not supported')
-    if request.head_dim != request.v_head_dim and not self.distinct_v_head_dim:
-      reasons.append(f'v head size {request.v_head_dim} != q/k head size {request.head_dim} '
-                     'is not supported')
-    if request.chunked and not self.chunked:
-      reasons.append('chunked attention is not supported')
-    if request.blocks and not self.blocks:
-      reasons.append('image blocks (bidirectional attention within an image) are not '
-                     'supported')
-    return reasons
+    return attention_reasons(self, request)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,3 +433,47 @@ def refuse(kind: str, name: str, reasons: list[str], on_unsupported: str, refere
   warn_once((kind, name, why),
             f"{kind}_impl '{name}' cannot serve this call ({why}); computing it with "
             f"'{reference}' instead.")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStrategy:
+  """Base of every kernel strategy (attention, paged attention, ragged dot): stateless and
+  hashable, it declares :attr:`capabilities`, and each call it cannot serve goes through
+  the ``on_unsupported`` policy (:func:`refuse`) to the reference strategy.
+
+  Attributes:
+    name: the registered name.
+    on_unsupported: ``fallback`` or ``error``.
+  """
+
+  name: str = 'base'
+  on_unsupported: str = 'fallback'
+  kind: ClassVar[str] = 'kernel'  # the config field is ``{kind}_impl``
+  reference: ClassVar[str] = 'xla'  # the strategy that serves what others cannot
+
+  def __post_init__(self):
+    check_policy(self.on_unsupported)
+
+  @property
+  def capabilities(self):
+    """What this strategy supports."""
+    raise TypeError(f'{type(self).__name__} must declare its capabilities.')
+
+  def unsupported_reasons(self, request) -> list[str]:
+    """Why this strategy cannot serve ``request`` (empty when it can).
+
+    Strategies with extra limits (shapes, optional packages) extend this.
+    """
+    return self.capabilities.missing(request)
+
+  def run_checked(self, request, run: Callable[[], Any], fallback: Callable[[], Any]):
+    """``run()`` when this strategy can serve ``request`` (and its backend does not raise
+    ``NotImplementedError``), else ``fallback()`` (the reference) after the policy."""
+    reasons = self.unsupported_reasons(request)
+    if not reasons:
+      try:
+        return run()
+      except NotImplementedError as e:
+        reasons = [f'the backend raised NotImplementedError: {e}']
+    refuse(self.kind, self.name, reasons, self.on_unsupported, self.reference)
+    return fallback()

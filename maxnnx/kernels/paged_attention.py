@@ -36,6 +36,7 @@ fallback. A ragged paged kernel (Pallas on GPU/TPU) can be registered beside it.
 
 import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +45,10 @@ from maxnnx.kernels.attention import XlaAttention
 from maxnnx.kernels.capabilities import (
   ALL_PLATFORMS,
   FLOAT_DTYPES,
+  KernelStrategy,
   PagedAttentionCapabilities,
   PagedAttentionRequest,
-  check_policy,
   lookup_kernel,
-  refuse,
 )
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
@@ -205,32 +205,15 @@ jax.tree_util.register_dataclass(
 
 
 @dataclasses.dataclass(frozen=True)
-class PagedAttentionKernel:
+class PagedAttentionKernel(KernelStrategy):
   """Base class of paged-attention strategies; instances are stateless and hashable.
 
   A strategy declares :attr:`capabilities` and implements :meth:`attend`;
   ``__call__`` checks each call first and applies the ``on_unsupported`` policy
   (``fallback`` to the ``xla`` paged reference, or ``error``).
-
-  Attributes:
-    name: the registered name.
-    on_unsupported: ``fallback`` or ``error``.
   """
 
-  name: str = 'base'
-  on_unsupported: str = 'fallback'
-
-  def __post_init__(self):
-    check_policy(self.on_unsupported)
-
-  @property
-  def capabilities(self) -> PagedAttentionCapabilities:
-    """What this strategy supports."""
-    raise TypeError(f'{type(self).__name__} must declare its capabilities.')
-
-  def unsupported_reasons(self, request: PagedAttentionRequest) -> list[str]:
-    """Why this strategy cannot serve ``request`` (empty when it can)."""
-    return self.capabilities.missing(request)
+  kind: ClassVar[str] = 'paged_attention'
 
   def __call__(self, q_TNH: jax.Array, k_pages_PSKH: jax.Array, v_pages_PSKH: jax.Array,
                batch: PagedBatch, options: AttentionOptions) -> jax.Array:
@@ -241,14 +224,9 @@ class PagedAttentionKernel:
     """
     request = PagedAttentionRequest.of(q_TNH, k_pages_PSKH, v_pages_PSKH, options,
                                        blocks=batch.blocks_T is not None)
-    reasons = self.unsupported_reasons(request)
-    if not reasons:
-      try:
-        return self.attend(q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options)
-      except NotImplementedError as e:
-        reasons = [f'the backend raised NotImplementedError: {e}']
-    refuse('paged_attention', self.name, reasons, self.on_unsupported, 'xla')
-    return XlaPagedAttention().attend(q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options)
+    return self.run_checked(
+        request, lambda: self.attend(q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options),
+        lambda: XlaPagedAttention().attend(q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options))
 
   def attend(self, q_TNH: jax.Array, k_pages_PSKH: jax.Array, v_pages_PSKH: jax.Array,
              batch: PagedBatch, options: AttentionOptions) -> jax.Array:

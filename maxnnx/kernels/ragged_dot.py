@@ -12,6 +12,7 @@ policy says (see :mod:`maxnnx.kernels.capabilities`).
 
 import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +20,11 @@ import jax.numpy as jnp
 from maxnnx.kernels.capabilities import (
   ALL_PLATFORMS,
   FLOAT_DTYPES,
+  KernelStrategy,
   RaggedDotCapabilities,
   RaggedDotRequest,
-  check_policy,
   import_tokamax,
   lookup_kernel,
-  refuse,
   run_first_tokamax,
   tokamax_missing,
 )
@@ -32,45 +32,25 @@ from maxnnx.kernels.options import RaggedDotOptions
 
 
 @dataclasses.dataclass(frozen=True)
-class RaggedDotKernel:
+class RaggedDotKernel(KernelStrategy):
   """Base class of ragged-dot strategies; instances are stateless and hashable.
 
   A strategy declares :attr:`capabilities` and implements :meth:`compute`;
   ``__call__`` checks each call first and applies the ``on_unsupported``
   policy (``fallback`` to ``lax`` with a warning logged once, or ``error``).
-
-  Attributes:
-    name: the registered name.
-    on_unsupported: ``fallback`` or ``error``.
   """
 
-  name: str = 'base'
-  on_unsupported: str = 'fallback'
-
-  def __post_init__(self):
-    check_policy(self.on_unsupported)
-
-  @property
-  def capabilities(self) -> RaggedDotCapabilities:
-    """What this strategy supports."""
-    raise TypeError(f'{type(self).__name__} must declare its capabilities.')
-
-  def unsupported_reasons(self, request: RaggedDotRequest) -> list[str]:
-    """Why this strategy cannot serve ``request`` (empty when it can)."""
-    return self.capabilities.missing(request)
+  kind: ClassVar[str] = 'ragged_dot'
+  reference: ClassVar[str] = 'lax'
 
   def __call__(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array,
                options: RaggedDotOptions | None = None) -> jax.Array:
     """``[M, N]``: row ``m`` of group ``g`` times ``rhs_GKN[g]`` (default options when ``None``)."""
     options = RaggedDotOptions() if options is None else options
-    reasons = self.unsupported_reasons(RaggedDotRequest.of(lhs_MK, rhs_GKN, options))
-    if not reasons:
-      try:
-        return self.compute(lhs_MK, rhs_GKN, group_sizes_G, options)
-      except NotImplementedError as e:
-        reasons = [f'the backend raised NotImplementedError: {e}']
-    refuse('ragged_dot', self.name, reasons, self.on_unsupported, 'lax')
-    return LaxRaggedDot().compute(lhs_MK, rhs_GKN, group_sizes_G, options)
+    return self.run_checked(
+        RaggedDotRequest.of(lhs_MK, rhs_GKN, options),
+        lambda: self.compute(lhs_MK, rhs_GKN, group_sizes_G, options),
+        lambda: LaxRaggedDot().compute(lhs_MK, rhs_GKN, group_sizes_G, options))
 
   def compute(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array,
               options: RaggedDotOptions) -> jax.Array:

@@ -70,10 +70,10 @@ def gemma_7b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='gemma',
-    chat_template='gemma',
     description='Llama with GeGLU, `1 + w` RMSNorms, embeddings scaled by sqrt(d_model) and '
                 'a tied output head.',
     hf=Family('gemma', ('gemma',), 'GemmaForCausalLM', config_from_hf, config_to_hf,
               defaults=GEMMA_DEFAULTS),
     differences=DIFFERENCES,
-    presets={'gemma-2b': gemma_2b, 'gemma-7b': gemma_7b})
+    presets={'gemma-2b': gemma_2b, 'gemma-7b': gemma_7b},
+    chat_template='gemma')

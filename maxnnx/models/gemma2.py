@@ -81,7 +81,6 @@ def gemma2_27b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='gemma2',
-    chat_template='gemma',
     description='Gemma with norms before and after each sub-block, soft-capped attention and '
                 'output logits, and sliding-window layers alternating with global ones.',
     hf=Family('gemma2', ('gemma2',), 'Gemma2ForCausalLM', config_from_hf, config_to_hf,
@@ -90,4 +89,5 @@ SPEC = FamilySpec(
               module_names=SANDWICH_NORM_NAMES),
     differences={**gemma.DIFFERENCES, 'post_norm': True, 'attn_logit_softcap': 50.0,
                  'final_logit_softcap': 30.0, 'sliding_window': 4096},
-    presets={'gemma2-2b': gemma2_2b, 'gemma2-9b': gemma2_9b, 'gemma2-27b': gemma2_27b})
+    presets={'gemma2-2b': gemma2_2b, 'gemma2-9b': gemma2_9b, 'gemma2-27b': gemma2_27b},
+    chat_template='gemma')

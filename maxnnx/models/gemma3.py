@@ -249,7 +249,6 @@ def image_inputs(model_config: ModelConfig, tokenizer, directory: str | None = N
 
 SPEC = FamilySpec(
     name='gemma3',
-    chat_template='gemma',
     description='Gemma with norms before and after each sub-block, per-head q/k norms, '
                 '5 sliding-window layers per global one and a separate rotary base for them.',
     hf=Family('gemma3', ('gemma3_text', 'gemma3'), 'Gemma3ForCausalLM', config_from_hf,
@@ -268,4 +267,5 @@ SPEC = FamilySpec(
                  'local_rope': {'theta': 10_000.0}},
     image_inputs=image_inputs,
     presets={'gemma3-1b': gemma3_1b, 'gemma3-4b': gemma3_4b, 'gemma3-12b': gemma3_12b,
-             'gemma3-27b': gemma3_27b, 'tiny-gemma3-vision': tiny_gemma3_vision})
+             'gemma3-27b': gemma3_27b, 'tiny-gemma3-vision': tiny_gemma3_vision},
+    chat_template='gemma')

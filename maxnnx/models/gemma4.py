@@ -304,7 +304,6 @@ def tiny_gemma4() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='gemma4',
-    chat_template='gemma',
     description='Gemma 3 with `w` norms, unscaled queries, value norms, learned layer '
                 'scalars and wider global layers (whose values are their keys in 31B and '
                 '26B-A4B); the MoE variant adds routed experts beside the dense MLP, the '
@@ -329,4 +328,5 @@ SPEC = FamilySpec(
                  'local_rope': {'theta': 10_000.0},
                  'moe': MOE_STYLE},
     presets={'gemma4-31b': gemma4_31b, 'gemma4-26b-a4b': gemma4_26b_a4b,
-             'gemma4-e2b': gemma4_e2b, 'gemma4-e4b': gemma4_e4b, 'tiny-gemma4': tiny_gemma4})
+             'gemma4-e2b': gemma4_e2b, 'gemma4-e4b': gemma4_e4b, 'tiny-gemma4': tiny_gemma4},
+    chat_template='gemma')

@@ -89,11 +89,11 @@ def qwen2_5_72b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='qwen2',
-    chat_template='chatml',
     description='Llama with q/k/v biases (and sliding windows on upper layers when enabled).',
     hf=Family('qwen2', ('qwen2',), 'Qwen2ForCausalLM', config_from_hf, config_to_hf,
               defaults={'max_position_embeddings': 32768}),
     differences={'qkv_bias': True},
     presets={'qwen2.5-0.5b': qwen2_5_0_5b, 'qwen2.5-1.5b': qwen2_5_1_5b,
              'qwen2.5-3b': qwen2_5_3b, 'qwen2.5-7b': qwen2_5_7b, 'qwen2.5-14b': qwen2_5_14b,
-             'qwen2.5-32b': qwen2_5_32b, 'qwen2.5-72b': qwen2_5_72b})
+             'qwen2.5-32b': qwen2_5_32b, 'qwen2.5-72b': qwen2_5_72b},
+    chat_template='chatml')

@@ -68,11 +68,11 @@ def qwen3_32b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='qwen3',
-    chat_template='chatml',
     description='Llama with per-head RMSNorm on queries and keys.',
     hf=Family('qwen3', ('qwen3',), 'Qwen3ForCausalLM', config_from_hf, config_to_hf,
               defaults={'max_position_embeddings': 32768}),
     differences={'qk_norm': 'head'},
     presets={'qwen3-0.6b': qwen3_0_6b, 'qwen3-1.7b': qwen3_1_7b, 'qwen3-4b': qwen3_4b,
              'qwen3-4b-thinking-2507': qwen3_4b_thinking_2507, 'qwen3-8b': qwen3_8b,
-             'qwen3-14b': qwen3_14b, 'qwen3-32b': qwen3_32b})
+             'qwen3-14b': qwen3_14b, 'qwen3-32b': qwen3_32b},
+    chat_template='chatml')

@@ -64,7 +64,6 @@ def qwen3_5_397b_a17b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='qwen3_5',
-    chat_template='chatml',
     description="Qwen3-Next's hybrid Gated DeltaNet / gated-attention stack with every layer "
                 'MoE and separate linear-attention projections.',
     hf=Family('qwen3_5', ('qwen3_5_moe_text',), 'Qwen3_5MoeForCausalLM', config_from_hf,
@@ -73,4 +72,5 @@ SPEC = FamilySpec(
               unfuse=qwen3_next.unfuse, fuse=qwen3_next.fuse),
     differences={**qwen3_next.SPEC.differences, 'linear_attn': {'projections': 'split'},
                  'moe': {'num_shared_experts': 1, 'shared_expert_gate': True}},
-    presets={'qwen3.5-35b-a3b': qwen3_5_35b_a3b, 'qwen3.5-397b-a17b': qwen3_5_397b_a17b})
+    presets={'qwen3.5-35b-a3b': qwen3_5_35b_a3b, 'qwen3.5-397b-a17b': qwen3_5_397b_a17b},
+    chat_template='chatml')

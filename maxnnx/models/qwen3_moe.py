@@ -73,7 +73,6 @@ def qwen3_480b_a35b() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='qwen3_moe',
-    chat_template='chatml',
     description='Qwen3 with every MLP replaced by softmax top-8 of its routed experts (128; '
                 '160 in the 480B).',
     hf=Family('qwen3_moe', ('qwen3_moe',), 'Qwen3MoeForCausalLM', config_from_hf,
@@ -81,4 +80,5 @@ SPEC = FamilySpec(
               module_names={'router': 'gate'}, unfuse=unfuse, fuse=fuse),
     differences={'qk_norm': 'head', 'moe': {'num_experts_per_tok': 8}},
     presets={'qwen3-30b-a3b': qwen3_30b_a3b, 'qwen3-235b-a22b': qwen3_235b_a22b,
-             'qwen3-480b-a35b': qwen3_480b_a35b})
+             'qwen3-480b-a35b': qwen3_480b_a35b},
+    chat_template='chatml')

@@ -143,7 +143,6 @@ def tiny_qwen3_next() -> ModelConfig:
 
 SPEC = FamilySpec(
     name='qwen3_next',
-    chat_template='chatml',
     description='Gated DeltaNet linear-attention layers with one gated full-attention layer '
                 'in four, (1 + w) norms, and top-10 of 512 experts plus a sigmoid-gated '
                 'shared expert.',
@@ -155,4 +154,5 @@ SPEC = FamilySpec(
               unfuse=unfuse, fuse=fuse),
     differences={'qk_norm': 'head', 'norm_scale_offset': 1.0, 'attention_output_gate': True,
                  'moe': {'num_shared_experts': 1, 'shared_expert_gate': True}},
-    presets={'qwen3-next-80b-a3b': qwen3_next_80b_a3b, 'tiny-qwen3-next': tiny_qwen3_next})
+    presets={'qwen3-next-80b-a3b': qwen3_next_80b_a3b, 'tiny-qwen3-next': tiny_qwen3_next},
+    chat_template='chatml')
