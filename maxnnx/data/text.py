@@ -96,7 +96,8 @@ class TokenWindows:
   The last ``eval_fraction`` of the stream is held out for :meth:`eval_batches`.
   ``rows=(start, count)`` keeps rows ``start .. start + count - 1`` of every batch
   of ``batch_size`` (training and held-out): one process's share of a global batch
-  that every process draws alike.
+  that every process draws alike. It is a :class:`~maxnnx.data.protocol.DataSource` (an
+  iterator of batches) with a position (``get_state``) and a held-out split.
   """
 
   def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int = 0,
@@ -122,6 +123,12 @@ class TokenWindows:
     """The next training batch ``[batch, seq_len + 1]``."""
     starts = self.rng.integers(0, len(self.train) - self.seq_len - 1, self.batch_size)
     return self._windows(self.train, starts)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> np.ndarray:
+    return self.next()
 
   def get_state(self) -> dict:
     """The position in the stream (the random generator's state), JSON-serialisable."""
