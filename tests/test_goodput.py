@@ -11,7 +11,13 @@ import maxnnx
 from maxnnx.config import MeshConfig
 from maxnnx.data import TokenWindows
 from maxnnx.train import TrainConfig, Trainer
-from maxnnx.train.goodput import CATEGORIES, GoodputRecorder, read_high_water, write_high_water
+from maxnnx.train.goodput import (
+  CATEGORIES,
+  GoodputRecorder,
+  HighWater,
+  read_high_water,
+  write_high_water,
+)
 
 
 class FakeClock:
@@ -83,6 +89,28 @@ def test_high_water_file(tmp_path):
   assert read_high_water(str(tmp_path / 'new')) == 17
   (tmp_path / 'high_water.json').write_text('not json')
   assert read_high_water(str(tmp_path)) == 0
+
+
+def test_high_water_is_read_once_and_written_when_it_rose_and_time_passed(tmp_path):
+  clock, directory = FakeClock(), str(tmp_path)
+  write_high_water(directory, 5)
+  mark = HighWater(clock)
+  assert mark.load(directory) == 5 and mark.reach(directory, 3) == 5  # never falls
+  write_high_water(directory, 9)
+  assert mark.load(directory) == 5  # read once
+  assert mark.reach(directory, 7) == 7
+  mark.write(directory, every=5.0, primary=False)
+  assert read_high_water(directory) == 9  # only the primary process writes
+  mark.write(directory, every=5.0)
+  assert read_high_water(directory) == 7
+  mark.reach(directory, 8)
+  clock.advance(1.0)
+  mark.write(directory, every=5.0)
+  assert read_high_water(directory) == 7  # too soon after the last write
+  clock.advance(5.0)
+  mark.write(directory, every=5.0)
+  assert read_high_water(directory) == 8
+  assert HighWater(clock).load(None) == 0
 
 
 def _trainer(steps, **kw):

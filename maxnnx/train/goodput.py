@@ -112,5 +112,40 @@ def write_high_water(directory: str, step: int) -> None:
                    json.dumps({'step': int(step), 'time': time.time()}))
 
 
-__all__ = ['CATEGORIES', 'HIGH_WATER_FILE', 'GoodputRecorder', 'read_high_water',
+class HighWater:
+  """The high-water step of a checkpoint directory: read once, raised as steps complete, and
+  written back (by one process) at most every few seconds.
+
+  Attributes:
+    step: the furthest step known so far (``None`` before :meth:`load`).
+  """
+
+  def __init__(self, clock: Callable[[], float] = time.monotonic):
+    self.step: int | None = None
+    self._clock = clock
+    self._saved, self._written = 0, -float('inf')
+
+  def load(self, directory: str | None) -> int:
+    """The step, read from ``directory`` on first use (0 without one)."""
+    if self.step is None:
+      self.step = self._saved = read_high_water(directory) if directory else 0
+    return self.step
+
+  def reach(self, directory: str | None, step: int) -> int:
+    """Raise the high-water mark to ``step`` (kept in memory); returns it."""
+    self.step = max(self.load(directory), step)
+    return self.step
+
+  def write(self, directory: str | None, every: float = 5.0, *, primary: bool = True) -> None:
+    """Write the step to ``directory`` when it rose and ``every`` seconds have passed since the
+    last write; only the ``primary`` process writes."""
+    now = self._clock()
+    if (not directory or not primary or self.step is None or self.step <= self._saved
+        or now - self._written < every):
+      return
+    write_high_water(directory, self.step)
+    self._saved, self._written = self.step, now
+
+
+__all__ = ['CATEGORIES', 'HIGH_WATER_FILE', 'GoodputRecorder', 'HighWater', 'read_high_water',
            'write_high_water']
