@@ -17,12 +17,14 @@ from maxnnx.rl import (
   Prompts,
   RewardError,
   Rewards,
+  Rollouts,
   exact_match,
   load_reward,
 )
 from maxnnx.rl.objective import policy_token_logps
 from maxnnx.train import TrainConfig, Trainer
 from maxnnx.train.lora import LoraConfig
+from maxnnx.train.policy import PolicyView
 
 RECORDS = [{'prompt': f'{a} and {b} make', 'answer': str(a + b)} for a in range(6)
            for b in range(6)]
@@ -220,6 +222,27 @@ def test_config_errors_name_the_field(tokenizer):
     _grpo(tokenizer, seq_len=8)
   with pytest.raises(ValueError, match='loss_type must be one of'):
     GRPOConfig(loss_type='ppo')
+
+
+def test_rollouts_see_a_policy_view_not_the_trainer(tokenizer):
+  """attach takes the trainer's narrow policy view (a Trainer given is asked for it), and the
+  rollouts sample the trainer's live model through it."""
+  config = TrainConfig(steps=1, global_batch_size=8, seq_len=24, mesh=MeshConfig(data=1))
+  trainer = Trainer(_policy(), config, GRPOObjective(temperature=0.5))
+  rollouts = Rollouts(Prompts(RECORDS, tokenizer), vowels, tokenizer, num_generations=4,
+                      max_new_tokens=4)
+  view = trainer.policy_view()
+  assert rollouts.attach(view) is rollouts and rollouts.policy is view
+  assert not any(isinstance(v, Trainer) for v in vars(rollouts).values())
+  assert (view.global_batch_size, view.seq_len, rollouts.temperature) == (8, 24, 0.5)
+  assert view.model is trainer.model and view.local_rows() == slice(0, 8)
+  assert isinstance(Rollouts(Prompts(RECORDS, tokenizer), vowels, tokenizer, num_generations=4,
+                             max_new_tokens=4).attach(trainer).policy, PolicyView)
+  with pytest.raises(TypeError, match=r'takes trainer.policy_view\(\) \(a PolicyView\), got a '
+                                      'dict'):
+    rollouts.attach({})
+  batch, metrics = rollouts.collect()
+  assert batch['inputs'].shape == (8, 24) and np.isfinite(metrics['reward'])
 
 
 def test_the_serving_engine_samples_rollouts_with_the_same_log_probs(tokenizer):

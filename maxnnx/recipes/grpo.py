@@ -74,8 +74,8 @@ class GRPO(RecordsRecipe):
     return grpo_objective(config, reference_policy(model, config, train_config))
 
   def attach(self, trainer, data):
-    """The rollouts sample from the trainer's own model."""
-    data.attach(trainer)
+    """The rollouts sample from the trainer's own model, through its policy view."""
+    data.attach(trainer.policy_view())
 
 
 def grpo_config(options: dict):

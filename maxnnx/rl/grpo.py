@@ -164,7 +164,7 @@ class GRPO:
     self.rollouts = make_rollouts(config, prompts, rewards, tokenizer, seed=train_config.seed)
     self.trainer = Trainer(model, train_config, self.objective, data=self.rollouts, mesh=mesh,
                            callbacks=callbacks)
-    self.rollouts.attach(self.trainer)
+    self.rollouts.attach(self.trainer.policy_view())
 
   @property
   def model(self) -> nnx.Module:

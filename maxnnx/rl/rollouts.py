@@ -5,7 +5,8 @@ objective is a :class:`~maxnnx.rl.GRPOObjective`. Each rollout:
 
 1. takes ``global_batch_size / num_generations`` prompts (:class:`~maxnnx.rl.Prompts`);
 2. samples ``num_generations`` completions of each from the trainer's live model
-   (:func:`~maxnnx.generate`, with per-token log-probs), on the trainer's mesh:
+   (:func:`~maxnnx.generate`, with per-token log-probs), on the trainer's mesh, seen through
+   its :class:`~maxnnx.train.policy.PolicyView` (the rollouts never hold the Trainer):
    the policy that trains is the policy that samples, with no copy. With
    ``sampler='engine'`` the serving :class:`~maxnnx.serving.Engine` samples instead
    (continuous batching: a finished completion frees its row at once, and the
@@ -35,7 +36,7 @@ In a multi-process run every process samples the same rollout (one SPMD program 
 the model's shards, the same seeds), process 0 alone calls the reward functions and
 sends their values to the others, and each process then hands the Trainer its own
 rows of the batch (``global_batch_size / process_count``, the rows its devices hold:
-``Trainer.local_rows``); only process 0 writes ``rollouts_jsonl``.
+``PolicyView.local_rows``); only process 0 writes ``rollouts_jsonl``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ from maxnnx.rl import losses
 from maxnnx.rl.objective import ROLLOUT_FIELDS, policy_token_logps
 from maxnnx.rl.prompts import Prompts
 from maxnnx.rl.rewards import RewardError, Rewards
+from maxnnx.train.policy import PolicyView
 from maxnnx.train.preemption import StopRequested
+from maxnnx.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +114,8 @@ class Rollouts:
       one that takes longer stops the run with a :class:`~maxnnx.rl.RewardError`, as does
       a batch where every function returns ``None`` for every completion.
 
-  Call :meth:`attach` with the Trainer before the first batch (the
-  :class:`~maxnnx.rl.GRPO` class does it).
+  Call :meth:`attach` with the Trainer's :meth:`~maxnnx.train.Trainer.policy_view` before
+  the first batch (the :class:`~maxnnx.rl.GRPO` class does it).
   """
 
   def __init__(self, prompts: Prompts, rewards, tokenizer, *, num_generations: int = 8,
@@ -147,33 +150,47 @@ class Rollouts:
     self.seed, self.rollouts_jsonl = seed, rollouts_jsonl
     self.count = 0  # rollouts taken
     self._batch, self._passes_left, self._metrics = None, 0, {}
-    self.trainer = None
+    self.policy: PolicyView | None = None  # what the rollouts see of the trainer
     self.last = None  # the last rollout, for inspection: prompts, completions, rewards
 
   # -- wiring -------------------------------------------------------------------------
 
-  def attach(self, trainer) -> Rollouts:
-    """Sample from ``trainer``'s model and build batches of its shape; returns ``self``."""
-    objective, cfg = trainer.objective, trainer.config
+  def attach(self, policy: PolicyView) -> Rollouts:
+    """Sample from ``policy``'s model and build batches of its shape; returns ``self``.
+
+    Args:
+      policy: the trainer's :meth:`~maxnnx.train.Trainer.policy_view` (a Trainer given
+        here is asked for it).
+
+    Raises:
+      TypeError: ``policy`` is neither a view nor a Trainer.
+      ValueError: the trainer's objective or batch shape cannot take rollouts.
+    """
+    if isinstance(policy, Trainer):
+      policy = policy.policy_view()
+    if not isinstance(policy, PolicyView):
+      raise TypeError(f'Rollouts.attach takes trainer.policy_view() (a PolicyView), got a '
+                      f'{type(policy).__name__}.')
+    objective = policy.objective
     missing = set(ROLLOUT_FIELDS) - set(getattr(objective, 'batch_fields', {}))
     if missing:
       raise ValueError('Rollouts feed an RL objective (GRPOObjective); the trainer\'s '
                        f'{type(objective).__name__} does not take {sorted(missing)}.')
-    if cfg.global_batch_size % self.num_generations:
-      raise ValueError(f'global_batch_size={cfg.global_batch_size} must be a multiple of '
+    if policy.global_batch_size % self.num_generations:
+      raise ValueError(f'global_batch_size={policy.global_batch_size} must be a multiple of '
                        f'num_generations={self.num_generations} (whole groups per batch).')
-    if cfg.seq_len <= self.max_new_tokens:
-      raise ValueError(f'seq_len={cfg.seq_len} must exceed max_new_tokens='
+    if policy.seq_len <= self.max_new_tokens:
+      raise ValueError(f'seq_len={policy.seq_len} must exceed max_new_tokens='
                        f'{self.max_new_tokens}: rows hold the prompt and the completion.')
     if self.dynamic_sampling is None:
       self.dynamic_sampling = objective.loss_type == 'dapo'
-    self.trainer = trainer
+    self.policy = policy
     return self
 
   @property
   def temperature(self) -> float:
     """The sampling temperature: the objective's, so both see the same distribution."""
-    return self.trainer.objective.temperature
+    return self.policy.objective.temperature
 
   # -- the data-source protocol of the Trainer ----------------------------------------
 
@@ -181,8 +198,9 @@ class Rollouts:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    if self.trainer is None:
-      raise RuntimeError('Rollouts.attach(trainer) first: rollouts sample from its policy.')
+    if self.policy is None:
+      raise RuntimeError('Rollouts.attach(trainer.policy_view()) first: rollouts sample from '
+                         'its policy.')
     if self._passes_left == 0:
       before = self.get_state()
       try:
@@ -196,10 +214,10 @@ class Rollouts:
 
   def _local_rows(self, batch: dict) -> dict:
     """This process's rows of a global batch (all of it in a single process): the rows its
-    devices hold (``Trainer.local_rows``), so the placed batch keeps the rollout's order."""
+    devices hold (``PolicyView.local_rows``), so the placed batch keeps the rollout's order."""
     if jax.process_count() == 1:
       return batch
-    rows = self.trainer.local_rows()
+    rows = self.policy.local_rows()
     return {k: v[rows] for k, v in batch.items()}
 
   def pop_metrics(self) -> dict[str, float]:
@@ -220,17 +238,17 @@ class Rollouts:
 
   def _sample(self, attempt: int) -> dict:
     """Prompts, completions and rewards of ``global_batch_size / G`` fresh groups."""
-    group, cfg = self.num_generations, self.trainer.config
-    prompts = self.prompts.take(cfg.global_batch_size // group)
-    budget = cfg.seq_len + 1 - self.max_new_tokens
+    group, policy = self.num_generations, self.policy
+    prompts = self.prompts.take(policy.global_batch_size // group)
+    budget = policy.seq_len + 1 - self.max_new_tokens
     prompt_ids = [p.ids[-budget:] for p in prompts for _ in range(group)]
     truncated = sum(len(p.ids) > budget for p in prompts)
     seed = int(np.random.SeedSequence([self.seed, self.count, attempt]).generate_state(1)[0])
     if self.sampler == 'engine':
       completion_ids, logprobs = self._engine_sample(prompt_ids, seed)
     else:
-      with self.trainer.mesh_context():
-        out = generate(self.trainer.model, prompt_ids, self.max_new_tokens,
+      with self.policy.mesh_context():
+        out = generate(self.policy.model, prompt_ids, self.max_new_tokens,
                        temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                        eos_ids=self.eos_ids, pad_id=self.pad_id, seed=seed & 0x7FFFFFFF)
       completion_ids = [row[:n].tolist() for row, n in zip(out.tokens, out.lengths)]
@@ -274,14 +292,14 @@ class Rollouts:
     """Completions and their log-probs ``[rows, max_new_tokens]`` (0 after the end) from the
     serving engine, holding the live parameters."""
     from maxnnx.serving import Engine, SamplingParams  # noqa: PLC0415
-    rows, cfg = len(prompt_ids), self.trainer.config
-    with self.trainer.mesh_context():
+    rows, policy = len(prompt_ids), self.policy
+    with self.policy.mesh_context():
       if self._engine is None or self._engine.max_batch < rows:
-        self._engine = Engine(self.trainer.model, max_batch=rows, page_size=16,
-                              token_budget=max(rows, min(rows * (cfg.seq_len + 1), 4096)),
-                              max_model_len=cfg.seq_len + 1, max_logprobs=0)
+        self._engine = Engine(self.policy.model, max_batch=rows, page_size=16,
+                              token_budget=max(rows, min(rows * (policy.seq_len + 1), 4096)),
+                              max_model_len=policy.seq_len + 1, max_logprobs=0)
       else:
-        self._engine.load_weights(self.trainer.model)
+        self._engine.load_weights(self.policy.model)
       params = [SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature,
                                top_k=self.top_k, top_p=self.top_p,
                                seed=int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
@@ -322,17 +340,17 @@ class Rollouts:
   def collect(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Take one rollout: ``(batch, metrics)`` (see the module docstring)."""
     start = time.perf_counter()
-    cfg, group = self.trainer.config, self.num_generations
+    policy, group = self.policy, self.num_generations
     samples = [self._sample(0)]
     if self.dynamic_sampling:
       for attempt in range(1, self.max_refills + 1):
         signal = sum(~losses.zero_variance_groups(s['total'], group) for s in samples).sum()
-        if signal * group >= cfg.global_batch_size:
+        if signal * group >= policy.global_batch_size:
           break
         samples.append(self._sample(attempt))
-    rollout, dropped = self._select(samples, cfg.global_batch_size)
+    rollout, dropped = self._select(samples, policy.global_batch_size)
     self._check_some_reward(rollout['per_function'])
-    scale = self.trainer.objective.loss_type != 'dr_grpo'
+    scale = self.policy.objective.loss_type != 'dr_grpo'
     advantages = losses.group_advantages(rollout['total'], group, scale_by_std=scale)
     batch, sampler_logps = self._rows(rollout, advantages)
     old_BT, ref_BT = self._score(batch)
@@ -382,7 +400,7 @@ class Rollouts:
 
   def _rows(self, rollout: dict, advantages: np.ndarray) -> tuple[dict, np.ndarray]:
     """The batch dict and the sampler's log-probs at its target positions ``[B, T]``."""
-    length = self.trainer.config.seq_len
+    length = self.policy.seq_len
     rows = len(rollout['prompt_ids'])
     tokens = np.full((rows, length + 1), self.pad_id, np.int32)
     loss_mask = np.zeros((rows, length), np.float32)
@@ -405,23 +423,23 @@ class Rollouts:
 
   def _score(self, batch: dict) -> tuple[np.ndarray, np.ndarray]:
     """Policy and reference log-probs of the batch's targets, on the trainer's mesh."""
-    trainer, objective = self.trainer, self.trainer.objective
+    policy, objective = self.policy, self.policy.objective
     placeholder = {k: np.zeros_like(batch['loss_mask']) for k in ('old_logps', 'ref_logps')}
-    placed = trainer.place_batch(self._local_rows({**batch, **placeholder}))
-    graphdef, state = nnx.split(trainer.model)
+    placed = policy.place_batch(self._local_rows({**batch, **placeholder}))
+    graphdef, state = nnx.split(policy.model)
     reference_graphdef = reference_state = None
     adapters_off = False
     if objective.beta:
-      frozen = trainer.frozen_models
+      frozen = policy.frozen_models
       if 'reference' in frozen:
         reference_graphdef, reference_state = nnx.split(frozen['reference'])
       else:
         from maxnnx.train.lora import has_adapters  # noqa: PLC0415
-        if not has_adapters(trainer.model):
+        if not has_adapters(policy.model):
           raise ValueError('beta > 0 needs a reference policy: give GRPOObjective(reference=...) '
                            'or train LoRA adapters (the reference is then the base model).')
         adapters_off = True
-    with trainer.mesh_context():
+    with policy.mesh_context():
       old_BT, ref_BT = _score(graphdef, reference_graphdef, adapters_off, objective.temperature,
                               objective.chunk_length, state, reference_state, placed)
     old_BT, ref_BT = host_value(old_BT), host_value(ref_BT)  # every process's rows
@@ -429,7 +447,7 @@ class Rollouts:
     return np.asarray(old_BT) * mask, np.asarray(ref_BT) * mask
 
   def _write(self, rollout: dict, advantages: np.ndarray) -> None:
-    step = self.trainer.step_count + 1
+    step = self.policy.step_count + 1
     lines = []
     for i, text in enumerate(rollout['texts']):
       rewards = {name: (None if np.isnan(v) else float(v))
