@@ -63,7 +63,7 @@ from maxnnx.train import (
 )
 from maxnnx.train import run as run_training
 
-# The run's keys live with the run (maxnnx.train.runner); the CLI lists and parses them.
+# The run's keys live with the run (maxnnx.train.run_settings); the CLI lists and parses them.
 PROCESS_KEYS = PROCESS_SETTINGS
 RUN_KEYS = RUN_SETTINGS
 TRAIN_OVERRIDES = RUN_TRAIN_DEFAULTS  # defaults of the default run that differ from TrainConfig's

@@ -96,7 +96,8 @@ def test_training_names_at_top_level_without_eager_import():
 
 
 CLI_MODULES = ('maxnnx.cli', 'maxnnx.cli_keys', 'maxnnx.recipes', 'maxnnx.maxtext_keys')
-RUN_INTERNALS = ('maxnnx.train.runner', 'maxnnx.train.run_tokenizer', 'maxnnx.train.export')
+RUN_INTERNALS = ('maxnnx.train.runner', 'maxnnx.train.run_settings', 'maxnnx.train.run_tokenizer',
+                 'maxnnx.train.export')
 
 
 def _names_imported_from(path: pathlib.Path, module: str) -> set[str]:
@@ -156,3 +157,14 @@ def test_data_never_branches_on_a_model_family():
       branching[path.name] = sorted(named)
   assert not branching, branching
   assert _compared_strings(ast.parse("if family in ('gemma3', 'x'): pass")) == {'gemma3', 'x'}
+
+
+def test_data_sources_need_no_training_code():
+  """The data layer never reaches ``maxnnx.train``, directly or through another module: what
+  the Trainer asks of its data is the protocol in ``maxnnx.data.protocol``."""
+  import grimp  # noqa: PLC0415
+
+  graph = grimp.build_graph('maxnnx')
+  assert 'maxnnx.data.protocol' in graph.modules
+  assert not graph.chain_exists(importer='maxnnx.data', imported='maxnnx.train',
+                                as_packages=True)

@@ -7,19 +7,17 @@ from maxnnx.train.memory import device_memory_limit, format_memory_report, memor
 from maxnnx.train.objectives import Objective, PretrainObjective
 from maxnnx.train.optimizers import make_optimizer, make_schedule
 from maxnnx.train.preference import DPOObjective
-from maxnnx.train.run_tokenizer import run_model_config
-from maxnnx.train.runner import (
-                                 PRETRAINING,
-                                 PROCESS_SETTINGS,
-                                 RUN_SETTINGS,
-                                 RUN_TRAIN_DEFAULTS,
-                                 RunRecipe,
-                                 build_trainer,
-                                 run,
-                                 run_settings,
-                                 sample_text,
-                                 split_settings,
+from maxnnx.train.run_settings import (
+                                       PRETRAINING,
+                                       PROCESS_SETTINGS,
+                                       RUN_SETTINGS,
+                                       RUN_TRAIN_DEFAULTS,
+                                       RunRecipe,
+                                       run_settings,
+                                       split_settings,
 )
+from maxnnx.train.run_tokenizer import run_model_config
+from maxnnx.train.runner import build_trainer, run, sample_text
 from maxnnx.train.trainer import (
                                   Trainer,
                                   TrainingError,

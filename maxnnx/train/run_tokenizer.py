@@ -18,7 +18,7 @@ from maxnnx import paths
 
 if TYPE_CHECKING:
   from maxnnx.config import MeshConfig
-  from maxnnx.train.runner import RunRecipe
+  from maxnnx.train.run_settings import RunRecipe
 
 
 def _legacy_model_overrides(run: dict) -> dict:
