@@ -14,8 +14,10 @@ from maxnnx.data import (
   ReportsMetrics,
   TokenWindows,
   check_data_source,
+  make_pipeline,
 )
-from maxnnx.train import TrainConfig, Trainer
+from maxnnx.train import TrainConfig, Trainer, synthetic_batches
+from maxnnx.train.batches import HeldOutBatches
 
 VOCAB, BATCH, SEQ = 64, 4, 16
 
@@ -65,13 +67,19 @@ class FullSource:
 def test_sources_conform_to_the_capabilities_they_have():
   windows = TokenWindows(np.arange(2000) % VOCAB, SEQ, BATCH)
   generator = (_windows(i) for i in range(3))
+  pipeline = make_pipeline('synthetic', batch_size=2, seq_len=SEQ, vocab_size=VOCAB)
+  held_out = HeldOutBatches(iter([_windows(0)] * 2), 'eval_data=test')
   for source, capabilities in ((windows, {Checkpointable, HasEvalBatches}),
                                (generator, set()),
+                               (pipeline, {Checkpointable}),
+                               (synthetic_batches(VOCAB, BATCH, SEQ, 0), {Checkpointable}),
                                (FullSource(), {Checkpointable, HasEvalBatches, ReportsMetrics})):
     assert isinstance(source, DataSource)
     assert check_data_source(source) is source
     for capability in (Checkpointable, HasEvalBatches, ReportsMetrics):
       assert isinstance(source, capability) == (capability in capabilities), (source, capability)
+  pipeline.close()
+  assert isinstance(held_out, HasEvalBatches) and not isinstance(held_out, DataSource)
   np.testing.assert_array_equal(next(TokenWindows(np.arange(2000) % VOCAB, SEQ, BATCH, seed=3)),
                                 TokenWindows(np.arange(2000) % VOCAB, SEQ, BATCH, seed=3).next())
 
