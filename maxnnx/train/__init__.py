@@ -6,6 +6,7 @@ from maxnnx.train.distillation import DistillationObjective
 from maxnnx.train.memory import device_memory_limit, format_memory_report, memory_report
 from maxnnx.train.objectives import Objective, PretrainObjective
 from maxnnx.train.optimizers import make_optimizer, make_schedule
+from maxnnx.train.policy import PolicyView
 from maxnnx.train.preference import DPOObjective
 from maxnnx.train.run_settings import (
                                        PRETRAINING,
@@ -27,8 +28,9 @@ from maxnnx.train.trainer import (
 )
 
 __all__ = ['PRETRAINING', 'PROCESS_SETTINGS', 'RUN_SETTINGS', 'RUN_TRAIN_DEFAULTS',
-           'DPOObjective', 'DistillationObjective', 'Objective', 'PretrainObjective',
-           'RunRecipe', 'TrainConfig', 'Trainer', 'TrainingError', 'as_batch', 'build_trainer',
-           'cross_entropy_loss', 'device_memory_limit', 'format_memory_report',
-           'make_optimizer', 'make_schedule', 'memory_report', 'run', 'run_model_config',
-           'run_settings', 'sample_text', 'split_settings', 'synthetic_batches']
+           'DPOObjective', 'DistillationObjective', 'Objective', 'PolicyView',
+           'PretrainObjective', 'RunRecipe', 'TrainConfig', 'Trainer', 'TrainingError',
+           'as_batch', 'build_trainer', 'cross_entropy_loss', 'device_memory_limit',
+           'format_memory_report', 'make_optimizer', 'make_schedule', 'memory_report', 'run',
+           'run_model_config', 'run_settings', 'sample_text', 'split_settings',
+           'synthetic_batches']
