@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from maxnnx.config import ModelConfig
-from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions, image_blocks
+from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock, make_block
 from maxnnx.layers.dropout import EMBEDDING_SEED, DropoutSeed, dropout
@@ -33,6 +33,7 @@ from maxnnx.layers.per_layer_inputs import PerLayerInputs
 from maxnnx.layers.remat import remat
 from maxnnx.layers.rope import RotaryEmbedding
 from maxnnx.layers.vision import VisionEncoder, make_projector
+from maxnnx.models.vision_inputs import VisionInputs
 from maxnnx.parallel.pipeline import pipeline_stack
 from maxnnx.sharding import constrain, mesh_axis_size
 
@@ -89,7 +90,7 @@ def _stacked_blocks(cfg: ModelConfig, stack_key: jax.Array, start: int, count: i
   return create(stack_key, jnp.arange(start, start + count))
 
 
-class Transformer(nnx.Module):
+class Transformer(VisionInputs, nnx.Module):
   """A decoder-only language model built from a :class:`ModelConfig`.
 
   Call it on token ids ``[B, T]`` to get logits ``[B, T, vocab]``. Optional
@@ -310,38 +311,9 @@ class Transformer(nnx.Module):
     segment_ids = default_segments if segment_ids is None else segment_ids.astype(jnp.int32)
     positions = None if positions is None else positions.astype(jnp.int32)
 
-    cache_index = None
-    if paged is not None:
-      if decode or mtp or positions is None or input_ids_BT.shape[0] != 1:
-        raise ValueError('paged=... takes input_ids [1, T] with their positions, and no '
-                         'decode=True or mtp=True.')
-      mask = None
-    elif decode:
-      if self.cache_index is None:
-        raise ValueError('decode=True needs a KV cache: call model.init_cache(batch, max_length).')
-      cache_index = self.cache_index[...]
-      length, capacity = input_ids_BT.shape[1], self.cache_positions.shape[1]
-      if not isinstance(cache_index, jax.core.Tracer) and int(cache_index) + length > capacity:
-        raise ValueError(f'The KV cache holds {capacity} tokens (init_cache max_length) and '
-                         f'{int(cache_index)} are used; {length} more do not fit.')
-      if positions is None:
-        positions = default_positions + cache_index
-      start = (0, cache_index)
-      self.cache_segment_ids[...] = jax.lax.dynamic_update_slice(
-          self.cache_segment_ids[...], segment_ids, start)
-      self.cache_positions[...] = jax.lax.dynamic_update_slice(
-          self.cache_positions[...], positions, start)
-      self.cache_index[...] = cache_index + length
-      q_blocks = kv_blocks = None
-      if self.cache_blocks is not None:
-        q_blocks = self._cache_image_blocks(blocks_BT, input_ids_BT.shape, start)
-        kv_blocks = self.cache_blocks[...]
-      mask = AttentionMask(segment_ids, positions, self.cache_segment_ids[...],
-                           self.cache_positions[...], q_blocks, kv_blocks)
-    else:
-      positions = default_positions if positions is None else positions
-      mask = AttentionMask.causal(segment_ids, positions, blocks_BT)
-
+    positions, mask, cache_index = self._attention_inputs(
+        input_ids_BT, segment_ids, positions, blocks_BT, decode=decode, mtp=mtp, paged=paged,
+        default_positions=default_positions)
     x_BTD = dropout(self._embed(self._text_ids(input_ids_BT), positions),
                     self.config.dropout_rate, EMBEDDING_SEED)  # in the train step only
     if pixel_values is not None:
@@ -349,114 +321,62 @@ class Transformer(nnx.Module):
     if image_embeddings is not None:
       is_image_BT = input_ids_BT == cfg.vision.image_token_id
       x_BTD = jnp.where(is_image_BT[..., None], image_embeddings.astype(x_BTD.dtype), x_BTD)
-    stages = mesh_axis_size('stage')
-    if stages > 1:
-      if (not cfg.runtime.scan_layers or cache_index is not None or paged is not None
-          or blocks_BT is not None):
-        raise ValueError('Pipeline parallelism (mesh stage > 1) needs scan_layers=True and '
-                         'runs training/scoring only, not KV-cache decoding.')
-      x_BTD = self._pipeline_layers(x_BTD, segment_ids, positions, stages)
-    else:
-      cos_sin = self._cos_sin(positions)
-      if cfg.runtime.scan_layers:
-        x_BTD = self._scan_layers(x_BTD, cos_sin, mask, cache_index, paged)
-      else:
-        x_BTD = self._list_layers(x_BTD, input_ids_BT, cos_sin, mask, cache_index, paged)
+    x_BTD = self._run_layers(x_BTD, input_ids_BT, segment_ids, positions, mask, cache_index,
+                             paged, blocks_BT)
     if not mtp:
       return self.final_norm(x_BTD)
     return self.final_norm(x_BTD), self._mtp_hidden(x_BTD, input_ids_BT, positions, mask)
 
-  def _image_blocks(self, ids_BT, pixel_values, token_type_ids, paged, embedded: bool):
-    """Image-block ids ``[B, T]`` of a multimodal call, or ``None`` (also when paged: the
-    batch holds them)."""
-    if pixel_values is None and token_type_ids is None and not embedded:
-      return None
-    if self.vision_tower is None:
-      raise ValueError('pixel_values / token_type_ids / image_embeddings need a model with a '
-                       'vision tower (ModelConfig.vision.num_layers > 0).')
+  def _attention_inputs(self, input_ids_BT, segment_ids, positions, blocks_BT, *, decode: bool,
+                        mtp: bool, paged, default_positions):
+    """``(positions, mask, cache_index)`` of a call: the paged batch's (no mask: the pages
+    hold it), the KV cache's after this step's tokens are appended to it (``decode``), or
+    the causal mask of the tokens alone."""
     if paged is not None:
-      if pixel_values is not None or token_type_ids is not None:
-        raise ValueError('With paged=..., images come as image_embeddings and their blocks in '
-                         'PagedBatch.blocks_T (the serving Engine does this: '
-                         'add_request(..., images=...)).')
-      return None
-    if not self.config.vision.bidirectional:  # image tokens attend causally (Llama 4)
-      return None
-    is_image_BT = (ids_BT == self.config.vision.image_token_id if token_type_ids is None
-                   else token_type_ids == 1)
-    return image_blocks(is_image_BT)
+      if decode or mtp or positions is None or input_ids_BT.shape[0] != 1:
+        raise ValueError('paged=... takes input_ids [1, T] with their positions, and no '
+                         'decode=True or mtp=True.')
+      return positions, None, None
+    if not decode:
+      positions = default_positions if positions is None else positions
+      return positions, AttentionMask.causal(segment_ids, positions, blocks_BT), None
+    if self.cache_index is None:
+      raise ValueError('decode=True needs a KV cache: call model.init_cache(batch, max_length).')
+    cache_index = self.cache_index[...]
+    length, capacity = input_ids_BT.shape[1], self.cache_positions.shape[1]
+    if not isinstance(cache_index, jax.core.Tracer) and int(cache_index) + length > capacity:
+      raise ValueError(f'The KV cache holds {capacity} tokens (init_cache max_length) and '
+                       f'{int(cache_index)} are used; {length} more do not fit.')
+    if positions is None:
+      positions = default_positions + cache_index
+    start = (0, cache_index)
+    self.cache_segment_ids[...] = jax.lax.dynamic_update_slice(
+        self.cache_segment_ids[...], segment_ids, start)
+    self.cache_positions[...] = jax.lax.dynamic_update_slice(
+        self.cache_positions[...], positions, start)
+    self.cache_index[...] = cache_index + length
+    q_blocks = kv_blocks = None
+    if self.cache_blocks is not None:
+      q_blocks = self._cache_image_blocks(blocks_BT, input_ids_BT.shape, start)
+      kv_blocks = self.cache_blocks[...]
+    mask = AttentionMask(segment_ids, positions, self.cache_segment_ids[...],
+                         self.cache_positions[...], q_blocks, kv_blocks)
+    return positions, mask, cache_index
 
-  def _cache_image_blocks(self, blocks_BT, shape, start):
-    """This step's image-block ids (numbered after those already cached), written into
-    ``cache_blocks``; all -1 without images."""
-    if blocks_BT is None:
-      blocks_BT = jnp.full(shape, -1, jnp.int32)
-    else:
-      first = jnp.max(self.cache_blocks[...], axis=1, keepdims=True) + 1
-      blocks_BT = jnp.where(blocks_BT >= 0, blocks_BT + first, -1)
-    self.cache_blocks[...] = jax.lax.dynamic_update_slice(self.cache_blocks[...], blocks_BT,
-                                                          start)
-    return blocks_BT
-
-  def _text_ids(self, ids_BT):
-    """Ids for the embedding table: an image placeholder beyond it becomes 0."""
-    image_id = self.config.vision.image_token_id
-    if self.vision_tower is None or image_id < self.config.vocab_size:
-      return ids_BT
-    return jnp.where(ids_BT == image_id, 0, ids_BT)
-
-  def image_features(self, pixel_values: jax.Array) -> jax.Array:
-    """``[num_images, tokens_per_image, d_model]``: the projected image embeddings."""
-    if self.vision_tower is None:
-      raise ValueError('image_features needs a model with a vision tower '
-                       '(ModelConfig.vision.num_layers > 0).')
-    v = self.config.vision
-    expected = (v.num_channels, v.image_size, v.image_size)
-    if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
-      raise ValueError(f'pixel_values must be [num_images, {", ".join(map(str, expected))}] '
-                       f'(ModelConfig.vision), got shape {tuple(pixel_values.shape)}.')
-    return self.multi_modal_projector(self.vision_tower(pixel_values))
-
-  def _place_images(self, x_BTD, ids_BT, pixel_values):
-    """``x_BTD`` with the image placeholders' rows replaced by the image embeddings."""
-    if pixel_values.ndim == 5:
-      return self._place_row_images(x_BTD, ids_BT, pixel_values)
-    features_ID = self.image_features(pixel_values)
-    features_MD = features_ID.reshape(-1, features_ID.shape[-1]).astype(x_BTD.dtype)
-    is_image_N = (ids_BT == self.config.vision.image_token_id).reshape(-1)
-    if not isinstance(is_image_N, jax.core.Tracer):
-      count = int(np.asarray(is_image_N).sum())
-      if count != features_MD.shape[0]:
-        raise ValueError(f'input_ids hold {count} image placeholder tokens (id '
-                         f'{self.config.vision.image_token_id}) but {pixel_values.shape[0]} '
-                         f'image(s) give {features_MD.shape[0]} embeddings '
-                         f'({self.config.vision.tokens_per_image} each).')
-    index_N = jnp.clip(jnp.cumsum(is_image_N) - 1, 0, features_MD.shape[0] - 1)
-    x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-    x_ND = jnp.where(is_image_N[:, None], features_MD[index_N], x_ND)
-    return constrain(x_ND.reshape(x_BTD.shape), RESIDUAL_AXES)
-
-  def _place_row_images(self, x_BTD, ids_BT, pixels_BKCHW):
-    """Per-row placement: row ``b``'s placeholders take row ``b``'s images in order."""
-    b, k = pixels_BKCHW.shape[:2]
-    if b != ids_BT.shape[0]:
-      raise ValueError(f'pixel_values [batch, images_per_row, C, H, W] has batch {b}, but '
-                       f'input_ids has {ids_BT.shape[0]} rows.')
-    is_image_BT = ids_BT == self.config.vision.image_token_id
-    room = k * self.config.vision.tokens_per_image
-    if not isinstance(is_image_BT, jax.core.Tracer):
-      counts = np.asarray(is_image_BT).sum(axis=1)
-      if counts.max(initial=0) > room:
-        row = int(counts.argmax())
-        raise ValueError(f'row {row} of input_ids holds {int(counts[row])} image placeholder '
-                         f'tokens (id {self.config.vision.image_token_id}), more than its {k} '
-                         f'image(s) give ({room}).')
-    features_BKID = self.image_features(pixels_BKCHW.reshape(b * k, *pixels_BKCHW.shape[2:]))
-    features_BMD = features_BKID.reshape(b, room, features_BKID.shape[-1]).astype(x_BTD.dtype)
-    index_BT = jnp.clip(jnp.cumsum(is_image_BT, axis=1) - 1, 0, features_BMD.shape[1] - 1)
-    placed_BTD = jnp.take_along_axis(features_BMD, index_BT[..., None], axis=1)
-    x_BTD = jnp.where(is_image_BT[..., None], placed_BTD, x_BTD)
-    return constrain(x_BTD, RESIDUAL_AXES)
+  def _run_layers(self, x_BTD, input_ids_BT, segment_ids, positions, mask, cache_index, paged,
+                  blocks_BT):
+    """The layer stack: pipelined over ``stage`` devices, scanned, or one layer at a time."""
+    stages = mesh_axis_size('stage')
+    if stages > 1:
+      if (not self.config.runtime.scan_layers or cache_index is not None or paged is not None
+          or blocks_BT is not None):
+        raise ValueError('Pipeline parallelism (mesh stage > 1) needs scan_layers=True and '
+                         'runs training/scoring only, not KV-cache decoding.')
+      return self._pipeline_layers(x_BTD, segment_ids, positions, stages)
+    cos_sin = self._cos_sin(positions)
+    if self.config.runtime.scan_layers:
+      return self._scan_layers(x_BTD, cos_sin, mask, cache_index, paged)
+    return self._list_layers(x_BTD, input_ids_BT, cos_sin, mask, cache_index, paged)
 
   def _list_layers(self, x_BTD, ids_BT, cos_sin, mask, cache_index, paged):
     """The unscanned stack, with each layer's per-layer input and shared keys/values."""
