@@ -51,6 +51,13 @@ from maxnnx.cli_keys import (
 )
 from maxnnx.cli_keys import parse as parse_keys
 from maxnnx.config import EngineConfig, MeshConfig
+from maxnnx.config.commands import (
+  CompileTarget,
+  ConvertConfig,
+  EvalConfig,
+  GenerateConfig,
+  ServeConfig,
+)
 from maxnnx.recipes import PRETRAIN, RECIPES, Recipe
 from maxnnx.train import (
   PROCESS_SETTINGS,
@@ -67,102 +74,6 @@ from maxnnx.train import run as run_training
 PROCESS_KEYS = PROCESS_SETTINGS
 RUN_KEYS = RUN_SETTINGS
 TRAIN_OVERRIDES = RUN_TRAIN_DEFAULTS  # defaults of the default run that differ from TrainConfig's
-GENERATE_KEYS = {
-    'output_dir': ('runs/tiny-shakespeare', 'a directory written by maxnnx train'),
-    'prompt': ('ROMEO:', 'text to continue'),
-    'max_new_tokens': (120, "tokens to generate (capped, with a note, to what the model's "
-                       'context leaves after the prompt)'),
-    'temperature': (0.8, 'sampling temperature (0: greedy)'),
-    'top_p': (0.95, 'nucleus sampling mass'),
-    'top_k': (0, 'sample among the k most likely tokens (0: all; more than the vocabulary is '
-              'clamped to it with a warning)'),
-    'seed': (0, 'sampling seed'),
-    'logit_bias': ('', 'token ids and biases added to their logits, as id:bias,id:bias '
-                   '(each bias in [-100, 100]; e.g. 5:-100 bans token 5)'),
-    'presence_penalty': (0.0, "OpenAI's, in [-2, 2]: subtracted once from every generated "
-                         "token's logit"),
-    'frequency_penalty': (0.0, "OpenAI's, in [-2, 2]: subtracted per time a token was "
-                          'generated'),
-    'repetition_penalty': (1.0, "HF's, > 0 (1: none): divides the positive logits and "
-                           'multiplies the negative ones of prompt and generated tokens'),
-    'min_tokens': (0, 'tokens generated before the end-of-sequence token may be'),
-    'quantization': ('none', 'quantize the linear layers for inference: int8, int4, fp8 '
-                     '(weights) or w8a8 (int8 weights and activations)'),
-    'tensor_parallel': (1, 'devices the model is sharded over (attention heads and MLP width; '
-                        "in a multi-process run, every process's devices)"),
-    'compile_cache': ('', "directory of JAX's persistent compilation cache (empty: off): a "
-                      'second run finds its programs compiled'),
-    **PROCESS_KEYS,
-}
-SERVE_KEYS = {
-    'model': ('', 'a Hugging Face checkpoint directory with its tokenizer (and chat template), '
-              'e.g. the final/ of a maxnnx train or sft run'),
-    'host': ('127.0.0.1', 'address to listen on (0.0.0.0: every interface)'),
-    'port': (8000, 'TCP port to listen on'),
-    'served_model_name': ('', 'the name clients send as "model" (empty: model= as given)'),
-    'max_queue': (64, 'requests waiting beyond the max_batch running ones; more are answered '
-                  'with HTTP 429'),
-    'max_request_bytes': (8 << 20, 'the longest request body taken (8 MiB; images in chat '
-                          'messages travel inline); longer ones are answered with HTTP 413'),
-    'add_bos': (True, "start text prompts of /v1/completions with the tokenizer's BOS token"),
-    'dtype': ('', "compute dtype (empty: the checkpoint's)"),
-    'quantization': ('none', 'quantize the linear layers for inference: int8, int4, fp8 '
-                     '(weights) or w8a8 (int8 weights and activations)'),
-    'tensor_parallel': (1, 'devices the model is sharded over (attention heads and MLP width); '
-                        "the parameters load straight into their shards; in a multi-process "
-                        "run, every process's devices: process 0 serves HTTP, the others "
-                        'follow its engine'),
-    'log_level': ('info', 'uvicorn log level: critical, error, warning, info, debug, trace'),
-    'compile_cache': ('', "directory of JAX's persistent compilation cache (empty: off): a "
-                      "restarted server finds its engine's step programs compiled"),
-    **PROCESS_KEYS,
-}
-CONVERT_KEYS = {
-    'src': ('', 'a Hugging Face directory (config.json + safetensors), an orbax checkpoint '
-            'directory (training or parameter-only), or a step directory MaxText wrote '
-            '(.../checkpoints/<step>: full state or parameters only, scanned or not)'),
-    'dst': ('', 'where to write the converted model (must not hold a checkpoint already)'),
-    'format': ('', "output format: 'hf', 'orbax' (empty: the other one than src; 'hf' for a "
-               "MaxText src) or 'maxtext' (a MaxText parameters-only checkpoint, dst/0/items, "
-               "for MaxText's load_parameters_path; Llama, Mistral and Mixtral)"),
-    'maxtext_config': ('', "a MaxText src's settings: its YAML, or key=value pairs joined by "
-                       "commas (decoder_block, num_experts_per_tok, normalization_layer_epsilon, "
-                       "rope_max_timescale...; MaxText's defaults otherwise)"),
-    'scan_layers': (False, 'layer layout of an orbax or maxtext output: stacked (true; '
-                    "MaxText's scan_layers default) or per layer"),
-    'dtype': ('', "floating-point dtype of a Hugging Face output (bfloat16, float16 or float32; "
-              "empty: the parameters' own) or of a maxtext one (its weight_dtype; empty: "
-              'float32)'),
-}
-EVAL_KEYS = {
-    'model': ('', 'a Hugging Face checkpoint directory (or URL) with its tokenizer, e.g. the '
-              'final/ of a maxnnx train or sft run'),
-    'tasks': ('', "lm-evaluation-harness task names, comma-separated (the harness's own, or "
-              'those of include_path)'),
-    'include_path': ('', 'a directory of your own task YAML files'),
-    'output': ('', "where the results JSON and per-sample logs go, as lm-evaluation-harness's "
-               'EvaluationTracker writes them (empty: print only)'),
-    'data': ('', 'instead of tasks=: a .txt file (one text) or .jsonl (its "text" fields) whose '
-             'loss and perplexity per token to print'),
-    'batch_size': (8, 'rows scored (or prompts generated) in one forward pass'),
-    'limit': (0.0, 'documents per task at most (0: all; below 1: that fraction)'),
-    'dtype': ('', "compute dtype (empty: the checkpoint's)"),
-    'num_fewshot': (-1, "examples in each prompt (-1: the task's own)"),
-    'max_length': (0, "the longest sequence scored, in tokens (0: the model's "
-                   'max_position_embeddings)'),
-    'seed': (0, "the harness's seeds (Python, NumPy, few-shot sampling)"),
-    'tensor_parallel': (1, 'devices the model is sharded over (attention heads and MLP width)'),
-}
-
-
-COMPILE_KEYS = {
-    'topology': ('', 'compile for this TPU slice instead of the attached devices: a Cloud TPU '
-                     "name (v5p-128, v5e-16, v6e-64, v4-32) or a chip grid (v5p:4x4x8); needs "
-                     "libtpu on this machine (pip install 'maxnnx[tpu]'), not the TPUs"),
-    'topology_slices': (1, 'slices of that topology (multi-slice; the mesh.dcn_* axes span '
-                           'them)'),
-}
-
 GROUPS = {  # --help heading of each group of keys
     'compile': 'Ahead-of-time target (compile only)',
     'run': 'The run',
@@ -203,8 +114,12 @@ def train_keys(recipe: Recipe = PRETRAIN) -> dict[str, Key]:
   return keys
 
 
+def _process_keys() -> dict[str, Key]:
+  return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in PROCESS_KEYS.items()}
+
+
 def _generate_keys() -> dict[str, Key]:
-  return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in GENERATE_KEYS.items()}
+  return {**config_keys(GenerateConfig, '', 'Keys'), **_process_keys()}
 
 
 COMMANDS = ('train', 'sft', 'dpo', 'distill', 'grpo', 'generate', 'compile', 'convert', 'serve',
@@ -560,15 +475,13 @@ def _evaluate_text(harness, options: dict) -> dict:
 
 
 def _command_keys(command: str) -> dict[str, Key]:
-  if command in ('convert', 'serve', 'eval'):
-    keys = {'convert': CONVERT_KEYS, 'serve': SERVE_KEYS, 'eval': EVAL_KEYS}[command]
-    listed = {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in keys.items()}
-    if command == 'serve':  # the engine's keys are EngineConfig's fields
-      listed.update(config_keys(EngineConfig, '', 'Keys'))
-    return listed
+  if command == 'serve':  # the server's keys, the engine's, and the processes'
+    return {**config_keys(ServeConfig, '', 'Keys'), **config_keys(EngineConfig, '', 'Keys'),
+            **_process_keys()}
+  if command in ('convert', 'eval'):
+    return config_keys(ConvertConfig if command == 'convert' else EvalConfig, '', 'Keys')
   if command == 'compile':
-    return {**{k: Key(d, doc, type(d), 'compile') for k, (d, doc) in COMPILE_KEYS.items()},
-            **train_keys(PRETRAIN)}
+    return {**config_keys(CompileTarget, '', 'compile'), **train_keys(PRETRAIN)}
   return _generate_keys() if command == 'generate' else train_keys(RECIPES.get(command, PRETRAIN))
 
 
