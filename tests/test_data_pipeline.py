@@ -2,6 +2,7 @@
 sharding, checkpointable state, mixtures and the bad-input policies."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -151,6 +152,42 @@ def test_shards_read_disjoint_documents(tmp_path):
     make_pipeline(config, tok, batch_size=1, seq_len=8, shard_index=3, shard_count=3)
   with pytest.raises(ValueError, match='20 documents, fewer than shard_count=32'):
     make_pipeline(config, tok, batch_size=1, seq_len=8, shard_index=0, shard_count=32)
+
+
+def test_processes_read_only_their_files_when_sharded_by_file(tmp_path, monkeypatch):
+  """Four JSONL files over two processes, repeating forever: each process opens only its two
+  files (auto), the two read disjoint documents that together are all of them; with a set
+  number of epochs auto shares documents instead, and shard_by=file needs a file per
+  process."""
+  from maxnnx.data import sources
+  texts = [[f'file {f} document {i}' for i in range(5)] for f in range(4)]
+  paths = [_write_jsonl(tmp_path / f'part-{f}.jsonl', t) for f, t in enumerate(texts)]
+  opened = []
+  read = sources._jsonl_documents
+  monkeypatch.setattr(sources, '_jsonl_documents',
+                      lambda path, *a: (opened.append(os.path.basename(path)), read(path, *a))[1])
+  tok = ByteTokenizer()
+
+  def documents(config, shard_index, count):
+    opened.clear()
+    pipe = make_pipeline(config, tok, batch_size=1, seq_len=64, shard_index=shard_index,
+                         shard_count=2)
+    docs = [tok.decode(b['inputs'][0][1:b['loss_mask'][0].astype(bool).sum()])
+            for b, _ in zip(pipe, range(count))]
+    return docs, sorted(opened)
+
+  forever = DataConfig(sources=(str(tmp_path),), packing='none', shuffle=False)
+  first, opened_first = documents(forever, 0, 10)
+  second, opened_second = documents(forever, 1, 10)
+  assert opened_first == ['part-0.jsonl', 'part-2.jsonl']
+  assert opened_second == ['part-1.jsonl', 'part-3.jsonl']
+  assert sorted(first + second) == sorted(sum(texts, []))
+  once = forever.replace(num_epochs=1)
+  docs, opened_once = documents(once, 1, 100)
+  assert opened_once == sorted(os.path.basename(p) for p in paths) and len(docs) == 10
+  with pytest.raises(ValueError, match='4 files, fewer than shard_count=8.*shard_by'):
+    make_pipeline(forever.replace(shard_by='file'), tok, batch_size=1, seq_len=8,
+                  shard_index=0, shard_count=8)
 
 
 @pytest.mark.parametrize('packing', ['first_fit', 'none'])

@@ -17,6 +17,7 @@ SourceKind = Literal['auto', 'text', 'jsonl', 'parquet', 'array_record', 'synthe
 Packing = Literal['first_fit', 'best_fit', 'none']
 Overlong = Literal['split', 'truncate', 'drop', 'error']
 TextSplit = Literal['blank_lines', 'lines', 'file']
+ShardBy = Literal['auto', 'document', 'file']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,14 @@ class DataConfig(ValidatedConfig):
       counts each case (``Pipeline.stats``).
     shuffle: shuffle documents (reshuffled every epoch) and packed rows.
     num_epochs: passes over the data (``None``: repeat forever).
+    shard_by: how the processes of a multi-process run share a text / JSONL / Parquet
+      source. ``'document'``: every process reads every file and keeps every
+      ``shard_count``-th document. ``'file'``: each process reads only every
+      ``shard_count``-th file (it holds about ``1/shard_count`` of the data in memory;
+      needs at least one file per process; processes may hold unequal numbers of
+      documents). ``'auto'``: by file when the source has a file per process and the data
+      repeats forever (``num_epochs=None``, so no process runs out first), else by
+      document. ArrayRecord and synthetic sources read only what they serve either way.
     synthetic_documents: how many distinct documents the synthetic source has.
     worker_count: grain worker processes (0: in-process; on small data workers
       were measured about 10x slower than in-process). Each worker packs its own
@@ -78,6 +87,7 @@ class DataConfig(ValidatedConfig):
   overlong: Overlong = 'split'
   shuffle: bool = True
   num_epochs: int | None = None
+  shard_by: ShardBy = 'auto'
   synthetic_documents: int = 100_000
   worker_count: int = 0
 

@@ -150,8 +150,24 @@ class Pipeline:
     return dict(iterator.counts)
 
 
+def _files_per_process(resolved, config: DataConfig, shard_index: int,
+                       shard_count: int) -> tuple[tuple[str, ...], bool]:
+  """``(files this process reads, whether documents are still to be sharded)`` of a source
+  (``DataConfig.shard_by``)."""
+  by_file = resolved.kind in ('text', 'jsonl', 'parquet') and shard_count > 1 and (
+      config.shard_by == 'file' or (config.shard_by == 'auto' and config.num_epochs is None
+                                    and len(resolved.files) >= shard_count))
+  if not by_file:
+    return resolved.files, True
+  if len(resolved.files) < shard_count:
+    raise ValueError(f'data source {resolved.spec!r} has {len(resolved.files)} files, fewer '
+                     f'than shard_count={shard_count}: DataConfig.shard_by=file needs one per '
+                     "process at least (shard_by='document' shares documents instead).")
+  return resolved.files[shard_index::shard_count], False
+
+
 def _make_source(resolved, config: DataConfig, *, vocab_size: int, seq_len: int, extras: int,
-                 seed: int, index: int):
+                 seed: int, index: int, files: tuple[str, ...] | None = None):
   if resolved.kind == SYNTHETIC:
     max_length = max(1, seq_len + 1 - extras)
     return SyntheticSource(vocab_size, max_length=max_length, min_length=max(1, 2 - extras),
@@ -159,7 +175,8 @@ def _make_source(resolved, config: DataConfig, *, vocab_size: int, seq_len: int,
                            seed=_derived_seed(seed, index, 1))
   if resolved.kind == 'array_record':
     return ArrayRecordSource(resolved.files, pretokenized=config.pretokenized)
-  return InMemorySource(resolved.files, resolved.kind, column=config.column,
+  return InMemorySource(resolved.files if files is None else files, resolved.kind,
+                        column=config.column,
                         pretokenized=config.pretokenized, text_split=config.text_split)
 
 
@@ -179,7 +196,8 @@ def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = 
     seq_len: tokens per row.
     seed: seed of document order, packing order and synthetic data.
     shard_index, shard_count: this process reads documents
-      ``shard_index::shard_count`` of every source; default
+      ``shard_index::shard_count`` of every source, or its files
+      ``shard_index::shard_count`` (``DataConfig.shard_by``); default
       ``jax.process_index()`` / ``jax.process_count()``.
     vocab_size: the model's vocabulary size: every id must be below it (default
       the tokenizer's). Required for synthetic data without a tokenizer.
@@ -221,18 +239,21 @@ def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = 
               for spec in config.sources]
   sources, datasets = [], []
   for i, res in enumerate(resolved):
+    files, by_document = _files_per_process(res, config, shard_index, shard_count)
     source = _make_source(res, config, vocab_size=vocab_size, seq_len=seq_len,
-                          extras=(bos is not None) + (eos is not None), seed=seed, index=i)
+                          extras=(bos is not None) + (eos is not None), seed=seed, index=i,
+                          files=files)
     if res.kind not in (SYNTHETIC, 'array_record') and not config.pretokenized \
         and tokenizer is None:
       raise ValueError(f'data source {res.spec!r} is text: pass a tokenizer to make_pipeline '
                        'or set DataConfig.tokenizer.')
-    if len(source) < shard_count:
+    if by_document and len(source) < shard_count:
       raise ValueError(f'data source {res.spec!r} has {len(source)} documents, fewer than '
                        f'shard_count={shard_count}: every process needs at least one.')
     sources.append(source)
     ds = grain.MapDataset.source(source).map_with_index(_tag(i, len(source)))
-    ds = ds[shard_index::shard_count]
+    if by_document:
+      ds = ds[shard_index::shard_count]
     if config.shuffle:
       ds = ds.shuffle(seed=_derived_seed(seed, i, 2))
     datasets.append(ds.repeat(config.num_epochs))
