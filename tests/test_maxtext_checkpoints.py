@@ -17,7 +17,8 @@ from maxnnx.checkpoint.maxtext import maxtext_params, read_settings
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'maxtext_fixtures')
 CASES = {  # fixture: its step directory
     'llama2_scanned': 2, 'llama2_unscanned': 2, 'llama2_scanned_linen': 2,
-    'llama2_params_only_nnx': 0, 'llama2_params_only_linen': 0, 'mixtral_moe_scanned': 2}
+    'llama2_params_only_nnx': 0, 'llama2_params_only_linen': 0, 'mixtral_moe_scanned': 2,
+    'deepseek_mla_moe_scanned': 2}
 
 
 def _fixture(name):
@@ -33,7 +34,9 @@ def _fixture(name):
 @pytest.mark.parametrize('name', list(CASES))
 def test_logits_equal_maxtexts_own(name):
   """Trainer states (NNX and Linen, scanned and not), parameters-only checkpoints (both
-  layouts, bfloat16) and a Mixtral-style MoE: maxnnx's float32 logits equal MaxText's."""
+  layouts, bfloat16), a Mixtral-style MoE and a DeepSeek-V3-style block (latent attention,
+  shared expert, biased sigmoid routing over expert groups, yarn): maxnnx's float32 logits
+  equal MaxText's."""
   step_dir, settings, tokens, expected = _fixture(name)
   model = maxnnx.from_maxtext(step_dir, settings, dtype='float32')
   np.testing.assert_allclose(model(tokens), expected, rtol=1e-4, atol=1e-4)
@@ -78,6 +81,31 @@ def test_settings_and_refusals(tmp_path, capsys):
                    'maxtext_config=decoder_block=gemma3']) == 2
   assert 'decoder_block=gemma3' in capsys.readouterr().err
   assert not (tmp_path / 'out' / 'config.json').exists()
+
+
+@pytest.mark.parametrize('change,moved', [
+    ('rope_factor=1', 0.5), ('n_routing_groups=-1', 0.1), ('routed_scaling_factor=1', 0.1)])
+def test_the_deepseek_settings_are_read(change, moved):
+  """The yarn factor, the expert groups and the routed scale each move the logits of the
+  DeepSeek fixture (so its equality above proves each is read as MaxText applies it)."""
+  step_dir, settings, tokens, expected = _fixture('deepseek_mla_moe_scanned')
+  key = change.split('=')[0]
+  settings = [s for s in settings if s.split('=')[0] != key] + [change]
+  model = maxnnx.from_maxtext(step_dir, settings, dtype='float32')
+  assert np.abs(np.asarray(model(tokens)) - expected).max() > moved
+
+
+def test_deepseek_refusals():
+  step_dir, settings, _, _ = _fixture('deepseek_mla_moe_scanned')
+  for change, message in (('model_name=default', "model names starting 'deepseek3'"),
+                          ('routed_score_func=softmax', 'routed_score_func=sigmoid'),
+                          ('rope_type=default', 'rope_type=yarn rope_interleave=true')):
+    key = change.split('=')[0]
+    given = [s for s in settings if s.split('=')[0] != key] + [change]
+    with pytest.raises(CheckpointError, match=message):
+      maxnnx.from_maxtext(step_dir, given)
+  with pytest.raises(CheckpointError, match='no moe_layers'):
+    maxnnx.from_maxtext(_fixture('llama2_scanned')[0], settings)
 
 
 def test_a_maxtext_command_line_starts_from_load_parameters_path(tmp_path, capsys):

@@ -8,9 +8,9 @@ parameters-only checkpoints (``generate_param_only_checkpoint``) hold them under
 (NNX). A scanned model stacks each layer's arrays on axis 1 (``param_scan_axis``), also after
 the expert axis of MoE weights; an unscanned one names them ``layers_0 ... layers_{L-1}``.
 
-The Llama-2 / Mistral / Mixtral decoder blocks are read (``decoder_block`` ``llama2``,
-``mistral``, ``mixtral``: what ``tests/maxtext_fixtures/LAYOUT.md`` documents, with MaxText's own
-fixtures). The weights become the Hugging Face tensors of the matching family
+The Llama-2 / Mistral / Mixtral and DeepSeek-V3 decoder blocks are read (``decoder_block``
+``llama2``, ``mistral``, ``mixtral``, ``deepseek``: what ``tests/maxtext_fixtures/LAYOUT.md``
+documents, with MaxText's own fixtures). The weights become the Hugging Face tensors of the matching family
 (:func:`write_hf`), which :func:`maxnnx.from_maxtext` then loads as it loads any checkpoint.
 Two of MaxText's conventions differ from Hugging Face's and are undone here:
 
@@ -20,9 +20,10 @@ Two of MaxText's conventions differ from Hugging Face's and are undone here:
   weights are ``[out, in]``.
 
 What the shapes cannot say comes from MaxText's settings (its YAML or ``key=value`` list, with
-MaxText's defaults): ``decoder_block``, ``num_experts_per_tok``,
-``normalization_layer_epsilon``, ``rope_max_timescale``, ``sliding_window_size`` and
-``max_target_length``.
+MaxText's defaults, :data:`MAXTEXT_DEFAULTS`): ``decoder_block``, ``num_experts_per_tok``,
+``normalization_layer_epsilon``, ``rope_max_timescale``, ``sliding_window_size``,
+``max_target_length``; for DeepSeek also ``model_name`` (MaxText picks V3 routing by it), the
+routing keys and the yarn keys.
 """
 
 from __future__ import annotations
@@ -36,13 +37,22 @@ import numpy as np
 from maxnnx.checkpoint.manager import CheckpointError
 
 #: MaxText's defaults (its ``configs/base.yml``) for the settings a conversion reads.
-MAXTEXT_DEFAULTS = {'decoder_block': 'llama2', 'num_experts_per_tok': 1,
+MAXTEXT_DEFAULTS = {'decoder_block': 'llama2', 'model_name': 'default', 'num_experts_per_tok': 1,
                     'normalization_layer_epsilon': 1e-5, 'rope_max_timescale': 10_000,
                     'rope_min_timescale': 1, 'sliding_window_size': 0,
-                    'max_target_length': 2048, 'rope_type': 'default'}
+                    'max_target_length': 2048, 'rope_type': 'default',
+                    'max_position_embeddings': 163_840,
+                    # DeepSeek routing
+                    'routed_scaling_factor': 1.0, 'routed_score_func': '',
+                    'n_routing_groups': -1, 'topk_routing_group': -1,
+                    # yarn rotary scaling
+                    'original_max_position_embeddings': 4096, 'rope_factor': 40.0,
+                    'beta_fast': 32.0, 'beta_slow': 1.0, 'mscale': 1.0, 'rope_interleave': True,
+                    'rope_truncate': True, 'rope_attention_scaling': False}
 
 #: The decoder blocks read, and the Hugging Face family each becomes.
-BLOCKS = {'llama2': 'llama', 'mistral': 'mistral', 'mixtral': 'mixtral'}
+BLOCKS = {'llama2': 'llama', 'mistral': 'mistral', 'mixtral': 'mixtral',
+          'deepseek': 'deepseek_v3'}
 
 
 def read_settings(items: list[str] | dict | str | None) -> dict[str, Any]:
@@ -65,10 +75,23 @@ def read_settings(items: list[str] | dict | str | None) -> dict[str, Any]:
     items = pairs
   for key, value in items.items():
     if key in MAXTEXT_DEFAULTS and isinstance(value, str):
-      default = MAXTEXT_DEFAULTS[key]
-      value = type(default)(float(value)) if isinstance(default, (int, float)) else value
+      value = _typed(key, value, MAXTEXT_DEFAULTS[key])
     settings[key] = value
   return settings
+
+
+def _typed(key: str, value: str, default: Any) -> Any:
+  """``value`` (a string) as the type of MaxText's default for ``key``."""
+  if isinstance(default, bool):
+    if value.lower() not in ('true', 'false', '1', '0'):
+      raise ValueError(f'MaxText setting {key}={value!r}: expected true or false.')
+    return value.lower() in ('true', '1')
+  if isinstance(default, (int, float)):
+    try:
+      return type(default)(float(value))
+    except ValueError:
+      raise ValueError(f'MaxText setting {key}={value!r}: expected a number.') from None
+  return value
 
 
 def _restore(step_dir: str) -> dict:
@@ -121,15 +144,18 @@ def _to_numpy(tree):
   return np.asarray(tree)
 
 
-def _layers(decoder: dict) -> list[dict]:
-  """Per-layer parameter trees: unstacked from axis 1 when scanned."""
-  if 'layers' in decoder:
-    stacked = decoder['layers']
+def _layers(decoder: dict, group: str = 'layers', required: bool = True) -> list[dict]:
+  """Per-layer parameter trees of ``decoder/<group>`` (stacked on axis 1 when scanned) or
+  ``decoder/<group>_0 ...``."""
+  if group in decoder:
+    stacked = decoder[group]
     count = _first_leaf(stacked).shape[1]
     return [_map(lambda x, i=i: np.take(x, i, axis=1), stacked) for i in range(count)]
-  names = sorted((k for k in decoder if k.startswith('layers_')), key=lambda k: int(k[7:]))
-  if not names:
-    raise CheckpointError('MaxText decoder without layers (neither layers/ nor layers_0/).')
+  prefix = group + '_'
+  names = [k for k in decoder if k.startswith(prefix) and k[len(prefix):].isdigit()]
+  names.sort(key=lambda k: int(k[len(prefix):]))
+  if not names and required:
+    raise CheckpointError(f'MaxText decoder without layers (neither {group}/ nor {prefix}0/).')
   return [decoder[name] for name in names]
 
 
@@ -160,9 +186,14 @@ def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[st
   if block not in BLOCKS:
     raise CheckpointError(f'decoder_block={block}: MaxText checkpoints of the '
                           f"{', '.join(BLOCKS)} blocks are read so far.")
-  if settings['rope_type'] != 'default' or int(settings['rope_min_timescale']) != 1:
-    raise CheckpointError('rope_type other than default (or rope_min_timescale != 1): these '
-                          'MaxText rotary layouts are not read yet.')
+  if int(settings['rope_min_timescale']) != 1:
+    raise CheckpointError(f"rope_min_timescale={settings['rope_min_timescale']}: MaxText "
+                          'rotary embeddings with a minimum timescale other than 1 are not read.')
+  if block == 'deepseek':
+    return _deepseek_checkpoint(params, settings)
+  if settings['rope_type'] != 'default':
+    raise CheckpointError(f"rope_type={settings['rope_type']}: MaxText's rotary scalings are "
+                          'read for the deepseek block (yarn) so far; give rope_type=default.')
   decoder = params['decoder']
   layers = _layers(decoder)
   embedding = _f32(params['token_embedder']['embedding'])
@@ -220,6 +251,150 @@ def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[st
   if moe:
     config.update(num_local_experts=int(layers[0]['MoeBlock_0']['wi_0'].shape[0]),
                   num_experts_per_tok=int(settings['num_experts_per_tok']))
+  return config, tensors
+
+
+def _embedding_and_head(params: dict) -> tuple[dict[str, np.ndarray], bool]:
+  """The embedding, final norm and (untied) output head, by their Hugging Face names."""
+  decoder = params['decoder']
+  tensors = {'model.embed_tokens.weight': _f32(params['token_embedder']['embedding']),
+             'model.norm.weight': _f32(decoder['decoder_norm']['scale'])}
+  tied = 'logits_dense' not in decoder
+  if not tied:
+    tensors['lm_head.weight'] = _f32(decoder['logits_dense']['kernel']).T
+  return tensors, tied
+
+
+def _linear(kernel) -> np.ndarray:
+  """A MaxText kernel ``[in..., out...]`` with its input axis first as a torch weight
+  ``[out, in]`` (the output axes flattened)."""
+  kernel = _f32(kernel)
+  return kernel.reshape(kernel.shape[0], -1).T
+
+
+def _yarn_scaling(settings: dict) -> dict[str, Any]:
+  """HF's ``rope_scaling`` for MaxText's ``rope_type=yarn`` (``YarnRotaryEmbedding``, and the
+  MLA softmax scale of ``attention_mla.py``).
+
+  MaxText multiplies the softmax scale by ``(0.1 * mscale * ln(rope_factor) + 1) ** 2`` when
+  ``max_position_embeddings > original_max_position_embeddings`` (HF: ``mscale_all_dim``),
+  and scales cos/sin by ``0.1 * ln(rope_factor) + 1`` only with ``rope_attention_scaling``
+  (HF: ``attention_factor``, given here so that HF's own default ratio does not apply).
+  """
+  factor = float(settings['rope_factor'])
+  original = int(settings['original_max_position_embeddings'])
+  longer = int(settings['max_position_embeddings']) > original
+  attention_factor = (0.1 * math.log(factor) + 1.0 if settings['rope_attention_scaling']
+                      and factor > 1 else 1.0)
+  return {'type': 'yarn', 'rope_type': 'yarn', 'factor': factor,
+          'original_max_position_embeddings': original,
+          'beta_fast': float(settings['beta_fast']), 'beta_slow': float(settings['beta_slow']),
+          'mscale': float(settings['mscale']),
+          'mscale_all_dim': float(settings['mscale']) if longer else 0.0,
+          'truncate': bool(settings['rope_truncate']), 'attention_factor': attention_factor}
+
+
+def _deepseek_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
+  """``decoder_block=deepseek`` (DeepSeek-V3: ``model_name=deepseek3-…``) as HF's
+  ``deepseek_v3``: multi-head latent attention, ``dense_layers`` then ``moe_layers`` with a
+  shared expert and sigmoid routing with a correction bias.
+
+  MaxText's MLA applies its softmax scale to the query explicitly (``attention_mla.py``
+  ``mla_query_projection``), so no kernel carries it; its MLA kernels map to HF's by transpose
+  (``param_mapping.py`` ``DEEPSEEK_MAXTEXT_TO_HF_PARAM_MAPPING``), rotary pairs interleaved in
+  both (``rope_interleave``).
+  """
+  if not str(settings['model_name']).startswith('deepseek3'):
+    raise CheckpointError(
+        f"decoder_block=deepseek with model_name={settings['model_name']}: MaxText routes "
+        'DeepSeek-V3-style (the bias picks the experts, the unbiased scores weight them) only '
+        "for model names starting 'deepseek3' (layers/moe.py get_topk); give the run's "
+        'model_name (e.g. model_name=deepseek3-671b).')
+  if settings['routed_score_func'] != 'sigmoid':
+    raise CheckpointError(f"routed_score_func={settings['routed_score_func']!r}: the deepseek "
+                          "block is read with DeepSeek-V3's sigmoid routing; give "
+                          'routed_score_func=sigmoid (the setting of the run that wrote it).')
+  if settings['rope_type'] != 'yarn' or not settings['rope_interleave']:
+    raise CheckpointError(f"rope_type={settings['rope_type']} rope_interleave="
+                          f"{settings['rope_interleave']}: the deepseek block is read with yarn "
+                          'and interleaved rotary pairs (rope_type=yarn rope_interleave=true).')
+  decoder = params['decoder']
+  dense, moe = _layers(decoder, 'dense_layers', False), _layers(decoder, 'moe_layers', False)
+  if not moe:
+    raise CheckpointError('decoder_block=deepseek, but the checkpoint has no moe_layers: give '
+                          "MaxText's settings of the run that wrote it (config=...).")
+  tensors, tied = _embedding_and_head(params)
+  attn0 = moe[0]['self_attention']
+  if 'wq_a' not in attn0:
+    raise CheckpointError('deepseek block without wq_a (q_lora_rank=0, DeepSeek-V2-style '
+                          'queries): not read yet.')
+  heads = attn0['wq_b']['kernel'].shape[1]
+  kv_lora_rank = attn0['kv_norm']['scale'].shape[0]
+  rope_dim = attn0['wkv_a']['kernel'].shape[-1] - kv_lora_rank
+  qk_head_dim = attn0['wq_b']['kernel'].shape[-1]
+  v_head_dim = attn0['out']['kernel'].shape[1]
+  nope_dim = qk_head_dim - rope_dim
+  moe_dim, experts = moe[0]['DeepSeekMoeBlock_0']['MoeBlock_0']['wi_0'].shape[-1], 0
+  for i, layer in enumerate(dense + moe):
+    p, attn = f'model.layers.{i}.', layer['self_attention']
+    tensors[p + 'input_layernorm.weight'] = _f32(layer['pre_self_attention_layer_norm']['scale'])
+    tensors[p + 'post_attention_layernorm.weight'] = _f32(
+        layer['post_self_attention_layer_norm']['scale'])
+    a = p + 'self_attn.'
+    tensors[a + 'q_a_proj.weight'] = _linear(attn['wq_a']['kernel'])
+    tensors[a + 'q_a_layernorm.weight'] = _f32(attn['q_norm']['scale'])
+    tensors[a + 'q_b_proj.weight'] = _linear(attn['wq_b']['kernel'])
+    tensors[a + 'kv_a_proj_with_mqa.weight'] = _linear(attn['wkv_a']['kernel'])
+    tensors[a + 'kv_a_layernorm.weight'] = _f32(attn['kv_norm']['scale'])
+    tensors[a + 'kv_b_proj.weight'] = _linear(attn['wkv_b']['kernel'])
+    tensors[a + 'o_proj.weight'] = _f32(attn['out']['kernel']).reshape(-1, tensors[
+        'model.norm.weight'].shape[0]).T
+    if i < len(dense):
+      mlp, m = layer['mlp'], p + 'mlp.'
+    else:
+      block = layer['DeepSeekMoeBlock_0']
+      routed, mlp, m = block['MoeBlock_0'], block['shared_experts'], p + 'mlp.shared_experts.'
+      tensors[p + 'mlp.gate.weight'] = _f32(routed['gate']['kernel']).T
+      if 'bias' in routed['gate']:
+        tensors[p + 'mlp.gate.e_score_correction_bias'] = _f32(routed['gate']['bias'])
+      experts = routed['wi_0'].shape[0]
+      for j in range(experts):
+        e = p + f'mlp.experts.{j}.'
+        tensors[e + 'gate_proj.weight'] = _f32(routed['wi_0'][j]).T
+        tensors[e + 'up_proj.weight'] = _f32(routed['wi_1'][j]).T
+        tensors[e + 'down_proj.weight'] = _f32(routed['wo'][j]).T
+    tensors[m + 'gate_proj.weight'] = _f32(mlp['wi_0']['kernel']).T
+    tensors[m + 'up_proj.weight'] = _f32(mlp['wi_1']['kernel']).T
+    tensors[m + 'down_proj.weight'] = _f32(mlp['wo']['kernel']).T
+  shared_dim = moe[0]['DeepSeekMoeBlock_0']['shared_experts']['wi_0']['kernel'].shape[-1]
+  embedding = tensors['model.embed_tokens.weight']
+  groups = int(settings['n_routing_groups'])
+  config = {'model_type': 'deepseek_v3', 'architectures': ['DeepseekV3ForCausalLM'],
+            'vocab_size': int(embedding.shape[0]), 'hidden_size': int(embedding.shape[1]),
+            'intermediate_size': int(dense[0]['mlp']['wi_0']['kernel'].shape[-1] if dense
+                                     else moe_dim),
+            'moe_intermediate_size': int(moe_dim), 'num_hidden_layers': len(dense) + len(moe),
+            'num_attention_heads': int(heads), 'num_key_value_heads': int(heads),
+            'q_lora_rank': int(attn0['wq_a']['kernel'].shape[-1]),
+            'kv_lora_rank': int(kv_lora_rank), 'qk_rope_head_dim': int(rope_dim),
+            'qk_nope_head_dim': int(nope_dim), 'v_head_dim': int(v_head_dim),
+            'head_dim': int(rope_dim), 'n_routed_experts': int(experts),
+            'n_shared_experts': int(shared_dim // moe_dim),
+            'num_experts_per_tok': int(settings['num_experts_per_tok']),
+            'first_k_dense_replace': len(dense), 'norm_topk_prob': True,
+            'routed_scaling_factor': float(settings['routed_scaling_factor']),
+            'n_group': groups if groups > 0 else 1,
+            'topk_group': int(settings['topk_routing_group']) if groups > 0 else 1,
+            'topk_method': 'noaux_tc', 'scoring_func': 'sigmoid', 'hidden_act': 'silu',
+            'rms_norm_eps': float(settings['normalization_layer_epsilon']),
+            'rope_theta': float(settings['rope_max_timescale']), 'rope_interleave': True,
+            'rope_scaling': _yarn_scaling(settings), 'attention_bias': False,
+            'max_position_embeddings': int(settings['max_position_embeddings']),
+            'num_nextn_predict_layers': 0, 'tie_word_embeddings': tied,
+            'torch_dtype': 'float32'}
+  if shared_dim % moe_dim:
+    raise CheckpointError(f'deepseek shared experts of width {shared_dim}: not a multiple of '
+                          f'the routed experts\' {moe_dim}.')
   return config, tensors
 
 

@@ -137,6 +137,50 @@ MOE = [
   "megablox=false",
 ]
 
+# DeepSeek-V3-style block: multi-head latent attention (low-rank q and kv), one dense layer
+# then MoE layers with a shared expert, sigmoid routing scores with a learned correction bias
+# (moved by MaxText's loss-free balancing update, so it is not zero), yarn rotary scaling.
+# model_name=deepseek3-tiny (its sizes all overridden below) because MaxText picks the
+# DeepSeek-V3 routing (the bias chooses the experts, the unbiased scores weight them) by
+# model name: layers/moe.py get_topk, model_name.startswith("deepseek3").
+DEEPSEEK = [
+  "model_name=deepseek3-tiny",
+  "override_model_config=true",
+  "base_emb_dim=16",
+  "base_mlp_dim=32",
+  "base_num_decoder_layers=2",
+  "vocab_size=256",
+  "decoder_block=deepseek",
+  "attention_type=mla",
+  "base_num_kv_heads=4",
+  "q_lora_rank=8",
+  "kv_lora_rank=8",
+  "qk_nope_head_dim=4",
+  "qk_rope_head_dim=4",
+  "v_head_dim=4",
+  "num_experts=4",
+  "num_experts_per_tok=2",
+  "shared_experts=1",
+  "base_moe_mlp_dim=16",
+  "first_num_dense_layers=1",
+  "routed_scaling_factor=2.5",
+  "routed_score_func=sigmoid",
+  "routed_bias=true",
+  "routed_bias_update_rate=0.05",
+  "normalization_layer_epsilon=1e-6",
+  "n_routing_groups=2",
+  "topk_routing_group=1",
+  "rope_type=yarn",
+  "max_position_embeddings=64",
+  "original_max_position_embeddings=16",
+  "rope_factor=4",
+  "beta_fast=32",
+  "beta_slow=1",
+  "mscale=1.0",
+  "sparse_matmul=false",
+  "megablox=false",
+]
+
 # name -> (how it is written, model overrides on top of COMMON, source fixture or None,
 #          forward passes that must reproduce logits.npy).
 # "train": MaxText's trainer writes a full training state (params, opt_state, step[, nnx_aux])
@@ -151,6 +195,8 @@ FIXTURES = {
   "llama2_unscanned": ("train", ["scan_layers=false"], None, ("linen", "nnx")),
   # Mixtral-style MoE decoder block, 4 experts, top-2, dense (non-megablox) matmul on CPU.
   "mixtral_moe_scanned": ("train", ["scan_layers=true", *MOE], None, ("linen", "nnx")),
+  # DeepSeek-V3-style MLA + MoE block with a shared expert, yarn rotary scaling.
+  "deepseek_mla_moe_scanned": ("train", ["scan_layers=true", *DEEPSEEK], None, ("linen", "nnx")),
   # The Linen trainer (enable_nnx=false): the classic layout without nnx_aux.
   "llama2_scanned_linen": ("train", ["scan_layers=true", *LINEN], None, ("linen", "nnx")),
   # Parameters only, written by the default (NNX) path: {path}/value leaves, no params/params.
@@ -172,6 +218,15 @@ FIXTURES = {
 # The forward passes run in float32 at the highest matmul precision, so a converter's own
 # float32 forward can be held to a tight tolerance.
 FORWARD = ["dtype=float32", "matmul_precision=highest"]
+
+
+def _merge(*lists):
+  """Overrides in order, a later ``key=`` replacing an earlier one in place (MaxText's
+  command line takes each key once)."""
+  out = {}
+  for item in (o for overrides in lists for o in overrides):
+    out[item.split("=", 1)[0]] = item
+  return list(out.values())
 
 
 def _env(src):
@@ -374,10 +429,10 @@ def main():
     if a.only and name not in a.only and not any(FIXTURES[o][2] == name for o in a.only):
       continue
     if source is None:
-      overrides = COMMON + extra
+      overrides = _merge(COMMON, extra)
       source_step = None
     else:
-      overrides = COMMON + [o for o in FIXTURES[source][1] if o not in extra] + extra
+      overrides = _merge(COMMON, FIXTURES[source][1], extra)
       source_step = written[source]
     print(f"== {name}: {kind}", flush=True)
     step_dir = write(a.maxtext_src, a.work, name, kind, overrides, source_step)
