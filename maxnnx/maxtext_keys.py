@@ -528,9 +528,32 @@ def _checkpoint_settings(given: dict[str, Any]) -> str:
     chosen = {'decoder_block': block, 'normalization_layer_epsilon': preset.norm_eps,
               'rope_max_timescale': preset.rope.theta,
               'sliding_window_size': preset.sliding_window or 0,
-              'num_experts_per_tok': preset.moe.num_experts_per_tok}
+              'num_experts_per_tok': preset.moe.num_experts_per_tok,
+              **_family_settings(preset)}
   chosen.update({k: given[k] for k in MAXTEXT_DEFAULTS if k in given})
   return ','.join(f'{k}={v}' for k, v in chosen.items())
+
+
+def _family_settings(preset) -> dict[str, Any]:
+  """The MaxText settings of a DeepSeek-V3 or Gemma 2/3 preset that its conversion reads
+  beside the common ones (routing and yarn; soft caps and the local rotary base)."""
+  rope, moe = preset.rope, preset.moe
+  if preset.family == 'deepseek_v3':
+    return {'routed_score_func': 'sigmoid', 'routed_scaling_factor': moe.router_scaling_factor,
+            'n_routing_groups': moe.router_groups, 'topk_routing_group': moe.router_topk_groups,
+            'rope_type': 'yarn', 'rope_factor': rope.factor,
+            'original_max_position_embeddings': rope.original_max_position_embeddings,
+            'beta_fast': rope.beta_fast, 'beta_slow': rope.beta_slow, 'mscale': rope.mscale,
+            'max_position_embeddings': preset.max_position_embeddings}
+  if preset.family in ('gemma2', 'gemma3'):
+    out = {'attn_logits_soft_cap': preset.attn_logit_softcap or 0.0,
+           'final_logits_soft_cap': preset.final_logit_softcap or 0.0}
+    if preset.local_rope is not None:
+      out['local_rope_max_timescale'] = preset.local_rope.theta
+    if rope.scaling == 'linear':
+      out['rope_linear_scaling_factor'] = rope.factor
+    return out
+  return {}
 
 
 def _remat_locations(given: dict[str, Any], settings: _Settings) -> None:

@@ -18,7 +18,8 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'maxtext_fix
 CASES = {  # fixture: its step directory
     'llama2_scanned': 2, 'llama2_unscanned': 2, 'llama2_scanned_linen': 2,
     'llama2_params_only_nnx': 0, 'llama2_params_only_linen': 0, 'mixtral_moe_scanned': 2,
-    'deepseek_mla_moe_scanned': 2}
+    'deepseek_mla_moe_scanned': 2, 'gemma_scanned': 2, 'gemma2_scanned': 2,
+    'llama31_rope_scanned': 2, 'gemma3_params_only_nnx': 0}
 
 
 def _fixture(name):
@@ -34,9 +35,9 @@ def _fixture(name):
 @pytest.mark.parametrize('name', list(CASES))
 def test_logits_equal_maxtexts_own(name):
   """Trainer states (NNX and Linen, scanned and not), parameters-only checkpoints (both
-  layouts, bfloat16), a Mixtral-style MoE and a DeepSeek-V3-style block (latent attention,
-  shared expert, biased sigmoid routing over expert groups, yarn): maxnnx's float32 logits
-  equal MaxText's."""
+  layouts, bfloat16), a Mixtral-style MoE, a DeepSeek-V3-style block (latent attention,
+  shared expert, biased sigmoid routing over expert groups, yarn), the Gemma blocks and
+  Llama 3.1's rotary embedding: maxnnx's float32 logits equal MaxText's."""
   step_dir, settings, tokens, expected = _fixture(name)
   model = maxnnx.from_maxtext(step_dir, settings, dtype='float32')
   np.testing.assert_allclose(model(tokens), expected, rtol=1e-4, atol=1e-4)
@@ -71,31 +72,45 @@ def test_settings_and_refusals(tmp_path, capsys):
   settings = read_settings(str(yaml_path))
   assert settings['decoder_block'] == 'mistral' and settings['normalization_layer_epsilon'] == 1e-6
   step_dir = _fixture('llama2_scanned')[0]
-  with pytest.raises(CheckpointError, match='decoder_block=gemma3'):
-    maxnnx.from_maxtext(step_dir, ['decoder_block=gemma3'])
+  with pytest.raises(CheckpointError, match='decoder_block=gpt_oss'):
+    maxnnx.from_maxtext(step_dir, ['decoder_block=gpt_oss'])
+  with pytest.raises(CheckpointError, match='rope_type=yarn: for the llama2 block'):
+    maxnnx.from_maxtext(step_dir, ['rope_type=yarn'])
   with pytest.raises(CheckpointError, match='no MoeBlock_0'):
     maxnnx.from_maxtext(step_dir, ['decoder_block=mixtral'])
   with pytest.raises(CheckpointError, match='no items/ inside'):
     maxnnx.from_maxtext(str(tmp_path))
   assert cli.main(['convert', f'src={step_dir}', f'dst={tmp_path}/out',
-                   'maxtext_config=decoder_block=gemma3']) == 2
-  assert 'decoder_block=gemma3' in capsys.readouterr().err
+                   'maxtext_config=decoder_block=gpt_oss']) == 2
+  assert 'decoder_block=gpt_oss' in capsys.readouterr().err
   assert not (tmp_path / 'out' / 'config.json').exists()
 
 
-@pytest.mark.parametrize('change,moved', [
-    ('rope_factor=1', 0.5), ('n_routing_groups=-1', 0.1), ('routed_scaling_factor=1', 0.1)])
-def test_the_deepseek_settings_are_read(change, moved):
-  """The yarn factor, the expert groups and the routed scale each move the logits of the
-  DeepSeek fixture (so its equality above proves each is read as MaxText applies it)."""
-  step_dir, settings, tokens, expected = _fixture('deepseek_mla_moe_scanned')
+@pytest.mark.parametrize('name,change,moved', [
+    ('deepseek_mla_moe_scanned', 'rope_factor=1', 0.5),
+    ('deepseek_mla_moe_scanned', 'n_routing_groups=-1', 0.1),
+    ('deepseek_mla_moe_scanned', 'routed_scaling_factor=1', 0.1),
+    ('gemma2_scanned', 'attn_logits_soft_cap=0', 0.1),
+    ('gemma2_scanned', 'final_logits_soft_cap=0', 0.1),
+    ('gemma2_scanned', 'sliding_window_size=100', 0.5),
+    ('gemma3_params_only_nnx', 'rope_linear_scaling_factor=1', 0.1),
+    ('gemma3_params_only_nnx', 'local_rope_max_timescale=1000000', 0.01),
+    ('llama31_rope_scanned', 'rope_use_scale=false', 1e-3),
+    ('llama31_rope_scanned', 'rope_type=default', 0.5)])
+def test_the_settings_are_read(name, change, moved):
+  """Each of these settings moves a fixture's logits by far more than the tolerance above when
+  changed (so that fixture's equality proves it is read as MaxText applies it): yarn, expert
+  groups and routed scale (DeepSeek), soft caps and the local window (Gemma 2), the global
+  layers' linear rotary scaling and the local layers' base (Gemma 3), Llama 3.1's frequency
+  scaling and its interleaved rotary pairs."""
+  step_dir, settings, tokens, expected = _fixture(name)
   key = change.split('=')[0]
   settings = [s for s in settings if s.split('=')[0] != key] + [change]
   model = maxnnx.from_maxtext(step_dir, settings, dtype='float32')
   assert np.abs(np.asarray(model(tokens)) - expected).max() > moved
 
 
-def test_deepseek_refusals():
+def test_deepseek_and_gemma3_refusals():
   step_dir, settings, _, _ = _fixture('deepseek_mla_moe_scanned')
   for change, message in (('model_name=default', "model names starting 'deepseek3'"),
                           ('routed_score_func=softmax', 'routed_score_func=sigmoid'),
@@ -106,6 +121,9 @@ def test_deepseek_refusals():
       maxnnx.from_maxtext(step_dir, given)
   with pytest.raises(CheckpointError, match='no moe_layers'):
     maxnnx.from_maxtext(_fixture('llama2_scanned')[0], settings)
+  step_dir, settings, _, _ = _fixture('gemma3_params_only_nnx')
+  with pytest.raises(CheckpointError, match='query scale of Gemma 3 from the model name'):
+    maxnnx.from_maxtext(step_dir, [*settings, 'model_name=gemma3-1b'])
 
 
 def test_a_maxtext_command_line_starts_from_load_parameters_path(tmp_path, capsys):
@@ -133,7 +151,11 @@ def test_load_parameters_path_reads_what_the_shapes_cannot_say_from_the_model_na
   from maxnnx.maxtext_keys import _checkpoint_settings
   assert _checkpoint_settings({'model_name': 'mistral-7b'}) == (
       'decoder_block=mistral,normalization_layer_epsilon=1e-05,rope_max_timescale=1000000.0,'
-      'sliding_window_size=0,num_experts_per_tok=2')
+      'sliding_window_size=0,num_experts_per_tok=2,model_name=mistral-7b')
+  deepseek = dict(item.split('=') for item in _checkpoint_settings(
+      {'model_name': 'deepseek3-671b'}).split(','))
+  assert deepseek['decoder_block'] == 'deepseek' and deepseek['rope_type'] == 'yarn'
+  assert deepseek['n_routing_groups'] == '8' and deepseek['model_name'] == 'deepseek3-671b'
   assert 'num_experts_per_tok=3' in _checkpoint_settings(
       {'model_name': 'mixtral-8x7b', 'num_experts_per_tok': 3})
 

@@ -48,11 +48,22 @@ MAXTEXT_DEFAULTS = {'decoder_block': 'llama2', 'model_name': 'default', 'num_exp
                     # yarn rotary scaling
                     'original_max_position_embeddings': 4096, 'rope_factor': 40.0,
                     'beta_fast': 32.0, 'beta_slow': 1.0, 'mscale': 1.0, 'rope_interleave': True,
-                    'rope_truncate': True, 'rope_attention_scaling': False}
+                    'rope_truncate': True, 'rope_attention_scaling': False,
+                    # llama3.1 rotary scaling
+                    'rope_use_scale': True,
+                    # Gemma and tied embeddings
+                    'normalize_embedding_logits': True, 'rope_linear_scaling_factor': 1.0,
+                    'local_rope_max_timescale': -1, 'attn_logits_soft_cap': 0.0,
+                    'final_logits_soft_cap': 0.0}
+
+#: HF's ``rope_scaling`` of MaxText's ``rope_type=llama3.1`` with ``rope_use_scale``: the
+#: constants ``LLaMARotaryEmbedding._apply_scaling_factor`` (``layers/embeddings.py``) fixes.
+LLAMA31_SCALING = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,
+                   'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}
 
 #: The decoder blocks read, and the Hugging Face family each becomes.
 BLOCKS = {'llama2': 'llama', 'mistral': 'mistral', 'mixtral': 'mixtral',
-          'deepseek': 'deepseek_v3'}
+          'deepseek': 'deepseek_v3', 'gemma': 'gemma', 'gemma2': 'gemma2', 'gemma3': 'gemma3'}
 
 
 def read_settings(items: list[str] | dict | str | None) -> dict[str, Any]:
@@ -191,9 +202,16 @@ def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[st
                           'rotary embeddings with a minimum timescale other than 1 are not read.')
   if block == 'deepseek':
     return _deepseek_checkpoint(params, settings)
-  if settings['rope_type'] != 'default':
-    raise CheckpointError(f"rope_type={settings['rope_type']}: MaxText's rotary scalings are "
-                          'read for the deepseek block (yarn) so far; give rope_type=default.')
+  if block.startswith('gemma'):
+    return _gemma_checkpoint(params, settings)
+  # layers/attentions.py init_rotary_embedding: LLaMARotaryEmbedding by model name or rope_type
+  llama31 = (str(settings['model_name']).startswith('llama3.1')
+             or str(settings['rope_type']).startswith('llama3.1'))
+  if settings['rope_type'] != 'default' and not llama31:
+    raise CheckpointError(f"rope_type={settings['rope_type']}: for the {block} block MaxText's "
+                          'default and llama3.1 rotary embeddings are read (yarn: deepseek).')
+  if float(settings['rope_linear_scaling_factor']) != 1.0:
+    raise CheckpointError('rope_linear_scaling_factor other than 1: read for gemma3 only.')
   decoder = params['decoder']
   layers = _layers(decoder)
   embedding = _f32(params['token_embedder']['embedding'])
@@ -203,18 +221,16 @@ def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[st
   _, heads, head_dim = query.shape
   kv_heads = first['self_attention']['key']['kernel'].shape[1]
   moe = 'MoeBlock_0' in first
-  tensors = {'model.embed_tokens.weight': embedding,
-             'model.norm.weight': _f32(decoder['decoder_norm']['scale'])}
-  tied = 'logits_dense' not in decoder
-  if not tied:
-    tensors['lm_head.weight'] = _f32(decoder['logits_dense']['kernel']).T
+  tensors, tied = _embedding_and_head(params, settings)
   for i, layer in enumerate(layers):
     p, attn = f'model.layers.{i}.', layer['self_attention']
     q = _f32(attn['query']['kernel']) * math.sqrt(head_dim)  # MaxText folds 1/sqrt(hd) in
+    k = _f32(attn['key']['kernel'])
+    if llama31:  # interleaved pairs (x0, x1), (x2, x3)... -> HF's halves (evens, then odds)
+      q, k = (np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1) for x in (q, k))
     tensors[p + 'self_attn.q_proj.weight'] = q.reshape(d_model, -1).T
-    for name in ('key', 'value'):
-      kernel = _f32(attn[name]['kernel']).reshape(d_model, -1).T
-      tensors[p + f'self_attn.{name[0]}_proj.weight'] = kernel
+    tensors[p + 'self_attn.k_proj.weight'] = k.reshape(d_model, -1).T
+    tensors[p + 'self_attn.v_proj.weight'] = _f32(attn['value']['kernel']).reshape(d_model, -1).T
     tensors[p + 'self_attn.o_proj.weight'] = _f32(attn['out']['kernel']).reshape(-1, d_model).T
     tensors[p + 'input_layernorm.weight'] = _f32(layer['pre_self_attention_layer_norm']['scale'])
     tensors[p + 'post_attention_layernorm.weight'] = _f32(
@@ -248,21 +264,39 @@ def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[st
             'tie_word_embeddings': tied, 'torch_dtype': 'float32'}
   if block == 'mistral' and int(settings['sliding_window_size']):
     config['sliding_window'] = int(settings['sliding_window_size'])
+  if llama31 and settings['rope_use_scale']:
+    config['rope_scaling'] = LLAMA31_SCALING
   if moe:
     config.update(num_local_experts=int(layers[0]['MoeBlock_0']['wi_0'].shape[0]),
                   num_experts_per_tok=int(settings['num_experts_per_tok']))
   return config, tensors
 
 
-def _embedding_and_head(params: dict) -> tuple[dict[str, np.ndarray], bool]:
-  """The embedding, final norm and (untied) output head, by their Hugging Face names."""
+def _embedding_and_head(params: dict, settings: dict, embed_scale: float = 1.0,
+                        norm_offset: float = 0.0) -> tuple[dict[str, np.ndarray], bool]:
+  """The embedding, final norm and output head by their Hugging Face names, and whether HF's
+  head is tied to its embedding.
+
+  ``embed_scale``: the factor HF's family multiplies embeddings by (Gemma's sqrt(d_model), which
+  MaxText stores folded into the table). With ``logits_via_embedding`` MaxText's logits are
+  ``y @ bfloat16(table).T`` (``layers/embeddings.py`` ``attend_on_embedding`` casts the table
+  to bfloat16 whatever ``dtype`` is), divided by sqrt(d_model) when
+  ``normalize_embedding_logits`` (its default, ``layers/decoders.py``). HF's head is tied only
+  when that is exactly its ``embedding.T``; otherwise it is written out.
+  """
   decoder = params['decoder']
-  tensors = {'model.embed_tokens.weight': _f32(params['token_embedder']['embedding']),
-             'model.norm.weight': _f32(decoder['decoder_norm']['scale'])}
-  tied = 'logits_dense' not in decoder
-  if not tied:
+  table = _f32(params['token_embedder']['embedding'])
+  tensors = {'model.embed_tokens.weight': table / np.float32(embed_scale),
+             'model.norm.weight': _f32(decoder['decoder_norm']['scale']) - norm_offset}
+  if 'logits_dense' in decoder:
     tensors['lm_head.weight'] = _f32(decoder['logits_dense']['kernel']).T
-  return tensors, tied
+    return tensors, False
+  head_scale = math.sqrt(table.shape[1]) if settings['normalize_embedding_logits'] else 1.0
+  rounded = table.astype(_bfloat16()).astype(np.float32)
+  if abs(head_scale - embed_scale) > 1e-9 or not np.array_equal(rounded, table):
+    tensors['lm_head.weight'] = rounded / np.float32(head_scale)
+    return tensors, False
+  return tensors, True
 
 
 def _linear(kernel) -> np.ndarray:
@@ -294,6 +328,127 @@ def _yarn_scaling(settings: dict) -> dict[str, Any]:
           'truncate': bool(settings['rope_truncate']), 'attention_factor': attention_factor}
 
 
+def _attention(tensors: dict, prefix: str, attn: dict, query_scale: float,
+               norm_offset: float = 0.0) -> None:
+  """q/k/v/o projections (and q/k norms) of a MaxText ``Attention`` as HF's ``self_attn.*``;
+  the query kernel multiplied by ``query_scale``."""
+  tensors[prefix + 'q_proj.weight'] = _linear(_f32(attn['query']['kernel']) * query_scale)
+  tensors[prefix + 'k_proj.weight'] = _linear(attn['key']['kernel'])
+  tensors[prefix + 'v_proj.weight'] = _linear(attn['value']['kernel'])
+  out = _f32(attn['out']['kernel'])
+  tensors[prefix + 'o_proj.weight'] = out.reshape(-1, out.shape[-1]).T
+  for ours, theirs in (('query_norm', 'q_norm'), ('key_norm', 'k_norm')):
+    if ours in attn:
+      tensors[prefix + theirs + '.weight'] = _f32(attn[ours]['scale']) - norm_offset
+
+
+def _gemma_layers(decoder: dict, block: str) -> list[dict]:
+  """Gemma's per-layer trees with one set of names. Gemma 2's MaxText layer holds a local
+  then a global layer (``*_local``, ``*_global``): two HF layers. Gemma 3 scans blocks of its
+  6-layer pattern (``layers/layers_0 … layers_5``, stacked) and keeps the rest in
+  ``layers_remainder/layers_k``."""
+  if block == 'gemma2':
+    out = []
+    for layer in _layers(decoder):
+      for kind in ('_local', '_global'):
+        out.append({k[:-len(kind)]: v for k, v in layer.items() if k.endswith(kind)})
+    return out
+  if block == 'gemma3' and ('layers' in decoder or 'layers_remainder' in decoder):
+    out = []
+    for group in _layers(decoder, 'layers', False):
+      out.extend(_layers(group))
+    if 'layers_remainder' in decoder:
+      out.extend(_layers(decoder['layers_remainder']))
+    return out
+  return _layers(decoder)
+
+
+def _gemma_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
+  """``decoder_block=gemma|gemma2|gemma3`` as HF's Gemma families.
+
+  MaxText stores Gemma's norms as HF's ``1 + w`` and the embedding multiplied by
+  sqrt(d_model) (``param_mapping.py`` ``GEMMA3_MAXTEXT_TO_HF_PARAM_HOOK_FN``:
+  ``scale_rmsnorm``, ``pad_and_scale_embedding``). Gemma 1 and 2 fold the query's
+  ``1 / sqrt(head_dim)`` into its kernel (``query_pre_attn_scalar`` unset); Gemma 3 normalises
+  q and k per head, then multiplies the query by ``query_pre_attn_scalar`` = ``head_dim **
+  -0.5`` (gemma3-4b/12b) or ``(emb_dim // heads) ** -0.5`` (gemma3-27b), from the model name
+  (``models/gemma3.py`` ``get_query_pre_attn_scalar``).
+  """
+  block = settings['decoder_block']
+  decoder = params['decoder']
+  layers = _gemma_layers(decoder, block)
+  first = layers[0]
+  _, heads, head_dim = first['self_attention']['query']['kernel'].shape
+  kv_heads = first['self_attention']['key']['kernel'].shape[1]
+  d_model = params['token_embedder']['embedding'].shape[1]
+  if block == 'gemma3':
+    name = str(settings['model_name'])
+    scalars = {'gemma3-4b': head_dim, 'gemma3-12b': head_dim, 'gemma3-27b': d_model // heads}
+    if name not in scalars:
+      raise CheckpointError(f'decoder_block=gemma3 with model_name={name}: MaxText takes the '
+                            'query scale of Gemma 3 from the model name (gemma3-4b, gemma3-12b '
+                            "or gemma3-27b); give the run's model_name.")
+    query_pre_attn_scalar, query_scale = scalars[name], 1.0
+  else:
+    query_pre_attn_scalar, query_scale = head_dim, math.sqrt(head_dim)
+  tensors, tied = _embedding_and_head(params, settings, math.sqrt(d_model), 1.0)
+  sandwich = block != 'gemma'
+  for i, layer in enumerate(layers):
+    p = f'model.layers.{i}.'
+    _attention(tensors, p + 'self_attn.', layer['self_attention'], query_scale, 1.0)
+    norms = {'pre_self_attention_norm': 'input_layernorm',
+             'post_self_attention_norm': 'post_attention_layernorm',
+             'pre_ffw_norm': 'pre_feedforward_layernorm',
+             'post_ffw_norm': 'post_feedforward_layernorm'}
+    if not sandwich:
+      norms = {'pre_self_attention_norm': 'input_layernorm',
+               'pre_ffw_norm': 'post_attention_layernorm'}
+    for ours, theirs in norms.items():
+      if ours not in layer:
+        raise CheckpointError(f'decoder_block={block}: layer {i} has no {ours} (MaxText '
+                              'use_post_attn_norm/use_post_ffw_norm false is not read).')
+      tensors[p + theirs + '.weight'] = _f32(layer[ours]['scale']) - 1.0
+    mlp = layer['mlp']
+    tensors[p + 'mlp.gate_proj.weight'] = _f32(mlp['wi_0']['kernel']).T
+    tensors[p + 'mlp.up_proj.weight'] = _f32(mlp['wi_1']['kernel']).T
+    tensors[p + 'mlp.down_proj.weight'] = _f32(mlp['wo']['kernel']).T
+  theta = float(settings['rope_max_timescale'])
+  local = float(settings['local_rope_max_timescale'])
+  config = {'model_type': BLOCKS[block] if block != 'gemma3' else 'gemma3_text',
+            'architectures': [], 'vocab_size': int(tensors['model.embed_tokens.weight'].shape[0]),
+            'hidden_size': int(d_model), 'intermediate_size': int(
+                first['mlp']['wi_0']['kernel'].shape[-1]),
+            'num_hidden_layers': len(layers), 'num_attention_heads': int(heads),
+            'num_key_value_heads': int(kv_heads), 'head_dim': int(head_dim),
+            'rms_norm_eps': float(settings['normalization_layer_epsilon']),
+            'rope_theta': theta, 'hidden_activation': 'gelu_pytorch_tanh',
+            'max_position_embeddings': int(settings['max_target_length']),
+            'tie_word_embeddings': tied, 'torch_dtype': 'float32'}
+  if sandwich:
+    window = int(settings['sliding_window_size'])
+    if not window:
+      raise CheckpointError(f'decoder_block={block} without sliding_window_size: give the '
+                            "run's sliding_window_size (MaxText's local layers need it).")
+    pattern = 2 if block == 'gemma2' else 6
+    config.update(
+        sliding_window=window, query_pre_attn_scalar=int(query_pre_attn_scalar),
+        attn_logit_softcapping=float(settings['attn_logits_soft_cap']) or None,
+        final_logit_softcapping=float(settings['final_logits_soft_cap']) or None,
+        layer_types=['full_attention' if (i + 1) % pattern == 0 else 'sliding_attention'
+                     for i in range(len(layers))])
+  if block == 'gemma3':
+    factor = float(settings['rope_linear_scaling_factor'])
+    config['rope_local_base_freq'] = local if local > 0 else theta
+    if factor != 1.0:
+      config['rope_scaling'] = {'rope_type': 'linear', 'factor': factor}
+  elif local > 0 and local != theta:
+    raise CheckpointError(f'decoder_block={block} with local_rope_max_timescale={local}: a '
+                          'separate local rotary base is read for gemma3 only.')
+  elif float(settings['rope_linear_scaling_factor']) != 1.0:
+    raise CheckpointError('rope_linear_scaling_factor other than 1: read for gemma3 only.')
+  return config, tensors
+
+
 def _deepseek_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
   """``decoder_block=deepseek`` (DeepSeek-V3: ``model_name=deepseek3-…``) as HF's
   ``deepseek_v3``: multi-head latent attention, ``dense_layers`` then ``moe_layers`` with a
@@ -323,7 +478,7 @@ def _deepseek_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, 
   if not moe:
     raise CheckpointError('decoder_block=deepseek, but the checkpoint has no moe_layers: give '
                           "MaxText's settings of the run that wrote it (config=...).")
-  tensors, tied = _embedding_and_head(params)
+  tensors, tied = _embedding_and_head(params, settings)
   attn0 = moe[0]['self_attention']
   if 'wq_a' not in attn0:
     raise CheckpointError('deepseek block without wq_a (q_lora_rank=0, DeepSeek-V2-style '
@@ -465,6 +620,8 @@ def maxtext_tree(config: dict, tensors: dict[str, np.ndarray], *, scan_layers: b
               'normalization_layer_epsilon': float(config.get('rms_norm_eps', 1e-5)),
               'rope_max_timescale': float(config.get('rope_theta', 10_000)),
               'logits_via_embedding': bool(tied)}
+  if tied:  # MaxText divides tied logits by sqrt(d_model) unless told not to
+    settings['normalize_embedding_logits'] = False
   if family == 'mixtral':
     settings.update(num_experts=int(config['num_local_experts']),
                     num_experts_per_tok=int(config['num_experts_per_tok']),

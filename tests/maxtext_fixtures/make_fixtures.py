@@ -181,6 +181,52 @@ DEEPSEEK = [
   "megablox=false",
 ]
 
+# Gemma blocks: tied embedding (logits_via_embedding), gated GELU, norms around attention and
+# MLP. Gemma 3 takes its query scale from the model name (models/gemma3.py
+# get_query_pre_attn_scalar knows only gemma3-4b/12b/27b), hence model_name=gemma3-4b with
+# its sizes overridden; six layers are one scanned block of its 5-local-1-global pattern. A
+# window of 4 (< the 8 tokens) and small soft caps make sure those act on the logits.
+GEMMA = [
+  "mlp_activations=[gelu,linear]",
+  "logits_via_embedding=true",
+  "normalization_layer_epsilon=1e-6",
+]
+GEMMA1 = ["decoder_block=gemma", *GEMMA]
+GEMMA2 = [
+  "decoder_block=gemma2",
+  *GEMMA,
+  "use_post_attn_norm=true",
+  "use_post_ffw_norm=true",
+  "sliding_window_size=4",
+  "attn_logits_soft_cap=2.0",
+  "final_logits_soft_cap=5.0",
+]
+GEMMA3 = [
+  "model_name=gemma3-4b",
+  "override_model_config=true",
+  "decoder_block=gemma3",
+  *GEMMA,
+  "base_num_decoder_layers=6",
+  "base_emb_dim=16",
+  "base_num_query_heads=4",
+  "base_num_kv_heads=2",
+  "head_dim=4",
+  "base_mlp_dim=32",
+  "vocab_size=256",
+  "use_post_attn_norm=true",
+  "use_post_ffw_norm=true",
+  "sliding_window_size=4",
+  "local_rope_max_timescale=10000",
+  "rope_max_timescale=1000000",
+  "rope_linear_scaling_factor=8.0",
+]
+
+# Llama 3.1's rotary embedding (rope_type=llama3.1: interleaved pairs, and with rope_use_scale
+# the band-wise frequency scaling of layers/embeddings.py LLaMARotaryEmbedding, factor 8 from a
+# context of 8192). head_dim=8 at llama3's base 500000 gives frequencies in each of the three
+# bands (kept, blended, divided by 8).
+LLAMA31 = ["rope_type=llama3.1", "rope_max_timescale=500000", "head_dim=8"]
+
 # name -> (how it is written, model overrides on top of COMMON, source fixture or None,
 #          forward passes that must reproduce logits.npy).
 # "train": MaxText's trainer writes a full training state (params, opt_state, step[, nnx_aux])
@@ -197,6 +243,15 @@ FIXTURES = {
   "mixtral_moe_scanned": ("train", ["scan_layers=true", *MOE], None, ("linen", "nnx")),
   # DeepSeek-V3-style MLA + MoE block with a shared expert, yarn rotary scaling.
   "deepseek_mla_moe_scanned": ("train", ["scan_layers=true", *DEEPSEEK], None, ("linen", "nnx")),
+  # Llama 3.1 rotary embedding on the llama2 block.
+  "llama31_rope_scanned": ("train", ["scan_layers=true", *LLAMA31], None, ("linen", "nnx")),
+  # Gemma 1, 2 and 3 blocks (Gemma 2: each MaxText layer is a local and a global layer).
+  "gemma_scanned": ("train", ["scan_layers=true", *GEMMA1], None, ("linen", "nnx")),
+  "gemma2_scanned": ("train", ["scan_layers=true", *GEMMA2], None, ("linen", "nnx")),
+  # Gemma 3's trainer state (six layers: 333 leaves, ~0.9 MB) is only the source of its
+  # parameters-only checkpoint, which is kept (SCRATCH: written, checked, not kept).
+  "gemma3_scanned": ("train", ["scan_layers=true", *GEMMA3], None, ("linen", "nnx")),
+  "gemma3_params_only_nnx": ("param_only", ["scan_layers=true"], "gemma3_scanned", ("nnx",)),
   # The Linen trainer (enable_nnx=false): the classic layout without nnx_aux.
   "llama2_scanned_linen": ("train", ["scan_layers=true", *LINEN], None, ("linen", "nnx")),
   # Parameters only, written by the default (NNX) path: {path}/value leaves, no params/params.
@@ -214,6 +269,9 @@ FIXTURES = {
     ("linen", "nnx"),
   ),
 }
+
+# Fixtures that are only the source of another: made and checked, then not kept.
+SCRATCH = {"gemma3_scanned"}
 
 # The forward passes run in float32 at the highest matmul precision, so a converter's own
 # float32 forward can be held to a tight tolerance.
@@ -461,7 +519,7 @@ def main():
       msg = f"{name}: {mode} vs {modes[0]}"
       np.testing.assert_allclose(out, first, atol=1e-5, rtol=1e-5, err_msg=msg)
     np.save(os.path.join(dest, "logits.npy"), first)
-    if a.only and name not in a.only:
+    if (a.only and name not in a.only) or name in SCRATCH:
       shutil.rmtree(dest)
   print("done")
 
