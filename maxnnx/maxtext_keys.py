@@ -130,9 +130,6 @@ _REMAT = {name: name for name in ('custom', 'none', 'minimal', 'save_dot_except_
 _ATTENTION = {'autoselected': 'auto', 'dot_product': 'xla_flash', 'flash': 'auto',
               'cudnn_flash_te': 'cudnn'}
 _QUANT = {'': 'none', 'int8': 'int8', 'fp8': 'fp8'}
-_NO_FULL_STATE = ("a run starts from a MaxText checkpoint's parameters, not its optimizer "
-                  'state: give load_parameters_path=<the same step directory> (the optimizer '
-                  'starts fresh)')
 _TPU = 'a TPU kernel or runtime setting; no effect on this backend'
 
 MAXTEXT_KEYS: dict[str, Rule] = {
@@ -298,7 +295,10 @@ MAXTEXT_KEYS: dict[str, Rule] = {
                                     "the run starts from this MaxText step directory's "
                                     'parameters (converted at the start; model_name and the '
                                     "model keys describe it)"),
-    'load_full_state_path': _refuse(str, '', _NO_FULL_STATE),
+    'load_full_state_path': _derive('model', str, '',
+                                    "the run continues this MaxText step directory's training "
+                                    'state: its parameters, adamw moments and step '
+                                    '(maxtext_full_state=true; docs/from_maxtext.md)'),
     'log_period': _map('log_every', int, 100),
     'metrics_file': _map('metrics_jsonl', str, ''),
     'enable_tensorboard': _derive('tensorboard_dir', bool, True,
@@ -469,12 +469,15 @@ def _derived(given: dict[str, Any], settings: _Settings, defaults: dict[str, Any
     out = os.path.join(base or 'runs', name) if name else base
     if out:
       settings.set('output_dir', out, source('base_output_directory', 'run_name'))
-  if given.get('load_parameters_path'):
-    step_dir = given['load_parameters_path'].rstrip('/')
+  loads = [key for key in ('load_parameters_path', 'load_full_state_path') if given.get(key)]
+  for key in loads:
+    step_dir = given[key].rstrip('/')
     step_dir = step_dir[:-len('/items')] if step_dir.endswith('/items') else step_dir
-    settings.set('model', step_dir, 'load_parameters_path')
-    settings.set('maxtext_config', _checkpoint_settings(given), 'load_parameters_path')
-  elif given.get('model_name', 'default') != 'default':
+    settings.set('model', step_dir, key)
+    settings.set('maxtext_config', _checkpoint_settings(given), key)
+    if key == 'load_full_state_path':
+      settings.set('maxtext_full_state', True, key)
+  if not loads and given.get('model_name', 'default') != 'default':
     settings.set('model', model_preset(given['model_name']), 'model_name')
   if 'per_device_batch_size' in given:
     per_device, devices = given['per_device_batch_size'], _device_count(settings)

@@ -5,6 +5,7 @@ equal the logits MaxText's own model computed from it."""
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -207,3 +208,92 @@ def test_cli_converts_hugging_face_to_a_maxtext_checkpoint(tmp_path, capsys):
   assert cli.main(['convert', f'src={tmp_path}/hf', f'dst={tmp_path}/mt2', 'format=maxtext',
                    'dtype=float16']) == 2
   assert 'weight_dtype is float32 or bfloat16' in capsys.readouterr().err
+
+
+def _params(model):
+  from flax import nnx
+  state = nnx.state(model, nnx.Param).to_pure_dict()
+  return {tuple(str(getattr(k, 'key', k)) for k in path): np.asarray(v)
+          for path, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def _next_step():
+  """MaxText's own next step from ``llama2_scanned`` (``make_fixtures.py --next-step``): its
+  batch, learning rate and logged loss, and its parameters after the step in maxnnx's layout."""
+  from maxnnx.checkpoint.maxtext import _in_model_layout, hf_checkpoint
+  directory = os.path.join(FIXTURES, 'llama2_scanned', 'next_step')
+  with open(os.path.join(directory, 'next_step.json')) as f:
+    info = json.load(f)
+  tree = {}
+  for key, value in np.load(os.path.join(directory, 'params.npz')).items():
+    *parents, leaf = key.split('/')
+    node = tree
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[leaf] = value
+  return info, tree, hf_checkpoint, _in_model_layout
+
+
+def test_maxtexts_optimizer_state_continues_its_run():
+  """From MaxText's full training state (parameters, adamw mu/nu, step 3), maxnnx's first
+  update on MaxText's batch gives MaxText's own next parameters (and loss). The exception is
+  the query kernel, which HF's parametrisation holds times sqrt(head_dim): Adam's update does
+  not scale with the parameter, so there maxnnx's Adam term is MaxText's (in MaxText's
+  coordinates) divided by sqrt(head_dim), which the test checks exactly."""
+  from maxnnx.checkpoint.maxtext import load_optimizer_state
+  from maxnnx.train import TrainConfig, Trainer
+  step_dir, settings, _, _ = _fixture('llama2_scanned')
+  info, tree, hf_checkpoint, in_model_layout = _next_step()
+  lr, weight_decay = info['learning_rate'], 0.1
+  model = maxnnx.from_maxtext(step_dir, settings, dtype='float32', scan_layers=True)
+  before = _params(model)
+  # MaxText's adamw (base.yml: b1 0.9, b2 0.95, eps 1e-8, decay 0.1 of every parameter) at the
+  # rate its schedule gives this step; no clipping, as in MaxText's step (next_step/overrides).
+  config = TrainConfig(optimizer='adamw', learning_rate=lr, schedule='constant', warmup_steps=0,
+                       b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay, decay_all=True,
+                       clip_norm=None, global_batch_size=1, seq_len=32, steps=4)
+  trainer = Trainer(model, config)
+  assert load_optimizer_state(trainer, step_dir, settings) == 3 and trainer.step_count == 3
+  trainer.step(np.asarray(info['tokens'], np.int32))
+  metrics = trainer.flush_metrics()
+  assert metrics['step'] == 4 and abs(metrics['loss'] - info['loss']) < 1e-3  # logged to 1e-3
+  got = _params(trainer.model)
+  expected = {tuple(map(str, k)): v for k, v in in_model_layout(
+      *hf_checkpoint(tree, read_settings(settings)), trainer.model_config).items()}
+  assert sorted(got) == sorted(expected)
+  query = ('layers', 'attn', 'q_proj', 'kernel')
+  for key in got:
+    if key != query:
+      np.testing.assert_allclose(got[key], expected[key], rtol=0, atol=1e-6, err_msg=str(key))
+      assert np.abs(got[key] - before[key]).max() > 1e-3, key  # the step moved it
+  # q_hf = c * q_mt (c = sqrt(head_dim) = 2). MaxText: q_mt' = q_mt - lr (A + wd q_mt); maxnnx
+  # with the moments converted by the chain rule: q_hf' = q_hf - lr (A + wd q_hf).
+  decay = lr * weight_decay * before[query]
+  maxtext_adam = expected[query] - before[query] + decay  # -lr * c * A
+  maxnnx_adam = got[query] - before[query] + decay  # -lr * A
+  np.testing.assert_allclose(maxtext_adam, 2.0 * maxnnx_adam, rtol=0, atol=1e-6)
+  assert np.abs(maxnnx_adam).max() > 1e-3
+
+
+def test_a_maxtext_command_line_continues_load_full_state_path(tmp_path, capsys):
+  """``load_full_state_path=``: the run starts at MaxText's step 3 with its optimizer state
+  and takes the one step left of steps=4; a parameters-only checkpoint is refused in a line."""
+  step_dir, settings, _, _ = _fixture('llama2_scanned')
+  model_keys = [s for s in settings if s.split('=')[0] in (
+      'base_emb_dim', 'base_num_query_heads', 'base_num_kv_heads', 'base_mlp_dim',
+      'base_num_decoder_layers', 'head_dim', 'vocab_size', 'max_target_length',
+      'per_device_batch_size', 'dataset_type', 'scan_layers', 'learning_rate')]
+  assert cli.main(['train', f'load_full_state_path={step_dir}/items', *model_keys, 'steps=4',
+                   f'base_output_directory={tmp_path}', 'run_name=run',
+                   'enable_checkpointing=false', 'dtype=float32', 'sample_tokens=0']) == 0
+  out = capsys.readouterr().out
+  assert "Continuing MaxText's training state at step 3" in out
+  with open(tmp_path / 'run' / 'metrics.jsonl') as f:
+    steps = [json.loads(line)['step'] for line in f if '"loss"' in line]
+  assert steps == [4]
+  params_only = _fixture('llama2_params_only_linen')[0]
+  assert cli.main(['train', f'load_full_state_path={params_only}/items', *model_keys,
+                   'steps=2', f'base_output_directory={tmp_path}', 'run_name=second',
+                   'scan_layers=false', 'enable_checkpointing=false', 'sample_tokens=0']) == 2
+  err = capsys.readouterr().err
+  assert 'no optimizer state in it' in err and 'load_parameters_path=' in err

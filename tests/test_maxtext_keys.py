@@ -83,7 +83,6 @@ def test_maxtext_defaults_are_honoured():
 
 def test_refusals_and_notes(capsys):
   cases = {
-      'load_full_state_path=gs://b/ckpt/100': 'load_parameters_path=<the same step directory>',
       'ici_fsdp_transpose_parallelism=2': 'no second FSDP axis',
       'decoder_block=gemma2': 'model_name=',
       'dataset_type=tfds': 'no TFDS reader',
@@ -99,6 +98,10 @@ def test_refusals_and_notes(capsys):
     assert cli.main(['train', 'per_device_batch_size=1', arg]) == 2, arg
     err = capsys.readouterr().err
     assert err.startswith('error: ') and message in err and err.count('\n') == 1, (arg, err)
+  # load_full_state_path names the step directory and asks for its optimizer state too.
+  options = _parse('load_full_state_path=gs://b/ckpt/100/items', 'model_name=mistral-7b')
+  assert options['model'] == 'gs://b/ckpt/100' and options['maxtext_full_state']
+  assert 'decoder_block=mistral' in options['maxtext_config']
   # At MaxText's default a refused key changes nothing; a no-op knob is noted in one line.
   options = _parse('ici_fsdp_transpose_parallelism=1', 'hardware=gpu', 'megablox=false',
                    'load_parameters_path=')

@@ -8,22 +8,25 @@ parameters-only checkpoints (``generate_param_only_checkpoint``) hold them under
 (NNX). A scanned model stacks each layer's arrays on axis 1 (``param_scan_axis``), also after
 the expert axis of MoE weights; an unscanned one names them ``layers_0 ... layers_{L-1}``.
 
-The Llama-2 / Mistral / Mixtral and DeepSeek-V3 decoder blocks are read (``decoder_block``
-``llama2``, ``mistral``, ``mixtral``, ``deepseek``: what ``tests/maxtext_fixtures/LAYOUT.md``
-documents, with MaxText's own fixtures). The weights become the Hugging Face tensors of the matching family
-(:func:`write_hf`), which :func:`maxnnx.from_maxtext` then loads as it loads any checkpoint.
-Two of MaxText's conventions differ from Hugging Face's and are undone here:
-
-* the query kernel carries the attention's ``1 / sqrt(head_dim)`` (MaxText's dot product does
-  not scale the scores), so it is multiplied back;
-* kernels are ``[in, out]`` with the heads split (``[embed, heads, head_dim]``), where torch
-  weights are ``[out, in]``.
+The ``llama2``, ``mistral``, ``mixtral``, ``deepseek`` (DeepSeek-V3), ``gemma``, ``gemma2``
+and ``gemma3`` decoder blocks are read (what ``tests/maxtext_fixtures/LAYOUT.md`` documents,
+with MaxText's own fixtures). The weights become the Hugging Face tensors of the matching
+family (:func:`write_hf`), which :func:`maxnnx.from_maxtext` then loads as it loads any
+checkpoint. Kernels are ``[in, out]`` with the heads split (``[embed, heads, head_dim]``),
+where torch weights are ``[out, in]``; beyond that each block's conventions are undone in its
+function here: the llama-style query kernel carries the attention's ``1 / sqrt(head_dim)``,
+``rope_type=llama3.1`` rotates interleaved pairs, Gemma stores its norms as ``1 + w`` and its
+embedding times sqrt(d_model), and a tied head's logits are MaxText's own.
 
 What the shapes cannot say comes from MaxText's settings (its YAML or ``key=value`` list, with
 MaxText's defaults, :data:`MAXTEXT_DEFAULTS`): ``decoder_block``, ``num_experts_per_tok``,
 ``normalization_layer_epsilon``, ``rope_max_timescale``, ``sliding_window_size``,
 ``max_target_length``; for DeepSeek also ``model_name`` (MaxText picks V3 routing by it), the
 routing keys and the yarn keys.
+
+A full training state also holds adamw's moments and the step: :func:`hf_moments` converts
+them as the parameters, and :func:`load_optimizer_state` hands them to a
+:class:`~maxnnx.train.Trainer` (MaxText's ``load_full_state_path``).
 """
 
 from __future__ import annotations
@@ -353,14 +356,24 @@ def _gemma_layers(decoder: dict, block: str) -> list[dict]:
       for kind in ('_local', '_global'):
         out.append({k[:-len(kind)]: v for k, v in layer.items() if k.endswith(kind)})
     return out
-  if block == 'gemma3' and ('layers' in decoder or 'layers_remainder' in decoder):
-    out = []
-    for group in _layers(decoder, 'layers', False):
-      out.extend(_layers(group))
-    if 'layers_remainder' in decoder:
-      out.extend(_layers(decoder['layers_remainder']))
-    return out
+  if block == 'gemma3':
+    return _cycle_layers(decoder)
   return _layers(decoder)
+
+
+def _cycle_layers(decoder: dict) -> list[dict]:
+  """Layers of a block scanned in cycles of a pattern (Gemma 3): scanned,
+  ``layers/layers_0 … layers_{n-1}`` hold the n layers of a cycle, each stacked over the cycles
+  on axis 1 (layer ``cycle * n + k``), and ``layers_remainder/layers_k`` any layers after the
+  last whole cycle; unscanned, ``layers_0 …``."""
+  if 'layers' not in decoder and 'layers_remainder' not in decoder:
+    return _layers(decoder)
+  out = []
+  for cycle in _layers(decoder, 'layers', False):
+    out.extend(_layers(cycle))
+  if 'layers_remainder' in decoder:
+    out.extend(_layers(decoder['layers_remainder']))
+  return out
 
 
 def _gemma_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
@@ -684,5 +697,138 @@ def write_hf(step_dir: str, directory: str, settings=None) -> dict:
   return record
 
 
-__all__ = ['BLOCKS', 'MAXTEXT_DEFAULTS', 'hf_checkpoint', 'maxtext_params', 'maxtext_tree',
-           'read_settings', 'write_hf', 'write_maxtext']
+def _ones_like(tree):
+  return _map(lambda x: np.ones(np.shape(x), np.float32), tree)
+
+
+def _item(tree: dict, key: int):
+  """``tree[key]`` of an orbax-restored sequence (a list, or a dict keyed by ``'0'``...)."""
+  return tree[key] if isinstance(tree, (list, tuple)) else tree.get(str(key), tree.get(key))
+
+
+def hf_moments(step_dir: str, settings=None) -> dict[str, Any]:
+  """MaxText's adamw moments of a full training state as Hugging Face tensors.
+
+  Returns ``{'config', 'params', 'mu', 'nu', 'step', 'count'}``: the HF config and tensors of
+  the parameters (:func:`hf_checkpoint`), the moments by the same names, the state's
+  ``step`` and the adam ``count`` (``opt_state/0/count``).
+
+  Every conversion of :func:`hf_checkpoint` is affine per element, ``hf = a * maxtext + b``
+  (a transpose or permutation, the query's sqrt(head_dim), Gemma's ``- 1`` and
+  ``/ sqrt(d_model)``), so the gradient in HF's coordinates is MaxText's divided by ``a``:
+  ``mu`` becomes ``mu / a`` and ``nu`` ``nu / a**2`` (``a`` is read off the conversion of a
+  tree of ones). That is the same optimizer state in the other coordinates; it is not the
+  same update where ``a != 1``, since Adam's step does not scale with the parameter (see
+  ``docs/from_maxtext.md``).
+
+  Raises:
+    CheckpointError: no optimizer state (a parameters-only checkpoint), an optimizer other
+      than MaxText's adamw, or an output head HF holds and MaxText does not (a tied head
+      written out: it has no moments of its own).
+  """
+  tree = _restore(step_dir)
+  opt = tree.get('opt_state')
+  adam = _item(opt, 0) if opt else None
+  if not adam or 'params' not in (tree.get('params') or {}):
+    raise CheckpointError(f'{step_dir}: no optimizer state in it (a parameters-only '
+                          'checkpoint); give load_parameters_path= for its parameters.')
+  if not isinstance(adam, dict) or not {'mu', 'nu', 'count'} <= set(adam):
+    raise CheckpointError(f'{step_dir}: opt_state/0 is not an adam state (mu, nu, count): '
+                          "MaxText's opt_type=adamw state is read.")
+  settings = read_settings(settings)
+  params = _to_numpy(tree['params']['params'])
+
+  def convert(t):
+    return hf_checkpoint(t, settings)
+
+  config, tensors = convert(params)
+  zero = convert(_map(np.zeros_like, params))[1]
+  one = convert(_ones_like(params))[1]
+  if 'logits_dense' not in params['decoder'] and 'lm_head.weight' in tensors:
+    raise CheckpointError(f'{step_dir}: a tied embedding that HF writes as its own head '
+                          '(the bfloat16 logits of logits_via_embedding): its optimizer state '
+                          'has no HF counterpart; give load_parameters_path= instead.')
+  moments = {}
+  for name in ('mu', 'nu'):
+    tree_m = _to_numpy(adam[name]['params'])
+    got = convert(tree_m)[1]
+    power = 2 if name == 'mu' else 3
+    moments[name] = {k: (got[k] - zero[k]) / (one[k] - zero[k]) ** power for k in tensors}
+  step = tree.get('step')
+  return {'config': config, 'params': tensors, **moments,
+          'step': int(np.asarray(step if step is not None else adam['count'])),
+          'count': int(np.asarray(adam['count']))}
+
+
+def _in_model_layout(config: dict, tensors: dict, model_config) -> dict[tuple, np.ndarray]:
+  """HF ``tensors`` as ``{parameter path: array}`` of a maxnnx model of ``model_config``."""
+  import json  # noqa: PLC0415
+  import tempfile  # noqa: PLC0415
+
+  from maxnnx.checkpoint.safetensors import write_safetensors  # noqa: PLC0415
+  from maxnnx.models.pretrained import host_params  # noqa: PLC0415
+  with tempfile.TemporaryDirectory() as scratch:
+    write_safetensors(os.path.join(scratch, 'model.safetensors'),
+                      {k: np.asarray(v, np.float32) for k, v in tensors.items()})
+    with open(os.path.join(scratch, 'config.json'), 'w') as f:
+      json.dump(config, f)
+    _, params = host_params(scratch, scan_layers=model_config.runtime.scan_layers)
+    return {tuple(path): np.asarray(array, np.float32) for path, array in params}
+
+
+def load_optimizer_state(trainer, step_dir: str, settings=None) -> int:
+  """Continue MaxText's run: ``trainer`` (a :class:`~maxnnx.train.Trainer` of the model
+  converted from ``step_dir``, with an adamw optimizer) takes MaxText's adam moments and step
+  counts from the full training state in ``step_dir``; returns the step.
+
+  The moments are :func:`hf_moments`'s, in the model's layout; every ``count`` of the
+  optimizer's state (adam's and the schedule's) becomes MaxText's, and the trainer counts the
+  step as taken, so the next update is MaxText's next one.
+
+  Raises:
+    CheckpointError: see :func:`hf_moments`; or moments that do not fit the trainer's
+      optimizer (another optimizer, another model).
+  """
+  import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  state = hf_moments(step_dir, settings)
+  cfg = trainer.model_config
+  moments = {name: _in_model_layout(state['config'], state[name], cfg) for name in ('mu', 'nu')}
+  optimizer = trainer.optimizer
+  current = nnx.state(optimizer)
+  placed = {'mu': set(), 'nu': set()}
+
+  def replace(path, leaf):
+    keys = [getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))) for k in path]
+    keys = [k for k in keys if k != 'value']
+    if keys and keys[-1] == 'count':
+      return np.asarray(state['count'], np.asarray(leaf).dtype)
+    if keys == ['step']:
+      return np.asarray(state['step'], np.asarray(leaf).dtype)
+    for name in ('mu', 'nu'):
+      if name in keys:
+        param = tuple(keys[keys.index(name) + 1:])
+        if param not in moments[name]:
+          raise CheckpointError(f'{step_dir}: MaxText has no {name} for the parameter '
+                                f"{'/'.join(map(str, param))} of this model.")
+        value = moments[name][param]
+        if value.shape != np.shape(leaf):
+          raise CheckpointError(f"{step_dir}: {name} of {'/'.join(map(str, param))} is "
+                                f'{value.shape}, the optimizer holds {np.shape(leaf)}.')
+        placed[name].add(param)
+        return value.astype(np.asarray(leaf).dtype)
+    return leaf
+
+  new = jax.tree_util.tree_map_with_path(replace, jax.device_get(current))
+  missing = sorted(set(moments['mu']) - placed['mu'])
+  if missing:
+    raise CheckpointError(f"{step_dir}: the trainer's optimizer holds no adam moments for "
+                          f"{', '.join('/'.join(map(str, p)) for p in missing[:3])} (an "
+                          'optimizer other than adamw, or frozen parameters).')
+  nnx.update(optimizer, new)
+  trainer.count_steps_taken(state['step'])
+  return state['step']
+
+
+__all__ = ['BLOCKS', 'MAXTEXT_DEFAULTS', 'hf_checkpoint', 'hf_moments', 'load_optimizer_state',
+           'maxtext_params', 'maxtext_tree', 'read_settings', 'write_hf', 'write_maxtext']

@@ -63,8 +63,9 @@ class FitLoop:
     self.stopped_by = self.reached_target = None
     if cfg.checkpoint_dir and self._checkpoints is None:
       self.restore_checkpoint()  # resume where an earlier run of this config stopped
-    if steps is None:  # with checkpoints, config.steps is the total over resumed runs
-      steps = max(cfg.steps - self.step_count, 0) if cfg.checkpoint_dir else cfg.steps
+    if steps is None:  # resumed (or continued: count_steps_taken), config.steps is the total
+      continued = cfg.checkpoint_dir or self._step_offset
+      steps = max(cfg.steps - self.step_count, 0) if continued else cfg.steps
     if self._compiled is None:
       self.compile(verbose=log is None)
     self._open_writers()

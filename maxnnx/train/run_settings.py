@@ -47,6 +47,9 @@ RUN_SETTINGS = {
                        'load_parameters_path): its settings, a MaxText YAML or key=value pairs '
                        'joined by commas (decoder_block, rope_max_timescale...); the run starts '
                        'from its parameters converted to Hugging Face format'),
+    'maxtext_full_state': (False, "with model=<a MaxText step directory> holding a full "
+                           "training state (MaxText's load_full_state_path): continue its adamw "
+                           'moments and step too (a resumed run of output_dir takes its own)'),
     'tokenizer': ('', 'tokenizer file or directory (sentencepiece, tokenizer.json, tiktoken); '
                   'default: the checkpoint\'s own, or one trained on a .txt corpus'),
     'output_dir': ('runs/tiny-shakespeare', 'where tokenizer, metrics, plot and model go'),

@@ -253,8 +253,27 @@ def _headline(trainer, run: dict, options: dict, recipe: RunRecipe, num_tokens: 
              else '.'))
 
 
-def _fit(trainer, run_dir, out: str) -> list[dict]:
-  """Restore the newest checkpoint, point the metrics at the run directory and train."""
+def _maxtext_full_state(run: dict):
+  """``maxtext_full_state``: what hands a fresh trainer MaxText's optimizer state (a function
+  of the trainer returning the line to print), else ``None``."""
+  if not run.get('maxtext_full_state'):
+    return None
+  from maxnnx.checkpoint.maxtext import load_optimizer_state  # noqa: PLC0415
+  step_dir = run['model_label'].rstrip('/')
+  step_dir = step_dir[:-len('/items')] if step_dir.endswith('/items') else step_dir
+  settings = run['maxtext_config'] or None
+  if settings and not settings.endswith(('.yml', '.yaml')):
+    settings = [item for item in settings.split(',') if item.strip()]
+
+  def start(trainer) -> str:
+    step = load_optimizer_state(trainer, paths.local_copy(step_dir), settings)
+    return f"Continuing MaxText's training state at step {step}: its adamw moments and step."
+  return start
+
+
+def _fit(trainer, run_dir, out: str, start=None) -> list[dict]:
+  """Restore the newest checkpoint (else hand the trainer ``start``'s state), point the
+  metrics at the run directory and train."""
   from maxnnx.train.run_dir import checkpoint_steps  # noqa: PLC0415
   cfg = trainer.config
   try:
@@ -267,6 +286,8 @@ def _fit(trainer, run_dir, out: str) -> list[dict]:
     elif saved:
       print(f'Every checkpoint in {cfg.checkpoint_dir} is unusable (moved to corrupt-*); '
             'starting from scratch.')
+    if resumed is None and start is not None:
+      print(start(trainer))
     if cfg.metrics_jsonl is None:
       trainer.config = cfg = dataclasses.replace(
           cfg, metrics_jsonl=paths.join(out, 'metrics.jsonl'))
@@ -296,7 +317,7 @@ def train_in(run_dir, options: dict, recipe: RunRecipe = PRETRAINING) -> dict:
               if recipe.records and tokenizer is not None else None)
   print(_headline(trainer, run, options, recipe, num_tokens))
   print(_compute_line(trainer))
-  history = _fit(trainer, run_dir, out)
+  history = _fit(trainer, run_dir, out, _maxtext_full_state(run))
   cfg = trainer.config
   if trainer.stopped_by:
     where = (f'checkpoint of step {trainer.step_count} saved in {cfg.checkpoint_dir}; run the '

@@ -404,6 +404,12 @@ class Trainer(FitLoop, Checkpointing, Compilation):
     if self._objects is not None:
       nnx.update(self._objects, self._object_view(self._state))
 
+  def count_steps_taken(self, step: int) -> None:
+    """Count ``step`` optimizer steps as already taken (a run that continues another
+    framework's training state): the next step is ``step + 1`` and :meth:`fit` stops at
+    ``config.steps`` in all."""
+    self._step_offset = step - len(self.history) - len(self._pending)
+
   @property
   def step_count(self) -> int:
     """Optimizer steps taken so far."""

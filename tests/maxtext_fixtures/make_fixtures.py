@@ -270,6 +270,22 @@ FIXTURES = {
   ),
 }
 
+# MaxText's next training step from a fixture's full state (``--next-step``): its trainer
+# resumes from the committed ``checkpoints/2`` (step 3) for one more step, on the batch of
+# dataset_type=synthetic (the same batch every step: input_pipeline/synthetic_data_processing.py
+# draws randint(PRNGKey(0), [batch, max_target_length + 1], 0, vocab) once), in float32 at the
+# highest matmul precision and without gradient clipping (a threshold clips by the global
+# norm of the gradient, which depends on the parametrisation; see LAYOUT.md). steps=4 makes
+# it the last step of a 4-step schedule; checkpoint_period=1 saves it.
+NEXT_STEP = {"llama2_scanned": 2}
+NEXT_STEP_OVERRIDES = [
+  "steps=4",
+  "checkpoint_period=1",
+  "dtype=float32",
+  "matmul_precision=highest",
+  "gradient_clipping_threshold=0",
+]
+
 # Fixtures that are only the source of another: made and checked, then not kept.
 SCRATCH = {"gemma3_scanned"}
 
@@ -469,17 +485,109 @@ def keys_txt(step_dir, out_txt):
     f.write("\n".join(lines) + "\n")
 
 
+def next_step(src, work, out, name, step):
+  """MaxText's trainer takes one more step from fixture ``name``'s ``checkpoints/<step>``;
+  ``<fixture>/next_step/`` gets the parameters after it (``params.npz``, MaxText's tree paths
+  less ``params/params``), the batch, the learning rate of that step and the logged loss."""
+  run = f"{name}_next_step"
+  run_dir = os.path.join(work, run)
+  shutil.rmtree(run_dir, ignore_errors=True)
+  source = os.path.join(out, name, "checkpoints", str(step))
+  shutil.copytree(source, os.path.join(run_dir, "checkpoints", str(step)))
+  with open(os.path.join(out, name, "overrides.txt"), encoding="utf-8") as f:
+    overrides = _merge(f.read().split(), NEXT_STEP_OVERRIDES)
+  cmd = [
+    sys.executable,
+    "-m",
+    "maxtext.trainers.pre_train.train",
+    _base_yml(src),
+    f"run_name={run}",
+    f"base_output_directory={work}",
+    *overrides,
+  ]
+  log = _run(src, work, f"{run}.write.log", cmd)
+  next_dir = os.path.join(run_dir, "checkpoints", str(step + 1))
+  dest = os.path.join(out, name, "next_step")
+  os.makedirs(dest, exist_ok=True)
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    "_next_step",
+    dest,
+    os.path.join(next_dir, "items"),
+    log,
+    _base_yml(src),
+    f"run_name={run}_read",
+    f"base_output_directory={work}",
+    *overrides,
+  ]
+  _run(src, work, f"{run}.read.log", cmd)
+  with open(os.path.join(dest, "overrides.txt"), "w", encoding="utf-8") as f:
+    f.write("\n".join(NEXT_STEP_OVERRIDES) + "\n")
+
+
+def _next_step_main(dest, items, log, argv):
+  """Runs inside the MaxText venv: the parameters MaxText's step wrote, its batch, its
+  learning rate (MaxText's own schedule) and the loss it logged."""
+  import re
+
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  from maxtext.configs import pyconfig
+  from maxtext.utils import maxtext_utils
+
+  # MaxText's trainer draws with this generator (trainers/pre_train/train.py main), so the
+  # synthetic batch is only the same with it.
+  jax.config.update("jax_default_prng_impl", "unsafe_rbg")
+  config = pyconfig.initialize([None, *argv])
+  raw = ocp.PyTreeCheckpointer().restore(items)
+  step = int(np.asarray(raw["step"]))
+  tokens = jax.random.randint(
+    jax.random.PRNGKey(0),
+    (config.global_batch_size_to_load, config.max_target_length + 1),
+    0,
+    config.vocab_size,
+    dtype=jax.numpy.int32,
+  )
+  lr = float(maxtext_utils.create_learning_rate_schedule(config)(step - 1))
+  with open(log, encoding="utf-8") as f:
+    losses = re.findall(r"completed step: (\d+), .*? loss: ([0-9.]+)", f.read())
+  loss = {int(k): float(v) for k, v in losses}[step - 1]
+  np.savez(os.path.join(dest, "params.npz"), **_flat(raw["params"]))
+  with open(os.path.join(dest, "next_step.json"), "w", encoding="utf-8") as f:
+    json.dump(
+      {"step": step, "tokens": np.asarray(tokens).tolist(), "learning_rate": lr, "loss": loss}, f
+    )
+    f.write("\n")
+  print("next step", step, "lr", lr, "loss", loss)
+
+
 def main():
   if len(sys.argv) > 2 and sys.argv[1] == "_logits":
     _logits_main(sys.argv[2], sys.argv[3], sys.argv[4:])
+    return
+  if len(sys.argv) > 2 and sys.argv[1] == "_next_step":
+    _next_step_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
     return
   p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   p.add_argument("--maxtext-src", required=True, help="a MaxText checkout (has src/maxtext)")
   p.add_argument("--work", required=True, help="scratch directory for MaxText's run output")
   p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
   p.add_argument("--only", nargs="*", default=None, choices=sorted(FIXTURES))
+  p.add_argument(
+    "--next-step",
+    action="store_true",
+    help="only MaxText's next step from the NEXT_STEP fixtures already in --out",
+  )
   a = p.parse_args()
   os.makedirs(a.work, exist_ok=True)
+  if a.next_step:
+    for name, step in NEXT_STEP.items():
+      print(f"== {name}: next step", flush=True)
+      next_step(a.maxtext_src, a.work, a.out, name, step)
+    print("done")
+    return
   import numpy as np
 
   written = {}
