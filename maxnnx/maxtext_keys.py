@@ -538,8 +538,9 @@ def _checkpoint_settings(given: dict[str, Any]) -> str:
 
 
 def _family_settings(preset) -> dict[str, Any]:
-  """The MaxText settings of a DeepSeek-V3 or Gemma 2/3 preset that its conversion reads
-  beside the common ones (routing and yarn; soft caps and the local rotary base)."""
+  """The MaxText settings of a DeepSeek-V3, Gemma 2/3, GPT-OSS or Llama 4 preset that its
+  conversion reads beside the common ones (routing and rotary keys, soft caps, layer
+  patterns), as MaxText's model YAML of that name sets them."""
   rope, moe = preset.rope, preset.moe
   if preset.family == 'deepseek_v3':
     return {'routed_score_func': 'sigmoid', 'routed_scaling_factor': moe.router_scaling_factor,
@@ -556,6 +557,18 @@ def _family_settings(preset) -> dict[str, Any]:
     if rope.scaling == 'linear':
       out['rope_linear_scaling_factor'] = rope.factor
     return out
+  if preset.family == 'gpt_oss':
+    return {'rope_type': 'yarn', 'rope_factor': rope.factor,
+            'original_max_position_embeddings': rope.original_max_position_embeddings,
+            'beta_fast': rope.beta_fast, 'beta_slow': rope.beta_slow, 'rope_interleave': False,
+            'rope_truncate': rope.truncate, 'rope_attention_scaling': True,
+            'max_position_embeddings': preset.max_position_embeddings,
+            'mlp_activations_limit': moe.swiglu_limit}
+  if preset.family == 'llama4':
+    return {'rope_type': 'llama3.1', 'nope_layer_interval': 4,
+            'interleave_moe_layer_step': moe.layer_step, 'use_qk_norm': preset.qk_norm == 'l2',
+            'temperature_tuning': preset.attn_temperature_tuning,
+            'chunk_attn_window_size': preset.attention_chunk_size or 0}
   return {}
 
 

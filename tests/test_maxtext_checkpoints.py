@@ -20,7 +20,8 @@ CASES = {  # fixture: its step directory
     'llama2_scanned': 2, 'llama2_unscanned': 2, 'llama2_scanned_linen': 2,
     'llama2_params_only_nnx': 0, 'llama2_params_only_linen': 0, 'mixtral_moe_scanned': 2,
     'deepseek_mla_moe_scanned': 2, 'gemma_scanned': 2, 'gemma2_scanned': 2,
-    'llama31_rope_scanned': 2, 'gemma3_params_only_nnx': 0}
+    'llama31_rope_scanned': 2, 'gemma3_params_only_nnx': 0, 'gpt_oss_params_only_nnx': 0,
+    'llama4_params_only_nnx': 0}
 
 
 def _fixture(name):
@@ -37,8 +38,8 @@ def _fixture(name):
 def test_logits_equal_maxtexts_own(name):
   """Trainer states (NNX and Linen, scanned and not), parameters-only checkpoints (both
   layouts, bfloat16), a Mixtral-style MoE, a DeepSeek-V3-style block (latent attention,
-  shared expert, biased sigmoid routing over expert groups, yarn), the Gemma blocks and
-  Llama 3.1's rotary embedding: maxnnx's float32 logits equal MaxText's."""
+  shared expert, biased sigmoid routing over expert groups, yarn), the Gemma, GPT-OSS and
+  Llama 4 blocks and Llama 3.1's rotary embedding: maxnnx's float32 logits equal MaxText's."""
   step_dir, settings, tokens, expected = _fixture(name)
   model = maxnnx.from_maxtext(step_dir, settings, dtype='float32')
   np.testing.assert_allclose(model(tokens), expected, rtol=1e-4, atol=1e-4)
@@ -73,8 +74,8 @@ def test_settings_and_refusals(tmp_path, capsys):
   settings = read_settings(str(yaml_path))
   assert settings['decoder_block'] == 'mistral' and settings['normalization_layer_epsilon'] == 1e-6
   step_dir = _fixture('llama2_scanned')[0]
-  with pytest.raises(CheckpointError, match='decoder_block=gpt_oss'):
-    maxnnx.from_maxtext(step_dir, ['decoder_block=gpt_oss'])
+  with pytest.raises(CheckpointError, match='decoder_block=qwen3'):
+    maxnnx.from_maxtext(step_dir, ['decoder_block=qwen3'])
   with pytest.raises(CheckpointError, match='rope_type=yarn: for the llama2 block'):
     maxnnx.from_maxtext(step_dir, ['rope_type=yarn'])
   with pytest.raises(CheckpointError, match='no MoeBlock_0'):
@@ -82,8 +83,8 @@ def test_settings_and_refusals(tmp_path, capsys):
   with pytest.raises(CheckpointError, match='no items/ inside'):
     maxnnx.from_maxtext(str(tmp_path))
   assert cli.main(['convert', f'src={step_dir}', f'dst={tmp_path}/out',
-                   'maxtext_config=decoder_block=gpt_oss']) == 2
-  assert 'decoder_block=gpt_oss' in capsys.readouterr().err
+                   'maxtext_config=decoder_block=qwen3']) == 2
+  assert 'decoder_block=qwen3' in capsys.readouterr().err
   assert not (tmp_path / 'out' / 'config.json').exists()
 
 
@@ -96,14 +97,21 @@ def test_settings_and_refusals(tmp_path, capsys):
     ('gemma2_scanned', 'sliding_window_size=100', 0.5),
     ('gemma3_params_only_nnx', 'rope_linear_scaling_factor=1', 0.1),
     ('gemma3_params_only_nnx', 'local_rope_max_timescale=1000000', 0.01),
+    ('gpt_oss_params_only_nnx', 'mlp_activations_limit=100', 0.1),
+    ('gpt_oss_params_only_nnx', 'rope_attention_scaling=false', 0.1),
+    ('gpt_oss_params_only_nnx', 'sliding_window_size=100', 0.1),
+    ('llama4_params_only_nnx', 'chunk_attn_window_size=0', 0.5),
+    ('llama4_params_only_nnx', 'use_qk_norm=false', 0.1),
+    ('llama4_params_only_nnx', 'nope_layer_interval=-1', 0.1),
     ('llama31_rope_scanned', 'rope_use_scale=false', 1e-3),
     ('llama31_rope_scanned', 'rope_type=default', 0.5)])
 def test_the_settings_are_read(name, change, moved):
   """Each of these settings moves a fixture's logits by far more than the tolerance above when
   changed (so that fixture's equality proves it is read as MaxText applies it): yarn, expert
   groups and routed scale (DeepSeek), soft caps and the local window (Gemma 2), the global
-  layers' linear rotary scaling and the local layers' base (Gemma 3), Llama 3.1's frequency
-  scaling and its interleaved rotary pairs."""
+  layers' linear rotary scaling and the local layers' base (Gemma 3), the expert clamp, yarn's
+  cos/sin scaling and the window (GPT-OSS), chunks, q/k norms and NoPE layers (Llama 4), Llama
+  3.1's frequency scaling and its interleaved rotary pairs."""
   step_dir, settings, tokens, expected = _fixture(name)
   key = change.split('=')[0]
   settings = [s for s in settings if s.split('=')[0] != key] + [change]
@@ -111,7 +119,7 @@ def test_the_settings_are_read(name, change, moved):
   assert np.abs(np.asarray(model(tokens)) - expected).max() > moved
 
 
-def test_deepseek_and_gemma3_refusals():
+def test_block_refusals():
   step_dir, settings, _, _ = _fixture('deepseek_mla_moe_scanned')
   for change, message in (('model_name=default', "model names starting 'deepseek3'"),
                           ('routed_score_func=softmax', 'routed_score_func=sigmoid'),
@@ -125,6 +133,9 @@ def test_deepseek_and_gemma3_refusals():
   step_dir, settings, _, _ = _fixture('gemma3_params_only_nnx')
   with pytest.raises(CheckpointError, match='query scale of Gemma 3 from the model name'):
     maxnnx.from_maxtext(step_dir, [*settings, 'model_name=gemma3-1b'])
+  step_dir, settings, _, _ = _fixture('gpt_oss_params_only_nnx')
+  with pytest.raises(CheckpointError, match='read with yarn'):
+    maxnnx.from_maxtext(step_dir, [*settings, 'rope_type=default'])
 
 
 def test_a_maxtext_command_line_starts_from_load_parameters_path(tmp_path, capsys):

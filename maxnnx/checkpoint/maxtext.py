@@ -57,7 +57,13 @@ MAXTEXT_DEFAULTS = {'decoder_block': 'llama2', 'model_name': 'default', 'num_exp
                     # Gemma and tied embeddings
                     'normalize_embedding_logits': True, 'rope_linear_scaling_factor': 1.0,
                     'local_rope_max_timescale': -1, 'attn_logits_soft_cap': 0.0,
-                    'final_logits_soft_cap': 0.0}
+                    'final_logits_soft_cap': 0.0,
+                    # GPT-OSS
+                    'inhomogeneous_layer_cycle_interval': 1, 'mlp_activations_limit': -1.0,
+                    # Llama 4
+                    'nope_layer_interval': -1, 'interleave_moe_layer_step': 1,
+                    'use_qk_norm': False, 'temperature_tuning': False,
+                    'chunk_attn_window_size': 0}
 
 #: HF's ``rope_scaling`` of MaxText's ``rope_type=llama3.1`` with ``rope_use_scale``: the
 #: constants ``LLaMARotaryEmbedding._apply_scaling_factor`` (``layers/embeddings.py``) fixes.
@@ -66,7 +72,8 @@ LLAMA31_SCALING = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,
 
 #: The decoder blocks read, and the Hugging Face family each becomes.
 BLOCKS = {'llama2': 'llama', 'mistral': 'mistral', 'mixtral': 'mixtral',
-          'deepseek': 'deepseek_v3', 'gemma': 'gemma', 'gemma2': 'gemma2', 'gemma3': 'gemma3'}
+          'deepseek': 'deepseek_v3', 'gemma': 'gemma', 'gemma2': 'gemma2', 'gemma3': 'gemma3',
+          'gpt_oss': 'gpt_oss', 'llama4': 'llama4'}
 
 
 def read_settings(items: list[str] | dict | str | None) -> dict[str, Any]:
@@ -207,6 +214,10 @@ def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[st
     return _deepseek_checkpoint(params, settings)
   if block.startswith('gemma'):
     return _gemma_checkpoint(params, settings)
+  if block == 'gpt_oss':
+    return _gpt_oss_checkpoint(params, settings)
+  if block == 'llama4':
+    return _llama4_checkpoint(params, settings)
   # layers/attentions.py init_rotary_embedding: LLaMARotaryEmbedding by model name or rope_type
   llama31 = (str(settings['model_name']).startswith('llama3.1')
              or str(settings['rope_type']).startswith('llama3.1'))
@@ -362,7 +373,7 @@ def _gemma_layers(decoder: dict, block: str) -> list[dict]:
 
 
 def _cycle_layers(decoder: dict) -> list[dict]:
-  """Layers of a block scanned in cycles of a pattern (Gemma 3): scanned,
+  """Layers of a block scanned in cycles of a pattern (Gemma 3, GPT-OSS): scanned,
   ``layers/layers_0 … layers_{n-1}`` hold the n layers of a cycle, each stacked over the cycles
   on axis 1 (layer ``cycle * n + k``), and ``layers_remainder/layers_k`` any layers after the
   last whole cycle; unscanned, ``layers_0 …``."""
@@ -459,6 +470,135 @@ def _gemma_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.
                           'separate local rotary base is read for gemma3 only.')
   elif float(settings['rope_linear_scaling_factor']) != 1.0:
     raise CheckpointError('rope_linear_scaling_factor other than 1: read for gemma3 only.')
+  return config, tensors
+
+
+def _gpt_oss_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
+  """``decoder_block=gpt_oss`` as HF's ``gpt_oss`` (``param_mapping.py``
+  ``GPT_OSS_MAXTEXT_TO_HF_PARAM_MAPPING``): biased q/k/v/o and one sink logit per head
+  (``GptOssAttention``; the query is multiplied by ``head_dim ** -0.5`` at run time, no kernel
+  carries it), a biased router and biased experts (``GptOssMlp``) whose ``wi_0``/``wi_1``
+  interleave into HF's ``gate_up_proj`` (gate on even columns) and which HF stores
+  ``[in, out]`` as MaxText does. Layer ``i`` is sliding when ``i`` is even (MaxText's
+  ``models/gpt_oss.py`` pattern, scanned in cycles of ``inhomogeneous_layer_cycle_interval``).
+  """
+  if settings['rope_type'] != 'yarn':
+    raise CheckpointError(f"decoder_block=gpt_oss with rope_type={settings['rope_type']}: read "
+                          'with yarn (rope_type=yarn, as gpt-oss-20b/120b).')
+  limit = float(settings['mlp_activations_limit'])
+  window = int(settings['sliding_window_size'])
+  if limit <= 0 or not window:
+    raise CheckpointError('decoder_block=gpt_oss needs the run\'s mlp_activations_limit and '
+                          'sliding_window_size (gpt-oss: 7.0 and 128).')
+  layers = _cycle_layers(params['decoder'])
+  tensors, tied = _embedding_and_head(params, settings)
+  first = layers[0]['GptOssAttention']
+  _, heads, head_dim = first['query']['kernel'].shape
+  kv_heads = first['key']['kernel'].shape[1]
+  for i, layer in enumerate(layers):
+    p, attn, moe = f'model.layers.{i}.', layer['GptOssAttention'], layer['GptOssMlp']
+    _attention(tensors, p + 'self_attn.', attn, 1.0)
+    for name in ('query', 'key', 'value', 'out'):
+      tensors[p + f'self_attn.{name[0]}_proj.bias'] = _f32(attn[name]['bias']).reshape(-1)
+    tensors[p + 'self_attn.sinks'] = _f32(attn['sinks'])
+    tensors[p + 'input_layernorm.weight'] = _f32(layer['pre_self_attention_layer_norm']['scale'])
+    tensors[p + 'post_attention_layernorm.weight'] = _f32(
+        layer['post_self_attention_layer_norm']['scale'])
+    tensors[p + 'mlp.router.weight'] = _f32(moe['gate']['kernel']).T
+    tensors[p + 'mlp.router.bias'] = _f32(moe['gate']['bias'])
+    gate_up = np.stack([_f32(moe['wi_0']), _f32(moe['wi_1'])], axis=-1)
+    tensors[p + 'mlp.experts.gate_up_proj'] = gate_up.reshape(*gate_up.shape[:-2], -1)
+    bias = np.stack([_f32(moe['wi_0_bias']), _f32(moe['wi_1_bias'])], axis=-1)
+    tensors[p + 'mlp.experts.gate_up_proj_bias'] = bias.reshape(*bias.shape[:-2], -1)
+    tensors[p + 'mlp.experts.down_proj'] = _f32(moe['wo'])
+    tensors[p + 'mlp.experts.down_proj_bias'] = _f32(moe['wo_bias'])
+  scaling = _yarn_scaling(settings)
+  scaling.pop('mscale'), scaling.pop('mscale_all_dim')  # MLA's softmax scale; not gpt_oss's
+  embedding = tensors['model.embed_tokens.weight']
+  config = {'model_type': 'gpt_oss', 'architectures': ['GptOssForCausalLM'],
+            'vocab_size': int(embedding.shape[0]), 'hidden_size': int(embedding.shape[1]),
+            'intermediate_size': int(layers[0]['GptOssMlp']['wi_0'].shape[-1]),
+            'num_hidden_layers': len(layers),
+            'num_attention_heads': int(heads), 'num_key_value_heads': int(kv_heads),
+            'head_dim': int(head_dim), 'attention_bias': True, 'sliding_window': window,
+            'layer_types': ['full_attention' if i % 2 else 'sliding_attention'
+                            for i in range(len(layers))],
+            'num_local_experts': int(layers[0]['GptOssMlp']['wi_0'].shape[0]),
+            'num_experts_per_tok': int(settings['num_experts_per_tok']),
+            'swiglu_limit': limit, 'rms_norm_eps': float(settings['normalization_layer_epsilon']),
+            'rope_theta': float(settings['rope_max_timescale']), 'rope_scaling': scaling,
+            'max_position_embeddings': int(settings['max_position_embeddings']),
+            'hidden_act': 'silu', 'tie_word_embeddings': tied, 'torch_dtype': 'float32'}
+  if settings['rope_interleave']:
+    raise CheckpointError('decoder_block=gpt_oss with rope_interleave=true: read with rotary '
+                          'halves (rope_interleave=false, as gpt-oss).')
+  return config, tensors
+
+
+def _llama4_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
+  """``decoder_block=llama4`` as HF's ``llama4_text`` (``models/llama4.py``): layer ``i`` is
+  MoE when ``(i + 1) % interleave_moe_layer_step == 0`` (``Llama4MoEBlock_0``: routed experts
+  and a shared one) and without rotary embedding when ``(i + 1) % nope_layer_interval == 0``
+  (those attend fully, the others in chunks of ``chunk_attn_window_size``); the query is
+  multiplied by ``head_dim ** -0.5`` at run time (no kernel carries it), and with
+  ``use_qk_norm`` the rotary layers' q/k get a weightless L2 norm. Rotary pairs are
+  interleaved in both MaxText (``rope_type=llama3.1``) and HF's Llama 4, so q/k are not
+  permuted; HF's experts are ``[in, out]`` with gate then up halves in ``gate_up_proj``.
+  """
+  if not str(settings['rope_type']).startswith('llama3.1'):
+    raise CheckpointError(f"decoder_block=llama4 with rope_type={settings['rope_type']}: read "
+                          'with the llama3.1 rotary embedding (rope_type=llama3.1, as Llama 4).')
+  layers = _cycle_layers(params['decoder'])
+  tensors, tied = _embedding_and_head(params, settings)
+  first = layers[0]['self_attention']
+  _, heads, head_dim = first['query']['kernel'].shape
+  kv_heads = first['key']['kernel'].shape[1]
+  dense_dim = moe_dim = experts = 0
+  for i, layer in enumerate(layers):
+    p = f'model.layers.{i}.'
+    _attention(tensors, p + 'self_attn.', layer['self_attention'], 1.0)
+    tensors[p + 'input_layernorm.weight'] = _f32(layer['pre_self_attention_layer_norm']['scale'])
+    tensors[p + 'post_attention_layernorm.weight'] = _f32(
+        layer['post_self_attention_layer_norm']['scale'])
+    f = p + 'feed_forward.'
+    if 'Llama4MoEBlock_0' in layer:
+      routed = layer['Llama4MoEBlock_0']['MoeBlock_0']
+      shared = layer['Llama4MoEBlock_0']['shared_experts']
+      tensors[f + 'router.weight'] = _f32(routed['gate']['kernel']).T
+      tensors[f + 'experts.gate_up_proj'] = np.concatenate(
+          [_f32(routed['wi_0']), _f32(routed['wi_1'])], axis=-1)
+      tensors[f + 'experts.down_proj'] = _f32(routed['wo'])
+      experts, moe_dim = routed['wi_0'].shape[0], routed['wi_0'].shape[-1]
+      mlp, m = shared, f + 'shared_expert.'
+    else:
+      mlp, m = layer['mlp'], f
+      dense_dim = mlp['wi_0']['kernel'].shape[-1]
+    tensors[m + 'gate_proj.weight'] = _f32(mlp['wi_0']['kernel']).T
+    tensors[m + 'up_proj.weight'] = _f32(mlp['wi_1']['kernel']).T
+    tensors[m + 'down_proj.weight'] = _f32(mlp['wo']['kernel']).T
+  nope = int(settings['nope_layer_interval'])
+  uses_rope = [int(nope <= 0 or (i + 1) % nope != 0) for i in range(len(layers))]
+  chunk = int(settings['chunk_attn_window_size'])
+  embedding = tensors['model.embed_tokens.weight']
+  config = {'model_type': 'llama4_text', 'architectures': ['Llama4ForCausalLM'],
+            'vocab_size': int(embedding.shape[0]), 'hidden_size': int(embedding.shape[1]),
+            'intermediate_size': int(moe_dim or dense_dim),
+            'intermediate_size_mlp': int(dense_dim or moe_dim),
+            'num_hidden_layers': len(layers), 'num_attention_heads': int(heads),
+            'num_key_value_heads': int(kv_heads), 'head_dim': int(head_dim),
+            'num_local_experts': int(experts), 'num_experts_per_tok':
+            int(settings['num_experts_per_tok']),
+            'interleave_moe_layer_step': int(settings['interleave_moe_layer_step']),
+            'no_rope_layers': uses_rope, 'use_qk_norm': bool(settings['use_qk_norm']),
+            'attn_temperature_tuning': bool(settings['temperature_tuning']),
+            'floor_scale': 8192, 'attn_scale': 0.1,
+            'attention_chunk_size': chunk if chunk > 0 else None,
+            'rms_norm_eps': float(settings['normalization_layer_epsilon']),
+            'rope_theta': float(settings['rope_max_timescale']),
+            'max_position_embeddings': int(settings['max_target_length']),
+            'hidden_act': 'silu', 'tie_word_embeddings': tied, 'torch_dtype': 'float32'}
+  if settings['rope_use_scale']:
+    config['rope_scaling'] = LLAMA31_SCALING
   return config, tensors
 
 

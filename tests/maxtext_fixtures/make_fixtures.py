@@ -227,6 +227,62 @@ GEMMA3 = [
 # bands (kept, blended, divided by 8).
 LLAMA31 = ["rope_type=llama3.1", "rope_max_timescale=500000", "head_dim=8"]
 
+# GPT-OSS block: biased q/k/v/o with attention sinks, sliding and full layers alternating,
+# a routed MoE with biases on the router and the experts and a clamped "sigmoid, linear"
+# (x * sigmoid(1.702 x) * (y + 1)) expert activation, yarn rotary on halves with its
+# attention scaling.
+GPT_OSS = [
+  "decoder_block=gpt_oss",
+  "attention_bias=true",
+  "attention_sink=true",
+  "sliding_window_size=4",
+  "inhomogeneous_layer_cycle_interval=2",
+  "rope_type=yarn",
+  "rope_max_timescale=150000",
+  "max_position_embeddings=64",
+  "original_max_position_embeddings=16",
+  "rope_factor=4",
+  "beta_fast=32",
+  "beta_slow=1",
+  "rope_interleave=false",
+  "rope_truncate=false",
+  "rope_attention_scaling=true",
+  "mlp_activations=[sigmoid,linear]",
+  "mlp_activations_limit=0.5",  # gpt-oss: 7.0; small enough here that the clamp acts
+  "routed_bias=true",
+  "mlp_bias=true",
+  "num_experts=4",
+  "num_experts_per_tok=2",
+  "base_moe_mlp_dim=32",
+  "sparse_matmul=false",
+  "megablox=false",
+]
+
+# Llama 4 block: a cycle of 4 layers (the 4th without rotary embedding, attending fully; the
+# others chunked, window 4 < the 8 tokens), dense and MoE layers alternating (top-1 sigmoid
+# routing on the expert input plus a shared expert), weightless L2 q/k norms in the rotary
+# layers, llama3.1 rotary embedding.
+LLAMA4 = [
+  "decoder_block=llama4",
+  "base_num_decoder_layers=4",
+  "head_dim=8",
+  "normalization_layer_epsilon=1e-6",
+  "rope_type=llama3.1",
+  "rope_max_timescale=500000",
+  "use_qk_norm=true",
+  "nope_layer_interval=4",
+  "interleave_moe_layer_step=2",
+  "inhomogeneous_layer_cycle_interval=4",
+  "temperature_tuning=true",
+  "chunk_attn_window_size=4",
+  "num_experts=4",
+  "num_experts_per_tok=1",
+  "shared_experts=1",
+  "base_moe_mlp_dim=16",
+  "sparse_matmul=false",
+  "megablox=false",
+]
+
 # name -> (how it is written, model overrides on top of COMMON, source fixture or None,
 #          forward passes that must reproduce logits.npy).
 # "train": MaxText's trainer writes a full training state (params, opt_state, step[, nnx_aux])
@@ -245,6 +301,13 @@ FIXTURES = {
   "deepseek_mla_moe_scanned": ("train", ["scan_layers=true", *DEEPSEEK], None, ("linen", "nnx")),
   # Llama 3.1 rotary embedding on the llama2 block.
   "llama31_rope_scanned": ("train", ["scan_layers=true", *LLAMA31], None, ("linen", "nnx")),
+  # GPT-OSS block (two layers: one sliding, one full); as for Gemma 3, the trainer state
+  # (~0.6 MB) is the source of the parameters-only checkpoint kept.
+  "gpt_oss_scanned": ("train", ["scan_layers=true", *GPT_OSS], None, ("linen", "nnx")),
+  "gpt_oss_params_only_nnx": ("param_only", ["scan_layers=true"], "gpt_oss_scanned", ("nnx",)),
+  # Llama 4 block, one scanned cycle of 4 layers; trainer state kept as scratch.
+  "llama4_scanned": ("train", ["scan_layers=true", *LLAMA4], None, ("linen", "nnx")),
+  "llama4_params_only_nnx": ("param_only", ["scan_layers=true"], "llama4_scanned", ("nnx",)),
   # Gemma 1, 2 and 3 blocks (Gemma 2: each MaxText layer is a local and a global layer).
   "gemma_scanned": ("train", ["scan_layers=true", *GEMMA1], None, ("linen", "nnx")),
   "gemma2_scanned": ("train", ["scan_layers=true", *GEMMA2], None, ("linen", "nnx")),
@@ -287,7 +350,7 @@ NEXT_STEP_OVERRIDES = [
 ]
 
 # Fixtures that are only the source of another: made and checked, then not kept.
-SCRATCH = {"gemma3_scanned"}
+SCRATCH = {"gemma3_scanned", "gpt_oss_scanned", "llama4_scanned"}
 
 # The forward passes run in float32 at the highest matmul precision, so a converter's own
 # float32 forward can be held to a tight tolerance.
