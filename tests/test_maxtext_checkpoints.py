@@ -228,11 +228,17 @@ def _params(model):
           for path, v in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
-def _next_step():
-  """MaxText's own next step from ``llama2_scanned`` (``make_fixtures.py --next-step``): its
-  batch, learning rate and logged loss, and its parameters after the step in maxnnx's layout."""
-  from maxnnx.checkpoint.maxtext import _in_model_layout, hf_checkpoint
-  directory = os.path.join(FIXTURES, 'llama2_scanned', 'next_step')
+def _continue_maxtexts_run(name):
+  """maxnnx's first step from fixture ``name``'s full training state (parameters, adamw mu/nu,
+  step 3) on the batch MaxText's own next step took (``<fixture>/next_step``, made by
+  ``make_fixtures.py --next-step``), with MaxText's adamw settings (base.yml: b1 0.9, b2 0.95,
+  eps 1e-8, decay 0.1 of every parameter) at the rate its schedule gives that step and no
+  clipping, as in MaxText's step. Returns the parameters before and after it and MaxText's
+  after its step, in maxnnx's layout, the step's metrics and MaxText's record of it."""
+  from maxnnx.checkpoint.maxtext import _in_model_layout, hf_checkpoint, load_optimizer_state
+  from maxnnx.train import TrainConfig, Trainer
+  step_dir, settings, _, _ = _fixture(name)
+  directory = os.path.join(FIXTURES, name, 'next_step')
   with open(os.path.join(directory, 'next_step.json')) as f:
     info = json.load(f)
   tree = {}
@@ -242,35 +248,30 @@ def _next_step():
     for part in parents:
       node = node.setdefault(part, {})
     node[leaf] = value
-  return info, tree, hf_checkpoint, _in_model_layout
+  model = maxnnx.from_maxtext(step_dir, settings, dtype='float32', scan_layers=True)
+  before = _params(model)
+  tokens = np.asarray(info['tokens'], np.int32)
+  config = TrainConfig(optimizer='adamw', learning_rate=info['learning_rate'],
+                       schedule='constant', warmup_steps=0, b1=0.9, b2=0.95, eps=1e-8,
+                       weight_decay=0.1, decay_all=True, clip_norm=None,
+                       global_batch_size=tokens.shape[0], seq_len=tokens.shape[1] - 1, steps=4)
+  trainer = Trainer(model, config)
+  assert load_optimizer_state(trainer, step_dir, settings) == 3 and trainer.step_count == 3
+  trainer.step(tokens)
+  metrics = trainer.flush_metrics()
+  assert metrics['step'] == 4 and abs(metrics['loss'] - info['loss']) < 1e-3  # logged to 1e-3
+  expected = {tuple(map(str, k)): v for k, v in _in_model_layout(
+      *hf_checkpoint(tree, read_settings(settings)), trainer.model_config).items()}
+  return before, _params(trainer.model), expected, info
 
 
 def test_maxtexts_optimizer_state_continues_its_run():
-  """From MaxText's full training state (parameters, adamw mu/nu, step 3), maxnnx's first
-  update on MaxText's batch gives MaxText's own next parameters (and loss). The exception is
-  the query kernel, which HF's parametrisation holds times sqrt(head_dim): Adam's update does
-  not scale with the parameter, so there maxnnx's Adam term is MaxText's (in MaxText's
-  coordinates) divided by sqrt(head_dim), which the test checks exactly."""
-  from maxnnx.checkpoint.maxtext import load_optimizer_state
-  from maxnnx.train import TrainConfig, Trainer
-  step_dir, settings, _, _ = _fixture('llama2_scanned')
-  info, tree, hf_checkpoint, in_model_layout = _next_step()
-  lr, weight_decay = info['learning_rate'], 0.1
-  model = maxnnx.from_maxtext(step_dir, settings, dtype='float32', scan_layers=True)
-  before = _params(model)
-  # MaxText's adamw (base.yml: b1 0.9, b2 0.95, eps 1e-8, decay 0.1 of every parameter) at the
-  # rate its schedule gives this step; no clipping, as in MaxText's step (next_step/overrides).
-  config = TrainConfig(optimizer='adamw', learning_rate=lr, schedule='constant', warmup_steps=0,
-                       b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay, decay_all=True,
-                       clip_norm=None, global_batch_size=1, seq_len=32, steps=4)
-  trainer = Trainer(model, config)
-  assert load_optimizer_state(trainer, step_dir, settings) == 3 and trainer.step_count == 3
-  trainer.step(np.asarray(info['tokens'], np.int32))
-  metrics = trainer.flush_metrics()
-  assert metrics['step'] == 4 and abs(metrics['loss'] - info['loss']) < 1e-3  # logged to 1e-3
-  got = _params(trainer.model)
-  expected = {tuple(map(str, k)): v for k, v in in_model_layout(
-      *hf_checkpoint(tree, read_settings(settings)), trainer.model_config).items()}
+  """From MaxText's full training state, maxnnx's first update gives MaxText's own next
+  parameters (and loss). The exception is the query kernel, which HF's parametrisation holds
+  times sqrt(head_dim): Adam's update does not scale with the parameter, so there maxnnx's
+  Adam term is MaxText's (in MaxText's coordinates) divided by sqrt(head_dim), which the test
+  checks exactly."""
+  before, got, expected, info = _continue_maxtexts_run('llama2_scanned')
   assert sorted(got) == sorted(expected)
   query = ('layers', 'attn', 'q_proj', 'kernel')
   for key in got:
@@ -279,11 +280,30 @@ def test_maxtexts_optimizer_state_continues_its_run():
       assert np.abs(got[key] - before[key]).max() > 1e-3, key  # the step moved it
   # q_hf = c * q_mt (c = sqrt(head_dim) = 2). MaxText: q_mt' = q_mt - lr (A + wd q_mt); maxnnx
   # with the moments converted by the chain rule: q_hf' = q_hf - lr (A + wd q_hf).
-  decay = lr * weight_decay * before[query]
+  decay = info['learning_rate'] * 0.1 * before[query]
   maxtext_adam = expected[query] - before[query] + decay  # -lr * c * A
   maxnnx_adam = got[query] - before[query] + decay  # -lr * A
   np.testing.assert_allclose(maxtext_adam, 2.0 * maxnnx_adam, rtol=0, atol=1e-6)
   assert np.abs(maxnnx_adam).max() > 1e-3
+
+
+def test_maxtexts_deepseek_optimizer_state_continues_its_run():
+  """DeepSeek's conversion only transposes (MLA scales its query at run time), so there every
+  trained parameter after maxnnx's first update equals MaxText's after its own next step. The
+  routing bias is not trained by either (no gradient reaches it; the balancing rule that moves
+  it is off in this step), but MaxText's adamw decays it with every other parameter; maxnnx
+  leaves it alone."""
+  before, got, expected, info = _continue_maxtexts_run('deepseek_mla_moe_scanned')
+  assert sorted(got) == sorted(expected)
+  bias = ('layers', 'mlp', 'router', 'e_score_correction_bias')
+  for key in got:
+    if key != bias:
+      np.testing.assert_allclose(got[key], expected[key], rtol=0, atol=1e-6, err_msg=str(key))
+      assert np.abs(got[key] - before[key]).max() > 1e-3, key
+  np.testing.assert_array_equal(got[bias], before[bias])
+  decayed = before[bias] * (1 - info['learning_rate'] * 0.1)
+  np.testing.assert_allclose(expected[bias], decayed, rtol=1e-6)
+  assert np.abs(before[bias]).min() > 0.01
 
 
 def test_a_maxtext_command_line_continues_load_full_state_path(tmp_path, capsys):

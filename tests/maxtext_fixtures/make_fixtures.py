@@ -340,7 +340,12 @@ FIXTURES = {
 # highest matmul precision and without gradient clipping (a threshold clips by the global
 # norm of the gradient, which depends on the parametrisation; see LAYOUT.md). steps=4 makes
 # it the last step of a 4-step schedule; checkpoint_period=1 saves it.
-NEXT_STEP = {"llama2_scanned": 2}
+# fixture -> (its step, overrides of its own). DeepSeek: MaxText's loss-free balancing moves
+# the router bias after the step by a rule of its own; off here (routed_bias_update_rate=0).
+NEXT_STEP = {
+  "llama2_scanned": (2, []),
+  "deepseek_mla_moe_scanned": (2, ["routed_bias_update_rate=0"]),
+}
 NEXT_STEP_OVERRIDES = [
   "steps=4",
   "checkpoint_period=1",
@@ -548,7 +553,7 @@ def keys_txt(step_dir, out_txt):
     f.write("\n".join(lines) + "\n")
 
 
-def next_step(src, work, out, name, step):
+def next_step(src, work, out, name, step, extra):
   """MaxText's trainer takes one more step from fixture ``name``'s ``checkpoints/<step>``;
   ``<fixture>/next_step/`` gets the parameters after it (``params.npz``, MaxText's tree paths
   less ``params/params``), the batch, the learning rate of that step and the logged loss."""
@@ -558,7 +563,7 @@ def next_step(src, work, out, name, step):
   source = os.path.join(out, name, "checkpoints", str(step))
   shutil.copytree(source, os.path.join(run_dir, "checkpoints", str(step)))
   with open(os.path.join(out, name, "overrides.txt"), encoding="utf-8") as f:
-    overrides = _merge(f.read().split(), NEXT_STEP_OVERRIDES)
+    overrides = _merge(f.read().split(), NEXT_STEP_OVERRIDES, extra)
   cmd = [
     sys.executable,
     "-m",
@@ -586,7 +591,7 @@ def next_step(src, work, out, name, step):
   ]
   _run(src, work, f"{run}.read.log", cmd)
   with open(os.path.join(dest, "overrides.txt"), "w", encoding="utf-8") as f:
-    f.write("\n".join(NEXT_STEP_OVERRIDES) + "\n")
+    f.write("\n".join(NEXT_STEP_OVERRIDES + extra) + "\n")
 
 
 def _next_step_main(dest, items, log, argv):
@@ -646,9 +651,11 @@ def main():
   a = p.parse_args()
   os.makedirs(a.work, exist_ok=True)
   if a.next_step:
-    for name, step in NEXT_STEP.items():
+    for name, (step, extra) in NEXT_STEP.items():
+      if a.only and name not in a.only:
+        continue
       print(f"== {name}: next step", flush=True)
-      next_step(a.maxtext_src, a.work, a.out, name, step)
+      next_step(a.maxtext_src, a.work, a.out, name, step, extra)
     print("done")
     return
   import numpy as np
