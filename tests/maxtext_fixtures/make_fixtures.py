@@ -61,8 +61,11 @@ What it does, per fixture (the table is ``FIXTURES``; LAYOUT.md describes the re
    ``checkpoint_period=2``: MaxText saves step 0 (``save_checkpoint_on_start``)
    and step 2; step 2 is copied as ``<fixture>/checkpoints/2``.
    "param_only" fixtures: ``python -m maxtext.utils.generate_param_only_checkpoint``
-   with ``load_full_state_path=<source fixture's step 2>/items`` and
-   ``force_unroll=true``; its step 0 is copied as ``<fixture>/checkpoints/0``.
+   with ``load_full_state_path=<source fixture's step 2>/items`` (and, for the
+   llama2 ones, ``force_unroll=true``); its step 0 is copied as
+   ``<fixture>/checkpoints/0``. Sources in ``SCRATCH`` (trainer states of six or
+   more layers, too large to keep) are made and checked like the others, then
+   not kept.
    The copies are byte for byte, except that the scratch prefix of the absolute
    path orbax writes into ``commit_success.txt`` becomes ``<work>``.
 2. ``<fixture>/keys.txt``: every leaf as ``path shape dtype``, from orbax's
@@ -79,12 +82,18 @@ What it does, per fixture (the table is ``FIXTURES``; LAYOUT.md describes the re
    parameters equal the checkpoint's arrays; the passes must agree to 1e-5; the
    first is saved as ``<fixture>/logits.npy`` (float32, [1, 8, vocab]).
 
+4. ``--next-step`` (run after the fixtures exist in ``--out``): for each of
+   ``NEXT_STEP``, MaxText's trainer resumes the fixture's ``checkpoints/2`` for one
+   more step and ``<fixture>/next_step/`` gets the parameters after it, the batch,
+   the step's learning rate and its logged loss (LAYOUT.md, "MaxText's next step").
+
 Reruns give bit-identical arrays and logits; orbax's file bytes (manifests,
 timestamps, chunk names) differ from run to run.
 
 Usage::
 
     python make_fixtures.py --maxtext-src SRC --work SCRATCH [--out DIR] [--only NAME ...]
+    python make_fixtures.py --maxtext-src SRC --work SCRATCH --next-step [--only NAME ...]
 """
 
 from __future__ import annotations
