@@ -931,6 +931,9 @@ def load_optimizer_state(trainer, step_dir: str, settings=None) -> int:
   """
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
+  if jax.process_count() > 1:  # the moments are placed from one host's copy
+    raise CheckpointError(f'{step_dir}: continuing a MaxText optimizer state runs in one '
+                          'process so far; give load_parameters_path= for a multi-process run.')
   state = hf_moments(step_dir, settings)
   cfg = trainer.model_config
   moments = {name: _in_model_layout(state['config'], state[name], cfg) for name in ('mu', 'nu')}
