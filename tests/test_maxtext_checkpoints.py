@@ -136,6 +136,12 @@ def test_block_refusals():
   step_dir, settings, _, _ = _fixture('gpt_oss_params_only_nnx')
   with pytest.raises(CheckpointError, match='read with yarn'):
     maxnnx.from_maxtext(step_dir, [*settings, 'rope_type=default'])
+  # Read, not yet written: MaxText's layout is written for llama, mistral and mixtral only.
+  from maxnnx.checkpoint.maxtext import hf_checkpoint, maxtext_tree
+  params, _ = maxtext_params(step_dir)
+  with pytest.raises(CheckpointError, match="model_type='gpt_oss': MaxText checkpoints are "
+                                            'written for the llama, mistral, mixtral'):
+    maxtext_tree(*hf_checkpoint(params, read_settings(settings)))
 
 
 def test_a_maxtext_command_line_starts_from_load_parameters_path(tmp_path, capsys):
