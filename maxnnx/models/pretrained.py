@@ -43,6 +43,7 @@ from maxnnx.checkpoint.quantized import (
 )
 from maxnnx.checkpoint.safetensors import (
   SafetensorsError,
+  host_buffer,
   plan_shards,
   read_safetensors_dir,
   write_safetensors,
@@ -502,7 +503,7 @@ def _host_params(sources: dict, abstract_state, cfg: ModelConfig):
     if not isinstance(var, nnx.Param):
       yield path, var, _initial_value(path, var, stacks)
       continue
-    host = np.empty(var.shape, var.dtype)
+    host = host_buffer(var.shape, var.dtype)  # see host_buffer: malloc's heap would drift
     if path[0] in stacks:
       start, count = stacks[path[0]]
       parts = [(host[i], sources[('layers', start + i, *path[1:])]) for i in range(count)]
