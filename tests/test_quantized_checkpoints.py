@@ -13,11 +13,16 @@ import shutil
 
 import numpy as np
 import pytest
+import qwix
 from conftest import FIXTURES, reference, rel_error
+from flax import nnx
 
 import maxnnx
-from maxnnx.checkpoint.quantized import quantize_fp8_blocks, unpack_int32
+from maxnnx.checkpoint.quantized import dequantize_checkpoint, quantize_fp8_blocks, unpack_int32
 from maxnnx.checkpoint.safetensors import read_safetensors, read_safetensors_dir, write_safetensors
+from maxnnx.inference.quantize import param_bytes, quantize_for_inference
+from maxnnx.models.hf import hf_layer_path
+from maxnnx.models.registry import FAMILIES
 
 QUANTIZED = os.path.join(FIXTURES, 'quantized')
 CASES = {'deepseek_v3_fp8': 'deepseek_v3', 'qwen3_fp8': 'qwen3', 'gpt_oss_mxfp4': 'gpt_oss',
@@ -153,3 +158,96 @@ def test_mxfp4_blocks_without_scales_are_refused(tmp_path):
   with pytest.raises(maxnnx.PretrainedError, match="has no 'model.layers.0.mlp.experts.down_proj"
                                                     "_scales'"):
     maxnnx.from_pretrained(str(directory))
+
+
+KEPT = {'deepseek_v3_fp8': 'float8_e4m3fn', 'qwen3_fp8': 'float8_e4m3fn',
+        'llama_ct_fp8_channel': 'float8_e4m3fn', 'mistral_ct_fp8_tensor': 'float8_e4m3fn',
+        'qwen2_ct_w4a16': 'int4', 'llama_fbgemm_fp8': 'float8_e4m3fn'}
+
+
+def kept_module_mode(model, path):
+  module = model
+  for key in path[:-1]:
+    module = module[key] if isinstance(key, int) else getattr(module, key)
+  return module.inference_quantization
+
+
+def _kept_kernels(model):
+  return {path: var[...] for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+          if isinstance(var[...], qwix.QArray)}
+
+
+@pytest.mark.parametrize('case', list(KEPT))
+def test_kept_quantized_kernels_are_the_stored_values_and_give_the_dequantized_logits(case):
+  """keep_quantized=True: every linear weight the release stores quantized becomes a QArray
+  whose values are the file's own (bit for bit, transposed into the kernel) and whose scales,
+  spread over the kernel's axes, give back exactly the float32 weight a dequantizing load
+  holds. The model then computes with the same float32 kernels, so the logits equal the
+  dequantizing load's (rel 1e-6 leaves room for a backend that orders the matmul's sums
+  otherwise; on CPU they are equal bit for bit), and the kernels take 1 byte (int4: half a
+  byte) per value plus their scales instead of 4."""
+  directory = os.path.join(QUANTIZED, case)
+  ref = _reference(case)
+  plain = maxnnx.from_pretrained(directory, dtype='float32')
+  kept = maxnnx.from_pretrained(directory, dtype='float32', keep_quantized=True)
+  cfg = kept.config
+  tensors = dequantize_checkpoint(read_safetensors_dir(directory),
+                                  json.loads(open(os.path.join(directory, 'config.json')).read())
+                                  ['quantization_config'], 'config.json')
+  kernels = _kept_kernels(kept)
+  names = {FAMILIES[cfg.family].hf_name(hf_layer_path(path, cfg.num_layers)) for path in kernels}
+  # every weight stored quantized but the routed experts (stacked, dequantized) is kept
+  assert names == {n for n, (_, a) in tensors.items() if getattr(a, 'stored', None) is not None
+                   and '.mlp.experts.' not in n}
+  assert len(names) >= 7
+  plain_params = dict(nnx.to_flat_state(nnx.state(plain, nnx.Param)))
+  float_bytes = quantized_bytes = 0
+  for path, qarray in kernels.items():
+    name = FAMILIES[cfg.family].hf_name(hf_layer_path(path, cfg.num_layers))
+    assert kept_module_mode(kept, path) == ('int4' if KEPT[case] == 'int4' else 'fp8')
+    assert str(qarray.qvalue.dtype) == KEPT[case], path
+    values = tensors[name][1].stored.values(slice(None))
+    in_size = int(np.prod(values.shape[1:]))
+    np.testing.assert_array_equal(np.asarray(qarray.qvalue).reshape(in_size, -1).T
+                                  .astype(np.float32), values.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(qwix.dequantize(qarray)),
+                                  np.asarray(plain_params[path][...]))
+    float_bytes += 4 * qarray.qvalue.size
+    quantized_bytes += qarray.qvalue.size * (0.5 if KEPT[case] == 'int4' else 1)
+    quantized_bytes += qarray.scale.size * 4
+  assert quantized_bytes < (0.2 if KEPT[case] == 'int4' else 0.3) * float_bytes
+  assert param_bytes(plain) - param_bytes(kept) == float_bytes - quantized_bytes
+  logits = np.asarray(kept(ref['input_ids']))
+  assert rel_error(logits, plain(ref['input_ids'])) < 1e-6
+  assert rel_error(logits, ref['logits']) < REL_TOL
+
+
+def test_kept_quantized_scanned_stacks_hold_every_layers_values():
+  """Scanned stacks hold each layer's stored values and scales along their leading axis, with
+  the DeepSeek fixture's partial fp8 blocks of 16 x 24."""
+  directory = os.path.join(QUANTIZED, 'deepseek_v3_fp8')
+  ref = _reference('deepseek_v3_fp8')
+  kept = maxnnx.from_pretrained(directory, dtype='float32', scan_layers=True,
+                                keep_quantized=True)
+  plain = maxnnx.from_pretrained(directory, dtype='float32', scan_layers=True)
+  kernels = _kept_kernels(kept)
+  assert any(q.qvalue.ndim >= 3 and q.scale.shape[0] == q.qvalue.shape[0] > 1
+             for q in kernels.values())
+  plain_params = dict(nnx.to_flat_state(nnx.state(plain, nnx.Param)))
+  for path, qarray in kernels.items():
+    np.testing.assert_array_equal(np.asarray(qwix.dequantize(qarray)),
+                                  np.asarray(plain_params[path][...]))
+  assert rel_error(kept(ref['input_ids']), plain(ref['input_ids'])) < 1e-6
+
+
+def test_keep_quantized_is_refused_where_nothing_is_stored_in_a_kept_form():
+  """MXFP4 (only the routed experts are quantized) and a float checkpoint: one error saying
+  what to do; a kept model is not quantized a second time."""
+  for case in (os.path.join(QUANTIZED, 'gpt_oss_mxfp4'), os.path.join(FIXTURES, 'llama')):
+    with pytest.raises(maxnnx.PretrainedError, match='keep_quantized=True: .* load it without'):
+      maxnnx.from_pretrained(case, keep_quantized=True)
+  with pytest.raises(ValueError, match="keep_quantized='yes': expected True or False"):
+    maxnnx.from_pretrained(os.path.join(FIXTURES, 'llama'), keep_quantized='yes')
+  kept = maxnnx.from_pretrained(os.path.join(QUANTIZED, 'qwen3_fp8'), keep_quantized=True)
+  with pytest.raises(ValueError, match='already quantized'):
+    quantize_for_inference(kept, 'int8')

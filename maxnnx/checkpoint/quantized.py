@@ -24,7 +24,11 @@ weight), and a format not listed is refused naming its ``quant_method``:
 
 A quantized tensor becomes a :class:`Dequantized` view: it has the float
 tensor's shape and is computed only when read, so a loader that converts one
-tensor at a time holds one dequantized tensor at a time. Static activation
+tensor at a time holds one dequantized tensor at a time. A 2-D weight of the
+fp8, fbgemm_fp8 and compressed-tensors formats also describes its stored form
+(:class:`BlockScaled`: the stored values and one scale per block), from which
+``from_pretrained(keep_quantized=True)`` builds a quantized kernel without
+dequantizing it. Static activation
 scales (``input_scale``) are read and dropped: maxnnx computes in float.
 
 :func:`quantize_tensors` writes the ``fp8`` and ``mxfp4`` formats back. Its
@@ -36,6 +40,7 @@ and not changed gets back the bytes it was loaded from (see
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -61,6 +66,29 @@ class QuantizationError(ValueError):
   maxnnx does not read."""
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockScaled:
+  """A 2-D weight as stored: ``w[i, j] = values[i, j] * scale[i // block[0], j // block[1]]``,
+  computed in float32 (the last block of a row or column may be partial).
+
+  Every format :func:`dequantize_checkpoint` reads for linear layers, except MXFP4, is this
+  rule: fp8 blocks (``weight_block_size``), per row (fbgemm_fp8, compressed-tensors
+  ``channel``: ``block = (1, cols)``), per group of inputs (``(1, group_size)``) and per tensor
+  (``(rows, cols)``).
+
+  Attributes:
+    values: ``values(rows)`` returns the stored values of the rows in the slice ``rows``
+      (``[n, cols]``) as float8, int8 or int4, read from the file (packed words unpacked), so
+      that a loader can take a weight a few rows at a time.
+    scale: ``[ceil(rows / block[0]), ceil(cols / block[1])]`` float32.
+    block: ``(rows, cols)`` of a block.
+  """
+
+  values: Callable[[slice], np.ndarray]
+  scale: np.ndarray
+  block: tuple[int, int]
+
+
 class Dequantized:
   """A quantized tensor seen as the float32 array it stands for, computed when read.
 
@@ -71,15 +99,18 @@ class Dequantized:
   Attributes:
     shape: the dequantized shape.
     parts: the stored arrays it is computed from.
+    stored: the stored form as a :class:`BlockScaled`, or ``None`` (MXFP4, a weight of more
+      than two axes, an indexed view).
   """
 
   dtype = np.dtype(np.float32)
 
   def __init__(self, shape: tuple[int, ...], compute: Callable[[], np.ndarray],
-               parts: tuple[np.ndarray, ...]):
+               parts: tuple[np.ndarray, ...], stored: BlockScaled | None = None):
     self.shape = tuple(int(n) for n in shape)
     self._compute = compute
     self.parts = parts
+    self.stored = stored
 
   @property
   def ndim(self) -> int:
@@ -291,9 +322,11 @@ def _read_fp8_blocks(tensors: TensorDict, quant: Mapping, where: str) -> TensorD
           f"{scale_source}: scale '{name}_scale_inv' has shape {scale.shape}; a weight of "
           f'shape {weight.shape} in blocks of {list(block)} (weight_block_size) needs '
           f'{weight.shape[:-2] + grid}.')
+    stored = (BlockScaled(lambda rows, w=weight: np.asarray(w[rows]), _float32(scale), block)
+              if weight.ndim == 2 else None)
     tensors[name] = (source, Dequantized(
         weight.shape, lambda w=weight, s=scale: dequantize_fp8_blocks(w, s, block),
-        (weight, scale)))
+        (weight, scale), stored))
   leftover = [n for n in tensors if n.endswith('_scale_inv')]
   if leftover:
     raise QuantizationError(f"{tensors[leftover[0]][0]}: scale '{leftover[0]}' belongs to a "
@@ -309,7 +342,8 @@ def _read_scaled(tensors: TensorDict, quant: Mapping, where: str) -> TensorDict:
     _check_broadcast(weight.shape, scale.shape, f'{name}_scale', scale_source)
     tensors[name] = (source, Dequantized(
         weight.shape, lambda w=weight, s=scale: np.asarray(w).astype(np.float32)
-        * np.asarray(s).astype(np.float32), (weight, scale)))
+        * np.asarray(s).astype(np.float32), (weight, scale),
+        _broadcast_blocks(lambda rows, w=weight: np.asarray(w[rows]), weight.shape, scale)))
   return tensors
 
 
@@ -358,17 +392,43 @@ def _read_compressed(tensors: TensorDict, quant: Mapping, where: str) -> TensorD
         raise QuantizationError(f"{source}: '{shape_name}' (the unpacked shape) is missing.")
       shape = tuple(int(n) for n in np.asarray(tensors.pop(shape_name)[1]))
       unpack = lambda v=values, c=shape[-1]: unpack_int32(v, bits, c)  # noqa: E731
+      narrow = {4: ml_dtypes.int4, 8: np.int8}.get(bits)
+      stored_values = None if narrow is None else (
+          lambda rows, v=values, c=shape[-1], t=narrow: unpack_int32(v[rows], bits, c).astype(t))
     else:
       shape = tuple(values.shape)
       unpack = lambda v=values: np.asarray(v)  # noqa: E731
+      stored_values = lambda rows, v=values: np.asarray(v[rows])  # noqa: E731
     expected = _compressed_scale_shape(shape, strategy, group_size)
     if int(np.prod(scale.shape)) != int(np.prod(expected)):
       raise QuantizationError(f"{scale_source}: scale '{name}_scale' has shape {scale.shape}; "
                               f'{strategy} quantization of {shape} needs {expected}.')
+    stored = None
+    if stored_values is not None and len(shape) == 2:
+      block = {'tensor': shape, 'channel': (1, shape[1]), 'group': (1, group_size)}[strategy]
+      stored = _broadcast_blocks(stored_values, shape, np.asarray(scale).reshape(expected),
+                                 block)
     tensors[name] = (source, Dequantized(
         shape, lambda u=unpack, s=scale, e=expected, g=group_size: _apply_scale(u(), s, e, g),
-        (values, scale)))
+        (values, scale), stored))
   return tensors
+
+
+def _float32(scale) -> np.ndarray:
+  return np.asarray(scale).astype(np.float32)
+
+
+def _broadcast_blocks(values: Callable[[slice], np.ndarray], shape: tuple[int, ...], scale,
+                      block: tuple[int, int] | None = None) -> BlockScaled | None:
+  """The :class:`BlockScaled` form of a 2-D weight whose scale has one value per row, per
+  column or per tensor (``block`` then follows from the shapes), or per ``block``."""
+  if len(shape) != 2:
+    return None
+  scale = _float32(scale)
+  scale = scale.reshape((1,) * (2 - scale.ndim) + scale.shape[-2:])
+  if block is None:
+    block = (shape[0] // scale.shape[0], shape[1] // scale.shape[1])
+  return BlockScaled(values, scale, block)
 
 
 def _compressed_scale_shape(shape, strategy, group_size) -> tuple[int, ...]:
@@ -447,6 +507,6 @@ def quantize_tensors(tensors: dict[str, np.ndarray], quant: Mapping[str, Any]
                           "(block-wise) and 'mxfp4'.")
 
 
-__all__ = ['Dequantized', 'QuantizationError', 'dequantize_checkpoint', 'dequantize_fp8_blocks',
-           'dequantize_mxfp4', 'quantize_fp8_blocks', 'quantize_mxfp4', 'quantize_tensors',
-           'release', 'unpack_int32']
+__all__ = ['BlockScaled', 'Dequantized', 'QuantizationError', 'dequantize_checkpoint',
+           'dequantize_fp8_blocks', 'dequantize_mxfp4', 'quantize_fp8_blocks', 'quantize_mxfp4',
+           'quantize_tensors', 'release', 'unpack_int32']

@@ -16,26 +16,38 @@ hold.
 
 Quantized releases (block-wise FP8, MXFP4, compressed-tensors; see
 :mod:`maxnnx.checkpoint.quantized`) are checked against their
-``quantization_config`` and dequantized the same way, tensor by tensor.
+``quantization_config`` and dequantized the same way, tensor by tensor. With
+``keep_quantized=True`` the linear layers' weights stay as stored instead: each
+kernel becomes a qwix ``QArray`` of the checkpoint's own values (fp8, int8 or
+int4) and scales, transposed into the kernel's layout on the host one byte (or
+half a byte) per value, so no float copy of a quantized kernel is ever made.
+The release's scale blocks map onto the kernel's axes exactly: a block of
+``[rows, cols]`` becomes a tile of the output and input axes (of ``gcd(n, block)``
+values where the block does not divide the axis, or where it spans several
+heads of a multi-axis kernel unevenly), its scale repeated over the tiles it
+covers, so the kernel computes ``values * scale`` in float32, the very numbers
+a dequantizing load holds.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxnnx import paths
 from maxnnx.checkpoint.quantized import (
+  Dequantized,
   QuantizationError,
   dequantize_checkpoint,
   quantize_tensors,
@@ -94,7 +106,8 @@ def config_from_pretrained(directory: str, **overrides: Any) -> ModelConfig:
 
 def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: str | None = None,
                     scan_layers: bool | None = None, mesh: MeshConfig | Mesh | None = None,
-                    rules: dict | None = None, **overrides: Any) -> Transformer:
+                    rules: dict | None = None, keep_quantized: bool = False,
+                    **overrides: Any) -> Transformer:
   """Load a local Hugging Face checkpoint directory as a :class:`Transformer`.
 
   Args:
@@ -113,6 +126,12 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
       parameters go to the default device (uncommitted, as ``jnp.asarray``
       places them).
     rules: logical axis -> mesh axes, overriding the default rules.
+    keep_quantized: keep the linear layers' weights of a quantized release (fp8 blocks,
+      fbgemm_fp8, compressed-tensors fp8/int8/int4) as they are stored, for inference:
+      each kernel is a qwix ``QArray`` of the stored values and scales (see the module
+      doc), its layer marked as :func:`~maxnnx.inference.quantize.quantize_for_inference`
+      marks one, and the model computes the dequantizing load's numbers. Other tensors
+      (embeddings, norms, routed experts) load as without it.
     **overrides: any other :class:`ModelConfig` field. ``mtp_num_layers``
       (or ``mtp={'num_layers': n}``)
       chooses how many multi-token-prediction layers to load (DeepSeek V3);
@@ -125,14 +144,22 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
       that is missing, unexpected or of the wrong shape (named with its file).
     SafetensorsError: a truncated or corrupt safetensors file.
   """
+  if keep_quantized not in (True, False):
+    raise ValueError(f'keep_quantized={keep_quantized!r}: expected True or False.')
   for key, value in (('dtype', dtype), ('param_dtype', param_dtype), ('scan_layers', scan_layers)):
     if value is not None:
       overrides[key] = value
   cfg, graphdef, abstract_state, sources = _read_sources(paths.local_model_dir(directory),
                                                          overrides)
   shardings = _shardings(abstract_state, mesh, rules)
-  state = _place_params(sources, abstract_state, cfg, shardings)
-  return nnx.merge(graphdef, state)
+  state = _place_params(sources, abstract_state, cfg, shardings, keep_quantized)
+  model = nnx.merge(graphdef, state)
+  if keep_quantized and not _mark_quantized(model):
+    raise PretrainedError(
+        f'keep_quantized=True: {directory} holds no linear weight stored in a form kept '
+        'quantized (fp8 blocks, fbgemm_fp8, compressed-tensors); load it without '
+        'keep_quantized (dequantized), or quantize it with quantize_for_inference.')
+  return model
 
 
 def from_maxtext(step_dir: str, settings=None, **kwargs: Any) -> Transformer:
@@ -378,12 +405,34 @@ def _check_hf_shape(array: np.ndarray, shape: tuple, n_in: int | None, name: str
                           f'implies {shape}.')
 
 
+CHUNK_BYTES = 4 << 20  # of a file tensor read before its pages are released
+
+
 def _hf_to_ours(array: np.ndarray, shape: tuple, n_in: int | None, out: np.ndarray) -> None:
-  """Write the HF tensor ``array`` into ``out`` (of ``shape``) in our layout and dtype."""
+  """Write the HF tensor ``array`` into ``out`` (of ``shape``, contiguous) in our layout and
+  dtype. A tensor of the file is copied :data:`CHUNK_BYTES` of rows at a time, its pages
+  released after each, so the file's pages and the converted copy are never both whole in
+  memory (for the largest tensor, an embedding, that was 0.16x of a quantized checkpoint)."""
+  if isinstance(array, Dequantized):  # computed whole when read
+    values = np.asarray(array)
+    out[...] = values.T.reshape(shape) if n_in is not None else values.reshape(shape)
+    return
   if n_in is not None:  # HF Linear weight [out, in] -> kernel [in..., out...]
-    out[...] = np.asarray(array).T.reshape(shape)
+    target = out.reshape(int(np.prod(shape[:n_in])), -1).T  # a view, [out, in]
   else:
-    out[...] = np.asarray(array).reshape(shape)
+    target = out.reshape(array.shape)
+  if array.ndim == 0:
+    target[...] = array
+    return
+  for rows in _row_chunks(array.shape[0], array.nbytes // max(1, array.shape[0])):
+    target[rows] = array[rows]
+    release(array)
+
+
+def _row_chunks(num_rows: int, row_bytes: int) -> list[slice]:
+  """Slices of ``num_rows`` rows of about :data:`CHUNK_BYTES` each."""
+  step = max(1, CHUNK_BYTES // max(1, row_bytes))
+  return [slice(start, start + step) for start in range(0, num_rows, step)]
 
 
 def _ours_to_hf(array: np.ndarray, n_in: int | None, leaf: str) -> np.ndarray:
@@ -483,38 +532,144 @@ def _shardings(abstract_state, mesh: MeshConfig | Mesh | None, rules: dict | Non
   return dict(nnx.to_flat_state(state_shardings(abstract_state, mesh, rules)))
 
 
-def _place_params(sources: dict, abstract_state, cfg: ModelConfig, shardings: dict | None):
+def _place_params(sources: dict, abstract_state, cfg: ModelConfig, shardings: dict | None,
+                  keep_quantized: bool = False):
   """The model's state, each parameter converted from its HF tensor(s) and placed on its shards
   one at a time (see the module doc); other variables (MoE routing statistics) start at zero."""
   placed = []
-  for path, var, host in _host_params(sources, abstract_state, cfg):
+  for path, var, host in _host_params(sources, abstract_state, cfg, keep_quantized):
     sharding = None if shardings is None else shardings[path].get_value()
-    placed.append((path, var.replace(place_host_value(host, sharding))))
+    if isinstance(host, _QuantizedHost):
+      import qwix  # noqa: PLC0415  (a slow import, for kept-quantized loads only)
+      value = qwix.QArray(place_host_value(host.qvalue, sharding),
+                          place_host_value(host.scale, _scale_sharding(sharding, host.scale)),
+                          qtype=jnp.dtype(host.qvalue.dtype))
+    else:
+      value = place_host_value(host, sharding)
+    placed.append((path, var.replace(value)))
     del host  # before the generator converts the next one: one host buffer at a time
   return nnx.from_flat_state(placed)
 
 
-def _host_params(sources: dict, abstract_state, cfg: ModelConfig):
+class _QuantizedHost(NamedTuple):
+  """A kernel kept quantized, on the host: stored values and scales in the kernel's layout."""
+
+  qvalue: np.ndarray
+  scale: np.ndarray
+
+
+def _host_params(sources: dict, abstract_state, cfg: ModelConfig, keep_quantized: bool = False):
   """``(path, abstract variable, host value)`` of every variable, made one at a time: each
   parameter converted from its HF tensor(s), whose file pages are then released; other
-  variables (MoE routing statistics) zeros."""
+  variables (MoE routing statistics) zeros. With ``keep_quantized``, a kernel whose tensors
+  are all stored
+  :class:`~maxnnx.checkpoint.quantized.BlockScaled` comes as a :class:`_QuantizedHost`."""
   stacks = _stacks(cfg)
   for path, var in nnx.to_flat_state(abstract_state):
     if not isinstance(var, nnx.Param):
       yield path, var, _initial_value(path, var, stacks)
       continue
-    host = host_buffer(var.shape, var.dtype)  # see host_buffer: malloc's heap would drift
     if path[0] in stacks:
       start, count = stacks[path[0]]
-      parts = [(host[i], sources[('layers', start + i, *path[1:])]) for i in range(count)]
+      layers = [sources[('layers', start + i, *path[1:])] for i in range(count)]
     else:
-      parts = [(host, sources[tuple(path)])]
+      layers = [sources[tuple(path)]]
+    if keep_quantized and (quantized := _quantized_kernel(layers, path[0] in stacks)):
+      yield path, var, quantized
+      del quantized
+      continue
+    host = host_buffer(var.shape, var.dtype)  # see host_buffer: malloc's heap would drift
+    parts = list(zip(host if path[0] in stacks else [host], layers))
     for out, (array, shape, n_in) in parts:
       _hf_to_ours(array, shape, n_in, out)
       release(array)
     del parts
     yield path, var, host
     del host
+
+
+def _quantized_kernel(layers: list, stacked: bool) -> _QuantizedHost | None:
+  """The kernel of ``layers``' HF tensors (one per stacked layer) with their stored values and
+  scales, if every one is a linear weight stored
+  :class:`~maxnnx.checkpoint.quantized.BlockScaled` in the same blocks."""
+  forms = [getattr(array, 'stored', None) for array, _, _ in layers]
+  _, shape, n_in = layers[0]
+  if n_in is None or any(f is None or f.block != forms[0].block for f in forms):
+    return None
+  in_dims, out_dims = shape[:n_in], shape[n_in:]
+  cols, rows = math.prod(in_dims), math.prod(out_dims)
+  (t_out, out_scale), (t_in, in_scale) = (_tile(out_dims, forms[0].block[0]),
+                                          _tile(in_dims, forms[0].block[1]))
+  lead = (len(layers),) if stacked else ()
+  qvalue, scale = None, np.empty(lead + in_scale + out_scale, np.float32)
+  for i, (form, (array, _, _)) in enumerate(zip(forms, layers)):
+    for chunk in _row_chunks(rows, 4 * cols):  # (int4 is unpacked through int32)
+      values = form.values(chunk)
+      if qvalue is None:
+        qvalue = host_buffer(lead + shape, values.dtype)
+      elif values.dtype != qvalue.dtype:
+        return None  # layers stored in different types: loaded in float
+      # [out, in] rows of the file -> columns of the [in, out] kernel (a view of qvalue)
+      (qvalue[i] if stacked else qvalue).reshape(cols, rows).T[chunk] = values
+      del values
+      release(array)
+    br, bc = form.block
+    by_tile = form.scale[(np.arange(rows // t_out) * t_out) // br][
+        :, (np.arange(cols // t_in) * t_in) // bc]
+    (scale[i] if stacked else scale)[...] = by_tile.T.reshape(in_scale + out_scale)
+    release(array)
+  return _QuantizedHost(qvalue, scale)
+
+
+def _tile(dims: tuple[int, ...], block: int) -> tuple[int, tuple[int, ...]]:
+  """``(tile, scale shape)``: the largest ``tile`` dividing ``block`` and the flattened
+  ``dims`` whose tiles are whole slices of the trailing axes or of one axis, and the shape a
+  scale of one value per tile has over ``dims`` (what qwix broadcasts)."""
+  common = math.gcd(math.prod(dims), block)
+  for tile in sorted((t for t in range(1, common + 1) if common % t == 0), reverse=True):
+    left, scale = tile, []
+    for n in reversed(dims):
+      if left == 1:
+        scale.append(n)
+      elif left % n == 0:
+        scale.append(1)
+        left //= n
+      elif n % left == 0:
+        scale.append(n // left)
+        left = 1
+      else:
+        break
+    else:
+      if left == 1:
+        return tile, tuple(reversed(scale))
+  raise AssertionError('a tile of 1 always fits')  # pragma: no cover
+
+
+def _scale_sharding(sharding, scale: np.ndarray):
+  """The kernel's sharding for its (smaller) scale: an axis stays split where the scale's
+  length divides over its mesh axes, and is replicated where it does not."""
+  if sharding is None:
+    return None
+  spec = tuple(sharding.spec) + (None,) * (scale.ndim - len(sharding.spec))
+
+  def fits(entry, n):
+    names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+    return n % math.prod(sharding.mesh.shape[a] for a in names) == 0
+
+  return NamedSharding(sharding.mesh, PartitionSpec(
+      *(entry if fits(entry, n) else None for entry, n in zip(spec, scale.shape))))
+
+
+def _mark_quantized(model) -> int:
+  """Mark every layer whose kernel loaded as a ``QArray`` with its mode (``fp8``, ``int8`` or
+  ``int4``, weights only), as ``quantize_for_inference`` does; the number marked."""
+  modes = {'float8_e4m3fn': 'fp8', 'float8_e5m2': 'fp8', 'int8': 'int8', 'int4': 'int4'}
+  marked = 0
+  for _, module in nnx.iter_graph(model):
+    if isinstance(module, DenseGeneral) and not isinstance(module.kernel[...], jax.Array):
+      module.inference_quantization = modes[jnp.dtype(module.kernel[...].qtype).name]
+      marked += 1
+  return marked
 
 
 def _initial_value(path: tuple, var, stacks: dict) -> np.ndarray:
