@@ -63,7 +63,12 @@ def place_host_value(host: np.ndarray, sharding: jax.sharding.Sharding | None) -
   """
   if sharding is None:
     return jax.device_put(host)
-  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  if sharding.is_fully_addressable:
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  # A CPU device may keep an aligned host array as its buffer instead of copying it; a slice
+  # kept so would keep the whole of ``host`` alive in a process that holds only its share.
+  return jax.make_array_from_callback(host.shape, sharding,
+                                      lambda index: np.array(host[index], copy=True))
 
 
 def barrier(name: str) -> None:
