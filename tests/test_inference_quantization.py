@@ -1,20 +1,25 @@
 """Quantized inference (int8 / int4 / fp8 weights, w8a8): the rule against NumPy, the model
 in generate and in the serving engine, and the memory it saves."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import qwix
 from flax import nnx
+from numpy_moe_reference import moe as moe_reference
 
 import maxnnx
 from maxnnx.inference.quantize import (
+  MODES,
   check_mode,
   kernel_bytes,
   param_bytes,
   quantize_for_inference,
 )
 from maxnnx.layers.linear import DenseGeneral
+from maxnnx.layers.moe import MoE
 from maxnnx.serving import Engine, SamplingParams
 
 VOCAB = 64
@@ -109,3 +114,60 @@ def test_unknown_mode_and_quantizing_twice_are_refused():
   quantize_for_inference(model, 'int8')
   with pytest.raises(ValueError, match='already quantized'):
     quantize_for_inference(model, 'int8')
+
+
+MOE = dict(vocab_size=64, d_model=64, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=40,
+           num_experts=4, num_experts_per_tok=2, moe_mlp_dim=64)
+
+
+def _expected_experts(w, mode):
+  """The dequantized ``[experts, in, out]`` weight by the mode's rule: one scale per expert and
+  output channel (int4: also per 32 inputs)."""
+  if mode == 'int4':
+    groups = w.reshape(w.shape[0], w.shape[1] // 32, 32, w.shape[2])
+    return _absmax_round(groups, 2, 7.5).reshape(w.shape)
+  if mode == 'fp8':
+    return _absmax_round(w, 1, 448.0, ml_dtypes.float8_e4m3fn)
+  return _absmax_round(w, 1, 127.5)
+
+
+@pytest.mark.parametrize('mode,dispatch', [('int8', 'dropless'), ('fp8', 'dropless'),
+                                           ('int4', 'dropless'), ('int8', 'capacity')])
+def test_quantized_experts_compute_the_modes_rule(mode, dispatch):
+  """The routed experts' weights are QArrays (one scale per expert and output channel) and the
+  MoE block computes the float64 NumPy reference on their dequantized values, through the
+  grouped matmul (dropless) and the per-expert buffers (capacity, with room for every token);
+  the router stays float, so every token reaches the experts it reached before quantizing."""
+  cfg = maxnnx.ModelConfig.from_dict({**MOE, 'moe_dispatch': dispatch, 'capacity_factor': 2.0})
+  moe = MoE.from_config(cfg, rngs=nnx.Rngs(3))
+  x = jax.random.normal(jax.random.key(4), (2, 6, cfg.d_model), jnp.float32)
+  params = nnx.to_pure_dict(nnx.state(moe, nnx.Param))
+  exact = moe_reference(np.asarray(x).reshape(-1, cfg.d_model), params, cfg)[0]
+  for name in ('gate_proj', 'up_proj', 'down_proj'):
+    params['experts'][name] = _expected_experts(np.asarray(params['experts'][name]), mode)
+  want = moe_reference(np.asarray(x).reshape(-1, cfg.d_model), params, cfg)[0]
+  router_before = np.asarray(moe.router.kernel[...])
+  quantize_for_inference(nnx.Dict(moe=moe), mode)
+  for name in ('gate_proj', 'up_proj', 'down_proj'):
+    weight = getattr(moe.experts, name)[...]
+    assert isinstance(weight, qwix.QArray) and weight.qvalue.dtype == MODES[mode][0]
+  np.testing.assert_array_equal(np.asarray(moe.router.kernel[...]), router_before)
+  got = np.asarray(moe(x), np.float64).reshape(-1, cfg.d_model)
+  tolerance = 2e-5 * np.abs(want).max()
+  assert np.abs(got - want).max() < tolerance
+  assert np.abs(exact - want).max() > 20 * tolerance  # quantization moved the result
+
+
+def test_quantized_experts_take_their_share_of_the_bytes():
+  """An MoE model: quantize_for_inference covers the experts, so the weights it quantizes
+  (experts included) take under 0.27x their float32 bytes in int8."""
+  model = maxnnx.Transformer(maxnnx.ModelConfig.from_dict(
+      {**MOE, 'dtype': 'float32'}), rngs=nnx.Rngs(0))
+  experts = sum(getattr(layer.mlp.experts, n)[...].size * 4 for layer in model.layers
+                for n in ('gate_proj', 'up_proj', 'down_proj'))
+  before = kernel_bytes(model)
+  assert experts > before / 2  # most of what is quantized is experts
+  quantize_for_inference(model, 'int8')
+  assert kernel_bytes(model) < 0.27 * before
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 5)))
+  assert np.isfinite(np.asarray(model(ids))).all()

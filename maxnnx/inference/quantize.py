@@ -1,12 +1,21 @@
-"""Quantized inference: the linear layers' weights in int8, int4 or fp8 (and int8 activations).
+"""Quantized inference: the linear layers' and experts' weights in int8, int4 or fp8 (and int8
+activations).
 
 :func:`quantize_for_inference` replaces the kernel of every
 :class:`~maxnnx.layers.linear.DenseGeneral` of a model (the attention and MLP
-projections; not the output head, whose error every token pays) with a qwix
-``QArray``: the quantized values and their scales. The layer then multiplies
-through ``qwix.dot_general``, which dequantizes the weight on the fly, or, for
-``w8a8``, quantizes each token's activations to int8 too and multiplies int8 by
-int8. Scales are per output channel; ``int4`` has one per 32 inputs as well.
+projections, shared experts included; not the output head, whose error every
+token pays, nor an MoE router, whose error changes which experts a token
+reaches) with a qwix ``QArray``: the quantized values and their scales. The
+layer then multiplies through ``qwix.dot_general``, which dequantizes the
+weight on the fly, or, for ``w8a8``, quantizes each token's activations to int8
+too and multiplies int8 by int8. Scales are per output channel; ``int4`` has
+one per 32 inputs as well.
+
+The routed experts of MoE layers (:class:`~maxnnx.layers.moe.Experts`,
+``[experts, in, out]``) are quantized the same way, with one scale per expert
+and output channel (and per 32 inputs for ``int4``), and their grouped matmuls
+run through ``qwix.ragged_dot`` (dropless dispatch) or ``qwix.einsum``
+(capacity dispatch). Experts stay weight-only under ``w8a8``.
 
 Modes and what a weight holds (``bytes per value``):
 
@@ -19,8 +28,10 @@ fp8      float8_e4m3fn (1)       float
 w8a8     int8 (1)                int8, one scale per token
 ======== ======================= =================================
 
-The routed experts of MoE layers, embeddings and norms stay in float; the
-model is for inference only (its quantized kernels take no gradient).
+Embeddings, norms and biases stay in float; the model is for inference only
+(its quantized kernels take no gradient). A model loaded with
+``from_pretrained(keep_quantized=True)`` holds a release's own quantized
+kernels in the same form.
 """
 
 from __future__ import annotations
@@ -31,10 +42,12 @@ import qwix
 from flax import nnx
 
 from maxnnx.layers.linear import DenseGeneral
+from maxnnx.layers.moe import Experts, Router
 
 MODES = {'int8': (jnp.int8, None), 'int4': (jnp.int4, 32),
          'fp8': (jnp.float8_e4m3fn, None), 'w8a8': (jnp.int8, None)}
 SKIPPED_MODULES = ('lm_head',)
+EXPERT_WEIGHTS = ('gate_proj', 'up_proj', 'down_proj')
 
 
 def check_mode(mode: str) -> None:
@@ -44,11 +57,12 @@ def check_mode(mode: str) -> None:
 
 
 def quantize_for_inference(model: nnx.Module, mode: str) -> nnx.Module:
-  """Quantize ``model``'s linear layers in place for inference and return it.
+  """Quantize ``model``'s linear layers and routed experts in place for inference and return it.
 
   Args:
     model: a :class:`~maxnnx.models.transformer.Transformer` (or any module holding
-      :class:`~maxnnx.layers.linear.DenseGeneral` layers) with float kernels.
+      :class:`~maxnnx.layers.linear.DenseGeneral` layers or
+      :class:`~maxnnx.layers.moe.Experts`) with float weights.
     mode: ``int8``, ``int4``, ``fp8`` (weight-only) or ``w8a8`` (int8 weights and
       activations); see the module doc.
 
@@ -58,21 +72,37 @@ def quantize_for_inference(model: nnx.Module, mode: str) -> nnx.Module:
   if mode not in MODES:
     raise ValueError(f"quantization={mode!r}: expected one of {', '.join(MODES)}.")
   qtype, group = MODES[mode]
-  for path, module in nnx.iter_graph(model):
-    if not isinstance(module, DenseGeneral) or any(p in SKIPPED_MODULES for p in path):
+  for path, module in list(nnx.iter_graph(model)):
+    where = '.'.join(map(str, path))
+    if isinstance(module, Experts):
+      for name in EXPERT_WEIGHTS:  # [(layers,) experts, in, out]: the inputs are axis -2
+        param = getattr(module, name)
+        param.set_value(_quantize(param[...], qtype, group, (param[...].ndim - 2,),
+                                  f'{where}.{name}'))
+      continue
+    if (not isinstance(module, DenseGeneral) or isinstance(module, Router)
+        or any(p in SKIPPED_MODULES for p in path)):
       continue
     kernel = module.kernel[...]
-    if not isinstance(kernel, jax.Array):
-      raise ValueError(f"{'.'.join(map(str, path))}: the kernel is already quantized.")
-    n_in = len(module.in_shape)
-    tiled = None
-    if group and kernel.shape[n_in - 1] % group == 0 and kernel.shape[n_in - 1] > group:
-      tiled = {n_in - 1: group}  # the last input axis, in groups
-    module.kernel.set_value(qwix.quantize(
-        kernel, qtype, channelwise_axes=tuple(range(n_in, kernel.ndim)), tiled_axes=tiled,
-        scale_dtype=jnp.float32))
+    lead = kernel.ndim - len(module.in_shape) - len(module.out_shape)  # a scanned stack's axis
+    module.kernel.set_value(_quantize(kernel, qtype, group,
+                                      tuple(range(lead, lead + len(module.in_shape))),
+                                      f'{where}.kernel'))
     module.inference_quantization = mode
   return model
+
+
+def _quantize(weight, qtype, group: int | None, inputs: tuple[int, ...], where: str):
+  """``weight`` as a ``QArray`` with one scale per index of every axis but the ``inputs`` (the
+  last of which is in groups of ``group`` where it divides into several)."""
+  if not isinstance(weight, jax.Array):
+    raise ValueError(f'{where}: the weight is already quantized.')
+  tiled = None
+  if group and weight.shape[inputs[-1]] % group == 0 and weight.shape[inputs[-1]] > group:
+    tiled = {inputs[-1]: group}
+  return qwix.quantize(weight, qtype,
+                       channelwise_axes=tuple(a for a in range(weight.ndim) if a not in inputs),
+                       tiled_axes=tiled, scale_dtype=jnp.float32)
 
 
 def _nbytes(leaf) -> int:
@@ -85,10 +115,16 @@ def param_bytes(model: nnx.Module) -> int:
 
 
 def kernel_bytes(model: nnx.Module) -> int:
-  """Bytes of the kernels :func:`quantize_for_inference` quantizes (values and scales)."""
-  return sum(_nbytes(leaf) for path, module in nnx.iter_graph(model)
-             if isinstance(module, DenseGeneral) and not any(p in SKIPPED_MODULES for p in path)
-             for leaf in jax.tree.leaves(module.kernel[...]))
+  """Bytes of the weights :func:`quantize_for_inference` quantizes (values and scales): the
+  linear layers' kernels and the routed experts' weights."""
+  weights = []
+  for path, module in nnx.iter_graph(model):
+    if isinstance(module, Experts):
+      weights += [getattr(module, name)[...] for name in EXPERT_WEIGHTS]
+    elif (isinstance(module, DenseGeneral) and not isinstance(module, Router)
+          and not any(p in SKIPPED_MODULES for p in path)):
+      weights.append(module.kernel[...])
+  return sum(_nbytes(leaf) for leaf in jax.tree.leaves(weights))
 
 
 __all__ = ['MODES', 'check_mode', 'kernel_bytes', 'param_bytes', 'quantize_for_inference']

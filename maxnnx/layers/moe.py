@@ -117,7 +117,9 @@ class Experts(nnx.Module):
   """``num_experts`` gated MLPs with stacked weights (logical axis ``expert`` first).
 
   Attributes:
-    gate_proj, up_proj: ``[experts, d_model, expert_dim]``.
+    gate_proj, up_proj: ``[experts, d_model, expert_dim]`` (qwix ``QArray`` values once
+      :func:`~maxnnx.inference.quantize.quantize_for_inference` quantized them: the grouped
+      matmuls then run through ``qwix.ragged_dot`` / ``qwix.einsum``).
     down_proj: ``[experts, expert_dim, d_model]``.
     gate_bias, up_bias: ``[experts, expert_dim]`` (``expert_bias`` only).
     down_bias: ``[experts, d_model]`` (``expert_bias`` only).
@@ -262,6 +264,9 @@ class MoE(nnx.Module):
     dtype = self.dtype
 
     def grouped(lhs, rhs):
+      if not isinstance(rhs, jax.Array):  # quantized for inference: a qwix QArray
+        import qwix  # noqa: PLC0415  (a slow import, for quantized models only)
+        return qwix.ragged_dot(lhs, rhs, group_sizes_G, preferred_element_type=jnp.float32)
       return self.ragged_dot(lhs, rhs.astype(dtype), group_sizes_G,
                              RaggedDotOptions(preferred_element_type=jnp.float32))
 
@@ -280,6 +285,9 @@ class MoE(nnx.Module):
     dtype = self.dtype
 
     def batched(lhs, rhs):
+      if not isinstance(rhs, jax.Array):  # quantized for inference: a qwix QArray
+        import qwix  # noqa: PLC0415
+        return qwix.einsum('ecd,edf->ecf', lhs, rhs, preferred_element_type=jnp.float32)
       return jnp.einsum('ecd,edf->ecf', lhs, rhs.astype(dtype),
                         preferred_element_type=jnp.float32)
 
