@@ -227,11 +227,16 @@ def generate(options: dict) -> str:
     tokenizer = load_tokenizer(local_model_dir)
   else:
     raise UsageError(f'{tok_path} is missing: is {out} a directory written by maxnnx train?')
+  keep = options['quantization'] == 'checkpoint'
   if model is None:
-    model = maxnnx.from_pretrained(local_model_dir, mesh=mesh)
+    model = maxnnx.from_pretrained(local_model_dir, mesh=mesh, keep_quantized=keep)
+  elif keep:
+    raise UsageError(f'quantization=checkpoint keeps the weights of a quantized release, but '
+                     f'{out} holds an unfinished run (a training checkpoint); use int8, int4, '
+                     'fp8 or w8a8.')
   elif mesh is not None:
     model = _placed(model, mesh)
-  if options['quantization'] != 'none':
+  if options['quantization'] not in ('none', 'checkpoint'):
     quantize_for_inference(model, options['quantization'])
   controls = {name: options[name] for name in ('presence_penalty', 'frequency_penalty',
                                                'repetition_penalty', 'min_tokens')}

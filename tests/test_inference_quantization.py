@@ -1,12 +1,15 @@
 """Quantized inference (int8 / int4 / fp8 weights, w8a8): the rule against NumPy, the model
 in generate and in the serving engine, and the memory it saves."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 import qwix
+from conftest import FIXTURES
 from flax import nnx
 from numpy_moe_reference import moe as moe_reference
 
@@ -171,3 +174,35 @@ def test_quantized_experts_take_their_share_of_the_bytes():
   assert kernel_bytes(model) < 0.27 * before
   ids = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 5)))
   assert np.isfinite(np.asarray(model(ids))).all()
+
+
+def test_a_kept_quantized_release_is_served_as_generate_serves_it():
+  """A qwen3 fp8-block release loaded with keep_quantized=True: the engine runs its stored fp8
+  kernels as loaded (no float copy is made; the kernels are QArrays) and gives generate's
+  greedy tokens; quantizing it again, or quantization='checkpoint' after loading, is refused."""
+  model = maxnnx.from_pretrained(os.path.join(FIXTURES, 'quantized', 'qwen3_fp8'),
+                                 dtype='float32', keep_quantized=True)
+  kernel = model.layers[0].mlp.down_proj.kernel[...]
+  assert isinstance(kernel, qwix.QArray) and kernel.qvalue.dtype == jnp.float8_e4m3fn
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (4, 11)]
+  want = maxnnx.generate(model, prompts, max_new_tokens=5, eos_ids=None)
+  engine = Engine(model, page_size=4, max_batch=2, token_budget=16, max_model_len=32)
+  got = engine.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+  for i, done in enumerate(got):
+    assert list(done.token_ids) == want.tokens[i].tolist(), i
+  check_mode('checkpoint')
+  with pytest.raises(ValueError, match="quantization='checkpoint' keeps .* keep_quantized=True"):
+    quantize_for_inference(model, 'checkpoint')
+
+
+def test_a_scanned_stack_gets_one_scale_per_layer_and_output_channel():
+  """Under scan_layers the kernels carry a leading layer axis, which is not an input axis: int8
+  scales are ``[layers, 1, out]``, each layer's its own kernel's absmax over the inputs."""
+  cfg = maxnnx.ModelConfig.from_dict({**MODEL, 'scan_layers': True})
+  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(5))
+  weight = np.asarray(model.layers.mlp.up_proj.kernel[...])
+  kernel = quantize_for_inference(model, 'int8').layers.mlp.up_proj.kernel[...]
+  assert kernel.scale.shape == (cfg.num_layers, 1, cfg.mlp_dim)
+  np.testing.assert_allclose(np.asarray(kernel.scale),
+                             np.abs(weight).max(axis=1, keepdims=True) / 127.5, rtol=1e-6)

@@ -34,8 +34,9 @@ class GenerateConfig(ValidatedConfig):
     repetition_penalty: HF's, > 0 (1: none): divides the positive logits and multiplies the negative
       ones of prompt and generated tokens.
     min_tokens: tokens generated before the end-of-sequence token may be.
-    quantization: quantize the linear layers for inference: int8, int4, fp8 (weights) or w8a8 (int8
-      weights and activations).
+    quantization: quantize the linear layers and experts for inference: int8, int4, fp8 (weights)
+      or w8a8 (int8 weights and activations); checkpoint keeps a quantized release's own
+      fp8/int8/int4 linear weights as stored.
     tensor_parallel: devices the model is sharded over (attention heads and MLP width; in a
       multi-process run, every process's devices).
     compile_cache: directory of JAX's persistent compilation cache (empty: off): a second run finds
@@ -74,8 +75,9 @@ class ServeConfig(ValidatedConfig):
       inline); longer ones are answered with HTTP 413.
     add_bos: start text prompts of /v1/completions with the tokenizer's BOS token.
     dtype: compute dtype (empty: the checkpoint's).
-    quantization: quantize the linear layers for inference: int8, int4, fp8 (weights) or w8a8 (int8
-      weights and activations).
+    quantization: quantize the linear layers and experts for inference: int8, int4, fp8 (weights)
+      or w8a8 (int8 weights and activations); checkpoint keeps a quantized release's own
+      fp8/int8/int4 linear weights as stored.
     tensor_parallel: devices the model is sharded over (attention heads and MLP width); the
       parameters load straight into their shards; in a multi-process run, every process's devices:
       process 0 serves HTTP, the others follow its engine.

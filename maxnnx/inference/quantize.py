@@ -51,9 +51,12 @@ EXPERT_WEIGHTS = ('gate_proj', 'up_proj', 'down_proj')
 
 
 def check_mode(mode: str) -> None:
-  """Raise ``ValueError`` naming the choices unless ``mode`` is ``none`` or one of :data:`MODES`."""
-  if mode != 'none' and mode not in MODES:
-    raise ValueError(f"quantization={mode!r}: expected one of {', '.join(MODES)} (or 'none').")
+  """Raise ``ValueError`` naming the choices unless ``mode`` is ``none``, ``checkpoint`` (a
+  quantized release's own weights, kept at load: ``from_pretrained(keep_quantized=True)``) or
+  one of :data:`MODES`."""
+  if mode not in ('none', 'checkpoint') and mode not in MODES:
+    raise ValueError(f"quantization={mode!r}: expected one of {', '.join(MODES)} (or 'none', "
+                     "or 'checkpoint' for a quantized release's own weights).")
 
 
 def quantize_for_inference(model: nnx.Module, mode: str) -> nnx.Module:
@@ -69,6 +72,9 @@ def quantize_for_inference(model: nnx.Module, mode: str) -> nnx.Module:
   Raises:
     ValueError: an unknown ``mode``, or a model that is already quantized.
   """
+  if mode == 'checkpoint':
+    raise ValueError("quantization='checkpoint' keeps a quantized release's own weights: it is "
+                     'chosen at load, with from_pretrained(directory, keep_quantized=True).')
   if mode not in MODES:
     raise ValueError(f"quantization={mode!r}: expected one of {', '.join(MODES)}.")
   qtype, group = MODES[mode]

@@ -23,7 +23,9 @@ def load_engine(model_dir: str, *, dtype: str | None = None, tensor_parallel: in
   and the tokenizer stored with it (``engine_kwargs`` go to the engine).
 
   ``quantization`` (``int8``, ``int4``, ``fp8``, ``w8a8``) quantizes the linear layers for
-  inference once loaded (:func:`maxnnx.inference.quantize.quantize_for_inference`).
+  inference once loaded (:func:`maxnnx.inference.quantize.quantize_for_inference`);
+  ``checkpoint`` keeps a quantized release's own weights as stored
+  (``from_pretrained(keep_quantized=True)``).
 
   ``tensor_parallel > 1`` loads the parameters straight into their shards over that many
   devices (``MeshConfig(data=1, tensor=tensor_parallel)``); the engine runs there.
@@ -31,8 +33,9 @@ def load_engine(model_dir: str, *, dtype: str | None = None, tensor_parallel: in
   from maxnnx.data import load_tokenizer  # noqa: PLC0415
   from maxnnx.models.pretrained import from_pretrained  # noqa: PLC0415
   from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
-  model = from_pretrained(model_dir, dtype=dtype, mesh=tensor_parallel_mesh(tensor_parallel))
-  if quantization not in (None, 'none'):
+  model = from_pretrained(model_dir, dtype=dtype, mesh=tensor_parallel_mesh(tensor_parallel),
+                          keep_quantized=quantization == 'checkpoint')
+  if quantization not in (None, 'none', 'checkpoint'):
     from maxnnx.inference.quantize import quantize_for_inference  # noqa: PLC0415
     quantize_for_inference(model, quantization)
   return Engine(model, load_tokenizer(model_dir), **engine_kwargs)
