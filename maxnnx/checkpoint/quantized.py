@@ -137,8 +137,9 @@ class Dequantized:
 
 
 def release(array) -> None:
-  """Release the file pages behind a memory-mapped array or a :class:`Dequantized` view."""
-  if isinstance(array, Dequantized):
+  """Release the file pages behind a memory-mapped array, a :class:`Dequantized` view or any
+  lazy view with a ``release`` method."""
+  if hasattr(array, 'release'):
     array.release()
   else:
     release_pages(array)

@@ -5,14 +5,68 @@ Hub checkpoints store each expert as its own ``Linear`` (``experts.{e}.gate_proj
 ``[experts, d_model, mlp]``. :func:`expert_hooks` builds the ``unfuse``/``fuse``
 pair that converts between the two, and :func:`moe_layout` turns a per-layer
 MoE/dense pattern into ``moe.first_k_dense_layers`` + ``moe.layer_step``.
+
+The stacked tensors a load sees are :class:`ExpertStack` views, read expert by expert when the
+loader converts them: stacking every layer's experts up front held the whole MoE part of a
+checkpoint (dequantized, for an fp8 release) in memory before the first parameter was placed.
 """
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
+from maxnnx.checkpoint.quantized import release
 from maxnnx.config import ModelConfig
 from maxnnx.models.hf import PretrainedError, TensorDict
+
+
+class ExpertStack:
+  """Per-expert HF ``Linear`` weights ``[out, in]`` seen as one ``[experts, in, out]`` array,
+  read only when indexed or converted.
+
+  Attributes:
+    pieces: the per-expert weights (memory-mapped arrays or
+      :class:`~maxnnx.checkpoint.quantized.Dequantized` views).
+    shape: ``(experts, in, out)``.
+    dtype: the pieces' dtype.
+  """
+
+  def __init__(self, pieces: list):
+    self.pieces = pieces
+    out, inputs = pieces[0].shape
+    self.shape = (len(pieces), inputs, out)
+    self.dtype = np.dtype(pieces[0].dtype)
+
+  @property
+  def ndim(self) -> int:
+    """Number of axes (3)."""
+    return 3
+
+  @property
+  def size(self) -> int:
+    """Number of values."""
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the stacked array."""
+    return self.size * self.dtype.itemsize
+
+  def __getitem__(self, experts) -> np.ndarray:
+    """The experts ``experts`` (an index or a slice of the first axis), stacked."""
+    if isinstance(experts, int):
+      return np.asarray(self.pieces[experts]).T
+    return np.stack([np.asarray(p).T for p in self.pieces[experts]])
+
+  def __array__(self, dtype=None, copy=None):
+    array = self[:]
+    return array if dtype is None else array.astype(dtype, copy=False)
+
+  def release(self) -> None:
+    """Drop the resident file pages of every piece."""
+    for piece in self.pieces:
+      release(piece)
 
 # our expert projection -> HF name inside experts.{e}
 SWIGLU_NAMES = {'gate_proj': 'gate_proj', 'up_proj': 'up_proj', 'down_proj': 'down_proj'}
@@ -59,8 +113,7 @@ def expert_hooks(module: str, names: dict[str, str] = SWIGLU_NAMES):
         if len(shapes) != 1:
           raise PretrainedError(f'{pieces[0][0]}: experts of layer {i} have different '
                                 f'{theirs} shapes {sorted(shapes)}.')
-        stacked = np.stack([np.asarray(p[1]) for p in pieces]).transpose(0, 2, 1)
-        out[f'{prefix}.{ours}'] = (pieces[0][0], stacked)
+        out[f'{prefix}.{ours}'] = (pieces[0][0], ExpertStack([p[1] for p in pieces]))
     return out
 
   def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
