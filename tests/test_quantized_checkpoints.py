@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import qwix
@@ -194,9 +195,9 @@ def test_kept_quantized_kernels_are_the_stored_values_and_give_the_dequantized_l
   tensors = dequantize_checkpoint(read_safetensors_dir(directory),
                                   json.loads(open(os.path.join(directory, 'config.json')).read())
                                   ['quantization_config'], 'config.json')
-  kernels = _kept_kernels(kept)
+  kernels = {path: q for path, q in _kept_kernels(kept).items() if path[-1] == 'kernel'}
   names = {FAMILIES[cfg.family].hf_name(hf_layer_path(path, cfg.num_layers)) for path in kernels}
-  # every weight stored quantized but the routed experts (stacked, dequantized) is kept
+  # every linear weight stored quantized is kept (routed experts: see the experts test)
   assert names == {n for n, (_, a) in tensors.items() if getattr(a, 'stored', None) is not None
                    and '.mlp.experts.' not in n}
   assert len(names) >= 7
@@ -216,6 +217,9 @@ def test_kept_quantized_kernels_are_the_stored_values_and_give_the_dequantized_l
     quantized_bytes += qarray.qvalue.size * (0.5 if KEPT[case] == 'int4' else 1)
     quantized_bytes += qarray.scale.size * 4
   assert quantized_bytes < (0.2 if KEPT[case] == 'int4' else 0.3) * float_bytes
+  experts = {path: q for path, q in _kept_kernels(kept).items() if path[-1] != 'kernel'}
+  float_bytes += sum(4 * q.qvalue.size for q in experts.values())
+  quantized_bytes += sum(q.qvalue.size + 4 * q.scale.size for q in experts.values())
   assert param_bytes(plain) - param_bytes(kept) == float_bytes - quantized_bytes
   logits = np.asarray(kept(ref['input_ids']))
   assert rel_error(logits, plain(ref['input_ids'])) < 1e-6
@@ -238,6 +242,29 @@ def test_kept_quantized_scanned_stacks_hold_every_layers_values():
     np.testing.assert_array_equal(np.asarray(qwix.dequantize(qarray)),
                                   np.asarray(plain_params[path][...]))
   assert rel_error(kept(ref['input_ids']), plain(ref['input_ids'])) < 1e-6
+
+
+def test_kept_quantized_experts_are_each_experts_stored_values_and_scales():
+  """DeepSeek's per-expert fp8 weights (blocks of 16 x 24, partial ones included) become one
+  ``[experts, in, out]`` QArray per projection: expert ``e``'s values are its stored ones,
+  transposed, bit for bit, the scales give back the float32 weights a dequantizing load stacks,
+  and the grouped matmul runs on them (the model's logits are checked with the kernels')."""
+  directory = os.path.join(QUANTIZED, 'deepseek_v3_fp8')
+  kept = maxnnx.from_pretrained(directory, dtype='float32', keep_quantized=True)
+  plain = dict(nnx.to_flat_state(nnx.state(
+      maxnnx.from_pretrained(directory, dtype='float32'), nnx.Param)))
+  tensors = read_safetensors_dir(directory)
+  experts = {path: q for path, q in _kept_kernels(kept).items() if path[-1] != 'kernel'}
+  assert {path[-1] for path in experts} == {'gate_proj', 'up_proj', 'down_proj'}
+  for path, qarray in experts.items():
+    assert qarray.qvalue.dtype == jnp.float8_e4m3fn and qarray.scale.shape[-1] == qarray.shape[-1]
+    layer, name = path[1], path[-1]  # DeepSeek's experts keep our projection names
+    for e in range(qarray.shape[0]):
+      stored = tensors[f'model.layers.{layer}.mlp.experts.{e}.{name}.weight'][1]
+      np.testing.assert_array_equal(np.asarray(qarray.qvalue[e]).view(np.uint8),
+                                    np.asarray(stored).T.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(qwix.dequantize(qarray)),
+                                  np.asarray(plain[path][...]))
 
 
 def test_keep_quantized_is_refused_where_nothing_is_stored_in_a_kept_form():

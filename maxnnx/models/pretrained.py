@@ -574,7 +574,8 @@ def _host_params(sources: dict, abstract_state, cfg: ModelConfig, keep_quantized
       layers = [sources[('layers', start + i, *path[1:])] for i in range(count)]
     else:
       layers = [sources[tuple(path)]]
-    if keep_quantized and (quantized := _quantized_kernel(layers, path[0] in stacks)):
+    if keep_quantized and (quantized := _quantized_kernel(layers, path[0] in stacks)
+                           or _quantized_experts(layers, path[0] in stacks)):
       yield path, var, quantized
       del quantized
       continue
@@ -621,6 +622,37 @@ def _quantized_kernel(layers: list, stacked: bool) -> _QuantizedHost | None:
   return _QuantizedHost(qvalue, scale)
 
 
+def _quantized_experts(layers: list, stacked: bool) -> _QuantizedHost | None:
+  """Routed experts ``[(layers,) experts, in, out]`` from per-expert HF weights that are all
+  stored :class:`~maxnnx.checkpoint.quantized.BlockScaled` in the same blocks, with one scale
+  per expert, output channel and tile of inputs (the form ``qwix.ragged_dot`` takes)."""
+  if not all(hasattr(array, 'pieces') for array, _, _ in layers):  # an ExpertStack
+    return None
+  forms = [[getattr(piece, 'stored', None) for piece in array.pieces] for array, _, _ in layers]
+  block = forms[0][0].block if forms[0][0] is not None else None
+  if any(f is None or f.block != block for per_layer in forms for f in per_layer):
+    return None
+  _, shape, _ = layers[0]
+  experts, cols, rows = shape
+  t_in, _ = _tile((cols,), block[1])
+  lead = (len(layers),) if stacked else ()
+  qvalue, scale = None, np.empty(lead + (experts, cols // t_in, rows), np.float32)
+  for i, (per_layer, (array, _, _)) in enumerate(zip(forms, layers)):
+    for e, form in enumerate(per_layer):
+      values = form.values(slice(None))
+      if qvalue is None:
+        qvalue = host_buffer(lead + shape, values.dtype)
+      elif values.dtype != qvalue.dtype:
+        return None  # stored in different types: loaded in float
+      (qvalue[i] if stacked else qvalue)[e] = values.T
+      del values
+      by_tile = form.scale[np.arange(rows) // block[0]][:, (np.arange(cols // t_in) * t_in)
+                                                         // block[1]]
+      (scale[i] if stacked else scale)[e] = by_tile.T
+      release(array)
+  return _QuantizedHost(qvalue, scale)
+
+
 def _tile(dims: tuple[int, ...], block: int) -> tuple[int, tuple[int, ...]]:
   """``(tile, scale shape)``: the largest ``tile`` dividing ``block`` and the flattened
   ``dims`` whose tiles are whole slices of the trailing axes or of one axis, and the shape a
@@ -662,14 +694,14 @@ def _scale_sharding(sharding, scale: np.ndarray):
 
 def _mark_quantized(model) -> int:
   """Mark every layer whose kernel loaded as a ``QArray`` with its mode (``fp8``, ``int8`` or
-  ``int4``, weights only), as ``quantize_for_inference`` does; the number marked."""
+  ``int4``, weights only), as ``quantize_for_inference`` does; the number of weights kept
+  quantized (routed experts, which need no mark, included)."""
   modes = {'float8_e4m3fn': 'fp8', 'float8_e5m2': 'fp8', 'int8': 'int8', 'int4': 'int4'}
-  marked = 0
   for _, module in nnx.iter_graph(model):
     if isinstance(module, DenseGeneral) and not isinstance(module.kernel[...], jax.Array):
       module.inference_quantization = modes[jnp.dtype(module.kernel[...].qtype).name]
-      marked += 1
-  return marked
+  return sum(not isinstance(var[...], jax.Array)
+             for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)))
 
 
 def _initial_value(path: tuple, var, stacks: dict) -> np.ndarray:
