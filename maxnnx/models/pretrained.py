@@ -130,8 +130,10 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
       fbgemm_fp8, compressed-tensors fp8/int8/int4) as they are stored, for inference:
       each kernel is a qwix ``QArray`` of the stored values and scales (see the module
       doc), its layer marked as :func:`~maxnnx.inference.quantize.quantize_for_inference`
-      marks one, and the model computes the dequantizing load's numbers. Other tensors
-      (embeddings, norms, routed experts) load as without it.
+      marks one, and the model computes the dequantizing load's numbers. Routed experts
+      stored one tensor per expert in such a form (DeepSeek's releases) are kept too, as
+      ``[experts, in, out]`` QArrays; other tensors (embeddings, norms, the head, MXFP4
+      experts) load as without it.
     **overrides: any other :class:`ModelConfig` field. ``mtp_num_layers``
       (or ``mtp={'num_layers': n}``)
       chooses how many multi-token-prediction layers to load (DeepSeek V3);
