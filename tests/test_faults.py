@@ -386,10 +386,14 @@ def test_generate_takes_sampling_controls_and_refuses_bad_ones_in_one_line(finis
 
 def test_generate_with_quantized_weights_and_a_mode_that_does_not_exist(finished, capsys):
   """quantization=int8 generates from int8 linear layers; quantization=int3 is refused in one
-  line naming the choices, before anything loads."""
+  line naming the choices, before anything loads; quantization=checkpoint over a float run is
+  refused in one line saying there is nothing stored quantized to keep."""
   assert cli.main(['generate', f'output_dir={finished}', 'prompt=KING:', 'temperature=0',
                    'max_new_tokens=4', 'quantization=int8']) == 0
   assert capsys.readouterr().out.strip()
   assert cli.main(['generate', f'output_dir={finished}', 'quantization=int3']) != 0
   line = _error_line(capsys.readouterr().err)
   assert "quantization='int3': expected one of int8, int4, fp8, w8a8" in line
+  # checkpoint: a quantized release's own weights, which a float run does not have
+  assert cli.main(['generate', f'output_dir={finished}', 'quantization=checkpoint']) != 0
+  assert 'keep_quantized=True: ' in _error_line(capsys.readouterr().err)
