@@ -267,12 +267,36 @@ def test_kept_quantized_experts_are_each_experts_stored_values_and_scales():
                                   np.asarray(plain[path][...]))
 
 
+def test_kept_mxfp4_experts_are_the_stored_codes_and_give_the_dequantized_logits():
+  """GPT-OSS's MXFP4 experts (gate and up interleaved in one stored tensor) become float4_e2m1fn
+  QArrays: the codes are the stored nibbles, the scales ``2 ** (s - 127)`` per 32 inputs, so
+  dequantizing gives the float32 experts of a dequantizing load and the logits are equal."""
+  directory = os.path.join(QUANTIZED, 'gpt_oss_mxfp4')
+  ref = _reference('gpt_oss_mxfp4')
+  kept = maxnnx.from_pretrained(directory, dtype='float32', keep_quantized=True)
+  plain_model = maxnnx.from_pretrained(directory, dtype='float32')
+  plain = dict(nnx.to_flat_state(nnx.state(plain_model, nnx.Param)))
+  experts = _kept_kernels(kept)
+  assert {path[-1] for path in experts} == {'gate_proj', 'up_proj', 'down_proj'}
+  blocks = read_safetensors_dir(directory)['model.layers.0.mlp.experts.down_proj_blocks'][1]
+  down = experts[('layers', 0, 'mlp', 'experts', 'down_proj')]
+  low = np.asarray(down.qvalue)[:, 0::2, :].view(np.uint8) & 0x0F  # inputs 0, 2, 4... of each row
+  stored_low = (np.asarray(blocks) & 0x0F).reshape(blocks.shape[0], blocks.shape[1], -1)
+  np.testing.assert_array_equal(low, np.swapaxes(stored_low, -1, -2))  # [experts, in/2, out]
+  for path, qarray in experts.items():
+    assert qarray.qvalue.dtype == jnp.float4_e2m1fn
+    np.testing.assert_array_equal(np.asarray(qwix.dequantize(qarray)),
+                                  np.asarray(plain[path][...]))
+  assert param_bytes(kept) < 0.6 * param_bytes(plain_model)
+  logits = np.asarray(kept(ref['input_ids']))
+  assert rel_error(logits, plain_model(ref['input_ids'])) < 1e-6
+
+
 def test_keep_quantized_is_refused_where_nothing_is_stored_in_a_kept_form():
-  """MXFP4 (only the routed experts are quantized) and a float checkpoint: one error saying
-  what to do; a kept model is not quantized a second time."""
-  for case in (os.path.join(QUANTIZED, 'gpt_oss_mxfp4'), os.path.join(FIXTURES, 'llama')):
-    with pytest.raises(maxnnx.PretrainedError, match='keep_quantized=True: .* load it without'):
-      maxnnx.from_pretrained(case, keep_quantized=True)
+  """A float checkpoint: one error saying what to do; a kept model is not quantized a second
+  time."""
+  with pytest.raises(maxnnx.PretrainedError, match='keep_quantized=True: .* load it without'):
+    maxnnx.from_pretrained(os.path.join(FIXTURES, 'llama'), keep_quantized=True)
   with pytest.raises(ValueError, match="keep_quantized='yes': expected True or False"):
     maxnnx.from_pretrained(os.path.join(FIXTURES, 'llama'), keep_quantized='yes')
   kept = maxnnx.from_pretrained(os.path.join(QUANTIZED, 'qwen3_fp8'), keep_quantized=True)

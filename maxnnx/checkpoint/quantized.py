@@ -89,6 +89,35 @@ class BlockScaled:
   block: tuple[int, int]
 
 
+@dataclasses.dataclass(frozen=True)
+class MXStored:
+  """MXFP4 experts as stored: ``blocks`` ``[..., rows, groups, 16]`` (two e2m1 codes a byte, low
+  nibble first) and e8m0 ``scales`` ``[..., rows, groups]``; the weight they stand for is
+  ``[..., groups * 32, rows]`` (see :func:`dequantize_mxfp4`).
+
+  Attributes:
+    blocks: the packed codes (a memory-mapped array or a view of one).
+    scales: the exponents.
+  """
+
+  blocks: np.ndarray
+  scales: np.ndarray
+
+  def codes(self) -> np.ndarray:
+    """float4_e2m1fn ``[..., groups * 32, rows]``: the stored values, unpacked, in the layout of
+    the weight."""
+    blocks = np.asarray(self.blocks)
+    out = np.empty(blocks.shape[:-1] + (blocks.shape[-1] * 2,), np.uint8)
+    out[..., 0::2], out[..., 1::2] = blocks & 0x0F, blocks >> 4
+    out = out.reshape(blocks.shape[:-2] + (-1,)).view(ml_dtypes.float4_e2m1fn)
+    return np.swapaxes(out, -1, -2)
+
+  def scale(self) -> np.ndarray:
+    """float32 ``[..., groups, rows]``: ``2 ** (s - 127)``, one per 32 values of a row."""
+    exponents = np.asarray(self.scales).astype(np.int32) - 127
+    return np.swapaxes(np.ldexp(np.float32(1), exponents).astype(np.float32), -1, -2)
+
+
 class Dequantized:
   """A quantized tensor seen as the float32 array it stands for, computed when read.
 
@@ -99,14 +128,14 @@ class Dequantized:
   Attributes:
     shape: the dequantized shape.
     parts: the stored arrays it is computed from.
-    stored: the stored form as a :class:`BlockScaled`, or ``None`` (MXFP4, a weight of more
-      than two axes, an indexed view).
+    stored: the stored form: a :class:`BlockScaled` (a 2-D weight), an :class:`MXStored`
+      (MXFP4 experts, also after selecting output columns), or ``None``.
   """
 
   dtype = np.dtype(np.float32)
 
   def __init__(self, shape: tuple[int, ...], compute: Callable[[], np.ndarray],
-               parts: tuple[np.ndarray, ...], stored: BlockScaled | None = None):
+               parts: tuple[np.ndarray, ...], stored: BlockScaled | MXStored | None = None):
     self.shape = tuple(int(n) for n in shape)
     self._compute = compute
     self.parts = parts
@@ -128,7 +157,12 @@ class Dequantized:
 
   def __getitem__(self, index) -> Dequantized:
     shape = np.broadcast_to(np.zeros((), np.float32), self.shape)[index].shape
-    return Dequantized(shape, lambda: self._compute()[index], self.parts)
+    stored = None
+    if (isinstance(self.stored, MXStored) and isinstance(index, tuple) and len(index) == 2
+        and index[0] is Ellipsis and isinstance(index[1], slice)):
+      columns = index[1]  # output columns are the stored rows (GPT-OSS's gate/up interleave)
+      stored = MXStored(self.stored.blocks[..., columns, :, :], self.stored.scales[..., columns, :])
+    return Dequantized(shape, lambda: self._compute()[index], self.parts, stored)
 
   def release(self) -> None:
     """Drop the resident file pages of the stored parts."""
@@ -463,7 +497,8 @@ def _read_mxfp4(tensors: TensorDict, quant: Mapping, where: str) -> TensorDict:
           'and uint8 [..., rows, groups].')
     shape = blocks.shape[:-3] + (blocks.shape[-2] * MX_GROUP, blocks.shape[-3])
     tensors[name] = (source, Dequantized(
-        shape, lambda b=blocks, s=scales: dequantize_mxfp4(b, s), (blocks, scales)))
+        shape, lambda b=blocks, s=scales: dequantize_mxfp4(b, s), (blocks, scales),
+        MXStored(blocks, scales)))
   leftover = [n for n in tensors if n.endswith('_scales')]
   if leftover:
     raise QuantizationError(f"{tensors[leftover[0]][0]}: '{leftover[0]}' has no blocks "
@@ -508,6 +543,6 @@ def quantize_tensors(tensors: dict[str, np.ndarray], quant: Mapping[str, Any]
                           "(block-wise) and 'mxfp4'.")
 
 
-__all__ = ['BlockScaled', 'Dequantized', 'QuantizationError', 'dequantize_checkpoint',
+__all__ = ['BlockScaled', 'Dequantized', 'MXStored', 'QuantizationError', 'dequantize_checkpoint',
            'dequantize_fp8_blocks', 'dequantize_mxfp4', 'quantize_fp8_blocks', 'quantize_mxfp4',
            'quantize_tensors', 'release', 'unpack_int32']

@@ -47,7 +47,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxnnx import paths
 from maxnnx.checkpoint.quantized import (
+  MX_GROUP,
   Dequantized,
+  MXStored,
   QuantizationError,
   dequantize_checkpoint,
   quantize_tensors,
@@ -127,13 +129,14 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
       places them).
     rules: logical axis -> mesh axes, overriding the default rules.
     keep_quantized: keep the linear layers' weights of a quantized release (fp8 blocks,
-      fbgemm_fp8, compressed-tensors fp8/int8/int4) as they are stored, for inference:
+      fbgemm_fp8, compressed-tensors fp8/int8/int4) and its MXFP4 experts as they are
+      stored, for inference:
       each kernel is a qwix ``QArray`` of the stored values and scales (see the module
       doc), its layer marked as :func:`~maxnnx.inference.quantize.quantize_for_inference`
       marks one, and the model computes the dequantizing load's numbers. Routed experts
-      stored one tensor per expert in such a form (DeepSeek's releases) are kept too, as
-      ``[experts, in, out]`` QArrays; other tensors (embeddings, norms, the head, MXFP4
-      experts) load as without it.
+      stored one tensor per expert in such a form (DeepSeek's releases) and MXFP4 experts
+      (GPT-OSS) are kept too, as ``[experts, in, out]`` QArrays; other tensors (embeddings,
+      norms, the head) load as without it.
     **overrides: any other :class:`ModelConfig` field. ``mtp_num_layers``
       (or ``mtp={'num_layers': n}``)
       chooses how many multi-token-prediction layers to load (DeepSeek V3);
@@ -158,8 +161,8 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   model = nnx.merge(graphdef, state)
   if keep_quantized and not _mark_quantized(model):
     raise PretrainedError(
-        f'keep_quantized=True: {directory} holds no linear weight stored in a form kept '
-        'quantized (fp8 blocks, fbgemm_fp8, compressed-tensors); load it without '
+        f'keep_quantized=True: {directory} holds no weight stored in a form kept quantized '
+        '(fp8 blocks, fbgemm_fp8, compressed-tensors, MXFP4 experts); load it without '
         'keep_quantized (dequantized), or quantize it with quantize_for_inference.')
   return model
 
@@ -624,10 +627,38 @@ def _quantized_kernel(layers: list, stacked: bool) -> _QuantizedHost | None:
   return _QuantizedHost(qvalue, scale)
 
 
+def _mx_experts(layers: list, stacked: bool) -> _QuantizedHost | None:
+  """Routed experts ``[(layers,) experts, in, out]`` stored as MXFP4
+  (:class:`~maxnnx.checkpoint.quantized.MXStored`): float4_e2m1fn values (a byte each on the
+  host) and a power-of-two float32 scale per 32 inputs of an output channel."""
+  forms = [getattr(array, 'stored', None) for array, _, _ in layers]
+  if not all(isinstance(f, MXStored) for f in forms):
+    return None
+  _, shape, _ = layers[0]
+  lead = (len(layers),) if stacked else ()
+  qvalue = host_buffer(lead + shape, ml_dtypes.float4_e2m1fn)
+  scale = np.empty(lead + shape[:-2] + (shape[-2] // MX_GROUP, shape[-1]), np.float32)
+  for i, (form, (array, _, _)) in enumerate(zip(forms, layers)):
+    for e in range(shape[0]):  # an expert at a time
+      one = MXStored(form.blocks[e], form.scales[e])
+      (qvalue[i] if stacked else qvalue)[e] = one.codes()
+      (scale[i] if stacked else scale)[e] = one.scale()
+      release(array)
+  return _QuantizedHost(qvalue, scale)
+
+
 def _quantized_experts(layers: list, stacked: bool) -> _QuantizedHost | None:
   """Routed experts ``[(layers,) experts, in, out]`` from per-expert HF weights that are all
   stored :class:`~maxnnx.checkpoint.quantized.BlockScaled` in the same blocks, with one scale
   per expert, output channel and tile of inputs (the form ``qwix.ragged_dot`` takes)."""
+  if layers[0][2] is None and len(layers[0][1]) == 3:
+    return _mx_experts(layers, stacked) if not hasattr(layers[0][0], 'pieces') else (
+        _block_experts(layers, stacked))
+  return None
+
+
+def _block_experts(layers: list, stacked: bool) -> _QuantizedHost | None:
+  """See :func:`_quantized_experts`: the experts of ``ExpertStack`` views."""
   if not all(hasattr(array, 'pieces') for array, _, _ in layers):  # an ExpertStack
     return None
   forms = [[getattr(piece, 'stored', None) for piece in array.pieces] for array, _, _ in layers]
