@@ -293,7 +293,7 @@ def test_save_writes_the_hub_layout_and_round_trips(tmp_path, deepseek):
 def test_loading_with_fewer_mtp_layers_skips_those_tensors(tmp_path, caplog, deepseek):
   model = deepseek
   maxnnx.save_pretrained(model, str(tmp_path))
-  with caplog.at_level(logging.INFO, logger='maxnnx.models.pretrained'):
+  with caplog.at_level(logging.INFO, logger='maxnnx.models'):
     plain = maxnnx.from_pretrained(str(tmp_path), mtp_num_layers=0)
     one = maxnnx.from_pretrained(str(tmp_path), mtp_num_layers=1)
   assert plain.mtp is None and len(one.mtp) == 1
@@ -310,7 +310,7 @@ def test_loading_with_fewer_mtp_layers_skips_those_tensors(tmp_path, caplog, dee
 def test_transformers_checkpoint_without_mtp_tensors_loads_without_mtp(caplog):
   """transformers drops MTP tensors but keeps num_nextn_predict_layers in config.json."""
   assert maxnnx.config_from_pretrained(FIXTURE).mtp.num_layers == 1
-  with caplog.at_level(logging.INFO, logger='maxnnx.models.pretrained'):
+  with caplog.at_level(logging.INFO, logger='maxnnx.models'):
     model = maxnnx.from_pretrained(FIXTURE)
   assert model.config.mtp.num_layers == 0 and model.mtp is None
   assert any('holds tensors for 0' in r.getMessage() for r in caplog.records)

@@ -202,3 +202,11 @@ def write_sharded(directory: str, tensors: Mapping[str, np.ndarray],
   return names
 
 
+CHUNK_BYTES = 4 << 20  # of a file tensor read before its pages are released
+
+
+def row_chunks(num_rows: int, row_bytes: int) -> list[slice]:
+  """Slices of ``num_rows`` rows of about :data:`CHUNK_BYTES` each (a tensor copied a chunk at
+  a time, releasing the file's pages behind it)."""
+  step = max(1, CHUNK_BYTES // max(1, row_bytes))
+  return [slice(start, start + step) for start in range(0, num_rows, step)]

@@ -33,23 +33,19 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import re
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from maxnnx import paths
 from maxnnx.checkpoint.quantized import (
-  MX_GROUP,
   Dequantized,
-  MXStored,
   QuantizationError,
   dequantize_checkpoint,
   quantize_tensors,
@@ -60,6 +56,7 @@ from maxnnx.checkpoint.safetensors import (
   host_buffer,
   plan_shards,
   read_safetensors_dir,
+  row_chunks,
   write_safetensors,
   write_sharded,
 )
@@ -75,6 +72,14 @@ from maxnnx.models.hf import (
   hf_layer_path,
   load_config_json,
 )
+from maxnnx.models.kept_quantized import (
+  QuantizedHost,
+  mark_quantized,
+  quantized_experts,
+  quantized_kernel,
+  scale_sharding,
+)
+from maxnnx.models.mtp_tensors import check_mtp_copies, choose_mtp_layers
 from maxnnx.models.registry import FAMILIES
 from maxnnx.models.transformer import Transformer, layer_stacks
 from maxnnx.processes import allgather_bytes, barrier, host_value, is_primary, place_host_value
@@ -159,7 +164,7 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
   shardings = _shardings(abstract_state, mesh, rules)
   state = _place_params(sources, abstract_state, cfg, shardings, keep_quantized)
   model = nnx.merge(graphdef, state)
-  if keep_quantized and not _mark_quantized(model):
+  if keep_quantized and not mark_quantized(model):
     raise PretrainedError(
         f'keep_quantized=True: {directory} holds no weight stored in a form kept quantized '
         '(fp8 blocks, fbgemm_fp8, compressed-tensors, MXFP4 experts); load it without '
@@ -205,7 +210,7 @@ def _read_sources(directory: str, overrides: dict):
   except QuantizationError as e:
     raise PretrainedError(str(e)) from None
   mtp_chosen = any(key in overrides for key in ('mtp_num_layers', 'mtp.num_layers', 'mtp'))
-  cfg, skipped = _choose_mtp_layers(cfg, family, tensors, mtp_chosen, directory)
+  cfg, skipped = choose_mtp_layers(cfg, family, tensors, mtp_chosen, directory)
   if family.unfuse is not None:
     tensors = family.unfuse(tensors, cfg)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -223,7 +228,7 @@ def _read_sources(directory: str, overrides: dict):
     kernel_n_in = n_in[_module_key(path)] if path[-1] == 'kernel' else None
     _check_hf_shape(array, shape, kernel_n_in, name, source)
     sources[path] = (array, shape, kernel_n_in)
-  used |= _check_mtp_copies(tensors, cfg)
+  used |= check_mtp_copies(tensors, cfg)
   unexpected = sorted(n for n in tensors if n not in used and not IGNORED_HF_TENSORS.match(n)
                       and not (cfg.tie_word_embeddings and n == 'lm_head.weight')
                       and not skipped.match(n))
@@ -330,46 +335,6 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
 # -- multi-token prediction ----------------------------------------------------------------------
 
 
-def _choose_mtp_layers(cfg: ModelConfig, family: Family, tensors, explicit: bool, directory: str
-                       ) -> tuple[ModelConfig, re.Pattern]:
-  """``cfg`` with the MTP layers to load, and a pattern of stored layers to skip."""
-  pattern = re.compile(r'model\.layers\.(\d+)\.')
-  stored = len({int(m.group(1)) for n in tensors if (m := pattern.match(n))
-                and int(m.group(1)) >= cfg.num_layers}) if family.mtp else 0
-  wanted = cfg.mtp.num_layers
-  if wanted > stored:
-    if explicit:
-      holds = (f'holds multi-token-prediction tensors for {stored} layer(s)' if family.mtp
-               else f'is a {cfg.family} checkpoint, which has no multi-token-prediction layers')
-      raise PretrainedError(f'{directory}: mtp.num_layers={wanted} but the checkpoint {holds}; '
-                            f'pass mtp_num_layers={stored} or fewer.')
-    logger.info('%s: config.json declares %d multi-token-prediction layer(s) but the '
-                'checkpoint holds tensors for %d; loading those.', directory, wanted, stored)
-    cfg = cfg.replace(mtp={'num_layers': stored})
-  elif wanted < stored:
-    logger.info('%s: skipping %d of the checkpoint\'s %d multi-token-prediction layer(s) '
-                '(mtp.num_layers=%d).', directory, stored - wanted, stored, wanted)
-  first_skipped = cfg.num_layers + cfg.mtp.num_layers
-  skipped = '|'.join(str(i) for i in range(first_skipped, cfg.num_layers + stored)) or '(?!)'
-  return cfg, re.compile(rf'model\.layers\.({skipped})\.')
-
-
-def _check_mtp_copies(tensors, cfg: ModelConfig) -> set[str]:
-  """Names of the embedding/head copies in loaded MTP layers; the model shares the
-  main ones, so a copy that differs is reported."""
-  names = set()
-  for k in range(cfg.mtp.num_layers):
-    for suffix, main in MTP_SHARED_COPIES.items():
-      main = 'model.embed_tokens.weight' if cfg.tie_word_embeddings else main
-      name = f'model.layers.{cfg.num_layers + k}.{suffix}'
-      if name in tensors:
-        names.add(name)
-        if not np.array_equal(np.asarray(tensors[name][1]), np.asarray(tensors[main][1])):
-          logger.warning('%s: %s differs from %s; the MTP module uses the main model\'s '
-                         '(shared, as DeepSeek V3 trains it).', tensors[name][0], name, main)
-  return names
-
-
 # -- tensor layout ------------------------------------------------------------------------------
 
 
@@ -410,7 +375,6 @@ def _check_hf_shape(array: np.ndarray, shape: tuple, n_in: int | None, name: str
                           f'implies {shape}.')
 
 
-CHUNK_BYTES = 4 << 20  # of a file tensor read before its pages are released
 
 
 def _hf_to_ours(array: np.ndarray, shape: tuple, n_in: int | None, out: np.ndarray) -> None:
@@ -429,15 +393,9 @@ def _hf_to_ours(array: np.ndarray, shape: tuple, n_in: int | None, out: np.ndarr
   if array.ndim == 0:
     target[...] = array
     return
-  for rows in _row_chunks(array.shape[0], array.nbytes // max(1, array.shape[0])):
+  for rows in row_chunks(array.shape[0], array.nbytes // max(1, array.shape[0])):
     target[rows] = array[rows]
     release(array)
-
-
-def _row_chunks(num_rows: int, row_bytes: int) -> list[slice]:
-  """Slices of ``num_rows`` rows of about :data:`CHUNK_BYTES` each."""
-  step = max(1, CHUNK_BYTES // max(1, row_bytes))
-  return [slice(start, start + step) for start in range(0, num_rows, step)]
 
 
 def _ours_to_hf(array: np.ndarray, n_in: int | None, leaf: str) -> np.ndarray:
@@ -544,10 +502,10 @@ def _place_params(sources: dict, abstract_state, cfg: ModelConfig, shardings: di
   placed = []
   for path, var, host in _host_params(sources, abstract_state, cfg, keep_quantized):
     sharding = None if shardings is None else shardings[path].get_value()
-    if isinstance(host, _QuantizedHost):
+    if isinstance(host, QuantizedHost):
       import qwix  # noqa: PLC0415  (a slow import, for kept-quantized loads only)
       value = qwix.QArray(place_host_value(host.qvalue, sharding),
-                          place_host_value(host.scale, _scale_sharding(sharding, host.scale)),
+                          place_host_value(host.scale, scale_sharding(sharding, host.scale)),
                           qtype=jnp.dtype(host.qvalue.dtype))
     else:
       value = place_host_value(host, sharding)
@@ -556,19 +514,12 @@ def _place_params(sources: dict, abstract_state, cfg: ModelConfig, shardings: di
   return nnx.from_flat_state(placed)
 
 
-class _QuantizedHost(NamedTuple):
-  """A kernel kept quantized, on the host: stored values and scales in the kernel's layout."""
-
-  qvalue: np.ndarray
-  scale: np.ndarray
-
-
 def _host_params(sources: dict, abstract_state, cfg: ModelConfig, keep_quantized: bool = False):
   """``(path, abstract variable, host value)`` of every variable, made one at a time: each
   parameter converted from its HF tensor(s), whose file pages are then released; other
   variables (MoE routing statistics) zeros. With ``keep_quantized``, a kernel whose tensors
   are all stored
-  :class:`~maxnnx.checkpoint.quantized.BlockScaled` comes as a :class:`_QuantizedHost`."""
+  :class:`~maxnnx.checkpoint.quantized.BlockScaled` comes as a :class:`QuantizedHost`."""
   stacks = _stacks(cfg)
   for path, var in nnx.to_flat_state(abstract_state):
     if not isinstance(var, nnx.Param):
@@ -579,8 +530,8 @@ def _host_params(sources: dict, abstract_state, cfg: ModelConfig, keep_quantized
       layers = [sources[('layers', start + i, *path[1:])] for i in range(count)]
     else:
       layers = [sources[tuple(path)]]
-    if keep_quantized and (quantized := _quantized_kernel(layers, path[0] in stacks)
-                           or _quantized_experts(layers, path[0] in stacks)):
+    if keep_quantized and (quantized := quantized_kernel(layers, path[0] in stacks)
+                           or quantized_experts(layers, path[0] in stacks)):
       yield path, var, quantized
       del quantized
       continue
@@ -592,149 +543,6 @@ def _host_params(sources: dict, abstract_state, cfg: ModelConfig, keep_quantized
     del parts
     yield path, var, host
     del host
-
-
-def _quantized_kernel(layers: list, stacked: bool) -> _QuantizedHost | None:
-  """The kernel of ``layers``' HF tensors (one per stacked layer) with their stored values and
-  scales, if every one is a linear weight stored
-  :class:`~maxnnx.checkpoint.quantized.BlockScaled` in the same blocks."""
-  forms = [getattr(array, 'stored', None) for array, _, _ in layers]
-  _, shape, n_in = layers[0]
-  if n_in is None or any(f is None or f.block != forms[0].block for f in forms):
-    return None
-  in_dims, out_dims = shape[:n_in], shape[n_in:]
-  cols, rows = math.prod(in_dims), math.prod(out_dims)
-  (t_out, out_scale), (t_in, in_scale) = (_tile(out_dims, forms[0].block[0]),
-                                          _tile(in_dims, forms[0].block[1]))
-  lead = (len(layers),) if stacked else ()
-  qvalue, scale = None, np.empty(lead + in_scale + out_scale, np.float32)
-  for i, (form, (array, _, _)) in enumerate(zip(forms, layers)):
-    for chunk in _row_chunks(rows, 4 * cols):  # (int4 is unpacked through int32)
-      values = form.values(chunk)
-      if qvalue is None:
-        qvalue = host_buffer(lead + shape, values.dtype)
-      elif values.dtype != qvalue.dtype:
-        return None  # layers stored in different types: loaded in float
-      # [out, in] rows of the file -> columns of the [in, out] kernel (a view of qvalue)
-      (qvalue[i] if stacked else qvalue).reshape(cols, rows).T[chunk] = values
-      del values
-      release(array)
-    br, bc = form.block
-    by_tile = form.scale[(np.arange(rows // t_out) * t_out) // br][
-        :, (np.arange(cols // t_in) * t_in) // bc]
-    (scale[i] if stacked else scale)[...] = by_tile.T.reshape(in_scale + out_scale)
-    release(array)
-  return _QuantizedHost(qvalue, scale)
-
-
-def _mx_experts(layers: list, stacked: bool) -> _QuantizedHost | None:
-  """Routed experts ``[(layers,) experts, in, out]`` stored as MXFP4
-  (:class:`~maxnnx.checkpoint.quantized.MXStored`): float4_e2m1fn values (a byte each on the
-  host) and a power-of-two float32 scale per 32 inputs of an output channel."""
-  forms = [getattr(array, 'stored', None) for array, _, _ in layers]
-  if not all(isinstance(f, MXStored) for f in forms):
-    return None
-  _, shape, _ = layers[0]
-  lead = (len(layers),) if stacked else ()
-  qvalue = host_buffer(lead + shape, ml_dtypes.float4_e2m1fn)
-  scale = np.empty(lead + shape[:-2] + (shape[-2] // MX_GROUP, shape[-1]), np.float32)
-  for i, (form, (array, _, _)) in enumerate(zip(forms, layers)):
-    for e in range(shape[0]):  # an expert at a time
-      one = MXStored(form.blocks[e], form.scales[e])
-      (qvalue[i] if stacked else qvalue)[e] = one.codes()
-      (scale[i] if stacked else scale)[e] = one.scale()
-      release(array)
-  return _QuantizedHost(qvalue, scale)
-
-
-def _quantized_experts(layers: list, stacked: bool) -> _QuantizedHost | None:
-  """Routed experts ``[(layers,) experts, in, out]`` from per-expert HF weights that are all
-  stored :class:`~maxnnx.checkpoint.quantized.BlockScaled` in the same blocks, with one scale
-  per expert, output channel and tile of inputs (the form ``qwix.ragged_dot`` takes)."""
-  if layers[0][2] is None and len(layers[0][1]) == 3:
-    return _mx_experts(layers, stacked) if not hasattr(layers[0][0], 'pieces') else (
-        _block_experts(layers, stacked))
-  return None
-
-
-def _block_experts(layers: list, stacked: bool) -> _QuantizedHost | None:
-  """See :func:`_quantized_experts`: the experts of ``ExpertStack`` views."""
-  if not all(hasattr(array, 'pieces') for array, _, _ in layers):  # an ExpertStack
-    return None
-  forms = [[getattr(piece, 'stored', None) for piece in array.pieces] for array, _, _ in layers]
-  block = forms[0][0].block if forms[0][0] is not None else None
-  if any(f is None or f.block != block for per_layer in forms for f in per_layer):
-    return None
-  _, shape, _ = layers[0]
-  experts, cols, rows = shape
-  t_in, _ = _tile((cols,), block[1])
-  lead = (len(layers),) if stacked else ()
-  qvalue, scale = None, np.empty(lead + (experts, cols // t_in, rows), np.float32)
-  for i, (per_layer, (array, _, _)) in enumerate(zip(forms, layers)):
-    for e, form in enumerate(per_layer):
-      values = form.values(slice(None))
-      if qvalue is None:
-        qvalue = host_buffer(lead + shape, values.dtype)
-      elif values.dtype != qvalue.dtype:
-        return None  # stored in different types: loaded in float
-      (qvalue[i] if stacked else qvalue)[e] = values.T
-      del values
-      by_tile = form.scale[np.arange(rows) // block[0]][:, (np.arange(cols // t_in) * t_in)
-                                                         // block[1]]
-      (scale[i] if stacked else scale)[e] = by_tile.T
-      release(array)
-  return _QuantizedHost(qvalue, scale)
-
-
-def _tile(dims: tuple[int, ...], block: int) -> tuple[int, tuple[int, ...]]:
-  """``(tile, scale shape)``: the largest ``tile`` dividing ``block`` and the flattened
-  ``dims`` whose tiles are whole slices of the trailing axes or of one axis, and the shape a
-  scale of one value per tile has over ``dims`` (what qwix broadcasts)."""
-  common = math.gcd(math.prod(dims), block)
-  for tile in sorted((t for t in range(1, common + 1) if common % t == 0), reverse=True):
-    left, scale = tile, []
-    for n in reversed(dims):
-      if left == 1:
-        scale.append(n)
-      elif left % n == 0:
-        scale.append(1)
-        left //= n
-      elif n % left == 0:
-        scale.append(n // left)
-        left = 1
-      else:
-        break
-    else:
-      if left == 1:
-        return tile, tuple(reversed(scale))
-  raise AssertionError('a tile of 1 always fits')  # pragma: no cover
-
-
-def _scale_sharding(sharding, scale: np.ndarray):
-  """The kernel's sharding for its (smaller) scale: an axis stays split where the scale's
-  length divides over its mesh axes, and is replicated where it does not."""
-  if sharding is None:
-    return None
-  spec = tuple(sharding.spec) + (None,) * (scale.ndim - len(sharding.spec))
-
-  def fits(entry, n):
-    names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-    return n % math.prod(sharding.mesh.shape[a] for a in names) == 0
-
-  return NamedSharding(sharding.mesh, PartitionSpec(
-      *(entry if fits(entry, n) else None for entry, n in zip(spec, scale.shape))))
-
-
-def _mark_quantized(model) -> int:
-  """Mark every layer whose kernel loaded as a ``QArray`` with its mode (``fp8``, ``int8`` or
-  ``int4``, weights only), as ``quantize_for_inference`` does; the number of weights kept
-  quantized (routed experts, which need no mark, included)."""
-  modes = {'float8_e4m3fn': 'fp8', 'float8_e5m2': 'fp8', 'int8': 'int8', 'int4': 'int4'}
-  for _, module in nnx.iter_graph(model):
-    if isinstance(module, DenseGeneral) and not isinstance(module.kernel[...], jax.Array):
-      module.inference_quantization = modes[jnp.dtype(module.kernel[...].qtype).name]
-  return sum(not isinstance(var[...], jax.Array)
-             for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)))
 
 
 def _initial_value(path: tuple, var, stacks: dict) -> np.ndarray:
