@@ -87,6 +87,11 @@ What it does, per fixture (the table is ``FIXTURES``; LAYOUT.md describes the re
    more step and ``<fixture>/next_step/`` gets the parameters after it, the batch,
    the step's learning rate and its logged loss (LAYOUT.md, "MaxText's next step").
 
+5. ``--check-written ITEMS --only NAME``: MaxText's own forward passes (Linen and NNX), as
+   in 3, on a checkpoint maxnnx wrote (``python -m maxnnx convert ... format=maxtext``;
+   ``ITEMS`` is its ``<dst>/0/items``) from fixture ``NAME``; prints how far their logits are
+   from the fixture's. Nothing is written to ``--out``.
+
 Reruns give bit-identical arrays and logits; orbax's file bytes (manifests,
 timestamps, chunk names) differ from run to run.
 
@@ -94,6 +99,7 @@ Usage::
 
     python make_fixtures.py --maxtext-src SRC --work SCRATCH [--out DIR] [--only NAME ...]
     python make_fixtures.py --maxtext-src SRC --work SCRATCH --next-step [--only NAME ...]
+    python make_fixtures.py --maxtext-src SRC --work SCRATCH --check-written ITEMS --only NAME
 """
 
 from __future__ import annotations
@@ -562,6 +568,24 @@ def keys_txt(step_dir, out_txt):
     f.write("\n".join(lines) + "\n")
 
 
+def check_written(src, work, out, name, items):
+  """MaxText's forward passes on ``items`` (a checkpoint maxnnx wrote from fixture ``name``),
+  against the fixture's logits; returns the largest absolute difference of each mode."""
+  import numpy as np
+
+  fixture = os.path.join(out, name)
+  with open(os.path.join(fixture, "overrides.txt"), encoding="utf-8") as f:
+    overrides = [line.strip() for line in f if line.strip()]
+  want = np.load(os.path.join(fixture, "logits.npy"))
+  gaps = {}
+  for mode in FIXTURES[name][3]:
+    out_npy = os.path.join(work, f"{name}.written.{mode}.logits.npy")
+    forward(src, work, f"{name}_written", mode, overrides, items, out_npy)
+    gaps[mode] = float(np.abs(np.load(out_npy) - want).max())
+    print(f"{name}: MaxText's {mode} forward on {items}: max |logits - fixture| = {gaps[mode]}")
+  return gaps
+
+
 def next_step(src, work, out, name, step, extra):
   """MaxText's trainer takes one more step from fixture ``name``'s ``checkpoints/<step>``;
   ``<fixture>/next_step/`` gets the parameters after it (``params.npz``, MaxText's tree paths
@@ -657,8 +681,18 @@ def main():
     action="store_true",
     help="only MaxText's next step from the NEXT_STEP fixtures already in --out",
   )
+  p.add_argument(
+    "--check-written",
+    metavar="ITEMS",
+    help="MaxText's forward on a checkpoint maxnnx wrote from the --only fixture",
+  )
   a = p.parse_args()
   os.makedirs(a.work, exist_ok=True)
+  if a.check_written:
+    if not a.only or len(a.only) != 1:
+      raise SystemExit("--check-written needs --only NAME: the fixture it was written from")
+    check_written(a.maxtext_src, a.work, a.out, a.only[0], a.check_written)
+    return
   if a.next_step:
     for name, (step, extra) in NEXT_STEP.items():
       if a.only and name not in a.only:
