@@ -612,7 +612,9 @@ def test_sigterm_lets_the_requests_in_flight_finish(model_dir):
     url = f'http://127.0.0.1:{port}'
     deadline = time.monotonic() + 120
     while True:
-      assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+      if process.poll() is not None or time.monotonic() > deadline:
+        process.kill()  # so that reading its output ends
+        pytest.fail(f'the server did not become healthy:\n{process.stdout.read().decode()}')
       with contextlib.suppress(httpx.TransportError):
         if httpx.get(f'{url}/health').status_code == 200:
           break
