@@ -606,7 +606,7 @@ def test_sigterm_lets_the_requests_in_flight_finish(model_dir):
       [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get(
           'PYTHONPATH', '')])}
   process = subprocess.Popen([sys.executable, '-m', 'maxnnx', 'serve', f'model={model_dir}',
-                              f'port={port}', f'served_model_name={NAME}', 'max_model_len=128'],
+                              f'port={port}', f'served_model_name={NAME}', 'max_model_len=512'],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   try:
     url = f'http://127.0.0.1:{port}'
@@ -619,7 +619,9 @@ def test_sigterm_lets_the_requests_in_flight_finish(model_dir):
         if httpx.get(f'{url}/health').status_code == 200:
           break
       time.sleep(0.2)
-    body = {'model': NAME, 'prompt': 'hi', 'max_tokens': 120, 'ignore_eos': True,
+    # Long enough that the stream still runs when the signal is handled (uvicorn looks every
+    # 0.1 s; a warm engine streams a 1-layer model's 120 tokens in less).
+    body = {'model': NAME, 'prompt': 'hi', 'max_tokens': 480, 'ignore_eos': True,
             'temperature': 0, 'stream': True}
     with httpx.stream('POST', f'{url}/v1/completions', json=body, timeout=60) as response:
       lines = response.iter_lines()
