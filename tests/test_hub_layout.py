@@ -129,5 +129,5 @@ def test_the_split_is_a_data_key_and_eval_reads_the_held_out_one(tmp_path):
   assert (config.split, config.config_name) == ('test', 'en')
   with pytest.raises(ValueError, match='DataConfig.split must name a split'):
     DataConfig.from_string(str(tmp_path), split='|')
-  from maxnnx.train.runner import RUN_SETTINGS
+  from maxnnx.train.run_settings import RUN_SETTINGS
   assert RUN_SETTINGS['eval_split'][0] == 'validation|test'

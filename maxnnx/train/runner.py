@@ -26,11 +26,8 @@ from maxnnx import paths
 from maxnnx.config import ModelConfig, check_expert_split
 from maxnnx.data.protocol import HasEvalBatches
 from maxnnx.train import export
-from maxnnx.train.run_settings import (  # noqa: F401 (PROCESS_SETTINGS... re-exported)
+from maxnnx.train.run_settings import (
     PRETRAINING,
-    PROCESS_SETTINGS,
-    RUN_SETTINGS,
-    RUN_TRAIN_DEFAULTS,
     RunRecipe,
     run_settings,
     split_settings,
