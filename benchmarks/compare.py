@@ -78,11 +78,24 @@ def run_all(configs: list[str], frameworks: list[str], steps: int, json_path: st
   return failures
 
 
+def label(record: dict) -> str:
+  """The row name of a record: its framework, plus the settings that make it another variant
+  of that framework (``maxnnx fp8``, ``maxnnx remat=full``, ``maxnnx params=bfloat16``)."""
+  parts = [record['framework']]
+  if record.get('quantization', 'none') != 'none':
+    parts.append(record['quantization'])
+  if record.get('remat', 'none') != 'none':
+    parts.append(f"remat={record['remat']}")
+  if record.get('param_dtype', 'float32') != 'float32':
+    parts.append(f"params={record['param_dtype']}")
+  return ' '.join(parts)
+
+
 def latest(records: list[dict]) -> dict[tuple[str, str], dict]:
-  """The newest record per ``(config, framework)`` (later lines win at equal dates)."""
+  """The newest record per ``(config, label)`` (later lines win at equal dates)."""
   out = {}
   for record in records:
-    key = (record['config'], record['framework'])
+    key = (record['config'], label(record))
     if key not in out or record['date'] >= out[key]['date']:
       out[key] = record
   return out
@@ -98,7 +111,7 @@ def format_comparison(records: list[dict], failures: dict | None = None) -> str:
   best = latest(records)
   configs = sorted({c for c, _ in best} | {c for c, _ in failures})
   lines = []
-  header = (f"  {'framework':<16} {'dtype':<9} {'tok/s/dev':>10} {'TFLOP/s':>8} {'ceiling':>8} "
+  header = (f"  {'framework':<34} {'dtype':<9} {'tok/s/dev':>10} {'TFLOP/s':>8} {'ceiling':>8} "
             f"{'MFU':>6} {'step s':>8} {'compile s':>9} {'maxnnx/this':>11}  device")
   for config in configs:
     lines.append(f'{config}:')
@@ -111,14 +124,14 @@ def format_comparison(records: list[dict], failures: dict | None = None) -> str:
     for framework in frameworks:
       record = best.get((config, framework))
       if record is None:
-        lines.append(f'  {framework:<16} no result: {failures[(config, framework)]}')
+        lines.append(f'  {framework:<34} no result: {failures[(config, framework)]}')
         continue
       ratio = (f"{ours['tokens_per_s_per_device'] / record['tokens_per_s_per_device']:.2f}x"
                if ours else 'n/a')
       ceiling = 'n/a' if record['ceiling_tflops'] is None else f"{record['ceiling_tflops']:.3g}"
       compile_s = 'n/a' if record['compile_s'] is None else f"{record['compile_s']:.1f}"
       lines.append(
-          f"  {framework:<16} {record['dtype']:<9} {record['tokens_per_s_per_device']:>10,.0f} "
+          f"  {framework:<34} {record['dtype']:<9} {record['tokens_per_s_per_device']:>10,.0f} "
           f"{record['tflops_per_device']:>8.3g} {ceiling:>8} {_pct(record['mfu']):>6} "
           f"{record['step_time_s']:>8.4f} {compile_s:>9} {ratio:>11}  {record['device']}")
     if len(tokens) > 1:

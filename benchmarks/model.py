@@ -7,23 +7,23 @@ from maxnnx.config import ModelConfig, MoEConfig, RopeConfig, RuntimeConfig
 
 def model_config(cfg: dict, *, dtype: str = 'float32', remat: str = 'none', scan: bool = False,
                  attention_impl: str = 'auto', max_length: int | None = None,
-                 ragged_dot_impl: str | None = None) -> ModelConfig:
+                 ragged_dot_impl: str | None = None,
+                 param_dtype: str = 'float32') -> ModelConfig:
   """A :class:`ModelConfig` with the shapes of benchmark config ``cfg``.
 
   Dense configs are ``llama`` (RMSNorm, SwiGLU, RoPE, untied embeddings); ``num_experts > 0``
   makes every layer a ``mixtral`` MoE (dropless, top-k of ``num_experts`` experts of width
-  ``mlp_dim``; ``ragged_dot_impl``, by default the ``tiled`` ragged dot for CPU configs and
-  ``lax`` otherwise). Parameters stay
-  float32; ``dtype`` is the compute dtype. ``max_length`` (default ``cfg['seq']``) sizes the
-  rotary table.
+  ``mlp_dim``; ``ragged_dot_impl``, by default the ``tiled`` ragged dot: on CPUs XLA's
+  ``ragged_dot`` multiplies every row by every expert, and on an H100 (jax 0.11.2) its plan for
+  ``gpu-moe`` needed 245 GiB, or 64 GiB for the autotuner alone, where ``tiled`` trained in
+  57 GiB). Parameters are ``param_dtype`` (float32 unless asked); ``dtype`` is the compute
+  dtype. ``max_length`` (default ``cfg['seq']``) sizes the rotary table.
   """
   experts = cfg.get('num_experts', 0)
-  # XLA's CPU ragged_dot multiplies every row by every expert; 'tiled' is the exact
-  # dropless grouped matmul that is fast there.
-  ragged = ragged_dot_impl or ('tiled' if cfg.get('device') == 'cpu' else 'lax')
+  ragged = ragged_dot_impl or 'tiled'  # exact and dropless; see the docstring for why not lax
   moe = MoEConfig(num_experts=experts, num_experts_per_tok=cfg['num_experts_per_tok']
                   ) if experts else MoEConfig()
-  runtime = RuntimeConfig(param_dtype='float32', dtype=dtype, scan_layers=scan,
+  runtime = RuntimeConfig(param_dtype=param_dtype, dtype=dtype, scan_layers=scan,
                           remat_policy=remat, attention_impl=attention_impl,
                           ragged_dot_impl=ragged if experts else 'lax')
   return ModelConfig(

@@ -83,7 +83,10 @@ def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warm
         ragged_dot_impl: str | None = None,
         ceiling_seconds: float = 1.0, ceiling_size: int | None = None,
         json_path: str | None = None, stall_check: bool = False, stall_steps: int = 10,
-        checkpoint_every: int = 5, mesh: MeshConfig | None = None, log=print) -> dict:
+        checkpoint_every: int = 5, mesh: MeshConfig | None = None,
+        quantization: str = 'none', param_dtype: str = 'float32', mu_dtype: str | None = None,
+        optimizer_offload: bool = False, profile_dir: str | None = None, profile_steps: int = 3,
+        log=print) -> dict:
   """Benchmark the train step of config ``cfg`` (a dict like ``BENCH_CONFIGS[name]``).
 
   Returns the result record (see :mod:`benchmarks.results`), also appended to ``json_path``.
@@ -95,15 +98,19 @@ def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warm
     raise ValueError(f'--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}')
   dtype = dtype or default_dtype()
   mcfg = model_config(cfg, dtype=dtype, remat=remat, scan=scan, attention_impl=attention_impl,
-                      ragged_dot_impl=ragged_dot_impl)
+                      ragged_dot_impl=ragged_dot_impl, param_dtype=param_dtype)
   batch, seq = cfg['batch'], cfg['seq']
   tcfg = TrainConfig(steps=max(warmup + steps, 1), global_batch_size=batch, seq_len=seq,
                      log_every=1000, learning_rate=1e-4, warmup_steps=0,
                      schedule='constant', mesh=mesh or MeshConfig(),
-                     router_aux_loss_coef=0.01 if mcfg.moe.num_experts else 0.0)
+                     router_aux_loss_coef=0.01 if mcfg.moe.num_experts else 0.0,
+                     quantization=quantization, mu_dtype=mu_dtype,
+                     optimizer_memory_host_offload=optimizer_offload)
   device = measure.device_description()
   log(f'{name}: {num_params(mcfg):,} parameters, batch {batch} x seq {seq}, {dtype}, '
-      f'remat {remat}, scan {scan}, attention {attention_impl}; {device}')
+      f'remat {remat}, scan {scan}, attention {attention_impl}, quantization {quantization}, '
+      f'params {param_dtype}, mu {mu_dtype or param_dtype}'
+      f"{', optimizer on host' if optimizer_offload else ''}; {device}")
   trainer = Trainer(mcfg, tcfg)
   compile_s = trainer.compile(verbose=False)['compile_seconds']
   source = synthetic_batches(mcfg.vocab_size, batch, seq, seed=0)
@@ -130,12 +137,19 @@ def run(cfg: dict, *, name: str, dtype: str | None = None, steps: int = 20, warm
       step_time_p10_s=stats['p10'], step_time_p90_s=stats['p90'],
       ceiling_tflops_before=ceiling_before, ceiling_tflops_after=ceiling_after,
       nominal_peak_tflops=nominal, peak_memory_kind=memory_kind,
-      remat=remat, scan=scan, attention_impl=attention_impl,
+      remat=remat, scan=scan, attention_impl=attention_impl, quantization=quantization,
+      param_dtype=param_dtype, mu_dtype=mu_dtype or param_dtype,
+      optimizer_offload=optimizer_offload,
       ragged_dot_impl=mcfg.runtime.ragged_dot_impl, loss_first_last=losses,
       host_memory=host_memory_status())
   if nominal:
     record['mfu_nominal'] = record['tflops_per_device'] / nominal
   log(format_table(record))
+  if profile_dir:
+    from benchmarks.profile_summary import profile_steps as trace  # noqa: PLC0415
+    record['profile'] = trace(lambda: _timed_steps(trainer, batches, 1), profile_steps,
+                              profile_dir, stats['median'])
+    log(record['profile'])
   if stall_check:
     record['loop'] = stall_table(trainer, mcfg, tcfg, stall_steps, checkpoint_every, log)
   trainer.close()
@@ -297,7 +311,19 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--attention-impl', default='auto',
                       help='attention strategy (default auto: cudnn on GPU, xla_flash elsewhere)')
   parser.add_argument('--ragged-dot-impl', default=None,
-                      help='MoE grouped-matmul strategy (default: tiled on CPU configs, else lax)')
+                      help='MoE grouped-matmul strategy (default: tiled)')
+  parser.add_argument('--quantization', choices=('none', 'int8', 'fp8'), default='none',
+                      help='quantization-aware training through qwix (default none)')
+  parser.add_argument('--param-dtype', choices=('float32', 'bfloat16'), default='float32',
+                      help='dtype the parameters (and, unless --mu-dtype, the moments) live in')
+  parser.add_argument('--mu-dtype', choices=('float32', 'bfloat16'), default=None,
+                      help="AdamW's first moment dtype (default: the parameters')")
+  parser.add_argument('--optimizer-offload', action='store_true',
+                      help="keep the optimizer's moments in host memory between steps")
+  parser.add_argument('--profile', default=None, metavar='DIR',
+                      help='trace --profile-steps more steps into DIR and print where the '
+                           'kernels spend the step')
+  parser.add_argument('--profile-steps', type=int, default=3)
   parser.add_argument('--ceiling-seconds', type=float, default=1.0,
                       help='seconds each matmul-ceiling measurement runs (before and after)')
   parser.add_argument('--json', default=None, help='append the result line to this JSONL file')
@@ -312,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
       warmup=args.warmup, remat=args.remat, scan=args.scan, attention_impl=args.attention_impl,
       ragged_dot_impl=args.ragged_dot_impl,
       ceiling_seconds=args.ceiling_seconds, json_path=args.json, stall_check=args.stall_check,
-      stall_steps=args.stall_steps, checkpoint_every=args.checkpoint_every)
+      stall_steps=args.stall_steps, checkpoint_every=args.checkpoint_every,
+      quantization=args.quantization, param_dtype=args.param_dtype, mu_dtype=args.mu_dtype,
+      optimizer_offload=args.optimizer_offload, profile_dir=args.profile,
+      profile_steps=args.profile_steps)
   return 0
 
 

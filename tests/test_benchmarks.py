@@ -1,18 +1,29 @@
 """The benchmark harness: FLOP count, result lines, the train/decode harnesses, compare, and
 that the train loop compiles its step exactly once."""
 
+import gzip
 import json
 import logging
 import math
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import monitoring
 
 import maxnnx
-from benchmarks import compare, decode, hf_decode, results, serving, serving_load, train_throughput
+from benchmarks import (
+  compare,
+  decode,
+  hf_decode,
+  profile_summary,
+  results,
+  serving,
+  serving_load,
+  train_throughput,
+)
 from benchmarks.configs import BENCH_CONFIGS, get_config, train_flops_per_token
 from benchmarks.model import model_config
 from maxnnx.config import MeshConfig
@@ -116,6 +127,19 @@ def test_train_throughput_harness_writes_a_consistent_result(tmp_path):
   assert any('host allocator' in line for line in lines)
 
 
+def test_train_throughput_with_bf16_parameters_and_a_profile(tmp_path):
+  """The Trainer settings the GPU runs use reach the Trainer (bf16 parameters and moments), and
+  ``profile_dir`` adds the kernel summary to the record."""
+  record = train_throughput.run(MICRO, name='micro', dtype='float32', steps=2, warmup=1,
+                                ceiling_seconds=0.05, ceiling_size=256, mesh=MeshConfig(data=1),
+                                param_dtype='bfloat16', mu_dtype='bfloat16',
+                                profile_dir=str(tmp_path), profile_steps=2, log=lambda _: None)
+  assert record['param_dtype'] == 'bfloat16' and record['mu_dtype'] == 'bfloat16'
+  assert record['quantization'] == 'none' and not record['optimizer_offload']
+  assert record['profile'].startswith('profile (') and 'top kernels' in record['profile']
+  assert all(math.isfinite(x) for x in record['loss_first_last'])
+
+
 def test_train_step_compiles_once_across_logging_and_eval():
   """Over a fit that crosses log_every boundaries and evaluates, the train step and the eval
   step are each compiled exactly once; a second fit compiles nothing at all."""
@@ -173,6 +197,59 @@ def test_compare_table_ratio_and_failed_peer(monkeypatch, tmp_path):
   rows = {line.split()[0]: line for line in table.splitlines()[2:]}
   assert '4.00x' in rows['pytorch-eager'] and '1.00x' in rows['maxnnx']
   assert 'no result: exit 1: maxtext exploded' in rows['maxtext']
+
+
+def test_compare_keeps_quantized_and_remat_variants_apart():
+  """A maxnnx fp8 run and a bf16 run of the same config are two rows, the ratio against the
+  plain maxnnx row."""
+  plain = _record(framework='maxnnx', step_time_s=0.5)
+  fp8 = dict(_record(framework='maxnnx', step_time_s=0.25), quantization='fp8')
+  remat = dict(_record(framework='maxnnx', step_time_s=1.0), remat='full',
+               param_dtype='bfloat16')
+  assert [compare.label(r) for r in (plain, fp8, remat)] == [
+      'maxnnx', 'maxnnx fp8', 'maxnnx remat=full params=bfloat16']
+  table = compare.format_comparison([plain, fp8, remat])
+  rows = {line[:36].strip(): line for line in table.splitlines()[2:]}
+  assert '1.00x' in rows['maxnnx'] and '0.50x' in rows['maxnnx fp8']
+  assert '2.00x' in rows['maxnnx remat=full params=bfloat16']
+
+
+def test_profile_summary_sums_device_kernels_by_group(tmp_path):
+  """A trace with a device track: kernels summed per step and grouped by name; the device's
+  summary tracks and host events are left out."""
+  events = [
+      {'ph': 'M', 'name': 'process_name', 'pid': 1, 'args': {'name': '/host:CPU'}},
+      {'ph': 'M', 'name': 'process_name', 'pid': 2, 'args': {'name': '/device:GPU:0'}},
+      {'ph': 'M', 'name': 'thread_name', 'pid': 2, 'tid': 7, 'args': {'name': 'Stream #13'}},
+      {'ph': 'M', 'name': 'thread_name', 'pid': 2, 'tid': 8, 'args': {'name': 'XLA Ops'}},
+      {'ph': 'X', 'pid': 1, 'tid': 1, 'name': 'PjitFunction(step)', 'dur': 9000},
+      {'ph': 'X', 'pid': 2, 'tid': 8, 'name': 'fusion.1', 'dur': 9000},  # a summary track
+  ]
+  kernels = {'nvjet_sm90_gemm': 600.0, 'cudnn_sdpa_flash_fprop': 300.0,
+             'loop_add_fusion_3': 80.0, 'ncclAllReduce': 20.0}
+  for name, dur in kernels.items():
+    events += [{'ph': 'X', 'pid': 2, 'tid': 7, 'name': name, 'dur': dur / 2}] * 2
+  path = tmp_path / 'plugins' / 'profile' / 'run' / 'perfetto_trace.json.gz'
+  path.parent.mkdir(parents=True)
+  with gzip.open(path, 'wt') as f:
+    json.dump({'traceEvents': events}, f)
+  assert profile_summary.find_trace(str(tmp_path)) == str(path)
+  totals, where = profile_summary.kernel_times(str(path))
+  assert where == 'device' and totals == kernels
+  text = profile_summary.summarize(str(path), steps=2, step_time_s=0.001)
+  assert text.splitlines()[0].startswith('profile (device, 2 steps): 0.50 ms of kernels per step')
+  groups = {line.split()[0]: line.split()[1:] for line in text.splitlines()[2:7]}
+  assert groups['matmul'] == ['0.300', '60.0%'] and groups['attention'] == ['0.150', '30.0%']
+  assert groups['fusion'][0] == '0.040' and groups['collective'][0] == '0.010'
+
+
+def test_profile_summary_of_a_real_trace(tmp_path):
+  """jax.profiler's own trace of a jitted function on this host: its XLA ops are found."""
+  f = jax.jit(lambda a: jnp.tanh(a @ a).sum())
+  a = jnp.ones((128, 128))
+  f(a).block_until_ready()
+  text = profile_summary.profile_steps(lambda: f(a).block_until_ready(), 2, str(tmp_path))
+  assert text.startswith('profile (') and 'top kernels' in text, text
 
 
 def test_compare_peer_commands_follow_the_interface():

@@ -113,8 +113,11 @@ class TiledRaggedDot(RaggedDotKernel):
   dropped). It costs at most ``G * (tile - 1)`` padding rows, where XLA's CPU
   ``ragged_dot`` multiplies every row by every group (``G`` times the FLOPs):
   the fast dropless path on CPUs. It gathers one ``[K, N]`` weight per tile, so
-  memory grows with ``(M / tile + G) * K * N``; on accelerators prefer ``lax``
-  or ``tokamax``.
+  memory grows with ``(M / tile + G) * K * N``. On an H100 (jax 0.11.2) it was also
+  the one that trained a 64-expert, 5.6 B-parameter model on one GPU (57 GiB), where
+  ``lax``'s plan needed 245 GiB, or 64 GiB for its autotuner alone
+  (``benchmarks/RESULTS.md``); at about 6% MFU there, so a faster grouped matmul for GPUs
+  is still wanted.
 
   Attributes:
     tile: rows per tile.
