@@ -188,14 +188,44 @@ def test_the_greedy_flag_is_true_only_for_the_greedy_continuation(lm):
 
 
 @pytest.mark.parametrize('args, field', [
-    ({'batch_size': 'auto'}, 'batch_size'),
+    ({'batch_size': 'most'}, 'batch_size'),
     ({'batch_size': 0}, 'batch_size'),
+    ({'batch_size': 'auto', 'max_batch_size': 'x'}, 'max_batch_size'),
     ({'max_length': 'long'}, 'max_length'),
     ({'temperature': 1}, 'temperature'),
 ])
 def test_bad_model_args_name_the_field(lm_eval_model_dir, args, field):
   with pytest.raises(ValueError, match=field):
     MaxnnxLM(lm_eval_model_dir, **args)
+
+
+def test_auto_batch_size_is_the_largest_that_the_compiler_plans_to_fit(lm):
+  """``auto_batch_size`` against the planned bytes of each batch: the largest power of two
+  (or the cap itself) under 90% of the memory, 1 when nothing fits."""
+  from maxnnx.evaluation.harness import auto_batch_size, scoring_bytes
+  graphdef, state, width = lm._graphdef, lm._state, lm.max_length
+  need = {b: scoring_bytes(graphdef, state, b, width) for b in (1, 4, 8)}
+  assert need[1] < need[4] < need[8]
+  between = (need[4] + need[8]) / 2 / 0.9
+  assert auto_batch_size(graphdef, state, width, 64, memory_bytes=between) == 4
+  assert auto_batch_size(graphdef, state, width, 6, memory_bytes=10 * need[8]) == 6
+  assert auto_batch_size(graphdef, state, width, 64, memory_bytes=need[1] / 2) == 1
+
+
+def test_batch_size_auto_scores_as_a_fixed_batch(lm_eval_model_dir, lm):
+  """``batch_size=auto`` (and the harness' ``auto:N``) up to ``max_batch_size``: on this
+  host every batch fits, so it takes the cap, and the scores equal batch 3's."""
+  auto = MaxnnxLM(lm_eval_model_dir, dtype='float32', batch_size='auto:4', max_batch_size=5)
+  assert auto.batch_size == 5
+  pairs = [(context, continuation) for doc in _tiny_mc_requests()[:2]
+           for context, continuation in doc]
+  requests = _requests('loglikelihood', pairs)
+  np.testing.assert_allclose([s for s, _ in auto.loglikelihood(requests)],
+                             [s for s, _ in lm.loglikelihood(requests)], rtol=1e-6)
+  from maxnnx.config.commands import EvalConfig
+  assert EvalConfig(batch_size='auto').batch_size == 'auto'
+  with pytest.raises(Exception, match='batch_size'):
+    EvalConfig(batch_size='big')
 
 
 def test_a_model_object_needs_its_tokenizer(lm):
@@ -251,6 +281,34 @@ def test_local_completions_requests_to_the_server_give_the_hf_backends_loglikeli
     np.testing.assert_allclose([score for score, _ in got], expected['loglikelihoods'],
                                rtol=1e-4)
     assert [greedy for _, greedy in got] == expected['is_greedy']
+
+
+def test_lm_eval_local_completions_against_the_server_gives_the_hf_backends_numbers(
+    served, monkeypatch):
+  """The whole harness, client included: ``lm_eval`` with ``--model local-completions``,
+  ``tokenizer_backend=remote`` (the server's ``/tokenize``, ``/detokenize`` and
+  ``/tokenizer_info``; no transformers on the client's side) and ``batch_size=4``, on
+  ``tiny_mc``: every sample's log-likelihoods and greedy flags, and both accuracies, equal
+  the HF backend's."""
+  import lm_eval
+  from lm_eval.tasks import TaskManager
+  monkeypatch.chdir(ROOT)  # the task's data_files are relative to the repository root
+  want = reference()
+  out = lm_eval.simple_evaluate(
+      model='local-completions',
+      model_args={'base_url': f'{served}/v1/completions', 'model': SERVED,
+                  'tokenizer_backend': 'remote', 'max_length': want['max_length'],
+                  'num_concurrent': 1, 'max_retries': 1},
+      tasks=['tiny_mc'], task_manager=TaskManager(include_path=TASK_DIR), batch_size=4,
+      log_samples=True)
+  assert out['results']['tiny_mc']['acc,none'] == want['acc']
+  assert out['results']['tiny_mc']['acc_norm,none'] == want['acc_norm']
+  got = sorted(out['samples']['tiny_mc'], key=lambda s: s['doc_id'])
+  assert [s['doc_id'] for s in got] == [s['doc_id'] for s in want['samples']]
+  for sample, expected in zip(got, want['samples']):
+    np.testing.assert_allclose([float(r[0]) for r in sample['filtered_resps']],
+                               expected['loglikelihoods'], rtol=1e-4)
+    assert [bool(r[1]) for r in sample['filtered_resps']] == expected['is_greedy']
 
 
 def test_only_eval_imports_lm_eval():

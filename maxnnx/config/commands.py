@@ -9,6 +9,7 @@ defaults of its own. Training runs take theirs from ``TrainConfig``, ``MeshConfi
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from maxnnx.config.base import ValidatedConfig
 
@@ -141,7 +142,9 @@ class EvalConfig(ValidatedConfig):
       EvaluationTracker writes them (empty: print only).
     data: instead of tasks=: a .txt file (one text) or .jsonl (its "text" fields) whose loss and
       perplexity per token to print.
-    batch_size: rows scored (or prompts generated) in one forward pass.
+    batch_size: rows scored (or prompts generated) in one forward pass, or auto: the most that
+      fit the device at max_length tokens, as the compiler plans the scoring pass (a power of
+      two up to 64).
     limit: documents per task at most (0: all; below 1: that fraction).
     dtype: compute dtype (empty: the checkpoint's).
     num_fewshot: examples in each prompt (-1: the task's own).
@@ -155,7 +158,7 @@ class EvalConfig(ValidatedConfig):
   include_path: str = ''
   output: str = ''
   data: str = ''
-  batch_size: int = 8
+  batch_size: int | Literal['auto'] = 8
   limit: float = 0.0
   dtype: str = ''
   num_fewshot: int = -1

@@ -180,6 +180,31 @@ def _make_source(resolved, config: DataConfig, *, vocab_size: int, seq_len: int,
                         pretokenized=config.pretokenized, text_split=config.text_split)
 
 
+def pipeline_arguments(caller: str, config: DataConfig | str, batch_size: int, seq_len: int,
+                       shard_index: int | None, shard_count: int | None,
+                       **from_string) -> tuple[DataConfig, int, int]:
+  """The checked arguments every pipeline builder takes: ``(config, shard_index, shard_count)``.
+
+  A string ``config`` is parsed with :meth:`DataConfig.from_string` (``from_string`` its
+  keyword arguments); the shard defaults are this process's index and the process count.
+
+  Raises:
+    ConfigError, ValueError: naming ``caller`` and the argument to fix.
+  """
+  if isinstance(config, str):
+    config = DataConfig.from_string(config, **from_string)
+  if not isinstance(config, DataConfig):
+    raise ConfigError(f'{caller} needs a DataConfig or a string, got {type(config).__name__}.')
+  for name, value in (('batch_size', batch_size), ('seq_len', seq_len)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f'{name} must be a positive int, got {value!r}.')
+  shard_index = jax.process_index() if shard_index is None else shard_index
+  shard_count = jax.process_count() if shard_count is None else shard_count
+  if not 0 <= shard_index < shard_count:
+    raise ValueError(f'shard_index={shard_index} must be in [0, shard_count={shard_count}).')
+  return config, shard_index, shard_count
+
+
 def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = None, *,
                   batch_size: int, seq_len: int, seed: int = 0, shard_index: int | None = None,
                   shard_count: int | None = None, vocab_size: int | None = None) -> Pipeline:
@@ -205,18 +230,8 @@ def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = 
   Raises:
     ConfigError, ValueError, FileNotFoundError: with the field or file to fix.
   """
-  if isinstance(config, str):
-    config = DataConfig.from_string(config)
-  if not isinstance(config, DataConfig):
-    raise ConfigError(f'make_pipeline needs a DataConfig or a string, got '
-                      f'{type(config).__name__}.')
-  for name, value in (('batch_size', batch_size), ('seq_len', seq_len)):
-    if not isinstance(value, int) or value < 1:
-      raise ValueError(f'{name} must be a positive int, got {value!r}.')
-  shard_index = jax.process_index() if shard_index is None else shard_index
-  shard_count = jax.process_count() if shard_count is None else shard_count
-  if not 0 <= shard_index < shard_count:
-    raise ValueError(f'shard_index={shard_index} must be in [0, shard_count={shard_count}).')
+  config, shard_index, shard_count = pipeline_arguments(
+      'make_pipeline', config, batch_size, seq_len, shard_index, shard_count)
 
   tokenizer = tokenizer if tokenizer is not None else (config.tokenizer or None)
   if isinstance(tokenizer, str):

@@ -23,13 +23,11 @@ from __future__ import annotations
 import hashlib
 
 import grain
-import jax
 import numpy as np
 
-from maxnnx.config import ConfigError
 from maxnnx.data.chat import ChatTemplate, encode_prompt_completion
 from maxnnx.data.config import DataConfig
-from maxnnx.data.pipeline import Pipeline, _jsonable
+from maxnnx.data.pipeline import Pipeline, _jsonable, pipeline_arguments
 from maxnnx.data.sft import record_dataset, resolve_tokenizer_and_template
 from maxnnx.data.tokenizer import Tokenizer
 
@@ -171,19 +169,11 @@ def make_preference_pipeline(config: DataConfig | str, tokenizer: Tokenizer | st
     seq_len, seed, shard_index, shard_count, vocab_size: as for
       :func:`maxnnx.data.make_pipeline`.
   """
-  if isinstance(config, str):
-    config = DataConfig.from_string(config)
-  if not isinstance(config, DataConfig):
-    raise ConfigError(f'make_preference_pipeline needs a DataConfig or a string, got '
-                      f'{type(config).__name__}.')
-  for name, value in (('batch_size', batch_size), ('seq_len', seq_len)):
-    if not isinstance(value, int) or value < 1:
-      raise ValueError(f'{name} must be a positive int, got {value!r}.')
+  config, shard_index, shard_count = pipeline_arguments(
+      'make_preference_pipeline', config, batch_size, seq_len, shard_index, shard_count)
   if batch_size % 2:
     raise ValueError(f'batch_size={batch_size}: preference batches hold (chosen, rejected) '
                      'row pairs, so the rows per process must be even.')
-  shard_index = jax.process_index() if shard_index is None else shard_index
-  shard_count = jax.process_count() if shard_count is None else shard_count
   tokenizer, template = resolve_tokenizer_and_template(tokenizer, template)
   vocab_size = vocab_size or tokenizer.vocab_size
   sources, ds = record_dataset(config, seed=seed, shard_index=shard_index,

@@ -44,11 +44,9 @@ import json
 import os
 
 import grain
-import jax
 import numpy as np
 
 from maxnnx import paths
-from maxnnx.config import ConfigError
 from maxnnx.data import packing
 from maxnnx.data.chat import (
   ChatTemplate,
@@ -63,7 +61,7 @@ from maxnnx.data.chat import (
 )
 from maxnnx.data.config import DataConfig
 from maxnnx.data.images import ImageProcessor, ImagePrompt, load_image
-from maxnnx.data.pipeline import Pipeline, _derived_seed, _jsonable
+from maxnnx.data.pipeline import Pipeline, _derived_seed, _jsonable, pipeline_arguments
 from maxnnx.data.sources import resolve_source
 from maxnnx.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -398,16 +396,9 @@ def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
       from ``maxnnx.models.image_inputs_for(model_config, tokenizer, checkpoint_dir)``) and
       the images a row holds (``TrainConfig.images_per_row``). Rows are then not packed.
   """
-  if isinstance(config, str):
-    config = DataConfig.from_string(config, overlong='truncate')
-  if not isinstance(config, DataConfig):
-    raise ConfigError(f'make_sft_pipeline needs a DataConfig or a string, got '
-                      f'{type(config).__name__}.')
-  for name, value in (('batch_size', batch_size), ('seq_len', seq_len)):
-    if not isinstance(value, int) or value < 1:
-      raise ValueError(f'{name} must be a positive int, got {value!r}.')
-  shard_index = jax.process_index() if shard_index is None else shard_index
-  shard_count = jax.process_count() if shard_count is None else shard_count
+  config, shard_index, shard_count = pipeline_arguments(
+      'make_sft_pipeline', config, batch_size, seq_len, shard_index, shard_count,
+      overlong='truncate')
   images = _sft_images(image_processor, image_prompt, images_per_row)
   tokenizer, template = resolve_tokenizer_and_template(tokenizer, template)
   vocab_size = vocab_size or tokenizer.vocab_size

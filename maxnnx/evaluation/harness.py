@@ -13,6 +13,9 @@ last ``max_length + 1`` tokens, the same rolling windows for perplexity
 generation. Log-probabilities are a float32 log-softmax of the model's logits, computed in
 the checkpoint's dtype (or ``dtype=``). Requests are scored ``batch_size`` rows at a time,
 longest first, right-padded to a multiple of 32 tokens so that few programs compile.
+``batch_size=auto`` picks the largest power of two, up to the harness's ``max_batch_size``,
+whose scoring pass at ``max_length`` tokens fits the device's memory as the compiler plans it
+(:func:`auto_batch_size`): no trial runs, so nothing runs out of memory on the way.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from maxnnx.inference.generate import generate
 logger = logging.getLogger(__name__)
 
 LENGTH_BUCKET = 32  # scored rows are right-padded to a multiple of this many tokens
-IGNORED_ARGS = ('device', 'max_batch_size')  # the harness passes them; JAX places the model
+IGNORED_ARGS = ('device',)  # the harness passes it to every backend; JAX places the model
+DEFAULT_MAX_BATCH_SIZE = 64  # the harness's own default for batch_size=auto
+AUTO_MEMORY_FRACTION = 0.9  # of the device's memory an auto batch may plan to use
 
 
 def _padded_width(length: int, limit: int) -> int:
@@ -54,6 +59,41 @@ def _token_scores(graphdef, state, ids_BT, targets_BT):
   logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
   chosen_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
   return chosen_BT, jnp.argmax(logits_BTV, axis=-1) == targets_BT
+
+
+def scoring_bytes(graphdef, state, batch: int, width: int) -> int:
+  """Bytes one device needs to score ``batch`` rows of ``width`` tokens, as XLA plans it
+  (arguments, outputs and temporaries of the compiled scoring pass; nothing runs)."""
+  rows = jax.ShapeDtypeStruct((batch, width), jnp.int32)
+  stats = _token_scores.lower(graphdef, state, rows, rows).compile().memory_analysis()
+  return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def auto_batch_size(graphdef, state, width: int, max_batch_size: int,
+                    memory_bytes: int | None = None) -> int:
+  """The largest power of two up to ``max_batch_size`` (and ``max_batch_size`` itself) whose
+  scoring pass at ``width`` tokens plans at most :data:`AUTO_MEMORY_FRACTION` of
+  ``memory_bytes`` (default: the first device's memory); 1 when none does."""
+  if memory_bytes is None:
+    from maxnnx.train.memory import device_memory_limit  # noqa: PLC0415
+    memory_bytes, _ = device_memory_limit(jax.devices()[0])
+  if not memory_bytes:
+    return max_batch_size
+  candidates = [max_batch_size] + [2**k for k in range(max_batch_size.bit_length(), -1, -1)
+                                   if 2**k < max_batch_size]
+  for batch in candidates:
+    if scoring_bytes(graphdef, state, batch, width) <= AUTO_MEMORY_FRACTION * memory_bytes:
+      return batch
+  return 1
+
+
+def _batch_size_arg(value) -> int | str:
+  """``batch_size`` as the harness passes it: a positive int, or ``auto`` (``auto:N``, the
+  harness' periodic re-check, is taken as ``auto``: the widest row is sized once)."""
+  if isinstance(value, str) and value.strip().lower().split(':')[0] == 'auto':
+    return 'auto'
+  return _positive_int('batch_size', value)
 
 
 def _positive_int(name: str, value) -> int:
@@ -76,7 +116,9 @@ class MaxnnxLM(TemplateLM):
     model: a loaded :class:`~maxnnx.Transformer` (instead of ``pretrained``).
     tokenizer: its tokenizer (:func:`maxnnx.data.load_tokenizer`), with ``model``.
     dtype: compute dtype of a model loaded from ``pretrained`` (default: the checkpoint's).
-    batch_size: rows scored (or prompts generated) in one forward pass.
+    batch_size: rows scored (or prompts generated) in one forward pass, or ``auto``: the
+      most that fit the device at ``max_length`` tokens (:func:`auto_batch_size`).
+    max_batch_size: the most ``auto`` may pick (default 64, as the harness's).
     max_length: the longest sequence scored, in tokens (default: the model's
       ``max_position_embeddings``, as the Hugging Face backend reads it).
     max_gen_toks: tokens generated when a task gives no ``max_gen_toks``.
@@ -84,8 +126,8 @@ class MaxnnxLM(TemplateLM):
       tokenizer does by default, like ``transformers``).
     tensor_parallel: devices a model loaded from ``pretrained`` is sharded over (its heads
       and MLP width, :func:`maxnnx.sharding.tensor_parallel_mesh`; 1: the default device).
-    **kwargs: ``device`` and ``max_batch_size``, which the harness passes to every backend,
-      are ignored (JAX places the model); any other key is an error.
+    **kwargs: ``device``, which the harness passes to every backend, is ignored (JAX places
+      the model); any other key is an error.
 
   Raises:
     ValueError: a bad ``batch_size`` / ``max_length``, an unknown argument, neither
@@ -94,15 +136,17 @@ class MaxnnxLM(TemplateLM):
 
   def __init__(self, pretrained: str = '', *, model=None, tokenizer=None,
                dtype: str | None = None, batch_size: int | str = 8,
+               max_batch_size: int | str | None = None,
                max_length: int | str | None = None, max_gen_toks: int | str = 256,
                add_bos_token: bool | None = None, tensor_parallel: int | str = 1, **kwargs):
     super().__init__()
     unknown = sorted(set(kwargs) - set(IGNORED_ARGS))
     if unknown:
       raise ValueError(f'model_args {unknown[0]}=: not an argument of the maxnnx backend; it '
-                       'takes pretrained, dtype, batch_size, max_length, max_gen_toks, '
-                       'add_bos_token, tensor_parallel.')
-    self.batch_size = _positive_int('batch_size', batch_size)
+                       'takes pretrained, dtype, batch_size, max_batch_size, max_length, '
+                       'max_gen_toks, add_bos_token, tensor_parallel.')
+    batch_size = _batch_size_arg(batch_size)
+    max_batch_size = _positive_int('max_batch_size', max_batch_size or DEFAULT_MAX_BATCH_SIZE)
     self._max_length = _positive_int('max_length', max_length) if max_length else None
     self.max_gen_toks = _positive_int('max_gen_toks', max_gen_toks)
     self.add_bos_token = add_bos_token
@@ -127,6 +171,11 @@ class MaxnnxLM(TemplateLM):
       raise ValueError('tokenizer: the harness needs an end-of-text (or BOS) token; give the '
                        "checkpoint's tokenizer_config.json an eos_token.")
     self._graphdef, self._state = nnx.split(model)
+    if batch_size == 'auto':
+      batch_size = auto_batch_size(self._graphdef, self._state, self.max_length, max_batch_size)
+      logger.info('batch_size=auto: %d rows of %d tokens fit the device.', batch_size,
+                  self.max_length)
+    self.batch_size = batch_size
 
   @property
   def eot_token_id(self) -> int:
@@ -291,7 +340,8 @@ def task_names(tasks: str, include_path: str = '') -> tuple[list[str], object]:
 
 
 def evaluate_tasks(model_dir: str, tasks: str, *, include_path: str = '', output: str = '',
-                   batch_size: int = 8, limit: float | None = None, dtype: str | None = None,
+                   batch_size: int | str = 8, limit: float | None = None,
+                   dtype: str | None = None,
                    num_fewshot: int | None = None, max_length: int | None = None,
                    seed: int = 0, tensor_parallel: int = 1) -> dict:
   """Run lm-evaluation-harness ``tasks`` on the checkpoint in ``model_dir`` with this backend.
@@ -303,7 +353,7 @@ def evaluate_tasks(model_dir: str, tasks: str, *, include_path: str = '', output
     output: where the results JSON and per-sample logs go, as the harness's
       ``EvaluationTracker`` writes them (``<output>/<model>/results_<time>.json`` and
       ``samples_<task>_<time>.jsonl``); empty: nothing is written.
-    batch_size: rows in one forward pass.
+    batch_size: rows in one forward pass, or ``auto`` (:func:`auto_batch_size`).
     limit: documents per task at most (a fraction below 1); ``None``: all.
     dtype: compute dtype (``None``: the checkpoint's).
     num_fewshot: examples in each prompt (``None``: the task's own).

@@ -17,17 +17,6 @@ counts the MTP layer's stored copies of the embedding and output head (2 x 0.93B
 
 from maxnnx.config import ModelConfig, MoEConfig, MTPConfig
 from maxnnx.models import deepseek_common
-from maxnnx.models.deepseek_common import (
-  MLA_DEFAULTS,
-  common_fields,
-  expert_fields,
-  experts_to_hf,
-  fuse,
-  mla_fields,
-  mla_to_hf,
-  unfuse,
-  yarn,
-)
 from maxnnx.models.hf import Family, HFConfig, PretrainedError, common_to_hf
 from maxnnx.models.registry import FamilySpec
 
@@ -35,11 +24,13 @@ from maxnnx.models.registry import FamilySpec
 
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
-  moe = MoEConfig(**expert_fields(hf), router_score='sigmoid', router_score_bias=True,
+  moe = MoEConfig(**deepseek_common.expert_fields(hf), router_score='sigmoid',
+                  router_score_bias=True,
                   router_norm_topk=bool(hf.get('norm_topk_prob')),
                   router_groups=hf.get('n_group', 1), router_topk_groups=hf.get('topk_group', 1),
                   router_group_score='top2_sum')
-  return ModelConfig(family='deepseek_v3', **common_fields(hf), **mla_fields(hf), moe=moe,
+  return ModelConfig(family='deepseek_v3', **deepseek_common.common_fields(hf),
+                     **deepseek_common.mla_fields(hf), moe=moe,
                      mtp=MTPConfig(num_layers=hf.get('num_nextn_predict_layers', 0)))
 
 
@@ -49,7 +40,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     raise PretrainedError('deepseek_v3 export needs attention_type="mla", sigmoid routing and '
                           'moe.layer_step=1.')
   out = common_to_hf(cfg, 'deepseek_v3', 'DeepseekV3ForCausalLM')
-  return {**out, **mla_to_hf(cfg), **experts_to_hf(moe, cfg),
+  return {**out, **deepseek_common.mla_to_hf(cfg), **deepseek_common.experts_to_hf(moe, cfg),
           'norm_topk_prob': moe.router_norm_topk, 'n_group': moe.router_groups,
           'topk_group': moe.router_topk_groups, 'num_nextn_predict_layers': cfg.mtp.num_layers}
 
@@ -62,7 +53,7 @@ def deepseek_v3() -> ModelConfig:
   plus one multi-token-prediction module."""
   return SPEC.config(vocab_size=129_280, d_model=7168, num_layers=61, num_heads=128,
                      num_kv_heads=128, mlp_dim=18_432, max_position_embeddings=163_840,
-                     rope=yarn(10_000.0, 40.0, 1.0), mtp={'num_layers': 1},
+                     rope=deepseek_common.yarn(10_000.0, 40.0, 1.0), mtp={'num_layers': 1},
                      mla={'q_lora_rank': 1536},
                      moe={'num_experts': 256, 'mlp_dim': 2048, 'first_k_dense_layers': 3,
                           'router_scaling_factor': 2.5, 'router_groups': 8,
@@ -74,7 +65,7 @@ def kimi_k2() -> ModelConfig:
   32B active."""
   return SPEC.config(vocab_size=163_840, d_model=7168, num_layers=61, num_heads=64,
                      num_kv_heads=64, mlp_dim=18_432, max_position_embeddings=131_072,
-                     rope=yarn(50_000.0, 32.0, 1.0), mla={'q_lora_rank': 1536},
+                     rope=deepseek_common.yarn(50_000.0, 32.0, 1.0), mla={'q_lora_rank': 1536},
                      moe={'num_experts': 384, 'mlp_dim': 2048, 'first_k_dense_layers': 1,
                           'router_scaling_factor': 2.827})
 
@@ -84,7 +75,7 @@ def _maxtext_test(d_model: int, num_heads: int, mlp_dim: int, expert_dim: int, e
   """One of MaxText's DeepSeek V3 test configs: V3's 61 layers and rope, other widths."""
   return SPEC.config(vocab_size=129_280, d_model=d_model, num_layers=61, num_heads=num_heads,
                      num_kv_heads=num_heads, mlp_dim=mlp_dim, max_position_embeddings=163_840,
-                     rope=yarn(10_000.0, 40.0, 1.0),
+                     rope=deepseek_common.yarn(10_000.0, 40.0, 1.0),
                      mla={'q_lora_rank': q_lora_rank, 'kv_lora_rank': kv_lora_rank},
                      moe={'num_experts': experts, 'mlp_dim': expert_dim,
                           'first_k_dense_layers': 3, 'router_scaling_factor': 2.5})
@@ -114,8 +105,9 @@ SPEC = FamilySpec(
                         'moe_intermediate_size': 2048, 'n_shared_experts': 1,
                         'first_k_dense_replace': 3, 'norm_topk_prob': True,
                         'routed_scaling_factor': 2.5, 'n_group': 8, 'topk_group': 4,
-                        **MLA_DEFAULTS},
-              module_names={'router': 'gate'}, unfuse=unfuse, fuse=fuse, mtp=True),
+                        **deepseek_common.MLA_DEFAULTS},
+              module_names={'router': 'gate'}, unfuse=deepseek_common.unfuse,
+              fuse=deepseek_common.fuse, mtp=True),
     differences={**deepseek_common.DIFFERENCES,
                  'moe': {'num_experts_per_tok': 8, 'num_shared_experts': 1,
                          'router_score': 'sigmoid', 'router_score_bias': True,

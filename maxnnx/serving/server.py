@@ -7,7 +7,9 @@
 or from Python, ``uvicorn.run(make_app('runs/sft/final'))``. Endpoints:
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (with ``"stream": true``:
 server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``),
-``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text).
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), and vLLM's tokenizer
+endpoints ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``
+(:mod:`~maxnnx.serving.openai_tokenize`).
 
 **Threads.** The engine is driven from one thread only: :class:`EngineLoop` owns
 it on a thread of its own, takes commands (add, cancel) from a thread-safe queue,
@@ -57,6 +59,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from maxnnx.data.chat import ChatTemplate
+from maxnnx.serving import openai_tokenize
 from maxnnx.serving.engine import Engine
 from maxnnx.serving.engine_loop import ACCEPTED, EngineLoop
 from maxnnx.serving.loading import load_engine, served_model
@@ -333,6 +336,24 @@ class _Api:
     return JSONResponse({'status': 'unavailable', 'reason': self.loop.broken or 'stopping'},
                         status_code=503)
 
+  async def tokenize(self, request: Request) -> Response:
+    return await self._tokenizer_call(request, 'tokenize', openai_tokenize.tokenize)
+
+  async def detokenize(self, request: Request) -> Response:
+    return await self._tokenizer_call(request, 'detokenize', openai_tokenize.detokenize)
+
+  async def _tokenizer_call(self, request: Request, endpoint: str, answer) -> Response:
+    try:
+      body = await _read_body(request, self.max_request_bytes)
+      out = await run_in_threadpool(_parse_json, answer, body, self.served)
+    except ApiError as e:
+      return self.error(endpoint, e)
+    self.metrics.answered(endpoint, 200)
+    return JSONResponse(out)
+
+  async def tokenizer_info(self, request: Request) -> Response:
+    return JSONResponse(openai_tokenize.tokenizer_info(self.served))
+
   async def metrics_text(self, request: Request) -> Response:
     return PlainTextResponse(self.metrics.render(self.in_flight, self.loop.stats),
                              media_type='text/plain; version=0.0.4')
@@ -358,9 +379,10 @@ def _too_large(limit: int) -> ApiError:
                   'max_request_bytes).', status=413, code='request_too_large')
 
 
-def _parse_json(parse: Callable, body: bytes, served: ServedModel) -> ParsedRequest:
-  """``parse`` (:func:`~maxnnx.serving.openai_api.parse_completion` or ``parse_chat``) of the
-  JSON ``body``: what a worker thread runs (tokenizing a long prompt takes a while)."""
+def _parse_json(parse: Callable, body: bytes, served: ServedModel):
+  """``parse`` (:func:`~maxnnx.serving.openai_api.parse_completion`, ``parse_chat`` or a
+  tokenizer endpoint's answer) of the JSON ``body``: what a worker thread runs (tokenizing a
+  long prompt takes a while)."""
   try:
     value = json.loads(body)
   except ValueError as e:  # also text that is not UTF-8
@@ -482,6 +504,9 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
       Route('/v1/models/{name:path}', api.model, methods=['GET']),
       Route('/health', api.health, methods=['GET']),
       Route('/metrics', api.metrics_text, methods=['GET']),
+      Route('/tokenize', api.tokenize, methods=['POST']),
+      Route('/detokenize', api.detokenize, methods=['POST']),
+      Route('/tokenizer_info', api.tokenizer_info, methods=['GET']),
   ], lifespan=lifespan, exception_handlers={HTTPException: _http_error, 500: _server_error})
   app.state.engine_loop, app.state.metrics, app.state.leader = loop, metrics, leader
   return app
