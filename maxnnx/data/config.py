@@ -64,6 +64,12 @@ class DataConfig(ValidatedConfig):
       documents). ``'auto'``: by file when the source has a file per process and the data
       repeats forever (``num_epochs=None``, so no process runs out first), else by
       document. ArrayRecord and synthetic sources read only what they serve either way.
+    streaming: read JSONL and Parquet sources block by block as the pipeline reaches them
+      (a Parquet row group, or 1024 JSON lines) instead of into memory first: for data
+      larger than memory, in a bucket or on the Hub. Documents are then shuffled within
+      blocks and the blocks among themselves, every epoch (see
+      :mod:`maxnnx.data.streaming`). ArrayRecord is always read record by record; text
+      files and the fine-tuning recipes' records are read whole.
     synthetic_documents: how many distinct documents the synthetic source has.
     worker_count: grain worker processes (0: in-process; on small data workers
       were measured about 10x slower than in-process). Each worker packs its own
@@ -88,6 +94,7 @@ class DataConfig(ValidatedConfig):
   shuffle: bool = True
   num_epochs: int | None = None
   shard_by: ShardBy = 'auto'
+  streaming: bool = False
   synthetic_documents: int = 100_000
   worker_count: int = 0
 

@@ -36,6 +36,7 @@ from maxnnx.data.sources import (
     SyntheticSource,
     resolve_source,
 )
+from maxnnx.data.streaming import BlockShuffle, StreamedSource, sliced_block_starts
 from maxnnx.data.tokenizer import Tokenizer, load_tokenizer
 
 _STATE_VERSION = 1
@@ -175,6 +176,13 @@ def _make_source(resolved, config: DataConfig, *, vocab_size: int, seq_len: int,
                            seed=_derived_seed(seed, index, 1))
   if resolved.kind == 'array_record':
     return ArrayRecordSource(resolved.files, pretokenized=config.pretokenized)
+  if config.streaming:
+    if resolved.kind == 'text':
+      raise ValueError(f'data source {resolved.spec!r}: DataConfig.streaming reads JSONL and '
+                       'Parquet; text files are read whole. Set streaming=false, or convert '
+                       'the text to ArrayRecord (python -m maxnnx.data.convert).')
+    return StreamedSource(resolved.files if files is None else files, resolved.kind,
+                          column=config.column, pretokenized=config.pretokenized)
   return InMemorySource(resolved.files if files is None else files, resolved.kind,
                         column=config.column,
                         pretokenized=config.pretokenized, text_split=config.text_split)
@@ -267,10 +275,14 @@ def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = 
                        f'shard_count={shard_count}: every process needs at least one.')
     sources.append(source)
     ds = grain.MapDataset.source(source).map_with_index(_tag(i, len(source)))
+    blocks = getattr(source, 'block_starts', None)  # a streamed source: shuffle within blocks
     if by_document:
       ds = ds[shard_index::shard_count]
+      if blocks is not None:
+        blocks = sliced_block_starts(blocks, len(source), shard_index, shard_count)
     if config.shuffle:
-      ds = ds.shuffle(seed=_derived_seed(seed, i, 2))
+      ds = (BlockShuffle(ds, blocks, _derived_seed(seed, i, 2)) if blocks is not None
+            else ds.shuffle(seed=_derived_seed(seed, i, 2)))
     datasets.append(ds.repeat(config.num_epochs))
   ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, config.weights)
   ds = ds.map(_Tokenize(tokenizer, sources, bos=bos, eos=eos, vocab_size=vocab_size))
