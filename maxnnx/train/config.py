@@ -101,6 +101,15 @@ class TrainConfig(ValidatedConfig):
       ``fit``); only with ``checkpoint_dir`` (the CLI defaults it to
       ``<output_dir>/checkpoints``).
     keep_checkpoints: how many of the newest checkpoints to keep.
+    enable_emergency_checkpoint: also save frequent local checkpoints (MaxText's name):
+      every ``local_checkpoint_period`` steps each process writes its own shards to
+      ``local_checkpoint_directory`` and a replica to its peer's (process ``(i + 1) % n``);
+      a resume takes the newest step complete anywhere, local or persistent
+      (:mod:`maxnnx.checkpoint.emergency`). Needs ``checkpoint_dir`` too.
+    local_checkpoint_directory: the local disks of the emergency checkpoints: a local path
+      every process sees whole, process ``k``'s disk under ``process-<k>/``.
+    local_checkpoint_period: save a local checkpoint every N steps (usually much more often
+      than ``checkpoint_every``).
     profile: trace optimizer steps with ``jax.profiler``, as ``'steps:FIRST-LAST'``
       (e.g. ``'steps:10-15'``), for TensorBoard's profile plugin or XProf.
     profile_dir: where the trace goes; ``None``: ``profile/`` next to the
@@ -170,6 +179,9 @@ class TrainConfig(ValidatedConfig):
   checkpoint_dir: str | None = None
   checkpoint_every: int = 0
   keep_checkpoints: int = 3
+  enable_emergency_checkpoint: bool = False
+  local_checkpoint_directory: str | None = None
+  local_checkpoint_period: int = 0
   profile: str | None = None
   profile_dir: str | None = None
   dump_hlo: bool = False
@@ -214,6 +226,7 @@ class TrainConfig(ValidatedConfig):
       raise ConfigError('TrainConfig.decay_fraction must be in [0, 1].')
     if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
       raise ConfigError('TrainConfig.checkpoint_every must be >= 0 and keep_checkpoints >= 1.')
+    self._validate_emergency()
     if self.loss_chunk_length is not None and (
         self.loss_chunk_length < 1 or self.seq_len % self.loss_chunk_length):
       raise ConfigError(f'TrainConfig.loss_chunk_length ({self.loss_chunk_length}) must divide '
@@ -247,6 +260,25 @@ class TrainConfig(ValidatedConfig):
     for name in ('watchdog_min_seconds', 'watchdog_first_step_seconds'):
       if not getattr(self, name) >= 0:
         raise ConfigError(f'TrainConfig.{name} must be >= 0, got {getattr(self, name)}.')
+
+  def _validate_emergency(self):
+    if self.local_checkpoint_period < 0:
+      raise ConfigError(f'TrainConfig.local_checkpoint_period must be >= 0, got '
+                        f'{self.local_checkpoint_period}.')
+    if not self.enable_emergency_checkpoint:
+      return
+    if not self.local_checkpoint_directory:
+      raise ConfigError('TrainConfig.enable_emergency_checkpoint needs '
+                        'local_checkpoint_directory: set it to a directory on local disk.')
+    if '://' in self.local_checkpoint_directory:
+      raise ConfigError(f'TrainConfig.local_checkpoint_directory must be a local path, got the '
+                        f'URL {self.local_checkpoint_directory!r}; URLs go in checkpoint_dir.')
+    if self.local_checkpoint_period < 1:
+      raise ConfigError('TrainConfig.enable_emergency_checkpoint needs local_checkpoint_period '
+                        '>= 1: set how many steps apart local checkpoints are.')
+    if not self.checkpoint_dir:
+      raise ConfigError('TrainConfig.enable_emergency_checkpoint needs checkpoint_dir too (the '
+                        'persistent checkpoints it falls back to): set checkpoint_dir.')
 
   @property
   def resolved_schedule_steps(self) -> int:

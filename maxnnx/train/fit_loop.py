@@ -35,7 +35,8 @@ class FitLoop:
     ``metrics_jsonl`` / ``tensorboard_dir`` when set. With ``checkpoint_dir``
     it first resumes from the newest complete checkpoint there, trains up to
     ``config.steps`` in total, and saves every ``checkpoint_every`` steps and
-    at the end. SIGTERM or SIGINT (while ``fit`` runs in the main thread) ends it after the
+    at the end (and, with ``enable_emergency_checkpoint``, a local checkpoint every
+    ``local_checkpoint_period`` steps). SIGTERM or SIGINT (while ``fit`` runs in the main thread) ends it after the
     current step, with a checkpoint, and sets :attr:`stopped_by`. It ends with a goodput line
     (:meth:`goodput`), whose totals are also in the last step's record (``goodput/...``);
     ``config.profile``, ``outlier_factor`` and ``watchdog_factor`` watch the steps
@@ -95,12 +96,14 @@ class FitLoop:
           evaluate = cfg.eval_every and (self.step_count % cfg.eval_every == 0 or last)
           save = cfg.checkpoint_dir and (last or (cfg.checkpoint_every
                                                   and self.step_count % cfg.checkpoint_every == 0))
+          save_local = (cfg.enable_emergency_checkpoint
+                        and self.step_count % cfg.local_checkpoint_period == 0)
           records = []
           if evaluate or last or self.step_count % cfg.log_every == 0:
             records = self._fetch()
             monitor.metrics_fetched(records)
             self._record_high_water()
-          elif save:
+          elif save or save_local:
             jax.block_until_ready(self._state)  # the step's compute is not the checkpoint's
         monitor.step_finished()
         if records and evaluate:
@@ -117,6 +120,8 @@ class FitLoop:
             bar.update(records[-1])
           else:
             log(format_metrics(records[-1], bar.total))
+        if save_local:
+          self.save_local_checkpoint()
         if save:
           saved = self.save_checkpoint()
         if last:  # the last step, or the held-out loss reached target_eval_loss

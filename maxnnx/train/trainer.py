@@ -171,6 +171,9 @@ class Trainer(FitLoop, Checkpointing, Compilation):
     self._eval_compiled = None
     self._writers: list = []
     self._checkpoints = None  # a CheckpointManager once checkpoint_dir is used
+    self._local = None  # the LocalCheckpoints of enable_emergency_checkpoint, once used
+    # What restoring a checkpoint of more processes did to grad_accum_steps (one line).
+    self.batch_note: str | None = None
     self._step_offset = 0  # steps taken before the restored checkpoint, not in history
     # What resuming a checkpoint made for another `steps` does to the schedule (one line).
     self.schedule_note: str | None = None
