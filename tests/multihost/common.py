@@ -26,3 +26,36 @@ def global_batches():
   while True:
     starts = rng.integers(0, len(stream) - SEQ - 1, BATCH)
     yield np.stack([stream[s:s + SEQ + 1] for s in starts])
+
+
+def global_batch(n: int) -> np.ndarray:
+  """Global batch ``n`` ([BATCH, SEQ + 1] token windows), drawn from ``n`` alone."""
+  rng = np.random.default_rng((7, n))
+  stream = np.tile(np.arange(40), 50)
+  starts = rng.integers(0, len(stream) - SEQ - 1, BATCH)
+  return np.stack([stream[s:s + SEQ + 1] for s in starts])
+
+
+class StepBatches:
+  """This process's rows of global batch 0, 1, 2... (all of them in one process), with its
+  position saved in checkpoints: a run restarted on another number of processes goes on with
+  the same global batches."""
+
+  def __init__(self, process_index: int = 0, process_count: int = 1):
+    self.rows = BATCH // process_count
+    self.start = process_index * self.rows
+    self.next = 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> np.ndarray:
+    batch = global_batch(self.next)[self.start:self.start + self.rows]
+    self.next += 1
+    return batch
+
+  def get_state(self) -> dict:
+    return {'next': self.next}
+
+  def set_state(self, state: dict) -> None:
+    self.next = state['next']
