@@ -291,6 +291,10 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'max_num_checkpoints_to_keep': _map('keep_checkpoints', int | None, None,
                                         lambda n: KEEP_ALL if n is None else n,
                                         'None: every checkpoint is kept'),
+    'enable_emergency_checkpoint': _map('enable_emergency_checkpoint', bool, False),
+    'local_checkpoint_directory': _map('local_checkpoint_directory', str, '',
+                                       lambda path: path or None),
+    'local_checkpoint_period': _map('local_checkpoint_period', int, 0),
     'load_parameters_path': _derive('model', str, '',
                                     "the run starts from this MaxText step directory's "
                                     'parameters (converted at the start; model_name and the '

@@ -181,3 +181,23 @@ def test_emergency_settings_are_checked(change, message):
                   local_checkpoint_period=1, checkpoint_dir='persistent')
   with pytest.raises(ConfigError, match=message):
     TrainConfig(**{**settings, **change})
+
+
+@pytest.mark.slow  # ~50 s: two CLI runs
+def test_cli_keys_save_local_checkpoints_and_a_restart_resumes_from_them(tmp_path, capsys):
+  """``maxnnx train`` with MaxText's keys: local steps 2 and 3 beside persistent step 2 (and the
+  final 3); with the persistent 3 gone, the longer restart resumes from local step 3."""
+  from maxnnx import cli  # noqa: PLC0415
+  out, local = tmp_path / 'run', tmp_path / 'local'
+  args = ['train', f'output_dir={out}', 'model=tiny', 'model.num_layers=1', 'seq_len=32',
+          'global_batch_size=4', 'sample_tokens=0', 'eval_every=0', 'checkpoint_every=2',
+          'log_every=1', 'mesh.data=1', 'enable_emergency_checkpoint=true',
+          f'local_checkpoint_directory={local}', 'local_checkpoint_period=1']
+  assert cli.main([*args, 'steps=3']) == 0
+  assert sorted(os.listdir(local / 'process-0')) == ['2', '3']
+  shutil.rmtree(out / 'checkpoints' / '3')
+  capsys.readouterr()
+  assert cli.main([*args, 'steps=4']) == 0
+  assert f'Resuming from the checkpoint of step 3 in {local}.' in capsys.readouterr().out
+  steps = [json.loads(line)['step'] for line in open(out / 'metrics.jsonl')]
+  assert steps == [1, 2, 3, 4]

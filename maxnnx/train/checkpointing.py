@@ -126,7 +126,7 @@ class Checkpointing:
       restored = manager.restore(self._abstract_state, self._abstract_extra, step)
       if restored is None:
         return None
-      source = manager.directory
+      source = self.config.checkpoint_dir
     else:
       source = self.config.local_checkpoint_directory
     step, self._state, self._extra, meta = restored
@@ -146,6 +146,7 @@ class Checkpointing:
         logger.warning('Checkpoint %d has a data position but the data source has no '
                        'set_state() (it is not Checkpointable): its stream restarts.', step)
     self._keep_micro_batch(step, meta)
+    self.restored_from = source
     logger.info('Restored checkpoint step %d from %s.', step, source)
     return step
 

@@ -221,7 +221,8 @@ def split_settings(options: dict, recipe: RunRecipe = PRETRAINING):
   run['output_dir'] = paths.normalize(run['output_dir'])
   fields = {k: v for k, v in options.items()
             if k not in RUN_SETTINGS and k not in recipe.keys and '.' not in k}
-  if fields.get('checkpoint_every') and not fields.get('checkpoint_dir'):
+  wants_checkpoints = fields.get('checkpoint_every') or fields.get('enable_emergency_checkpoint')
+  if wants_checkpoints and not fields.get('checkpoint_dir'):
     fields['checkpoint_dir'] = paths.join(run['output_dir'], 'checkpoints')
   train_config = TrainConfig.from_dict({**fields, 'mesh': subtree(options, 'mesh.'),
                                         'lora': subtree(options, 'lora.')})

@@ -277,9 +277,10 @@ def _fit(trainer, run_dir, out: str, start=None) -> list[dict]:
     saved = checkpoint_steps(cfg.checkpoint_dir)
     resumed = trainer.restore_checkpoint() if cfg.checkpoint_dir else None
     if resumed is not None:
-      print(f'Resuming from the checkpoint of step {resumed} in {cfg.checkpoint_dir}.')
-      if trainer.schedule_note:
-        print(f'Note: {trainer.schedule_note}')
+      print(f'Resuming from the checkpoint of step {resumed} in {trainer.restored_from}.')
+      for note in (trainer.schedule_note, trainer.batch_note):
+        if note:
+          print(f'Note: {note}')
     elif saved:
       print(f'Every checkpoint in {cfg.checkpoint_dir} is unusable (moved to corrupt-*); '
             'starting from scratch.')

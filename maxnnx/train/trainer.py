@@ -130,6 +130,10 @@ class Trainer(FitLoop, Checkpointing, Compilation):
     objective: the objective in use, bound to ``config``.
     reached_target: ``{'step', 'eval_loss', 'target'}`` when the last ``fit`` ended early
       because the held-out loss reached ``config.target_eval_loss``; else ``None``.
+    restored_from: the directory the last restored checkpoint came from (``checkpoint_dir``, or
+      ``local_checkpoint_directory`` for an emergency checkpoint); else ``None``.
+    batch_note: one line when restoring a checkpoint saved by more processes raised
+      ``grad_accum_steps`` to keep the per-process micro-batch; else ``None``.
     stopped_by: the signal (``'SIGTERM'``, ``'SIGINT'``) that ended the last ``fit`` early,
       after finishing its step and saving a checkpoint (with ``checkpoint_dir``); else ``None``.
   """
@@ -174,6 +178,7 @@ class Trainer(FitLoop, Checkpointing, Compilation):
     self._local = None  # the LocalCheckpoints of enable_emergency_checkpoint, once used
     # What restoring a checkpoint of more processes did to grad_accum_steps (one line).
     self.batch_note: str | None = None
+    self.restored_from: str | None = None  # the directory of the last restored checkpoint
     self._step_offset = 0  # steps taken before the restored checkpoint, not in history
     # What resuming a checkpoint made for another `steps` does to the schedule (one line).
     self.schedule_note: str | None = None
