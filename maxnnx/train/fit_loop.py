@@ -36,9 +36,10 @@ class FitLoop:
     it first resumes from the newest complete checkpoint there, trains up to
     ``config.steps`` in total, and saves every ``checkpoint_every`` steps and
     at the end (and, with ``enable_emergency_checkpoint``, a local checkpoint every
-    ``local_checkpoint_period`` steps). SIGTERM or SIGINT (while ``fit`` runs in the main thread) ends it after the
-    current step, with a checkpoint, and sets :attr:`stopped_by`. It ends with a goodput line
-    (:meth:`goodput`), whose totals are also in the last step's record (``goodput/...``);
+    ``local_checkpoint_period`` steps). SIGTERM or SIGINT (while ``fit`` runs in the main
+    thread) ends it after the current step, with a checkpoint, and sets :attr:`stopped_by`. It
+    ends with a goodput line (:meth:`goodput`), whose totals are also in the last step's record
+    (``goodput/...``);
     ``config.profile``, ``outlier_factor`` and ``watchdog_factor`` watch the steps
     (:mod:`maxnnx.train.monitor`).
     """
