@@ -20,12 +20,12 @@ there and agree. A step is complete when every process of the run that saved it 
 complete copy somewhere; a restore reads each array's parts from whichever copies hold them,
 so it fills any mesh: the same processes, or fewer (a restart after losing hosts).
 
-orbax's ``experimental.emergency.CheckpointManager`` is not used: it keeps local copies only
-on the processes outside the first data-parallel replica (the first writes only the persistent
-checkpoint), recovers a lost local copy by broadcasting from another replica (so the state
-must be whole in every replica: no FSDP across hosts), saves one ``state`` item, and its local
-copies only restore onto the same topology; a restart on fewer processes would always fall back
-to the persistent checkpoint.
+orbax's ``experimental.emergency.CheckpointManager`` (0.12) is not used: it keeps local copies
+only on the processes outside the first data-parallel replica (the first writes only the
+persistent checkpoint), recovers a lost local copy by broadcasting from another replica (so the
+state must be whole in every replica: no FSDP across hosts, and at least two replicas), is built
+around one ``state`` item, and restores its local copies onto the processes' previous device
+layout; a restart on fewer processes would always fall back to the persistent checkpoint.
 """
 
 from __future__ import annotations

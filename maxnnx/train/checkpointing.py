@@ -158,7 +158,7 @@ class Checkpointing:
     import json  # noqa: PLC0415
 
     from maxnnx.checkpoint.emergency import choose_source  # noqa: PLC0415
-    from maxnnx.processes import broadcast_bytes  # noqa: PLC0415
+    from maxnnx.processes import allgather_bytes, broadcast_bytes  # noqa: PLC0415
     local = self._local_checkpoints()
     choice = choose_source(list(local.complete_steps()), manager.all_steps())
     choice = json.loads(broadcast_bytes(json.dumps(choice).encode()))
@@ -166,12 +166,17 @@ class Checkpointing:
       if choice is not None:
         local.drop_after(choice[1])
       return None
-    step = choice[1]
+    step, problem = choice[1], None
     try:
       state, extra, meta = local.restore(step, self._abstract_state, self._abstract_extra)
     except Exception as e:  # noqa: BLE001 (a local copy that fails: the persistent one remains)
-      logger.warning('Local checkpoint step %d cannot be restored (%s: %s); falling back to '
-                     'the persistent checkpoints.', step, type(e).__name__, e)
+      problem = f'{type(e).__name__}: {e}'
+    said = allgather_bytes(b'!' if problem else b'.')
+    failed = [i for i, answer in enumerate(said) if answer == b'!']
+    if failed:  # every process falls back together, or their states would differ
+      logger.warning('Local checkpoint step %d cannot be restored (%s); falling back to the '
+                     'persistent checkpoints.', step,
+                     problem or f'it failed on process(es) {failed}')
       return None
     local.drop_after(step)
     return step, state, extra, meta
