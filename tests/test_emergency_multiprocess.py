@@ -35,7 +35,7 @@ from tests.multihost.common import BATCH, SEQ, StepBatches
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, DIE_AT = 8, 6
 
-pytestmark = pytest.mark.slow  # about 40 s per run of the processes (see the tests' timings)
+pytestmark = pytest.mark.slow  # 20-110 s per run of the processes on 2 shared CPU cores
 
 
 def _start(root, processes, die_at=0):
