@@ -15,15 +15,15 @@ VOCAB, SEQ, BATCH = 64, 16, 8
 
 
 def _trainer(rate, steps, start_bias=None, scan_layers=False, learning_rate=1e-3,
-             **kw) -> Trainer:
-  """A one-layer tiny MoE's Trainer whose balancing bias starts at ``start_bias`` (default:
-  one that sends every token to experts 0 and 1)."""
-  cfg = maxnnx.get_preset('tiny-moe', vocab_size=VOCAB, num_layers=1, d_model=32, mlp_dim=32,
-                          scan_layers=scan_layers, **{'moe.router_score_bias': True,
-                                                      'moe.router_bias_update_rate': rate})
+             num_layers=1, mesh=None, **kw) -> Trainer:
+  """A tiny MoE's Trainer (one layer by default) whose balancing bias starts at
+  ``start_bias`` (default: one that sends every token to experts 0 and 1)."""
+  cfg = maxnnx.get_preset('tiny-moe', vocab_size=VOCAB, num_layers=num_layers, d_model=32,
+                          mlp_dim=32, scan_layers=scan_layers, dtype='float32',
+                          **{'moe.router_score_bias': True,
+                             'moe.router_bias_update_rate': rate})
   config = TrainConfig(steps=steps, learning_rate=learning_rate, global_batch_size=BATCH,
-                       seq_len=SEQ,
-                       log_every=1, mesh=MeshConfig(data=1), **kw)
+                       seq_len=SEQ, log_every=1, mesh=mesh or MeshConfig(data=1), **kw)
   data = TokenWindows(np.random.default_rng(0).integers(0, VOCAB, 20_000), SEQ, BATCH, seed=0)
   trainer = Trainer(cfg, config, data=data)
   (bias,) = _biases(trainer.model)
@@ -109,6 +109,28 @@ def test_balancing_evens_the_load_against_the_same_run_without_it():
   assert min(spread[0.0][-3:]) > 1.0
   assert max(spread[0.05][-3:]) < 0.6 * spread[0.05][0]
   assert max(spread[0.05][-3:]) < 0.6 * min(spread[0.0][-3:])
+
+
+def test_balancing_under_pipeline_stages_sees_the_whole_batchs_loads():
+  """Two layers over two pipeline stages (two micro-batches): the loads the step reads come out
+  of the pipeline summed over micro-batches, so the bias moves, and the load statistics are
+  logged, exactly as on one device. (Slow-listed, ~75 s; the fast check of the same loads is
+  ``tests/test_pipeline_schedule.py``'s model test.)"""
+  start = np.random.default_rng(5).normal(0, 0.02, (2, 8))
+  runs = {}
+  for name, mesh in (('one device', MeshConfig(data=1)),
+                     ('two stages', MeshConfig(data=4, stage=2))):
+    trainer = _trainer(0.01, 2, start, scan_layers=True, num_layers=2, mesh=mesh,
+                       router_aux_loss_coef=0.0)
+    history = trainer.fit(log=lambda line: None)
+    (bias,) = _biases(trainer.model)
+    runs[name] = np.asarray(bias[...]), history
+  (bias_one, history_one), (bias_pipe, history_pipe) = runs.values()
+  assert not np.allclose(bias_one, start.reshape(bias_one.shape))
+  np.testing.assert_allclose(bias_pipe, bias_one, rtol=0, atol=1e-6)
+  for one, pipe in zip(history_one, history_pipe):
+    assert pipe['loss'] == pytest.approx(one['loss'], rel=1e-5)
+    assert pipe['moe_load_cv'] == pytest.approx(one['moe_load_cv'], rel=1e-5)
 
 
 @pytest.mark.parametrize('bad, match', [

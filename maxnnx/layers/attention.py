@@ -107,7 +107,7 @@ class Attention(nnx.Module):
     self.cache_v = nnx.data(None)
     self.pages_k = nnx.data(None)
     self.pages_v = nnx.data(None)
-    self.max_logits = (MaxLogits(jnp.zeros((h,), jnp.float32))
+    self.max_logits = (MaxLogits(jnp.zeros((h,), jnp.float32), combine='max')
                        if cfg.runtime.record_max_logits else nnx.data(None))
 
   def init_cache(self, batch: int, max_length: int, dtype) -> None:

@@ -128,7 +128,7 @@ class MLA(nnx.Module):
     self.pages_latent = nnx.data(None)
     self.pages_k_rope = nnx.data(None)
     self.pages_index_keys = nnx.data(None)
-    self.max_logits = (MaxLogits(jnp.zeros((h,), jnp.float32))
+    self.max_logits = (MaxLogits(jnp.zeros((h,), jnp.float32), combine='max')
                        if cfg.runtime.record_max_logits else nnx.data(None))
     self.indexer_training = mla.indexer_training
     self.indexer_loss = (IndexerLoss(jnp.zeros((), jnp.float32))

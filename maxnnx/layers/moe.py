@@ -222,7 +222,7 @@ class MoE(nnx.Module):
                      param_dtype=param_dtype, rngs=rngs)
         if shared_dim and cfg.shared_expert_gate else None)
     self.ragged_dot = kernel_for(runtime, 'ragged_dot')
-    self.tokens_per_expert = MoeAux(jnp.zeros((cfg.num_experts,), jnp.float32))
+    self.tokens_per_expert = MoeAux(jnp.zeros((cfg.num_experts,), jnp.float32), combine='sum')
     self.load_balance_loss = MoeAux(jnp.zeros((), jnp.float32))
     self.router_z_loss = MoeAux(jnp.zeros((), jnp.float32))
 

@@ -13,8 +13,10 @@ class ForwardStat(nnx.Variable):
   """A statistic that each forward pass writes (MoE routing loads, attention max logits).
 
   Not a parameter: optimizers built with ``wrt=nnx.Param`` skip it and ``save_pretrained``
-  does not write it. Scanned and rematerialised layer stacks carry every ``ForwardStat`` out
-  of their loop, so the model holds the last pass's values whatever its layout.
+  does not write it. Scanned, rematerialised and pipelined layer stacks carry every
+  ``ForwardStat`` out of their loop, so the model holds the last pass's values whatever its
+  layout. Its ``combine`` metadata (``sum``, ``max`` or ``mean``, the default) says how the
+  values of a batch's micro-batches make the whole batch's, where a pipeline splits it.
   """
 
 

@@ -16,7 +16,15 @@ of running the whole stack on the whole batch.
 ``R = 1`` is GPipe. More repeats cut the idle share of the step (the bubble) from
 ``(S-1)/(M+S-1)`` to ``(S-1)/(R M+S-1)`` (:func:`pipeline_bubble`), for the price of
 ``R`` times as many stage-to-stage transfers (each a ``1/R`` share of the work) and
-the buffer. The stack's parameters are stored in layer order, sharded over ``stage``
+the buffer.
+
+The statistics the layers write as they run (:class:`~maxnnx.layers.params.ForwardStat`: MoE
+loads and auxiliary losses, attention max logits, the indexer loss) come back out of the
+pipeline for the whole batch, combined over micro-batches as each variable's ``combine``
+metadata says: ``sum`` (expert loads), ``max`` (max logits) or ``mean`` (the default; losses
+that are means over tokens equal the whole batch's, and the MoE load-balancing loss, a
+product of means, becomes the mean of its micro-batches' values, as under gradient
+accumulation). The stack's parameters are stored in layer order, sharded over ``stage``
 in contiguous blocks; with ``R > 1`` each step lays them out by chunk first (a
 re-sharding of ``(R-1)/R`` of every stage's layers).
 """
@@ -31,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxnnx.layers.block import RESIDUAL_AXES
+from maxnnx.layers.params import ForwardStat
 from maxnnx.sharding import constrain, mesh_axis_size, pipeline_microbatches, pipeline_repeats
 
 STAGE_AXES = ('activation_stage',)
@@ -76,8 +85,9 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
       says otherwise). More than 1 needs ``microbatches >= stages``.
 
   Returns:
-    The stack's output ``[B, T, D]``. Variables ``run_stage`` writes into its
-    per-stage module (KV caches, routing statistics) are not carried back.
+    The stack's output ``[B, T, D]``. The :class:`ForwardStat` variables ``run_stage`` writes
+    into its chunk are written back into ``layers``, combined over micro-batches (see the
+    module docstring); other variables it writes (KV caches) are not carried back.
   """
   stages = stages or mesh_axis_size('stage')
   micro = microbatches or pipeline_microbatches()
@@ -106,23 +116,32 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
   x_M = by_micro(x_BTD)
   per_row_M = jax.tree.map(by_micro, per_row_B)
 
+  stats = nnx.state(layers, ForwardStat)
+  stat_vars = jax.tree.leaves(stats, is_leaf=lambda v: isinstance(v, nnx.Variable))
+  combines = [v.get_metadata().get('combine', 'mean') for v in stat_vars]
+
   def one_stage(stage_state, per_layer, repeat, x, per_row):
     chunk_state, chunk_per_layer = jax.tree.map(lambda a: a[repeat], (stage_state, per_layer))
-    return run_stage(nnx.merge(graphdef, chunk_state), chunk_per_layer, x, per_row)
+    chunk = nnx.merge(graphdef, chunk_state)
+    out = run_stage(chunk, chunk_per_layer, x, per_row)
+    return out, jax.tree.leaves(nnx.state(chunk, ForwardStat))
 
   run_stages = jax.vmap(one_stage, spmd_axis_name='stage')
   buffer_axes = STAGE_AXES + RESIDUAL_AXES
 
   def iteration(carry, i):
-    buffer, circulating, outputs = carry
+    buffer, circulating, outputs, totals = carry
     item_S = jnp.clip(i - jnp.arange(stages), 0, items - 1)
     first = x_M[jnp.minimum(i, micro - 1)]
     if repeats > 1:  # from the second round on, stage 0 takes what came round
       first = jnp.where(i < micro, first, circulating[i % micro])
     buffer = buffer.at[0].set(first)
-    out = run_stages(state_S, per_layer_S, item_S // micro, constrain(buffer, buffer_axes),
-                     jax.tree.map(lambda a: a[item_S % micro], per_row_M))
+    out, stats_S = run_stages(state_S, per_layer_S, item_S // micro,
+                              constrain(buffer, buffer_axes),
+                              jax.tree.map(lambda a: a[item_S % micro], per_row_M))
     out = constrain(out, buffer_axes)
+    working_S = (i - jnp.arange(stages) >= 0) & (i - jnp.arange(stages) < items)
+    totals = _accumulate(totals, stats_S, combines, working_S, item_S // micro, repeats)
     done = i - (stages - 1)  # the item the last stage finished
     slot = jnp.maximum(done, 0) % micro
     last_round = done >= items - micro
@@ -131,13 +150,37 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
     if repeats > 1:
       kept = jax.lax.dynamic_update_index_in_dim(circulating, out[-1], slot, 0)
       circulating = jnp.where((done >= 0) & ~last_round, kept, circulating)
-    return (jnp.roll(out, 1, axis=0), circulating, outputs), None
+    return (jnp.roll(out, 1, axis=0), circulating, outputs, totals), None
 
   buffer = jnp.zeros((stages, batch // micro, length, width), x_BTD.dtype)
   circulating = jnp.zeros_like(x_M) if repeats > 1 else jnp.zeros((), x_BTD.dtype)
-  (_, _, outputs), _ = jax.lax.scan(iteration, (buffer, circulating, jnp.zeros_like(x_M)),
-                                    jnp.arange(items + stages - 1))
+  totals = [jnp.full((stages, repeats, per_chunk, *v.shape[1:]),
+                     -jnp.inf if how == 'max' else 0, v.dtype)
+            for v, how in zip(jax.tree.leaves(stats), combines)]
+  (_, _, outputs, totals), _ = jax.lax.scan(
+      iteration, (buffer, circulating, jnp.zeros_like(x_M), totals),
+      jnp.arange(items + stages - 1))
+  if totals:
+    by_layer = [(t / micro if how == 'mean' else t) for t, how in zip(totals, combines)]
+    by_layer = [jnp.swapaxes(t, 0, 1).reshape(num_layers, *t.shape[3:]) for t in by_layer]
+    nnx.update(layers, jax.tree.unflatten(jax.tree.structure(stats), by_layer))
   return outputs.reshape(batch, length, width)
+
+
+def _accumulate(totals: list, stats_S: list, combines: list[str], working_S: jax.Array,
+                repeat_S: jax.Array, repeats: int) -> list:
+  """Fold one iteration's statistics ``[S, layers per chunk, ...]`` into ``totals``
+  ``[S, R, layers per chunk, ...]``: each working stage into its item's repeat."""
+  into_SR = working_S[:, None] & (jnp.arange(repeats)[None, :] == repeat_S[:, None])
+  out = []
+  for total, stat, how in zip(totals, stats_S, combines):
+    mask = into_SR.reshape(into_SR.shape + (1,) * (stat.ndim - 1))
+    value = stat[:, None].astype(total.dtype)
+    if how == 'max':
+      out.append(jnp.maximum(total, jnp.where(mask, value, -jnp.inf)))
+    else:
+      out.append(total + jnp.where(mask, value, 0))
+  return out
 
 
 __all__ = ['STAGE_AXES', 'describe_schedule', 'pipeline_bubble', 'pipeline_stack']

@@ -28,7 +28,7 @@ class TrainingError(RuntimeError):
   """Training cannot go on: a non-finite metric, or a config that cannot fit."""
 
 
-def check_qk_clip(config: TrainConfig, model_config: ModelConfig, model, stages: int) -> None:
+def check_qk_clip(config: TrainConfig, model_config: ModelConfig, model) -> None:
   """Refuse ``qk_clip_threshold`` where QK-clip cannot hold the logits down."""
   if not config.qk_clip_threshold:
     return
@@ -38,9 +38,6 @@ def check_qk_clip(config: TrainConfig, model_config: ModelConfig, model, stages:
                       f"{model_config.qk_norm}), which fixes each head's scale, so rescaling the "
                       'projections cannot lower its logits (the norm bounds them already); '
                       'set qk_clip_threshold=0.')
-  if stages > 1:
-    raise ConfigError(f'{where}: pipeline stages (mesh.stage={stages}) do not carry '
-                      "the layers' max logits out yet; set mesh.stage=1 or qk_clip_threshold=0.")
   if config.lora.enabled:
     raise ConfigError(f'{where} rescales the base query/key projections, which LoRA freezes; '
                       'train without LoRA or set qk_clip_threshold=0.')
@@ -48,15 +45,6 @@ def check_qk_clip(config: TrainConfig, model_config: ModelConfig, model, stages:
     raise ConfigError(f'{where} needs attention layers that record their max logits: build '
                       'the model with ModelConfig.runtime.record_max_logits=True (QK-clip '
                       'covers multi-head, grouped-query and MLA attention).')
-
-
-def check_indexer_training(model_config: ModelConfig, stages: int) -> None:
-  """Refuse training the sparse-attention indexer across pipeline stages."""
-  indexer_stage = model_config.mla.indexer_training
-  if indexer_stage != 'off' and stages > 1:
-    raise ConfigError(f'model.mla.indexer_training={indexer_stage}: pipeline stages (mesh.stage='
-                      f"{stages}) do not carry the layers' indexer loss out yet; set "
-                      'mesh.stage=1.')
 
 
 def check_mtp_context(model_config: ModelConfig, mesh_config: MeshConfig, mesh: Mesh) -> None:
@@ -189,6 +177,6 @@ def check_batch_and_length(config: TrainConfig, model_config: ModelConfig, mesh:
 
 
 __all__ = ['EMPTY_BATCHES_BEFORE_STOP', 'TrainingError', 'check_batch_and_length',
-           'check_indexer_training', 'check_mtp_context', 'check_pipeline_layout',
+           'check_mtp_context', 'check_pipeline_layout',
            'check_pipeline_schedule', 'check_qk_clip', 'check_trains_on_something', 'image_shape',
            'quantization_name', 'row_range', 'trains_on_nothing']

@@ -151,7 +151,7 @@ class Trainer(FitLoop, Checkpointing, Compilation):
     self.objective = (objective if objective is not None else PretrainObjective()).bind(config)
     stages = dict(self.mesh.shape).get('stage', 1)
     concrete, abstract_model = self._resolve_model(model, stages)
-    self.trainable = self._trainable_filter(trainable, abstract_model, stages)
+    self.trainable = self._trainable_filter(trainable, abstract_model)
     self.tx = optimizer if optimizer is not None else make_optimizer(config, abstract_model)
     self._init_state(concrete)
     self._place_frozen(stages)
@@ -218,7 +218,7 @@ class Trainer(FitLoop, Checkpointing, Compilation):
       else:
         abstract_model = nnx.eval_shape(lambda: apply_lora(_new_model(model, config.seed),
                                                            config.lora, seed=config.seed))
-    checks.check_qk_clip(config, self.model_config, abstract_model, stages)
+    checks.check_qk_clip(config, self.model_config, abstract_model)
     return concrete, abstract_model
 
   def _model_config_for(self, model_config: ModelConfig, stages: int) -> ModelConfig:
@@ -231,9 +231,8 @@ class Trainer(FitLoop, Checkpointing, Compilation):
       model_config = model_config.replace(scan_layers=True)
     return model_config
 
-  def _trainable_filter(self, trainable, abstract_model: nnx.Module, stages: int):
+  def _trainable_filter(self, trainable, abstract_model: nnx.Module):
     """The nnx filter of the trained parameters: ``trainable``, else derived from the model."""
-    checks.check_indexer_training(self.model_config, stages)
     checks.check_mtp_context(self.model_config, self.config.mesh, self.mesh)
     if trainable is not None:
       return trainable
