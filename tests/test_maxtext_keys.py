@@ -7,7 +7,7 @@ import re
 import jax
 import pytest
 
-from maxnnx import cli, maxtext_keys
+from maxnnx import cli, maxtext_key_table, maxtext_keys
 from maxnnx.config import ConfigError
 from maxnnx.models.registry import PRESETS
 from maxnnx.presets import MAXTEXT_ALIASES, MAXTEXT_REFUSED, get_preset
@@ -125,7 +125,7 @@ def test_batch_per_device_needs_the_devices_known():
 def test_keep_every_checkpoint(tmp_path):
   yml = tmp_path / 'run.yml'
   yml.write_text('base_config: "base.yml"\nmax_num_checkpoints_to_keep: None\n')
-  assert _parse(f'config={yml}')['keep_checkpoints'] == maxtext_keys.KEEP_ALL
+  assert _parse(f'config={yml}')['keep_checkpoints'] == maxtext_key_table.KEEP_ALL
   assert _parse(f'config={yml}', 'max_num_checkpoints_to_keep=2')['keep_checkpoints'] == 2
 
 
