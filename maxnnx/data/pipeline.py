@@ -286,26 +286,43 @@ def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = 
     datasets.append(ds.repeat(config.num_epochs))
   ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, config.weights)
   ds = ds.map(_Tokenize(tokenizer, sources, bos=bos, eos=eos, vocab_size=vocab_size))
-  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  examples = packing.ExamplesIterDataset(
-      ds, seq_len=seq_len, overlong=config.overlong,
-      describe=lambda source, record: sources[source].describe(record))
-  rows = packing.pack(examples, mode=config.packing, seq_len=seq_len,
-                      bins=config.packing_bins or batch_size, seed=_derived_seed(seed, 3),
-                      shuffle=config.shuffle)
+  examples, rows = pack_examples(ds, sources, config, seq_len=seq_len, batch_size=batch_size,
+                                 seed=seed)
   pad = (tokenizer.pad_id if tokenizer is not None else None) or 0
-  batches = rows.batch(batch_size, drop_remainder=True).map(packing.ToBatch(pad))
-  if config.worker_count:
-    from absl import flags
-    if not flags.FLAGS.is_parsed():  # grain's worker code reads absl flags; use their defaults
-      flags.FLAGS.mark_as_parsed()
-    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.worker_count))
+  batches = batch_rows(rows, batch_size, pad, config.worker_count)
   fingerprint = {'config': config.to_dict(), 'batch_size': batch_size, 'seq_len': seq_len,
                  'seed': seed, 'shard_index': shard_index, 'shard_count': shard_count,
                  'vocab_size': vocab_size}
   fingerprint = _jsonable(fingerprint)
   return Pipeline(batches, examples, fingerprint, config=config, tokenizer=tokenizer,
                   batch_size=batch_size, seq_len=seq_len)
+
+
+def pack_examples(ds: grain.MapDataset, sources: list, config: DataConfig, *, seq_len: int,
+                  batch_size: int, seed: int, **pack_options):
+  """``(examples, rows)``: the encoded documents of ``ds`` (``{'ids', 'where', ...}``) as
+  examples under ``config.overlong`` (named by ``sources[i].describe``), packed into
+  ``seq_len`` rows by ``config.packing``; ``pack_options`` go to :func:`packing.pack`."""
+  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  examples = packing.ExamplesIterDataset(
+      ds, seq_len=seq_len, overlong=config.overlong,
+      describe=lambda source, index: sources[source].describe(index))
+  rows = packing.pack(examples, mode=config.packing, seq_len=seq_len,
+                      bins=config.packing_bins or batch_size, seed=_derived_seed(seed, 3),
+                      shuffle=config.shuffle, **pack_options)
+  return examples, rows
+
+
+def batch_rows(rows, batch_size: int, pad_id: int, worker_count: int):
+  """Packed ``rows`` as batches of the batch contract, run by ``worker_count`` grain worker
+  processes (0: in this process)."""
+  batches = rows.batch(batch_size, drop_remainder=True).map(packing.ToBatch(pad_id))
+  if not worker_count:
+    return batches
+  from absl import flags  # noqa: PLC0415
+  if not flags.FLAGS.is_parsed():  # grain's worker code reads absl flags; use their defaults
+    flags.FLAGS.mark_as_parsed()
+  return batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
 
 
 def _special(tokenizer, attribute: str, wanted: bool) -> int | None:

@@ -61,7 +61,14 @@ from maxnnx.data.chat import (
 )
 from maxnnx.data.config import DataConfig
 from maxnnx.data.images import ImageProcessor, ImagePrompt, load_image
-from maxnnx.data.pipeline import Pipeline, _derived_seed, _jsonable, pipeline_arguments
+from maxnnx.data.pipeline import (
+  Pipeline,
+  _derived_seed,
+  _jsonable,
+  batch_rows,
+  pack_examples,
+  pipeline_arguments,
+)
 from maxnnx.data.sources import resolve_source
 from maxnnx.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -408,20 +415,10 @@ def make_sft_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str,
                      add_eos=config.add_eos, vocab_size=vocab_size, images=images)
   check_sft_sources(sources, encode, seq_len=seq_len, overlong=config.overlong)
   ds = ds.map(encode)
-  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  examples = packing.ExamplesIterDataset(
-      ds, seq_len=seq_len, overlong=config.overlong,
-      describe=lambda source, index: sources[source].describe(index))
-  rows = packing.pack(examples, mode=config.packing, seq_len=seq_len,
-                      bins=config.packing_bins or batch_size, seed=_derived_seed(seed, 3),
-                      shuffle=config.shuffle, loss_mask=True, images_per_row=images_per_row)
+  examples, rows = pack_examples(ds, sources, config, seq_len=seq_len, batch_size=batch_size,
+                                 seed=seed, loss_mask=True, images_per_row=images_per_row)
   pad = tokenizer.pad_id or 0
-  batches = rows.batch(batch_size, drop_remainder=True).map(packing.ToBatch(pad))
-  if config.worker_count:
-    from absl import flags
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
-    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.worker_count))
+  batches = batch_rows(rows, batch_size, pad, config.worker_count)
   fingerprint = _jsonable({
       'kind': 'sft', 'config': config.to_dict(), 'batch_size': batch_size, 'seq_len': seq_len,
       'seed': seed, 'shard_index': shard_index, 'shard_count': shard_count,

@@ -57,10 +57,13 @@ class Checkpointing:
       return self._save_checkpoint()
 
   def _save_checkpoint(self) -> int:
+    return self._save_to(self._checkpoint_manager())
+
+  def _save_to(self, manager) -> int:
+    """Save the current step with ``manager`` (persistent or local); the step saved."""
     self._sync_from_objects()
     self._materialise()
-    self._checkpoint_manager().save(self.step_count, self._state, self._extra,
-                                    self._checkpoint_meta())
+    manager.save(self.step_count, self._state, self._extra, self._checkpoint_meta())
     return self.step_count
 
   def save_local_checkpoint(self) -> int:
@@ -71,11 +74,7 @@ class Checkpointing:
       raise ValueError('TrainConfig.enable_emergency_checkpoint is off: set it (with '
                        'local_checkpoint_directory) to save local checkpoints.')
     with self._goodput.time('checkpoint'):
-      self._sync_from_objects()
-      self._materialise()
-      self._local_checkpoints().save(self.step_count, self._state, self._extra,
-                                     self._checkpoint_meta())
-    return self.step_count
+      return self._save_to(self._local_checkpoints())
 
   def _checkpoint_meta(self) -> dict:
     """The JSON record saved with a checkpoint."""
