@@ -245,6 +245,17 @@ def _gemma_layers(decoder: dict, block: str) -> list[dict]:
   return _layers(decoder)
 
 
+def _cycled_stack(params: dict, settings: dict, attention: str):
+  """``(layers, tensors, tied, (heads, kv_heads, head_dim))`` of a block whose layers scan in
+  cycles (GPT-OSS, Llama 4): the layers in order, the embedding and head tensors, whether the
+  head is tied, and the head counts read off the first layer's ``attention`` module."""
+  layers = _cycle_layers(params['decoder'])
+  tensors, tied = _embedding_and_head(params, settings)
+  first = layers[0][attention]
+  _, heads, head_dim = first['query']['kernel'].shape
+  return layers, tensors, tied, (heads, first['key']['kernel'].shape[1], head_dim)
+
+
 def _cycle_layers(decoder: dict) -> list[dict]:
   """Layers of a block scanned in cycles of a pattern (Gemma 3, GPT-OSS): scanned,
   ``layers/layers_0 … layers_{n-1}`` hold the n layers of a cycle, each stacked over the cycles
@@ -363,11 +374,8 @@ def _gpt_oss_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, n
   if limit <= 0 or not window:
     raise CheckpointError('decoder_block=gpt_oss needs the run\'s mlp_activations_limit and '
                           'sliding_window_size (gpt-oss: 7.0 and 128).')
-  layers = _cycle_layers(params['decoder'])
-  tensors, tied = _embedding_and_head(params, settings)
-  first = layers[0]['GptOssAttention']
-  _, heads, head_dim = first['query']['kernel'].shape
-  kv_heads = first['key']['kernel'].shape[1]
+  layers, tensors, tied, (heads, kv_heads, head_dim) = _cycled_stack(params, settings,
+                                                                     'GptOssAttention')
   for i, layer in enumerate(layers):
     p, attn, moe = f'model.layers.{i}.', layer['GptOssAttention'], layer['GptOssMlp']
     _attention(tensors, p + 'self_attn.', attn, 1.0)
@@ -421,11 +429,8 @@ def _llama4_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np
   if not str(settings['rope_type']).startswith('llama3.1'):
     raise CheckpointError(f"decoder_block=llama4 with rope_type={settings['rope_type']}: read "
                           'with the llama3.1 rotary embedding (rope_type=llama3.1, as Llama 4).')
-  layers = _cycle_layers(params['decoder'])
-  tensors, tied = _embedding_and_head(params, settings)
-  first = layers[0]['self_attention']
-  _, heads, head_dim = first['query']['kernel'].shape
-  kv_heads = first['key']['kernel'].shape[1]
+  layers, tensors, tied, (heads, kv_heads, head_dim) = _cycled_stack(params, settings,
+                                                                     'self_attention')
   dense_dim = moe_dim = experts = 0
   for i, layer in enumerate(layers):
     p = f'model.layers.{i}.'
