@@ -207,8 +207,10 @@ def generate(options: dict) -> str:
   import maxnnx  # noqa: PLC0415
   from maxnnx.data import SentencePieceTokenizer, load_tokenizer  # noqa: PLC0415
   from maxnnx.inference.quantize import check_mode, quantize_for_inference  # noqa: PLC0415
+  from maxnnx.kernels.kv_quant import check_kv_cache_dtype  # noqa: PLC0415
   from maxnnx.sharding import tensor_parallel_mesh  # noqa: PLC0415
   check_mode(options['quantization'])  # checked before anything loads, as the mesh
+  check_kv_cache_dtype(options['kv_cache_dtype'])
   mesh = tensor_parallel_mesh(options['tensor_parallel'])
   _use_compile_cache(options)
   out = paths.normalize(options['output_dir'])
@@ -239,7 +241,8 @@ def generate(options: dict) -> str:
   if options['quantization'] not in ('none', 'checkpoint'):
     quantize_for_inference(model, options['quantization'])
   controls = {name: options[name] for name in ('presence_penalty', 'frequency_penalty',
-                                               'repetition_penalty', 'min_tokens')}
+                                               'repetition_penalty', 'min_tokens',
+                                               'kv_cache_dtype')}
   text = sample_text(model, tokenizer, options['prompt'], options['max_new_tokens'],
                      options['temperature'], options['top_p'], options['seed'], options['top_k'],
                      logit_bias=_logit_bias(options['logit_bias']), **controls)

@@ -42,6 +42,8 @@ class GenerateConfig(ValidatedConfig):
       multi-process run, every process's devices).
     compile_cache: directory of JAX's persistent compilation cache (empty: off): a second run finds
       its programs compiled.
+    kv_cache_dtype: how the KV cache stores keys and values: auto (the compute dtype), int8 or fp8
+      (e4m3), each with a float32 scale per token and KV head.
   """
 
   output_dir: str = 'runs/tiny-shakespeare'
@@ -59,6 +61,7 @@ class GenerateConfig(ValidatedConfig):
   quantization: str = 'none'
   tensor_parallel: int = 1
   compile_cache: str = ''
+  kv_cache_dtype: str = 'auto'
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig(ValidatedConfig):

@@ -11,6 +11,9 @@ from maxnnx.config.base import ConfigError, ValidatedConfig
 _LOWEST = {'page_size': 1, 'max_batch': 1, 'token_budget': 1, 'max_pages': 1,
            'max_model_len': 1, 'max_logprobs': 0, 'seed': 0, 'max_window_pages': 1}
 _OPTIONAL = ('max_pages', 'max_model_len', 'max_window_pages')
+#: The values of kv_cache_dtype (``maxnnx.kernels.kv_quant.KV_CACHE_DTYPES``: config imports no
+#: kernels, a test keeps both equal).
+KV_CACHE_DTYPES = ('auto', 'int8', 'fp8')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,9 @@ class EngineConfig(ValidatedConfig):
       None: the powers of two from 8 below it).
     page_buckets: the pages per row a step gathers (ceil(max_model_len / page_size) is always
       one; None: the powers of two below it).
+    kv_cache_dtype: how KV-cache pages store keys and values: auto (the compute dtype), int8 or
+      fp8 (e4m3), each with a float32 scale per token and KV head (about half a bf16 page's
+      bytes); recurrent states stay in the compute dtype.
   """
 
   _PATH = 'Engine'
@@ -52,6 +58,7 @@ class EngineConfig(ValidatedConfig):
   seed: int = 0
   token_buckets: tuple[int, ...] | None = None
   page_buckets: tuple[int, ...] | None = None
+  kv_cache_dtype: str = 'auto'
 
   def __post_init__(self):
     for name, lowest in _LOWEST.items():
@@ -63,6 +70,9 @@ class EngineConfig(ValidatedConfig):
       if value < lowest:
         raise ConfigError(f'Engine {name}={value}: must be >= {lowest}.')
       object.__setattr__(self, name, int(value))
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise ConfigError(f'Engine kv_cache_dtype={self.kv_cache_dtype!r}: expected one of '
+                        f"{', '.join(KV_CACHE_DTYPES)}.")
     if not isinstance(self.prefix_caching, bool):
       raise ConfigError(f'Engine prefix_caching={self.prefix_caching!r}: expected True or False.')
     for name in ('token_buckets', 'page_buckets'):  # one size, or a list from YAML

@@ -27,6 +27,7 @@ from maxnnx.inference.sampling import (
   logit_bias_pairs,
   sample_next_token,
 )
+from maxnnx.kernels.kv_quant import check_kv_cache_dtype
 from maxnnx.processes import host_value
 
 logger = logging.getLogger(__name__)
@@ -217,8 +218,8 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
              pixel_values: np.ndarray | None = None, logit_bias: dict[int, float] | None = None,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repetition_penalty: float = 1.0, min_tokens: int = 0,
-             speculative: 'spec.PromptLookup | spec.DraftModel | None' = None
-             ) -> GenerationResult:
+             speculative: 'spec.PromptLookup | spec.DraftModel | None' = None,
+             kv_cache_dtype: str = 'auto') -> GenerationResult:
   """Continue each prompt by up to ``max_new_tokens`` tokens.
 
   Args:
@@ -248,12 +249,17 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
       verifies its drafts in one forward pass (see :mod:`maxnnx.inference.speculative`).
       Greedy output is the same token for token; sampling keeps the same distribution
       (with different random draws). Not with the logit controls.
+    kv_cache_dtype: how the KV cache stores keys and values: ``auto`` (the compute dtype),
+      ``int8`` or ``fp8`` (e4m3, with a float32 scale per token and KV head; see
+      :mod:`maxnnx.kernels.kv_quant`). With ``speculative``, the model's cache (not a draft
+      model's).
 
   Returns:
     A :class:`GenerationResult` with ``tokens [B, max_new_tokens]`` and ``lengths``.
   """
   if max_new_tokens < 1:
     raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}.')
+  check_kv_cache_dtype(kv_cache_dtype)
   if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (
       top_k is not None and top_k < 1):
     raise ValueError('Need temperature >= 0, 1 <= top_k and 0 < top_p <= 1; got '
@@ -288,9 +294,10 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
     spec.check_speculative(speculative, model, pixel_values=pixel_values, controls=controls,
                            longrope_switch=_longrope_switch_step(model, width, max_new_tokens))
     return _speculative(model, speculative, ids, segments, positions, lengths, max_new_tokens,
-                        (float(temperature), top_k, top_p), eos, pad_id, seed, pixel_values)
+                        (float(temperature), top_k, top_p), eos, pad_id, seed, pixel_values,
+                        kv_cache_dtype)
   work = nnx.merge(*nnx.split(model))  # a working copy: the cache is not added to `model`
-  work.init_cache(batch, width + max_new_tokens)
+  work.init_cache(batch, width + max_new_tokens, kv_cache_dtype=kv_cache_dtype)
   # `cache` holds every non-parameter: KV caches, and MoE routing statistics if any.
   graphdef, params, cache = nnx.split(work, nnx.Param, ...)
   logits, cache = _prefill(graphdef, params, cache, ids, segments, positions,
@@ -336,7 +343,8 @@ def _ended(tokens: np.ndarray, eos: np.ndarray, pad_id: int):
 
 
 def _speculative(model, speculative, ids, segments, positions, lengths, max_new_tokens: int,
-                 sampling, eos, pad_id: int, seed: int, pixel_values) -> GenerationResult:
+                 sampling, eos, pad_id: int, seed: int, pixel_values,
+                 kv_cache_dtype: str = 'auto') -> GenerationResult:
   """:func:`generate` with a drafter (checked): prefill, then
   :func:`~maxnnx.inference.speculative.speculative_decode`."""
   batch, width = ids.shape
@@ -344,14 +352,14 @@ def _speculative(model, speculative, ids, segments, positions, lengths, max_new_
   slots = spec.cache_slots(width, max_new_tokens, k, batch)
   images = None if pixel_values is None else jnp.asarray(pixel_values)
 
-  def prefilled(each):
+  def prefilled(each, kv='auto'):
     work = nnx.merge(*nnx.split(each))
-    work.init_cache(batch, slots)
+    work.init_cache(batch, slots, kv_cache_dtype=kv)
     graphdef, params, cache = nnx.split(work, nnx.Param, ...)
     logits, cache = _prefill(graphdef, params, cache, ids, segments, positions, images)
     return graphdef, params, cache, logits
 
-  graphdef, params, cache, logits = prefilled(model)
+  graphdef, params, cache, logits = prefilled(model, kv_cache_dtype)
   draft_graphdef = draft_params = draft_cache = None
   settings = (k, 0, 0)
   if isinstance(speculative, spec.DraftModel):

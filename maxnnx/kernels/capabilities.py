@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal
 import jax
 import numpy as np
 
+from maxnnx.kernels.kv_quant import QuantizedPages
 from maxnnx.kernels.options import AttentionOptions, RaggedDotOptions
 
 logger = logging.getLogger('maxnnx.kernels')
@@ -297,6 +298,8 @@ class PagedAttentionRequest:
     sinks: attention-sink logits are given.
     chunked: chunked (local) attention is asked for (``options.chunk_size``).
     blocks: the step has image blocks (``PagedBatch.blocks_T``: bidirectional runs).
+    kv_dtype: dtype name of quantized pages (``int8``, ``float8_e4m3fn``: a
+      :class:`~maxnnx.kernels.kv_quant.QuantizedPages` pool), ``None`` for float pages.
   """
 
   platform: str
@@ -311,6 +314,7 @@ class PagedAttentionRequest:
   sinks: bool
   chunked: bool = False
   blocks: bool = False
+  kv_dtype: str | None = None
 
   @classmethod
   def of(cls, q_TNH, k_pages_PSKH, v_pages_PSKH, options: AttentionOptions,
@@ -321,7 +325,9 @@ class PagedAttentionRequest:
                head_dim=q_TNH.shape[2], v_head_dim=v_pages_PSKH.shape[3],
                page_size=k_pages_PSKH.shape[1], window=_window_kind(options.sliding_window),
                softcap=options.softcap is not None, sinks=options.sinks_N is not None,
-               chunked=options.chunk_size is not None, blocks=blocks)
+               chunked=options.chunk_size is not None, blocks=blocks,
+               kv_dtype=(np.dtype(k_pages_PSKH.dtype).name
+                         if isinstance(k_pages_PSKH, QuantizedPages) else None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,6 +347,8 @@ class PagedAttentionCapabilities:
     distinct_v_head_dim: ``v`` head size different from the ``q``/``k`` one.
     chunked: chunked (local) attention (Llama 4).
     blocks: image blocks (bidirectional attention within an image, Gemma 3).
+    kv_dtypes: dtype names of quantized pages it dequantizes on read (``kv_cache_dtype``
+      ``int8``: ``int8``, ``fp8``: ``float8_e4m3fn``); ``()``: float pages only.
   """
 
   platforms: tuple[str, ...]
@@ -353,10 +361,14 @@ class PagedAttentionCapabilities:
   distinct_v_head_dim: bool
   chunked: bool
   blocks: bool = False
+  kv_dtypes: tuple[str, ...] = ()
 
   def missing(self, request: PagedAttentionRequest) -> list[str]:
     """Why ``request`` cannot be served; empty when it can."""
-    return attention_reasons(self, request)
+    reasons = attention_reasons(self, request)
+    if request.kv_dtype is not None and request.kv_dtype not in self.kv_dtypes:
+      reasons.append(f'quantized {request.kv_dtype} pages (kv_cache_dtype) are not supported')
+    return reasons
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,12 @@ A paged-attention strategy is a frozen dataclass like the dense ones
 contiguous ``[B, pages * page_size]`` key range and calls the dense ``xla``
 reference with the mask the batch implies; it supports every feature and is the
 fallback. A ragged paged kernel (Pallas on GPU/TPU) can be registered beside it.
+
+A pool may also be quantized (``kv_cache_dtype`` ``int8`` or ``fp8``): a
+:class:`~maxnnx.kernels.kv_quant.QuantizedPages` of int8 or e4m3 pages and a float32 scale per
+token and KV head. :meth:`PagedBatch.write` quantizes each new token as it stores it, and
+``xla`` dequantizes the rows' pages as it gathers them; a strategy whose capabilities do not
+list the pages' dtype (``kv_dtypes``) falls back to ``xla`` or refuses, by its policy.
 """
 
 import dataclasses
@@ -50,6 +56,7 @@ from maxnnx.kernels.capabilities import (
   PagedAttentionRequest,
   lookup_kernel,
 )
+from maxnnx.kernels.kv_quant import QUANTIZED_KV_DTYPES, QuantizedPages, quantize_kv
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
 
@@ -158,13 +165,28 @@ class PagedBatch:
 
     return self.map_row_groups(q_positions_BQ, num_tokens)
 
-  def gather_pages(self, pages_PS: jax.Array) -> jax.Array:
-    """``[num_pages, page_size, ...] -> [B, M * page_size, ...]``: each row's cache in order."""
+  def gather_pages(self, pages_PS: jax.Array, dtype=None) -> jax.Array:
+    """``[num_pages, page_size, ...] -> [B, M * page_size, ...]``: each row's cache in order,
+    in ``dtype`` when given. A :class:`~maxnnx.kernels.kv_quant.QuantizedPages` pool is
+    gathered quantized, then dequantized (to ``dtype``, float32 by default): only the rows'
+    pages are ever held as floats."""
+    if isinstance(pages_PS, QuantizedPages):
+      rows = pages_PS.gather(self.page_table_BM)
+      values = rows.values.reshape((rows.values.shape[0], -1) + rows.values.shape[3:])
+      scales = rows.scales.reshape((rows.scales.shape[0], -1) + rows.scales.shape[3:])
+      return QuantizedPages(values, scales).dequantize(dtype or jnp.float32)
     rows = pages_PS[self.page_table_BM]
-    return rows.reshape((rows.shape[0], -1) + pages_PS.shape[2:])
+    rows = rows.reshape((rows.shape[0], -1) + pages_PS.shape[2:])
+    return rows if dtype is None else rows.astype(dtype)
 
-  def write(self, pages_PS: jax.Array, new_T: jax.Array) -> jax.Array:
-    """``pages`` with token ``t``'s entry ``new_T[t]`` stored at slot ``slots_T[t]``."""
+  def write(self, pages_PS, new_T: jax.Array):
+    """``pages`` with token ``t``'s entry ``new_T[t]`` stored at slot ``slots_T[t]``; a
+    :class:`~maxnnx.kernels.kv_quant.QuantizedPages` pool stores each token quantized with a
+    scale of its own (the tokens already there keep theirs)."""
+    if isinstance(pages_PS, QuantizedPages):
+      values_T, scales_T = quantize_kv(new_T, QUANTIZED_KV_DTYPES[pages_PS.values.dtype])
+      return QuantizedPages(self.write(pages_PS.values, values_T),
+                            self.write(pages_PS.scales, scales_T))
     num_pages, page_size = pages_PS.shape[:2]
     flat = pages_PS.reshape((num_pages * page_size,) + pages_PS.shape[2:])
     flat = flat.at[self.slots_T].set(new_T.astype(pages_PS.dtype))
@@ -220,6 +242,9 @@ class PagedAttentionKernel(KernelStrategy):
     """Attention output ``[T, heads, v_head_dim]`` of the flat tokens ``q_TNH``.
 
     The pages must already hold this step's keys and values (:meth:`PagedBatch.write`).
+    Either pool may be a :class:`~maxnnx.kernels.kv_quant.QuantizedPages` (int8 or fp8
+    pages and their scales), which a strategy serves when its capabilities list the pages'
+    dtype in ``kv_dtypes``.
     Padding tokens' output is unspecified.
     """
     request = PagedAttentionRequest.of(q_TNH, k_pages_PSKH, v_pages_PSKH, options,
@@ -247,17 +272,17 @@ class XlaPagedAttention(PagedAttentionKernel):
 
   @property
   def capabilities(self) -> PagedAttentionCapabilities:
-    """Everything, everywhere."""
+    """Everything, everywhere, int8 and fp8 pages included (dequantized on read)."""
     return PagedAttentionCapabilities(
         platforms=ALL_PLATFORMS, dtypes=FLOAT_DTYPES, gqa=True, sliding_window=True,
         traced_window=True, softcap=True, sinks=True, distinct_v_head_dim=True, chunked=True,
-        blocks=True)
+        blocks=True, kv_dtypes=('int8', 'float8_e4m3fn'))
 
   def attend(self, q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options):
     """Rows of queries, contiguous keys per row, dense attention, back to flat tokens."""
     def attend_rows(group):
-      k_BSKH = group.gather_pages(k_pages_PSKH).astype(q_TNH.dtype)
-      v_BSKH = group.gather_pages(v_pages_PSKH).astype(q_TNH.dtype)
+      k_BSKH = group.gather_pages(k_pages_PSKH, q_TNH.dtype)
+      v_BSKH = group.gather_pages(v_pages_PSKH, q_TNH.dtype)
       return XlaAttention().attend(group.gather_rows(q_TNH), k_BSKH, v_BSKH,
                                    group.row_mask(k_BSKH.shape[1]), options)
 

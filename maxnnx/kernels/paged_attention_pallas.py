@@ -112,7 +112,7 @@ class PallasPagedAttention(PagedAttentionKernel):
     return PagedAttentionCapabilities(
         platforms=ALL_PLATFORMS if self.interpret else ('gpu',), dtypes=FLOAT_DTYPES,
         gqa=True, sliding_window=True, traced_window=False, softcap=True, sinks=False,
-        distinct_v_head_dim=False, chunked=True, blocks=False)
+        distinct_v_head_dim=False, chunked=True, blocks=False, kv_dtypes=())
 
   def unsupported_reasons(self, request):
     """The declared limits, traced chunks, and Triton's tile sizes."""

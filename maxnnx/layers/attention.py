@@ -6,7 +6,10 @@ layers), a sliding window or a chunk size (Llama 4's local attention).
 Two caches exist side by side: the contiguous one of :meth:`Attention.init_cache`
 (``[B, S]`` slots per row, used by ``maxnnx.generate``) and the paged one of
 :meth:`Attention.init_paged_cache` (a pool of pages shared by every request, used
-by the serving engine). A paged call gets a
+by the serving engine). Either may be quantized (``kv_cache_dtype`` ``int8`` or ``fp8``:
+:mod:`maxnnx.kernels.kv_quant`): keys and values are stored with a float32 scale per token and
+KV head beside them, quantized as they are written and dequantized as they are read. A paged
+call gets a
 :class:`~maxnnx.kernels.paged_attention.PagedBatch` that says where this step's
 tokens go; the layer writes their keys and values into the pages and calls the
 paged-attention strategy (``cfg.runtime.paged_attention_impl``). Nothing here knows
@@ -19,6 +22,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxnnx.config import LayerType, ModelConfig
+from maxnnx.kernels.kv_quant import (
+  QUANTIZED_KV_DTYPES,
+  QuantizedPages,
+  dequantize_kv,
+  kv_storage_dtype,
+  quantize_kv,
+)
 from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
@@ -58,6 +68,9 @@ class Attention(nnx.Module):
       :meth:`init_cache` has been called; ``None`` otherwise.
     pages_k, pages_v: ``nnx.Cache`` ``[num_pages, page_size, kv_heads, head_dim]``
       once :meth:`init_paged_cache` has been called; ``None`` otherwise.
+    cache_k_scale, cache_v_scale, pages_k_scale, pages_v_scale: the float32 scales
+      (``[B, S, kv_heads]``, ``[num_pages, page_size, kv_heads]``) of a quantized cache or
+      pool; ``None`` for a float one.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_type: LayerType = 'full',
@@ -107,33 +120,48 @@ class Attention(nnx.Module):
     self.cache_v = nnx.data(None)
     self.pages_k = nnx.data(None)
     self.pages_v = nnx.data(None)
+    self.cache_k_scale = self.cache_v_scale = nnx.data(None)
+    self.pages_k_scale = self.pages_v_scale = nnx.data(None)
     self.max_logits = (MaxLogits(jnp.zeros((h,), jnp.float32), combine='max')
                        if cfg.runtime.record_max_logits else nnx.data(None))
 
-  def init_cache(self, batch: int, max_length: int, dtype) -> None:
+  def init_cache(self, batch: int, max_length: int, dtype, kv_cache_dtype: str = 'auto') -> None:
     """Allocate an empty KV cache for ``batch`` rows of ``max_length`` tokens (none in a
-    ``kv_shared`` layer: it reads another layer's)."""
+    ``kv_shared`` layer: it reads another layer's), in ``dtype``, or quantized
+    (``kv_cache_dtype`` ``int8`` or ``fp8``) with its scales."""
     if self.k_proj is None:
       return
     kv_heads, head_dim = self.k_proj.out_shape
     shape = (batch, max_length, kv_heads, head_dim)
-    self.cache_k = nnx.Cache(jnp.zeros(shape, dtype))
-    self.cache_v = nnx.Cache(jnp.zeros(shape, dtype))
+    storage = kv_storage_dtype(kv_cache_dtype)
+    self.cache_k = nnx.Cache(jnp.zeros(shape, storage or dtype))
+    self.cache_v = nnx.Cache(jnp.zeros(shape, storage or dtype))
+    if storage is not None:
+      self.cache_k_scale = nnx.Cache(jnp.zeros(shape[:-1], jnp.float32))
+      self.cache_v_scale = nnx.Cache(jnp.zeros(shape[:-1], jnp.float32))
 
-  def init_paged_cache(self, num_pages: int, page_size: int, dtype) -> None:
-    """Allocate an empty pool of ``num_pages`` pages of ``page_size`` tokens.
+  def init_paged_cache(self, num_pages: int, page_size: int, dtype,
+                       kv_cache_dtype: str = 'auto') -> None:
+    """Allocate an empty pool of ``num_pages`` pages of ``page_size`` tokens, in ``dtype``,
+    or quantized (``kv_cache_dtype`` ``int8`` or ``fp8``) with a float32 scale per token and
+    kv head beside the pages.
 
     The pools carry the logical names ``(None, None, 'kv_heads', None)``: on a mesh
-    with ``tensor`` they split over the kv heads like the projections that fill them.
-    A ``kv_shared`` layer has none.
+    with ``tensor`` they split over the kv heads like the projections that fill them (the
+    scales alike). A ``kv_shared`` layer has none.
     """
     if self.k_proj is None:
       return
     kv_heads, head_dim = self.k_proj.out_shape
     shape = (num_pages, page_size, kv_heads, head_dim)
+    storage = kv_storage_dtype(kv_cache_dtype)
     names = {'out_sharding': (None, None, 'kv_heads', None), 'eager_sharding': False}
-    self.pages_k = nnx.Cache(jnp.zeros(shape, dtype), **names)
-    self.pages_v = nnx.Cache(jnp.zeros(shape, dtype), **names)
+    self.pages_k = nnx.Cache(jnp.zeros(shape, storage or dtype), **names)
+    self.pages_v = nnx.Cache(jnp.zeros(shape, storage or dtype), **names)
+    if storage is not None:
+      names = {'out_sharding': (None, None, 'kv_heads'), 'eager_sharding': False}
+      self.pages_k_scale = nnx.Cache(jnp.zeros(shape[:-1], jnp.float32), **names)
+      self.pages_v_scale = nnx.Cache(jnp.zeros(shape[:-1], jnp.float32), **names)
 
   def _normalise(self, q_BTNH, k_BTKH, cos_sin, positions_BT, nope=None):
     """q/k norms, rotary embedding and the NoPE temperature, in the checkpoints' order.
@@ -233,11 +261,21 @@ class Attention(nnx.Module):
     if self.cache_k is None:
       raise ValueError('Decoding needs a KV cache: call model.init_cache(batch, max_length).')
     start = (0, cache_index, 0, 0)
-    self.cache_k[...] = jax.lax.dynamic_update_slice(
-        self.cache_k[...], k_BTKH.astype(self.cache_k.dtype), start)
-    self.cache_v[...] = jax.lax.dynamic_update_slice(
-        self.cache_v[...], v_BTKH.astype(self.cache_v.dtype), start)
-    return self.cache_k[...].astype(dtype), self.cache_v[...].astype(dtype)
+    if self.cache_k_scale is None:
+      self.cache_k[...] = jax.lax.dynamic_update_slice(
+          self.cache_k[...], k_BTKH.astype(self.cache_k.dtype), start)
+      self.cache_v[...] = jax.lax.dynamic_update_slice(
+          self.cache_v[...], v_BTKH.astype(self.cache_v.dtype), start)
+      return self.cache_k[...].astype(dtype), self.cache_v[...].astype(dtype)
+    name = QUANTIZED_KV_DTYPES[self.cache_k.dtype]
+    out = []
+    for cache, scales, new_BTKH in ((self.cache_k, self.cache_k_scale, k_BTKH),
+                                    (self.cache_v, self.cache_v_scale, v_BTKH)):
+      values_BTKH, scales_BTK = quantize_kv(new_BTKH, name)
+      cache[...] = jax.lax.dynamic_update_slice(cache[...], values_BTKH, start)
+      scales[...] = jax.lax.dynamic_update_slice(scales[...], scales_BTK, start[:3])
+      out.append(dequantize_kv(cache[...], scales[...], dtype))
+    return tuple(out)
 
   def _options(self, sliding_window, chunk_size) -> AttentionOptions:
     sinks_N = None if self.sinks is None else self.sinks[...]
@@ -258,13 +296,24 @@ class Attention(nnx.Module):
                          'model.init_paged_cache(num_pages, page_size).')
       k_1TKH, v_1TKH = self._keys_values(x_1TD)
       q_1TNH, k_1TKH = self._normalise(q_1TNH, k_1TKH, cos_sin, positions_1T, nope)
-      self.pages_k[...] = paged.write(self.pages_k[...], k_1TKH[0])
-      self.pages_v[...] = paged.write(self.pages_v[...], v_1TKH[0])
-      pages_k, pages_v = self.pages_k[...], self.pages_v[...]
+      pages_k = paged.write(self._pool(self.pages_k, self.pages_k_scale), k_1TKH[0])
+      pages_v = paged.write(self._pool(self.pages_v, self.pages_v_scale), v_1TKH[0])
+      for pages, pool, scales in ((pages_k, self.pages_k, self.pages_k_scale),
+                                  (pages_v, self.pages_v, self.pages_v_scale)):
+        if scales is None:
+          pool[...] = pages
+        else:
+          pool[...], scales[...] = pages.values, pages.scales
     options = self._options(sliding_window, chunk_size)
     out_TNH = self.paged_kernel(q_1TNH[0], pages_k, pages_v, paged, options)
     out_1TD = self.o_proj(self._gate(out_TNH[None].astype(q_1TNH.dtype), gate_1TNH))
     return (out_1TD, (pages_k, pages_v)) if return_kv else out_1TD
+
+  @staticmethod
+  def _pool(pages, scales):
+    """A page pool as the paged strategies take it: the pages, or with ``scales``
+    (quantized) a :class:`~maxnnx.kernels.kv_quant.QuantizedPages`."""
+    return pages[...] if scales is None else QuantizedPages(pages[...], scales[...])
 
   def _keys_values(self, x_BTD):
     """The projected keys and values ``[B, T, kv_heads, head_dim]`` (values normalised

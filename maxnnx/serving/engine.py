@@ -207,7 +207,8 @@ class Engine:
         model, num_pages=self.max_pages + 1, page_size=page_size, max_batch=max_batch,
         token_buckets=self.token_buckets, page_buckets=self.page_buckets,
         num_state_slots=num_slots + 1 if recurrent else 0,
-        window_pages=self.max_window_pages + 1 if self.max_window_pages else None, rules=rules)
+        window_pages=self.max_window_pages + 1 if self.max_window_pages else None, rules=rules,
+        kv_cache_dtype=self.config.kv_cache_dtype)
     eos = cfg.eos_token_id
     if eos is None and tokenizer is not None:
       eos = getattr(tokenizer, 'eos_id', None)

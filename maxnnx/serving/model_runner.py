@@ -156,6 +156,7 @@ class ModelRunner:
       layers).
     window_pages: pages of the sliding layers' own pool, scratch included (``None``: one pool).
     rules: logical-axis rules for the pools of a sharded model.
+    kv_cache_dtype: ``auto``, or ``int8`` / ``fp8`` pools (``EngineConfig.kv_cache_dtype``).
 
   Attributes:
     params, cache: the parameters and the cache state the step runs on.
@@ -166,7 +167,7 @@ class ModelRunner:
   def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int,
                token_buckets: tuple[int, ...], page_buckets: tuple[int, ...],
                num_state_slots: int = 0, window_pages: int | None = None,
-               rules: dict | None = None):
+               rules: dict | None = None, kv_cache_dtype: str = 'auto'):
     self.model_config = model.config
     self.page_size = page_size
     self.max_batch = max_batch
@@ -178,7 +179,7 @@ class ModelRunner:
     self._plain_graphdef, _, self._plain_rest = nnx.split(model, nnx.Param, ...)
     work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
     work.init_paged_cache(num_pages, page_size, num_slots=num_state_slots,
-                          window_pages=window_pages)
+                          window_pages=window_pages, kv_cache_dtype=kv_cache_dtype)
     self._graphdef, self.params, self.cache = nnx.split(work, nnx.Param, ...)
     self.mesh = _mesh_of(self.params)
     if self.mesh is not None:  # a model sharded by from_pretrained(mesh=...): pools alike
