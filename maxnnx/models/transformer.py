@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 
 from maxnnx.config import ModelConfig
-from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions
 from maxnnx.kernels.kv_quant import check_kv_cache_dtype
+from maxnnx.kernels.masks import AttentionMask, default_segments_and_positions
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.attention import Attention
 from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock, make_block
