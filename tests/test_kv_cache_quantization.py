@@ -249,3 +249,22 @@ def test_bad_kv_cache_dtypes_and_unquantizable_caches_are_refused_in_one_line():
     message = str(error.value)
     assert '\n' not in message and "kv_cache_dtype='fp8'" in message
     assert 'deepseek_v3' in message and 'MLA' in message and 'kv_cache_dtype=auto' in message
+
+
+def test_quantized_pages_and_scales_split_over_tensor_devices(tmp_path):
+  """On a tensor=2 mesh the int8 pages and their scales split over the kv heads like float
+  pages, and greedy requests give the one-device generate's int8 tokens."""
+  from maxnnx.config import MeshConfig  # noqa: PLC0415
+  model = _model()
+  maxnnx.save_pretrained(model, str(tmp_path))
+  sharded = maxnnx.from_pretrained(str(tmp_path), mesh=MeshConfig(data=1, tensor=2))
+  engine = Engine(sharded, page_size=4, max_batch=4, token_budget=16, max_model_len=32,
+                  page_buckets=8, kv_cache_dtype='int8')
+  specs = {x.ndim: tuple(x.sharding.spec) for x in jax.tree.leaves(engine.runner.cache)}
+  assert specs[4][:3] == (None, None, 'tensor') and not any(specs[4][3:])
+  assert specs[3] == (None, None, 'tensor')
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 17, 9)]
+  want = maxnnx.generate(model, prompts, max_new_tokens=6, eos_ids=None, kv_cache_dtype='int8')
+  got = engine.generate(prompts, _greedy(6))
+  assert [list(c.token_ids) for c in got] == want.tokens.tolist()
