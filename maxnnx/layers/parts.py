@@ -22,7 +22,8 @@ A replacement must be called like the part it replaces:
   needs ``init_cache(batch, max_length, dtype)``; for the serving engine,
   ``init_paged_cache(num_pages, page_size, dtype)`` and a ``paged=`` keyword taking a
   :class:`~maxnnx.kernels.paged_attention.PagedBatch` (subclass
-  :class:`~maxnnx.layers.attention.Attention` to inherit all three).
+  :class:`~maxnnx.layers.attention.Attention` to inherit all three, and the quantized caches
+  of ``kv_cache_dtype='int8'`` or ``'fp8'``, which other replacements refuse).
 * mlp, moe: ``mlp(x_BTD)`` -> ``[B, T, d_model]``.
 * norm: ``norm(x_BTD)`` -> ``[B, T, d_model]``.
 * block: ``block(x_BTD, cos_sin, mask, *, sliding_window=None, cache_index=None)``
