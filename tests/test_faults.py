@@ -397,3 +397,14 @@ def test_generate_with_quantized_weights_and_a_mode_that_does_not_exist(finished
   # checkpoint: a quantized release's own weights, which a float run does not have
   assert cli.main(['generate', f'output_dir={finished}', 'quantization=checkpoint']) != 0
   assert 'keep_quantized=True: ' in _error_line(capsys.readouterr().err)
+
+
+def test_generate_with_a_quantized_kv_cache_and_a_dtype_that_does_not_exist(finished, capsys):
+  """kv_cache_dtype=int8 generates through an int8 KV cache (beside int8 weights);
+  kv_cache_dtype=int4 is refused in one line naming the key and the choices."""
+  assert cli.main(['generate', f'output_dir={finished}', 'prompt=KING:', 'temperature=0',
+                   'max_new_tokens=4', 'quantization=int8', 'kv_cache_dtype=int8']) == 0
+  assert capsys.readouterr().out.strip()
+  assert cli.main(['generate', f'output_dir={finished}', 'kv_cache_dtype=int4']) != 0
+  line = _error_line(capsys.readouterr().err)
+  assert "kv_cache_dtype='int4': expected one of auto, int8, fp8" in line
