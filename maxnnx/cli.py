@@ -403,6 +403,8 @@ def serve(options: dict) -> None:
   """Run ``maxnnx serve``: an OpenAI-compatible HTTP server over the serving engine
   (:mod:`maxnnx.serving.server`) until SIGTERM or Ctrl-C, which let the requests in flight
   finish."""
+  from maxnnx.kernels.kv_quant import check_kv_cache_dtype  # noqa: PLC0415
+  check_kv_cache_dtype(options['kv_cache_dtype'])  # before the model loads
   model = _checkpoint_model(options, 'serve')
   from maxnnx.inference.quantize import check_mode  # noqa: PLC0415
   from maxnnx.serving.server import serve as serve_http  # noqa: PLC0415
