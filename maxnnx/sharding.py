@@ -301,12 +301,15 @@ def state_shardings(state, mesh: Mesh, rules: dict[str, MeshAxes] | None = None)
     if not hasattr(value, 'shape'):  # e.g. optax's MaskedNode: no array, nothing to place
       return x
     names = _names_of(x) if isinstance(x, nnx.Variable) else None
-    shape = value.shape
-    if names is None or len(names) != len(shape):
-      spec = P()
-    else:
-      spec = spec_for(names, rules, mesh, shape)
-    named = NamedSharding(mesh, spec)
+
+    def place(array):
+      if names is None or len(names) != len(array.shape):
+        return NamedSharding(mesh, P())
+      return NamedSharding(mesh, spec_for(names, rules, mesh, array.shape))
+
+    # A quantized kernel (a qwix QArray: values and scales) places each of its arrays by its
+    # own shape: a scale's size-1 dimensions stay whole where the values' are split.
+    named = jax.tree.map(place, value)
     return x.replace(value=named) if isinstance(x, nnx.Variable) else named
 
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -121,6 +121,38 @@ def test_capacity_all_to_all_equals_capacity_dispatch_when_nothing_drops(mesh):
   _assert_same(got, _run(_cfg('deepseek_v3'), MESHES[mesh], 'gspmd'))
 
 
+def _quantized_forward(cfg, mesh_config, strategy, mode):
+  """The block's output with its experts (and shared experts) quantized for inference, and
+  the compiled HLO, on ``mesh_config`` (``None``: one device, no mesh)."""
+  from maxnnx.inference.quantize import quantize_for_inference
+  graphdef, state = nnx.split(quantize_for_inference(_module(cfg), mode))
+  x = jax.random.normal(jax.random.key(1), (BATCH, LENGTH, cfg.d_model), jnp.float32)
+  forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+  if mesh_config is None:
+    return np.asarray(forward(state, x)), ''
+  mesh, rules = make_mesh(mesh_config), logical_rules(mesh_config)
+  state = jax.device_put(state, state_shardings(state, mesh, rules))
+  with use_mesh(mesh, rules, expert_parallel_strategy=strategy):
+    compiled = forward.lower(state, x).compile()
+    return np.asarray(compiled(state, x)), compiled.as_text()
+
+
+@pytest.mark.parametrize('mode,dispatch', [
+    ('int8', {}), ('fp8', {'moe_dispatch': 'capacity', 'capacity_factor': 4.0}),
+    pytest.param('int4', {}, marks=SLOW)])
+def test_quantized_experts_exchange_tokens_by_all_to_all(mode, dispatch):
+  """Experts quantized for inference (their values split over ``expert``, their scales placed
+  by their own shape) give the one-device output under both strategies, and the all_to_all
+  layer exchanges tokens with all-to-alls."""
+  cfg = _cfg('deepseek_v3', **dispatch)
+  single, _ = _quantized_forward(cfg, None, None, mode)
+  got, hlo = _quantized_forward(cfg, MESHES['data2_expert4'], 'all_to_all', mode)
+  reference, _ = _quantized_forward(cfg, MESHES['data2_expert4'], 'gspmd', mode)
+  np.testing.assert_allclose(got, single, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(reference, single, rtol=1e-5, atol=1e-5)
+  assert 'all-to-all' in hlo
+
+
 def _token_collectives(hlo: str) -> list[str]:
   """Shapes of ``[.., d_model]`` float arrays with a dimension that counts tokens (a multiple
   of ``LENGTH``, which no weight dimension is) in all-gathers or all-reduces: tokens, or their

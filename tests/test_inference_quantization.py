@@ -206,3 +206,28 @@ def test_a_scanned_stack_gets_one_scale_per_layer_and_output_channel():
   assert kernel.scale.shape == (cfg.num_layers, 1, cfg.mlp_dim)
   np.testing.assert_allclose(np.asarray(kernel.scale),
                              np.abs(weight).max(axis=1, keepdims=True) / 127.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize('mode', ['int8', 'int4'])
+def test_a_quantized_model_shards_over_fsdp_as_a_float_one(mode):
+  """On ``fsdp=8`` the quantized values split over their input axis as the float kernel would,
+  while each scale, too short along that axis to split, is placed by its own shape; the
+  logits equal one device's."""
+  from maxnnx.config import MeshConfig
+  from maxnnx.sharding import logical_rules, make_mesh, state_shardings, use_mesh
+  cfg = maxnnx.ModelConfig.from_dict(MODEL)
+  model = quantize_for_inference(maxnnx.Transformer(cfg, rngs=nnx.Rngs(2)), mode)
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, 16)), jnp.int32)
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
+  single = np.asarray(forward(state, ids))
+  mesh_config = MeshConfig(data=1, fsdp=8)
+  mesh, rules = make_mesh(mesh_config), logical_rules(mesh_config)
+  placed = jax.device_put(state, state_shardings(state, mesh, rules))
+  kernel = placed['layers'][0]['mlp']['up_proj']['kernel'][...]
+  assert kernel.qvalue.sharding.spec[0] == 'fsdp'  # [embed, mlp]: split over its inputs
+  # One scale row (int8), or one per 32 inputs (int4: 2): too few to split eight ways.
+  assert kernel.scale.shape[0] == {'int8': 1, 'int4': 2}[mode]
+  assert kernel.scale.sharding.spec[0] is None
+  with use_mesh(mesh, rules):
+    np.testing.assert_allclose(np.asarray(forward(placed, ids)), single, rtol=1e-5, atol=1e-5)
