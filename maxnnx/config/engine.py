@@ -6,10 +6,13 @@ import dataclasses
 
 import numpy as np
 
+from typing import Literal
+
 from maxnnx.config.base import ConfigError, ValidatedConfig
 
 _LOWEST = {'page_size': 1, 'max_batch': 1, 'token_budget': 1, 'max_pages': 1,
-           'max_model_len': 1, 'max_logprobs': 0, 'seed': 0, 'max_window_pages': 1}
+           'max_model_len': 1, 'max_logprobs': 0, 'seed': 0, 'max_window_pages': 1,
+           'num_speculative_tokens': 1, 'prompt_lookup_max': 1, 'prompt_lookup_min': 1}
 _OPTIONAL = ('max_pages', 'max_model_len', 'max_window_pages')
 #: The values of kv_cache_dtype (``maxnnx.kernels.kv_quant.KV_CACHE_DTYPES``: config imports no
 #: kernels, a test keeps both equal).
@@ -43,6 +46,12 @@ class EngineConfig(ValidatedConfig):
     kv_cache_dtype: how KV-cache pages store keys and values: auto (the compute dtype), int8 or
       fp8 (e4m3), each with a float32 scale per token and KV head (about half a bf16 page's
       bytes); recurrent states stay in the compute dtype.
+    speculative_method: speculative decoding: none, or ngram (prompt lookup: draft the tokens
+      that followed the latest earlier occurrence of a request's last n tokens in its prompt
+      and output, and verify them in one step).
+    num_speculative_tokens: draft tokens verified per request and step (with ngram).
+    prompt_lookup_max: the longest n-gram looked up (tried first).
+    prompt_lookup_min: the shortest n-gram looked up.
   """
 
   _PATH = 'Engine'
@@ -59,6 +68,11 @@ class EngineConfig(ValidatedConfig):
   token_buckets: tuple[int, ...] | None = None
   page_buckets: tuple[int, ...] | None = None
   kv_cache_dtype: str = 'auto'
+  # Speculative decoding (vLLM's names).
+  speculative_method: Literal['none', 'ngram'] = 'none'
+  num_speculative_tokens: int = 3
+  prompt_lookup_max: int = 3
+  prompt_lookup_min: int = 1
 
   def __post_init__(self):
     for name, lowest in _LOWEST.items():
@@ -82,4 +96,10 @@ class EngineConfig(ValidatedConfig):
       if isinstance(value, (list, tuple, np.ndarray)):
         value = tuple(int(v) if isinstance(v, np.integer) else v for v in value)
       object.__setattr__(self, name, value)
+    if self.speculative_method not in ('none', 'ngram'):
+      raise ConfigError(f'Engine speculative_method={self.speculative_method!r}: expected '
+                        "'none' or 'ngram'.")
+    if self.prompt_lookup_min > self.prompt_lookup_max:
+      raise ConfigError(f'Engine prompt_lookup_min={self.prompt_lookup_min} is more than '
+                        f'prompt_lookup_max={self.prompt_lookup_max}: lower it.')
     super().__post_init__()

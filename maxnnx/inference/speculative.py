@@ -189,6 +189,61 @@ def _leading(accept_BK):
   return jnp.sum(jnp.cumprod(accept_BK.astype(jnp.int32), axis=1), axis=1)
 
 
+def accept_greedy(target_BT: jax.Array, drafts_BK: jax.Array, valid_BK: jax.Array) -> jax.Array:
+  """Drafts kept per row under greedy decoding: the longest prefix equal to the target's
+  argmax at the positions before them (``target_BT``: ``[B, k + 1]``, the last one the bonus
+  token's). The row's output is then ``target_BT`` up to and including index ``kept``."""
+  k = drafts_BK.shape[1]
+  return _leading(valid_BK & (drafts_BK == target_BT[:, :k]))
+
+
+def accept_sampled(p_BTV: jax.Array, drafts_BK: jax.Array, valid_BK: jax.Array,
+                   u_BK: jax.Array, q_BKV: jax.Array | None = None):
+  """The rejection-sampling rule: drafts kept per row, and the distribution of the token
+  that follows them.
+
+  Draft ``x`` drawn from ``q`` is kept while ``u < p(x) / q(x)`` (``q`` a point mass when
+  ``q_BKV`` is ``None``, as for prompt lookup: the ratio is ``p(x)``). After a rejection the
+  next token comes from ``max(0, p - q)`` renormalised (``p`` without ``x`` for a point
+  mass); after ``k`` kept drafts, or at an invalid draft (never proposed), from ``p``.
+
+  Args:
+    p_BTV: ``[B, k + 1, V]`` the target's probabilities at the row's last token and each draft.
+    drafts_BK: ``[B, k]`` the drafts.
+    valid_BK: ``[B, k]`` whether each draft was proposed (only leading ones may be).
+    u_BK: ``[B, k]`` uniform samples in ``[0, 1)``.
+    q_BKV: ``[B, k, V]`` the drafter's distributions, or ``None`` (point masses).
+
+  Returns:
+    ``(kept_B, dist_BV)``: drafts kept, and the normalised distribution of the next token.
+  """
+  batch, k = drafts_BK.shape
+  rows_B = jnp.arange(batch)
+  p_BK = jnp.take_along_axis(p_BTV[:, :k], drafts_BK[..., None], axis=-1)[..., 0]
+  if q_BKV is None:
+    ratio_BK = p_BK
+  else:
+    ratio_BK = p_BK / jnp.take_along_axis(q_BKV, drafts_BK[..., None], axis=-1)[..., 0]
+  kept_B = _leading(valid_BK & (u_BK < ratio_BK))
+  p_BV = p_BTV[rows_B, kept_B]
+  at_B = jnp.minimum(kept_B, k - 1)
+  rejected_B = (kept_B < k) & valid_BK[rows_B, at_B]
+  if q_BKV is None:
+    residual_BV = p_BV.at[rows_B, drafts_BK[rows_B, at_B]].set(0.0)
+  else:
+    residual_BV = jnp.maximum(p_BV - q_BKV[rows_B, at_B], 0.0)
+  residual_ok_B = jnp.sum(residual_BV, axis=-1) > 0
+  dist_BV = jnp.where((rejected_B & residual_ok_B)[:, None], residual_BV, p_BV)
+  return kept_B, dist_BV / jnp.sum(dist_BV, axis=-1, keepdims=True)
+
+
+def drafts_then(drafts_BK: jax.Array, kept_B: jax.Array, new_B: jax.Array) -> jax.Array:
+  """``[B, k + 1]``: each row's kept drafts, then ``new_B`` (the rest repeats it)."""
+  batch, k = drafts_BK.shape
+  padded_BT = jnp.concatenate([drafts_BK, jnp.zeros((batch, 1), drafts_BK.dtype)], axis=1)
+  return jnp.where(jnp.arange(k + 1)[None] < kept_B[:, None], padded_BT, new_B[:, None])
+
+
 def _kill_slots(model, start, keep_B, advance):
   """Give segment id 0 to each row's slots ``start + keep_B + 1 .. start + advance - 1``: its
   rejected drafts below the new cache index (those past it are written over next step)."""
@@ -302,30 +357,13 @@ def speculative_decode(graphdef, draft_graphdef, settings, sampling, max_new_tok
                        positions=pos_B[:, None] + steps_T, decode=True).astype(jnp.float32)
     if greedy:
       target_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
-      kept_B = _leading(valid_BK & (drafts_BK == target_BT[:, :k]))
+      kept_B = accept_greedy(target_BT, drafts_BK, valid_BK)
       out_BT = target_BT  # the kept drafts equal the target's choices
     else:
-      p_BTV = _probs_BTV(logits_BTV, sampling)
-      p_BK = jnp.take_along_axis(p_BTV[:, :k], drafts_BK[..., None], axis=-1)[..., 0]
-      if q_BKV is None:
-        ratio_BK = p_BK
-      else:
-        ratio_BK = p_BK / jnp.take_along_axis(q_BKV, drafts_BK[..., None], axis=-1)[..., 0]
       u_BK = jax.random.uniform(accept_key, (batch, k))
-      kept_B = _leading(valid_BK & (u_BK < ratio_BK))
-      p_BV = p_BTV[rows_B, kept_B]
-      at_B = jnp.minimum(kept_B, k - 1)
-      rejected_B = (kept_B < k) & valid_BK[rows_B, at_B]
-      if q_BKV is None:
-        residual_BV = p_BV.at[rows_B, drafts_BK[rows_B, at_B]].set(0.0)
-      else:
-        residual_BV = jnp.maximum(p_BV - q_BKV[rows_B, at_B], 0.0)
-      residual_ok_B = jnp.sum(residual_BV, axis=-1) > 0
-      dist_BV = jnp.where((rejected_B & residual_ok_B)[:, None], residual_BV, p_BV)
-      dist_BV = dist_BV / jnp.sum(dist_BV, axis=-1, keepdims=True)
-      new_B = _pick(pick_key, dist_BV, sampling)
-      padded_BT = jnp.concatenate([drafts_BK, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-      out_BT = jnp.where(steps_T[None] < kept_B[:, None], padded_BT, new_B[:, None])
+      kept_B, dist_BV = accept_sampled(_probs_BTV(logits_BTV, sampling), drafts_BK, valid_BK,
+                                       u_BK, q_BKV)
+      out_BT = drafts_then(drafts_BK, kept_B, _pick(pick_key, dist_BV, sampling))
     running_B = ~done_B
     keep_BT = (steps_T[None] <= kept_B[:, None]) & running_B[:, None]
     index_BT = jnp.where(keep_BT, count_B[:, None] + steps_T, buffer)

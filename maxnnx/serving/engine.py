@@ -84,6 +84,15 @@ state, and chunked prefill carries the state from chunk to chunk. Its attention 
 are paged as usual. Prefix caching is off for such a model: pages could be shared, but
 the state after a shared prefix is not kept.
 
+**Speculative decoding.** With ``speculative_method='ngram'`` each decoding request that
+may draft proposes up to ``num_speculative_tokens`` tokens from its own prompt and output
+before a step; the step verifies them with the request's last token (``k + 1`` query tokens
+through the paged cache), and the request gains the drafts the model keeps plus one token of
+the model's, each put through the stop rules in order (see :mod:`maxnnx.serving.speculation`;
+:attr:`Engine.spec` counts drafted and accepted tokens). The verification steps add one
+bucket per page bucket, and the verifier one program, both compiled by :meth:`Engine.warmup`.
+Models with recurrent layers are refused (their state cannot roll back a rejected draft).
+
 **Images.** A vision-language model's requests may bring images
 (``add_request(ids, params, images=pixel_values)``, the prompt holding each image's
 placeholders). Their embeddings are computed once, when the request is added; a step
@@ -104,6 +113,7 @@ import jax
 import numpy as np
 
 from maxnnx.config.engine import EngineConfig
+from maxnnx.processes import host_value
 from maxnnx.serving.batch_sampler import BatchSampler
 from maxnnx.serving.model_runner import (
   MIN_TOKEN_BUCKET,
@@ -123,6 +133,7 @@ from maxnnx.serving.params import (
   TokenLogprobs,
 )
 from maxnnx.serving.scheduler import Request, Scheduler
+from maxnnx.serving.speculation import SpecCounts, may_draft, ngram_drafts, verify, warm_verify
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +179,9 @@ class Engine:
     prefix_caching: whether prompt pages are shared (off for recurrent models).
     token_buckets, page_buckets: the sorted bucket sizes in use.
     compiles: the :class:`CompileCounts` of the programs built in the engine's calls.
+    num_speculative_tokens: drafts a request verifies per step at most (0: no speculative
+      decoding).
+    spec: the :class:`~maxnnx.serving.speculation.SpecCounts` of speculative decoding.
   """
 
   def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *,
@@ -194,6 +208,13 @@ class Engine:
     self._check_positions(model)
     window = self._plan_pools(self.config.max_window_pages)
     recurrent = 'linear' in cfg.resolved_layer_types
+    speculative = self.config.speculative_method != 'none'
+    if speculative and recurrent:
+      raise ValueError(f'Engine speculative_method={self.config.speculative_method!r}: this '
+                       f"model's Gated DeltaNet layers keep a state that cannot roll back "
+                       "rejected drafts; serve it with speculative_method='none'.")
+    self.num_speculative_tokens = self.config.num_speculative_tokens if speculative else 0
+    self.spec = SpecCounts()
     if recurrent and prefix_caching:
       logger.warning('prefix_caching is off: this model\'s Gated DeltaNet layers keep a state '
                      'per request, which is not kept for shared prefixes.')
@@ -208,7 +229,8 @@ class Engine:
         token_buckets=self.token_buckets, page_buckets=self.page_buckets,
         num_state_slots=num_slots + 1 if recurrent else 0,
         window_pages=self.max_window_pages + 1 if self.max_window_pages else None, rules=rules,
-        kv_cache_dtype=self.config.kv_cache_dtype)
+        kv_cache_dtype=self.config.kv_cache_dtype,
+        num_verify=self.num_speculative_tokens)
     eos = cfg.eos_token_id
     if eos is None and tokenizer is not None:
       eos = getattr(tokenizer, 'eos_id', None)
@@ -424,7 +446,8 @@ class Engine:
       raise RuntimeError('warmup() needs an idle engine.')
     start = time.monotonic()
     variants = self.sampler_variants()
-    total, done = self.max_compiles() + len(variants) + 1, [0]
+    verifies = bool(self.num_speculative_tokens)
+    total, done = self.max_compiles() + len(variants) + 1 + verifies, [0]
 
     def one_more():
       done[0] += 1
@@ -432,9 +455,12 @@ class Engine:
         progress(done[0], total)
 
     with counting_compiles(self.compiles):
-      logits_BV = self.runner.warm(one_more)
+      logits_BV, logits_BSV = self.runner.warm(one_more)
       for num_logprobs, width in variants:
         self.sampler.warm(logits_BV, num_logprobs, width)
+        one_more()
+      if verifies:
+        warm_verify(logits_BSV)
         one_more()
       jax.block_until_ready(logits_BV)
     if self.tokenizer is not None:
@@ -480,28 +506,78 @@ class Engine:
 
   def _step(self) -> list[RequestOutput]:
     outputs, self._cancelled = self._cancelled, []
+    if self.num_speculative_tokens:
+      self._propose_drafts()
     # Rows with prefill chunks first: only those are gathered max_q wide (PagedBatch.wide_rows).
     scheduled = sorted(self.scheduler.schedule(), key=lambda rc: rc[1] == 1)
     if not scheduled:
       return outputs
-    logits_BV = self.runner.run(self.runner.layout(
+    logits_BV, logits_BSV = self.runner.run(self.runner.layout(
         scheduled, self.scheduler.kv_cache.state_slot, self._image_embeddings))
     sampled = self.sampler.sample(logits_BV, scheduled)
+    verified = self._verify(logits_BSV, scheduled)
     for row, (request, count) in enumerate(scheduled):
-      self.scheduler.advance(request, count)
-      if request.num_computed < request.num_tokens:
+      num_drafts = len(request.draft_ids)
+      if request.num_computed + count - num_drafts < request.num_tokens:
+        self.scheduler.advance(request, count)
         continue  # a prefill chunk: no token yet
-      token = int(sampled.tokens_B[row])
-      self.scheduler.append_token(request, token)
-      grammar_done = self.sampler.advance_grammar(request, token)
-      logprobs = sampled.logprobs(row, request.params.logprobs)
-      if logprobs is not None:
-        request.logprobs.extend(logprobs)
-      reason = self.outputs.finish_reason(request, token, grammar_done)
+      if num_drafts:
+        tokens_S, kept = verified
+        self.spec.record(num_drafts, int(kept[row]))
+        tokens = tokens_S[row, :int(kept[row]) + 1].tolist()
+      else:
+        tokens = [int(sampled.tokens_B[row])]
+      new, logprobs, reason = [], None, None
+      for token in tokens:  # the stop rules see each kept token in order
+        self.scheduler.append_token(request, token)
+        new.append(token)
+        grammar_done = self.sampler.advance_grammar(request, token)
+        logprobs = sampled.logprobs(row, request.params.logprobs)
+        if logprobs is not None:
+          request.logprobs.extend(logprobs)
+        reason = self.outputs.finish_reason(request, token, grammar_done)
+        if reason is not None:
+          break
+      # Computed now: the last token before the step, and the kept drafts before the newest.
+      self.scheduler.advance(request, count - num_drafts + len(new) - 1)
+      if num_drafts:
+        self.scheduler.release_rejected(request)
       if reason is not None:
         self._retire(request, reason)
-      outputs.append(self.outputs.output(request, (token,), logprobs))
+      outputs.append(self.outputs.output(request, tuple(new), logprobs))
     return outputs
+
+  def _propose_drafts(self) -> None:
+    """Give each running request that decodes its n-gram drafts for the next step, as many as
+    its ``max_tokens`` and ``max_model_len`` leave room for after the model's own token."""
+    k, config = self.num_speculative_tokens, self.config
+    for request in self.scheduler.running:
+      room = min(k, request.params.max_tokens - len(request.output_ids) - 1,
+                 self.max_model_len - request.num_tokens)
+      decoding = request.num_computed == request.num_tokens - 1
+      request.draft_ids = (
+          ngram_drafts(request.token_ids, room, config.prompt_lookup_max,
+                       config.prompt_lookup_min)
+          if decoding and room > 0 and may_draft(request.params) else [])
+
+  def _verify(self, logits_BSV, scheduled: list[tuple[Request, int]]):
+    """``(tokens [B, k + 1], kept [B])`` of the rows with drafts on the host (``None``
+    without any)."""
+    if not any(request.draft_ids for request, _ in scheduled):
+      return None
+    rows, k = self.max_batch, self.num_speculative_tokens
+    drafts_BK, num_drafts_B = np.zeros((rows, k), np.int32), np.zeros(rows, np.int32)
+    temperature_B, top_p_B = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+    top_k_B, seeds_B, counters_B = (np.zeros(rows, np.int32) for _ in range(3))
+    for row, (request, _) in enumerate(scheduled):
+      params, drafts = request.params, request.draft_ids
+      drafts_BK[row, :len(drafts)], num_drafts_B[row] = drafts, len(drafts)
+      temperature_B[row], top_k_B[row] = params.temperature, params.top_k or 0
+      top_p_B[row] = 1.0 if params.top_p is None else params.top_p
+      seeds_B[row], counters_B[row] = request.seed, len(request.output_ids)
+    tokens_BS, kept_B = verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B,
+                               top_p_B, seeds_B, counters_B)
+    return np.asarray(host_value(tokens_BS)), np.asarray(host_value(kept_B))
 
   def generate(self, prompts: Sequence[Sequence[int] | str],
                params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -241,6 +241,16 @@ class CacheManager:
     if request.num_tokens == request.num_prompt:  # not a recomputation after preemption
       request.num_cached_tokens = request.num_computed
 
+  def trim(self, request: Request) -> None:
+    """Give back the request's pages past those its computed tokens fill (they held only
+    speculative drafts that were rejected; never hashed, so never shared)."""
+    keep = -(-request.num_computed // self.page_size)
+    for manager in self.managers:
+      pages = manager.pages(request)
+      if len(pages) > keep:
+        manager.allocator.release(pages[keep:])
+        del pages[keep:]
+
   def drop(self, request: Request) -> None:
     """Give back all the request holds: pages of every pool, and its state slot."""
     for manager in self.managers:

@@ -17,6 +17,13 @@ What changes every step, the block tables, write slots and lengths, is a plain a
 compiles once per bucket, not per request mix (see :mod:`maxnnx.serving.engine` for the rule);
 :meth:`ModelRunner.step_buckets` lists them all, and :meth:`ModelRunner.warm` compiles each.
 
+**Speculative decoding.** With ``num_verify`` drafts per row, the step also returns the logits
+at each row's last ``num_verify + 1`` scheduled tokens (``[max_batch, num_verify + 1, vocab]``:
+a decoding row's last token and its drafts; other rows repeat their last token), and a step
+whose rows all hold at most ``num_verify + 1`` tokens takes a bucket of its own, gathered that
+wide, ``(T, num_verify + 1, M, None)`` with ``T`` the smallest token bucket that holds every
+row at that width.
+
 **Images.** A vision-language model's images are embedded once, when a request is added
 (:meth:`ModelRunner.embed_images`); a step whose tokens include image placeholders passes the
 embeddings of those tokens (``[T, d_model]``) and their image-block ids to the model.
@@ -157,6 +164,7 @@ class ModelRunner:
     window_pages: pages of the sliding layers' own pool, scratch included (``None``: one pool).
     rules: logical-axis rules for the pools of a sharded model.
     kv_cache_dtype: ``auto``, or ``int8`` / ``fp8`` pools (``EngineConfig.kv_cache_dtype``).
+    num_verify: draft tokens a row may verify per step (0: no speculative decoding).
 
   Attributes:
     params, cache: the parameters and the cache state the step runs on.
@@ -167,8 +175,10 @@ class ModelRunner:
   def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int,
                token_buckets: tuple[int, ...], page_buckets: tuple[int, ...],
                num_state_slots: int = 0, window_pages: int | None = None,
-               rules: dict | None = None, kv_cache_dtype: str = 'auto'):
+               rules: dict | None = None, kv_cache_dtype: str = 'auto',
+               num_verify: int = 0):
     self.model_config = model.config
+    self.num_verify = num_verify
     self.page_size = page_size
     self.max_batch = max_batch
     self.token_buckets = token_buckets
@@ -205,13 +215,20 @@ class ModelRunner:
     shapes = []
     for pages in self.page_buckets:
       shapes.append((decode_tokens, 1, pages, None))
+      if self.num_verify:
+        shapes.append(self._verify_bucket(pages))
       shapes += [(tokens, tokens, pages, rows) + kind for kind in variants
                  for tokens in self.token_buckets for rows in wide]
     return shapes
 
+  def _verify_bucket(self, pages: int) -> tuple:
+    """The bucket of a step whose rows hold ``num_verify + 1`` tokens at most."""
+    width = self.num_verify + 1
+    return (smallest_holding(self.token_buckets, self.max_batch * width), width, pages, None)
+
   def warm(self, progress: Callable[[], None] | None = None):
     """Run a step of every bucket with every row empty (it writes the scratch page and state
-    slot 0 only); returns the last step's logits ``[max_batch, vocab]``."""
+    slot 0 only); returns the last step's outputs (:meth:`run`'s)."""
     logits_BV = None
     for shape in self.step_buckets():
       logits_BV = self.run(self._model_inputs(shape, self._blank_inputs(shape)))
@@ -226,9 +243,11 @@ class ModelRunner:
 
   def run(self, inputs: tuple):
     """Run the model step on :meth:`layout`'s inputs; the logits of each row's last token
-    ``[max_batch, vocab]`` (on the device: the call returns before they are computed)."""
-    logits_BV, self.cache = self._step_fn(self.params, self.cache, *inputs)
-    return logits_BV
+    ``[max_batch, vocab]``, and with ``num_verify`` those of its last ``num_verify + 1``
+    scheduled tokens ``[max_batch, num_verify + 1, vocab]`` (else ``None``). On the device:
+    the call returns before they are computed."""
+    logits_BV, logits_BSV, self.cache = self._step_fn(self.params, self.cache, *inputs)
+    return logits_BV, logits_BSV
 
   def layout(self, scheduled: list[tuple[Request, int]], state_slot: Callable[[Request], int],
              image_embeddings: dict[int, np.ndarray]) -> tuple:
@@ -236,6 +255,7 @@ class ModelRunner:
     tokens, their positions and cache slots, each row's pages, lengths and state slot, and
     the image embeddings of image tokens, padded to the step's bucket."""
     ps = self.page_size
+    width = self.num_verify + 1
     images = [(r, n) for r, n in scheduled if any(
         start < r.num_computed + n and r.num_computed < stop for start, stop in r.image_spans)]
     shape = self._step_bucket(scheduled, bool(images))
@@ -247,7 +267,8 @@ class ModelRunner:
         self._place_images(a, request, positions, offset, image_embeddings[request.request_id])
       pages = np.asarray(request.pages, np.int32)
       span = slice(offset, offset + count)
-      a['ids_T'][span] = request.token_ids[request.num_computed:request.num_computed + count]
+      ids = request.token_ids[request.num_computed:request.num_computed + count]
+      a['ids_T'][span] = ids + request.draft_ids[:count - len(ids)]
       a['positions_T'][span] = positions
       a['slots_T'][span] = pages[positions // ps] * ps + positions % ps
       a['page_table_BM'][row, :len(pages)] = pages
@@ -257,7 +278,9 @@ class ModelRunner:
         a['window_table_BM'][row, :len(window_pages)] = window_pages
       a['kv_lens_B'][row], a['q_starts_B'][row], a['q_lens_B'][row] = (
           positions[-1] + 1, offset, count)
-      a['last_B'][row] = offset + count - 1
+      # Drafts (scheduled past the request's tokens) are verified at their own positions.
+      drafts = max(0, request.num_computed + count - request.num_tokens)
+      a['last_BS'][row] = offset + count - 1 - drafts + np.minimum(np.arange(width), drafts)
       a['state_slots_B'][row] = state_slot(request)
       offset += count
     self.last_step_shape = shape
@@ -283,6 +306,8 @@ class ModelRunner:
     chunks = sum(count > 1 for _, count in scheduled)
     if not chunks:
       return (smallest_holding(self.token_buckets, self.max_batch), 1, num_pages, None)
+    if self.num_verify and not images and max(c for _, c in scheduled) <= self.num_verify + 1:
+      return self._verify_bucket(num_pages)
     width = smallest_holding(self.token_buckets, sum(count for _, count in scheduled))
     wide_rows = 1 if chunks == 1 else self.max_batch  # the chunk rows come first
     return (width, width, num_pages, wide_rows) + (('images',) if images else ())
@@ -298,8 +323,9 @@ class ModelRunner:
     if self.window_pool:
       arrays['window_table_BM'] = np.zeros_like(arrays['page_table_BM'])
       arrays['window_slots_T'] = np.zeros_like(arrays['slots_T'])
-    for name in ('kv_lens_B', 'q_starts_B', 'q_lens_B', 'last_B', 'state_slots_B'):
+    for name in ('kv_lens_B', 'q_starts_B', 'q_lens_B', 'state_slots_B'):
       arrays[name] = np.zeros(rows, np.int32)
+    arrays['last_BS'] = np.zeros((rows, self.num_verify + 1), np.int32)
     arrays['embeddings_TD'] = arrays['blocks_T'] = None
     if kind:
       arrays['embeddings_TD'] = np.zeros((width, cfg.d_model), np.float32)
@@ -315,7 +341,7 @@ class ModelRunner:
                        a['slots_T'], max_q, a['blocks_T'], wide_rows,
                        a['state_slots_B'] if self.recurrent else None,
                        a['window_table_BM'], a['window_slots_T'])
-    return a['ids_T'], a['positions_T'], batch, a['last_B'], a['embeddings_TD']
+    return a['ids_T'], a['positions_T'], batch, a['last_BS'], a['embeddings_TD']
 
   def embed_images(self, ids: list[int], images, token_budget: int):
     """``(image spans, cache salt, [prompt, d_model] embeddings at the placeholders)`` of a
@@ -385,18 +411,23 @@ def _mesh_of(params) -> jax.sharding.Mesh | None:
 def _make_step(graphdef, traces: list[int]):
   """The jitted model step over ``graphdef``'s model; ``traces[0]`` counts its traces.
 
-  Returns the logits of each row's last token ``[B, vocab]`` and the new cache state.
+  Returns the logits of each row's last token ``[B, vocab]``, those at each of ``last_BS``'s
+  ``S`` tokens per row ``[B, S, vocab]`` when ``S > 1`` (speculative decoding: the last is
+  the row's last scheduled token; else ``None``), and the new cache state.
   """
 
   @functools.partial(jax.jit, donate_argnums=(1,))
-  def step(params, cache, ids_T, positions_T, batch, last_B, embeddings_TD):
+  def step(params, cache, ids_T, positions_T, batch, last_BS, embeddings_TD):
     traces[0] += 1
     model = nnx.merge(graphdef, params, cache)
     x_1TD = model.hidden_states(
         ids_T[None], positions=positions_T[None], paged=batch,
         image_embeddings=None if embeddings_TD is None else embeddings_TD[None])
-    logits_BV = model.logits(x_1TD[:, last_B])[0]  # the head on each row's last token only
-    return logits_BV, nnx.state(model, nnx.Not(nnx.Param))
+    rows, width = last_BS.shape
+    # The head on the tokens whose logits are used only.
+    logits_BSV = model.logits(x_1TD[:, last_BS.reshape(-1)])[0].reshape(rows, width, -1)
+    return (logits_BSV[:, -1], logits_BSV if width > 1 else None,
+            nnx.state(model, nnx.Not(nnx.Param)))
 
   return step
 

@@ -16,6 +16,12 @@ Each :meth:`Scheduler.schedule` fills a budget of ``token_budget`` tokens:
    ``max_batch`` rows and the free pages last. A new request first takes the
    pages of the longest prefix of full pages already in the prefix cache.
 
+With speculative decoding a decoding request may carry draft tokens
+(``Request.draft_ids``, set by the engine before :meth:`Scheduler.schedule`): they are
+scheduled after its last token, count in the budget and get pages like any token, are cut
+to the budget that remains, and are dropped rather than preempt another request for pages.
+After the step, :meth:`Scheduler.release_rejected` gives back the pages past the tokens kept.
+
 When a running request needs a page and none is left, the most recently admitted
 running request is preempted: its pages are released (they stay in the prefix
 cache while nothing evicts them) and it goes back to the front of the queue, to be
@@ -74,6 +80,8 @@ class Request:
     text: its decoded output so far (only with a tokenizer).
     image_spans: ``(start, stop)`` token positions of each image's placeholders.
     cache_salt: where its page hashes start (a digest of its images; ``b''`` without).
+    draft_ids: speculative tokens to verify after its last token in the next step (decoding
+      requests only; the scheduler may cut them).
   """
 
   request_id: int
@@ -92,6 +100,7 @@ class Request:
   text: str | None = None
   image_spans: tuple[tuple[int, int], ...] = ()
   cache_salt: bytes = b''
+  draft_ids: list[int] = dataclasses.field(default_factory=list)
 
   @property
   def num_tokens(self) -> int:
@@ -170,6 +179,10 @@ class Scheduler:
         index += 1
         continue
       while not self._reserve(request, count):
+        if request.draft_ids:  # drafts are optional: drop them before preempting anyone
+          count -= len(request.draft_ids)
+          request.draft_ids = []
+          continue
         victim = self.running[-1]
         self._preempt(victim)
         preempted = True
@@ -199,7 +212,11 @@ class Scheduler:
   def _chunk(self, request: Request, budget: int) -> int:
     """How many of ``request``'s remaining tokens to compute within ``budget``: all that
     fit, cut back to before an image the chunk would end inside (0: wait for room)."""
-    count = min(request.num_tokens - request.num_computed, budget)
+    remaining = request.num_tokens - request.num_computed
+    if request.draft_ids:  # a decoding request: its last token, then the drafts that fit
+      del request.draft_ids[max(budget - remaining, 0):]
+      remaining += len(request.draft_ids)
+    count = min(remaining, budget)
     end = request.num_computed + count
     for start, stop in request.image_spans:
       if start < end < stop:
@@ -214,6 +231,13 @@ class Scheduler:
     """
     request.num_computed += count
     self.kv_cache.computed(request, self.prefix_caching)
+
+  def release_rejected(self, request: Request) -> None:
+    """After a step verified ``request``'s drafts (its kept tokens appended and computed):
+    forget the drafts and give back the pages past its computed tokens, which hold only
+    rejected drafts' keys and values (the next step writes over those on the pages kept)."""
+    request.draft_ids = []
+    self.kv_cache.trim(request)
 
   def append_token(self, request: Request, token_id: int) -> None:
     """Append a generated token; it is computed in a later step."""
@@ -236,6 +260,7 @@ class Scheduler:
 
   def _preempt(self, request: Request) -> None:
     self.running.remove(request)
+    request.draft_ids = []
     self._drop_pages(request)
     self.waiting.appendleft(request)
     self.num_preemptions += 1
