@@ -50,7 +50,9 @@ class EngineLoop:
       until then; requests submitted meanwhile wait in the queue).
     stats: a snapshot published after warm-up and each step: ``running``, ``waiting``,
       ``pages_used``, ``pages_total``, ``preemptions``, ``steps``, ``compiles``,
-      ``compile_cache_hits``, ``compiles_after_ready`` (and
+      ``compile_cache_hits``, ``compiles_after_ready``, the speculative decoding counts
+      ``spec_drafts``, ``spec_draft_tokens``, ``spec_accepted_tokens`` and
+      ``spec_accepted_per_position`` (and
       ``sliding_pages_used`` / ``sliding_pages_total`` when the sliding layers have a
       pool of their own).
   """
@@ -214,7 +216,10 @@ class EngineLoop:
         'pages_total': engine.max_pages, 'preemptions': engine.scheduler.num_preemptions,
         'steps': self._steps, 'compiles': engine.compiles.compiled,
         'compile_cache_hits': engine.compiles.cache_hits,
-        'compiles_after_ready': engine.compiles.after_warmup}
+        'compiles_after_ready': engine.compiles.after_warmup,
+        'spec_drafts': engine.spec.drafts, 'spec_draft_tokens': engine.spec.draft_tokens,
+        'spec_accepted_tokens': engine.spec.accepted_tokens,
+        'spec_accepted_per_position': tuple(engine.spec.accepted_per_position)}
     if engine.window_allocator is not None:
       self.stats['sliding_pages_used'] = (engine.max_window_pages
                                           - engine.window_allocator.num_available)

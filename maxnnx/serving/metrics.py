@@ -89,6 +89,9 @@ class ServerMetrics:
                                   stats.get('sliding_pages_used', 0)),
         'kv_sliding_pages_total': ("Pages in the sliding layers' own pool (0: none).",
                                    stats.get('sliding_pages_total', 0)),
+        'spec_decode_draft_acceptance_rate': (
+            'Draft tokens accepted over draft tokens verified (0 before any draft).',
+            stats.get('spec_accepted_tokens', 0) / max(stats.get('spec_draft_tokens', 0), 1)),
     }
     with self._lock:
       counters = {
@@ -106,6 +109,13 @@ class ServerMetrics:
           'compiles_after_ready_total': ('Programs the engine compiled or read back after '
                                          'warm-up, while serving (0: every step was warm).',
                                          stats.get('compiles_after_ready', 0)),
+          'spec_decode_num_drafts_total': ('Speculative verifications: requests that '
+                                           'verified drafts in a step.',
+                                           stats.get('spec_drafts', 0)),
+          'spec_decode_num_draft_tokens_total': ('Draft tokens verified.',
+                                                 stats.get('spec_draft_tokens', 0)),
+          'spec_decode_num_accepted_tokens_total': ('Draft tokens the model accepted.',
+                                                    stats.get('spec_accepted_tokens', 0)),
       }
       lines = _family('http_requests_total', 'counter',
                       'HTTP responses of the API endpoints, by endpoint and status.',
@@ -116,6 +126,10 @@ class ServerMetrics:
                        [f'{{finish_reason="{r}"}} {n}' for r, n in sorted(self.finished.items())])
       for name, (doc, value) in counters.items():
         lines += _family(name, 'counter', doc, [f' {value}'])
+      lines += _family('spec_decode_num_accepted_tokens_per_pos_total', 'counter',
+                       'Draft tokens accepted, by position in the draft (0: the first).',
+                       [f'{{position="{i}"}} {n}' for i, n in
+                        enumerate(stats.get('spec_accepted_per_position', ()))])
       lines += [f'# HELP {PREFIX}time_to_first_token_seconds Seconds from a request\'s arrival '
                 'to its first token.', f'# TYPE {PREFIX}time_to_first_token_seconds histogram',
                 *self.time_to_first_token.lines(f'{PREFIX}time_to_first_token_seconds')]

@@ -1,0 +1,256 @@
+"""Speculative decoding in the serving engine: greedy tokens equal plain engine decoding request
+by request (stop ids, max_tokens, preemption), sampled tokens keep the model's distribution,
+the drafted and accepted counts (and /metrics) are what the algorithm implies, every page
+comes back, and a warm engine compiles nothing while it drafts."""
+
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+import maxnnx
+from maxnnx.config import ConfigError
+from maxnnx.serving import Engine, SamplingParams
+from maxnnx.serving.engine_loop import EngineLoop
+from maxnnx.serving.metrics import ServerMetrics
+from maxnnx.serving.speculation import ngram_drafts, verify
+from tests.test_speculative import _chi_square_p, _exact_first_tokens, _lookup_reference, _model
+
+VOCAB = 97
+# 24 pages of 4 tokens for 6 rows of up to 64 tokens (full batches preempt), with few
+# buckets so that the module compiles little.
+ENGINE = dict(page_size=4, max_batch=6, token_budget=32, max_model_len=64, max_pages=24,
+              token_buckets=(8, 32), page_buckets=(16,))
+SPEC = dict(speculative_method='ngram', num_speculative_tokens=3)
+
+
+@pytest.fixture(scope='module')
+def model():
+  return _model(vocab=VOCAB)
+
+
+@pytest.fixture(scope='module')
+def plain(model):
+  return Engine(model, **ENGINE)
+
+
+@pytest.fixture(scope='module')
+def spec(model):
+  return Engine(model, **ENGINE, **SPEC)
+
+
+def _repeating(rng, phrase, length):
+  """``length`` tokens repeating a random phrase of ``phrase`` tokens (lookup finds them)."""
+  return np.resize(rng.integers(0, VOCAB, phrase), length).tolist()
+
+
+def _assert_idle(engine):
+  assert not engine.has_unfinished()
+  engine.allocator.check()
+  assert engine.allocator.num_available == engine.max_pages  # nothing held: no leak
+
+
+def _run_staggered(engine, prompts, params, arrivals):
+  """Add request ``i`` at step ``arrivals[i]``; each request's streamed tokens and final
+  output."""
+  ids, streamed, finals, step = {}, {}, {}, 0
+  while len(ids) < len(prompts) or engine.has_unfinished():
+    for i, arrival in enumerate(arrivals):
+      if arrival == step:
+        ids[engine.add_request(prompts[i], params[i])] = i
+    for out in engine.step():
+      i = ids[out.request_id]
+      streamed.setdefault(i, []).extend(out.new_token_ids)
+      assert list(out.token_ids) == streamed[i]
+      if out.finished:
+        finals[i] = out
+    step += 1
+  return streamed, finals
+
+
+def test_greedy_tokens_equal_plain_engine_decoding_request_by_request(plain, spec):
+  """Ten staggered requests of different lengths, repeating and random, some stopped by a
+  stop id the plain run emits mid-output, batched over a pool that preempts: the speculative
+  engine streams, request by request, the plain engine's tokens and finish reasons, drafts
+  are kept, and every page comes back."""
+  rng = np.random.default_rng(5)
+  prompts = [_repeating(rng, p, n) for p, n in ((4, 14), (6, 30), (3, 7), (5, 21), (2, 9))]
+  prompts += [rng.integers(0, VOCAB, n).tolist() for n in (5, 17, 11, 3, 26)]
+  max_tokens = [30, 12, 33, 25, 8, 20, 31, 6, 27, 16]
+  params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+  arrivals = [0, 0, 0, 1, 2, 2, 3, 5, 8, 9]
+  want, _ = _run_staggered(plain, prompts, params, arrivals)
+  # Stop ids the plain run emits inside a request's output (a stop after accepted drafts).
+  stops = {i: want[i][len(want[i]) // 2] for i in (0, 2, 6)}
+  params = [SamplingParams(max_tokens=m, ignore_eos=True, stop_token_ids=(stops[i],)
+                           if i in stops else ()) for i, m in enumerate(max_tokens)]
+  want, want_finals = _run_staggered(plain, prompts, params, arrivals)
+  assert any(f.finish_reason == 'stop' for f in want_finals.values())
+  before = spec.spec.accepted_tokens
+  got, got_finals = _run_staggered(spec, prompts, params, arrivals)
+  for i in range(len(prompts)):
+    assert got[i] == want[i], i
+    assert got_finals[i].finish_reason == want_finals[i].finish_reason, i
+    assert len(got[i]) <= max_tokens[i]
+  assert spec.spec.accepted_tokens > before  # drafts were kept: several tokens per step
+  assert spec.scheduler.num_preemptions > 0  # the pool ran out with drafts in flight
+  _assert_idle(plain)
+  _assert_idle(spec)
+
+
+def _expected_counts(prompt, output, k, max_tokens, lookup=(3, 1)):
+  """The verifications, draft tokens, accepted tokens and per-position acceptances that
+  verifying n-gram drafts against greedy ``output`` gives one request alone (no budget cut)."""
+  drafts = draft_tokens = accepted = 0
+  per_position = [0] * k
+  emitted = 1  # the first token comes from the prompt's step
+  while emitted < len(output):
+    room = min(k, max_tokens - emitted - 1)
+    proposal = ngram_drafts(prompt + output[:emitted], room, *lookup) if room > 0 else []
+    kept = 0
+    while kept < len(proposal) and proposal[kept] == output[emitted + kept]:
+      kept += 1
+    if proposal:
+      drafts, draft_tokens, accepted = drafts + 1, draft_tokens + len(proposal), accepted + kept
+      for position in range(kept):
+        per_position[position] += 1
+    emitted += kept + 1
+  return drafts, draft_tokens, accepted, per_position
+
+
+def test_metrics_count_drafted_and_accepted_tokens_on_a_repeating_prompt(model, plain):
+  """Three requests on prompts that repeat a phrase: the engine's counts equal the ones the
+  drafting rule implies against the plain greedy output, and /metrics reports them with
+  their ratio."""
+  rng = np.random.default_rng(11)
+  prompts = [_repeating(rng, 4, 16), _repeating(rng, 3, 12), _repeating(rng, 5, 20)]
+  params = SamplingParams(max_tokens=24, ignore_eos=True)
+  outputs = [list(c.token_ids) for c in plain.generate(prompts, params)]
+  engine = Engine(model, **{**ENGINE, 'max_pages': 40}, **SPEC)  # no preemption
+  got = [list(c.token_ids) for c in engine.generate(prompts, params)]
+  assert got == outputs
+  want = [_expected_counts(p, o, 3, 24) for p, o in zip(prompts, outputs)]
+  drafts, draft_tokens, accepted = (sum(w[i] for w in want) for i in range(3))
+  per_position = np.sum([w[3] for w in want], axis=0).tolist()
+  counts = engine.spec
+  assert (counts.drafts, counts.draft_tokens, counts.accepted_tokens) == (
+      drafts, draft_tokens, accepted)
+  assert counts.accepted_per_position == per_position
+  assert accepted > 0 and 0 < counts.acceptance_rate == accepted / draft_tokens
+  text = ServerMetrics().render(0, EngineLoop(engine).stats)
+  assert f'maxnnx_spec_decode_num_drafts_total {drafts}\n' in text
+  assert f'maxnnx_spec_decode_num_draft_tokens_total {draft_tokens}\n' in text
+  assert f'maxnnx_spec_decode_num_accepted_tokens_total {accepted}\n' in text
+  assert f'maxnnx_spec_decode_draft_acceptance_rate {accepted / draft_tokens}\n' in text
+  assert (f'maxnnx_spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} '
+          f'{per_position[0]}\n') in text
+  _assert_idle(engine)
+
+
+def test_ngram_drafts_equal_the_lookup_rule_of_generate():
+  """The host's drafts are the latest longest earlier match's followers, as in generate."""
+  rng = np.random.default_rng(2)
+  rows = [rng.integers(0, 4, n).tolist() for n in (1, 2, 5, 9, 17, 30)] + [[1, 2, 3, 1, 2]]
+  for row in rows:
+    for k, top, bottom in ((4, 3, 1), (2, 2, 2), (5, 1, 1)):
+      want, valid = _lookup_reference(row, k, top, bottom)
+      assert ngram_drafts(row, k, top, bottom) == want[:sum(valid)], (row, k, top, bottom)
+  assert ngram_drafts([1, 2, 3, 1, 2], 4, 3, 1) == [3, 1, 2]
+
+
+def _probs(logits, temperature, top_k):
+  """Float64 probabilities after temperature and top-k (rows of ``logits``)."""
+  scaled = np.asarray(logits, np.float64) / temperature
+  kth = -np.sort(-scaled, axis=-1)[..., top_k - 1:top_k]
+  scaled = np.where(scaled < kth, -np.inf, scaled)
+  out = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+  return out / out.sum(axis=-1, keepdims=True)
+
+
+def test_verification_keeps_the_distribution_on_a_tiny_vocabulary():
+  """40,000 rows verify the same two drafts under the same logits, each with its own seed:
+  the first token follows p0 exactly, the second (after a kept first draft) p1, the third
+  (after both) p2, by chi-square; greedy rows in the same call keep the drafts equal to the
+  argmax and emit it. Keeping every draft or resampling a rejected position from p instead
+  of p without the draft fails it."""
+  rows, vocab, temperature, top_k = 40_000, 5, 0.8, 4
+  logits_SV = np.random.default_rng(0).normal(size=(3, vocab)).astype(np.float32) * 1.5
+  p_SV = _probs(logits_SV, temperature, top_k)
+  drafts = [int(np.argsort(-p_SV[0])[1]), int(np.argsort(-p_SV[1])[0])]  # p0(x) < 1
+  tokens, kept = verify(
+      np.broadcast_to(logits_SV, (rows, 3, vocab)), np.tile(drafts, (rows, 1)).astype(np.int32),
+      np.full(rows, 2, np.int32), np.where(np.arange(rows) < 8, 0.0, temperature).astype(
+          np.float32), np.full(rows, top_k, np.int32), np.ones(rows, np.float32),
+      np.arange(rows, dtype=np.int32), np.zeros(rows, np.int32))
+  tokens, kept = np.asarray(tokens), np.asarray(kept)
+  greedy = logits_SV.argmax(-1)
+  assert (kept[:8] == (0 if greedy[0] != drafts[0] else 1 + (greedy[1] == drafts[1]))).all()
+  assert (tokens[:8, :kept[0] + 1] == greedy[:kept[0] + 1]).all()
+  tokens, kept = tokens[8:], kept[8:]
+  assert ((tokens[:, 0] == drafts[0]) == (kept >= 1)).all()
+  for position, chosen in enumerate((np.ones(len(kept), bool), kept >= 1, kept >= 2)):
+    observed = np.bincount(tokens[chosen, position], minlength=vocab)
+    expected = p_SV[position] * chosen.sum()
+    live = expected > 0
+    assert observed[~live].sum() == 0  # nothing outside the top-k
+    assert stats.chisquare(observed[live], expected[live]).pvalue > 1e-4, position
+
+
+def test_sampled_engine_tokens_keep_the_models_distribution():
+  """The first three tokens of 1,600 sampled requests (temperature 1.5, top-k 6 of 8) whose
+  prompt repeats, so that the second and third often come from verified drafts: a chi-square
+  test over the joint cells against the model's exact float64 distribution."""
+  vocab, steps, rows = 8, 3, 1600
+  model = _model(vocab=vocab)
+  prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+  engine = Engine(model, page_size=8, max_batch=48, token_budget=256, max_model_len=16,
+                  token_buckets=(256,), page_buckets=(2,), speculative_method='ngram',
+                  num_speculative_tokens=2)
+  params = SamplingParams(max_tokens=4, temperature=1.5, top_k=6, ignore_eos=True)
+  result = engine.generate([prompt] * rows, params)
+  samples = np.array([c.token_ids[:steps] for c in result])
+  pvalue, cells = _chi_square_p(samples, _exact_first_tokens(model, prompt, steps, 1.5, 6))
+  assert cells > 20
+  assert pvalue > 1e-4, pvalue
+  assert engine.spec.drafts > rows // 3 and engine.spec.accepted_tokens > rows // 20
+  _assert_idle(engine)
+
+
+def test_a_warm_speculative_engine_compiles_nothing_while_serving(model):
+  """Warm-up compiles the verification buckets and the verifier; then mixed requests
+  (greedy and sampled drafting rows beside rows with penalties, bias and log-probabilities)
+  build no program."""
+  engine = Engine(model, **ENGINE, **SPEC)
+  assert len(engine.step_buckets()) == len(Engine(model, **ENGINE).step_buckets()) + 1
+  engine.warmup()
+  rng = np.random.default_rng(3)
+  kinds = [dict(), dict(temperature=0.9, top_p=0.8), dict(presence_penalty=0.5),
+           dict(temperature=0.7, logit_bias={3: 2.0}, logprobs=2)]
+  for burst in range(3):
+    prompts = [_repeating(rng, int(rng.integers(2, 6)), int(rng.integers(3, 40)))
+               for _ in range(8)]
+    params = [SamplingParams(max_tokens=int(rng.integers(2, 20)), ignore_eos=True,
+                             **kinds[i % len(kinds)]) for i in range(8)]
+    engine.generate(prompts, params)
+  assert engine.spec.accepted_tokens > 0
+  assert engine.compiles.after_warmup == 0 and engine.compiles.warm
+  _assert_idle(engine)
+
+
+@pytest.mark.parametrize('setting,message', [
+    ({'speculative_method': 'eagle'}, 'speculative_method'),
+    ({'num_speculative_tokens': 0}, 'Engine num_speculative_tokens=0: must be >= 1'),
+    ({'prompt_lookup_min': 4, 'prompt_lookup_max': 2},
+     'Engine prompt_lookup_min=4 is more than prompt_lookup_max=2'),
+])
+def test_bad_speculative_settings_are_refused_naming_the_field(model, setting, message):
+  with pytest.raises(ConfigError, match=message):
+    Engine(model, **setting)
+
+
+def test_a_recurrent_model_is_refused_speculation():
+  cfg = maxnnx.get_preset('tiny-qwen3-next', vocab_size=VOCAB, num_layers=2,
+                          layer_types=('linear', 'full'), moe={'num_experts': 0})
+  model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(5))
+  with pytest.raises(ValueError, match="speculative_method='none'"):
+    Engine(model, max_model_len=32, **SPEC)
