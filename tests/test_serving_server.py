@@ -556,10 +556,14 @@ def _burst_params(rng, i):
   return {**kinds[i % len(kinds)], 'max_tokens': int(rng.integers(2, 8))}
 
 
-def test_health_is_503_until_warm_then_bursts_compile_nothing(model_dir, tokenizer):
+@pytest.mark.parametrize('speculation', [
+    pytest.param({}, id='plain'),
+    pytest.param({'speculative_method': 'ngram', 'num_speculative_tokens': 3}, id='ngram')])
+def test_health_is_503_until_warm_then_bursts_compile_nothing(model_dir, tokenizer, speculation):
   """/health answers 503 while the engine warms up, 200 after; then ten bursts of 12
-  concurrent requests of mixed lengths and sampling settings compile no program."""
-  engine = Engine(maxnnx.from_pretrained(model_dir), tokenizer, **SERVER_ENGINE)
+  concurrent requests of mixed lengths and sampling settings compile no program, also with
+  speculative decoding (whose counts /metrics reports)."""
+  engine = Engine(maxnnx.from_pretrained(model_dir), tokenizer, **SERVER_ENGINE, **speculation)
   opened, warmup = threading.Event(), engine.warmup
   engine.warmup = lambda progress=None: opened.wait(60) and warmup(progress)
   app = make_app(engine, model_name=NAME, max_queue=12)
@@ -586,6 +590,9 @@ def test_health_is_503_until_warm_then_bursts_compile_nothing(model_dir, tokeniz
       assert all(a.choices[0].finish_reason in ('stop', 'length') for a in answers)
       assert _metric(url, 'compiles_after_ready_total') == 0
     assert engine.compiles.after_warmup == 0 and engine.compiles.warm
+    drafted = _metric(url, 'spec_decode_num_draft_tokens_total')
+    assert drafted == engine.spec.draft_tokens and (drafted > 0) == bool(speculation)
+    assert _metric(url, 'spec_decode_num_accepted_tokens_total') == engine.spec.accepted_tokens
 
 
 def test_stable_text_holds_back_what_may_change():

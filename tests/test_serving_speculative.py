@@ -3,13 +3,15 @@ by request (stop ids, max_tokens, preemption), sampled tokens keep the model's d
 the drafted and accepted counts (and /metrics) are what the algorithm implies, every page
 comes back, and a warm engine compiles nothing while it drafts."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from flax import nnx
 from scipy import stats
 
 import maxnnx
-from maxnnx.config import ConfigError
+from maxnnx.config import ConfigError, EngineConfig
 from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.engine_loop import EngineLoop
 from maxnnx.serving.metrics import ServerMetrics
@@ -254,3 +256,17 @@ def test_a_recurrent_model_is_refused_speculation():
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(5))
   with pytest.raises(ValueError, match="speculative_method='none'"):
     Engine(model, max_model_len=32, **SPEC)
+
+
+def test_serve_keys_set_speculation():
+  """``maxnnx serve ... speculative_method=ngram num_speculative_tokens=3`` parses into the
+  engine's settings; a method it does not know is refused naming the key."""
+  from maxnnx.cli import _command_keys, parse_overrides
+  from maxnnx.cli_keys import UsageError
+  options = parse_overrides(['speculative_method=ngram', 'num_speculative_tokens=3',
+                             'prompt_lookup_max=4'], _command_keys('serve'))
+  config = EngineConfig(**{f.name: options[f.name] for f in dataclasses.fields(EngineConfig)})
+  assert (config.speculative_method, config.num_speculative_tokens) == ('ngram', 3)
+  assert (config.prompt_lookup_max, config.prompt_lookup_min) == (4, 1)
+  with pytest.raises((UsageError, ConfigError), match='speculative_method'):
+    parse_overrides(['speculative_method=medusa'], _command_keys('serve'))
