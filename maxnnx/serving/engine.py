@@ -514,7 +514,10 @@ class Engine:
       return outputs
     logits_BV, logits_BSV = self.runner.run(self.runner.layout(
         scheduled, self.scheduler.kv_cache.state_slot, self._image_embeddings))
-    sampled = self.sampler.sample(logits_BV, scheduled)
+    # The sampler serves the rows that end their tokens without drafts (all rows, without
+    # speculation); a step whose every such row verifies drafts skips it.
+    sampled = (self.sampler.sample(logits_BV, scheduled) if any(
+        not r.draft_ids and r.num_computed + n >= r.num_tokens for r, n in scheduled) else None)
     verified = self._verify(logits_BSV, scheduled)
     for row, (request, count) in enumerate(scheduled):
       num_drafts = len(request.draft_ids)
@@ -532,7 +535,7 @@ class Engine:
         self.scheduler.append_token(request, token)
         new.append(token)
         grammar_done = self.sampler.advance_grammar(request, token)
-        logprobs = sampled.logprobs(row, request.params.logprobs)
+        logprobs = None if num_drafts else sampled.logprobs(row, request.params.logprobs)
         if logprobs is not None:
           request.logprobs.extend(logprobs)
         reason = self.outputs.finish_reason(request, token, grammar_done)
