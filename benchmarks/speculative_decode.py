@@ -4,6 +4,7 @@
 
   python -m benchmarks.speculative_decode --config cpu-tiny
   python -m benchmarks.speculative_decode --config cpu-medium --draft 2 4 8 --decode 64
+  python -m benchmarks.speculative_decode --config cpu-tiny --engine --draft 2 4
 
 The prompt is text with repetition: the first ``--prompt-chars`` characters of the shipped
 Shakespeare corpus, as byte ids, ``--repeat`` times over. For plain decoding and for prompt
@@ -12,6 +13,12 @@ lookup with each ``--draft`` count it times ``generate`` (greedy, no early stop)
 a warm-up call (which compiles); decode tokens/s is ``decode / (full - prefill)``. The model
 is randomly initialised, so what it repeats (and so the acceptance rate) is its own; the
 speculative rows check that their tokens equal plain decoding's.
+
+With ``--engine`` it times the serving :class:`~maxnnx.serving.Engine` instead, one request at
+a time (batch 1): an engine without speculation and one with ``speculative_method='ngram'``
+per ``--draft`` count, each warmed up (every bucket compiled) first, prefix caching off so
+that every call computes its prompt; decode tokens/s is
+``(decode - 1) / (full - prefill)`` with ``max_tokens`` ``--decode`` and 1.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from benchmarks.model import model_config
 from maxnnx.inference import PromptLookup, generate
 from maxnnx.models.counting import num_params
 from maxnnx.models.transformer import Transformer
+from maxnnx.serving import Engine, SamplingParams
 
 CORPUS = Path(maxnnx.__file__).parent / 'data' / 'corpus' / 'tinyshakespeare.txt'
 
@@ -88,6 +96,71 @@ def run(cfg: dict, *, name: str, drafts=(4,), prompt_chars: int = 200, repeat: i
   return rows
 
 
+def run_engine(cfg: dict, *, name: str, drafts=(4,), prompt_chars: int = 200, repeat: int = 2,
+               decode: int = 64, max_ngram: int = 3, dtype: str | None = None,
+               repeats: int = 3, page_size: int = 16, json_path: str | None = None,
+               log=print) -> list[dict]:
+  """Benchmark the serving engine at batch 1 without and with n-gram speculation; one dict
+  per setting (see the module docstring)."""
+  if decode < 2 or repeats < 1 or repeat < 1 or prompt_chars < 1 or min(drafts) < 1:
+    raise ValueError('--decode must be >= 2; --repeats, --repeat, --prompt-chars and --draft '
+                     '>= 1')
+  if cfg['vocab_size'] < 256:
+    raise ValueError(f"config {name} has vocab_size {cfg['vocab_size']}; byte ids need 256")
+  dtype = dtype or ('float32' if measure.on_cpu() else 'bfloat16')
+  prompt = repeated_prompt(prompt_chars, repeat)
+  max_len = len(prompt) + decode + max(drafts) + 1
+  mcfg = model_config(cfg, dtype=dtype, max_length=max_len)
+  model = Transformer(mcfg, rngs=nnx.Rngs(0))
+  device = measure.device_description()
+  log(f'{name}: {num_params(mcfg):,} parameters, {dtype}, prompt {len(prompt)} tokens '
+      f'({prompt_chars} characters x {repeat}), decode {decode}, engine at batch 1; {device}')
+  budget = 8
+  while budget < len(prompt):
+    budget *= 2
+  pages = -(-max_len // page_size)
+  settings = dict(max_batch=1, token_budget=budget, page_size=page_size, max_model_len=max_len,
+                  prefix_caching=False, token_buckets=(8, budget), page_buckets=(pages,))
+
+  def timed(k):
+    spec = {} if k is None else dict(speculative_method='ngram', num_speculative_tokens=k,
+                                      prompt_lookup_max=max_ngram)
+    engine = Engine(model, **settings, **spec)
+    warm_s = engine.warmup()
+    call = lambda n: engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))  # noqa: E731
+    prefill = median_seconds(lambda: call(1), repeats)
+    full = median_seconds(lambda: call(decode), repeats)
+    before = (engine.spec.draft_tokens, engine.spec.accepted_tokens)
+    tokens = call(decode)[0].token_ids
+    drafted, accepted = (engine.spec.draft_tokens - before[0],
+                         engine.spec.accepted_tokens - before[1])
+    if engine.compiles.after_warmup:
+      raise RuntimeError('the warm engine compiled while it was timed')
+    return tokens, max(full - prefill, 1e-12), drafted, accepted, warm_s
+
+  plain = timed(None)
+  runs = [(None, *plain)] + [(k, *timed(k)) for k in drafts]
+  rows = []
+  for k, tokens, seconds, drafted, accepted, warm_s in runs:
+    rows.append({
+        'kind': 'speculative_decode_engine', 'framework': 'maxnnx', 'config': name,
+        'device': device, 'dtype': dtype, 'batch': 1, 'prefill': len(prompt), 'decode': decode,
+        'drafter': 'none' if k is None else 'prompt_lookup', 'num_draft_tokens': k or 0,
+        'max_ngram': max_ngram if k else None, 'warmup_s': warm_s,
+        'decode_s': seconds, 'decode_tokens_per_s': (decode - 1) / seconds,
+        'speedup': plain[1] / seconds,
+        'acceptance_rate': accepted / drafted if k and drafted else None,
+        'accepted_draft_tokens': accepted, 'proposed_draft_tokens': drafted,
+        'same_tokens': tokens == plain[0],
+        'date': results.make_date(), 'versions': measure.versions(),
+        'command': results.current_command()})
+  log(format_table(rows))
+  if json_path:
+    results.append_lines(json_path, rows)
+    log(f'appended to {json_path}')
+  return rows
+
+
 def format_table(rows: list[dict]) -> str:
   """The human-readable report."""
   lines = [f"  {'drafter':>14} {'k':>3} {'decode tok/s':>12} {'speedup':>7} {'accepted':>8} "
@@ -114,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default=None)
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--json', default=None, help='append one JSON line per setting here')
+  parser.add_argument('--engine', action='store_true',
+                      help='time the serving engine (batch 1) instead of generate')
   args = parser.parse_args(argv)
-  run(get_config(args.config), name=args.config, drafts=args.draft,
+  (run_engine if args.engine else run)(get_config(args.config), name=args.config, drafts=args.draft,
       prompt_chars=args.prompt_chars, repeat=args.repeat, decode=args.decode,
       max_ngram=args.max_ngram, dtype=args.dtype, repeats=args.repeats, json_path=args.json)
   return 0

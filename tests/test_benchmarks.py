@@ -313,6 +313,25 @@ def test_speculative_decode_harness_smoke(tmp_path):
 
 
 @pytest.mark.slow  # a benchmark harness end to end; the training harness runs by default
+def test_speculative_engine_harness_smoke(tmp_path):
+  """The harness's engine mode times a warm engine without and with n-gram speculation on a
+  micro config, with consistent rates, counted drafts and the same greedy tokens."""
+  from benchmarks import speculative_decode  # noqa: PLC0415
+  path = tmp_path / 'spec.jsonl'
+  rows = speculative_decode.run_engine(MICRO, name='micro', drafts=(2,), prompt_chars=12,
+                                       repeat=2, decode=6, repeats=1, json_path=str(path),
+                                       log=lambda line: None)
+  assert [r['drafter'] for r in rows] == ['none', 'prompt_lookup']
+  assert len(path.read_text().splitlines()) == 2
+  for row in rows:
+    assert row['decode_tokens_per_s'] == pytest.approx(5 / row['decode_s'])
+    assert row['same_tokens'] and row['warmup_s'] > 0
+  assert rows[0]['speedup'] == 1.0 and rows[0]['acceptance_rate'] is None
+  assert rows[1]['proposed_draft_tokens'] > 0
+  assert rows[1]['speedup'] == pytest.approx(rows[0]['decode_s'] / rows[1]['decode_s'])
+
+
+@pytest.mark.slow  # a benchmark harness end to end; the training harness runs by default
 def test_rollouts_harness_smoke():
   """The rollout harness times both samplers on a micro config with consistent rates."""
   from benchmarks import rollouts  # noqa: PLC0415

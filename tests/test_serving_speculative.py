@@ -228,7 +228,7 @@ def test_a_warm_speculative_engine_compiles_nothing_while_serving(model):
   rng = np.random.default_rng(3)
   kinds = [dict(), dict(temperature=0.9, top_p=0.8), dict(presence_penalty=0.5),
            dict(temperature=0.7, logit_bias={3: 2.0}, logprobs=2)]
-  for burst in range(3):
+  for _ in range(3):
     prompts = [_repeating(rng, int(rng.integers(2, 6)), int(rng.integers(3, 40)))
                for _ in range(8)]
     params = [SamplingParams(max_tokens=int(rng.integers(2, 20)), ignore_eos=True,

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import numpy as np
-
-from typing import Literal
 
 from maxnnx.config.base import ConfigError, ValidatedConfig
 

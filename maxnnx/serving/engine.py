@@ -50,7 +50,8 @@ compiles while it serves. The model's buckets ``(T, max_q, M, wide rows)``:
 
 So there are ``len(page_buckets) * (1 + len(token_buckets) * 2)`` model buckets at most (one
 wide-row choice when ``max_batch`` is 1), twice that for a vision-language model (steps with
-image tokens; only the prefill buckets have them). The sampler's variants: with or without
+image tokens; only the prefill buckets have them), and one more per page bucket with
+speculative decoding (steps whose rows verify drafts). The sampler's variants: with or without
 log-probabilities, times no control, or logit-bias pairs of a width among the powers of 8
 from 8 up to the first at least the vocabulary (each with or without the penalties' counts).
 Fewer buckets warm faster but pad more: shrink ``token_buckets`` and ``page_buckets`` for a

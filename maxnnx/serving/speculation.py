@@ -56,8 +56,8 @@ def ngram_drafts(token_ids: Sequence[int], k: int, max_ngram: int, min_ngram: in
 def may_draft(params: SamplingParams) -> bool:
   """Whether a request with ``params`` drafts: only temperature, top-k and top-p shape its
   tokens (the verifier applies no other control)."""
-  return not (params.structured is not None or params.logit_bias or params.penalized or params.min_tokens
-              or params.logprobs is not None)
+  return not (params.structured is not None or params.logit_bias or params.penalized
+              or params.min_tokens or params.logprobs is not None)
 
 
 @dataclasses.dataclass
