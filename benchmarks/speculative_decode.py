@@ -18,13 +18,16 @@ With ``--engine`` it times the serving :class:`~maxnnx.serving.Engine` instead, 
 a time (batch 1): an engine without speculation and one with ``speculative_method='ngram'``
 per ``--draft`` count, each warmed up (every bucket compiled) first, prefix caching off so
 that every call computes its prompt; decode tokens/s is
-``(decode - 1) / (full - prefill)`` with ``max_tokens`` ``--decode`` and 1.
+``(decode - 1) / (full - prefill)`` with ``max_tokens`` ``--decode`` and 1, medians of
+``--repeats`` calls in which the settings take turns (a shared machine slows them alike).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -122,31 +125,45 @@ def run_engine(cfg: dict, *, name: str, drafts=(4,), prompt_chars: int = 200, re
   settings = dict(max_batch=1, token_budget=budget, page_size=page_size, max_model_len=max_len,
                   prefix_caching=False, token_buckets=(8, budget), page_buckets=(pages,))
 
-  def timed(k):
+  engines, warm_s = {}, {}
+  for k in (None, *drafts):
     spec = {} if k is None else dict(speculative_method='ngram', num_speculative_tokens=k,
                                       prompt_lookup_max=max_ngram)
-    engine = Engine(model, **settings, **spec)
-    warm_s = engine.warmup()
-    call = lambda n: engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))  # noqa: E731
-    prefill = median_seconds(lambda: call(1), repeats)
-    full = median_seconds(lambda: call(decode), repeats)
+    engines[k] = Engine(model, **settings, **spec)
+    warm_s[k] = engines[k].warmup()
+
+  def call(k, n):
+    start = time.perf_counter()
+    out = engines[k].generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
+    return out[0].token_ids, time.perf_counter() - start
+
+  # Calls of every setting take turns, so that a machine shared with other work slows them
+  # alike; each setting's first calls (untimed) settle it.
+  for k in engines:
+    call(k, 1)
+    call(k, decode)
+  prefill_s, full_s = ({k: [] for k in engines} for _ in range(2))
+  for _ in range(repeats):
+    for k in engines:
+      prefill_s[k].append(call(k, 1)[1])
+      full_s[k].append(call(k, decode)[1])
+  runs = []
+  for k, engine in engines.items():
     before = (engine.spec.draft_tokens, engine.spec.accepted_tokens)
-    tokens = call(decode)[0].token_ids
-    drafted, accepted = (engine.spec.draft_tokens - before[0],
-                         engine.spec.accepted_tokens - before[1])
+    tokens = call(k, decode)[0]
     if engine.compiles.after_warmup:
       raise RuntimeError('the warm engine compiled while it was timed')
-    return tokens, max(full - prefill, 1e-12), drafted, accepted, warm_s
-
-  plain = timed(None)
-  runs = [(None, *plain)] + [(k, *timed(k)) for k in drafts]
+    seconds = max(statistics.median(full_s[k]) - statistics.median(prefill_s[k]), 1e-12)
+    runs.append((k, tokens, seconds, engine.spec.draft_tokens - before[0],
+                 engine.spec.accepted_tokens - before[1], warm_s[k]))
+  plain = runs[0][1:3]
   rows = []
-  for k, tokens, seconds, drafted, accepted, warm_s in runs:
+  for k, tokens, seconds, drafted, accepted, warm in runs:
     rows.append({
         'kind': 'speculative_decode_engine', 'framework': 'maxnnx', 'config': name,
         'device': device, 'dtype': dtype, 'batch': 1, 'prefill': len(prompt), 'decode': decode,
         'drafter': 'none' if k is None else 'prompt_lookup', 'num_draft_tokens': k or 0,
-        'max_ngram': max_ngram if k else None, 'warmup_s': warm_s,
+        'max_ngram': max_ngram if k else None, 'warmup_s': warm,
         'decode_s': seconds, 'decode_tokens_per_s': (decode - 1) / seconds,
         'speedup': plain[1] / seconds,
         'acceptance_rate': accepted / drafted if k and drafted else None,

@@ -16,6 +16,7 @@ from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.engine_loop import EngineLoop
 from maxnnx.serving.metrics import ServerMetrics
 from maxnnx.serving.speculation import ngram_drafts, verify
+from tests.test_serving_engine import _DigitsTokenizer
 from tests.test_speculative import _chi_square_p, _exact_first_tokens, _lookup_reference, _model
 
 VOCAB = 97
@@ -270,3 +271,51 @@ def test_serve_keys_set_speculation():
   assert (config.prompt_lookup_max, config.prompt_lookup_min) == (4, 1)
   with pytest.raises((UsageError, ConfigError), match='speculative_method'):
     parse_overrides(['speculative_method=medusa'], _command_keys('serve'))
+
+
+def test_stop_strings_cut_speculated_tokens_as_plain_decoding_does(plain, spec):
+  """A stop string the plain run's text reaches mid-output ends the speculative run at the
+  same token with the same text (tokens kept after it in the same step are not emitted)."""
+  rng = np.random.default_rng(8)
+  prompts = [_repeating(rng, 3, 12), _repeating(rng, 4, 17)]
+  want = plain.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+  stops = [f'<{c.token_ids[len(c.token_ids) // 2]}>' for c in want]
+  for engine in (plain, spec):
+    engine.tokenizer = _DigitsTokenizer()
+  try:
+    texts = [''.join(f'<{i}>' for i in p) for p in prompts]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, stop=s) for s in stops]
+    want, got = plain.generate(texts, params), spec.generate(texts, params)
+  finally:
+    plain.tokenizer = spec.tokenizer = None
+  for w, g in zip(want, got):
+    assert w.finish_reason == g.finish_reason == 'stop'
+    assert (g.token_ids, g.text) == (w.token_ids, w.text)
+  _assert_idle(spec)
+
+
+@pytest.mark.parametrize('family', [
+    pytest.param(dict(sliding_window=5, layer_types=('sliding', 'full', 'sliding')),
+                 id='sliding_and_full_pools'),
+    pytest.param(dict(sliding_window=6, layer_types=('sliding',) * 3), id='every_layer_sliding'),
+    pytest.param(dict(attention_type='mla', head_dim=None, kv_lora_rank=8, qk_nope_head_dim=8,
+                      qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12), id='mla'),
+])
+def test_families_with_speculation_give_generates_greedy_tokens(family):
+  """Sliding windows (pages behind the window given back, in one pool or a second one) and
+  MLA's compressed cache under speculation, with a budget of 8 tokens that cuts drafts: the
+  tokens of greedy generate, every page back."""
+  model = _model(vocab=VOCAB, **family)
+  rng = np.random.default_rng(4)
+  prompts = [_repeating(rng, p, n) for p, n in ((2, 3), (3, 9), (4, 14), (5, 20))]
+  max_tokens = [12, 5, 10, 8]
+  want = maxnnx.generate(model, prompts, max_new_tokens=12, eos_ids=None)
+  engine = Engine(model, page_size=4, max_batch=3, token_budget=8, max_model_len=32, **SPEC)
+  got = engine.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True)
+                                  for m in max_tokens])
+  for completion, row, m in zip(got, want.tokens, max_tokens):
+    assert list(completion.token_ids) == row[:m].tolist()
+  assert engine.spec.accepted_tokens > 0
+  if engine.window_allocator is not None:
+    assert engine.window_allocator.num_available == engine.max_window_pages
+  _assert_idle(engine)
