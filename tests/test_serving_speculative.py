@@ -101,6 +101,22 @@ def test_greedy_tokens_equal_plain_engine_decoding_request_by_request(plain, spe
   _assert_idle(spec)
 
 
+def test_speculation_over_an_int8_kv_cache_keeps_its_greedy_tokens(model):
+  """Drafts verified against int8 pages (the drafts' keys and values quantized as they are
+  written, rejected ones given back) give the int8 engine's own greedy tokens."""
+  rng = np.random.default_rng(8)
+  prompts = [_repeating(rng, p, n) for p, n in ((4, 14), (3, 9), (5, 21))]
+  params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 18, 12)]
+  arrivals = [0, 0, 2]
+  quantized = dict(ENGINE, kv_cache_dtype='int8')
+  want, _ = _run_staggered(Engine(model, **quantized), prompts, params, arrivals)
+  engine = Engine(model, **quantized, **SPEC)
+  got, _ = _run_staggered(engine, prompts, params, arrivals)
+  assert got == want
+  assert engine.spec.accepted_tokens > 0
+  _assert_idle(engine)
+
+
 def _expected_counts(prompt, output, k, max_tokens, lookup=(3, 1)):
   """The verifications, draft tokens, accepted tokens and per-position acceptances that
   verifying n-gram drafts against greedy ``output`` gives one request alone (no budget cut)."""
