@@ -95,13 +95,7 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
   graphdef, state = nnx.split(layers)
   num_layers = jax.tree.leaves(state)[0].shape[0]
   batch, length, width = x_BTD.shape
-  if num_layers % (stages * repeats) or batch % micro:
-    raise ValueError(f'Pipeline: num_layers ({num_layers}) must be divisible by the stages '
-                     f'({stages}) times the repeats ({repeats}), and the batch ({batch}) by the '
-                     f'micro-batches ({micro}).')
-  if repeats > 1 and micro < stages:
-    raise ValueError(f'A circular pipeline (pipeline_repeats={repeats}) needs at least one '
-                     f'micro-batch per stage: pipeline_microbatches={micro} < stage={stages}.')
+  _check_schedule(num_layers, batch, stages, micro, repeats)
   per_chunk = num_layers // (stages * repeats)
   items = repeats * micro  # (micro-batch, repeat) pairs each stage works through
 
@@ -116,9 +110,7 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
   x_M = by_micro(x_BTD)
   per_row_M = jax.tree.map(by_micro, per_row_B)
 
-  stats = nnx.state(layers, ForwardStat)
-  stat_vars = jax.tree.leaves(stats, is_leaf=lambda v: isinstance(v, nnx.Variable))
-  combines = [v.get_metadata().get('combine', 'mean') for v in stat_vars]
+  stats = _Statistics(layers, stages, repeats, per_chunk)
 
   def one_stage(stage_state, per_layer, repeat, x, per_row):
     chunk_state, chunk_per_layer = jax.tree.map(lambda a: a[repeat], (stage_state, per_layer))
@@ -141,7 +133,7 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
                               jax.tree.map(lambda a: a[item_S % micro], per_row_M))
     out = constrain(out, buffer_axes)
     working_S = (i - jnp.arange(stages) >= 0) & (i - jnp.arange(stages) < items)
-    totals = _accumulate(totals, stats_S, combines, working_S, item_S // micro, repeats)
+    totals = stats.accumulate(totals, stats_S, working_S, item_S // micro)
     done = i - (stages - 1)  # the item the last stage finished
     slot = jnp.maximum(done, 0) % micro
     last_round = done >= items - micro
@@ -154,33 +146,61 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
 
   buffer = jnp.zeros((stages, batch // micro, length, width), x_BTD.dtype)
   circulating = jnp.zeros_like(x_M) if repeats > 1 else jnp.zeros((), x_BTD.dtype)
-  totals = [jnp.full((stages, repeats, per_chunk, *v.shape[1:]),
-                     -jnp.inf if how == 'max' else 0, v.dtype)
-            for v, how in zip(jax.tree.leaves(stats), combines)]
   (_, _, outputs, totals), _ = jax.lax.scan(
-      iteration, (buffer, circulating, jnp.zeros_like(x_M), totals),
+      iteration, (buffer, circulating, jnp.zeros_like(x_M), stats.zeros()),
       jnp.arange(items + stages - 1))
-  if totals:
-    by_layer = [(t / micro if how == 'mean' else t) for t, how in zip(totals, combines)]
-    by_layer = [jnp.swapaxes(t, 0, 1).reshape(num_layers, *t.shape[3:]) for t in by_layer]
-    nnx.update(layers, jax.tree.unflatten(jax.tree.structure(stats), by_layer))
+  stats.write_back(layers, totals, micro)
   return outputs.reshape(batch, length, width)
 
 
-def _accumulate(totals: list, stats_S: list, combines: list[str], working_S: jax.Array,
-                repeat_S: jax.Array, repeats: int) -> list:
-  """Fold one iteration's statistics ``[S, layers per chunk, ...]`` into ``totals``
-  ``[S, R, layers per chunk, ...]``: each working stage into its item's repeat."""
-  into_SR = working_S[:, None] & (jnp.arange(repeats)[None, :] == repeat_S[:, None])
-  out = []
-  for total, stat, how in zip(totals, stats_S, combines):
-    mask = into_SR.reshape(into_SR.shape + (1,) * (stat.ndim - 1))
-    value = stat[:, None].astype(total.dtype)
-    if how == 'max':
-      out.append(jnp.maximum(total, jnp.where(mask, value, -jnp.inf)))
-    else:
-      out.append(total + jnp.where(mask, value, 0))
-  return out
+def _check_schedule(num_layers: int, batch: int, stages: int, micro: int, repeats: int) -> None:
+  if num_layers % (stages * repeats) or batch % micro:
+    raise ValueError(f'Pipeline: num_layers ({num_layers}) must be divisible by the stages '
+                     f'({stages}) times the repeats ({repeats}), and the batch ({batch}) by the '
+                     f'micro-batches ({micro}).')
+  if repeats > 1 and micro < stages:
+    raise ValueError(f'A circular pipeline (pipeline_repeats={repeats}) needs at least one '
+                     f'micro-batch per stage: pipeline_microbatches={micro} < stage={stages}.')
+
+
+class _Statistics:
+  """The stack's :class:`ForwardStat` variables through a pipeline: totals ``[S, R, layers per
+  chunk, ...]`` per variable, folded each iteration and written back in layer order."""
+
+  def __init__(self, layers: nnx.Module, stages: int, repeats: int, per_chunk: int):
+    self.state = nnx.state(layers, ForwardStat)
+    variables = jax.tree.leaves(self.state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    self.combines = [v.get_metadata().get('combine', 'mean') for v in variables]
+    self.stages, self.repeats, self.per_chunk = stages, repeats, per_chunk
+
+  def zeros(self) -> list:
+    """Empty totals: 0 to sum or average, -inf to take the maximum."""
+    return [jnp.full((self.stages, self.repeats, self.per_chunk, *v.shape[1:]),
+                     -jnp.inf if how == 'max' else 0, v.dtype)
+            for v, how in zip(jax.tree.leaves(self.state), self.combines)]
+
+  def accumulate(self, totals: list, stats_S: list, working_S: jax.Array,
+                 repeat_S: jax.Array) -> list:
+    """Fold one iteration's statistics ``[S, layers per chunk, ...]`` into ``totals``: each
+    working stage into its item's repeat."""
+    into_SR = working_S[:, None] & (jnp.arange(self.repeats)[None, :] == repeat_S[:, None])
+    out = []
+    for total, stat, how in zip(totals, stats_S, self.combines):
+      mask = into_SR.reshape(into_SR.shape + (1,) * (stat.ndim - 1))
+      value = stat[:, None].astype(total.dtype)
+      if how == 'max':
+        out.append(jnp.maximum(total, jnp.where(mask, value, -jnp.inf)))
+      else:
+        out.append(total + jnp.where(mask, value, 0))
+    return out
+
+  def write_back(self, layers: nnx.Module, totals: list, micro: int) -> None:
+    """Set the stack's variables to the totals, in layer order (means divided by ``micro``)."""
+    if not totals:
+      return
+    by_layer = [(t / micro if how == 'mean' else t) for t, how in zip(totals, self.combines)]
+    by_layer = [jnp.swapaxes(t, 0, 1).reshape(-1, *t.shape[3:]) for t in by_layer]
+    nnx.update(layers, jax.tree.unflatten(jax.tree.structure(self.state), by_layer))
 
 
 __all__ = ['STAGE_AXES', 'describe_schedule', 'pipeline_bubble', 'pipeline_stack']
