@@ -46,7 +46,6 @@ import functools
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -73,6 +72,7 @@ from maxnnx.serving.openai_responses import (
   new_id,
   response_body,
 )
+from maxnnx.serving.request_body import parse_json, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +253,8 @@ class _Api:
     arrival = time.monotonic()
     job = None
     try:
-      body = await _read_body(request, self.max_request_bytes)
-      parsed = await run_in_threadpool(_parse_json, parse, body, self.served)
+      body = await read_body(request, self.max_request_bytes)
+      parsed = await run_in_threadpool(parse_json, parse, body, self.served)
       scores = None
       if parsed.echo and parsed.logprobs is not None:
         scores = await run_in_threadpool(self._score, parsed)
@@ -344,8 +344,8 @@ class _Api:
 
   async def _tokenizer_call(self, request: Request, endpoint: str, answer) -> Response:
     try:
-      body = await _read_body(request, self.max_request_bytes)
-      out = await run_in_threadpool(_parse_json, answer, body, self.served)
+      body = await read_body(request, self.max_request_bytes)
+      out = await run_in_threadpool(parse_json, answer, body, self.served)
     except ApiError as e:
       return self.error(endpoint, e)
     self.metrics.answered(endpoint, 200)
@@ -357,69 +357,6 @@ class _Api:
   async def metrics_text(self, request: Request) -> Response:
     return PlainTextResponse(self.metrics.render(self.in_flight, self.loop.stats),
                              media_type='text/plain; version=0.0.4')
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-  """The request's body, refused with 413 once it is longer than ``limit`` bytes (by its
-  ``Content-Length`` before any of it is read, else as it arrives)."""
-  declared = request.headers.get('content-length', '')
-  if declared.isdigit() and int(declared) > limit:
-    raise _too_large(limit)
-  chunks, size = [], 0
-  async for part in request.stream():
-    size += len(part)
-    if size > limit:
-      raise _too_large(limit)
-    chunks.append(part)
-  return b''.join(chunks)
-
-
-def _too_large(limit: int) -> ApiError:
-  return ApiError(f'The request body is larger than this server takes ({limit} bytes, '
-                  'max_request_bytes).', status=413, code='request_too_large')
-
-
-def _parse_json(parse: Callable, body: bytes, served: ServedModel):
-  """``parse`` (:func:`~maxnnx.serving.openai_api.parse_completion`, ``parse_chat`` or a
-  tokenizer endpoint's answer) of the JSON ``body``: what a worker thread runs (tokenizing a
-  long prompt takes a while)."""
-  try:
-    value = json.loads(body)
-  except ValueError as e:  # also text that is not UTF-8
-    raise ApiError(f'The request body is not valid JSON: {e}', code='invalid_json') from None
-  except RecursionError:
-    raise ApiError('The request body is not valid JSON: nested too deeply.',
-                   code='invalid_json') from None
-  if _SURROGATE_ESCAPE.search(body):
-    _check_text(value)
-  return parse(value, served)
-
-
-def _encodes(text: str) -> bool:
-  try:
-    text.encode('utf-8')
-  except UnicodeEncodeError:
-    return False
-  return True
-
-
-_SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F]')
-
-
-def _check_text(value) -> None:
-  """Refuse a string holding half of a UTF-16 surrogate pair (JSON's ``"\\ud800"``): no
-  text, and no tokenizer takes it."""
-  stack = [(None, value)]
-  while stack:
-    where, item = stack.pop()
-    if isinstance(item, dict):
-      stack.extend((where or key, v) for key, v in item.items())
-    elif isinstance(item, list):
-      stack.extend((where, v) for v in item)
-    elif isinstance(item, str) and not _encodes(item):
-      raise ApiError(f'{where or "The request body"} holds a lone UTF-16 surrogate (an '
-                     'unpaired \\ud800-\\udfff escape), which is not text.', param=where,
-                     code='invalid_value')
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
