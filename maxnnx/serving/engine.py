@@ -114,7 +114,6 @@ import jax
 import numpy as np
 
 from maxnnx.config.engine import EngineConfig
-from maxnnx.processes import host_value
 from maxnnx.serving.batch_sampler import BatchSampler
 from maxnnx.serving.model_runner import (
   MIN_TOKEN_BUCKET,
@@ -134,7 +133,7 @@ from maxnnx.serving.params import (
   TokenLogprobs,
 )
 from maxnnx.serving.scheduler import Request, Scheduler
-from maxnnx.serving.speculation import SpecCounts, may_draft, ngram_drafts, verify, warm_verify
+from maxnnx.serving.speculation import SpecCounts, propose_drafts, verify_rows, warm_verify
 
 logger = logging.getLogger(__name__)
 
@@ -508,7 +507,9 @@ class Engine:
   def _step(self) -> list[RequestOutput]:
     outputs, self._cancelled = self._cancelled, []
     if self.num_speculative_tokens:
-      self._propose_drafts()
+      config = self.config
+      propose_drafts(self.scheduler.running, self.num_speculative_tokens, self.max_model_len,
+                     config.prompt_lookup_max, config.prompt_lookup_min)
     # Rows with prefill chunks first: only those are gathered max_q wide (PagedBatch.wide_rows).
     scheduled = sorted(self.scheduler.schedule(), key=lambda rc: rc[1] == 1)
     if not scheduled:
@@ -519,7 +520,8 @@ class Engine:
     # speculation); a step whose every such row verifies drafts skips it.
     sampled = (self.sampler.sample(logits_BV, scheduled) if any(
         not r.draft_ids and r.num_computed + n >= r.num_tokens for r, n in scheduled) else None)
-    verified = self._verify(logits_BSV, scheduled)
+    verified = verify_rows(logits_BSV, [r for r, _ in scheduled], self.max_batch,
+                           self.num_speculative_tokens)
     for row, (request, count) in enumerate(scheduled):
       num_drafts = len(request.draft_ids)
       if request.num_computed + count - num_drafts < request.num_tokens:
@@ -550,38 +552,6 @@ class Engine:
         self._retire(request, reason)
       outputs.append(self.outputs.output(request, tuple(new), logprobs))
     return outputs
-
-  def _propose_drafts(self) -> None:
-    """Give each running request that decodes its n-gram drafts for the next step, as many as
-    its ``max_tokens`` and ``max_model_len`` leave room for after the model's own token."""
-    k, config = self.num_speculative_tokens, self.config
-    for request in self.scheduler.running:
-      room = min(k, request.params.max_tokens - len(request.output_ids) - 1,
-                 self.max_model_len - request.num_tokens)
-      decoding = request.num_computed == request.num_tokens - 1
-      request.draft_ids = (
-          ngram_drafts(request.token_ids, room, config.prompt_lookup_max,
-                       config.prompt_lookup_min)
-          if decoding and room > 0 and may_draft(request.params) else [])
-
-  def _verify(self, logits_BSV, scheduled: list[tuple[Request, int]]):
-    """``(tokens [B, k + 1], kept [B])`` of the rows with drafts on the host (``None``
-    without any)."""
-    if not any(request.draft_ids for request, _ in scheduled):
-      return None
-    rows, k = self.max_batch, self.num_speculative_tokens
-    drafts_BK, num_drafts_B = np.zeros((rows, k), np.int32), np.zeros(rows, np.int32)
-    temperature_B, top_p_B = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-    top_k_B, seeds_B, counters_B = (np.zeros(rows, np.int32) for _ in range(3))
-    for row, (request, _) in enumerate(scheduled):
-      params, drafts = request.params, request.draft_ids
-      drafts_BK[row, :len(drafts)], num_drafts_B[row] = drafts, len(drafts)
-      temperature_B[row], top_k_B[row] = params.temperature, params.top_k or 0
-      top_p_B[row] = 1.0 if params.top_p is None else params.top_p
-      seeds_B[row], counters_B[row] = request.seed, len(request.output_ids)
-    tokens_BS, kept_B = verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B,
-                               top_p_B, seeds_B, counters_B)
-    return np.asarray(host_value(tokens_BS)), np.asarray(host_value(kept_B))
 
   def generate(self, prompts: Sequence[Sequence[int] | str],
                params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -31,6 +31,7 @@ import numpy as np
 
 from maxnnx.inference.sampling import cut_top_k_top_p, row_keys
 from maxnnx.inference.speculative import accept_greedy, accept_sampled, drafts_then
+from maxnnx.processes import host_value
 from maxnnx.serving.params import SamplingParams
 
 
@@ -132,6 +133,39 @@ def verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B,
   sampled_BS, sampled_kept_B = jax.lax.cond(jnp.any(~greedy_B), sampled, greedy, None)
   kept_B = jnp.where(greedy_B, accept_greedy(target_BS, drafts_BK, valid_BK), sampled_kept_B)
   return jnp.where(greedy_B[:, None], target_BS, sampled_BS), kept_B
+
+
+def propose_drafts(running, k: int, max_model_len: int, lookup_max: int,
+                   lookup_min: int) -> None:
+  """Set each ``running`` request's ``draft_ids`` for the next step: its n-gram drafts if it
+  decodes and :func:`may_draft`, as many (up to ``k``) as its ``max_tokens`` and
+  ``max_model_len`` leave room for after the model's own token; else none."""
+  for request in running:
+    room = min(k, request.params.max_tokens - len(request.output_ids) - 1,
+               max_model_len - request.num_tokens)
+    decoding = request.num_computed == request.num_tokens - 1
+    request.draft_ids = (ngram_drafts(request.token_ids, room, lookup_max, lookup_min)
+                         if decoding and room > 0 and may_draft(request.params) else [])
+
+
+def verify_rows(logits_BSV, requests, rows: int, k: int):
+  """``(tokens [B, k + 1], kept [B])`` on the host for a step's ``requests`` (row by row, the
+  rest of the ``rows`` padding), verified by :func:`verify` with each request's sampling
+  settings; ``None`` when no request has drafts."""
+  if not any(request.draft_ids for request in requests):
+    return None
+  drafts_BK, num_drafts_B = np.zeros((rows, k), np.int32), np.zeros(rows, np.int32)
+  temperature_B, top_p_B = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+  top_k_B, seeds_B, counters_B = (np.zeros(rows, np.int32) for _ in range(3))
+  for row, request in enumerate(requests):
+    params, drafts = request.params, request.draft_ids
+    drafts_BK[row, :len(drafts)], num_drafts_B[row] = drafts, len(drafts)
+    temperature_B[row], top_k_B[row] = params.temperature, params.top_k or 0
+    top_p_B[row] = 1.0 if params.top_p is None else params.top_p
+    seeds_B[row], counters_B[row] = request.seed, len(request.output_ids)
+  tokens_BS, kept_B = verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B,
+                             top_p_B, seeds_B, counters_B)
+  return np.asarray(host_value(tokens_BS)), np.asarray(host_value(kept_B))
 
 
 @functools.cache
