@@ -204,44 +204,52 @@ class AttentionRequest:
                blocks=getattr(mask, 'q_blocks', None) is not None)
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionCapabilities:
-  """What an attention strategy supports; every field must be declared.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadCapabilities:
+  """What plain and paged attention strategies both declare; every field must be declared.
 
   Attributes:
     platforms: platforms it runs on.
-    dtypes: dtype names of ``q``/``k``/``v`` it accepts.
+    dtypes: dtype names of ``q``/``k``/``v`` (or ``q`` and the pages) it accepts.
     gqa: fewer key/value heads than query heads (GQA/MQA).
-    masking: ``positions``: honours :class:`~maxnnx.kernels.masks.AttentionMask`
-      exactly (segment ids, and causality by position, any layout);
-      ``index_causal``: segment ids, and causality by index within the row,
-      which equals the mask's rule only while positions increase with the index
-      inside each segment (the strategy must check that itself).
-    decode: queries and keys of different lengths (decoding against a KV cache).
     sliding_window: a sliding window given as a Python int.
     traced_window: a sliding window given as an array (scanned mixed layers).
     softcap: logit soft-capping.
     sinks: attention-sink logits (GPT-OSS).
     distinct_v_head_dim: ``v`` head size different from the ``q``/``k`` one (MLA).
     chunked: chunked (local) attention, static or traced chunk size (Llama 4).
-    key_mask: an extra dense ``[B, T, S]`` key mask (sparse attention).
-    blocks: image blocks in the mask (bidirectional within each block), as the dense
-      mask of :meth:`~maxnnx.kernels.options.AttentionOptions.visible` has them.
+    blocks: image blocks (bidirectional attention within each image, Gemma 3).
   """
 
   platforms: tuple[str, ...]
   dtypes: tuple[str, ...]
   gqa: bool
-  masking: Literal['positions', 'index_causal']
-  decode: bool
   sliding_window: bool
   traced_window: bool
   softcap: bool
   sinks: bool
   distinct_v_head_dim: bool
   chunked: bool
-  key_mask: bool
   blocks: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionCapabilities(HeadCapabilities):
+  """What an attention strategy supports: :class:`HeadCapabilities` and these.
+
+  Attributes:
+    masking: ``positions``: honours :class:`~maxnnx.kernels.masks.AttentionMask`
+      exactly (segment ids, and causality by position, any layout);
+      ``index_causal``: segment ids, and causality by index within the row,
+      which equals the mask's rule only while positions increase with the index
+      inside each segment (the strategy must check that itself).
+    decode: queries and keys of different lengths (decoding against a KV cache).
+    key_mask: an extra dense ``[B, T, S]`` key mask (sparse attention).
+  """
+
+  masking: Literal['positions', 'index_causal']
+  decode: bool
+  key_mask: bool
 
   def missing(self, request: AttentionRequest) -> list[str]:
     """Why ``request`` cannot be served; empty when it can."""
@@ -330,37 +338,17 @@ class PagedAttentionRequest:
                          if isinstance(k_pages_PSKH, QuantizedPages) else None))
 
 
-@dataclasses.dataclass(frozen=True)
-class PagedAttentionCapabilities:
-  """What a paged-attention strategy supports; every field must be declared.
-
-  Limits on page sizes or shapes go in the strategy's ``unsupported_reasons``.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedAttentionCapabilities(HeadCapabilities):
+  """What a paged-attention strategy supports: :class:`HeadCapabilities` and the quantized
+  pages it reads. Limits on page sizes or shapes go in the strategy's
+  ``unsupported_reasons``.
 
   Attributes:
-    platforms: platforms it runs on.
-    dtypes: dtype names of ``q`` and the pages it accepts.
-    gqa: fewer key/value heads than query heads (GQA/MQA).
-    sliding_window: a sliding window given as a Python int.
-    traced_window: a sliding window given as an array (scanned mixed layers).
-    softcap: logit soft-capping.
-    sinks: attention-sink logits (GPT-OSS).
-    distinct_v_head_dim: ``v`` head size different from the ``q``/``k`` one.
-    chunked: chunked (local) attention (Llama 4).
-    blocks: image blocks (bidirectional attention within an image, Gemma 3).
     kv_dtypes: dtype names of quantized pages it dequantizes on read (``kv_cache_dtype``
       ``int8``: ``int8``, ``fp8``: ``float8_e4m3fn``); ``()``: float pages only.
   """
 
-  platforms: tuple[str, ...]
-  dtypes: tuple[str, ...]
-  gqa: bool
-  sliding_window: bool
-  traced_window: bool
-  softcap: bool
-  sinks: bool
-  distinct_v_head_dim: bool
-  chunked: bool
-  blocks: bool = False
   kv_dtypes: tuple[str, ...] = ()
 
   def missing(self, request: PagedAttentionRequest) -> list[str]:
