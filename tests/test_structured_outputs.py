@@ -249,10 +249,13 @@ def test_tool_choice_required_and_named_come_back_as_tool_calls(client):
   _check_call(call, tools)
   chunks = list(_chat(client, tools=tools, tool_choice='required', parallel_tool_calls=False,
                       temperature=0, max_tokens=100, stream=True))
-  calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+  deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
   assert chunks[-1].choices[0].finish_reason == 'tool_calls'
-  assert [tc.index for tc in calls] == [0]
-  _check_call(calls[0], tools)
+  assert {tc.index for tc in deltas} == {0}
+  head, rest = deltas[0], deltas[1:]  # the call's header, then its arguments piece by piece
+  assert rest and all(tc.id is None and tc.function.name is None for tc in rest)
+  head.function.arguments += ''.join(tc.function.arguments for tc in rest)
+  _check_call(head, tools)
   assert not ''.join(c.choices[0].delta.content or '' for c in chunks if c.choices)
 
 
@@ -331,9 +334,10 @@ def test_the_template_gets_the_tools_and_the_format_follows_it(tokenizer):
   assert parse_chat(body, llama).tool_format == 'llama3' and '"parameters"' in forced.spec
 
 
-def test_a_streamed_reply_sends_its_text_and_its_calls_only_once_complete():
+def test_a_streamed_reply_sends_its_text_but_never_the_calls_text_as_content():
   """ChoiceStream fed a reply piece by piece (tool_choice auto): the text before the call
-  streams, the call's text never does, and the finished reply carries the parsed call."""
+  streams, the call's text never does as content (its arguments stream as tool-call deltas,
+  tests/test_serving_tools_stream.py), and the finished reply carries the parsed call."""
   from maxnnx.serving.openai_responses import ChoiceStream
   from maxnnx.serving.params import RequestOutput
   pieces = ['Let me ', 'check. <tool', '_call>\n{"name": "get_time", ', '"arguments": ',

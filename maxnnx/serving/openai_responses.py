@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from maxnnx.serving.openai_api import ParsedRequest
 from maxnnx.serving.output_processor import stable_text, stop_ids
 from maxnnx.serving.params import RequestOutput, SamplingParams, TokenLogprobs
-from maxnnx.serving.tools import ToolCall, held_back, parse_tool_calls
+from maxnnx.serving.tools import ToolCall, held_back, parse_tool_calls, streamed_calls
 
 # -- streaming text -----------------------------------------------------------------------
 
@@ -28,7 +29,9 @@ class ChoiceStream:
     eos_ids: the engine's end-of-sequence ids.
     tool_format: parse the finished reply's tool calls in this format
       (:mod:`~maxnnx.serving.tools`; the text that may become a call is held back while it
-      streams), or ``None``.
+      streams, and each call streams as OpenAI's ``delta.tool_calls``: a first delta with
+      its ``index``, ``id``, ``type`` and ``function.name``, then the pieces of its
+      ``function.arguments`` as they become certain), or ``None``.
   """
 
   def __init__(self, index: int, tokenizer, params: SamplingParams, eos_ids=(),
@@ -46,6 +49,8 @@ class ChoiceStream:
     self.cumulative_logprob = 0.0  # of every generated token, a stop token included
     self.tool_format = tool_format
     self.tool_calls: list[ToolCall] = []  # parsed from the finished reply
+    self._calls_sent: list[ToolCall] = []  # each started call: its id, name, arguments sent
+    self._tool_deltas: list[dict] = []     # not yet taken by a chunk (take_tool_deltas)
 
   @property
   def finished(self) -> bool:
@@ -64,7 +69,8 @@ class ChoiceStream:
       if out.finish_reason == 'stop' and out.token_ids and out.token_ids[-1] in self.stop_ids:
         new_logprobs = new_logprobs[:-1]  # nor are a stop token's log-probabilities part of it
       if self.tool_format is not None:
-        content, self.tool_calls = parse_tool_calls(text, self.tool_format)
+        content, calls = parse_tool_calls(text, self.tool_format)
+        self.tool_calls = self._send_calls([(c.name, c.arguments) for c in calls], calls)
         if self.tool_calls:
           text = content or ''
           self.finish_reason = 'tool_calls' if out.finish_reason == 'stop' else (
@@ -72,6 +78,7 @@ class ChoiceStream:
     else:
       text = stable_text(out.text or '', self.params.stop)
       if self.tool_format is not None:
+        self._send_calls(streamed_calls(text, self.tool_format))
         text = text[:held_back(text, self.tool_format)]
     self.logprobs.extend(new_logprobs)
     if not text.startswith(self.text):  # a tokenizer that rewrites earlier text: send nothing
@@ -80,6 +87,46 @@ class ChoiceStream:
       return '', new_logprobs
     delta, self.text = text[len(self.text):], text
     return delta, new_logprobs
+
+  def _send_calls(self, calls, finished: Sequence[ToolCall] = ()) -> list[ToolCall]:
+    """Queue the deltas that bring the calls sent up to ``calls`` (``(name, arguments)``
+    pairs, :func:`~maxnnx.serving.tools.streamed_calls`): a header for each call whose name
+    became known, in order, and the arguments' new text. ``finished``: the finished reply's
+    calls, returned with the ids their headers went out with."""
+    finished = list(finished)
+    for k, (name, arguments) in enumerate(calls):
+      if name is None:
+        break
+      if k == len(self._calls_sent):
+        call = finished[k] if finished else ToolCall(name, '')
+        self._calls_sent.append(dataclasses.replace(call, arguments=''))
+        self._tool_deltas.append({'index': k, 'id': call.id, 'type': 'function',
+                                  'function': {'name': name, 'arguments': ''}})
+      sent = self._calls_sent[k]
+      if finished:
+        finished[k] = dataclasses.replace(finished[k], id=sent.id)
+      if len(arguments) > len(sent.arguments) and arguments.startswith(sent.arguments):
+        self._tool_deltas.append({'index': k,
+                                  'function': {'arguments': arguments[len(sent.arguments):]}})
+        self._calls_sent[k] = dataclasses.replace(sent, arguments=arguments)
+    return finished
+
+  def take_tool_deltas(self) -> list[dict]:
+    """The tool-call deltas queued since the last call (one per call: a header and the
+    arguments after it merge), for a chunk's ``delta.tool_calls``."""
+    merged: list[dict] = []
+    for delta in self._tool_deltas:
+      if merged and merged[-1]['index'] == delta['index']:
+        merged[-1]['function']['arguments'] += delta['function']['arguments']
+      else:
+        merged.append(delta)
+    self._tool_deltas = []
+    return merged
+
+  @property
+  def has_tool_deltas(self) -> bool:
+    """Whether tool-call deltas wait for the next chunk."""
+    return bool(self._tool_deltas)
 
   def token_text(self, token_id: int) -> str:
     """One token's text."""
@@ -229,9 +276,8 @@ def chunk(request: ParsedRequest, response_id: str, model: str, choice: ChoiceSt
   if request.kind == 'chat':
     delta = {'role': 'assistant', 'content': text} if first else (
         {'content': text} if text or finish is None else {})
-    if finish is not None and choice.tool_calls:
-      delta['tool_calls'] = [{'index': k, **call.as_dict()}
-                             for k, call in enumerate(choice.tool_calls)]
+    if choice.has_tool_deltas:
+      delta['tool_calls'] = choice.take_tool_deltas()
     lp = chat_logprobs(choice, logprobs) if request.logprobs is not None and logprobs else None
     entry = {'index': choice.index, 'delta': delta, 'logprobs': lp, 'finish_reason': finish}
   else:
