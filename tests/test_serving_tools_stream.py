@@ -85,7 +85,8 @@ def test_streamed_argument_fragments_add_up_to_the_parsed_arguments(name, how):
     # (a) the fragments, joined, are the arguments of the parse of the whole reply
     assert ''.join(t['function']['arguments'] for t in mine) == call.arguments
     assert stream.tool_calls[k].arguments == call.arguments
-  if how == 'chars' and name != 'hermes-arguments-first':  # the arguments went out as the model wrote them, not at the end
+  # the arguments went out as the model wrote them, not at the end
+  if how == 'chars' and name != 'hermes-arguments-first':
     for k, call in enumerate(calls):
       early = [t for c in chunks[:-1] for t in c['choices'][0]['delta'].get('tool_calls', ())
                if t['index'] == k]
@@ -127,3 +128,18 @@ def test_the_server_chunk_of_a_forced_call_streams_its_arguments_compactly_writt
                  for t in c['choices'][0]['delta'].get('tool_calls', ()))
   assert args == '{"city": "rome", "days": 4}' == stream.tool_calls[0].arguments
   assert json.loads(args) == {'city': 'rome', 'days': 4}
+
+
+def test_a_call_cut_by_max_tokens_finishes_as_content_after_its_header_went_out():
+  reply = 'Hm. <tool_call>{"name": "f", "arguments": {"a": [1, 2'
+  stream = ChoiceStream(0, None, SamplingParams(), tool_format='hermes')
+  sent, deltas = [], []
+  for k in range(1, len(reply) + 1):
+    done = k == len(reply)
+    out = RequestOutput(0, (k,), None, tuple(range(1, k + 1)), done, 'length' if done else None,
+                        reply[:k], 0)
+    sent.append(stream.update(out)[0])
+    deltas += stream.take_tool_deltas()
+  assert ''.join(sent) == reply and stream.finish_reason == 'length'
+  assert stream.tool_calls == [] and deltas[0]['function']['name'] == 'f'
+  assert ''.join(d['function']['arguments'] for d in deltas) == '{"a": [1, '

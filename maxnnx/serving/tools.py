@@ -14,6 +14,10 @@ picked from what the chat template writes (:func:`tool_format`):
 model's format (:func:`call_grammar`) whose arguments follow the function's ``parameters``
 schema. ``auto`` lets the model choose and parses whatever calls it wrote
 (:func:`parse_tool_calls`); ``none`` parses nothing.
+
+While a reply streams, :func:`streamed_calls` gives each call started so far: its name once
+written, and the part of its arguments (in the form :func:`parse_tool_calls` writes them) that
+no later token can change, so the chat stream can send them piece by piece.
 """
 
 from __future__ import annotations
