@@ -31,7 +31,8 @@ Tools: the chat API's ``tools`` go to the chat template (its ``tools`` variable,
 transformers passes them), and each finished reply's calls are parsed in the model's format
 (:mod:`~maxnnx.serving.tools`) into ``message.tool_calls`` (finish reason ``tool_calls``,
 ``content`` ``null`` when the reply is calls only; streamed, the text that may become a call
-is held back and the calls come in the last chunk's ``delta.tool_calls``). ``tool_choice``
+is held back and each call comes in ``delta.tool_calls`` as OpenAI sends it: its header, then
+its arguments piece by piece as they become certain). ``tool_choice``
 ``auto`` (the default with tools) lets the model choose, ``none`` parses nothing, and
 ``required`` or ``{"type": "function", "function": {"name": ...}}`` constrains the reply with
 a grammar to a call whose arguments follow the function's ``parameters`` schema (one call, or
