@@ -256,6 +256,10 @@ def test_tool_choice_required_and_named_come_back_as_tool_calls(client):
   assert rest and all(tc.id is None and tc.function.name is None for tc in rest)
   head.function.arguments += ''.join(tc.function.arguments for tc in rest)
   _check_call(head, tools)
+  whole = _chat(client, tools=tools, tool_choice='required', parallel_tool_calls=False,
+                temperature=0, max_tokens=100).choices[0].message.tool_calls[0]
+  assert (head.function.name, head.function.arguments) == (whole.function.name,
+                                                           whole.function.arguments)
   assert not ''.join(c.choices[0].delta.content or '' for c in chunks if c.choices)
 
 
