@@ -143,3 +143,39 @@ def test_a_call_cut_by_max_tokens_finishes_as_content_after_its_header_went_out(
   assert ''.join(sent) == reply and stream.finish_reason == 'length'
   assert stream.tool_calls == [] and deltas[0]['function']['name'] == 'f'
   assert ''.join(d['function']['arguments'] for d in deltas) == '{"a": [1, '
+
+
+def _random_value(rng, depth=0):
+  kind = rng.randrange(7 if depth < 3 else 4)
+  if kind == 0:
+    return rng.choice([True, False, None, 0, -7, 12345, 0.5, -1e-7, 2.5e20])
+  if kind in (1, 2, 3):
+    return ''.join(rng.choice('ab "\\/\n\té€😀<>}{,:[]') for _ in range(rng.randrange(6)))
+  if kind in (4, 5):
+    return {f'k{i}{rng.choice(["", "é", " "])}': _random_value(rng, depth + 1)
+            for i in range(rng.randrange(4))}
+  return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+
+
+@pytest.mark.parametrize('seed', range(40))
+def test_random_arguments_written_any_way_stream_to_the_parsed_arguments(seed):
+  """Random JSON arguments, written compact or spaced, escaped or not, in random pieces:
+  the streamed pieces join to the parse of the whole reply."""
+  rng = random.Random(seed)
+  fmt = ['hermes', 'llama3', 'mistral'][seed % 3]
+  key = 'parameters' if fmt == 'llama3' else 'arguments'
+  calls = []
+  for k in range(1 if fmt == 'llama3' else 2):
+    arguments = {'x': _random_value(rng), 'y': _random_value(rng)}
+    separators = rng.choice([(',', ':'), (', ', ': '), (' ,', ' : ')])
+    text = json.dumps(arguments, ensure_ascii=rng.random() < 0.5, separators=separators)
+    calls.append(f'{{"name": "f{k}", "{key}": {text}}}')
+  reply = {'hermes': ''.join(f'<tool_call>\n{c}\n</tool_call>\n' for c in calls),
+           'llama3': calls[0], 'mistral': '[TOOL_CALLS] [' + ', '.join(calls) + ']'}[fmt]
+  _, parsed = parse_tool_calls(reply, fmt)
+  assert len(parsed) == len(calls)
+  stream, chunks = _stream(fmt, _splits(reply, seed))
+  for k, call in enumerate(parsed):
+    pieces = [t['function']['arguments'] for c in chunks
+              for t in c['choices'][0]['delta'].get('tool_calls', ()) if t['index'] == k]
+    assert ''.join(pieces) == call.arguments
