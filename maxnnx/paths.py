@@ -21,7 +21,8 @@ Checkpoint arrays are written by orbax and tensorstore, which take the URL as it
 
 Data is only read, so it takes any URL fsspec knows (``gs://``, ``s3://``, ``http(s)://``,
 ``hf://``, ``memory://``...): :func:`data_filesystem` finds the filesystem of such a URL and
-:func:`read_data_bytes` reads one of its files, each failure one line naming the URL.
+:func:`read_data_bytes` reads one of its files, tried again after transient failures
+(:func:`retrying`), each failure one line naming the URL.
 :func:`os_error_in` finds the file system's refusal behind a library's exception.
 """
 
@@ -381,10 +382,7 @@ def local_model_dir(path) -> str:
   if url in _MODEL_COPIES:
     return _MODEL_COPIES[url]
   fs, inner = data_filesystem(url)
-  try:
-    entries = fs.ls(inner, detail=True)
-  except Exception as e:  # each backend raises its own errors
-    raise data_error(url, e) from None
+  entries = retrying(lambda: fs.ls(inner, detail=True), url)
   names = sorted(posixpath.basename(e['name'].rstrip('/')) for e in entries
                  if e.get('type') != 'directory')
   wanted = [n for n in names if n.endswith(MODEL_FILE_SUFFIXES)]
@@ -394,10 +392,8 @@ def local_model_dir(path) -> str:
   target = os.path.join(tempfile.mkdtemp(dir=scratch_dir()), posixpath.basename(inner) or 'model')
   os.makedirs(target)
   for name in wanted:
-    try:
-      fs.get_file(posixpath.join(inner, name), os.path.join(target, name))
-    except Exception as e:  # each backend raises its own errors
-      raise data_error(f'{url}/{name}', e) from None
+    retrying(lambda name=name: fs.get_file(posixpath.join(inner, name),
+                                           os.path.join(target, name)), f'{url}/{name}')
   _MODEL_COPIES[url] = target
   return target
 
@@ -433,6 +429,48 @@ def data_filesystem(url: str):
                      f'{how}.') from None
   except ValueError as e:  # fsspec: "Protocol not known"
     raise ValueError(f'{url}: fsspec knows no {scheme}:// filesystem ({e}).') from None
+
+
+# Tries of a remote data read, and the seconds slept before each retry (doubling).
+DATA_READ_TRIES = 4
+DATA_RETRY_DELAY_S = 0.5
+_TRANSIENT_NAMES = re.compile(r'Timeout|Connection|Disconnect|Throttl|SlowDown|ServiceUnavailable'
+                              r'|TooManyRequests|ServerError|IncompleteRead|ResponsePayload')
+
+
+def is_transient(error: BaseException) -> bool:
+  """Whether a failed read of an object store may succeed if tried again: a timeout, a lost
+  or refused connection, throttling or a server error (by type, or by the class names the
+  backends give them), but never a missing object, a denied one or a bad argument."""
+  for e in exception_chain(error):
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError,
+                      NotADirectoryError, ValueError, TypeError)):
+      return False
+    if isinstance(e, (TimeoutError, ConnectionError)) or _TRANSIENT_NAMES.search(
+        type(e).__name__):
+      return True
+  return False
+
+
+def retrying(read: Callable[[], object], url: str, *, tries: int | None = None):
+  """``read()``, tried again after a transient failure (:func:`is_transient`) up to ``tries``
+  times in all (default :data:`DATA_READ_TRIES`), sleeping :data:`DATA_RETRY_DELAY_S`, then
+  twice that, between tries; a last or lasting failure is :func:`data_error`'s one line
+  naming ``url``. A ``ValueError`` (what a reader raises for bad content) passes unchanged."""
+  tries = tries or DATA_READ_TRIES
+  for attempt in range(tries):
+    try:
+      return read()
+    except ValueError:  # a content error of the caller's own, already naming the file
+      raise
+    except Exception as e:  # each backend raises its own errors
+      if attempt + 1 == tries or not is_transient(e):
+        error = data_error(url, e)
+        if attempt:
+          error = type(error)(f'{error} (after {attempt + 1} tries)')
+        raise error from None
+      time.sleep(DATA_RETRY_DELAY_S * 2**attempt)
+  raise AssertionError('unreachable')
 
 
 def exception_chain(error: BaseException | None) -> list[BaseException]:
@@ -472,10 +510,7 @@ def read_data_bytes(path: str) -> bytes:
     with open(normalize(path), 'rb') as f:
       return f.read()
   fs, inner = data_filesystem(path)
-  try:
-    return fs.cat_file(inner)
-  except Exception as e:  # each backend raises its own errors (OSError, botocore, httpx...)
-    raise data_error(path, e) from None
+  return retrying(lambda: fs.cat_file(inner), path)
 
 
 def download_data_file(url: str) -> str:
@@ -483,15 +518,13 @@ def download_data_file(url: str) -> str:
   such as ArrayRecord's); the local path."""
   fs, inner = data_filesystem(url)
   target = os.path.join(tempfile.mkdtemp(dir=scratch_dir()), posixpath.basename(inner))
-  try:
-    fs.get_file(inner, target)
-  except Exception as e:  # each backend raises its own errors
-    raise data_error(url, e) from None
+  retrying(lambda: fs.get_file(inner, target), url)
   return target
 
 
 __all__ = ['REMOTE_SCHEMES', 'AppendFile', 'absolute', 'append_bytes', 'as_path', 'basename',
            'copy_tree_to', 'data_error', 'data_filesystem', 'download_data_file', 'exists',
+           'is_transient', 'retrying',
            'is_remote', 'isdir', 'isfile', 'join', 'listdir', 'local_copy', 'makedirs',
            'normalize', 'open_file', 'parent', 'read_bytes', 'read_data_bytes', 'read_text',
            'remove', 'rename', 'rmtree', 'scratch_dir', 'write_bytes', 'write_dir', 'write_text']

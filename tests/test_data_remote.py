@@ -239,3 +239,62 @@ def test_a_run_on_a_bucket_resumes_at_the_same_example(bucket, tmp_path, capsys)
   losses = [json.loads(m)['loss'] for m in (killed / 'metrics.jsonl').read_text().splitlines()]
   assert len(losses) == 4
   np.testing.assert_allclose(losses, expected, rtol=1e-6)
+
+
+class _Flaky(MemoryFileSystem):
+  """The memory filesystem, failing the first ``failures`` reads with ``error``."""
+  protocol = 'flaky'
+  failures, error, calls = 0, ConnectionError('connection reset by peer'), 0
+
+  def cat_file(self, path, *args, **kwargs):
+    type(self).calls += 1
+    if type(self).calls <= type(self).failures:
+      raise type(self).error
+    return super().cat_file('/' + path.split('://', 1)[-1].lstrip('/'), *args, **kwargs)
+
+
+@pytest.fixture
+def flaky(monkeypatch):
+  from maxnnx import paths
+  fsspec.register_implementation('flaky', _Flaky, clobber=True)
+  monkeypatch.setattr(paths, 'DATA_RETRY_DELAY_S', 0.0)
+  _Flaky.calls = 0
+  name = f'flaky-{uuid.uuid4().hex[:8]}'
+  fsspec.filesystem('memory').pipe(f'/{name}/a.txt', b'to be or not to be')
+  yield f'flaky://{name}/a.txt'
+  fsspec.filesystem('memory').rm(f'/{name}', recursive=True)
+
+
+def test_transient_read_errors_are_retried_and_the_last_one_names_the_url(flaky):
+  """A read that fails twice on a lost connection succeeds on its third try; a read that keeps
+  failing stops after DATA_READ_TRIES with one line naming the URL; a missing object is not
+  retried."""
+  from maxnnx import paths
+  _Flaky.failures, _Flaky.error = 2, ConnectionError('connection reset by peer')
+  assert paths.read_data_bytes(flaky) == b'to be or not to be' and _Flaky.calls == 3
+  _Flaky.calls, _Flaky.failures, _Flaky.error = 0, 99, TimeoutError('read timed out')
+  with pytest.raises(ValueError, match=f'{flaky}: cannot read it .*after 4 tries') as info:
+    paths.read_data_bytes(flaky)
+  assert '\n' not in str(info.value) and _Flaky.calls == paths.DATA_READ_TRIES
+  _Flaky.calls, _Flaky.error = 0, FileNotFoundError('gone')
+  with pytest.raises(FileNotFoundError, match='no such object'):
+    paths.read_data_bytes(flaky)
+  assert _Flaky.calls == 1
+
+
+def test_backend_errors_are_transient_by_type_or_by_name():
+  from maxnnx import paths
+
+  class ServiceUnavailableError(Exception):
+    pass
+
+  assert paths.is_transient(ServiceUnavailableError('503'))
+  assert paths.is_transient(OSError('wrapped')) is False
+  try:
+    try:
+      raise TimeoutError('socket')
+    except TimeoutError as inner:
+      raise RuntimeError('backend gave up') from inner
+  except RuntimeError as outer:
+    assert paths.is_transient(outer)
+  assert not paths.is_transient(PermissionError('denied'))

@@ -35,10 +35,7 @@ def _open(path: str):
   if not paths.is_remote(path):
     return open(paths.normalize(path), 'rb')
   fs, inner = paths.data_filesystem(path)
-  try:
-    return fs.open(inner, 'rb')
-  except Exception as e:  # each backend raises its own errors
-    raise paths.data_error(path, e) from None
+  return paths.retrying(lambda: fs.open(inner, 'rb'), path)
 
 
 class StreamedSource:
@@ -156,8 +153,9 @@ class StreamedSource:
       return self._cache[block]
     file_index, key = self._blocks[block]
     path = self.files[file_index]
-    docs = (self._read_row_group(path, key) if self.kind == 'parquet'
-            else self._read_lines(path, key, self._numbers[block]))
+    read = ((lambda: self._read_row_group(path, key)) if self.kind == 'parquet'
+            else (lambda: self._read_lines(path, key, self._numbers[block])))
+    docs = paths.retrying(read, path) if paths.is_remote(path) else read()
     self.blocks_read += 1
     self._cache[block] = docs
     while len(self._cache) > CACHED_BLOCKS:
