@@ -28,11 +28,16 @@ from collections.abc import Callable, Iterable, Sequence
 from flax import nnx
 
 from maxnnx.config.base import ValidatedConfig
-from maxnnx.rl.losses import LOSS_TYPES
+from maxnnx.rl.losses import DEFAULT_BETA, DEFAULT_EPSILON, LOSS_TYPES
 from maxnnx.rl.objective import GRPOObjective
 from maxnnx.rl.prompts import Prompts
 from maxnnx.rl.rewards import Rewards
-from maxnnx.rl.rollouts import SAMPLERS, Rollouts
+from maxnnx.rl.rollouts import (
+  DEFAULT_MAX_NEW_TOKENS,
+  DEFAULT_NUM_GENERATIONS,
+  SAMPLERS,
+  Rollouts,
+)
 from maxnnx.train.config import TrainConfig
 
 
@@ -61,13 +66,13 @@ class GRPOConfig(ValidatedConfig):
   """
 
   loss_type: str = 'grpo'
-  num_generations: int = 8
-  max_new_tokens: int = 64
+  num_generations: int = DEFAULT_NUM_GENERATIONS
+  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
-  beta: float = 0.0
-  epsilon: float = 0.2
+  beta: float = DEFAULT_BETA
+  epsilon: float = DEFAULT_EPSILON
   epsilon_high: float = 0.0
   num_iterations: int = 1
   dynamic_sampling: str = 'auto'

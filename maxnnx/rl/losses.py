@@ -38,6 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 LOSS_TYPES = ('grpo', 'dr_grpo', 'dapo', 'gspo')
+# GRPO's defaults, declared once: the clip range and the KL weight (GRPOConfig, GRPOObjective
+# and the loss functions read these).
+DEFAULT_EPSILON = 0.2
+DEFAULT_BETA = 0.0
 
 
 def check_loss_type(loss_type: str) -> None:
@@ -70,8 +74,9 @@ def zero_variance_groups(rewards_N, group_size: int) -> np.ndarray:
 
 
 def policy_loss_terms(logps_BT: jax.Array, old_logps_BT: jax.Array, advantages_B: jax.Array,
-                      mask_BT: jax.Array, *, loss_type: str = 'grpo', epsilon_low: float = 0.2,
-                      epsilon_high: float = 0.2, beta: float = 0.0,
+                      mask_BT: jax.Array, *, loss_type: str = 'grpo',
+                      epsilon_low: float = DEFAULT_EPSILON,
+                      epsilon_high: float = DEFAULT_EPSILON, beta: float = DEFAULT_BETA,
                       ref_logps_BT: jax.Array | None = None) -> dict[str, jax.Array]:
   """Per-token terms of the clipped objective, ``[B, T]`` each (zero off the mask).
 
@@ -120,7 +125,8 @@ def aggregate(per_token_BT: jax.Array, mask_BT: jax.Array, *, loss_type: str, ro
 
 
 def policy_loss(logps_BT, old_logps_BT, advantages_B, mask_BT, *, loss_type: str = 'grpo',
-                epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
+                epsilon_low: float = DEFAULT_EPSILON, epsilon_high: float = DEFAULT_EPSILON,
+                beta: float = DEFAULT_BETA,
                 ref_logps_BT=None, max_completion_length: int | None = None) -> jax.Array:
   """The scalar loss of one whole rollout batch (see the module docstring)."""
   terms = policy_loss_terms(logps_BT, old_logps_BT, advantages_B, mask_BT, loss_type=loss_type,

@@ -72,7 +72,8 @@ class GRPOObjective(Objective):
 
   batch_fields = ROLLOUT_FIELDS
 
-  def __init__(self, loss_type: str = 'grpo', *, beta: float = 0.0, epsilon: float = 0.2,
+  def __init__(self, loss_type: str = 'grpo', *, beta: float = losses.DEFAULT_BETA,
+               epsilon: float = losses.DEFAULT_EPSILON,
                epsilon_high: float | None = None, temperature: float = 1.0,
                max_completion_length: int = 256, reference: nnx.Module | None = None,
                chunk_length: int | None = None):

@@ -67,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 #: How rollouts sample (see :class:`Rollouts`).
 SAMPLERS = ('generate', 'engine')
+# Rollout defaults, declared once (GRPOConfig reads them).
+DEFAULT_NUM_GENERATIONS = 8
+DEFAULT_MAX_NEW_TOKENS = 64
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -118,8 +121,10 @@ class Rollouts:
   the first batch (the :class:`~maxnnx.rl.GRPO` class does it).
   """
 
-  def __init__(self, prompts: Prompts, rewards, tokenizer, *, num_generations: int = 8,
-               max_new_tokens: int = 64, top_k: int | None = None, top_p: float | None = None,
+  def __init__(self, prompts: Prompts, rewards, tokenizer, *,
+               num_generations: int = DEFAULT_NUM_GENERATIONS,
+               max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, top_k: int | None = None,
+               top_p: float | None = None,
                num_iterations: int = 1, eos_ids: Sequence[int] | None = None,
                dynamic_sampling: bool | None = None, max_refills: int = 4, seed: int = 0,
                rollouts_jsonl: str | None = None, sampler: str = 'generate',
