@@ -51,7 +51,8 @@ def _assert_idle(engine):
 
 
 def _run_staggered(engine, prompts, params, arrivals):
-  """Add request ``i`` at the step ``arrivals[i]`` names; collect streamed tokens."""
+  """Add request ``i`` at the step ``arrivals[i]`` names; each request's streamed tokens and
+  final output."""
   ids, streamed, finals, step = {}, {}, {}, 0
   while len(ids) < len(prompts) or engine.has_unfinished():
     for i, arrival in enumerate(arrivals):
@@ -60,6 +61,7 @@ def _run_staggered(engine, prompts, params, arrivals):
     for out in engine.step():
       i = ids[out.request_id]
       streamed.setdefault(i, []).extend(out.new_token_ids)
+      assert list(out.token_ids) == streamed[i]  # the stream adds up to the output
       if out.finished:
         finals[i] = out
     step += 1

@@ -16,7 +16,7 @@ from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.engine_loop import EngineLoop
 from maxnnx.serving.metrics import ServerMetrics
 from maxnnx.serving.speculation import ngram_drafts, verify
-from tests.test_serving_engine import _DigitsTokenizer
+from tests.test_serving_engine import _assert_idle, _DigitsTokenizer, _run_staggered
 from tests.test_speculative import _chi_square_p, _exact_first_tokens, _lookup_reference, _model
 
 VOCAB = 97
@@ -45,30 +45,6 @@ def spec(model):
 def _repeating(rng, phrase, length):
   """``length`` tokens repeating a random phrase of ``phrase`` tokens (lookup finds them)."""
   return np.resize(rng.integers(0, VOCAB, phrase), length).tolist()
-
-
-def _assert_idle(engine):
-  assert not engine.has_unfinished()
-  engine.allocator.check()
-  assert engine.allocator.num_available == engine.max_pages  # nothing held: no leak
-
-
-def _run_staggered(engine, prompts, params, arrivals):
-  """Add request ``i`` at step ``arrivals[i]``; each request's streamed tokens and final
-  output."""
-  ids, streamed, finals, step = {}, {}, {}, 0
-  while len(ids) < len(prompts) or engine.has_unfinished():
-    for i, arrival in enumerate(arrivals):
-      if arrival == step:
-        ids[engine.add_request(prompts[i], params[i])] = i
-    for out in engine.step():
-      i = ids[out.request_id]
-      streamed.setdefault(i, []).extend(out.new_token_ids)
-      assert list(out.token_ids) == streamed[i]
-      if out.finished:
-        finals[i] = out
-    step += 1
-  return streamed, finals
 
 
 def test_greedy_tokens_equal_plain_engine_decoding_request_by_request(plain, spec):
