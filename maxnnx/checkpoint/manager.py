@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from typing import Any
 
 import jax
@@ -259,7 +260,8 @@ def _quiet_echoes(directory: str) -> None:
   When one array of a step fails to write (a full disk) or to load, orbax's other writes and
   reads of that step end later in the background and report themselves: each of its threads
   logs the error with a traceback through ``absl``, ``Future exception was never retrieved``
-  comes through ``asyncio``, and ``Event loop is closed`` as unraisable errors, dozens of
+  comes through ``asyncio``, ``Event loop is closed`` as unraisable errors and writes never
+  started as ``coroutine ... was never awaited`` warnings at exit, dozens of
   tracebacks in all. The failure itself reaches the caller once (a save's from :meth:`wait` or
   the next save, a restore's as a warning or :class:`CheckpointError`), so these are dropped;
   anything that does not name ``directory`` passes through.
@@ -280,6 +282,9 @@ def _quiet_echoes(directory: str) -> None:
 
   logging.getLogger('asyncio').addFilter(keep_asyncio)
   logging.getLogger('absl').addFilter(keep_absl)
+  # a write still queued when the failure ends the run is dropped unawaited at exit
+  warnings.filterwarnings('ignore', category=RuntimeWarning,
+                          message=r"coroutine '.*write_fragment' was never awaited")
   if not getattr(sys.unraisablehook, 'maxnnx_quiet', False):
     previous = sys.unraisablehook
 
