@@ -6,7 +6,8 @@ from flax import nnx
 import maxnnx
 from maxnnx.data import load_tokenizer
 from maxnnx.data.chat import encode_with_specials
-from maxnnx.inference import end_of_turn_ids
+from maxnnx.inference import end_of_turn_ids, eos_token_ids
+from maxnnx.serving import Engine
 
 CONVERSATIONS = [
     [{'role': 'user', 'content': 'Who art thou?'}],
@@ -40,3 +41,18 @@ def test_a_tokenizer_without_a_template_needs_one(model, tmp_path, chat_checkpoi
   with pytest.raises(ValueError, match='template='):
     maxnnx.chat(model, tokenizer, CONVERSATIONS[:1])
   assert len(maxnnx.chat(model, tokenizer, CONVERSATIONS[:1], 'chatml', max_new_tokens=2)) == 1
+
+
+def test_the_ids_that_end_a_generation_are_the_configs_the_tokenizers_and_end_of_turn(
+    model, chat_checkpoint):
+  tokenizer = load_tokenizer(str(chat_checkpoint))
+  im_end = encode_with_specials(tokenizer, '<|im_end|>')[0]
+  config = model.config.replace(eos_token_id=(7, 9))
+  assert eos_token_ids(config) == (7, 9)
+  assert eos_token_ids(config, tokenizer) == tuple(sorted({7, 9, tokenizer.eos_id}))
+  with_turns = eos_token_ids(config, tokenizer, end_of_turn=True)
+  assert {7, 9, tokenizer.eos_id, im_end} <= set(with_turns)
+  assert set(with_turns) - {7, 9} == set(end_of_turn_ids(tokenizer))
+  assert eos_token_ids() == () and eos_token_ids(model.config.replace(eos_token_id=4)) == (4,)
+  engine = Engine(model, tokenizer=tokenizer, page_size=4, max_batch=2, max_model_len=32)
+  assert engine.eos_ids == set(eos_token_ids(model.config, tokenizer)) == {tokenizer.eos_id}

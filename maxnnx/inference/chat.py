@@ -8,7 +8,7 @@
 Each conversation is rendered with the template and its generation prompt
 (``add_generation_prompt=True``), its special-token strings encoded as their ids,
 and continued by :func:`~maxnnx.inference.generate` until an end-of-turn token
-(:func:`end_of_turn_ids`) or ``max_new_tokens``. The reply is decoded without
+(:func:`~maxnnx.inference.stops.eos_token_ids`) or ``max_new_tokens``. The reply is decoded without
 that token.
 """
 
@@ -17,23 +17,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from maxnnx.data.chat import ChatTemplate, encode_with_specials, special_tokens
+from maxnnx.data.chat import ChatTemplate, encode_with_specials
 from maxnnx.data.sft import resolve_tokenizer_and_template
 from maxnnx.inference.generate import generate
-
-#: Tokens that close an assistant turn in the common templates (ChatML, Llama 3, Gemma, Phi).
-END_OF_TURN = ('<|im_end|>', '<|eot_id|>', '<end_of_turn>', '<|end|>', '<|endoftext|>')
+from maxnnx.inference.stops import eos_token_ids
 
 Conversation = Sequence[Mapping[str, Any]]
-
-
-def end_of_turn_ids(tokenizer) -> list[int]:
-  """The tokenizer's end-of-document id and every :data:`END_OF_TURN` token it has."""
-  specials = special_tokens(tokenizer)
-  ids = [specials[t] for t in END_OF_TURN if t in specials]
-  if getattr(tokenizer, 'eos_id', None) is not None:
-    ids.append(tokenizer.eos_id)
-  return sorted(set(ids))
 
 
 def chat(model, tokenizer, conversations: Sequence[Conversation],
@@ -58,7 +47,7 @@ def chat(model, tokenizer, conversations: Sequence[Conversation],
                      'template= (a built-in name such as "chatml", or Jinja text).')
   prompts = [encode_with_specials(tokenizer, template.render(c, add_generation_prompt=True))
              for c in conversations]
-  stops = end_of_turn_ids(tokenizer)
+  stops = eos_token_ids(model.config, tokenizer, end_of_turn=True)
   replies = []
   for start in range(0, len(prompts), batch_size):
     result = generate(model, prompts[start:start + batch_size], max_new_tokens,
@@ -69,4 +58,4 @@ def chat(model, tokenizer, conversations: Sequence[Conversation],
   return replies
 
 
-__all__ = ['END_OF_TURN', 'chat', 'end_of_turn_ids']
+__all__ = ['chat']

@@ -27,6 +27,7 @@ from maxnnx.inference.sampling import (
   logit_bias_pairs,
   sample_next_token,
 )
+from maxnnx.inference.stops import eos_token_ids
 from maxnnx.kernels.kv_quant import check_kv_cache_dtype
 from maxnnx.processes import host_value
 
@@ -287,7 +288,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
   if isinstance(eos_ids, str):
     if eos_ids != 'config':
       raise ValueError(f"eos_ids must be ids, None or 'config', got {eos_ids!r}.")
-    eos_ids = model.config.eos_token_id
+    eos_ids = eos_token_ids(model.config)
   eos = np.asarray([] if eos_ids is None else np.atleast_1d(eos_ids), np.int32)
   batch, width = ids.shape
   if speculative is not None:

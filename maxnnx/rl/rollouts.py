@@ -54,6 +54,7 @@ from flax import nnx
 
 from maxnnx import paths
 from maxnnx.inference.generate import generate
+from maxnnx.inference.stops import eos_token_ids
 from maxnnx.processes import broadcast_bytes, host_value, is_primary
 from maxnnx.rl import losses
 from maxnnx.rl.objective import ROLLOUT_FIELDS, policy_token_logps
@@ -147,8 +148,7 @@ class Rollouts:
     self.num_generations, self.max_new_tokens = num_generations, max_new_tokens
     self.top_k, self.top_p, self.num_iterations = top_k, top_p, num_iterations
     if eos_ids is None:
-      from maxnnx.inference.chat import end_of_turn_ids  # noqa: PLC0415
-      eos_ids = end_of_turn_ids(tokenizer)
+      eos_ids = eos_token_ids(tokenizer=tokenizer, end_of_turn=True)
     self.eos_ids = sorted(set(int(i) for i in eos_ids))
     self.pad_id = getattr(tokenizer, 'pad_id', None) or 0
     self.dynamic_sampling, self.max_refills = dynamic_sampling, max_refills

@@ -114,6 +114,7 @@ import jax
 import numpy as np
 
 from maxnnx.config.engine import EngineConfig
+from maxnnx.inference.stops import eos_token_ids
 from maxnnx.serving.batch_sampler import BatchSampler
 from maxnnx.serving.model_runner import (
   MIN_TOKEN_BUCKET,
@@ -174,8 +175,8 @@ class Engine:
     window_pages_per_request: pages a request's sliding layers hold at most (its
       window, a step's tokens and a page's edge; all its pages without sliding layers).
     max_window_pages: pages of the sliding layers' own pool (0 without one).
-    eos_ids: ids that end a request unless ``ignore_eos``: ``model.config.eos_token_id``,
-      else the tokenizer's ``eos_id``.
+    eos_ids: ids that end a request unless ``ignore_eos``: ``model.config.eos_token_id``
+      and the tokenizer's ``eos_id`` (:func:`~maxnnx.inference.stops.eos_token_ids`).
     prefix_caching: whether prompt pages are shared (off for recurrent models).
     token_buckets, page_buckets: the sorted bucket sizes in use.
     compiles: the :class:`CompileCounts` of the programs built in the engine's calls.
@@ -231,10 +232,7 @@ class Engine:
         window_pages=self.max_window_pages + 1 if self.max_window_pages else None, rules=rules,
         kv_cache_dtype=self.config.kv_cache_dtype,
         num_verify=self.num_speculative_tokens)
-    eos = cfg.eos_token_id
-    if eos is None and tokenizer is not None:
-      eos = getattr(tokenizer, 'eos_id', None)
-    self.eos_ids = frozenset(int(i) for i in np.atleast_1d(eos)) if eos is not None else frozenset()
+    self.eos_ids = frozenset(eos_token_ids(cfg, tokenizer))
     self.outputs = OutputProcessor(tokenizer, self.eos_ids, self.max_model_len)
     self.sampler = BatchSampler(max_batch, cfg.vocab_size, self.max_logprobs,
                                 self.outputs.stop_ids, self._running_ids)

@@ -10,7 +10,7 @@ import os
 
 from maxnnx import paths
 from maxnnx.data.chat import ChatTemplate, load_chat_template, template_for
-from maxnnx.inference.chat import end_of_turn_ids
+from maxnnx.inference.stops import eos_token_ids
 from maxnnx.serving.engine import Engine
 from maxnnx.serving.openai_api import ServedModel
 
@@ -90,5 +90,6 @@ def served_model(engine_or_model_dir, model_name: str | None, chat_template, add
   return engine, ServedModel(
       name=name, tokenizer=tokenizer, template=_template(tokenizer, chat_template),
       max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
-      max_logprobs=engine.max_logprobs, chat_stop_ids=tuple(end_of_turn_ids(tokenizer)),
+      max_logprobs=engine.max_logprobs,
+      chat_stop_ids=eos_token_ids(tokenizer=tokenizer, end_of_turn=True),
       add_bos=add_bos, image_processor=image_processor, image_prompt=image_prompt)

@@ -25,6 +25,7 @@ import numpy as np
 from maxnnx import paths
 from maxnnx.config import ModelConfig, check_expert_split
 from maxnnx.data.protocol import HasEvalBatches
+from maxnnx.inference.stops import eos_token_ids
 from maxnnx.train import export
 from maxnnx.train.run_settings import (
     PRETRAINING,
@@ -371,8 +372,8 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature:
   max_new_tokens = _within_context(model.config.max_position_embeddings, len(ids),
                                    max_new_tokens)
   result = maxnnx.generate(model, [ids], max_new_tokens, temperature=temperature, top_p=top_p,
-                           top_k=top_k or None, eos_ids=[tokenizer.eos_id], seed=seed,
-                           **controls)
+                           top_k=top_k or None, eos_ids=eos_token_ids(model.config, tokenizer),
+                           seed=seed, **controls)
   return prompt + tokenizer.decode(result.as_lists()[0])
 
 
