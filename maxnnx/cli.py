@@ -56,12 +56,12 @@ from maxnnx.config.commands import (
   ConvertConfig,
   EvalConfig,
   GenerateConfig,
+  ProcessConfig,
+  RunConfig,
   ServeConfig,
 )
 from maxnnx.recipes import PRETRAIN, RECIPES, Recipe
 from maxnnx.train import (
-  PROCESS_SETTINGS,
-  RUN_SETTINGS,
   RUN_TRAIN_DEFAULTS,
   build_trainer,
   run_model_config,
@@ -70,9 +70,6 @@ from maxnnx.train import (
 )
 from maxnnx.train import run as run_training
 
-# The run's keys live with the run (maxnnx.train.run_settings); the CLI lists and parses them.
-PROCESS_KEYS = PROCESS_SETTINGS
-RUN_KEYS = RUN_SETTINGS
 TRAIN_OVERRIDES = RUN_TRAIN_DEFAULTS  # defaults of the default run that differ from TrainConfig's
 GROUPS = {  # --help heading of each group of keys
     'compile': 'Ahead-of-time target (compile only)',
@@ -88,7 +85,7 @@ ALIASES = {'train.': ''}  # train.steps is steps, train.mesh.fsdp is mesh.fsdp
 
 
 def _run_keys() -> dict[str, Key]:
-  return {k: Key(d, doc, type(d), 'run') for k, (d, doc) in RUN_KEYS.items()}
+  return {**config_keys(RunConfig, '', 'run'), **config_keys(ProcessConfig, '', 'run')}
 
 
 def train_keys(recipe: Recipe = PRETRAIN) -> dict[str, Key]:
@@ -115,7 +112,7 @@ def train_keys(recipe: Recipe = PRETRAIN) -> dict[str, Key]:
 
 
 def _process_keys() -> dict[str, Key]:
-  return {k: Key(d, doc, type(d), 'Keys') for k, (d, doc) in PROCESS_KEYS.items()}
+  return config_keys(ProcessConfig, '', 'Keys')
 
 
 def _generate_keys() -> dict[str, Key]:

@@ -19,6 +19,7 @@ import typing
 from typing import Any, NamedTuple
 
 from maxnnx.config import ValidatedConfig, subtree  # noqa: F401 (subtree: re-exported)
+from maxnnx.config.base import attribute_docs
 
 
 class UsageError(ValueError):
@@ -43,23 +44,6 @@ class Key(NamedTuple):
   kind: Any
   group: str
   fill: bool = True
-
-
-def attribute_docs(cls) -> dict[str, str]:
-  """``{field: doc}`` from the ``Attributes:`` section of a class docstring."""
-  docs, current = {}, None
-  text = (cls.__doc__ or '').split('Attributes:', 1)[-1]
-  for line in text.splitlines():
-    match = re.match(r'\s{4}([\w, ]+):\s*(.*)', line)
-    if match and not line.startswith(' ' * 6):
-      names = [n.strip() for n in match.group(1).split(',')]
-      current = names
-      for name in names:
-        docs[name] = match.group(2)
-    elif current and line.strip():
-      for name in current:
-        docs[name] += ' ' + line.strip()
-  return docs
 
 
 def nested_config_type(annotation) -> type | None:

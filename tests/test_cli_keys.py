@@ -12,6 +12,7 @@ from conftest import cli_losses
 import maxnnx
 from maxnnx import cli
 from maxnnx.config import MeshConfig, ModelConfig, ValidatedConfig
+from maxnnx.config.commands import ProcessConfig, RunConfig
 from maxnnx.data import DataConfig
 from maxnnx.train.config import TrainConfig
 
@@ -187,7 +188,7 @@ def test_help_lists_every_field_with_type_and_default(command, capsys):
   lines = capsys.readouterr().out.splitlines()
   expected = {**_leaves(TrainConfig, '', skip=('mesh',)), **_leaves(MeshConfig, 'mesh.'),
               **_leaves(ModelConfig, 'model.'), **_leaves(DataConfig, 'data.')}
-  expected.update({k: d for k, (d, _) in cli.RUN_KEYS.items()})
+  expected.update({**_leaves(RunConfig, ''), **_leaves(ProcessConfig, '')})
   expected.update(cli.TRAIN_OVERRIDES)
   assert len(expected) > 150
   for key, default in expected.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from typing import Any, ClassVar, Literal
@@ -171,6 +172,30 @@ def _nested_config_type(annotation):
     if isinstance(a, type) and issubclass(a, ValidatedConfig):
       return a
   return None
+
+
+def attribute_docs(cls) -> dict[str, str]:
+  """``{field: doc}`` from the ``Attributes:`` section of a class docstring."""
+  docs, current = {}, None
+  text = (cls.__doc__ or '').split('Attributes:', 1)[-1]
+  for line in text.splitlines():
+    match = re.match(r'\s{4}([\w, ]+):\s*(.*)', line)
+    if match and not line.startswith(' ' * 6):
+      names = [n.strip() for n in match.group(1).split(',')]
+      current = names
+      for name in names:
+        docs[name] = match.group(2)
+    elif current and line.strip():
+      for name in current:
+        docs[name] += ' ' + line.strip()
+  return docs
+
+
+def settings_table(cls) -> dict[str, tuple[Any, str]]:
+  """``{field: (default, doc)}`` of a flat config dataclass: its fields' defaults and the
+  lines of its ``Attributes:`` section."""
+  docs = attribute_docs(cls)
+  return {f.name: (f.default, docs.get(f.name, '')) for f in dataclasses.fields(cls)}
 
 
 def resolve_dtype(name: str):

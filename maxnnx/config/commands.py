@@ -1,9 +1,10 @@
-"""The settings of the CLI's commands beside training, one config class each.
+"""The settings of the CLI's commands, one config class each.
 
 ``maxnnx generate``, ``serve``, ``convert``, ``eval`` and ``compile`` take their keys from these
 classes (and ``serve`` also from :class:`~maxnnx.config.EngineConfig`); the CLI holds no
-defaults of its own. Training runs take theirs from ``TrainConfig``, ``MeshConfig``,
-``ModelConfig``, ``DataConfig`` and the run's own keys (``maxnnx.train.run_settings``).
+defaults of its own. Training runs take theirs from :class:`RunConfig`, ``TrainConfig``,
+``MeshConfig``, ``ModelConfig`` and ``DataConfig``; every command joins a multi-process run
+through :class:`ProcessConfig`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,82 @@ import dataclasses
 from typing import Literal
 
 from maxnnx.config.base import ValidatedConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessConfig(ValidatedConfig):
+  """How this process joins a multi-process run (every command reads these keys before
+  anything touches a device).
+
+  Attributes:
+    coordinator: multi-process run: host:port of process 0's coordinator (with num_processes and
+      process_id), or auto: jax.distributed finds the cluster (SLURM, Kubernetes JobSet, TPU
+      pods); empty: the MAXNNX_COORDINATOR_ADDRESS, MAXNNX_NUM_PROCESSES and MAXNNX_PROCESS_ID
+      variables, else one process
+    num_processes: how many processes take part (with coordinator=host:port)
+    process_id: this process's rank, from 0 to num_processes - 1 (with coordinator=host:port)
+  """
+
+  coordinator: str = ''
+  num_processes: int = 0
+  process_id: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(ValidatedConfig):
+  """``maxnnx train`` and the fine-tuning commands: the run itself (``TrainConfig``,
+  ``MeshConfig``, ``ModelConfig`` and ``DataConfig`` hold the rest; :class:`ProcessConfig` joins
+  the processes).
+
+  Attributes:
+    model: preset name (see maxnnx.list_presets()) or a local Hugging Face checkpoint directory
+      to start from
+    data: training data: a UTF-8 .txt file, a JSONL/Parquet/ArrayRecord file or dataset
+      directory, a URL fsspec reads (s3://bucket/shards/*.parquet, gs://, https://, hf://),
+      'synthetic' (random tokens), or empty for the shipped Shakespeare corpus
+    eval_data: held-out data evaluated every eval_every steps (eval_batches batches; eval_loss
+      and eval_perplexity in metrics.jsonl and loss.png): any format and URL data= takes; empty:
+      the held-out tail of a .txt corpus, else none
+    eval_split: the split eval_data reads from a directory laid out as a Hugging Face Hub
+      dataset (the first it has; data.split names the training one, 'train' by default)
+    maxtext_config: with model=<a MaxText step directory> (MaxText's load_parameters_path): its
+      settings, a MaxText YAML or key=value pairs joined by commas (decoder_block,
+      rope_max_timescale...); the run starts from its parameters converted to Hugging Face
+      format
+    maxtext_full_state: with model=<a MaxText step directory> holding a full training state
+      (MaxText's load_full_state_path): continue its adamw moments and step too (a resumed run
+      of output_dir takes its own)
+    tokenizer: tokenizer file or directory (sentencepiece, tokenizer.json, tiktoken); default:
+      the checkpoint's own, or one trained on a .txt corpus
+    output_dir: where tokenizer, metrics, plot and model go
+    dtype: compute dtype: auto (bfloat16 on GPUs/TPUs and on CPUs with native bf16 (AVX-512
+      BF16, AMX), else float32; printed at the start), bfloat16 (matmuls accumulate in float32)
+      or float32; parameters stay float32
+    scan_layers: run the layer stack as one scanned block (mesh.stage > 1 sets it)
+    remat_policy: activation rematerialisation: none, minimal, save_dot_except_mlp,
+      save_qkv_proj, save_out_proj, full, custom (per tensor: model.remat_save /
+      model.remat_offload; empty: the model default)
+    attention_impl: attention kernel strategy (empty: the model default)
+    sample_tokens: tokens of the sample printed at the end (0: none)
+    resume: auto: continue the run in output_dir when its stored config matches (a different one
+      is refused); never: move an earlier run aside to output_dir/previous/<time>/ and start
+      fresh
+  """
+
+  model: str = 'tiny'
+  data: str = ''
+  eval_data: str = ''
+  eval_split: str = 'validation|test'
+  maxtext_config: str = ''
+  maxtext_full_state: bool = False
+  tokenizer: str = ''
+  output_dir: str = 'runs/tiny-shakespeare'
+  dtype: str = 'auto'
+  scan_layers: bool = False
+  remat_policy: str = ''
+  attention_impl: str = ''
+  sample_tokens: int = 120
+  resume: str = 'auto'
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from maxnnx.cli_keys import UsageError, attribute_docs
+from maxnnx.cli_keys import UsageError
+from maxnnx.config.base import attribute_docs
 
 TEMPLATE_DOC = ("chat template: empty for the checkpoint's own (chat_template.jinja or "
                 "tokenizer_config.json), a built-in name (chatml, llama3, gemma), or a .jinja file")

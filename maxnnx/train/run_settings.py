@@ -1,6 +1,7 @@
 """The settings of a training run, as ``maxnnx train`` spells them, and its *recipe*.
 
-Settings are keys as the command line spells them: run keys (:data:`RUN_SETTINGS`),
+Settings are keys as the command line spells them: run keys (:data:`RUN_SETTINGS`, the fields
+of :class:`~maxnnx.config.commands.RunConfig` and ``ProcessConfig``),
 ``TrainConfig`` fields bare, and dotted ``mesh.*``, ``lora.*``, ``model.*`` and ``data.*``
 keys. :func:`run_settings` fills in the defaults and refuses unknown keys;
 :func:`split_settings` turns them into the run's settings, its ``TrainConfig`` and the model
@@ -18,55 +19,14 @@ from typing import Any, Protocol
 
 from maxnnx import paths
 from maxnnx.config import MeshConfig, ValidatedConfig, dotted_fields, subtree
+from maxnnx.config.base import settings_table
+from maxnnx.config.commands import ProcessConfig, RunConfig
 from maxnnx.parallel.pipeline import describe_schedule
 
 # Joining a multi-process run: read by the command line before anything touches a device.
-PROCESS_SETTINGS = {
-    'coordinator': ('', 'multi-process run: host:port of process 0\'s coordinator (with '
-                    'num_processes and process_id), or auto: jax.distributed finds the cluster '
-                    '(SLURM, Kubernetes JobSet, TPU pods); empty: the MAXNNX_COORDINATOR_ADDRESS, '
-                    'MAXNNX_NUM_PROCESSES and MAXNNX_PROCESS_ID variables, else one process'),
-    'num_processes': (0, 'how many processes take part (with coordinator=host:port)'),
-    'process_id': (-1, "this process's rank, 0 .. num_processes - 1 (with coordinator=host:port)"),
-}
+PROCESS_SETTINGS = settings_table(ProcessConfig)
 # Keys of the run itself, ``name -> (default, doc)`` (TrainConfig and MeshConfig have their own).
-RUN_SETTINGS = {
-    'model': ('tiny', 'preset name (see maxnnx.list_presets()) or a local Hugging Face '
-              'checkpoint directory to start from'),
-    'data': ('', "training data: a UTF-8 .txt file, a JSONL/Parquet/ArrayRecord file or dataset "
-             "directory, a URL fsspec reads (s3://bucket/shards/*.parquet, gs://, https://, "
-             "hf://), "
-             "'synthetic' (random tokens), or empty for the shipped Shakespeare corpus"),
-    'eval_data': ('', 'held-out data evaluated every eval_every steps (eval_batches batches; '
-                  'eval_loss and eval_perplexity in metrics.jsonl and loss.png): any format '
-                  'and URL data= takes; empty: the held-out tail of a .txt corpus, else none'),
-    'eval_split': ('validation|test', 'the split eval_data reads from a directory laid out as a '
-                   'Hugging Face Hub dataset (the first it has; data.split names the training '
-                   "one, 'train' by default)"),
-    'maxtext_config': ('', 'with model=<a MaxText step directory> (MaxText\'s '
-                       'load_parameters_path): its settings, a MaxText YAML or key=value pairs '
-                       'joined by commas (decoder_block, rope_max_timescale...); the run starts '
-                       'from its parameters converted to Hugging Face format'),
-    'maxtext_full_state': (False, "with model=<a MaxText step directory> holding a full "
-                           "training state (MaxText's load_full_state_path): continue its adamw "
-                           'moments and step too (a resumed run of output_dir takes its own)'),
-    'tokenizer': ('', 'tokenizer file or directory (sentencepiece, tokenizer.json, tiktoken); '
-                  'default: the checkpoint\'s own, or one trained on a .txt corpus'),
-    'output_dir': ('runs/tiny-shakespeare', 'where tokenizer, metrics, plot and model go'),
-    'dtype': ('auto', 'compute dtype: auto (bfloat16 on GPUs/TPUs and on CPUs with native '
-                      'bf16 (AVX-512 BF16, AMX), else float32; printed at the start), bfloat16 '
-                      '(matmuls accumulate in float32) or float32; parameters stay float32'),
-    'scan_layers': (False, 'run the layer stack as one scanned block (mesh.stage > 1 sets it)'),
-    'remat_policy': ('', 'activation rematerialisation: none, minimal, save_dot_except_mlp, '
-                     'save_qkv_proj, save_out_proj, full, custom (per tensor: '
-                     'model.remat_save / model.remat_offload; empty: the model default)'),
-    'attention_impl': ('', 'attention kernel strategy (empty: the model default)'),
-    'sample_tokens': (120, 'tokens of the sample printed at the end (0: none)'),
-    'resume': ('auto', 'auto: continue the run in output_dir when its stored config matches '
-               '(a different one is refused); never: move an earlier run aside to '
-               'output_dir/previous/<time>/ and start fresh'),
-    **PROCESS_SETTINGS,
-}
+RUN_SETTINGS = {**settings_table(RunConfig), **PROCESS_SETTINGS}
 # Defaults of the default run that differ from TrainConfig's.
 RUN_TRAIN_DEFAULTS = {
     'steps': 600, 'global_batch_size': 16, 'seq_len': 128, 'learning_rate': 3e-3,
