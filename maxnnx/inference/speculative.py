@@ -316,9 +316,7 @@ def speculative_decode(graphdef, draft_graphdef, settings, sampling, max_new_tok
   steps_T = jnp.arange(k + 1)
 
   def logprob_of(logits_BTV, tokens_BT):
-    scaled_BTV = logits_BTV / temperature
-    return (jnp.take_along_axis(scaled_BTV, tokens_BT[..., None], axis=-1)[..., 0]
-            - jax.nn.logsumexp(scaled_BTV, axis=-1))
+    return _logprobs(logits_BTV, tokens_BT, temperature)
 
   key, first_key = jax.random.split(key)
   first_logits_BV = first_logits_BV.astype(jnp.float32)
@@ -352,38 +350,19 @@ def speculative_decode(graphdef, draft_graphdef, settings, sampling, max_new_tok
       valid_BK = jnp.ones((batch, k), bool)
     model = nnx.merge(graphdef, params, cache)
     start = model.cache_index[...]
-    inputs_BT = jnp.concatenate([last_B[:, None], drafts_BK], axis=1)
-    logits_BTV = model(inputs_BT, segment_ids=jnp.ones(inputs_BT.shape, jnp.int32),
-                       positions=pos_B[:, None] + steps_T, decode=True).astype(jnp.float32)
-    if greedy:
-      target_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
-      kept_B = accept_greedy(target_BT, drafts_BK, valid_BK)
-      out_BT = target_BT  # the kept drafts equal the target's choices
-    else:
-      u_BK = jax.random.uniform(accept_key, (batch, k))
-      kept_B, dist_BV = accept_sampled(_probs_BTV(logits_BTV, sampling), drafts_BK, valid_BK,
-                                       u_BK, q_BKV)
-      out_BT = drafts_then(drafts_BK, kept_B, _pick(pick_key, dist_BV, sampling))
+    logits_BTV, kept_B, out_BT = _verify(model, last_B, drafts_BK, valid_BK, q_BKV, pos_B,
+                                         sampling, (accept_key, pick_key))
     running_B = ~done_B
     keep_BT = (steps_T[None] <= kept_B[:, None]) & running_B[:, None]
-    index_BT = jnp.where(keep_BT, count_B[:, None] + steps_T, buffer)
-    tokens_BN = tokens_BN.at[rows_B[:, None], index_BT].set(out_BT, mode='drop')
-    logprobs_BN = logprobs_BN.at[rows_B[:, None], index_BT].set(
-        logprob_of(logits_BTV, out_BT), mode='drop')
-    context_index_BT = jnp.where(keep_BT, pos_B[:, None] + 1 + steps_T, context_BL.shape[1])
-    context_BL = context_BL.at[rows_B[:, None], context_index_BT].set(out_BT, mode='drop')
+    tokens_BN, logprobs_BN, context_BL = _write_kept(
+        (tokens_BN, logprobs_BN, context_BL), out_BT, logprob_of(logits_BTV, out_BT), keep_BT,
+        count_B, pos_B)
     ended_B = jnp.any(keep_BT & jnp.isin(out_BT, eos_ids), axis=1)
     gained_B = jnp.where(running_B, kept_B + 1, 0)
     advance = jnp.max(gained_B)
-    # Rows that kept fewer drafts than the most keep dead slots below the new index. With one
-    # row there are none: the next step's k + 1 writes cover every rejected slot.
-    if batch > 1:
-      _kill_slots(model, start, kept_B, advance)
-    model.cache_index[...] = start + advance
+    _advance(model, start, kept_B, advance)
     if draft_graphdef is not None:
-      if batch > 1:
-        _kill_slots(draft_model, draft_start, kept_B, advance)
-      draft_model.cache_index[...] = draft_start + advance
+      _advance(draft_model, draft_start, kept_B, advance)
       draft_cache = nnx.state(draft_model, nnx.Not(nnx.Param))
     new_last_B = out_BT[rows_B, kept_B]
     new_prev_B = jnp.where(kept_B > 0, out_BT[rows_B, jnp.maximum(kept_B - 1, 0)], last_B)
@@ -398,6 +377,64 @@ def speculative_decode(graphdef, draft_graphdef, settings, sampling, max_new_tok
 
   carry = jax.lax.while_loop(cond, body, carry)
   return carry[5], carry[6], carry[11], carry[12]
+
+
+def _logprobs(logits_BTV, tokens_BT, temperature):
+  """``log_softmax(logits / temperature)`` at ``tokens_BT``."""
+  scaled_BTV = logits_BTV / temperature
+  return (jnp.take_along_axis(scaled_BTV, tokens_BT[..., None], axis=-1)[..., 0]
+          - jax.nn.logsumexp(scaled_BTV, axis=-1))
+
+
+def _verify(model, last_B, drafts_BK, valid_BK, q_BKV, pos_B, sampling, keys):
+  """One target call on each row's last token and its ``k`` drafts, and what it keeps.
+
+  Returns ``(logits_BTV, kept_B, out_BT)``: the target's float32 logits at the ``k + 1``
+  places, the number of drafts each row keeps, and the row's tokens (the kept drafts, then
+  the target's own choice after them).
+  """
+  batch, k = drafts_BK.shape
+  inputs_BT = jnp.concatenate([last_B[:, None], drafts_BK], axis=1)
+  logits_BTV = model(inputs_BT, segment_ids=jnp.ones(inputs_BT.shape, jnp.int32),
+                     positions=pos_B[:, None] + jnp.arange(k + 1),
+                     decode=True).astype(jnp.float32)
+  if sampling[0] == 0.0:
+    target_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
+    return logits_BTV, accept_greedy(target_BT, drafts_BK, valid_BK), target_BT
+  accept_key, pick_key = keys
+  u_BK = jax.random.uniform(accept_key, (batch, k))
+  kept_B, dist_BV = accept_sampled(_probs_BTV(logits_BTV, sampling), drafts_BK, valid_BK,
+                                   u_BK, q_BKV)
+  return logits_BTV, kept_B, drafts_then(drafts_BK, kept_B, _pick(pick_key, dist_BV, sampling))
+
+
+def _advance(model, start, kept_B, advance) -> None:
+  """Move a cache's index ``advance`` slots past ``start``, where a step began.
+
+  Rows that kept fewer drafts than the most keep dead slots below the new index; they are
+  killed. With one row there are none: the next step's ``k + 1`` writes cover every rejected
+  slot.
+  """
+  if kept_B.shape[0] > 1:
+    _kill_slots(model, start, kept_B, advance)
+  model.cache_index[...] = start + advance
+
+
+def _write_kept(buffers, out_BT, logprobs_BT, keep_BT, count_B, pos_B):
+  """Each row's kept tokens written after its last: into the output tokens and their
+  log-probabilities (at ``count_B``) and into the context (after ``pos_B``).
+
+  ``buffers`` is ``(tokens_BN, logprobs_BN, context_BL)``; the new three are returned.
+  """
+  tokens_BN, logprobs_BN, context_BL = buffers
+  rows_B1 = jnp.arange(out_BT.shape[0])[:, None]
+  steps_T = jnp.arange(out_BT.shape[1])
+  index_BT = jnp.where(keep_BT, count_B[:, None] + steps_T, tokens_BN.shape[1])
+  tokens_BN = tokens_BN.at[rows_B1, index_BT].set(out_BT, mode='drop')
+  logprobs_BN = logprobs_BN.at[rows_B1, index_BT].set(logprobs_BT, mode='drop')
+  context_index_BT = jnp.where(keep_BT, pos_B[:, None] + 1 + steps_T, context_BL.shape[1])
+  return tokens_BN, logprobs_BN, context_BL.at[rows_B1, context_index_BT].set(out_BT,
+                                                                             mode='drop')
 
 
 def cache_slots(width: int, max_new_tokens: int, k: int, batch: int) -> int:
