@@ -91,6 +91,14 @@ def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[st
     return _gpt_oss_checkpoint(params, settings)
   if block == 'llama4':
     return _llama4_checkpoint(params, settings)
+  return _llama_checkpoint(params, settings)
+
+
+def _llama_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
+  """The ``llama2``, ``mistral`` and ``mixtral`` blocks as HF's ``llama`` / ``mistral`` /
+  ``mixtral``: MaxText's default or llama3.1 rotary embeddings, its ``1/sqrt(head_dim)``
+  folded back out of the query kernel."""
+  block = settings['decoder_block']
   # layers/attentions.py init_rotary_embedding: LLaMARotaryEmbedding by model name or rope_type
   llama31 = (str(settings['model_name']).startswith('llama3.1')
              or str(settings['rope_type']).startswith('llama3.1'))
@@ -480,16 +488,8 @@ def _llama4_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np
   return config, tensors
 
 
-def _deepseek_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
-  """``decoder_block=deepseek`` (DeepSeek-V3: ``model_name=deepseek3-…``) as HF's
-  ``deepseek_v3``: multi-head latent attention, ``dense_layers`` then ``moe_layers`` with a
-  shared expert and sigmoid routing with a correction bias.
-
-  MaxText's MLA applies its softmax scale to the query explicitly (``attention_mla.py``
-  ``mla_query_projection``), so no kernel carries it; its MLA kernels map to HF's by transpose
-  (``param_mapping.py`` ``DEEPSEEK_MAXTEXT_TO_HF_PARAM_MAPPING``), rotary pairs interleaved in
-  both (``rope_interleave``).
-  """
+def _check_deepseek_settings(settings: dict) -> None:
+  """Refuse MaxText settings the deepseek block is not read with, naming the one to give."""
   if not str(settings['model_name']).startswith('deepseek3'):
     raise CheckpointError(
         f"decoder_block=deepseek with model_name={settings['model_name']}: MaxText routes "
@@ -504,6 +504,33 @@ def _deepseek_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, 
     raise CheckpointError(f"rope_type={settings['rope_type']} rope_interleave="
                           f"{settings['rope_interleave']}: the deepseek block is read with yarn "
                           'and interleaved rotary pairs (rope_type=yarn rope_interleave=true).')
+
+
+def _deepseek_routed_experts(tensors: dict, prefix: str, routed: dict) -> int:
+  """Add one MoE layer's router (and its correction bias) and routed experts to ``tensors``
+  under ``prefix`` (``model.layers.<i>.mlp.``); returns the number of experts."""
+  tensors[prefix + 'gate.weight'] = _f32(routed['gate']['kernel']).T
+  if 'bias' in routed['gate']:
+    tensors[prefix + 'gate.e_score_correction_bias'] = _f32(routed['gate']['bias'])
+  for j in range(routed['wi_0'].shape[0]):
+    e = prefix + f'experts.{j}.'
+    tensors[e + 'gate_proj.weight'] = _f32(routed['wi_0'][j]).T
+    tensors[e + 'up_proj.weight'] = _f32(routed['wi_1'][j]).T
+    tensors[e + 'down_proj.weight'] = _f32(routed['wo'][j]).T
+  return routed['wi_0'].shape[0]
+
+
+def _deepseek_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
+  """``decoder_block=deepseek`` (DeepSeek-V3: ``model_name=deepseek3-…``) as HF's
+  ``deepseek_v3``: multi-head latent attention, ``dense_layers`` then ``moe_layers`` with a
+  shared expert and sigmoid routing with a correction bias.
+
+  MaxText's MLA applies its softmax scale to the query explicitly (``attention_mla.py``
+  ``mla_query_projection``), so no kernel carries it; its MLA kernels map to HF's by transpose
+  (``param_mapping.py`` ``DEEPSEEK_MAXTEXT_TO_HF_PARAM_MAPPING``), rotary pairs interleaved in
+  both (``rope_interleave``).
+  """
+  _check_deepseek_settings(settings)
   decoder = params['decoder']
   dense, moe = _layers(decoder, 'dense_layers', False), _layers(decoder, 'moe_layers', False)
   if not moe:
@@ -539,16 +566,8 @@ def _deepseek_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, 
       mlp, m = layer['mlp'], p + 'mlp.'
     else:
       block = layer['DeepSeekMoeBlock_0']
-      routed, mlp, m = block['MoeBlock_0'], block['shared_experts'], p + 'mlp.shared_experts.'
-      tensors[p + 'mlp.gate.weight'] = _f32(routed['gate']['kernel']).T
-      if 'bias' in routed['gate']:
-        tensors[p + 'mlp.gate.e_score_correction_bias'] = _f32(routed['gate']['bias'])
-      experts = routed['wi_0'].shape[0]
-      for j in range(experts):
-        e = p + f'mlp.experts.{j}.'
-        tensors[e + 'gate_proj.weight'] = _f32(routed['wi_0'][j]).T
-        tensors[e + 'up_proj.weight'] = _f32(routed['wi_1'][j]).T
-        tensors[e + 'down_proj.weight'] = _f32(routed['wo'][j]).T
+      mlp, m = block['shared_experts'], p + 'mlp.shared_experts.'
+      experts = _deepseek_routed_experts(tensors, p + 'mlp.', block['MoeBlock_0'])
     tensors[m + 'gate_proj.weight'] = _f32(mlp['wi_0']['kernel']).T
     tensors[m + 'up_proj.weight'] = _f32(mlp['wi_1']['kernel']).T
     tensors[m + 'down_proj.weight'] = _f32(mlp['wo']['kernel']).T
