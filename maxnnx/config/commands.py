@@ -140,6 +140,7 @@ class GenerateConfig(ValidatedConfig):
   compile_cache: str = ''
   kv_cache_dtype: str = 'auto'
 
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig(ValidatedConfig):
   """``maxnnx serve``: the HTTP server's own settings (the engine's are
@@ -180,6 +181,7 @@ class ServeConfig(ValidatedConfig):
   log_level: str = 'info'
   compile_cache: str = ''
 
+
 @dataclasses.dataclass(frozen=True)
 class ConvertConfig(ValidatedConfig):
   """``maxnnx convert``: a checkpoint from one format to another.
@@ -207,6 +209,7 @@ class ConvertConfig(ValidatedConfig):
   maxtext_config: str = ''
   scan_layers: bool = False
   dtype: str = ''
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig(ValidatedConfig):
@@ -245,6 +248,7 @@ class EvalConfig(ValidatedConfig):
   max_length: int = 0
   seed: int = 0
   tensor_parallel: int = 1
+
 
 @dataclasses.dataclass(frozen=True)
 class CompileTarget(ValidatedConfig):

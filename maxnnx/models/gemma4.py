@@ -190,15 +190,20 @@ _MOE_RENAMES = {'moe.router.weight': 'router.proj.weight', 'moe.router.input_sca
                 'moe.experts.down_proj': 'experts.down_proj'}
 
 
+def _expert_layers(cfg: ModelConfig) -> list[tuple[str, tuple[int, int, int]]]:
+  """``(tensor prefix, (experts, d_model, expert width))`` of every layer; none without
+  experts."""
+  if not cfg.moe.num_experts:
+    return []
+  shape = (cfg.moe.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim)
+  return [(f'model.layers.{i}', shape) for i in range(cfg.num_layers)]
+
+
 def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
   """Checkpoint MoE tensors -> ours: renames, ``gate_up_proj`` ``[E, 2F, D]`` split into
   ``gate_proj`` / ``up_proj`` ``[E, D, F]``, ``down_proj`` ``[E, D, F]`` -> ``[E, F, D]``."""
-  if not cfg.moe.num_experts:
-    return tensors
   out = dict(tensors)
-  e, d, f = cfg.moe.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
-  for i in range(cfg.num_layers):
-    prefix = f'model.layers.{i}'
+  for prefix, (e, d, f) in _expert_layers(cfg):
     for ours, theirs in _MOE_RENAMES.items():
       if f'{prefix}.{theirs}' in out:
         out[f'{prefix}.{ours}'] = out.pop(f'{prefix}.{theirs}')
@@ -220,12 +225,8 @@ def unfuse(tensors: TensorDict, cfg: ModelConfig) -> TensorDict:
 
 def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
   """Inverse of :func:`unfuse` for export (the exporter writes stacked tensors flat)."""
-  if not cfg.moe.num_experts:
-    return tensors
   out = dict(tensors)
-  e, d, f = cfg.moe.num_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
-  for i in range(cfg.num_layers):
-    prefix = f'model.layers.{i}'
+  for prefix, (e, d, f) in _expert_layers(cfg):
     if f'{prefix}.moe.experts.gate_proj' not in out:  # a layer another process writes
       continue
     gate = out.pop(f'{prefix}.moe.experts.gate_proj').reshape(e, d, f)
