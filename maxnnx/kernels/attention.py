@@ -12,6 +12,7 @@ to ``xla`` as their ``on_unsupported`` policy says (see
 :mod:`maxnnx.kernels.capabilities`).
 """
 
+import abc
 import dataclasses
 from collections.abc import Callable
 from typing import ClassVar
@@ -51,15 +52,14 @@ class AttentionKernel(KernelStrategy):
     window, sinks). Query rows that see no key at all (padding) have
     unspecified output.
     """
-    return self.run_checked(
-        AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, options, mask),
-        lambda: self.attend(q_BTNH, k_BSKH, v_BSKH, mask, options),
-        lambda: XlaAttention().attend(q_BTNH, k_BSKH, v_BSKH, mask, options))
+    return self.run_checked(AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, options, mask),
+                            self.attend, XlaAttention().attend,
+                            q_BTNH, k_BSKH, v_BSKH, mask, options)
 
+  @abc.abstractmethod
   def attend(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
              mask: AttentionMask, options: AttentionOptions) -> jax.Array:
     """Compute attention for a call already checked against the capabilities."""
-    raise TypeError(f'{type(self).__name__} must implement attend().')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ shape, a Triton kernel on CPU) is treated the same way. Errors that appear only
 when XLA compiles cannot be caught here and surface as they are.
 """
 
+import abc
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -436,7 +437,7 @@ def refuse(kind: str, name: str, reasons: list[str], on_unsupported: str, refere
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelStrategy:
+class KernelStrategy(abc.ABC):
   """Base of every kernel strategy (attention, paged attention, ragged dot): stateless and
   hashable, it declares :attr:`capabilities`, and each call it cannot serve goes through
   the ``on_unsupported`` policy (:func:`refuse`) to the reference strategy.
@@ -455,9 +456,9 @@ class KernelStrategy:
     check_policy(self.on_unsupported)
 
   @property
+  @abc.abstractmethod
   def capabilities(self):
     """What this strategy supports."""
-    raise TypeError(f'{type(self).__name__} must declare its capabilities.')
 
   def unsupported_reasons(self, request) -> list[str]:
     """Why this strategy cannot serve ``request`` (empty when it can).
@@ -466,14 +467,15 @@ class KernelStrategy:
     """
     return self.capabilities.missing(request)
 
-  def run_checked(self, request, run: Callable[[], Any], fallback: Callable[[], Any]):
-    """``run()`` when this strategy can serve ``request`` (and its backend does not raise
-    ``NotImplementedError``), else ``fallback()`` (the reference) after the policy."""
+  def run_checked(self, request, run: Callable[..., Any], fallback: Callable[..., Any],
+                  *args):
+    """``run(*args)`` when this strategy can serve ``request`` (and its backend does not raise
+    ``NotImplementedError``), else ``fallback(*args)`` (the reference's) after the policy."""
     reasons = self.unsupported_reasons(request)
     if not reasons:
       try:
-        return run()
+        return run(*args)
       except NotImplementedError as e:
         reasons = [f'the backend raised NotImplementedError: {e}']
     refuse(self.kind, self.name, reasons, self.on_unsupported, self.reference)
-    return fallback()
+    return fallback(*args)

@@ -40,6 +40,7 @@ token and KV head. :meth:`PagedBatch.write` quantizes each new token as it store
 list the pages' dtype (``kv_dtypes``) falls back to ``xla`` or refuses, by its policy.
 """
 
+import abc
 import dataclasses
 from collections.abc import Callable
 from typing import ClassVar
@@ -249,14 +250,13 @@ class PagedAttentionKernel(KernelStrategy):
     """
     request = PagedAttentionRequest.of(q_TNH, k_pages_PSKH, v_pages_PSKH, options,
                                        blocks=batch.blocks_T is not None)
-    return self.run_checked(
-        request, lambda: self.attend(q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options),
-        lambda: XlaPagedAttention().attend(q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options))
+    return self.run_checked(request, self.attend, XlaPagedAttention().attend,
+                            q_TNH, k_pages_PSKH, v_pages_PSKH, batch, options)
 
+  @abc.abstractmethod
   def attend(self, q_TNH: jax.Array, k_pages_PSKH: jax.Array, v_pages_PSKH: jax.Array,
              batch: PagedBatch, options: AttentionOptions) -> jax.Array:
     """Compute paged attention for a call already checked against the capabilities."""
-    raise TypeError(f'{type(self).__name__} must implement attend().')
 
 
 @dataclasses.dataclass(frozen=True)

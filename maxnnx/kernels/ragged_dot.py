@@ -10,6 +10,7 @@ cannot serve is refused or computed with ``lax`` as their ``on_unsupported``
 policy says (see :mod:`maxnnx.kernels.capabilities`).
 """
 
+import abc
 import dataclasses
 from collections.abc import Callable
 from typing import ClassVar
@@ -47,15 +48,13 @@ class RaggedDotKernel(KernelStrategy):
                options: RaggedDotOptions | None = None) -> jax.Array:
     """``[M, N]``: row ``m`` of group ``g`` times ``rhs_GKN[g]`` (default options when ``None``)."""
     options = RaggedDotOptions() if options is None else options
-    return self.run_checked(
-        RaggedDotRequest.of(lhs_MK, rhs_GKN, options),
-        lambda: self.compute(lhs_MK, rhs_GKN, group_sizes_G, options),
-        lambda: LaxRaggedDot().compute(lhs_MK, rhs_GKN, group_sizes_G, options))
+    return self.run_checked(RaggedDotRequest.of(lhs_MK, rhs_GKN, options), self.compute,
+                            LaxRaggedDot().compute, lhs_MK, rhs_GKN, group_sizes_G, options)
 
+  @abc.abstractmethod
   def compute(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array,
               options: RaggedDotOptions) -> jax.Array:
     """Compute a call already checked against the capabilities."""
-    raise TypeError(f'{type(self).__name__} must implement compute().')
 
 
 _EVERYTHING = RaggedDotCapabilities(platforms=ALL_PLATFORMS, dtypes=FLOAT_DTYPES,
