@@ -15,6 +15,11 @@ from maxnnx.data.chat import special_tokens
 #: Tokens that close an assistant turn in the common templates (ChatML, Llama 3, Gemma, Phi).
 END_OF_TURN = ('<|im_end|>', '<|eot_id|>', '<end_of_turn>', '<|end|>', '<|endoftext|>')
 
+#: Harmony's (GPT-OSS) turn ends: ``<|end|>`` there closes one message of a turn (the
+#: reasoning before the answer), so a vocabulary with ``<|channel|>`` and ``<|call|>`` ends
+#: its turns at these instead.
+HARMONY_END_OF_TURN = ('<|return|>', '<|call|>', '<|endoftext|>')
+
 
 def eos_token_ids(config=None, tokenizer=None, *, end_of_turn: bool = False) -> tuple[int, ...]:
   """The ids that end a generation, sorted.
@@ -22,7 +27,7 @@ def eos_token_ids(config=None, tokenizer=None, *, end_of_turn: bool = False) -> 
   Args:
     config: a :class:`~maxnnx.config.ModelConfig` (or ``None``): its ``eos_token_id``.
     tokenizer: a tokenizer (or ``None``): its ``eos_id``, and with ``end_of_turn`` every
-      :data:`END_OF_TURN` token it has.
+      :data:`END_OF_TURN` token it has (:data:`HARMONY_END_OF_TURN` in a harmony vocabulary).
     end_of_turn: also the tokens that close an assistant turn (chat replies, RL rollouts).
   """
   ids = set()
@@ -33,7 +38,9 @@ def eos_token_ids(config=None, tokenizer=None, *, end_of_turn: bool = False) -> 
       ids.add(int(tokenizer.eos_id))
     if end_of_turn:
       specials = special_tokens(tokenizer)
-      ids.update(specials[token] for token in END_OF_TURN if token in specials)
+      harmony = '<|channel|>' in specials and '<|call|>' in specials
+      ids.update(specials[token] for token in (HARMONY_END_OF_TURN if harmony else END_OF_TURN)
+                 if token in specials)
   return tuple(sorted(ids))
 
 
@@ -42,4 +49,4 @@ def end_of_turn_ids(tokenizer) -> list[int]:
   return list(eos_token_ids(tokenizer=tokenizer, end_of_turn=True))
 
 
-__all__ = ['END_OF_TURN', 'end_of_turn_ids', 'eos_token_ids']
+__all__ = ['END_OF_TURN', 'HARMONY_END_OF_TURN', 'end_of_turn_ids', 'eos_token_ids']
