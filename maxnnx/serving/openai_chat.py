@@ -94,12 +94,15 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
 
 def _tools(body, served: ServedModel) -> tuple[list | None, str | None, StructuredOutput | None]:
   """``(tools for the template, the format calls are parsed from, the grammar that forces a
-  call)`` from ``tools``, ``tool_choice`` and ``parallel_tool_calls``."""
+  call)`` from ``tools``, ``tool_choice`` and ``parallel_tool_calls``. A harmony (GPT-OSS)
+  reply is always read in its format, tools or not: its content is its final channel's text."""
   choice = body.get('tool_choice')
+  fmt = tool_format(served.template.source)
+  always = fmt if fmt == 'harmony' else None
   if body.get('tools') is None:
     if choice not in (None, 'none'):
       raise ApiError('tool_choice needs tools.', param='tool_choice', code='invalid_value')
-    return None, None, None
+    return None, always, None
   try:
     tools = check_tools(body['tools'])
   except ValueError as e:
@@ -118,9 +121,8 @@ def _tools(body, served: ServedModel) -> tuple[list | None, str | None, Structur
     raise ApiError(f'tool_choice must be none, auto, required or {{"type": "function", '
                    f'"function": {{"name": ...}}}}; got {choice!r}.', param='tool_choice',
                    code='invalid_value')
-  fmt = tool_format(served.template.source)
   if choice in ('none', 'auto'):
-    return tools, None if choice == 'none' else fmt, None
+    return tools, always if choice == 'none' else fmt, None
   parallel = _field(body, 'parallel_tool_calls', (bool,), True) and named is None
   grammar = call_grammar(tools, fmt, named, parallel, special_tokens(served.tokenizer))
   return tools, fmt, _compiled('tools', 'grammar', grammar)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from maxnnx.serving.openai_api import ParsedRequest
 from maxnnx.serving.output_processor import stable_text, stop_ids
 from maxnnx.serving.params import RequestOutput, SamplingParams, TokenLogprobs
-from maxnnx.serving.tools import ToolCall, held_back, parse_tool_calls, streamed_calls
+from maxnnx.serving.tools import ToolCall, parse_tool_calls, split_reply, streamed_calls
 
 # -- streaming text -----------------------------------------------------------------------
 
@@ -31,7 +31,9 @@ class ChoiceStream:
       (:mod:`~maxnnx.serving.tools`; the text that may become a call is held back while it
       streams, and each call streams as OpenAI's ``delta.tool_calls``: a first delta with
       its ``index``, ``id``, ``type`` and ``function.name``, then the pieces of its
-      ``function.arguments`` as they become certain), or ``None``.
+      ``function.arguments`` as they become certain), or ``None``. A harmony reply's content
+      is its final messages' text, and its reasoning (the ``analysis`` messages) streams as
+      ``delta.reasoning_content`` and comes back as ``message.reasoning_content``.
   """
 
   def __init__(self, index: int, tokenizer, params: SamplingParams, eos_ids=(),
@@ -51,6 +53,8 @@ class ChoiceStream:
     self.tool_calls: list[ToolCall] = []  # parsed from the finished reply
     self._calls_sent: list[ToolCall] = []  # each started call: its id, name, arguments sent
     self._tool_deltas: list[dict] = []     # not yet taken by a chunk (take_tool_deltas)
+    self.reasoning = ''            # the reasoning sent (streaming) or known so far
+    self._reasoning_delta = ''     # not yet taken by a chunk (take_reasoning)
 
   @property
   def finished(self) -> bool:
@@ -71,19 +75,21 @@ class ChoiceStream:
       if self.tool_format is not None:
         content, calls = parse_tool_calls(text, self.tool_format)
         self.tool_calls = self._send_calls([(c.name, c.arguments) for c in calls], calls)
+        self._send_reasoning(split_reply(text, self.tool_format, finished=True)[1])
+        text = content or ''  # without calls, the reply itself (harmony: its final text)
         if self.tool_calls:
-          text = content or ''
           self.finish_reason = 'tool_calls' if out.finish_reason == 'stop' else (
               out.finish_reason)
     else:
       text = stable_text(out.text or '', self.params.stop)
       if self.tool_format is not None:
         self._send_calls(streamed_calls(text, self.tool_format))
-        text = text[:held_back(text, self.tool_format)]
+        text, reasoning = split_reply(text, self.tool_format)
+        self._send_reasoning(reasoning)
     self.logprobs.extend(new_logprobs)
     if not text.startswith(self.text):  # a tokenizer that rewrites earlier text: send nothing
-      if self.tool_calls:
-        self.text = text  # the content beside the calls (stripped) is the message's
+      if out.finished and self.tool_format is not None:
+        self.text = text  # the parsed content (beside calls, stripped) is the message's
       return '', new_logprobs
     delta, self.text = text[len(self.text):], text
     return delta, new_logprobs
@@ -110,6 +116,23 @@ class ChoiceStream:
                                   'function': {'arguments': arguments[len(sent.arguments):]}})
         self._calls_sent[k] = dataclasses.replace(sent, arguments=arguments)
     return finished
+
+  def _send_reasoning(self, reasoning: str) -> None:
+    """Queue the reasoning text after what was sent, when ``reasoning`` goes on from it."""
+    if len(reasoning) > len(self.reasoning) and reasoning.startswith(self.reasoning):
+      self._reasoning_delta += reasoning[len(self.reasoning):]
+      self.reasoning = reasoning
+
+  def take_reasoning(self) -> str:
+    """The reasoning text queued since the last call, for a chunk's
+    ``delta.reasoning_content``."""
+    delta, self._reasoning_delta = self._reasoning_delta, ''
+    return delta
+
+  @property
+  def has_deltas(self) -> bool:
+    """Whether tool-call deltas or reasoning wait for the next chunk."""
+    return bool(self._tool_deltas or self._reasoning_delta)
 
   def take_tool_deltas(self) -> list[dict]:
     """The tool-call deltas queued since the last call (one per call: a header and the
@@ -241,6 +264,8 @@ def response_body(request: ParsedRequest, response_id: str, model: str,
       message = {'role': 'assistant', 'content': c.text or None if c.tool_calls else c.text}
       if c.tool_calls:
         message['tool_calls'] = [call.as_dict() for call in c.tool_calls]
+      if c.reasoning:
+        message['reasoning_content'] = c.reasoning
       out.append({'index': index, 'message': message,
                   'logprobs': lp, 'finish_reason': c.finish_reason,
                   **_token_fields(request, c, prompt)})
@@ -276,6 +301,8 @@ def chunk(request: ParsedRequest, response_id: str, model: str, choice: ChoiceSt
   if request.kind == 'chat':
     delta = {'role': 'assistant', 'content': text} if first else (
         {'content': text} if text or finish is None else {})
+    if reasoning := choice.take_reasoning():
+      delta['reasoning_content'] = reasoning
     if choice.has_tool_deltas:
       delta['tool_calls'] = choice.take_tool_deltas()
     lp = chat_logprobs(choice, logprobs) if request.logprobs is not None and logprobs else None

@@ -215,7 +215,7 @@ class _EventStream:
       try:
         while (update := await job.next()) is not None:
           choice, text, logprobs = update
-          if text or logprobs or choice.finished or choice.has_tool_deltas:
+          if text or logprobs or choice.finished or choice.has_deltas:
             await event(chunk(parsed, response_id, name, choice, text, logprobs))
         if job.disconnected:
           return
