@@ -330,3 +330,27 @@ def test_a_forced_harmony_call_through_the_server_streams_to_the_non_streamed_ca
     arguments = head.function.arguments + ''.join(t.function.arguments for t in rest)
     assert (head.function.name, arguments) == (call.function.name, call.function.arguments)
     assert not ''.join(c.choices[0].delta.content or '' for c in chunks if c.choices)
+
+
+def test_a_past_call_renders_through_templates_that_join_or_serialize_its_arguments(
+    marker_tokenizer):
+  """DeepSeek V3's template joins a past call's arguments to text, most others write
+  ``arguments | tojson``: both render the call's JSON."""
+  from maxnnx.data.chat import ChatTemplate
+  from maxnnx.serving.openai_api import ServedModel
+  from maxnnx.serving.openai_chat import parse_chat
+  joined = ("{% for m in messages %}{% for t in m.tool_calls or [] %}{{ '" + CALL + "' + "
+            "t.function.name + '\\n```json\\n' + t.function.arguments + '\\n```' }}"
+            "{% endfor %}{{ m.content }};{% endfor %}")
+  serialized = ("{% for m in messages %}{% for t in m.tool_calls or [] %}"
+                "{{ t.function.arguments | tojson }}{% endfor %}{{ m.content }};{% endfor %}")
+  past = {'role': 'assistant', 'content': None, 'tool_calls': [
+      {'id': 'call_1', 'type': 'function',
+       'function': {'name': 'get_time', 'arguments': '{"zone":"utc"}'}}]}
+  body = {'model': 'm', 'max_tokens': 4, 'messages': [
+      {'role': 'user', 'content': 'Time?'}, past, {'role': 'tool', 'content': '12:00'}]}
+  for source, expected in ((joined, CALL + 'get_time\n```json\n{"zone": "utc"}\n```;'),
+                           (serialized, '{"zone": "utc"};')):
+    served = ServedModel('m', marker_tokenizer, ChatTemplate(source), 128, 512, 5)
+    text = marker_tokenizer.decode(parse_chat(body, served).prompts[0])
+    assert text == 'Time?;' + expected + '12:00;', text

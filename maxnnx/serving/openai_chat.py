@@ -204,9 +204,25 @@ def _messages(value) -> tuple[list[dict], list[tuple[str, str]]]:
   return messages, sources
 
 
+class _Arguments(dict):
+  """A past call's arguments: the object most templates read (``arguments | tojson``), and
+  its JSON text where a template joins it to text (DeepSeek V3's writes ``'\\n' + arguments``)
+  or prints it."""
+
+  def __str__(self) -> str:
+    return json.dumps(self, ensure_ascii=False)
+
+  def __add__(self, other):
+    return str(self) + other if isinstance(other, str) else NotImplemented
+
+  def __radd__(self, other):
+    return other + str(self) if isinstance(other, str) else NotImplemented
+
+
 def _past_calls(calls, where: str) -> list[dict]:
   """An assistant message's ``tool_calls`` for the template: each call's ``arguments``
-  (JSON text in OpenAI's API) as the object templates expect, as transformers renders them."""
+  (JSON text in OpenAI's API) as the object templates expect, as transformers renders them
+  (an object that is its JSON text where the template joins it to text)."""
   def call(i, value):
     function = value.get('function') if isinstance(value, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get('name'), str):
@@ -218,6 +234,8 @@ def _past_calls(calls, where: str) -> list[dict]:
         arguments = json.loads(arguments)
       except json.JSONDecodeError:
         pass  # the template gets the text as it came
+    if isinstance(arguments, dict):
+      arguments = _Arguments(arguments)
     return {**value, 'function': {**function, 'arguments': arguments}}
 
   if not isinstance(calls, list):
