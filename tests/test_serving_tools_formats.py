@@ -354,3 +354,32 @@ def test_a_past_call_renders_through_templates_that_join_or_serialize_its_argume
     served = ServedModel('m', marker_tokenizer, ChatTemplate(source), 128, 512, 5)
     text = marker_tokenizer.decode(parse_chat(body, served).prompts[0])
     assert text == 'Time?;' + expected + '12:00;', text
+
+
+def test_forced_deepseek_calls_from_the_engine_parse_back_and_validate(marker_tokenizer):
+  """The engine under each DeepSeek grammar writes the markers as their special tokens and a
+  reply that parses back into calls whose arguments validate, whole and streamed alike."""
+  from maxnnx.serving import Engine, SamplingParams
+  from tests.test_structured_outputs import check_schema
+  tok = marker_tokenizer
+  specials = special_tokens(tok)
+  model = maxnnx.Transformer(maxnnx.get_preset('tiny', vocab_size=512, num_layers=1),
+                             rngs=nnx.Rngs(0))
+  engine = Engine(model, tok, max_batch=2, token_budget=32, page_size=8, max_model_len=128,
+                  token_buckets=(32,), page_buckets=(16,))
+  fmts = ['deepseek', 'deepseek_v31']
+  params = [SamplingParams(max_tokens=90, temperature=1.0, seed=k, structured=StructuredOutput(
+      'grammar', call_grammar([WEATHER, CLOCK], fmt, parallel=True, specials=specials)))
+            for k, fmt in enumerate(fmts)]
+  outs = engine.generate([tok.encode('Weather?')] * 2, params)
+  schemas = {t['function']['name']: t['function']['parameters'] for t in (WEATHER, CLOCK)}
+  for fmt, out in zip(fmts, outs):
+    assert out.finish_reason == 'stop', out.text
+    assert out.token_ids[0] == specials[CALLS] and out.token_ids[-1] == specials[CALLS_END]
+    content, calls = parse_tool_calls(out.text, fmt)
+    assert content is None and calls
+    for call in calls:
+      check_schema(json.loads(call.arguments), schemas[call.name])
+    stream, _ = _stream(fmt, _splits(out.text, 'chars'))
+    assert [(c.name, c.arguments) for c in stream.tool_calls] == [
+        (c.name, c.arguments) for c in calls]

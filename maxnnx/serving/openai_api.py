@@ -141,7 +141,8 @@ class ParsedRequest:
     best_of: choices sampled per prompt, of which the ``n`` with the highest mean
       log-probability per token are answered (``None``: ``n``).
     tool_format: the format tool calls are parsed from in each reply
-      (:mod:`~maxnnx.serving.tools`), or ``None`` (no tools, or ``tool_choice`` ``none``).
+      (:mod:`~maxnnx.serving.tools`), or ``None`` (no tools, or ``tool_choice`` ``none``;
+      a harmony template's replies are always read as ``harmony``, for their channels).
   """
 
   kind: str
