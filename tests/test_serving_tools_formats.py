@@ -4,6 +4,7 @@ random arguments), forced by a grammar, and through the chat server end to end."
 
 import json
 import random
+import types
 
 import llguidance
 import pytest
@@ -14,6 +15,7 @@ from maxnnx.data import load_tokenizer
 from maxnnx.data.chat import encode_with_specials, special_tokens
 from maxnnx.inference.chat import end_of_turn_ids
 from maxnnx.inference.structured import StructuredOutput, grammar_tokenizer
+from maxnnx.serving.openai_responses import response_body
 from maxnnx.serving.tools import (
   call_grammar,
   held_back,
@@ -149,6 +151,11 @@ def test_harmony_content_and_reasoning_stream_as_their_channels_text():
     assert chunks[-1]['choices'][0]['finish_reason'] == 'stop' and stream.tool_calls == []
     assert stream.text == 'It is <b>sunny</b> in Oslo.'
     assert not any('tool_calls' in d for d in deltas)
+  request = types.SimpleNamespace(kind='chat', n=1, prompts=[(1, 2)], logprobs=None,
+                                  return_token_ids=False, best_of=None, samples_per_prompt=1)
+  [choice] = response_body(request, 'id', 'm', [stream])['choices']
+  assert choice['message'] == {'role': 'assistant', 'content': 'It is <b>sunny</b> in Oslo.',
+                               'reasoning_content': REASONING['harmony']}
 
 
 def test_only_what_no_later_text_can_change_is_sent():
