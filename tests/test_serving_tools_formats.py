@@ -13,7 +13,7 @@ from flax import nnx
 import maxnnx
 from maxnnx.data import load_tokenizer
 from maxnnx.data.chat import encode_with_specials, special_tokens
-from maxnnx.inference.chat import end_of_turn_ids
+from maxnnx.inference import end_of_turn_ids
 from maxnnx.inference.structured import StructuredOutput, grammar_tokenizer
 from maxnnx.serving.openai_responses import response_body
 from maxnnx.serving.tools import (
