@@ -42,6 +42,14 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 
+from maxnnx.serving.partial_json import (
+  Incomplete,
+  NotJson,
+  partial_call,
+  read_value,
+  skip_space,
+)
+
 FORMATS = ('hermes', 'llama3', 'mistral', 'deepseek', 'deepseek_v31', 'harmony')
 _HERMES_CALL = re.compile(r'<tool_call>\s*(.*?)\s*</tool_call>', re.S)
 
@@ -258,139 +266,6 @@ def held_back(text: str, fmt: str) -> int:
 # -- streaming: each call's name and the certain prefix of its arguments -------------------
 
 _END = '</tool_call>'
-_NOT_SCALAR = re.compile(r'[^\s,\]}]*')
-
-
-class _Short(Exception):
-  """The text ended before the JSON value did."""
-
-
-class _Bad(Exception):
-  """The text is not JSON."""
-
-
-def _skip(text: str, i: int) -> int:
-  """The index of the first non-space character at or after ``i``."""
-  while i < len(text) and text[i] in ' \t\n\r':
-    i += 1
-  if i == len(text):
-    raise _Short
-  return i
-
-
-def _string(text: str, i: int, out: list[str], decoded: bool = False) -> tuple[int, str]:
-  """The JSON string at ``text[i]`` (a quote): appends what is certain of its canonical
-  form (``json.dumps``, or with ``decoded`` its value) to ``out``; returns the index after it
-  and its value. Raises :class:`_Short` (after appending) when the text ends inside it."""
-  j = i + 1
-  while j < len(text) and text[j] != '"':
-    j += 2 if text[j] == '\\' else 1
-  if j < len(text):
-    try:
-      value = json.loads(text[i:j + 1])
-    except json.JSONDecodeError:
-      raise _Bad from None
-    out.append(value if decoded else json.dumps(value, ensure_ascii=False))
-    return j + 1, value
-  raw = text[i:]
-  for cut in range(len(raw), max(len(raw) - 12, 0), -1):  # drop an unfinished escape
-    try:
-      value = json.loads(raw[:cut] + '"')
-    except json.JSONDecodeError:
-      continue
-    if value and 0xD800 <= ord(value[-1]) < 0xDC00:
-      continue  # half of a surrogate pair whose other half is still to come
-    out.append(value if decoded else json.dumps(value, ensure_ascii=False)[:-1])
-    break
-  raise _Short
-
-
-def _value(text: str, i: int, out: list[str], decoded: bool = False) -> int:
-  """Appends to ``out`` what is certain of the canonical JSON (``json.dumps``, with
-  ``ensure_ascii=False``) of the value at ``text[i:]`` (a string's value with ``decoded``);
-  returns the index after the value. Raises :class:`_Short` when the text ends first (what
-  it appended is a prefix of the canonical form whatever follows), :class:`_Bad` when the
-  text is not JSON."""
-  i = _skip(text, i)
-  first = text[i]
-  if first == '"':
-    return _string(text, i, out, decoded)[0]
-  if first in '{[':
-    close = '}' if first == '{' else ']'
-    out.append(first)
-    i = _skip(text, i + 1)
-    if text[i] == close:
-      out.append(close)
-      return i + 1
-    while True:
-      if first == '{':
-        i = _skip(text, i)
-        if text[i] != '"':
-          raise _Bad
-        i = _skip(text, _string(text, i, out)[0])
-        if text[i] != ':':
-          raise _Bad
-        out.append(': ')
-        i += 1
-      i = _skip(text, _value(text, i, out))
-      if text[i] == close:
-        out.append(close)
-        return i + 1
-      if text[i] != ',':
-        raise _Bad
-      out.append(', ')
-      i += 1
-  end = _NOT_SCALAR.match(text, i).end()
-  if end == len(text):
-    raise _Short  # a number or word that may go on
-  try:
-    value = json.loads(text[i:end])
-  except json.JSONDecodeError:
-    raise _Bad from None
-  out.append(json.dumps(value))
-  return end
-
-
-def _partial_call(text: str, i: int) -> tuple[str | None, str, int | None]:
-  """``(name, arguments, end)`` of the call object at ``text[i:]``, as far as it is written:
-  its ``name`` once complete, the certain prefix of its ``arguments`` (or ``parameters``) as
-  :func:`parse_tool_calls` will write them, and the index after the object once closed."""
-  name, arguments, key_of_arguments = None, '', None
-  try:
-    i = _skip(text, i)
-    if text[i] != '{':
-      return None, '', None
-    i = _skip(text, i + 1)
-    if text[i] == '}':
-      return None, '', i + 1
-    while True:
-      if text[i] != '"':
-        return name, arguments, None
-      i, key = _string(text, i, [])
-      i = _skip(text, i)
-      if text[i] != ':':
-        return name, arguments, None
-      i = _skip(text, i + 1)
-      if key == 'name' and text[i] == '"':
-        i, name = _string(text, i, [])
-      elif key in ('arguments', 'parameters') and key_of_arguments != 'parameters':
-        key_of_arguments, pieces = key, []
-        try:
-          i = _value(text, i, pieces, decoded=True)
-        finally:
-          arguments = ''.join(pieces)
-      else:
-        i = _value(text, i, [])
-      i = _skip(text, i)
-      if text[i] == '}':
-        return name, arguments, i + 1
-      if text[i] != ',':
-        return name, arguments, None
-      i = _skip(text, i + 1)
-  except (_Short, _Bad):
-    return name, arguments, None
-
-
 def streamed_calls(text: str, fmt: str) -> list[tuple[str | None, str]]:
   """The calls a growing reply in ``fmt`` has started, in order, as ``(name, arguments)``:
   the name once it is complete (else ``None``), and the prefix of the arguments text that
@@ -409,7 +284,7 @@ def streamed_calls(text: str, fmt: str) -> list[tuple[str | None, str]]:
       end = text.find(_END, body)
       if end < 0:  # no end marker yet: nor may the body's tail be the start of one
         end = len(text) - _tail(text, (_END,))
-      name, arguments, _ = _partial_call(text[:end], body)
+      name, arguments, _ = partial_call(text[:end], body)
       calls.append((name, arguments))
       start = text.find('<tool_call>', end)
     return calls
@@ -420,20 +295,20 @@ def streamed_calls(text: str, fmt: str) -> list[tuple[str | None, str]]:
   elif fmt == 'mistral':
     return []
   if fmt == 'llama3' or stripped.startswith('{'):
-    name, arguments, _ = _partial_call(stripped, 0)
+    name, arguments, _ = partial_call(stripped, 0)
     return [(name, arguments)] if stripped.startswith('{') else []
   i = 0
   try:
-    i = _skip(stripped, 0)
+    i = skip_space(stripped, 0)
     if stripped[i] != '[':
       return []
     while True:
-      name, arguments, end = _partial_call(stripped, i + 1)
+      name, arguments, end = partial_call(stripped, i + 1)
       calls.append((name, arguments))
-      i = _skip(stripped, end) if end is not None else len(stripped)
+      i = skip_space(stripped, end) if end is not None else len(stripped)
       if stripped[i] != ',':
         return calls
-  except (_Short, IndexError):
+  except (Incomplete, IndexError):
     return calls
 
 
@@ -510,8 +385,8 @@ def _parse_deepseek(text: str) -> tuple[str | None, list[ToolCall]]:
   for segment in segments:
     name, i = _deepseek_call(segment)
     try:
-      value, j = json.JSONDecoder().raw_decode(segment, _skip(segment, i or 0))
-    except (_Short, json.JSONDecodeError):
+      value, j = json.JSONDecoder().raw_decode(segment, skip_space(segment, i or 0))
+    except (Incomplete, json.JSONDecodeError):
       return text, []
     call = _call({'name': name, 'arguments': value}, 'deepseek')
     if name is None or i is None or segment[j:].strip() not in ('', '```') or call is None:
@@ -534,8 +409,8 @@ def _streamed_deepseek(text: str) -> list[tuple[str | None, str]]:
     pieces: list[str] = []
     if name is not None and i is not None:
       try:
-        _value(segment, i, pieces, decoded=True)
-      except (_Short, _Bad):
+        read_value(segment, i, pieces, decoded=True)
+      except (Incomplete, NotJson):
         pass
     calls.append((name, ''.join(pieces) if name is not None else ''))
   return calls
@@ -598,8 +473,8 @@ def _streamed_harmony(text: str) -> list[tuple[str | None, str]]:
       continue
     pieces: list[str] = []
     try:
-      _value(body, 0, pieces, decoded=True)
-    except (_Short, _Bad):
+      read_value(body, 0, pieces, decoded=True)
+    except (Incomplete, NotJson):
       pass
     calls.append((recipient[len('functions.'):] or None, ''.join(pieces)))
   return calls
