@@ -11,8 +11,9 @@ from maxnnx.config.base import ConfigError, ValidatedConfig
 
 _LOWEST = {'page_size': 1, 'max_batch': 1, 'token_budget': 1, 'max_pages': 1,
            'max_model_len': 1, 'max_logprobs': 0, 'seed': 0, 'max_window_pages': 1,
-           'num_speculative_tokens': 1, 'prompt_lookup_max': 1, 'prompt_lookup_min': 1}
-_OPTIONAL = ('max_pages', 'max_model_len', 'max_window_pages')
+           'num_speculative_tokens': 1, 'prompt_lookup_max': 1, 'prompt_lookup_min': 1,
+           'max_loras': 1, 'max_lora_rank': 1}
+_OPTIONAL = ('max_pages', 'max_model_len', 'max_window_pages', 'max_loras')
 #: The values of kv_cache_dtype (``maxnnx.kernels.kv_quant.KV_CACHE_DTYPES``: config imports no
 #: kernels, a test keeps both equal).
 KV_CACHE_DTYPES = ('auto', 'int8', 'fp8')
@@ -51,6 +52,12 @@ class EngineConfig(ValidatedConfig):
     num_speculative_tokens: draft tokens verified per request and step (with ngram).
     prompt_lookup_max: the longest n-gram looked up (tried first).
     prompt_lookup_min: the shortest n-gram looked up.
+    lora_modules: LoRA adapters served beside the base model, as name=path entries (PEFT
+      directories, e.g. lora_modules=sql=out/sql/adapter,chat=out/chat/adapter; a dict
+      {name: path} from Python); a request selects one by its name (the OpenAI API's model).
+    max_loras: adapter slots held at once (None: one per lora_modules entry); at least the
+      number of lora_modules.
+    max_lora_rank: the largest adapter rank served; smaller ranks are padded with zeros.
   """
 
   _PATH = 'Engine'
@@ -72,6 +79,10 @@ class EngineConfig(ValidatedConfig):
   num_speculative_tokens: int = 3
   prompt_lookup_max: int = 3
   prompt_lookup_min: int = 1
+  # Multi-LoRA serving (vLLM's names).
+  lora_modules: tuple[str, ...] = ()
+  max_loras: int | None = None
+  max_lora_rank: int = 16
 
   def __post_init__(self):
     for name, lowest in _LOWEST.items():
@@ -101,4 +112,31 @@ class EngineConfig(ValidatedConfig):
     if self.prompt_lookup_min > self.prompt_lookup_max:
       raise ConfigError(f'Engine prompt_lookup_min={self.prompt_lookup_min} is more than '
                         f'prompt_lookup_max={self.prompt_lookup_max}: lower it.')
+    self._check_lora_modules()
     super().__post_init__()
+
+  def _check_lora_modules(self) -> None:
+    """``lora_modules`` as ``('name=path', ...)`` (from a dict too), names unique and not
+    empty, no more than ``max_loras``."""
+    value = self.lora_modules
+    if isinstance(value, dict):
+      value = tuple(f'{name}={path}' for name, path in value.items())
+    elif isinstance(value, str):
+      value = tuple(v.strip() for v in value.split(',') if v.strip())
+    value = tuple(value)
+    names = []
+    for entry in value:
+      name, sep, path = entry.partition('=') if isinstance(entry, str) else ('', '', '')
+      if not (sep and name.strip() and path.strip()):
+        raise ConfigError(f'Engine lora_modules: {entry!r} is not name=path; give each adapter '
+                          'as name=path (e.g. lora_modules=sql=out/sql/adapter).')
+      names.append(name.strip())
+    if len(set(names)) != len(names):
+      raise ConfigError(f'Engine lora_modules: the names {names} repeat; give each adapter its '
+                        'own name.')
+    object.__setattr__(self, 'lora_modules', tuple(
+        f'{n}={e.partition("=")[2].strip()}' for n, e in zip(names, value)))
+    if self.max_loras is not None and self.max_loras < len(value):
+      raise ConfigError(f'Engine max_loras={self.max_loras} holds fewer adapters than the '
+                        f'{len(value)} of lora_modules; raise max_loras to {len(value)} (every '
+                        'adapter stays loaded).')

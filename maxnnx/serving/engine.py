@@ -94,6 +94,13 @@ the model's, each put through the stop rules in order (see :mod:`maxnnx.serving.
 bucket per page bucket, and the verifier one program, both compiled by :meth:`Engine.warmup`.
 Models with recurrent layers are refused (their state cannot roll back a rejected draft).
 
+**LoRA adapters.** With ``lora_modules`` (PEFT adapter directories by name) every adapted
+projection holds all the adapters stacked, slot 0 the base (zeros), and each token of a step
+carries its request's slot (``add_request(..., lora=name)``), so requests for different
+adapters and for the base share every step and every compiled program
+(:mod:`maxnnx.serving.lora`). An adapter's requests share cached prefix pages only with
+requests of the same adapter.
+
 **Images.** A vision-language model's requests may bring images
 (``add_request(ids, params, images=pixel_values)``, the prompt holding each image's
 placeholders). Their embeddings are computed once, when the request is added; a step
@@ -116,6 +123,7 @@ import numpy as np
 from maxnnx.config.engine import EngineConfig
 from maxnnx.inference.stops import eos_token_ids
 from maxnnx.serving.batch_sampler import BatchSampler
+from maxnnx.serving.lora import parse_lora_modules, read_adapter
 from maxnnx.serving.model_runner import (
   MIN_TOKEN_BUCKET,
   CompileCounts,
@@ -183,6 +191,7 @@ class Engine:
     num_speculative_tokens: drafts a request verifies per step at most (0: no speculative
       decoding).
     spec: the :class:`~maxnnx.serving.speculation.SpecCounts` of speculative decoding.
+    lora_slots: ``{adapter name: slot}`` of the LoRA adapters served (empty without).
   """
 
   def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *,
@@ -225,13 +234,14 @@ class Engine:
                                token_budget=token_budget, prefix_caching=self.prefix_caching,
                                window=window, window_allocator=self.window_allocator,
                                num_state_slots=num_slots)
+    self.lora_slots = self._load_adapters(model)
     self.runner = ModelRunner(
         model, num_pages=self.max_pages + 1, page_size=page_size, max_batch=max_batch,
         token_buckets=self.token_buckets, page_buckets=self.page_buckets,
         num_state_slots=num_slots + 1 if recurrent else 0,
         window_pages=self.max_window_pages + 1 if self.max_window_pages else None, rules=rules,
         kv_cache_dtype=self.config.kv_cache_dtype,
-        num_verify=self.num_speculative_tokens)
+        num_verify=self.num_speculative_tokens, lora=self._lora)
     self.eos_ids = frozenset(eos_token_ids(cfg, tokenizer))
     self.outputs = OutputProcessor(tokenizer, self.eos_ids, self.max_model_len)
     self.sampler = BatchSampler(max_batch, cfg.vocab_size, self.max_logprobs,
@@ -242,6 +252,24 @@ class Engine:
     self._next_id = 0
     self.compiles = CompileCounts()
     listen_to_compiles()
+
+  def _load_adapters(self, model) -> dict[str, int]:
+    """Read ``lora_modules``' adapters (kept for the runner in ``self._lora``); returns each
+    name's slot (slot 0 is the base model)."""
+    self._lora = None
+    entries = parse_lora_modules(self.config.lora_modules)
+    if not entries:
+      return {}
+    rank = self.config.max_lora_rank
+    adapters = [read_adapter(model, name, path, rank) for name, path in entries.items()]
+    num_slots = 1 + (self.config.max_loras or len(adapters))
+    self._lora = (adapters, num_slots, rank)
+    return {adapter.name: slot for slot, adapter in enumerate(adapters, start=1)}
+
+  @property
+  def lora_names(self) -> tuple[str, ...]:
+    """The names of the LoRA adapters served (``lora_modules``), in slot order."""
+    return tuple(self.lora_slots)
 
   def _check_positions(self, model) -> None:
     """Warn about positions beyond the trained ones; refuse what a batch cannot serve."""
@@ -319,21 +347,26 @@ class Engine:
     return self.tokenizer.encode(prompt)
 
   def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None,
-                  images: np.ndarray | None = None) -> int:
+                  images: np.ndarray | None = None, lora: str | None = None) -> int:
     """Queue a request; returns its id. It starts at the next :meth:`step` with room.
+
+    ``lora``: the name of the LoRA adapter it runs with (one of :attr:`lora_names`);
+    ``None``: the base model. Requests of different adapters share every step.
 
     ``images``: ``[num_images, channels, H, W]`` pixels (a vision-language model;
     :class:`~maxnnx.data.ImageProcessor`), one per run of ``tokens_per_image``
     placeholders in the prompt, in order.
 
     Raises:
-      ValueError: for an empty prompt, ids outside the vocabulary, a prompt that
+      ValueError: for an unknown adapter, an empty prompt, ids outside the vocabulary, a
+        prompt that
         leaves no room under ``max_model_len``, a request that could never fit in
         the page pool, parameters the engine cannot honour, images that do not
         match the prompt's placeholders, or a structured output whose grammar does not
         compile.
     """
     params = SamplingParams() if params is None else params
+    lora_slot = self._lora_slot(lora)
     ids = [int(i) for i in np.asarray(self.prompt_ids(prompt)).reshape(-1)]
     self._check_request(ids, params)
     matcher = (None if params.structured is None else
@@ -346,7 +379,9 @@ class Engine:
     if seed is None:
       seed = (self.seed * 1_000_003 + request_id * 7_919) % (MAX_SEED + 1)
     request = Request(request_id=request_id, token_ids=ids, num_prompt=len(ids), params=params,
-                      seed=seed, image_spans=spans, cache_salt=salt)
+                      seed=seed, image_spans=spans, lora_slot=lora_slot,
+                      # an adapter's keys and values are its own: no pages shared with others
+                      cache_salt=salt + (f'lora:{lora}'.encode() if lora_slot else b''))
     if embeddings is not None:
       self._image_embeddings[request_id] = embeddings
     if matcher is not None:
@@ -354,6 +389,15 @@ class Engine:
     self._requests[request_id] = request
     self.scheduler.add(request)
     return request_id
+
+  def _lora_slot(self, lora: str | None) -> int:
+    """The slot of adapter ``lora`` (0 for ``None``); ``ValueError`` naming the adapters."""
+    if lora is None:
+      return 0
+    if lora not in self.lora_slots:
+      served = ', '.join(repr(n) for n in self.lora_names) or 'none (Engine lora_modules)'
+      raise ValueError(f'lora={lora!r} is not an adapter of this engine; it serves {served}.')
+    return self.lora_slots[lora]
 
   def _check_request(self, ids: list[int], params: SamplingParams) -> None:
     """Refuse a request the engine could never serve, with the reason (``ValueError``)."""
@@ -553,11 +597,13 @@ class Engine:
 
   def generate(self, prompts: Sequence[Sequence[int] | str],
                params: SamplingParams | Sequence[SamplingParams] | None = None,
-               images: Sequence[np.ndarray | None] | None = None) -> list[Completion]:
+               images: Sequence[np.ndarray | None] | None = None,
+               lora: str | Sequence[str | None] | None = None) -> list[Completion]:
     """Run ``prompts`` to completion; one :class:`Completion` per prompt, in order.
 
     ``params`` is one :class:`SamplingParams` for all prompts or one per prompt;
-    ``images`` one pixel array (or ``None``) per prompt, as for :meth:`add_request`.
+    ``images`` one pixel array (or ``None``) per prompt, as for :meth:`add_request`;
+    ``lora`` one adapter name (or ``None``, the base) for all prompts or one per prompt.
     The engine must be idle (no request of its own would be reported otherwise).
     """
     if self.has_unfinished():
@@ -570,8 +616,11 @@ class Engine:
     images = [None] * len(prompts) if images is None else list(images)
     if len(images) != len(prompts):
       raise ValueError(f'{len(prompts)} prompts but {len(images)} image entries.')
-    requests = [self._requests[self.add_request(p, sp, im)]
-                for p, sp, im in zip(prompts, params, images)]
+    loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+    if len(loras) != len(prompts):
+      raise ValueError(f'{len(prompts)} prompts but {len(loras)} lora entries.')
+    requests = [self._requests[self.add_request(p, sp, im, lo)]
+                for p, sp, im, lo in zip(prompts, params, images, loras)]
     while self.has_unfinished():
       self.step()
     return [Completion(request_id=r.request_id, prompt_ids=tuple(r.token_ids[:r.num_prompt]),

@@ -43,6 +43,7 @@ from flax import nnx
 
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.processes import host_value
+from maxnnx.serving.lora import install_adapters, set_token_slots
 from maxnnx.serving.params import TokenLogprobs
 from maxnnx.serving.scheduler import Request
 from maxnnx.sharding import state_shardings
@@ -165,6 +166,8 @@ class ModelRunner:
     rules: logical-axis rules for the pools of a sharded model.
     kv_cache_dtype: ``auto``, or ``int8`` / ``fp8`` pools (``EngineConfig.kv_cache_dtype``).
     num_verify: draft tokens a row may verify per step (0: no speculative decoding).
+    lora: ``(adapters, slots, rank)``: the :class:`~maxnnx.serving.lora.LoadedAdapter`\\ s
+      installed in the working copy, in slots 1..; ``None``: no adapters.
 
   Attributes:
     params, cache: the parameters and the cache state the step runs on.
@@ -176,8 +179,9 @@ class ModelRunner:
                token_buckets: tuple[int, ...], page_buckets: tuple[int, ...],
                num_state_slots: int = 0, window_pages: int | None = None,
                rules: dict | None = None, kv_cache_dtype: str = 'auto',
-               num_verify: int = 0):
+               num_verify: int = 0, lora: tuple | None = None):
     self.model_config = model.config
+    self.lora = lora is not None
     self.num_verify = num_verify
     self.page_size = page_size
     self.max_batch = max_batch
@@ -190,6 +194,8 @@ class ModelRunner:
     work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
     work.init_paged_cache(num_pages, page_size, num_slots=num_state_slots,
                           window_pages=window_pages, kv_cache_dtype=kv_cache_dtype)
+    if lora is not None:  # each token's adapter is picked inside the projections
+      install_adapters(work, *lora)
     self._graphdef, self.params, self.cache = nnx.split(work, nnx.Param, ...)
     self.mesh = _mesh_of(self.params)
     if self.mesh is not None:  # a model sharded by from_pretrained(mesh=...): pools alike
@@ -282,6 +288,8 @@ class ModelRunner:
       drafts = max(0, request.num_computed + count - request.num_tokens)
       a['last_BS'][row] = offset + count - 1 - drafts + np.minimum(np.arange(width), drafts)
       a['state_slots_B'][row] = state_slot(request)
+      if a['lora_T'] is not None:
+        a['lora_T'][span] = request.lora_slot
       offset += count
     self.last_step_shape = shape
     self.step_shapes.add(shape)
@@ -327,6 +335,7 @@ class ModelRunner:
       arrays[name] = np.zeros(rows, np.int32)
     arrays['last_BS'] = np.zeros((rows, self.num_verify + 1), np.int32)
     arrays['embeddings_TD'] = arrays['blocks_T'] = None
+    arrays['lora_T'] = np.zeros(width, np.int32) if self.lora else None
     if kind:
       arrays['embeddings_TD'] = np.zeros((width, cfg.d_model), np.float32)
       if cfg.vision.bidirectional:
@@ -341,7 +350,8 @@ class ModelRunner:
                        a['slots_T'], max_q, a['blocks_T'], wide_rows,
                        a['state_slots_B'] if self.recurrent else None,
                        a['window_table_BM'], a['window_slots_T'])
-    return a['ids_T'], a['positions_T'], batch, a['last_BS'], a['embeddings_TD']
+    return (a['ids_T'], a['positions_T'], batch, a['last_BS'], a['embeddings_TD'],
+            a['lora_T'])
 
   def embed_images(self, ids: list[int], images, token_budget: int):
     """``(image spans, cache salt, [prompt, d_model] embeddings at the placeholders)`` of a
@@ -411,18 +421,23 @@ def _mesh_of(params) -> jax.sharding.Mesh | None:
 def _make_step(graphdef, traces: list[int]):
   """The jitted model step over ``graphdef``'s model; ``traces[0]`` counts its traces.
 
+  ``lora_T`` (``None`` without adapters) is each token's LoRA slot.
   Returns the logits of each row's last token ``[B, vocab]``, those at each of ``last_BS``'s
   ``S`` tokens per row ``[B, S, vocab]`` when ``S > 1`` (speculative decoding: the last is
   the row's last scheduled token; else ``None``), and the new cache state.
   """
 
   @functools.partial(jax.jit, donate_argnums=(1,))
-  def step(params, cache, ids_T, positions_T, batch, last_BS, embeddings_TD):
+  def step(params, cache, ids_T, positions_T, batch, last_BS, embeddings_TD, lora_T):
     traces[0] += 1
     model = nnx.merge(graphdef, params, cache)
+    if lora_T is not None:
+      set_token_slots(model, lora_T)
     x_1TD = model.hidden_states(
         ids_T[None], positions=positions_T[None], paged=batch,
         image_embeddings=None if embeddings_TD is None else embeddings_TD[None])
+    if lora_T is not None:
+      set_token_slots(model, None)  # the returned state keeps its shapes
     rows, width = last_BS.shape
     # The head on the tokens whose logits are used only.
     logits_BSV = model.logits(x_1TD[:, last_BS.reshape(-1)])[0].reshape(rows, width, -1)

@@ -82,6 +82,7 @@ class Request:
     cache_salt: where its page hashes start (a digest of its images; ``b''`` without).
     draft_ids: speculative tokens to verify after its last token in the next step (decoding
       requests only; the scheduler may cut them).
+    lora_slot: the slot of its LoRA adapter in the engine's stacks (0: the base model).
   """
 
   request_id: int
@@ -101,6 +102,7 @@ class Request:
   image_spans: tuple[tuple[int, int], ...] = ()
   cache_salt: bytes = b''
   draft_ids: list[int] = dataclasses.field(default_factory=list)
+  lora_slot: int = 0
 
   @property
   def num_tokens(self) -> int:

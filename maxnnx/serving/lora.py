@@ -1,0 +1,222 @@
+"""Many LoRA adapters served at once from one base model (vLLM's multi-LoRA serving).
+
+Each adapted projection of the engine's working copy holds every adapter at once, stacked
+``[num_slots, ...]`` with slot 0 all zeros (no adapter), and the step tells it which slot each
+of its flat tokens uses. A step then serves requests for different adapters, and for the
+base model, in the same batch, the idea of punica and S-LoRA: ::
+
+  y_T = x_T W + (x_T A[s_T]) B[s_T]       (s_T: token T's slot; A, B scaled by alpha / r)
+
+Nothing is merged into ``W``, and the shapes do not depend on which adapters a batch mixes, so
+one compiled program serves every mix. The selection is a mask: every token's input goes
+through all the stacked ``A`` (``[T, slots, r]``: ``slots * r`` columns, a few percent of a
+projection), and only its own slot's ``r`` columns go on through ``B``, one dense matmul each.
+
+**How the slots reach the projections.** The layer stack's call signatures stay as they are:
+each adapted projection becomes a :class:`MultiLoraDense`, a ``DenseGeneral`` with the
+stacked adapters (``LoraStack`` variables) and a ``token_slots`` variable (``LoraSlots``). The
+jitted step sets ``token_slots`` on every one of them before the forward pass
+(:func:`set_token_slots`; a scanned stack's copy has a leading ``layers`` axis, as all its
+variables do) and empties it after, so the state the step returns keeps its shapes. With
+empty ``token_slots`` the projection is its base. Neither variable is an ``nnx.Param``: the
+engine's parameters stay the base model's.
+
+**Loading.** Adapters come from PEFT directories (what ``maxnnx sft ... lora`` writes and
+``peft`` reads), read by :func:`~maxnnx.train.lora.load_adapter`; each one's scale
+``alpha / r`` is folded into its ``B``, and a rank below ``max_lora_rank`` is padded with
+zeros (exact). A rank above it, a module the model lacks or a missing file is refused when the
+engine is built, naming the adapter and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maxnnx.layers.linear import DenseGeneral
+from maxnnx.models.transformer import layer_stacks
+from maxnnx.train.lora.adapters import STACKS_PATH, candidate_modules
+
+
+class LoraStack(nnx.Variable):
+  """Stacked adapter weights of one projection, ``[slots, in, r]`` or ``[slots, r, out]``
+  (after a leading ``layers`` axis in a scanned stack)."""
+
+
+class LoraSlots(nnx.Variable):
+  """The adapter slot of each token of the step (``[T]``; ``[layers, T]`` in a scanned stack);
+  empty outside a step."""
+
+
+class MultiLoraDense(DenseGeneral):
+  """A :class:`~maxnnx.layers.linear.DenseGeneral` plus many adapters, one per token.
+
+  ``y = x W (+ bias) + (x A[s]) B[s]`` with ``s`` each token's slot (``token_slots``); slot
+  0 holds zeros. It takes over ``base``'s kernel and bias (the same variables, so the
+  parameters' paths do not change).
+
+  Args:
+    base: the projection to adapt.
+    lora_a: ``[*lead, slots, in, r]`` (``in`` flattened, ``lead`` the stack's layers axis).
+    lora_b: ``[*lead, slots, r, out]`` (``out`` flattened), the scale folded in.
+  """
+
+  def __init__(self, base: DenseGeneral, lora_a: jax.Array, lora_b: jax.Array):
+    self.in_shape, self.out_shape = base.in_shape, base.out_shape
+    self.dtype = base.dtype
+    self.custom_gradient = base.custom_gradient
+    if 'inference_quantization' in vars(base):
+      self.inference_quantization = base.inference_quantization
+    self.kernel, self.bias = base.kernel, base.bias
+    lead = lora_a.shape[:-3]
+    self.lora_a = LoraStack(lora_a)
+    self.lora_b = LoraStack(lora_b)
+    self.token_slots = LoraSlots(jnp.zeros((*lead, 0), jnp.int32))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = super().__call__(x)
+    slots_T = self.token_slots[...]
+    if slots_T.shape[-1] == 0:  # outside a step: the base projection
+      return y
+    n_in = len(self.in_shape)
+    tokens = math.prod(x.shape[:x.ndim - n_in])
+    if tokens != slots_T.shape[-1]:
+      raise ValueError(f'MultiLoraDense got {tokens} tokens but {slots_T.shape[-1]} adapter '
+                       'slots; set_token_slots takes one slot per token of the step.')
+    dtype = jnp.dtype(self.dtype)
+    a_NIR, b_NRO = self.lora_a[...], self.lora_b[...]
+    x_TI = x.reshape(tokens, -1).astype(dtype)
+    xa_TNR = jnp.einsum('ti,nir->tnr', x_TI, a_NIR.astype(dtype),
+                        preferred_element_type=jnp.float32)
+    mine_TN = slots_T[:, None] == jnp.arange(a_NIR.shape[0])
+    xa_TNR = jnp.where(mine_TN[:, :, None], xa_TNR, 0).astype(dtype)
+    delta_TO = jnp.einsum('tnr,nro->to', xa_TNR, b_NRO.astype(dtype),
+                          preferred_element_type=jnp.float32)
+    return y + delta_TO.reshape(y.shape).astype(y.dtype)
+
+
+def set_token_slots(model: nnx.Module, slots_T: jax.Array | None) -> None:
+  """Give every :class:`MultiLoraDense` of ``model`` the slot of each token (``[T]``), or
+  empty them (``None``: the base projections again). Nothing happens without adapters."""
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, MultiLoraDense):
+      lead = module.lora_a.shape[:-3]
+      if slots_T is None:
+        module.token_slots.set_value(jnp.zeros((*lead, 0), jnp.int32))
+      else:
+        module.token_slots.set_value(jnp.broadcast_to(slots_T, (*lead, slots_T.shape[-1])))
+
+
+@dataclasses.dataclass
+class LoadedAdapter:
+  """One adapter read from its PEFT directory.
+
+  Attributes:
+    name: the name requests select it by.
+    path: its directory.
+    rank: its rank (the largest of its modules').
+    weights: ``{unscanned module path: (A [in, r], B [r, out])}``, ``alpha / r`` in ``B``.
+  """
+
+  name: str
+  path: str
+  rank: int
+  weights: dict
+
+
+def read_adapter(model: nnx.Module, name: str, path: str, max_lora_rank: int) -> LoadedAdapter:
+  """The adapter in PEFT directory ``path`` for ``model``, checked against ``max_lora_rank``.
+
+  Raises:
+    ValueError: one line naming the adapter and the fix (a missing file, an unsupported
+      config, a module ``model`` lacks, a rank above ``max_lora_rank``).
+  """
+  from maxnnx.train.lora import adapter_weights, load_adapter  # noqa: PLC0415 (imports qwix)
+  try:
+    adapted = load_adapter(model, path)
+  except ValueError as e:  # PretrainedError too
+    raise ValueError(f"Engine lora_modules: adapter '{name}' ({path}) does not load on this "
+                     f'{model.config.family} model: {e}') from None
+  config = adapted.lora_config
+  if config.rank > max_lora_rank:
+    raise ValueError(f"Engine lora_modules: adapter '{name}' ({path}) has rank {config.rank}, "
+                     f'above max_lora_rank={max_lora_rank}; set max_lora_rank={config.rank} '
+                     'or more.')
+  weights = {}
+  for module_path, (a, b) in adapter_weights(adapted).items():
+    weights[module_path] = (np.asarray(a, np.float32),
+                            np.asarray(b, np.float32) * np.float32(config.scale))
+  for module_path in weights:
+    if not re.fullmatch(STACKS_PATH, '/'.join(map(str, module_path))):
+      raise ValueError(f"Engine lora_modules: adapter '{name}' ({path}) adapts "
+                       f"{'.'.join(map(str, module_path))}, outside the decoder layers; the "
+                       'engine serves decoder-layer adapters only: drop that module.')
+  return LoadedAdapter(name, path, config.rank, weights)
+
+
+def _layer_paths(model: nnx.Module, path: tuple, module: DenseGeneral) -> list[tuple]:
+  """The unscanned paths of ``module``'s layers (one, or one per layer of a scanned stack)."""
+  lead = module.kernel.ndim - len(module.in_shape) - len(module.out_shape)
+  cfg = model.config
+  if not (cfg.runtime.scan_layers and lead):
+    return [path]
+  start, count = next((s, c) for n, s, c, _ in layer_stacks(cfg) if n == path[0])
+  return [('layers', start + i, *path[1:]) for i in range(count)]
+
+
+def _parent(model: nnx.Module, path: tuple):
+  node = model
+  for part in path[:-1]:
+    node = node[part] if isinstance(part, int) else getattr(node, part)
+  return node
+
+
+def install_adapters(model: nnx.Module, adapters: list[LoadedAdapter], num_slots: int,
+                     rank: int) -> list[tuple]:
+  """Replace every projection of ``model`` that some adapter adapts by a
+  :class:`MultiLoraDense` holding ``num_slots`` slots of rank ``rank``: slot ``i + 1`` is
+  ``adapters[i]``, the other slots zeros. Modifies ``model``; returns the paths replaced."""
+  replaced = []
+  for path, module in candidate_modules(model):
+    if not re.fullmatch(STACKS_PATH, '/'.join(map(str, path))):
+      continue
+    rows = _layer_paths(model, path, module)
+    if not any(row in adapter.weights for adapter in adapters for row in rows):
+      continue
+    din, dout = math.prod(module.in_shape), math.prod(module.out_shape)
+    a = np.zeros((len(rows), num_slots, din, rank), np.float32)
+    b = np.zeros((len(rows), num_slots, rank, dout), np.float32)
+    for slot, adapter in enumerate(adapters, start=1):
+      for layer, row in enumerate(rows):
+        if row in adapter.weights:
+          a_IR, b_RO = adapter.weights[row]
+          a[layer, slot, :, :a_IR.shape[1]] = a_IR
+          b[layer, slot, :b_RO.shape[0]] = b_RO
+    if rows == [path]:  # not a scanned stack
+      a, b = a[0], b[0]
+    dtype = module.kernel[...].dtype if isinstance(module.kernel, nnx.Variable) else jnp.float32
+    if not jnp.issubdtype(dtype, jnp.floating):
+      dtype = jnp.dtype(module.dtype)
+    setattr(_parent(model, path), path[-1],
+            MultiLoraDense(module, jnp.asarray(a, dtype), jnp.asarray(b, dtype)))
+    replaced.append(path)
+  return replaced
+
+
+def parse_lora_modules(entries) -> dict[str, str]:
+  """``{name: path}`` of ``EngineConfig.lora_modules`` (``'name=path'`` entries)."""
+  out = {}
+  for entry in entries:
+    name, sep, path = entry.partition('=')
+    out[name] = path
+  return out
+
+
+__all__ = ['LoadedAdapter', 'LoraSlots', 'LoraStack', 'MultiLoraDense', 'install_adapters',
+           'parse_lora_modules', 'read_adapter', 'set_token_slots']
