@@ -267,7 +267,7 @@ def test_bad_requests_answer_400_and_the_server_goes_on(server):
   client = _client(server)
   with pytest.raises(openai.BadRequestError, match='max_tokens'):
     client.completions.create(model=NAME, prompt='hi', max_tokens=0)
-  with pytest.raises(openai.BadRequestError, match='does not exist'):
+  with pytest.raises(openai.NotFoundError, match='does not exist'):
     client.chat.completions.create(model='gpt-4o', messages=[{'role': 'user', 'content': 'x'}])
   ok = client.completions.create(model=NAME, prompt='hi', max_tokens=3, temperature=0,
                                  extra_body={'ignore_eos': True})

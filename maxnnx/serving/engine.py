@@ -267,6 +267,11 @@ class Engine:
     return {adapter.name: slot for slot, adapter in enumerate(adapters, start=1)}
 
   @property
+  def lora_paths(self) -> dict[str, str]:
+    """``{adapter name: its directory}`` of the LoRA adapters served."""
+    return parse_lora_modules(self.config.lora_modules)
+
+  @property
   def lora_names(self) -> tuple[str, ...]:
     """The names of the LoRA adapters served (``lora_modules``), in slot order."""
     return tuple(self.lora_slots)

@@ -85,9 +85,9 @@ class EngineLoop:
             and self.warming is None and not self._stopping.is_set())
 
   def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Callable,
-             images=None) -> Ticket:
+             images=None, lora: str | None = None) -> Ticket:
     """Queue a request for the engine thread; its events go to ``sink``. ``images``:
-    its pixels (``Engine.add_request``).
+    its pixels, ``lora``: its adapter (``Engine.add_request``).
 
     Raises:
       ApiError: (503) when the loop is stopping or its engine failed.
@@ -98,12 +98,12 @@ class EngineLoop:
                      code='unavailable')
     self.start()
     ticket = Ticket()
-    self._commands.put(('add', ticket, prompt, params, sink, images))
+    self._commands.put(('add', ticket, prompt, params, sink, images, lora))
     return ticket
 
   def cancel(self, ticket: Ticket) -> None:
     """Cancel a submitted request (nothing happens if it already finished)."""
-    self._commands.put(('cancel', ticket, None, None, None, None))
+    self._commands.put(('cancel', ticket, None, None, None, None, None))
 
   def stop(self, timeout: float | None = None) -> None:
     """Stop taking requests, let the engine finish the ones it has, and end the thread."""
@@ -158,7 +158,7 @@ class EngineLoop:
       except queue.Empty:
         return
 
-  def _apply(self, kind: str, ticket: Ticket, prompt, params, sink, images) -> None:
+  def _apply(self, kind: str, ticket: Ticket, prompt, params, sink, images, lora) -> None:
     if kind == 'cancel':
       if ticket.request_id in self._sinks:
         self.engine.cancel(ticket.request_id)
@@ -168,7 +168,7 @@ class EngineLoop:
                               type='server_error', code='unavailable'))
       return
     try:
-      request_id = self.engine.add_request(list(prompt), params, images)
+      request_id = self.engine.add_request(list(prompt), params, images, lora)
     except ValueError as e:
       _deliver(sink, ApiError(str(e), code='invalid_value'))
       return

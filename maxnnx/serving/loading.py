@@ -86,10 +86,14 @@ def served_model(engine_or_model_dir, model_name: str | None, chat_template, add
   tokenizer = engine.tokenizer
   if tokenizer is None:
     raise ValueError('The server needs an Engine with a tokenizer.')
+  if name in engine.lora_names:
+    raise ValueError(f"The LoRA adapter {name!r} has the served model's name; rename it in "
+                     'lora_modules or set served_model_name.')
   image_processor, image_prompt = _image_side(engine, directory, image_processor)
   return engine, ServedModel(
       name=name, tokenizer=tokenizer, template=_template(tokenizer, chat_template),
       max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
       max_logprobs=engine.max_logprobs,
       chat_stop_ids=eos_token_ids(tokenizer=tokenizer, end_of_turn=True),
-      add_bos=add_bos, image_processor=image_processor, image_prompt=image_prompt)
+      add_bos=add_bos, image_processor=image_processor, image_prompt=image_prompt,
+      lora_names=engine.lora_names)

@@ -95,14 +95,16 @@ class Channel:
 
 
 def encode_call(op: str, *args) -> bytes:
-  """One engine call as JSON bytes: ``('add', prompt, params, images)``,
+  """One engine call as JSON bytes: ``('add', prompt, params, images[, lora])``,
   ``('cancel', request_id)``, ``('warmup',)``, ``('step',)`` or ``('stop',)``. Images travel
   as ``.npy`` bytes (never pickle)."""
   if op == 'add':
-    prompt, params, images = args
+    prompt, params, images, *lora = args
+    lora = lora[0] if lora else None
     body = {'prompt': [int(i) for i in np.asarray(prompt).reshape(-1)],
             'params': dataclasses.asdict(params),
-            'images': None if images is None else _npy(images)}
+            'images': None if images is None else _npy(images),
+            **({} if lora is None else {'lora': lora})}
   elif op == 'cancel':
     body = {'request_id': int(args[0])}
   else:
@@ -119,8 +121,10 @@ def decode_call(message: bytes) -> tuple:
     params = body['params']
     if params.get('structured') is not None:  # asdict() flattened it to {kind, spec}
       params = {**params, 'structured': StructuredOutput(**params['structured'])}
+    lora = body.get('lora')
     return (op, body['prompt'], SamplingParams(**params),
-            None if images is None else np.load(io.BytesIO(base64.b64decode(images))))
+            None if images is None else np.load(io.BytesIO(base64.b64decode(images))),
+            *(() if lora is None else (lora,)))
   if op == 'cancel':
     return op, body['request_id']
   return (op,)
@@ -151,12 +155,12 @@ class LeaderEngine:
     return getattr(self.engine, name)
 
   def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None,
-                  images: np.ndarray | None = None) -> int:
+                  images: np.ndarray | None = None, lora: str | None = None) -> int:
     """:meth:`Engine.add_request`, made on every process (a text prompt is encoded here)."""
     params = SamplingParams() if params is None else params
     prompt = self.engine.prompt_ids(prompt)
-    self.channel.publish(encode_call('add', prompt, params, images))
-    return self.engine.add_request(prompt, params, images)
+    self.channel.publish(encode_call('add', prompt, params, images, lora))
+    return self.engine.add_request(prompt, params, images, lora)
 
   def cancel(self, request_id: int) -> bool:
     """:meth:`Engine.cancel`, made on every process."""

@@ -105,6 +105,8 @@ class ServedModel:
     image_processor, image_prompt: a vision-language model's
       :class:`~maxnnx.data.ImageProcessor` and :class:`~maxnnx.data.ImagePrompt`
       (``None``: chat messages may not hold images).
+    lora_names: the LoRA adapters served beside the base model; a request names one as its
+      ``model``.
   """
 
   name: str
@@ -117,6 +119,12 @@ class ServedModel:
   add_bos: bool = True
   image_processor: Any = None
   image_prompt: Any = None
+  lora_names: tuple[str, ...] = ()
+
+  @property
+  def model_names(self) -> tuple[str, ...]:
+    """Every name a request may send as ``model``: the base model's, then the adapters'."""
+    return (self.name, *self.lora_names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +151,7 @@ class ParsedRequest:
     tool_format: the format tool calls are parsed from in each reply
       (:mod:`~maxnnx.serving.tools`), or ``None`` (no tools, or ``tool_choice`` ``none``;
       a harmony template's replies are always read as ``harmony``, for their channels).
+    lora: the LoRA adapter the request's ``model`` names, or ``None`` (the base model).
   """
 
   kind: str
@@ -159,6 +168,7 @@ class ParsedRequest:
   score_only: bool = False
   best_of: int | None = None
   tool_format: str | None = None
+  lora: str | None = None
 
   @property
   def samples_per_prompt(self) -> int:
@@ -222,13 +232,16 @@ def _unsupported(body, name, allowed=(None,)):
                    code='unsupported_parameter')
 
 
-def _check_model(body, served: ServedModel) -> None:
+def _check_model(body, served: ServedModel) -> str | None:
+  """The LoRA adapter ``model`` names (``None``: the base model); a 404 for another name."""
   model = _field(body, 'model', (str,), '')
   if not model:
     raise ApiError('model is required.', param='model', code='missing_required_parameter')
-  if model != served.name:
-    raise ApiError(f'The model {model!r} does not exist; this server serves {served.name!r}.',
-                   param='model', code='model_not_found')
+  if model not in served.model_names:
+    raise ApiError(f'The model {model!r} does not exist; this server serves '
+                   f"{', '.join(repr(n) for n in served.model_names)}.", status=404,
+                   type='not_found_error', param='model', code='model_not_found')
+  return None if model == served.name else model
 
 
 def _token_ids(value, served: ServedModel, param: str) -> tuple[int, ...]:
@@ -423,12 +436,12 @@ def parse_completion(body: Any, served: ServedModel) -> ParsedRequest:
   lists; each prompt gets ``n`` choices.
 
   Raises:
-    ApiError: (400) for an unknown model, a field of the wrong type or out of
+    ApiError: (404) for an unknown model; (400) for a field of the wrong type or out of
       range, a prompt that leaves no room under the context, or a field this
       server cannot honour.
   """
   body = _object(body)
-  _check_model(body, served)
+  lora = _check_model(body, served)
   echo = _field(body, 'echo', (bool,), False)
   _unsupported(body, 'suffix', (None, ''))
   prompt = body.get('prompt')
@@ -490,7 +503,7 @@ def parse_completion(body: Any, served: ServedModel) -> ParsedRequest:
                   for p, ids in zip(prompt, prompts))
   return ParsedRequest('completion', tuple(prompts), tuple(params), n, stream, include_usage,
                        logprobs, _field(body, 'return_token_ids', (bool,), False), echo=echo,
-                       prompt_texts=texts, score_only=score_only, best_of=best_of)
+                       prompt_texts=texts, score_only=score_only, best_of=best_of, lora=lora)
 
 
 def _object(body) -> Mapping:

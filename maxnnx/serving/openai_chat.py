@@ -45,7 +45,7 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
       template that refuses them, or a model without a chat template.
   """
   body = _object(body)
-  _check_model(body, served)
+  lora = _check_model(body, served)
   if served.template is None:
     raise ApiError('This model has no chat template (chat_template.jinja or tokenizer_config.'
                    "json's chat_template); use /v1/completions.", param='messages',
@@ -89,7 +89,7 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
   stream, include_usage = _stream_fields(body)
   return ParsedRequest('chat', (ids,), tuple(params), n, stream, include_usage, logprobs,
                        _field(body, 'return_token_ids', (bool,), False), pixels,
-                       tool_format=fmt)
+                       tool_format=fmt, lora=lora)
 
 
 def _tools(body, served: ServedModel) -> tuple[list | None, str | None, StructuredOutput | None]:

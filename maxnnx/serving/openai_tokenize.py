@@ -31,8 +31,9 @@ _SPECIAL_NAMES = (('bos_token', 'bos_id'), ('eos_token', 'eos_id'), ('pad_token'
 
 def _check_optional_model(body, served: ServedModel) -> None:
   model = _field(body, 'model', (str,), '')
-  if model and model != served.name:
-    raise ApiError(f'The model {model!r} does not exist; this server serves {served.name!r}.',
+  if model and model not in served.model_names:
+    raise ApiError(f'The model {model!r} does not exist; this server serves '
+                   f"{', '.join(repr(n) for n in served.model_names)}.",
                    status=404, param='model', code='model_not_found')
 
 

@@ -107,7 +107,7 @@ class _Job:
       for i, params in enumerate(parsed.params):
         sink = functools.partial(_post, loop, self.events, i)
         self.tickets.append(api.loop.submit(parsed.prompt_of(i), params, sink,
-                                            parsed.images))
+                                            parsed.images, parsed.lora))
     except ApiError:
       self.close()
       raise
@@ -196,7 +196,7 @@ class _EventStream:
 
   async def __call__(self, scope, receive, send) -> None:
     job, parsed = self.job, self.job.parsed
-    response_id, name = new_id(parsed.kind), self.api.served.name
+    response_id, name = new_id(parsed.kind), parsed.lora or self.api.served.name
     job.watch(receive)
     self.api.metrics.answered(self.endpoint, 200)
 
@@ -283,8 +283,8 @@ class _Api:
     if job.disconnected:
       return Response(status_code=499)  # nobody reads it; the choices were cancelled
     self.metrics.answered(endpoint, 200)
-    return JSONResponse(response_body(parsed, new_id(parsed.kind), self.served.name,
-                                      best_choices(parsed, job.choices), sampled=job.choices,
+    return JSONResponse(response_body(parsed, new_id(parsed.kind),
+                                      parsed.lora or self.served.name, best_choices(parsed, job.choices), sampled=job.choices,
                                       prompt_scores=scores))
 
   def _score(self, parsed: ParsedRequest) -> list:
@@ -292,6 +292,10 @@ class _Api:
     if self.scorer is None:
       raise ApiError('echo with logprobs is not supported by a multi-process server.',
                      param='echo', code='unsupported_parameter')
+    if parsed.lora is not None:
+      raise ApiError('echo with logprobs scores prompts with the base model only; ask the base '
+                     f'model ({self.served.name!r}) or leave out echo.', param='echo',
+                     code='unsupported_parameter')
     with self._scoring:
       try:
         return [self.scorer(prompt, parsed.logprobs) for prompt in parsed.prompts]
@@ -306,26 +310,34 @@ class _Api:
     for choice in choices:
       choice.finish_reason = 'length'
     self.metrics.answered(endpoint, 200)
-    return JSONResponse(response_body(parsed, new_id(parsed.kind), self.served.name, choices,
+    return JSONResponse(response_body(parsed, new_id(parsed.kind),
+                                      parsed.lora or self.served.name, choices,
                                       prompt_scores=scores))
 
   def error(self, endpoint: str, error: ApiError) -> JSONResponse:
     self.metrics.answered(endpoint, error.status)
     return JSONResponse(error.body(), status_code=error.status)
 
-  def _model_card(self) -> dict:
-    return {'id': self.served.name, 'object': 'model', 'created': 0, 'owned_by': 'maxnnx',
+  def _model_card(self, name: str) -> dict:
+    """The base model's card, or a LoRA adapter's (its ``parent`` the base, as vLLM's)."""
+    base = name == self.served.name
+    return {'id': name, 'object': 'model', 'created': 0, 'owned_by': 'maxnnx',
+            'root': name if base else self.loop.engine.lora_paths[name],
+            'parent': None if base else self.served.name,
             'max_model_len': self.served.max_model_len}
 
   async def models(self, request: Request) -> Response:
-    return JSONResponse({'object': 'list', 'data': [self._model_card()]})
+    return JSONResponse({'object': 'list',
+                         'data': [self._model_card(n) for n in self.served.model_names]})
 
   async def model(self, request: Request) -> Response:
-    if request.path_params['name'] != self.served.name:
+    name = request.path_params['name']
+    if name not in self.served.model_names:
       return self.error('models', ApiError(
-          f"The model {request.path_params['name']!r} does not exist.", status=404,
-          param='model', code='model_not_found'))
-    return JSONResponse(self._model_card())
+          f"The model {name!r} does not exist; this server serves "
+          f"{', '.join(repr(n) for n in self.served.model_names)}.", status=404,
+          type='not_found_error', param='model', code='model_not_found'))
+    return JSONResponse(self._model_card(name))
 
   async def health(self, request: Request) -> Response:
     if self.loop.healthy:

@@ -1,0 +1,267 @@
+"""Many LoRA adapters in one engine: requests for different adapters and for the base model
+share each step, and each request's greedy tokens equal maxnnx.generate on the model with its
+adapter applied (PEFT directories: one written by peft, one of a smaller rank by maxnnx); a
+warm engine compiles nothing when the mix changes; the server lists and selects adapters."""
+
+import json
+import os
+import shutil
+
+import httpx
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import maxnnx
+from maxnnx.checkpoint.safetensors import read_safetensors, write_safetensors
+from maxnnx.config import ConfigError, EngineConfig
+from maxnnx.serving import Engine, SamplingParams
+from maxnnx.serving.server import make_app, serve_in_thread
+from maxnnx.train.lora import LoraConfig, apply_lora, load_adapter, save_adapter
+from tests.conftest import FIXTURES
+
+LLAMA = os.path.join(FIXTURES, 'llama')
+PEFT_DIR = os.path.join(os.path.dirname(FIXTURES), 'peft', 'llama_lora')  # rank 4, by peft
+VOCAB = 256
+# Few buckets: every step at 16 tokens and 12 pages per row.
+ENGINE = dict(page_size=4, max_batch=4, token_budget=16, max_model_len=48, token_buckets=(16,),
+              page_buckets=(12,), max_lora_rank=4)
+
+
+def _randomised(model, seed, std):
+  """``model`` with nonzero adapters (B starts at zero, which would hide a wrong slot)."""
+  state = nnx.state(model, nnx.LoRAParam)
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  leaves = [x + std * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  nnx.update(model, jax.tree.unflatten(treedef, leaves))
+  return model
+
+
+def _small_adapter(base, directory, seed=5):
+  """A rank-2 adapter of three projections (padded to max_lora_rank=4 when served)."""
+  config = LoraConfig(rank=2, alpha=4.0, targets=('q_proj', 'v_proj', 'down_proj'))
+  save_adapter(_randomised(apply_lora(base, config), seed, 0.3), str(directory))
+  return str(directory)
+
+
+@pytest.fixture(scope='module')
+def base():
+  return maxnnx.from_pretrained(LLAMA, scan_layers=True)
+
+
+@pytest.fixture(scope='module')
+def adapters(base, tmp_path_factory):
+  return {'a': PEFT_DIR, 'b': _small_adapter(base, tmp_path_factory.mktemp('adapter_b'))}
+
+
+@pytest.fixture(scope='module')
+def engine(base, adapters):
+  return Engine(base, lora_modules=adapters, **ENGINE)
+
+
+def _greedy(max_tokens):
+  return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def _record_slots(engine):
+  """Wrap the runner's layout: a list that gets each step's set of adapter slots in use."""
+  steps, layout = [], engine.runner.layout
+
+  def recorded(scheduled, *args):
+    steps.append({request.lora_slot for request, _ in scheduled})
+    return layout(scheduled, *args)
+
+  engine.runner.layout = recorded
+  return steps
+
+
+def test_staggered_requests_for_two_adapters_and_the_base_share_steps_and_match_generate(
+    base, adapters, engine):
+  """Requests for adapter a, adapter b and the base arrive at different steps and run in the
+  same steps; each one's greedy tokens equal maxnnx.generate on its own model (the adapter
+  applied by load_adapter, or the base), and the three models disagree."""
+  rng = np.random.default_rng(0)
+  loras = ['a', None, 'b', 'a', 'b', None, 'b']
+  arrivals = [0, 0, 1, 2, 2, 3, 5]
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in rng.integers(3, 20, len(loras))]
+  max_tokens = [int(m) for m in rng.integers(4, 12, len(loras))]
+  steps = _record_slots(engine)
+  ids, got, step = {}, {}, 0
+  try:
+    while len(ids) < len(prompts) or engine.has_unfinished():
+      for i, arrival in enumerate(arrivals):
+        if arrival == step:
+          ids[engine.add_request(prompts[i], _greedy(max_tokens[i]), lora=loras[i])] = i
+      for out in engine.step():
+        if out.finished:
+          got[ids[out.request_id]] = list(out.token_ids)
+      step += 1
+  finally:
+    del engine.runner.layout  # back to the method
+  assert any(slots == {0, 1, 2} for slots in steps)  # a, b and the base in one step
+  models = {None: base, 'a': load_adapter(base, adapters['a']),
+            'b': load_adapter(base, adapters['b'])}
+  longest = max(max_tokens)
+  for name, model in models.items():
+    mine = [i for i, lora in enumerate(loras) if lora == name]
+    want = maxnnx.generate(model, [prompts[i] for i in mine], max_new_tokens=longest,
+                           eos_ids=None).tokens
+    for row, i in enumerate(mine):
+      assert got[i] == np.asarray(want)[row, :max_tokens[i]].tolist(), (name, i)
+  # The same prompt under each model: the adapters change the tokens.
+  same = engine.generate([prompts[0]] * 3, _greedy(10), lora=['a', 'b', None])
+  assert len({c.token_ids for c in same}) == 3
+  assert not engine.has_unfinished() and engine.allocator.num_available == engine.max_pages
+
+
+def test_a_warm_engine_compiles_nothing_when_the_adapter_mix_changes(engine):
+  """After warmup, batches of only a, of a and b, of b and the base, of all three, compile no
+  program (the adapters' slots are data of the one step program)."""
+  engine.warmup()
+  count = engine.compile_count
+  prompt = [5, 9, 33, 7, 100, 2]
+  for mix in (['a'], ['a', 'b'], ['b', None, None], ['a', None, 'b', 'a']):
+    engine.generate([prompt] * len(mix), _greedy(5), lora=mix)
+  assert engine.compile_count == count
+  assert engine.compiles.after_warmup == 0
+
+
+def test_prefix_pages_are_not_shared_across_adapters(engine):
+  """A prompt cached under one adapter is not a prefix hit for another (its keys differ),
+  but is for the same adapter."""
+  prompt = list(range(40, 61))  # five full pages
+  engine.generate([prompt], _greedy(2), lora='a')
+  other = engine.generate([prompt], _greedy(2), lora='b')[0]
+  again = engine.generate([prompt], _greedy(2), lora='a')[0]
+  assert other.num_cached_tokens == 0 and again.num_cached_tokens > 0
+
+
+def test_unknown_adapter_is_refused_naming_the_served_ones(engine):
+  with pytest.raises(ValueError, match=r"lora='c' is not an adapter.*'a', 'b'"):
+    engine.add_request([1, 2, 3], _greedy(2), lora='c')
+  assert engine.lora_names == ('a', 'b') and not engine.has_unfinished()
+
+
+def test_unscanned_layers_serve_adapters_too(adapters):
+  """A model whose layers are a list (no scan) gets the same per-token adapters."""
+  base = maxnnx.from_pretrained(LLAMA, scan_layers=False)
+  engine = Engine(base, lora_modules={'b': adapters['b']}, **ENGINE)
+  prompt = [7, 3, 99, 41, 200]
+  got = engine.generate([prompt, prompt], _greedy(6), lora=['b', None])
+  for completion, model in zip(got, (load_adapter(base, adapters['b']), base)):
+    want = maxnnx.generate(model, [prompt], max_new_tokens=6, eos_ids=None).tokens
+    assert list(completion.token_ids) == np.asarray(want)[0].tolist()
+
+
+def _adapter_with(tmp_path, name, extra):
+  """A copy of the peft adapter with ``extra`` tensors added."""
+  directory = tmp_path / name
+  shutil.copytree(PEFT_DIR, directory)
+  tensors = read_safetensors(str(directory / 'adapter_model.safetensors'))
+  write_safetensors(str(directory / 'adapter_model.safetensors'), {**tensors, **extra},
+                    {'format': 'pt'})
+  return str(directory)
+
+
+def test_bad_adapters_are_refused_at_start_naming_the_adapter_and_the_fix(base, tmp_path):
+  with pytest.raises(ValueError, match=r"adapter 'a' .* rank 4, above max_lora_rank=2; set "
+                                       r'max_lora_rank=4'):
+    Engine(base, lora_modules={'a': PEFT_DIR}, **{**ENGINE, 'max_lora_rank': 2})
+  with pytest.raises(ValueError, match=r"adapter 'gone' .*adapter_config.json: missing"):
+    Engine(base, lora_modules={'gone': str(tmp_path / 'nowhere')}, **ENGINE)
+  layer5 = 'base_model.model.model.layers.5.self_attn.q_proj'
+  extra = {f'{layer5}.lora_A.weight': np.zeros((4, 64), np.float32),
+           f'{layer5}.lora_B.weight': np.zeros((96, 4), np.float32)}
+  with pytest.raises(ValueError, match=r"adapter 'deep' .*layers.5.self_attn.q_proj.*not a "
+                                       'projection of this llama model'):
+    Engine(base, lora_modules={'deep': _adapter_with(tmp_path, 'deep', extra)}, **ENGINE)
+
+
+@pytest.mark.parametrize('settings, message', [
+    (dict(lora_modules=('a',)), r"'a' is not name=path"),
+    (dict(lora_modules=('a=x', 'a=y')), 'repeat'),
+    (dict(lora_modules={'a': 'x', 'b': 'y'}, max_loras=1), 'raise max_loras to 2'),
+    (dict(max_lora_rank=0), 'max_lora_rank=0'),
+])
+def test_lora_settings_errors_name_the_field(settings, message):
+  with pytest.raises(ConfigError, match=message):
+    EngineConfig(**settings)
+
+
+def test_lora_modules_read_from_a_dict_and_from_the_command_line():
+  """Engine(lora_modules={name: path}) and maxnnx serve's lora_modules=name=path,... give the
+  same entries, and the serve command passes them to the engine."""
+  from maxnnx.cli import _command_keys  # noqa: PLC0415
+  from maxnnx.cli_keys import parse  # noqa: PLC0415
+  from_dict = EngineConfig(lora_modules={'sql': 'out/sql', 'chat': 'out/chat'})
+  assert from_dict.lora_modules == ('sql=out/sql', 'chat=out/chat')
+  keys = _command_keys('serve')
+  options = parse(['lora_modules=sql=out/sql,chat=out/chat', 'max_lora_rank=8'], keys)
+  assert EngineConfig(lora_modules=options['lora_modules']) == from_dict
+  assert options['max_lora_rank'] == 8 and options['max_loras'] is None
+
+
+def test_the_adapter_travels_to_follower_processes():
+  """A multi-process server's followers get each request's adapter with it."""
+  from maxnnx.serving.lockstep import decode_call, encode_call  # noqa: PLC0415
+  params = _greedy(3)
+  assert decode_call(encode_call('add', [1, 2], params, None, 'sql')) == (
+      'add', [1, 2], params, None, 'sql')
+  assert decode_call(encode_call('add', [1, 2], params, None, None)) == (
+      'add', [1, 2], params, None)
+
+
+# -- the server ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def served(tmp_path_factory, chat_checkpoint):
+  """A tiny chat model's directory, a rank-2 adapter of it, and the model itself."""
+  directory = tmp_path_factory.mktemp('served_lora')
+  model = maxnnx.Transformer(maxnnx.get_preset('tiny', vocab_size=512, num_layers=1),
+                             rngs=nnx.Rngs(0))
+  maxnnx.save_pretrained(model, str(directory))
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    shutil.copy(chat_checkpoint / name, directory / name)
+  base = maxnnx.from_pretrained(str(directory))
+  adapter = _small_adapter(base, tmp_path_factory.mktemp('served_adapter'), seed=9)
+  return str(directory), adapter, base
+
+
+def test_server_lists_adapters_selects_them_by_model_and_refuses_unknown_ones(served):
+  """/v1/models lists the base and the adapter (parent: the base); a completion with
+  model=<adapter> gives the adapted model's greedy tokens, the base name the base's; an
+  unknown model is a 404 naming what is served."""
+  directory, adapter, base = served
+  app = make_app(directory, model_name='tiny', lora_modules={'sql': adapter},
+                 max_batch=2, token_budget=16, page_size=8, max_model_len=64,
+                 token_buckets=(16,), page_buckets=(8,), max_lora_rank=4)
+  prompt = [11, 42, 7, 300, 5, 18]
+  with serve_in_thread(app) as (url, _):
+    for _ in range(600):
+      if httpx.get(f'{url}/health').status_code == 200:
+        break
+      import time  # noqa: PLC0415
+      time.sleep(0.5)
+    cards = httpx.get(f'{url}/v1/models').json()['data']
+    assert [(c['id'], c['parent']) for c in cards] == [('tiny', None), ('sql', 'tiny')]
+    assert httpx.get(f'{url}/v1/models/sql').json()['root'] == adapter
+
+    def complete(model):
+      return httpx.post(f'{url}/v1/completions', json={
+          'model': model, 'prompt': prompt, 'max_tokens': 8, 'temperature': 0,
+          'ignore_eos': True, 'return_token_ids': True}, timeout=120)
+
+    answers = {name: complete(name).json() for name in ('sql', 'tiny')}
+    missing = complete('sqll')
+  for name, model in (('sql', load_adapter(base, adapter)), ('tiny', base)):
+    want = np.asarray(maxnnx.generate(model, [prompt], max_new_tokens=8, eos_ids=None).tokens)
+    assert answers[name]['choices'][0]['token_ids'] == want[0].tolist(), name
+    assert answers[name]['model'] == name
+  assert answers['sql']['choices'][0]['token_ids'] != answers['tiny']['choices'][0]['token_ids']
+  assert missing.status_code == 404
+  error = missing.json()['error']
+  assert error['code'] == 'model_not_found' and "'tiny', 'sql'" in error['message']
+  assert json.dumps(error).count('sqll') == 1
