@@ -199,7 +199,6 @@ def test_chat_completions_use_the_checkpoint_template(server, reference, tokeniz
 
 
 BAD_REQUESTS = [  # (endpoint, body, param)
-    ('completions', {'model': 'gpt-4', 'prompt': 'hi'}, 'model'),
     ('completions', {'prompt': 'hi'}, 'model'),
     ('completions', {'model': NAME, 'prompt': 'hi', 'max_tokens': 0}, 'max_tokens'),
     ('completions', {'model': NAME, 'prompt': 'hi', 'max_tokens': -3}, 'max_tokens'),
@@ -257,6 +256,10 @@ def test_bad_requests_answer_400_and_the_server_goes_on(server):
       error = response.json()['error']
       assert set(error) == {'message', 'type', 'param', 'code'} and error['message']
       assert error['type'] == 'invalid_request_error' and error['param'] == param, error
+    unknown = http.post('/completions', json={'model': 'gpt-4', 'prompt': 'hi'})
+    error = unknown.json()['error']
+    assert unknown.status_code == 404 and error['param'] == 'model', error  # as vLLM answers
+    assert error['code'] == 'model_not_found' and "serves 'tiny-chat'" in error['message']
     for raw in (b'{"model": "tiny-chat", "prompt": ', b'\xff\xfe', b'[1, 2]', b'"text"',
                 b'[' * 100_000, b'{"model": "tiny-chat", "prompt": "to \\ud800 be"}'):
       response = http.post('/completions', content=raw,
