@@ -284,7 +284,8 @@ class _Api:
       return Response(status_code=499)  # nobody reads it; the choices were cancelled
     self.metrics.answered(endpoint, 200)
     return JSONResponse(response_body(parsed, new_id(parsed.kind),
-                                      parsed.lora or self.served.name, best_choices(parsed, job.choices), sampled=job.choices,
+                                      parsed.lora or self.served.name,
+                                      best_choices(parsed, job.choices), sampled=job.choices,
                                       prompt_scores=scores))
 
   def _score(self, parsed: ParsedRequest) -> list:
