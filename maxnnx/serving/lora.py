@@ -25,7 +25,8 @@ engine's parameters stay the base model's.
 ``peft`` reads), read by :func:`~maxnnx.train.lora.load_adapter`; each one's scale
 ``alpha / r`` is folded into its ``B``, and a rank below ``max_lora_rank`` is padded with
 zeros (exact). A rank above it, a module the model lacks or a missing file is refused when the
-engine is built, naming the adapter and the fix.
+engine is built, naming the adapter and the fix. So is an adapter of MLA's ``kv_b_proj``: the
+paged step applies it to cached latents, where no token's slot is at hand.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ from flax import nnx
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.models.transformer import layer_stacks
 from maxnnx.train.lora.adapters import STACKS_PATH, candidate_modules
+
+#: Projections a paged step applies to cached positions rather than to its own tokens (MLA
+#: rebuilds keys and values from the latents of every gathered page): no per-token slot fits.
+KEY_SIDE_PROJECTIONS = ('kv_b_proj',)
 
 
 class LoraStack(nnx.Variable):
@@ -153,6 +158,11 @@ def read_adapter(model: nnx.Module, name: str, path: str, max_lora_rank: int) ->
     weights[module_path] = (np.asarray(a, np.float32),
                             np.asarray(b, np.float32) * np.float32(config.scale))
   for module_path in weights:
+    if module_path[-1] in KEY_SIDE_PROJECTIONS:
+      raise ValueError(f"Engine lora_modules: adapter '{name}' ({path}) adapts "
+                       f"{'.'.join(map(str, module_path))}, which the paged MLA applies to cached "
+                       'latents, not to the step\'s tokens; serve it merged '
+                       '(merge_adapters) or drop that module.')
     if not re.fullmatch(STACKS_PATH, '/'.join(map(str, module_path))):
       raise ValueError(f"Engine lora_modules: adapter '{name}' ({path}) adapts "
                        f"{'.'.join(map(str, module_path))}, outside the decoder layers; the "
@@ -200,9 +210,7 @@ def install_adapters(model: nnx.Module, adapters: list[LoadedAdapter], num_slots
           b[layer, slot, :b_RO.shape[0]] = b_RO
     if rows == [path]:  # not a scanned stack
       a, b = a[0], b[0]
-    dtype = module.kernel[...].dtype if isinstance(module.kernel, nnx.Variable) else jnp.float32
-    if not jnp.issubdtype(dtype, jnp.floating):
-      dtype = jnp.dtype(module.dtype)
+    dtype = jnp.dtype(module.dtype)  # the compute dtype (the kernel may be quantized)
     setattr(_parent(model, path), path[-1],
             MultiLoraDense(module, jnp.asarray(a, dtype), jnp.asarray(b, dtype)))
     replaced.append(path)
@@ -218,5 +226,5 @@ def parse_lora_modules(entries) -> dict[str, str]:
   return out
 
 
-__all__ = ['LoadedAdapter', 'LoraSlots', 'LoraStack', 'MultiLoraDense', 'install_adapters',
-           'parse_lora_modules', 'read_adapter', 'set_token_slots']
+__all__ = ['KEY_SIDE_PROJECTIONS', 'LoadedAdapter', 'LoraSlots', 'LoraStack', 'MultiLoraDense',
+           'install_adapters', 'parse_lora_modules', 'read_adapter', 'set_token_slots']
