@@ -18,7 +18,7 @@ from maxnnx.checkpoint.safetensors import read_safetensors, write_safetensors
 from maxnnx.config import ConfigError, EngineConfig
 from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.server import make_app, serve_in_thread
-from maxnnx.train.lora import LoraConfig, apply_lora, load_adapter, save_adapter
+from maxnnx.train.lora import LoraConfig, apply_lora, load_adapter, merge_adapters, save_adapter
 from tests.conftest import FIXTURES
 
 LLAMA = os.path.join(FIXTURES, 'llama')
@@ -81,7 +81,7 @@ def test_staggered_requests_for_two_adapters_and_the_base_share_steps_and_match_
     base, adapters, engine):
   """Requests for adapter a, adapter b and the base arrive at different steps and run in the
   same steps; each one's greedy tokens equal maxnnx.generate on its own model (the adapter
-  applied by load_adapter, or the base), and the three models disagree."""
+  merged into the base, or the base), and the three models disagree."""
   rng = np.random.default_rng(0)
   loras = ['a', None, 'b', 'a', 'b', None, 'b']
   arrivals = [0, 0, 1, 2, 2, 3, 5]
@@ -101,8 +101,9 @@ def test_staggered_requests_for_two_adapters_and_the_base_share_steps_and_match_
   finally:
     del engine.runner.layout  # back to the method
   assert any(slots == {0, 1, 2} for slots in steps)  # a, b and the base in one step
-  models = {None: base, 'a': load_adapter(base, adapters['a']),
-            'b': load_adapter(base, adapters['b'])}
+  # The adapters merged into the kernels: the base's program, compiled once for all three.
+  models = {None: base, 'a': merge_adapters(load_adapter(base, adapters['a'])),
+            'b': merge_adapters(load_adapter(base, adapters['b']))}
   longest = max(max_tokens)
   for name, model in models.items():
     mine = [i for i, lora in enumerate(loras) if lora == name]
