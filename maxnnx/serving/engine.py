@@ -234,14 +234,14 @@ class Engine:
                                token_budget=token_budget, prefix_caching=self.prefix_caching,
                                window=window, window_allocator=self.window_allocator,
                                num_state_slots=num_slots)
-    self.lora_slots = self._load_adapters(model)
+    self.lora_slots, lora = self._load_adapters(model)
     self.runner = ModelRunner(
         model, num_pages=self.max_pages + 1, page_size=page_size, max_batch=max_batch,
         token_buckets=self.token_buckets, page_buckets=self.page_buckets,
         num_state_slots=num_slots + 1 if recurrent else 0,
         window_pages=self.max_window_pages + 1 if self.max_window_pages else None, rules=rules,
         kv_cache_dtype=self.config.kv_cache_dtype,
-        num_verify=self.num_speculative_tokens, lora=self._lora)
+        num_verify=self.num_speculative_tokens, lora=lora)
     self.eos_ids = frozenset(eos_token_ids(cfg, tokenizer))
     self.outputs = OutputProcessor(tokenizer, self.eos_ids, self.max_model_len)
     self.sampler = BatchSampler(max_batch, cfg.vocab_size, self.max_logprobs,
@@ -253,18 +253,17 @@ class Engine:
     self.compiles = CompileCounts()
     listen_to_compiles()
 
-  def _load_adapters(self, model) -> dict[str, int]:
-    """Read ``lora_modules``' adapters (kept for the runner in ``self._lora``); returns each
-    name's slot (slot 0 is the base model)."""
-    self._lora = None
+  def _load_adapters(self, model) -> tuple[dict[str, int], tuple | None]:
+    """Read ``lora_modules``' adapters: each name's slot (slot 0 is the base model), and
+    the runner's ``lora`` argument (``None`` without adapters)."""
     entries = parse_lora_modules(self.config.lora_modules)
     if not entries:
-      return {}
+      return {}, None
     rank = self.config.max_lora_rank
     adapters = [read_adapter(model, name, path, rank) for name, path in entries.items()]
     num_slots = 1 + (self.config.max_loras or len(adapters))
-    self._lora = (adapters, num_slots, rank)
-    return {adapter.name: slot for slot, adapter in enumerate(adapters, start=1)}
+    return ({adapter.name: slot for slot, adapter in enumerate(adapters, start=1)},
+            (adapters, num_slots, rank))
 
   @property
   def lora_paths(self) -> dict[str, str]:
@@ -364,8 +363,7 @@ class Engine:
 
     Raises:
       ValueError: for an unknown adapter, an empty prompt, ids outside the vocabulary, a
-        prompt that
-        leaves no room under ``max_model_len``, a request that could never fit in
+        prompt that leaves no room under ``max_model_len``, a request that could never fit in
         the page pool, parameters the engine cannot honour, images that do not
         match the prompt's placeholders, or a structured output whose grammar does not
         compile.

@@ -221,7 +221,7 @@ def parse_lora_modules(entries) -> dict[str, str]:
   """``{name: path}`` of ``EngineConfig.lora_modules`` (``'name=path'`` entries)."""
   out = {}
   for entry in entries:
-    name, sep, path = entry.partition('=')
+    name, _, path = entry.partition('=')
     out[name] = path
   return out
 
