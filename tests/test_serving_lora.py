@@ -145,15 +145,19 @@ def test_unknown_adapter_is_refused_naming_the_served_ones(engine):
   assert engine.lora_names == ('a', 'b') and not engine.has_unfinished()
 
 
-def test_unscanned_layers_serve_adapters_too(adapters):
-  """A model whose layers are a list (no scan) gets the same per-token adapters."""
+def test_unscanned_layers_and_speculative_drafts_serve_adapters_too(adapters):
+  """A model whose layers are a list (no scan) gets the same per-token adapters, and n-gram
+  drafts are verified under their request's adapter: greedy tokens = generate."""
   base = maxnnx.from_pretrained(LLAMA, scan_layers=False)
-  engine = Engine(base, lora_modules={'b': adapters['b']}, **ENGINE)
-  prompt = [7, 3, 99, 41, 200]
-  got = engine.generate([prompt, prompt], _greedy(6), lora=['b', None])
+  engine = Engine(base, lora_modules={'b': adapters['b']}, speculative_method='ngram',
+                  num_speculative_tokens=2, **ENGINE)
+  prompt = [7, 3, 99, 41, 7, 3, 99, 41, 7, 3]  # repeats: prompt lookup finds drafts
+  got = engine.generate([prompt, prompt], _greedy(8), lora=['b', None])
   for completion, model in zip(got, (load_adapter(base, adapters['b']), base)):
-    want = maxnnx.generate(model, [prompt], max_new_tokens=6, eos_ids=None).tokens
+    want = maxnnx.generate(model, [prompt], max_new_tokens=8, eos_ids=None).tokens
     assert list(completion.token_ids) == np.asarray(want)[0].tolist()
+  assert engine.spec.draft_tokens > 0
+  assert got[0].token_ids != got[1].token_ids
 
 
 def _adapter_with(tmp_path, name, extra):
@@ -233,8 +237,9 @@ def served(tmp_path_factory, chat_checkpoint):
 
 def test_server_lists_adapters_selects_them_by_model_and_refuses_unknown_ones(served):
   """/v1/models lists the base and the adapter (parent: the base); a completion with
-  model=<adapter> gives the adapted model's greedy tokens, the base name the base's; an
-  unknown model is a 404 naming what is served."""
+  model=<adapter> gives the adapted model's greedy tokens, the base name the base's (and a
+  chat completion selects the adapter the same way); an unknown model is a 404 naming what
+  is served."""
   directory, adapter, base = served
   app = make_app(directory, model_name='tiny', lora_modules={'sql': adapter},
                  max_batch=2, token_budget=16, page_size=8, max_model_len=64,
@@ -257,11 +262,17 @@ def test_server_lists_adapters_selects_them_by_model_and_refuses_unknown_ones(se
 
     answers = {name: complete(name).json() for name in ('sql', 'tiny')}
     missing = complete('sqll')
+    chats = {name: httpx.post(f'{url}/v1/chat/completions', json={
+        'model': name, 'messages': [{'role': 'user', 'content': 'hello'}], 'max_tokens': 6,
+        'temperature': 0, 'ignore_eos': True, 'return_token_ids': True}, timeout=120).json()
+        for name in ('sql', 'tiny')}
   for name, model in (('sql', load_adapter(base, adapter)), ('tiny', base)):
     want = np.asarray(maxnnx.generate(model, [prompt], max_new_tokens=8, eos_ids=None).tokens)
     assert answers[name]['choices'][0]['token_ids'] == want[0].tolist(), name
     assert answers[name]['model'] == name
   assert answers['sql']['choices'][0]['token_ids'] != answers['tiny']['choices'][0]['token_ids']
+  assert [chats[n]['model'] for n in ('sql', 'tiny')] == ['sql', 'tiny']  # chat selects too
+  assert (chats['sql']['choices'][0]['token_ids'] != chats['tiny']['choices'][0]['token_ids'])
   assert missing.status_code == 404
   error = missing.json()['error']
   assert error['code'] == 'model_not_found' and "'tiny', 'sql'" in error['message']
