@@ -123,7 +123,7 @@ import numpy as np
 from maxnnx.config.engine import EngineConfig
 from maxnnx.inference.stops import eos_token_ids
 from maxnnx.serving.batch_sampler import BatchSampler
-from maxnnx.serving.lora import parse_lora_modules, read_adapter
+from maxnnx.serving.lora import ServedAdapters
 from maxnnx.serving.model_runner import (
   MIN_TOKEN_BUCKET,
   CompileCounts,
@@ -191,7 +191,8 @@ class Engine:
     num_speculative_tokens: drafts a request verifies per step at most (0: no speculative
       decoding).
     spec: the :class:`~maxnnx.serving.speculation.SpecCounts` of speculative decoding.
-    lora_slots: ``{adapter name: slot}`` of the LoRA adapters served (empty without).
+    adapters: the :class:`~maxnnx.serving.lora.ServedAdapters` (LoRA adapters by name, their
+      slots and directories; none without ``lora_modules``).
   """
 
   def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *,
@@ -234,7 +235,7 @@ class Engine:
                                token_budget=token_budget, prefix_caching=self.prefix_caching,
                                window=window, window_allocator=self.window_allocator,
                                num_state_slots=num_slots)
-    self.lora_slots, lora = self._load_adapters(model)
+    self.adapters, lora = ServedAdapters.load(model, self.config)
     self.runner = ModelRunner(
         model, num_pages=self.max_pages + 1, page_size=page_size, max_batch=max_batch,
         token_buckets=self.token_buckets, page_buckets=self.page_buckets,
@@ -253,27 +254,10 @@ class Engine:
     self.compiles = CompileCounts()
     listen_to_compiles()
 
-  def _load_adapters(self, model) -> tuple[dict[str, int], tuple | None]:
-    """Read ``lora_modules``' adapters: each name's slot (slot 0 is the base model), and
-    the runner's ``lora`` argument (``None`` without adapters)."""
-    entries = parse_lora_modules(self.config.lora_modules)
-    if not entries:
-      return {}, None
-    rank = self.config.max_lora_rank
-    adapters = [read_adapter(model, name, path, rank) for name, path in entries.items()]
-    num_slots = 1 + (self.config.max_loras or len(adapters))
-    return ({adapter.name: slot for slot, adapter in enumerate(adapters, start=1)},
-            (adapters, num_slots, rank))
-
-  @property
-  def lora_paths(self) -> dict[str, str]:
-    """``{adapter name: its directory}`` of the LoRA adapters served."""
-    return parse_lora_modules(self.config.lora_modules)
-
   @property
   def lora_names(self) -> tuple[str, ...]:
     """The names of the LoRA adapters served (``lora_modules``), in slot order."""
-    return tuple(self.lora_slots)
+    return self.adapters.names
 
   def _check_positions(self, model) -> None:
     """Warn about positions beyond the trained ones; refuse what a batch cannot serve."""
@@ -369,7 +353,7 @@ class Engine:
         compile.
     """
     params = SamplingParams() if params is None else params
-    lora_slot = self._lora_slot(lora)
+    lora_slot = self.adapters.slot(lora)
     ids = [int(i) for i in np.asarray(self.prompt_ids(prompt)).reshape(-1)]
     self._check_request(ids, params)
     matcher = (None if params.structured is None else
@@ -392,15 +376,6 @@ class Engine:
     self._requests[request_id] = request
     self.scheduler.add(request)
     return request_id
-
-  def _lora_slot(self, lora: str | None) -> int:
-    """The slot of adapter ``lora`` (0 for ``None``); ``ValueError`` naming the adapters."""
-    if lora is None:
-      return 0
-    if lora not in self.lora_slots:
-      served = ', '.join(repr(n) for n in self.lora_names) or 'none (Engine lora_modules)'
-      raise ValueError(f'lora={lora!r} is not an adapter of this engine; it serves {served}.')
-    return self.lora_slots[lora]
 
   def _check_request(self, ids: list[int], params: SamplingParams) -> None:
     """Refuse a request the engine could never serve, with the reason (``ValueError``)."""

@@ -226,5 +226,52 @@ def parse_lora_modules(entries) -> dict[str, str]:
   return out
 
 
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedAdapters:
+  """The LoRA adapters an engine serves.
+
+  Attributes:
+    slots: ``{adapter name: slot}``, in ``lora_modules``' order (slot 0 is the base model).
+    paths: ``{adapter name: its directory}``.
+  """
+
+  slots: dict[str, int] = dataclasses.field(default_factory=dict)
+  paths: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def load(cls, model: nnx.Module, config) -> tuple[ServedAdapters, tuple | None]:
+    """Read an :class:`~maxnnx.config.EngineConfig`'s ``lora_modules``: the adapters served,
+    and the model runner's ``lora`` argument (``(adapters, slots, rank)``; ``None`` without
+    adapters)."""
+    paths = parse_lora_modules(config.lora_modules)
+    if not paths:
+      return cls(), None
+    rank = config.max_lora_rank
+    adapters = [read_adapter(model, name, path, rank) for name, path in paths.items()]
+    slots = {adapter.name: slot for slot, adapter in enumerate(adapters, start=1)}
+    return cls(slots, paths), (adapters, 1 + (config.max_loras or len(adapters)), rank)
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    """The adapters' names, in slot order."""
+    return tuple(self.slots)
+
+  def slot(self, name: str | None) -> int:
+    """The slot of adapter ``name`` (0 for ``None``, the base model).
+
+    Raises:
+      ValueError: ``name`` is not served, naming those that are.
+    """
+    if name is None:
+      return 0
+    if name not in self.slots:
+      served = ', '.join(repr(n) for n in self.names) or 'none (Engine lora_modules)'
+      raise ValueError(f'lora={name!r} is not an adapter of this engine; it serves {served}.')
+    return self.slots[name]
+
+
 __all__ = ['KEY_SIDE_PROJECTIONS', 'LoadedAdapter', 'LoraSlots', 'LoraStack', 'MultiLoraDense',
-           'install_adapters', 'parse_lora_modules', 'read_adapter', 'set_token_slots']
+           'ServedAdapters', 'install_adapters', 'parse_lora_modules', 'read_adapter',
+           'set_token_slots']

@@ -323,7 +323,7 @@ class _Api:
     """The base model's card, or a LoRA adapter's (its ``parent`` the base, as vLLM's)."""
     base = name == self.served.name
     return {'id': name, 'object': 'model', 'created': 0, 'owned_by': 'maxnnx',
-            'root': name if base else self.loop.engine.lora_paths[name],
+            'root': name if base else self.loop.engine.adapters.paths[name],
             'parent': None if base else self.served.name,
             'max_model_len': self.served.max_model_len}
 
