@@ -29,37 +29,12 @@ usable and tested on its own:
 * the :class:`~maxnnx.serving.output_processor.OutputProcessor` detokenizes incrementally and
   holds every stop rule.
 
-**Compiled shapes, and warm-up.** A step is two jitted calls: the model, whose shapes are
-bucketed so that it compiles once per bucket, not per request mix, and the sampler, whose
-``[max_batch, vocab]`` logits never change shape. The buckets form a small set known when
-the engine is built (:meth:`Engine.step_buckets`, :meth:`Engine.sampler_variants`), so
-:meth:`Engine.warmup` compiles every one of them before any request, and a warm engine never
-compiles while it serves. The model's buckets ``(T, max_q, M, wide rows)``:
-
-* ``T``, the flat token count, is one of ``token_buckets`` (default the powers of two from 8
-  below ``token_budget``, and ``token_budget``): the smallest that holds the step's tokens. A
-  pure decode step (every row one token) always takes the smallest that holds ``max_batch``.
-* ``max_q`` is 1 in a pure decode step, else ``T``.
-* ``M``, the pages gathered per row, is one of ``page_buckets`` (default the powers of two
-  below ``ceil(max_model_len / page_size)``, and that).
-* In a step with rows of more than one token (prefill chunks), those rows come first and
-  are gathered ``max_q`` wide: the first row only when it is the one chunk
-  (``PagedBatch.wide_rows`` 1), else every row (``max_batch``); the other rows (decoding, or a
-  one-token chunk) are gathered one token wide, so a chunk does not give each decode row its
-  work.
-
-So there are ``len(page_buckets) * (1 + len(token_buckets) * 2)`` model buckets at most (one
-wide-row choice when ``max_batch`` is 1), twice that for a vision-language model (steps with
-image tokens; only the prefill buckets have them), and one more per page bucket with
-speculative decoding (steps whose rows verify drafts). The sampler's variants: with or without
-log-probabilities, times no control, or logit-bias pairs of a width among the powers of 8
-from 8 up to the first at least the vocabulary (each with or without the penalties' counts).
-Fewer buckets warm faster but pad more: shrink ``token_buckets`` and ``page_buckets`` for a
-quick start, or keep the defaults and a ``compile_cache`` so that a restart reads the
-programs back. :attr:`Engine.compile_count` counts the model step's traces,
-:attr:`Engine.step_shapes` lists the buckets run, :meth:`Engine.max_compiles` is the bound,
-and :attr:`Engine.compiles` counts the programs built (compiled, or read from the persistent
-cache) inside the engine's calls, before and after warm-up.
+**Compiled shapes, and warm-up.** A step is two jitted calls, the model and the sampler. The
+model's shapes are bucketed (flat tokens, widest row, pages per row, wide rows), the buckets
+are a small set known when the engine is built (:meth:`Engine.step_buckets`,
+:meth:`Engine.sampler_variants`), and :meth:`Engine.warmup` compiles every one before any
+request, so a warm engine never compiles while it serves (``docs/architecture.md``, Serving,
+lists the buckets and their number). :attr:`Engine.compiles` counts the programs built.
 
 **Sampling controls and structured outputs** are the sampler's
 (:mod:`maxnnx.serving.batch_sampler`): ``logit_bias``, ``min_tokens`` and the penalties travel
