@@ -2,9 +2,8 @@
 
 :func:`hf_checkpoint` turns the parameter tree of a MaxText checkpoint
 (:func:`maxnnx.checkpoint.maxtext.maxtext_params`) into a Hugging Face ``config.json`` and
-its tensors: the llama-style blocks (``llama2``, ``mistral``, ``mixtral``) here, and
-``gemma``/``gemma2``/``gemma3``, ``gpt_oss``, ``llama4`` and ``deepseek`` each in a function
-of its own that undoes that block's conventions (see :mod:`maxnnx.checkpoint.maxtext`).
+its tensors; each block (llama-style, gemma, gpt_oss, llama4, deepseek) has a function of its
+own that undoes its conventions (see :mod:`maxnnx.checkpoint.maxtext`).
 """
 
 from __future__ import annotations
@@ -95,9 +94,8 @@ def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[st
 
 
 def _llama_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
-  """The ``llama2``, ``mistral`` and ``mixtral`` blocks as HF's ``llama`` / ``mistral`` /
-  ``mixtral``: MaxText's default or llama3.1 rotary embeddings, its ``1/sqrt(head_dim)``
-  folded back out of the query kernel."""
+  """``llama2`` / ``mistral`` / ``mixtral`` as HF's families of those names (default or
+  llama3.1 rotary embeddings; MaxText's ``1/sqrt(head_dim)`` taken back out of the query)."""
   block = settings['decoder_block']
   # layers/attentions.py init_rotary_embedding: LLaMARotaryEmbedding by model name or rope_type
   llama31 = (str(settings['model_name']).startswith('llama3.1')
@@ -496,14 +494,12 @@ def _check_deepseek_settings(settings: dict) -> None:
         'DeepSeek-V3-style (the bias picks the experts, the unbiased scores weight them) only '
         "for model names starting 'deepseek3' (layers/moe.py get_topk); give the run's "
         'model_name (e.g. model_name=deepseek3-671b).')
-  if settings['routed_score_func'] != 'sigmoid':
-    raise CheckpointError(f"routed_score_func={settings['routed_score_func']!r}: the deepseek "
-                          "block is read with DeepSeek-V3's sigmoid routing; give "
-                          'routed_score_func=sigmoid (the setting of the run that wrote it).')
-  if settings['rope_type'] != 'yarn' or not settings['rope_interleave']:
-    raise CheckpointError(f"rope_type={settings['rope_type']} rope_interleave="
-                          f"{settings['rope_interleave']}: the deepseek block is read with yarn "
-                          'and interleaved rotary pairs (rope_type=yarn rope_interleave=true).')
+  wrong = [f'{key}={settings[key]}' for key, wanted in (('routed_score_func', 'sigmoid'),
+             ('rope_type', 'yarn'), ('rope_interleave', True)) if settings[key] != wanted]
+  if wrong:
+    raise CheckpointError(f"{' '.join(wrong)}: the deepseek block is read with DeepSeek-V3's "
+                          'sigmoid routing, yarn and interleaved rotary pairs; give '
+                          'routed_score_func=sigmoid rope_type=yarn rope_interleave=true.')
 
 
 def _deepseek_routed_experts(tensors: dict, prefix: str, routed: dict) -> int:
