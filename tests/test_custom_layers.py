@@ -10,7 +10,15 @@ import maxnnx
 from maxnnx.config import MeshConfig
 from maxnnx.data import TokenWindows
 from maxnnx.kernels.masks import AttentionMask
-from maxnnx.layers import MLP, Attention, BlockParts, DecoderBlock, RMSNorm, logical_param
+from maxnnx.layers import (
+  MLP,
+  Attention,
+  BlockParts,
+  DecoderBlock,
+  LayerCall,
+  RMSNorm,
+  logical_param,
+)
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.rope import RotaryEmbedding
 from maxnnx.train import TrainConfig, Trainer
@@ -56,8 +64,8 @@ def test_gated_attention_is_half_of_plain_attention_at_init():
   positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
   cos_sin = RotaryEmbedding.from_config(cfg.rope, cfg.rope_head_dim, 512).cos_sin(positions)
   mask = AttentionMask.causal(jnp.ones((2, 16), jnp.int32), positions)
-  np.testing.assert_allclose(gated(x_BTD, cos_sin, mask), 0.5 * plain(x_BTD, cos_sin, mask),
-                             rtol=1e-5, atol=1e-6)
+  call = LayerCall(cos_sin=cos_sin, mask=mask)
+  np.testing.assert_allclose(gated(x_BTD, call), 0.5 * plain(x_BTD, call), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('scan', [False, True])
@@ -124,6 +132,52 @@ def test_parts_reach_mtp_blocks_norms_and_block_subclasses():
     assert type(mtp.embed_norm) is MyNorm
     logits, (mtp_logits,) = model(IDS, mtp=True)
     assert logits.shape == mtp_logits.shape == (2, 16, 512)
+
+
+class PaddingMutedMLP(MLP):
+  """The model's MLP, silent on padding tokens (it reads the mask of the layer's call)."""
+
+  def __call__(self, x_BTD, call):
+    keep_BT = call.mask.q_segment_ids != 0
+    return super().__call__(x_BTD, call) * keep_BT[..., None].astype(x_BTD.dtype)
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_an_mlp_part_reads_the_layer_call(scan):
+  cfg = _cfg(scan)
+  segments = jnp.asarray([[1] * 16, [1] * 11 + [0] * 5], jnp.int32)  # row 1 ends in padding
+  plain = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))(IDS, segment_ids=segments)
+  muted = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0),
+                             parts=BlockParts(mlp=PaddingMutedMLP.from_config))
+  muted = muted(IDS, segment_ids=segments)
+  real = np.asarray(segments != 0)
+  np.testing.assert_allclose(muted[real], plain[real], rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(muted - plain))[~real].min() > 0  # the padding saw no MLP
+
+
+def test_layer_call_keeps_python_scalars_static_and_arrays_traced():
+  seen = {}
+
+  @jax.jit
+  def window_of(call):
+    seen['window'], seen['cos'] = call.sliding_window, call.cos_sin[0]
+    return call.cos_sin[0] * 2
+
+  cos_sin = (jnp.ones((1, 4, 2)), jnp.zeros((1, 4, 2)))
+  window_of(LayerCall(cos_sin=cos_sin, sliding_window=8, return_kv=True))
+  assert seen['window'] == 8 and isinstance(seen['cos'], jax.core.Tracer)
+  window_of(LayerCall(cos_sin=cos_sin, sliding_window=jnp.int32(8)))
+  assert isinstance(seen['window'], jax.core.Tracer)
+  call = LayerCall(cos_sin=cos_sin, sliding_window=8, return_kv=True)
+  leaves, treedef = jax.tree.flatten(call)
+  assert len(leaves) == 2 and jax.tree.unflatten(treedef, leaves) == call
+
+
+def test_a_part_refuses_a_field_it_cannot_honour_by_name():
+  LayerCall(sliding_window=None, return_kv=False).refuse('MyAttention', 'sliding_window',
+                                                         'return_kv')
+  with pytest.raises(ValueError, match=r'MyAttention does not support LayerCall\.chunk_size'):
+    LayerCall(chunk_size=8).refuse('MyAttention', 'sliding_window', 'chunk_size')
 
 
 def test_a_parameter_without_logical_names_is_refused():

@@ -12,6 +12,7 @@ from maxnnx.kernels.attention import XlaAttention, get_attention_kernel
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
 from maxnnx.layers.attention import Attention
+from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.rope import RotaryEmbedding
 
 PACKED_SEGMENTS = np.array([[1, 1, 1, 2, 2, 3, 3, 3]])
@@ -215,7 +216,8 @@ def _module(cfg, seed=0):
 
 @nnx.jit(static_argnames=('rotary', 'window'))
 def _jit_module(attn, x, seg, pos, rotary, window):
-  return attn(x, rotary.cos_sin(pos), AttentionMask.causal(seg, pos), sliding_window=window)
+  return attn(x, LayerCall(cos_sin=rotary.cos_sin(pos), mask=AttentionMask.causal(seg, pos),
+                           sliding_window=window))
 
 
 def _run(attn, cfg, x, seg, pos, window=None):

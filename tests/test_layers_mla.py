@@ -12,6 +12,7 @@ from flax import nnx
 
 import maxnnx
 from maxnnx.kernels.masks import AttentionMask
+from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.mla import MLA, mla_query_scale
 
 
@@ -88,17 +89,18 @@ def test_sparse_attention_equals_dense_attention_over_the_selected_keys():
     np.testing.assert_array_equal(np.flatnonzero(selected[b, t]), np.sort(best))
   assert (selected.sum(-1) < visible.sum(-1)).any()  # the selection drops keys
 
-  sparse = attn(x, cos_sin, mask)
+  call = LayerCall(cos_sin=cos_sin, mask=mask)
+  sparse = attn(x, call)
   dense_attn = nnx.merge(nnx.graphdef(MLA(model.config.replace(**{'mla.index_topk': None}),
                                           rngs=nnx.Rngs(0))),
                          nnx.filter_state(nnx.state(attn), lambda path, _: 'indexer' not in path))
   original = dense_attn.kernel
   dense_attn.kernel = _with_key_mask(original, jnp.asarray(selected))
-  masked = dense_attn(x, cos_sin, mask)
+  masked = dense_attn(x, call)
   valid = np.asarray(segments != 0)
   np.testing.assert_allclose(np.asarray(sparse)[valid], np.asarray(masked)[valid], atol=1e-5)
   dense_attn.kernel = original
-  assert np.abs(np.asarray(dense_attn(x, cos_sin, mask)) - np.asarray(sparse))[valid].max() > 1e-2
+  assert np.abs(np.asarray(dense_attn(x, call)) - np.asarray(sparse))[valid].max() > 1e-2
 
 
 def _with_key_mask(kernel, key_mask_BTS):

@@ -5,6 +5,7 @@ from maxnnx.layers.attention import Attention
 from maxnnx.layers.block import DecoderBlock
 from maxnnx.layers.embedding import Embed
 from maxnnx.layers.gated_deltanet import GatedDeltaNet
+from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.mlp import MLP
 from maxnnx.layers.norms import LayerNorm, RMSNorm
@@ -13,5 +14,5 @@ from maxnnx.layers.parts import BlockParts, PartFactory
 from maxnnx.layers.rope import RotaryEmbedding
 
 __all__ = ['Attention', 'AttentionMask', 'BlockParts', 'DecoderBlock', 'DenseGeneral', 'Embed',
-           'GatedDeltaNet', 'LayerNorm', 'MLP', 'PartFactory', 'RMSNorm', 'RotaryEmbedding',
-           'logical_param']
+           'GatedDeltaNet', 'LayerCall', 'LayerNorm', 'MLP', 'PartFactory', 'RMSNorm',
+           'RotaryEmbedding', 'logical_param']

@@ -1,7 +1,8 @@
 """Multi-head attention with GQA/MQA, q/k norms, sinks, rotary embeddings and a KV cache.
 
-Per layer, the caller chooses the rotary ``(cos, sin)`` (``None`` for NoPE
-layers), a sliding window or a chunk size (Llama 4's local attention).
+Per layer, the caller's :class:`~maxnnx.layers.layer_call.LayerCall` gives the rotary
+``(cos, sin)`` (``None`` for NoPE layers), a sliding window or a chunk size (Llama 4's local
+attention), and the KV cache slot or paged batch.
 
 Two caches exist side by side: the contiguous one of :meth:`Attention.init_cache`
 (``[B, S]`` slots per row, used by ``maxnnx.generate``) and the paged one of
@@ -9,8 +10,7 @@ Two caches exist side by side: the contiguous one of :meth:`Attention.init_cache
 by the serving engine). Either may be quantized (``kv_cache_dtype`` ``int8`` or ``fp8``:
 :mod:`maxnnx.kernels.kv_quant`): keys and values are stored with a float32 scale per token and
 KV head beside them, quantized as they are written and dequantized as they are read. A paged
-call gets a
-:class:`~maxnnx.kernels.paged_attention.PagedBatch` that says where this step's
+call gets a :class:`~maxnnx.kernels.paged_attention.PagedBatch` that says where this step's
 tokens go; the layer writes their keys and values into the pages and calls the
 paged-attention strategy (``cfg.runtime.paged_attention_impl``). Nothing here knows
 about requests or scheduling.
@@ -30,10 +30,9 @@ from maxnnx.kernels.kv_quant import (
   quantize_kv,
 )
 from maxnnx.kernels.lookup import kernel_for
-from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
-from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.context_parallel import attend
+from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.params import logical_param
@@ -202,42 +201,39 @@ class Attention(nnx.Module):
         jnp.floor((positions_BT.astype(jnp.float32) + 1.0) / floor))
     return (q_BTNH * scale_BT[..., None, None]).astype(q_BTNH.dtype)
 
-  def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None,
-               mask: AttentionMask | None, *, sliding_window: int | jax.Array | None = None,
-               cache_index: jax.Array | None = None, paged: PagedBatch | None = None,
-               chunk_size: int | jax.Array | None = None,
-               nope: jax.Array | None = None, shared_kv: tuple | None = None,
-               return_kv: bool = False) -> jax.Array | tuple[jax.Array, tuple]:
-    """Attention output ``[B, T, d_model]``.
+  def __call__(self, x_BTD: jax.Array, call: LayerCall) -> jax.Array | tuple[jax.Array, tuple]:
+    """Attention output ``[B, T, d_model]``, as ``call`` (a
+    :class:`~maxnnx.layers.layer_call.LayerCall`) says.
 
-    ``cos_sin`` is the layer's rotary ``(cos, sin)``, or ``None`` to rotate
+    ``call.cos_sin`` is the layer's rotary ``(cos, sin)``, or ``None`` to rotate
     nothing (models with learned absolute positions, NoPE layers).
-    ``chunk_size`` makes the layer's attention chunked (``ModelConfig.attention_chunk_size``).
-    ``nope`` (a traced bool, scanned stacks only) says whether this layer skips
+    ``call.sliding_window`` and ``call.chunk_size`` restrict the keys each query sees
+    (``ModelConfig.sliding_window``, ``attention_chunk_size``).
+    ``call.nope`` (a traced bool, scanned stacks only) says whether this layer skips
     the rotation that ``cos_sin`` would apply.
 
-    With ``cache_index`` (decoding), this step's keys and values are written
+    With ``call.cache_index`` (decoding), this step's keys and values are written
     into the cache at that slot and the queries attend over the whole cache;
-    ``mask`` then describes the cache slots as keys.
+    ``call.mask`` then describes the cache slots as keys.
 
-    With ``paged`` (serving), ``x`` is ``[1, T, d_model]``: the flat tokens of
+    With ``call.paged`` (serving), ``x`` is ``[1, T, d_model]``: the flat tokens of
     every scheduled request. Their keys and values are written into the page
     pool at ``paged.slots_T`` and each token attends over its request's pages;
-    ``mask`` is not used.
+    ``call.mask`` is not used.
 
-    ``return_kv`` also returns the keys and values the kernel attended over (this
+    ``call.return_kv`` also returns the keys and values the kernel attended over (this
     call's, the whole cache when decoding, the page pools when paged), which a
-    ``kv_shared`` layer of the same type then receives as ``shared_kv`` in the same
+    ``kv_shared`` layer of the same type then receives as ``call.shared_kv`` in the same
     mode: ``(out, (k, v))``.
     """
-    if paged is not None:
-      return self._paged(x_BTD, cos_sin, paged, sliding_window, chunk_size, nope, shared_kv,
-                         return_kv)
+    if call.paged is not None:
+      return self._paged(x_BTD, call)
+    mask, cos_sin, nope, cache_index = call.mask, call.cos_sin, call.nope, call.cache_index
     q_BTNH, gate_BTNH = self._query(x_BTD)
     positions_BT = None if mask is None else mask.q_positions
-    if shared_kv is not None:
+    if call.shared_kv is not None:
       q_BTNH, _ = self._normalise(q_BTNH, None, cos_sin, positions_BT, nope)
-      k_BTKH, v_BTKH = (a.astype(q_BTNH.dtype) for a in shared_kv)
+      k_BTKH, v_BTKH = (a.astype(q_BTNH.dtype) for a in call.shared_kv)
     else:
       k_BTKH, v_BTKH = self._keys_values(x_BTD)
       q_BTNH, k_BTKH = self._normalise(q_BTNH, k_BTKH, cos_sin, positions_BT, nope)
@@ -246,7 +242,7 @@ class Attention(nnx.Module):
     q_BTNH = checkpoint_name(constrain(q_BTNH, Q_AXES), 'query_proj')
     k_BTKH = checkpoint_name(constrain(k_BTKH, KV_AXES), 'key_proj')
     v_BTKH = checkpoint_name(constrain(v_BTKH, KV_AXES), 'value_proj')
-    options = self._options(sliding_window, chunk_size)
+    options = self._options(call.sliding_window, call.chunk_size)
     if self.max_logits is not None and cache_index is None and mask is not None:
       self.max_logits[...] = head_max_logits(q_BTNH, k_BTKH, options.visible(mask),
                                              self.scale)
@@ -254,7 +250,7 @@ class Attention(nnx.Module):
                           gate_BTNH)
     out_BTNH = checkpoint_name(constrain(out_BTNH, Q_AXES), 'attention_out')
     out_BTD = checkpoint_name(constrain(self.o_proj(out_BTNH), OUT_AXES), 'out_proj')
-    return (out_BTD, (k_BTKH, v_BTKH)) if return_kv else out_BTD
+    return (out_BTD, (k_BTKH, v_BTKH)) if call.return_kv else out_BTD
 
   def _write_cache(self, k_BTKH, v_BTKH, cache_index, dtype):
     """Write this step's keys and values at ``cache_index``; the whole cache, in ``dtype``."""
@@ -283,8 +279,10 @@ class Attention(nnx.Module):
                             sliding_window=sliding_window, sinks_N=sinks_N,
                             chunk_size=chunk_size)
 
-  def _paged(self, x_1TD, cos_sin, paged: PagedBatch, sliding_window, chunk_size,
-             nope, shared_kv=None, return_kv=False):
+  def _paged(self, x_1TD, call: LayerCall):
+    """``[1, T, d_model]`` (and the page pools with ``call.return_kv``): the flat tokens'
+    attention over their requests' pages, after writing their keys and values there."""
+    paged, cos_sin, nope, shared_kv = call.paged, call.cos_sin, call.nope, call.shared_kv
     q_1TNH, gate_1TNH = self._query(x_1TD)
     positions_1T = paged.positions(x_1TD.shape[1])[None] if self.temperature else None
     if shared_kv is not None:  # the page pools of the layer this one shares with
@@ -304,10 +302,10 @@ class Attention(nnx.Module):
           pool[...] = pages
         else:
           pool[...], scales[...] = pages.values, pages.scales
-    options = self._options(sliding_window, chunk_size)
+    options = self._options(call.sliding_window, call.chunk_size)
     out_TNH = self.paged_kernel(q_1TNH[0], pages_k, pages_v, paged, options)
     out_1TD = self.o_proj(self._gate(out_TNH[None].astype(q_1TNH.dtype), gate_1TNH))
-    return (out_1TD, (pages_k, pages_v)) if return_kv else out_1TD
+    return (out_1TD, (pages_k, pages_v)) if call.return_kv else out_1TD
 
   @staticmethod
   def _pool(pages, scales):

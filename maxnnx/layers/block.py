@@ -4,11 +4,11 @@ import jax
 from flax import nnx
 
 from maxnnx.config import LayerType, ModelConfig
-from maxnnx.kernels.masks import AttentionMask
 from maxnnx.layers.attention import Attention
 from maxnnx.layers.dropout import ATTENTION, dropout
 from maxnnx.layers.dropout import MLP as MLP_SITE
 from maxnnx.layers.gated_deltanet import GatedDeltaNet
+from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.mla import MLA
 from maxnnx.layers.mlp import MLP
 from maxnnx.layers.moe import MoE
@@ -101,51 +101,40 @@ class DecoderBlock(nnx.Module):
                                        cfg.jnp_dtype('param_dtype'), (None,))
                          if cfg.layer_scale else None)
 
-  def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask | None, *,
-               sliding_window=None, cache_index=None, paged=None, chunk_size=None,
-               nope=None, per_layer_input=None, shared_kv=None, return_kv=False):
-    """The block's output ``[B, T, d_model]``; the keywords go to the attention.
+  def __call__(self, x_BTD: jax.Array, call: LayerCall) -> jax.Array | tuple[jax.Array, tuple]:
+    """The block's output ``[B, T, d_model]``.
 
-    ``paged`` (a :class:`~maxnnx.kernels.paged_attention.PagedBatch`),
-    ``chunk_size`` (chunked layers), ``nope`` (scanned stacks mixing NoPE and
-    rotary layers), ``shared_kv`` and ``return_kv`` (key/value sharing across
-    layers, see :class:`~maxnnx.layers.attention.Attention`) are passed on only when
-    set, so custom attention parts without them keep working everywhere else.
-    ``per_layer_input`` ``[B, T, P]`` is this layer's slice of the per-layer inputs.
-    With ``return_kv`` the result is ``(output, the attention's keys and values)``.
+    ``call`` (:class:`~maxnnx.layers.layer_call.LayerCall`) goes as it is to the attention,
+    the MLP and the MoE; the block itself reads ``call.per_layer_input`` (this layer's
+    ``[B, T, P]`` slice of the per-layer inputs) and ``call.return_kv``, with which the
+    result is ``(output, the attention's keys and values)``.
     """
     x_BTD = constrain(x_BTD, RESIDUAL_AXES)
     h = self.attn_pre_norm(x_BTD) if self.attn_pre_norm is not None else x_BTD
-    extra = {} if paged is None else {'paged': paged}
-    for name, value in (('chunk_size', chunk_size), ('nope', nope), ('shared_kv', shared_kv),
-                        ('return_kv', return_kv or None)):
-      if value is not None:
-        extra[name] = value
-    h = self.attn(h, cos_sin, mask, sliding_window=sliding_window, cache_index=cache_index,
-                  **extra)
+    h = self.attn(h, call)
     kv = None
-    if return_kv:
+    if call.return_kv:
       h, kv = h
     if self.attn_post_norm is not None:
       h = self.attn_post_norm(h)
     x_BTD = x_BTD + self._dropped(h, ATTENTION)
     h = self.mlp_pre_norm(x_BTD) if self.mlp_pre_norm is not None else x_BTD
-    h = self.mlp(h)
+    h = self.mlp(h, call)
     if self.moe is not None:
-      routed = self.moe(self.moe_pre_norm(x_BTD), router_input_BTD=x_BTD)
+      routed = self.moe(self.moe_pre_norm(x_BTD), call, router_input_BTD=x_BTD)
       h = self.dense_post_norm(h) + self.moe_post_norm(routed)
     if self.mlp_post_norm is not None:
       h = self.mlp_post_norm(h)
     x_BTD = x_BTD + self._dropped(h, MLP_SITE)
     if self.per_layer_input is not None:
-      if per_layer_input is None:
+      if call.per_layer_input is None:
         raise ValueError('This block takes a per-layer input (ModelConfig.per_layer_input_dim '
-                         '> 0): pass per_layer_input=[B, T, per_layer_input_dim].')
-      x_BTD = x_BTD + self.per_layer_input(x_BTD, per_layer_input)
+                         '> 0): set LayerCall.per_layer_input=[B, T, per_layer_input_dim].')
+      x_BTD = x_BTD + self.per_layer_input(x_BTD, call.per_layer_input)
     if self.layer_scalar is not None:
       x_BTD = x_BTD * self.layer_scalar[...].astype(x_BTD.dtype)
     x_BTD = constrain(x_BTD, RESIDUAL_AXES)
-    return (x_BTD, kv) if return_kv else x_BTD
+    return (x_BTD, kv) if call.return_kv else x_BTD
 
   def _dropped(self, h: jax.Array, site: int) -> jax.Array:
     """``h`` under residual dropout (in the train step only; :mod:`maxnnx.layers.dropout`)."""

@@ -37,8 +37,8 @@ from flax import nnx
 
 from maxnnx.config import ModelConfig
 from maxnnx.kernels.lookup import kernel_for
-from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.paged_attention import PagedBatch
+from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norms import RMSNorm
 from maxnnx.layers.params import logical_param
@@ -180,15 +180,15 @@ class GatedDeltaNet(nnx.Module):
     return (jnp.zeros((rows, taps - 1, self.channels), dtype),
             jnp.zeros((rows, self.value_heads, self.key_dim, self.value_dim), jnp.float32))
 
-  def __call__(self, x_BTD: jax.Array, cos_sin, mask: AttentionMask | None, *,
-               sliding_window=None, cache_index: jax.Array | None = None,
-               paged: PagedBatch | None = None) -> jax.Array:
-    """Output ``[B, T, d_model]``; ``cos_sin`` and ``sliding_window`` are not used.
+  def __call__(self, x_BTD: jax.Array, call: LayerCall) -> jax.Array:
+    """Output ``[B, T, d_model]``; of ``call`` (a :class:`~maxnnx.layers.layer_call.LayerCall`)
+    it reads ``mask`` (its query segments: padding), ``cache_index`` and ``paged``.
 
-    ``paged``: the serving engine's flat tokens (``x`` is ``[1, T, d_model]``), each
+    ``call.paged``: the serving engine's flat tokens (``x`` is ``[1, T, d_model]``), each
     row continuing its slot's state (see the module docstring).
     """
-    del cos_sin, sliding_window
+    call.refuse('GatedDeltaNet', 'chunk_size', 'nope', 'shared_kv', 'return_kv')
+    mask, cache_index, paged = call.mask, call.cache_index, call.paged
     batch, length, _ = x_BTD.shape
     taps = self.conv1d.weight.shape[1]
     segments_BT = (jnp.ones((batch, length), jnp.int32) if mask is None

@@ -35,7 +35,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxnnx.config import ModelConfig
 from maxnnx.kernels.lookup import kernel_for
-from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.attention import KV_AXES, OUT_AXES, Q_AXES
@@ -46,6 +45,7 @@ from maxnnx.layers.indexer import (
   attention_target,
   indexer_kl_loss,
 )
+from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norms import RMSNorm
 from maxnnx.layers.qk_clip import MaxLogits, head_max_logits
@@ -151,15 +151,17 @@ class MLA(nnx.Module):
       self.pages_index_keys = nnx.Cache(
           jnp.zeros((num_pages, page_size, self.indexer.head_dim), dtype))
 
-  def __call__(self, x_BTD: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
-               mask: AttentionMask | None, *, sliding_window: int | jax.Array | None = None,
-               cache_index: jax.Array | None = None,
-               paged: PagedBatch | None = None) -> jax.Array:
-    """Attention output ``[B, T, d_model]`` (see :class:`~maxnnx.layers.Attention`).
+  def __call__(self, x_BTD: jax.Array, call: LayerCall) -> jax.Array:
+    """Attention output ``[B, T, d_model]`` (see :class:`~maxnnx.layers.Attention`); of
+    ``call`` (a :class:`~maxnnx.layers.layer_call.LayerCall`) it reads ``cos_sin``, ``mask``,
+    ``sliding_window``, ``cache_index`` and ``paged``.
 
-    With ``paged``, the pages hold the compressed cache; each request's latents are
+    With ``call.paged``, the pages hold the compressed cache; each request's latents are
     gathered, expanded to keys and values and attended with the layer's dense kernel.
     """
+    call.refuse('MLA', 'chunk_size', 'nope', 'shared_kv', 'return_kv')
+    cos_sin, mask, sliding_window = call.cos_sin, call.mask, call.sliding_window
+    cache_index, paged = call.cache_index, call.paged
     q_BTNQ, latent_BTL, k_rot_BT1R, q_lora_BTR = self._project(x_BTD, cos_sin)
     if paged is not None:
       index = (None if self.indexer is None else

@@ -7,6 +7,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxnnx.config import ModelConfig, RuntimeConfig
+from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.sharding import constrain
 
@@ -48,7 +49,10 @@ class MLP(nnx.Module):
     return cls(cfg.d_model, cfg.mlp_dim, activation=cfg.mlp_activation, gated=cfg.mlp_gated,
                use_bias=cfg.mlp_bias, runtime=cfg.runtime, rngs=rngs)
 
-  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, call: LayerCall | None = None) -> jax.Array:
+    """``[B, T, d_model]``; ``call`` (the block's :class:`~maxnnx.layers.layer_call.LayerCall`)
+    is not read: the MLP acts on each token alone."""
+    del call
     act = ACTIVATIONS[self.activation]
     if self.gate_proj is not None:
       h_BTF = act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD)

@@ -45,6 +45,7 @@ from maxnnx.config import ModelConfig, MoEConfig, RuntimeConfig
 from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.options import RaggedDotOptions
 from maxnnx.layers.expert_parallel import dispatch_all_to_all
+from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.mlp import ACTIVATIONS, MLP
 from maxnnx.layers.moe_dispatch import CapacityPlan, capacity, sorted_inputs
@@ -321,12 +322,16 @@ class MoE(nnx.Module):
     y_ECD = self.batched_ffn(constrain(buffer_ECD, EXPERT_AXES), self.expert_weights())
     return plan.combine(y_ECD, weights_NK)
 
-  def __call__(self, x_BTD: jax.Array, router_input_BTD: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, call: LayerCall | None = None,
+               router_input_BTD: jax.Array | None = None) -> jax.Array:
     """MoE output ``[B, T, d_model]``; also records this call's :class:`MoeAux`.
+
+    ``call`` (the block's :class:`~maxnnx.layers.layer_call.LayerCall`) is not read.
 
     ``router_input_BTD`` (default ``x_BTD``) is what the router reads: Gemma 4
     routes on the residual stream while its experts read a normalised copy.
     """
+    del call
     cfg = self.cfg
     batch, length, d = x_BTD.shape
     x_ND = x_BTD.reshape(-1, d)

@@ -13,22 +13,28 @@ it, in both layer layouts (a list of blocks, or one stacked block under
 
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0), parts=BlockParts(attention=MyAttention))
 
-A replacement must be called like the part it replaces:
+A replacement must be called like the part it replaces. The model builds one
+:class:`~maxnnx.layers.layer_call.LayerCall` per layer and call (the layer's rotary
+``(cos, sin)``, mask, sliding window or chunk size, KV cache slot or paged batch, per-layer
+input, shared keys and values, ...); the block passes it on as it is, and each part reads the
+fields it needs:
 
-* attention: ``attn(x_BTD, cos_sin, mask, *, sliding_window=None, cache_index=None)``
-  -> ``[B, T, d_model]``, where ``cos_sin`` is the ``(cos, sin)`` pair of the
-  layer's rotary embedding (``None`` in models with learned positions) and ``mask`` an
-  :class:`~maxnnx.kernels.masks.AttentionMask`. For KV-cache decoding it also
-  needs ``init_cache(batch, max_length, dtype)``; for the serving engine,
-  ``init_paged_cache(num_pages, page_size, dtype)`` and a ``paged=`` keyword taking a
+* attention: ``attn(x_BTD, call)`` -> ``[B, T, d_model]`` (``(out, (k, v))`` when
+  ``call.return_kv``), where ``call.cos_sin`` is the ``(cos, sin)`` pair of the layer's rotary
+  embedding (``None`` to rotate nothing) and ``call.mask`` an
+  :class:`~maxnnx.kernels.masks.AttentionMask`. For KV-cache decoding (``call.cache_index``
+  set) it also needs ``init_cache(batch, max_length, dtype)``; for the serving engine,
+  ``init_paged_cache(num_pages, page_size, dtype)`` and ``call.paged``, a
   :class:`~maxnnx.kernels.paged_attention.PagedBatch` (subclass
   :class:`~maxnnx.layers.attention.Attention` to inherit all three, and the quantized caches
-  of ``kv_cache_dtype='int8'`` or ``'fp8'``, which other replacements refuse).
-* mlp, moe: ``mlp(x_BTD)`` -> ``[B, T, d_model]``.
+  of ``kv_cache_dtype='int8'`` or ``'fp8'``, which other replacements refuse). A part that
+  cannot honour a field the model sets should say so:
+  ``call.refuse('MyAttention', 'chunk_size')`` raises a one-line error naming it.
+* mlp, moe: ``mlp(x_BTD, call)`` -> ``[B, T, d_model]`` (the built-in ones read nothing of
+  ``call``; a MoE beside a dense MLP, ``moe.dense_branch``, also gets ``router_input_BTD=``).
 * norm: ``norm(x_BTD)`` -> ``[B, T, d_model]``.
-* block: ``block(x_BTD, cos_sin, mask, *, sliding_window=None, cache_index=None)``
-  with an ``attn`` attribute (the KV cache lives there); the serving engine also
-  passes ``paged=``.
+* block: ``block(x_BTD, call)`` with an ``attn`` attribute (the KV cache lives there); it
+  returns ``(x_BTD, keys and values)`` when ``call.return_kv``.
 
 Every parameter of a replacement must carry logical axis names (create it with
 :func:`maxnnx.layers.params.logical_param` or

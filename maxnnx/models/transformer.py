@@ -23,6 +23,7 @@ from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.block import RESIDUAL_AXES, DecoderBlock, make_block
 from maxnnx.layers.dropout import EMBEDDING_SEED, DropoutSeed, dropout
 from maxnnx.layers.embedding import Embed, LearnedPositions
+from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.mtp import MTPLayer, shift_left
 from maxnnx.layers.norm_factory import make_norm
@@ -332,15 +333,14 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
                       else self.per_layer_inputs(ids_BT, x_BTD))
     shared = {}
     for i, block in enumerate(self.layers):
-      layer_cos_sin, window, chunk = self._layer_attention(i, cos_sin)
-      extra = {}
-      if per_layer_BTLP is not None:
-        extra['per_layer_input'] = per_layer_BTLP[:, :, i]
-      if donors[i] is not None:
-        extra['shared_kv'] = shared[donors[i]]
-      layer_paged = paged if paged is None or window is None else paged.sliding_layers()
-      out = self._apply_block(block, x_BTD, layer_cos_sin, mask, window, cache_index,
-                              layer_paged, chunk, return_kv=i in wanted, **extra)
+      call = self._layer_call(i, cos_sin, mask, cache_index=cache_index, return_kv=i in wanted,
+                              per_layer_input=(None if per_layer_BTLP is None
+                                               else per_layer_BTLP[:, :, i]),
+                              shared_kv=None if donors[i] is None else shared[donors[i]])
+      if paged is not None:
+        call = call.replace(paged=paged if call.sliding_window is None
+                            else paged.sliding_layers())
+      out = self._apply_block(block, x_BTD, call)
       x_BTD, shared[i] = out if i in wanted else (out, None)
     return x_BTD
 
@@ -356,12 +356,11 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
     """Normed hidden states of every MTP depth; ``h_BTD`` is the last block's output."""
     cfg = self.config
     # MTP blocks attend like the last layer.
-    cos_sin, window, chunk = self._layer_attention(cfg.num_layers - 1,
-                                                   self._cos_sin(positions_BT))
+    call = self._layer_call(cfg.num_layers - 1, self._cos_sin(positions_BT), mask)
     out = []
     for k, layer in enumerate(self.mtp, start=1):
       h_BTD = layer(h_BTD, self._embed(shift_left(input_ids_BT, k), positions_BT))
-      h_BTD = self._apply_block(layer.block, h_BTD, cos_sin, mask, window, None, chunk=chunk)
+      h_BTD = self._apply_block(layer.block, h_BTD, call)
       out.append(layer.final_norm(h_BTD))
     return tuple(out)
 
@@ -378,40 +377,32 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
                else full)
     return {'full': full, 'sliding': sliding, 'chunked': full, 'linear': None}
 
-  def _layer_attention(self, layer: int, cos_sin: dict):
-    """Layer ``layer``'s ``(cos_sin, sliding window, chunk size)``; ``None`` where unused
-    (``cos_sin`` is ``None`` in NoPE layers)."""
+  def _layer_call(self, layer: int, cos_sin: dict, mask, **fields) -> LayerCall:
+    """Layer ``layer``'s :class:`LayerCall`: its rotary tables (``None`` in NoPE layers),
+    sliding window or chunk size (``None`` where unused), ``mask`` and ``fields``."""
     cfg = self.config
     layer_type = cfg.resolved_layer_types[layer]
-    window = cfg.sliding_window if layer_type == 'sliding' else None
-    chunk = cfg.attention_chunk_size if layer_type == 'chunked' else None
-    return (None if layer in cfg.nope_layers else cos_sin[layer_type]), window, chunk
+    return LayerCall(cos_sin=None if layer in cfg.nope_layers else cos_sin[layer_type],
+                     mask=mask,
+                     sliding_window=cfg.sliding_window if layer_type == 'sliding' else None,
+                     chunk_size=cfg.attention_chunk_size if layer_type == 'chunked' else None,
+                     **fields)
 
-  def _apply_block(self, block, x_BTD, cos_sin, mask, window, cache_index, paged=None,
-                   chunk=None, nope=None, return_kv=False, **arrays):
-    """One block, rematerialised per ``config.runtime.remat_policy`` when training.
-
-    ``arrays`` (``per_layer_input``, ``shared_kv``) go to the block as they are;
-    ``return_kv`` makes the result ``(x, keys and values)``.
-    """
-    spans = {'sliding_window': window, **arrays}
-    for name, value in (('chunk_size', chunk), ('nope', nope)):
-      if value is not None:  # passed only when set, like paged (see DecoderBlock)
-        spans[name] = value
-    static = {'return_kv': True} if return_kv else {}
-    if paged is not None:
-      return block(x_BTD, cos_sin, mask, paged=paged, **spans, **static)
-    if cache_index is not None or self.config.runtime.remat_policy == 'none':
-      return block(x_BTD, cos_sin, mask, cache_index=cache_index, **spans, **static)
+  def _apply_block(self, block, x_BTD, call: LayerCall):
+    """``block(x_BTD, call)``, rematerialised per ``config.runtime.remat_policy`` when
+    training (not when decoding or paged)."""
+    if (call.paged is not None or call.cache_index is not None
+        or self.config.runtime.remat_policy == 'none'):
+      return block(x_BTD, call)
     graphdef, state = nnx.split(block)
 
-    def run(state, x, cos_sin, mask, spans):
+    def run(state, x, call):
       block = nnx.merge(graphdef, state)
-      return block(x, cos_sin, mask, **spans, **static), nnx.state(block, ForwardStat)
+      return block(x, call), nnx.state(block, ForwardStat)
 
     runtime = self.config.runtime
     out, aux = remat(run, runtime.remat_policy, save=runtime.remat_save,
-                     offload=runtime.remat_offload)(state, x_BTD, cos_sin, mask, spans)
+                     offload=runtime.remat_offload)(state, x_BTD, call)
     nnx.update(block, aux)  # forward statistics (ForwardStat) computed inside the remat
     return out
 
@@ -457,8 +448,9 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
                                      cos_sin['sliding'], cos_sin['full'])
       else:
         window, chunk, layer_cos_sin = static_window, static_chunk, cos_sin[static]
-      x = self._apply_block(block, x, layer_cos_sin, mask, window, cache_index, paged, chunk,
-                            nope)
+      call = LayerCall(cos_sin=layer_cos_sin, mask=mask, sliding_window=window,
+                       chunk_size=chunk, nope=nope, cache_index=cache_index, paged=paged)
+      x = self._apply_block(block, x, call)
       return x, nnx.state(block, (nnx.Cache, ForwardStat))
 
     x_BTD, carried_state = jax.lax.scan(body, x_BTD, (state, kinds_L))
