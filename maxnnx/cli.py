@@ -411,6 +411,7 @@ def serve(options: dict) -> None:
              log_level=options['log_level'], model_name=options['served_model_name'] or None,
              max_queue=options['max_queue'], max_request_bytes=options['max_request_bytes'],
              add_bos=options['add_bos'], dtype=options['dtype'] or None,
+             reasoning_parser=options['reasoning_parser'] or None,
              tensor_parallel=options['tensor_parallel'], quantization=options['quantization'],
              **{f.name: options[f.name] for f in dataclasses.fields(EngineConfig)})
 

@@ -166,6 +166,8 @@ class ServeConfig(ValidatedConfig):
     log_level: uvicorn log level: critical, error, warning, info, debug, trace.
     compile_cache: directory of JAX's persistent compilation cache (empty: off): a restarted server
       finds its engine's step programs compiled.
+    reasoning_parser: deepseek_r1 or qwen3: a chat reply's <think> block comes back as
+      reasoning_content, apart from the content (empty: the reply is all content).
   """
 
   model: str = ''
@@ -180,6 +182,7 @@ class ServeConfig(ValidatedConfig):
   tensor_parallel: int = 1
   log_level: str = 'info'
   compile_cache: str = ''
+  reasoning_parser: str = ''
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,6 +69,7 @@ def _template(tokenizer, chat_template: ChatTemplate | str | None) -> ChatTempla
 
 def served_model(engine_or_model_dir, model_name: str | None, chat_template, add_bos: bool,
                   image_processor, *, dtype: str | None, tensor_parallel: int,
+                  reasoning_parser: str | None = None,
                   **engine_kwargs) -> tuple[Engine, ServedModel]:
   """The engine (loaded from a directory, or the one given) and what the API serves of it
   (name, tokenizer, chat template, limits, images): see :func:`make_app`."""
@@ -96,4 +97,4 @@ def served_model(engine_or_model_dir, model_name: str | None, chat_template, add
       max_logprobs=engine.max_logprobs,
       chat_stop_ids=eos_token_ids(tokenizer=tokenizer, end_of_turn=True),
       add_bos=add_bos, image_processor=image_processor, image_prompt=image_prompt,
-      lora_names=engine.lora_names)
+      lora_names=engine.lora_names, reasoning_parser=reasoning_parser)

@@ -107,6 +107,8 @@ class ServedModel:
       (``None``: chat messages may not hold images).
     lora_names: the LoRA adapters served beside the base model; a request names one as its
       ``model``.
+    reasoning_parser: how chat replies' reasoning is split off
+      (:mod:`~maxnnx.serving.reasoning`), or ``None``.
   """
 
   name: str
@@ -120,6 +122,7 @@ class ServedModel:
   image_processor: Any = None
   image_prompt: Any = None
   lora_names: tuple[str, ...] = ()
+  reasoning_parser: str | None = None
 
   @property
   def model_names(self) -> tuple[str, ...]:
@@ -152,6 +155,7 @@ class ParsedRequest:
       (:mod:`~maxnnx.serving.tools`), or ``None`` (no tools, or ``tool_choice`` ``none``;
       a harmony template's replies are always read as ``harmony``, for their channels).
     lora: the LoRA adapter the request's ``model`` names, or ``None`` (the base model).
+    reasoning_parser: how each chat reply's reasoning is split off, or ``None``.
   """
 
   kind: str
@@ -169,6 +173,7 @@ class ParsedRequest:
   best_of: int | None = None
   tool_format: str | None = None
   lora: str | None = None
+  reasoning_parser: str | None = None
 
   @property
   def samples_per_prompt(self) -> int:

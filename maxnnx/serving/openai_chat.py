@@ -89,7 +89,8 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
   stream, include_usage = _stream_fields(body)
   return ParsedRequest('chat', (ids,), tuple(params), n, stream, include_usage, logprobs,
                        _field(body, 'return_token_ids', (bool,), False), pixels,
-                       tool_format=fmt, lora=lora)
+                       tool_format=fmt, lora=lora,
+                       reasoning_parser=None if fmt == 'harmony' else served.reasoning_parser)
 
 
 def _tools(body, served: ServedModel) -> tuple[list | None, str | None, StructuredOutput | None]:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from maxnnx.serving.openai_api import ParsedRequest
 from maxnnx.serving.output_processor import stable_text, stop_ids
 from maxnnx.serving.params import RequestOutput, SamplingParams, TokenLogprobs
+from maxnnx.serving.reasoning import split_reasoning
 from maxnnx.serving.tools import ToolCall, parse_tool_calls, split_reply, streamed_calls
 
 # -- streaming text -----------------------------------------------------------------------
@@ -34,10 +35,13 @@ class ChoiceStream:
       ``function.arguments`` as they become certain), or ``None``. A harmony reply's content
       is its final messages' text, and its reasoning (the ``analysis`` messages) streams as
       ``delta.reasoning_content`` and comes back as ``message.reasoning_content``.
+    reasoning_parser: split the reply's ``<think>`` block off as its reasoning
+      (:mod:`~maxnnx.serving.reasoning`: ``deepseek_r1`` or ``qwen3``), before tool calls are
+      looked for in what follows it; ``None``: the reply is all content.
   """
 
   def __init__(self, index: int, tokenizer, params: SamplingParams, eos_ids=(),
-               tool_format: str | None = None):
+               tool_format: str | None = None, reasoning_parser: str | None = None):
     self.index = index
     self.tokenizer = tokenizer
     self.params = params
@@ -50,6 +54,7 @@ class ChoiceStream:
     self.text_offset = 0           # completions logprobs: where the next token's text starts
     self.cumulative_logprob = 0.0  # of every generated token, a stop token included
     self.tool_format = tool_format
+    self.reasoning_parser = reasoning_parser
     self.tool_calls: list[ToolCall] = []  # parsed from the finished reply
     self._calls_sent: list[ToolCall] = []  # each started call: its id, name, arguments sent
     self._tool_deltas: list[dict] = []     # not yet taken by a chunk (take_tool_deltas)
@@ -72,6 +77,7 @@ class ChoiceStream:
       text = out.text or ''  # without a stop token's text (OutputProcessor)
       if out.finish_reason == 'stop' and out.token_ids and out.token_ids[-1] in self.stop_ids:
         new_logprobs = new_logprobs[:-1]  # nor are a stop token's log-probabilities part of it
+      text = self._split_reasoning(text, finished=True)
       if self.tool_format is not None:
         content, calls = parse_tool_calls(text, self.tool_format)
         self.tool_calls = self._send_calls([(c.name, c.arguments) for c in calls], calls)
@@ -81,7 +87,7 @@ class ChoiceStream:
           self.finish_reason = 'tool_calls' if out.finish_reason == 'stop' else (
               out.finish_reason)
     else:
-      text = stable_text(out.text or '', self.params.stop)
+      text = self._split_reasoning(stable_text(out.text or '', self.params.stop))
       if self.tool_format is not None:
         self._send_calls(streamed_calls(text, self.tool_format))
         text, reasoning = split_reply(text, self.tool_format)
@@ -116,6 +122,14 @@ class ChoiceStream:
                                   'function': {'arguments': arguments[len(sent.arguments):]}})
         self._calls_sent[k] = dataclasses.replace(sent, arguments=arguments)
     return finished
+
+  def _split_reasoning(self, text: str, finished: bool = False) -> str:
+    """``text`` less its reasoning (queued to send) under the reasoning parser."""
+    if self.reasoning_parser is None:
+      return text
+    reasoning, content = split_reasoning(text, self.reasoning_parser, finished)
+    self._send_reasoning(reasoning)
+    return content
 
   def _send_reasoning(self, reasoning: str) -> None:
     """Queue the reasoning text after what was sent, when ``reasoning`` goes on from it."""

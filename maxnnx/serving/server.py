@@ -72,6 +72,7 @@ from maxnnx.serving.openai_responses import (
   new_id,
   response_body,
 )
+from maxnnx.serving.reasoning import check_reasoning_parser
 from maxnnx.serving.request_body import parse_json, read_body
 
 logger = logging.getLogger(__name__)
@@ -93,8 +94,8 @@ class _Job:
     self.api, self.parsed, self.arrival = api, parsed, arrival
     self.events: asyncio.Queue = asyncio.Queue()
     tokenizer, eos = api.loop.engine.tokenizer, api.loop.engine.eos_ids
-    self.choices = [ChoiceStream(i, tokenizer, p, eos, parsed.tool_format)
-                    for i, p in enumerate(parsed.params)]
+    self.choices = [ChoiceStream(i, tokenizer, p, eos, parsed.tool_format,
+                                 parsed.reasoning_parser) for i, p in enumerate(parsed.params)]
     self.open = set(range(len(self.choices)))
     self.disconnected = False
     self._early: list = []
@@ -387,7 +388,8 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
              max_queue: int = 64, max_request_bytes: int = MAX_REQUEST_BYTES,
              chat_template: ChatTemplate | str | None = None, add_bos: bool = True,
              dtype: str | None = None, tensor_parallel: int = 1,
-             image_processor=None, **engine_kwargs) -> Starlette:
+             image_processor=None, reasoning_parser: str | None = None,
+             **engine_kwargs) -> Starlette:
   """The server as an ASGI app (run it with uvicorn); nothing starts until the app does.
 
   Args:
@@ -413,6 +415,8 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
       default the directory's ``preprocessor_config.json`` (or the tower's image size).
       Chat messages may then hold ``{"type": "image_url", "image_url": {"url":
       "data:image/...;base64,..."}}`` parts.
+    reasoning_parser: ``deepseek_r1`` or ``qwen3`` (:mod:`~maxnnx.serving.reasoning`): a chat
+      reply's ``<think>`` block comes back as ``reasoning_content``; ``None``: all content.
     **engine_kwargs: :class:`~maxnnx.config.EngineConfig` fields (``max_batch``,
       ``token_budget``, ``page_size``, ``max_pages``, ``max_model_len``, ...) and
       ``quantization`` for a model loaded from a directory (:func:`load_engine`).
@@ -430,6 +434,7 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
     raise ValueError(f'max_request_bytes={max_request_bytes} must be at least 1.')
   engine, served = served_model(engine_or_model_dir, model_name, chat_template, add_bos,
                                  image_processor, dtype=dtype, tensor_parallel=tensor_parallel,
+                                 reasoning_parser=check_reasoning_parser(reasoning_parser),
                                  **engine_kwargs)
   leader = _leader(engine)
   loop, metrics = EngineLoop(leader or engine), ServerMetrics()
@@ -498,7 +503,7 @@ def _leave_processes() -> None:
 
 
 _APP_ONLY = ('model_name', 'max_queue', 'max_request_bytes', 'chat_template', 'add_bos',
-             'image_processor')
+             'image_processor', 'reasoning_parser')
 
 
 @contextlib.contextmanager
