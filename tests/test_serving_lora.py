@@ -277,3 +277,120 @@ def test_server_lists_adapters_selects_them_by_model_and_refuses_unknown_ones(se
   error = missing.json()['error']
   assert error['code'] == 'model_not_found' and "'tiny', 'sql'" in error['message']
   assert json.dumps(error).count('sqll') == 1
+
+
+# -- adapters loaded and unloaded while the engine serves (vLLM's runtime LoRA updating) --------
+
+
+def _adapter(base, directory, seed, targets=('q_proj', 'v_proj', 'down_proj')):
+  """A rank-2 adapter of ``targets`` with nonzero weights drawn from ``seed``."""
+  config = LoraConfig(rank=2, alpha=4.0, targets=targets)
+  save_adapter(_randomised(apply_lora(base, config), seed, 0.3), str(directory))
+  return str(directory)
+
+
+def _merged_tokens(base, directory, prompt, max_tokens):
+  model = merge_adapters(load_adapter(base, directory))
+  return np.asarray(maxnnx.generate(model, [prompt], max_new_tokens=max_tokens,
+                                    eos_ids=None).tokens)[0].tolist()
+
+
+@pytest.fixture(scope='module')
+def later(base, tmp_path_factory):
+  """Adapters loaded while serving: b and c (q, v, down), and k (k_proj, for the errors)."""
+  made = tmp_path_factory.mktemp('later')
+  return {'b': _adapter(base, made / 'b', seed=11), 'c': _adapter(base, made / 'c', seed=12),
+          'k': _adapter(base, made / 'k', seed=13, targets=('k_proj',))}
+
+
+def test_adapters_loaded_while_serving_match_generate_and_reuse_no_pages_of_an_earlier_one(
+    base, adapters, later):
+  """An engine started with adapter a and two free slots loads b: b's greedy tokens equal
+  generate on b merged, and a's stay as they were. b's prompt pages are cached; b is unloaded
+  and c loaded under the same name into the freed slot: the same prompt hits no page of the
+  old b and gives c's tokens (not b's). No program is compiled across the loads."""
+  engine = Engine(base, lora_modules={'a': adapters['a']}, max_loras=3, **ENGINE)
+  engine.warmup()
+  count, programs = engine.compile_count, engine.compiles.programs
+  prompt = list(range(40, 61))  # five full pages
+  before_a = engine.generate([prompt], _greedy(6), lora='a')[0].token_ids
+  assert engine.load_lora('b', later['b']) == 2
+  assert engine.lora_names == ('a', 'b')
+  got = engine.generate([prompt, prompt], _greedy(6), lora=['b', 'a'])
+  b_tokens = _merged_tokens(base, later['b'], prompt, 6)
+  assert list(got[0].token_ids) == b_tokens
+  assert got[1].token_ids == before_a
+  assert engine.generate([prompt], _greedy(6), lora='b')[0].num_cached_tokens > 0
+
+  assert engine.unload_lora('b') == 2
+  assert engine.lora_names == ('a',)
+  assert engine.load_lora('b', later['c']) == 2  # another adapter, same name, same slot
+  again = engine.generate([prompt], _greedy(6), lora='b')[0]
+  c_tokens = _merged_tokens(base, later['c'], prompt, 6)
+  assert again.num_cached_tokens == 0
+  assert list(again.token_ids) == c_tokens != b_tokens
+  assert engine.generate([prompt], _greedy(6), lora='b')[0].num_cached_tokens > 0
+  assert engine.load_lora('b2', later['b']) == 3  # the second free slot
+  assert engine.generate([prompt], _greedy(6), lora='b2')[0].token_ids == tuple(b_tokens)
+  assert engine.compile_count == count and engine.compiles.programs == programs
+  assert engine.compiles.after_warmup == 0
+
+
+@pytest.fixture(scope='module')
+def slotted(base):
+  """An engine started with no adapter, one slot of rank 2 on q, v and down."""
+  return Engine(base, lora_target_modules='q_proj,v_proj,down_proj', max_loras=1,
+                **{**ENGINE, 'max_lora_rank': 2})
+
+
+def test_an_engine_started_without_adapters_takes_one_on_its_target_modules(base, later,
+                                                                             slotted):
+  prompt = [5, 9, 33, 7, 100, 2, 64]
+  base_tokens = slotted.generate([prompt], _greedy(6))[0].token_ids
+  slotted.load_lora('b', later['b'])
+  got = slotted.generate([prompt, prompt], _greedy(6), lora=['b', None])
+  assert list(got[0].token_ids) == _merged_tokens(base, later['b'], prompt, 6)
+  assert got[1].token_ids == base_tokens
+  slotted.unload_lora('b')
+  assert slotted.lora_names == () and slotted.generate([prompt], _greedy(6))[0].token_ids == (
+      base_tokens)
+
+
+def test_runtime_loads_and_unloads_are_refused_naming_the_fix(base, later, slotted):
+  slotted.load_lora('b', later['b'])
+  try:
+    with pytest.raises(ValueError, match=r"lora_name 'b' is loaded already"):
+      slotted.load_lora('b', later['c'])
+    with pytest.raises(ValueError, match=r'No free adapter slot.*larger max_loras'):
+      slotted.load_lora('c', later['c'])
+    slotted.add_request([1, 2, 3], _greedy(4), lora='b')
+    with pytest.raises(ValueError, match=r"'b' has 1 unfinished request.*once they finish"):
+      slotted.unload_lora('b')
+    while slotted.has_unfinished():
+      slotted.step()
+  finally:
+    slotted.unload_lora('b')
+  with pytest.raises(ValueError, match=r'rank 4, above max_lora_rank=2; set max_lora_rank=4'):
+    slotted.load_lora('a', PEFT_DIR)
+  with pytest.raises(ValueError, match=r'adapts layers\.\d+\.attn\.k_proj, which has no adapter '
+                                       r'slots.*lora_target_modules naming k_proj'):
+    slotted.load_lora('k', later['k'])
+  with pytest.raises(ValueError, match=r"lora='gone' is not an adapter"):
+    slotted.unload_lora('gone')
+  assert slotted.lora_names == () and slotted.adapters.slots == {}  # refusals leave no trace
+  with pytest.raises(ValueError, match=r'no adapter slots; start it with lora_target_modules'):
+    Engine(base, **ENGINE).load_lora('b', later['b'])
+  with pytest.raises(ValueError, match=r"lora_target_modules: 'qproj' is not a projection.*"
+                                       'q_proj'):
+    Engine(base, lora_target_modules=('qproj',), **ENGINE)
+  with pytest.raises(ConfigError, match=r'allow_runtime_lora_updating=True: no projection.*'
+                                        'lora_target_modules'):
+    EngineConfig(allow_runtime_lora_updating=True)
+
+
+def test_lockstep_carries_runtime_adapter_changes():
+  from maxnnx.serving.lockstep import decode_call, encode_call  # noqa: PLC0415
+  assert decode_call(encode_call('load_lora', 'sql', 'out/sql')) == ('load_lora', 'sql',
+                                                                      'out/sql')
+  assert decode_call(encode_call('unload_lora', 'sql')) == ('unload_lora', 'sql')
+

@@ -58,6 +58,12 @@ class EngineConfig(ValidatedConfig):
     max_loras: adapter slots held at once (None: one per lora_modules entry); at least the
       number of lora_modules.
     max_lora_rank: the largest adapter rank served; smaller ranks are padded with zeros.
+    lora_target_modules: projections (e.g. q_proj,v_proj) given adapter slots from the start
+      beside those the lora_modules adapt, so that adapters of them can be loaded later
+      (Engine.load_lora); only these projections can take an adapter loaded later.
+    allow_runtime_lora_updating: the server takes POST /v1/load_lora_adapter and
+      /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); needs adapter slots
+      (lora_modules or lora_target_modules).
   """
 
   _PATH = 'Engine'
@@ -83,6 +89,8 @@ class EngineConfig(ValidatedConfig):
   lora_modules: tuple[str, ...] = ()
   max_loras: int | None = None
   max_lora_rank: int = 16
+  lora_target_modules: tuple[str, ...] = ()
+  allow_runtime_lora_updating: bool = False
 
   def __post_init__(self):
     for name, lowest in _LOWEST.items():
@@ -113,6 +121,7 @@ class EngineConfig(ValidatedConfig):
       raise ConfigError(f'Engine prompt_lookup_min={self.prompt_lookup_min} is more than '
                         f'prompt_lookup_max={self.prompt_lookup_max}: lower it.')
     self._check_lora_modules()
+    self._check_runtime_lora()
     super().__post_init__()
 
   def _check_lora_modules(self) -> None:
@@ -140,3 +149,21 @@ class EngineConfig(ValidatedConfig):
       raise ConfigError(f'Engine max_loras={self.max_loras} holds fewer adapters than the '
                         f'{len(value)} of lora_modules; raise max_loras to {len(value)} (every '
                         'adapter stays loaded).')
+
+  def _check_runtime_lora(self) -> None:
+    """``lora_target_modules`` as a tuple of names; runtime updating only with slots."""
+    value = self.lora_target_modules
+    if isinstance(value, str):
+      value = tuple(v.strip() for v in value.split(',') if v.strip())
+    value = tuple(value)
+    if not all(isinstance(v, str) and v for v in value):
+      raise ConfigError(f'Engine lora_target_modules={value!r}: expected projection names '
+                        '(e.g. lora_target_modules=q_proj,v_proj).')
+    object.__setattr__(self, 'lora_target_modules', value)
+    if not isinstance(self.allow_runtime_lora_updating, bool):
+      raise ConfigError(f'Engine allow_runtime_lora_updating={self.allow_runtime_lora_updating!r}'
+                        ': expected True or False.')
+    if self.allow_runtime_lora_updating and not (value or self.lora_modules):
+      raise ConfigError('Engine allow_runtime_lora_updating=True: no projection has adapter '
+                        'slots to load into; name them with lora_target_modules (e.g. '
+                        'q_proj,v_proj) or serve lora_modules from the start.')

@@ -74,7 +74,10 @@ projection holds all the adapters stacked, slot 0 the base (zeros), and each tok
 carries its request's slot (``add_request(..., lora=name)``), so requests for different
 adapters and for the base share every step and every compiled program
 (:mod:`maxnnx.serving.lora`). An adapter's requests share cached prefix pages only with
-requests of the same adapter.
+requests of the same adapter. :meth:`Engine.load_lora` and :meth:`Engine.unload_lora` change
+the adapters while the engine serves (a free slot of the stacks is written or zeroed: nothing
+is compiled); ``lora_target_modules`` gives projections slots that no adapter of the start
+adapts.
 
 **Images.** A vision-language model's requests may bring images
 (``add_request(ids, params, images=pixel_values)``, the prompt holding each image's
@@ -98,7 +101,7 @@ import numpy as np
 from maxnnx.config.engine import EngineConfig
 from maxnnx.inference.stops import eos_token_ids
 from maxnnx.serving.batch_sampler import BatchSampler
-from maxnnx.serving.lora import ServedAdapters
+from maxnnx.serving.lora import ServedAdapters, read_adapter
 from maxnnx.serving.model_runner import (
   MIN_TOKEN_BUCKET,
   CompileCounts,
@@ -211,6 +214,7 @@ class Engine:
                                window=window, window_allocator=self.window_allocator,
                                num_state_slots=num_slots)
     self.adapters, lora = ServedAdapters.load(model, self.config)
+    self._model = model  # adapters loaded later are read against it
     self.runner = ModelRunner(
         model, num_pages=self.max_pages + 1, page_size=page_size, max_batch=max_batch,
         token_buckets=self.token_buckets, page_buckets=self.page_buckets,
@@ -231,8 +235,55 @@ class Engine:
 
   @property
   def lora_names(self) -> tuple[str, ...]:
-    """The names of the LoRA adapters served (``lora_modules``), in slot order."""
+    """The names of the LoRA adapters served (``lora_modules``, then those loaded later), in
+    the order they were loaded."""
     return self.adapters.names
+
+  def load_lora(self, name: str, path: str) -> int:
+    """Serve the PEFT adapter in directory ``path`` as ``name`` from the next step on; returns
+    its slot. It is written into a free slot of the adapter stacks (shapes unchanged: nothing
+    is compiled), and its requests never reuse prefix pages cached for another adapter, even
+    one served before under the same name or in the same slot.
+
+    Raises:
+      ValueError: one line naming the fix: ``name`` is loaded already, no slot is free
+        (``max_loras``), the adapter's rank is above ``max_lora_rank``, it adapts a projection
+        that has no slots (``lora_target_modules``), or its files do not load.
+    """
+    if not self.runner.lora_stacks:
+      raise ValueError('This engine has no adapter slots; start it with lora_target_modules '
+                       '(e.g. q_proj,v_proj) or lora_modules to load adapters later.')
+    if not isinstance(name, str) or not name:
+      raise ValueError(f'lora_name={name!r}: give the adapter a non-empty name.')
+    slot = self.adapters.add(name, str(path))  # refuses a name in use or no free slot
+    try:
+      adapter = read_adapter(self._model, name, str(path), self.config.max_lora_rank)
+      self.runner.write_adapter(slot, adapter)
+    except Exception:
+      self.adapters.remove(name)
+      raise
+    logger.info('Loaded LoRA adapter %r from %s into slot %d.', name, path, slot)
+    return slot
+
+  def unload_lora(self, name: str) -> int:
+    """Stop serving adapter ``name``; returns the slot freed (zeroed, ready for another load).
+
+    Requests of the adapter must have finished: an unload is refused while any is unfinished
+    (cancel them, or unload once they end).
+
+    Raises:
+      ValueError: ``name`` is not served (an
+        :class:`~maxnnx.serving.lora.UnknownAdapterError`), or has unfinished requests.
+    """
+    slot = self.adapters.slot(name)
+    busy = sum(request.lora_slot == slot for request in self._requests.values())
+    if busy:
+      raise ValueError(f'lora_name {name!r} has {busy} unfinished request(s); unload it once '
+                       'they finish, or cancel them first.')
+    self.runner.write_adapter(slot, None)
+    self.adapters.remove(name)
+    logger.info('Unloaded LoRA adapter %r (slot %d).', name, slot)
+    return slot
 
   def _check_positions(self, model) -> None:
     """Warn about positions beyond the trained ones; refuse what a batch cannot serve."""
@@ -343,7 +394,7 @@ class Engine:
     request = Request(request_id=request_id, token_ids=ids, num_prompt=len(ids), params=params,
                       seed=seed, image_spans=spans, lora_slot=lora_slot,
                       # an adapter's keys and values are its own: no pages shared with others
-                      cache_salt=salt + (f'lora:{lora}'.encode() if lora_slot else b''))
+                      cache_salt=salt + self.adapters.cache_salt(lora))
     if embeddings is not None:
       self._image_embeddings[request_id] = embeddings
     if matcher is not None:

@@ -96,7 +96,8 @@ class Channel:
 
 def encode_call(op: str, *args) -> bytes:
   """One engine call as JSON bytes: ``('add', prompt, params, images[, lora])``,
-  ``('cancel', request_id)``, ``('warmup',)``, ``('step',)`` or ``('stop',)``. Images travel
+  ``('cancel', request_id)``, ``('load_lora', name, path)``, ``('unload_lora', name)``,
+  ``('warmup',)``, ``('step',)`` or ``('stop',)``. Images travel
   as ``.npy`` bytes (never pickle)."""
   if op == 'add':
     prompt, params, images, *lora = args
@@ -107,6 +108,8 @@ def encode_call(op: str, *args) -> bytes:
             **({} if lora is None else {'lora': lora})}
   elif op == 'cancel':
     body = {'request_id': int(args[0])}
+  elif op in ('load_lora', 'unload_lora'):
+    body = {'args': [str(a) for a in args]}
   else:
     body = {}
   return json.dumps({'op': op, **body}).encode()
@@ -127,6 +130,8 @@ def decode_call(message: bytes) -> tuple:
             *(() if lora is None else (lora,)))
   if op == 'cancel':
     return op, body['request_id']
+  if op in ('load_lora', 'unload_lora'):
+    return (op, *body['args'])
   return (op,)
 
 
@@ -138,8 +143,9 @@ def _npy(array) -> str:
 
 class LeaderEngine:
   """Process 0's view of an engine shared with other processes: the engine's own
-  interface, where ``add_request``, ``cancel`` and ``step`` are first published on
-  ``channel`` for the followers (:func:`follow`). Everything else is the engine's.
+  interface, where ``add_request``, ``cancel``, ``load_lora``, ``unload_lora`` and ``step``
+  are first published on ``channel`` for the followers (:func:`follow`). Everything else is
+  the engine's.
 
   Args:
     engine: this process's :class:`~maxnnx.serving.Engine`.
@@ -166,6 +172,16 @@ class LeaderEngine:
     """:meth:`Engine.cancel`, made on every process."""
     self.channel.publish(encode_call('cancel', request_id))
     return self.engine.cancel(request_id)
+
+  def load_lora(self, name: str, path: str) -> int:
+    """:meth:`Engine.load_lora`, made on every process (each reads ``path``)."""
+    self.channel.publish(encode_call('load_lora', name, path))
+    return self.engine.load_lora(name, path)
+
+  def unload_lora(self, name: str) -> int:
+    """:meth:`Engine.unload_lora`, made on every process."""
+    self.channel.publish(encode_call('unload_lora', name))
+    return self.engine.unload_lora(name)
 
   def warmup(self, progress=None) -> float:
     """:meth:`Engine.warmup`, made on every process."""
@@ -202,6 +218,11 @@ def follow(engine: Engine, channel) -> int:
         pass
     elif op == 'cancel':
       engine.cancel(*args)
+    elif op in ('load_lora', 'unload_lora'):
+      try:
+        getattr(engine, op)(*args)
+      except ValueError:  # refused on the leader too
+        pass
     elif op == 'warmup':
       engine.warmup()
     elif op == 'step':

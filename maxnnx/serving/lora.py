@@ -27,6 +27,15 @@ engine's parameters stay the base model's.
 zeros (exact). A rank above it, a module the model lacks or a missing file is refused when the
 engine is built, naming the adapter and the fix. So is an adapter of MLA's ``kv_b_proj``: the
 paged step applies it to cached latents, where no token's slot is at hand.
+
+**Loading while serving** (vLLM's runtime LoRA updating). The stacks keep their shapes,
+``max_loras + 1`` slots of ``max_lora_rank``, whatever they hold, so an adapter loaded later
+is written into a free slot of the stacks already there (:func:`write_slot`) and unloading
+zeroes its slot: the compiled step runs on unchanged. Only projections that have a stack can
+take an adapter: those the start's adapters adapt, and those ``lora_target_modules`` names
+(an engine started with no adapter at all can take them later). Each load gets a serial
+number of its own (:meth:`ServedAdapters.cache_salt`), so prefix pages cached under one
+adapter are never reused by another loaded later under its name or into its slot.
 """
 
 from __future__ import annotations
@@ -47,6 +56,10 @@ from maxnnx.train.lora.adapters import STACKS_PATH, candidate_modules
 #: Projections a paged step applies to cached positions rather than to its own tokens (MLA
 #: rebuilds keys and values from the latents of every gathered page): no per-token slot fits.
 KEY_SIDE_PROJECTIONS = ('kv_b_proj',)
+
+
+class UnknownAdapterError(ValueError):
+  """A request or an unload names an adapter the engine does not serve (the server's 404)."""
 
 
 class LoraStack(nnx.Variable):
@@ -188,33 +201,76 @@ def _parent(model: nnx.Module, path: tuple):
 
 
 def install_adapters(model: nnx.Module, adapters: list[LoadedAdapter], num_slots: int,
-                     rank: int) -> list[tuple]:
-  """Replace every projection of ``model`` that some adapter adapts by a
-  :class:`MultiLoraDense` holding ``num_slots`` slots of rank ``rank``: slot ``i + 1`` is
-  ``adapters[i]``, the other slots zeros. Modifies ``model``; returns the paths replaced."""
-  replaced = []
+                     rank: int, targets: tuple[str, ...] = ()) -> dict[tuple, list[tuple]]:
+  """Replace every projection of ``model`` that some adapter adapts, or whose name is in
+  ``targets``, by a :class:`MultiLoraDense` holding ``num_slots`` slots of rank ``rank``: slot
+  ``i + 1`` is ``adapters[i]``, the other slots zeros. Modifies ``model``; returns ``{path
+  replaced: the unscanned paths of its layers}`` (``[path]`` outside a scanned stack)."""
+  replaced = {}
   for path, module in candidate_modules(model):
     if not re.fullmatch(STACKS_PATH, '/'.join(map(str, path))):
       continue
     rows = _layer_paths(model, path, module)
-    if not any(row in adapter.weights for adapter in adapters for row in rows):
+    if path[-1] not in targets and not any(
+        row in adapter.weights for adapter in adapters for row in rows):
       continue
     din, dout = math.prod(module.in_shape), math.prod(module.out_shape)
     a = np.zeros((len(rows), num_slots, din, rank), np.float32)
     b = np.zeros((len(rows), num_slots, rank, dout), np.float32)
     for slot, adapter in enumerate(adapters, start=1):
-      for layer, row in enumerate(rows):
-        if row in adapter.weights:
-          a_IR, b_RO = adapter.weights[row]
-          a[layer, slot, :, :a_IR.shape[1]] = a_IR
-          b[layer, slot, :b_RO.shape[0]] = b_RO
+      _place(a, b, slot, adapter, rows)
     if rows == [path]:  # not a scanned stack
       a, b = a[0], b[0]
     dtype = jnp.dtype(module.dtype)  # the compute dtype (the kernel may be quantized)
     setattr(_parent(model, path), path[-1],
             MultiLoraDense(module, jnp.asarray(a, dtype), jnp.asarray(b, dtype)))
-    replaced.append(path)
+    replaced[path] = rows
   return replaced
+
+
+def _place(a: np.ndarray, b: np.ndarray, slot: int, adapter: LoadedAdapter | None,
+           rows: list[tuple]) -> None:
+  """Write ``adapter``'s weights (zeros for ``None``) into slot ``slot`` of one projection's
+  stacks ``a`` ``[layers, slots, in, r]`` and ``b`` ``[layers, slots, r, out]``."""
+  a[:, slot] = 0
+  b[:, slot] = 0
+  if adapter is None:
+    return
+  for layer, row in enumerate(rows):
+    if row in adapter.weights:
+      a_IR, b_RO = adapter.weights[row]
+      a[layer, slot, :, :a_IR.shape[1]] = a_IR
+      b[layer, slot, :b_RO.shape[0]] = b_RO
+
+
+def missing_stacks(adapter: LoadedAdapter, stacks: dict[tuple, list[tuple]]) -> list[str]:
+  """The modules ``adapter`` adapts that have no stack in ``stacks`` (``install_adapters``'
+  result), dotted."""
+  have = {row for rows in stacks.values() for row in rows}
+  return sorted('.'.join(map(str, path)) for path in adapter.weights if path not in have)
+
+
+def write_slot(state: nnx.State, stacks: dict[tuple, list[tuple]], slot: int,
+               adapter: LoadedAdapter | None) -> None:
+  """Put ``adapter`` (zeros for ``None``) into slot ``slot`` of every stack of ``state`` (the
+  split-off non-parameter state of a model :func:`install_adapters` changed), in place.
+
+  The new arrays keep each stack's shape, dtype, sharding and commitment, so a step compiled
+  before runs them as they are. Written on the host (no program is compiled for it)."""
+  for path, rows in stacks.items():
+    node = state
+    for part in path:
+      node = node[part]
+    olds = {name: node[name][...] for name in ('lora_a', 'lora_b')}
+    # [layers, slots, ...] on the host (one layer outside a scanned stack).
+    a, b = (np.array(olds[n], np.float32).reshape(len(rows), *olds[n].shape[-3:])
+            for n in ('lora_a', 'lora_b'))
+    _place(a, b, slot, adapter, rows)
+    for name, new in (('lora_a', a), ('lora_b', b)):
+      old = olds[name]
+      # As committed to its devices as the old array: a change would compile the step anew.
+      node[name].set_value(jax.device_put(new.reshape(old.shape).astype(old.dtype),
+                                          old.sharding if old.committed else None))
 
 
 def parse_lora_modules(entries) -> dict[str, str]:
@@ -228,50 +284,114 @@ def parse_lora_modules(entries) -> dict[str, str]:
 
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class ServedAdapters:
-  """The LoRA adapters an engine serves.
+  """The LoRA adapters an engine serves, and its free slots.
 
   Attributes:
-    slots: ``{adapter name: slot}``, in ``lora_modules``' order (slot 0 is the base model).
+    num_slots: the stacks' slots, slot 0 (the base model) included; 0 without stacks.
+    slots: ``{adapter name: slot}``, in the order they were loaded (slot 0 is the base model).
     paths: ``{adapter name: its directory}``.
+    serials: ``{adapter name: the serial number of its load}`` (never reused: see
+      :meth:`cache_salt`).
+    loads: adapters loaded so far (the latest serial number given).
   """
 
+  num_slots: int = 0
   slots: dict[str, int] = dataclasses.field(default_factory=dict)
   paths: dict[str, str] = dataclasses.field(default_factory=dict)
+  serials: dict[str, int] = dataclasses.field(default_factory=dict)
+  loads: int = 0
 
   @classmethod
   def load(cls, model: nnx.Module, config) -> tuple[ServedAdapters, tuple | None]:
     """Read an :class:`~maxnnx.config.EngineConfig`'s ``lora_modules``: the adapters served,
-    and the model runner's ``lora`` argument (``(adapters, slots, rank)``; ``None`` without
-    adapters)."""
+    and the model runner's ``lora`` argument (``(adapters, slots, rank, targets)``; ``None``
+    without adapters and ``lora_target_modules``)."""
     paths = parse_lora_modules(config.lora_modules)
-    if not paths:
+    targets = tuple(config.lora_target_modules)
+    if not paths and not targets:
       return cls(), None
+    check_targets(model, targets)
     rank = config.max_lora_rank
     adapters = [read_adapter(model, name, path, rank) for name, path in paths.items()]
-    slots = {adapter.name: slot for slot, adapter in enumerate(adapters, start=1)}
-    return cls(slots, paths), (adapters, 1 + (config.max_loras or len(adapters)), rank)
+    served = cls(1 + (config.max_loras or max(len(adapters), 1)))
+    for adapter in adapters:
+      served.add(adapter.name, adapter.path)
+    return served, (adapters, served.num_slots, rank, targets)
 
   @property
   def names(self) -> tuple[str, ...]:
-    """The adapters' names, in slot order."""
+    """The adapters' names, in the order they were loaded."""
     return tuple(self.slots)
 
   def slot(self, name: str | None) -> int:
     """The slot of adapter ``name`` (0 for ``None``, the base model).
 
     Raises:
-      ValueError: ``name`` is not served, naming those that are.
+      UnknownAdapterError: ``name`` is not served, naming those that are.
     """
     if name is None:
       return 0
     if name not in self.slots:
       served = ', '.join(repr(n) for n in self.names) or 'none (Engine lora_modules)'
-      raise ValueError(f'lora={name!r} is not an adapter of this engine; it serves {served}.')
+      raise UnknownAdapterError(f'lora={name!r} is not an adapter of this engine; it serves '
+                                f'{served}.')
     return self.slots[name]
+
+  def cache_salt(self, name: str | None) -> bytes:
+    """What sets the prefix-cache pages of adapter ``name``'s requests apart: its load's serial
+    number, so that an adapter loaded later under the same name or into the same slot never
+    meets pages cached for an earlier one (``b''`` for the base model)."""
+    return b'' if name is None else f'lora:{self.serials[name]}'.encode()
+
+  def add(self, name: str, path: str) -> int:
+    """Serve adapter ``name`` (from ``path``) in the lowest free slot; returns the slot.
+
+    Raises:
+      ValueError: ``name`` is served already, or no slot is free (naming ``max_loras``).
+    """
+    if name in self.slots:
+      raise ValueError(f'lora_name {name!r} is loaded already (slot {self.slots[name]}); '
+                       'unload it first or load it under another name.')
+    taken = set(self.slots.values())
+    free = [slot for slot in range(1, self.num_slots) if slot not in taken]
+    if not free:
+      raise ValueError(f'No free adapter slot: all max_loras={self.num_slots - 1} hold '
+                       f"adapters ({', '.join(map(repr, self.names))}); unload one or start "
+                       'the engine with a larger max_loras.')
+    self.loads += 1
+    self.slots[name], self.paths[name], self.serials[name] = free[0], path, self.loads
+    return free[0]
+
+  def remove(self, name: str) -> int:
+    """Stop serving adapter ``name``; returns the slot it frees.
+
+    Raises:
+      UnknownAdapterError: ``name`` is not served.
+    """
+    slot = self.slot(name)
+    for table in (self.slots, self.paths, self.serials):
+      del table[name]
+    return slot
+
+
+def check_targets(model: nnx.Module, targets: tuple[str, ...]) -> None:
+  """Refuse a ``lora_target_modules`` name that no decoder-layer projection of ``model`` has
+  (or MLA's ``kv_b_proj``), naming those it has."""
+  names = sorted({path[-1] for path, _ in candidate_modules(model)
+                  if re.fullmatch(STACKS_PATH, '/'.join(map(str, path)))})
+  for target in targets:
+    if target in KEY_SIDE_PROJECTIONS:
+      raise ValueError(f'Engine lora_target_modules: {target} is applied to cached latents by '
+                       'the paged MLA, where no token\'s adapter is at hand; drop it.')
+    if target not in names:
+      raise ValueError(f'Engine lora_target_modules: {target!r} is not a projection of this '
+                       f"{model.config.family} model's layers; choose among "
+                       f"{', '.join(n for n in names if n not in KEY_SIDE_PROJECTIONS)}.")
 
 
 __all__ = ['KEY_SIDE_PROJECTIONS', 'LoadedAdapter', 'LoraSlots', 'LoraStack', 'MultiLoraDense',
-           'ServedAdapters', 'install_adapters', 'parse_lora_modules', 'read_adapter',
-           'set_token_slots']
+           'ServedAdapters', 'UnknownAdapterError', 'check_targets', 'install_adapters',
+           'missing_stacks', 'parse_lora_modules', 'read_adapter', 'set_token_slots',
+           'write_slot']

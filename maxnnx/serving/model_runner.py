@@ -43,7 +43,7 @@ from flax import nnx
 
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.processes import host_value
-from maxnnx.serving.lora import install_adapters, set_token_slots
+from maxnnx.serving.lora import install_adapters, missing_stacks, set_token_slots, write_slot
 from maxnnx.serving.params import TokenLogprobs
 from maxnnx.serving.scheduler import Request
 from maxnnx.sharding import state_shardings
@@ -166,11 +166,14 @@ class ModelRunner:
     rules: logical-axis rules for the pools of a sharded model.
     kv_cache_dtype: ``auto``, or ``int8`` / ``fp8`` pools (``EngineConfig.kv_cache_dtype``).
     num_verify: draft tokens a row may verify per step (0: no speculative decoding).
-    lora: ``(adapters, slots, rank)``: the :class:`~maxnnx.serving.lora.LoadedAdapter`\\ s
-      installed in the working copy, in slots 1..; ``None``: no adapters.
+    lora: ``(adapters, slots, rank, targets)``: the
+      :class:`~maxnnx.serving.lora.LoadedAdapter`\\ s installed in the working copy, in slots
+      1.., and the projection names given slots besides; ``None``: no adapters.
 
   Attributes:
-    params, cache: the parameters and the cache state the step runs on.
+    params, cache: the parameters and the cache state the step runs on (the adapters'
+      stacks are in ``cache``).
+    lora_stacks: ``{adapted projection's path: its layers' unscanned paths}``.
     mesh: the mesh of a sharded model, else ``None``.
     step_shapes: the buckets run so far; ``last_step_shape`` the latest one.
   """
@@ -194,8 +197,9 @@ class ModelRunner:
     work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
     work.init_paged_cache(num_pages, page_size, num_slots=num_state_slots,
                           window_pages=window_pages, kv_cache_dtype=kv_cache_dtype)
+    self.lora_stacks: dict[tuple, list[tuple]] = {}  # adapted projections: their layers' paths
     if lora is not None:  # each token's adapter is picked inside the projections
-      install_adapters(work, *lora)
+      self.lora_stacks = install_adapters(work, *lora)
     self._graphdef, self.params, self.cache = nnx.split(work, nnx.Param, ...)
     self.mesh = _mesh_of(self.params)
     if self.mesh is not None:  # a model sharded by from_pretrained(mesh=...): pools alike
@@ -397,6 +401,21 @@ class ModelRunner:
                       tuple((int(i), float(p)) for i, p in
                             zip(top_ids_TN[t - 1, :num_top], top_lps_TN[t - 1, :num_top])))
         for t in range(1, len(ids)))
+
+  def write_adapter(self, slot: int, adapter) -> None:
+    """Put a :class:`~maxnnx.serving.lora.LoadedAdapter` (zeros for ``None``) into adapter
+    slot ``slot`` of every stack; same shapes, so the compiled step runs on unchanged.
+
+    Raises:
+      ValueError: the adapter adapts a projection that has no stack, naming it and the fix.
+    """
+    if adapter is not None and (missing := missing_stacks(adapter, self.lora_stacks)):
+      stacked = sorted({path[-1] for path in self.lora_stacks}) or ['none']
+      name = missing[0]
+      raise ValueError(f'adapter {adapter.name!r} ({adapter.path}) adapts {name}, which has no '
+                       f"adapter slots in this engine (slotted: {', '.join(stacked)}); start the "
+                       f"engine with lora_target_modules naming {name.rsplit('.', 1)[-1]}.")
+    write_slot(self.cache, self.lora_stacks, slot, adapter)
 
   def load_weights(self, model) -> None:
     """Run ``model``'s current parameters from now on (same architecture and shapes)."""
