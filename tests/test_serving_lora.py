@@ -394,3 +394,71 @@ def test_lockstep_carries_runtime_adapter_changes():
                                                                       'out/sql')
   assert decode_call(encode_call('unload_lora', 'sql')) == ('unload_lora', 'sql')
 
+
+def _wait_healthy(url):
+  import time  # noqa: PLC0415
+  for _ in range(600):
+    if httpx.get(f'{url}/health').status_code == 200:
+      return
+    time.sleep(0.5)
+
+
+def test_server_loads_lists_serves_and_unloads_adapters_at_runtime(served):
+  """With allow_runtime_lora_updating: load (vLLM's body and answer), /v1/models lists the
+  adapter, a completion naming it gives its greedy tokens, a second load of the name is a
+  400, unload, and then the name is a 404 for completions, /v1/models and unloads alike."""
+  directory, adapter, base = served
+  app = make_app(directory, model_name='tiny', lora_target_modules=('q_proj', 'v_proj',
+                                                                     'down_proj'),
+                 allow_runtime_lora_updating=True, max_batch=2, token_budget=16, page_size=8,
+                 max_model_len=64, token_buckets=(16,), page_buckets=(8,), max_lora_rank=4)
+  prompt = [11, 42, 7, 300, 5, 18]
+
+  def complete(url, model):
+    return httpx.post(f'{url}/v1/completions', json={
+        'model': model, 'prompt': prompt, 'max_tokens': 8, 'temperature': 0,
+        'ignore_eos': True, 'return_token_ids': True}, timeout=120)
+
+  with serve_in_thread(app) as (url, _):
+    _wait_healthy(url)
+    before = complete(url, 'sql')
+    load = httpx.post(f'{url}/v1/load_lora_adapter',
+                      json={'lora_name': 'sql', 'lora_path': adapter}, timeout=120)
+    cards = httpx.get(f'{url}/v1/models').json()['data']
+    answer = complete(url, 'sql').json()
+    twice = httpx.post(f'{url}/v1/load_lora_adapter',
+                       json={'lora_name': 'sql', 'lora_path': adapter}, timeout=120)
+    no_path = httpx.post(f'{url}/v1/load_lora_adapter', json={'lora_name': 'x'})
+    unload = httpx.post(f'{url}/v1/unload_lora_adapter', json={'lora_name': 'sql'}, timeout=120)
+    after = complete(url, 'sql')
+    listed = [c['id'] for c in httpx.get(f'{url}/v1/models').json()['data']]
+    card = httpx.get(f'{url}/v1/models/sql')
+    again = httpx.post(f'{url}/v1/unload_lora_adapter', json={'lora_name': 'sql'}, timeout=120)
+    compiles = app.state.engine_loop.engine.compiles.after_warmup
+  assert before.status_code == 404
+  assert (load.status_code, load.text) == (200, "Success: LoRA adapter 'sql' added successfully.")
+  assert [(c['id'], c['parent'], c['root']) for c in cards] == [
+      ('tiny', None, 'tiny'), ('sql', 'tiny', adapter)]
+  want = np.asarray(maxnnx.generate(load_adapter(base, adapter), [prompt], max_new_tokens=8,
+                                    eos_ids=None).tokens)[0].tolist()
+  assert answer['choices'][0]['token_ids'] == want and answer['model'] == 'sql'
+  assert twice.status_code == 400 and 'loaded already' in twice.json()['error']['message']
+  assert no_path.status_code == 400 and no_path.json()['error']['param'] == 'lora_path'
+  assert (unload.status_code, unload.text) == (
+      200, "Success: LoRA adapter 'sql' removed successfully.")
+  assert after.status_code == 404 and after.json()['error']['code'] == 'model_not_found'
+  assert listed == ['tiny'] and card.status_code == 404
+  assert again.status_code == 404 and "'sql' cannot be found" in again.json()['error']['message']
+  assert compiles == 0
+
+
+def test_server_refuses_runtime_adapter_changes_unless_allowed(served):
+  from starlette.testclient import TestClient  # noqa: PLC0415
+  directory, adapter, _ = served
+  app = make_app(directory, model_name='tiny', lora_modules={'sql': adapter}, max_batch=2,
+                 token_budget=16, page_size=8, max_model_len=64, max_lora_rank=4)
+  client = TestClient(app)  # the engine thread never starts: refused before it is asked
+  for endpoint in ('load_lora_adapter', 'unload_lora_adapter'):
+    answer = client.post(f'/v1/{endpoint}', json={'lora_name': 'sql', 'lora_path': adapter})
+    assert answer.status_code == 400
+    assert 'allow_runtime_lora_updating=true' in answer.json()['error']['message']

@@ -1,7 +1,8 @@
 """``EngineLoop``: an :class:`~maxnnx.serving.Engine` driven from a thread of its own.
 
 The engine is driven from one thread only: the loop owns it on a thread of its own, takes
-commands (add, cancel) from a thread-safe queue, and runs ``step()`` while any request is
+commands (add, cancel, and :meth:`EngineLoop.call`, e.g. loading a LoRA adapter) from a
+thread-safe queue, and runs ``step()`` while any request is
 unfinished (it sleeps on the queue otherwise). It first warms the engine up (every program
 compiled, :meth:`Engine.warmup <maxnnx.serving.Engine.warmup>`). The HTTP server
 (:mod:`maxnnx.serving.server`) submits each choice with a *sink*, a callable the engine
@@ -11,13 +12,16 @@ thread calls with every output; in a multi-process run the loop drives the leade
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from maxnnx.serving.engine import Engine
+from maxnnx.serving.lora import UnknownAdapterError
 from maxnnx.serving.openai_api import ApiError
 from maxnnx.serving.params import SamplingParams
 
@@ -92,14 +96,31 @@ class EngineLoop:
     Raises:
       ApiError: (503) when the loop is stopping or its engine failed.
     """
-    if self._stopping.is_set() or self.broken is not None:
-      raise ApiError('The server is shutting down.' if self.broken is None else
-                     f'The engine failed: {self.broken}', status=503, type='server_error',
-                     code='unavailable')
+    self._check_open()
     self.start()
     ticket = Ticket()
     self._commands.put(('add', ticket, prompt, params, sink, images, lora))
     return ticket
+
+  def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
+    """Run ``fn(engine)`` on the engine thread, between two steps and after the commands
+    queued before it; returns a future of its result (or of the exception it raised).
+
+    Raises:
+      ApiError: (503) when the loop is stopping or its engine failed.
+    """
+    self._check_open()
+    self.start()
+    future = concurrent.futures.Future()
+    self._commands.put(('call', future, fn, None, None, None, None))
+    return future
+
+  def _check_open(self) -> None:
+    """Refuse (503) new work once the loop is stopping or its engine failed."""
+    if self._stopping.is_set() or self.broken is not None:
+      raise ApiError('The server is shutting down.' if self.broken is None else
+                     f'The engine failed: {self.broken}', status=503, type='server_error',
+                     code='unavailable')
 
   def cancel(self, ticket: Ticket) -> None:
     """Cancel a submitted request (nothing happens if it already finished)."""
@@ -159,6 +180,9 @@ class EngineLoop:
         return
 
   def _apply(self, kind: str, ticket: Ticket, prompt, params, sink, images, lora) -> None:
+    if kind == 'call':  # ticket: the future, prompt: the function
+      self._call(ticket, prompt)
+      return
     if kind == 'cancel':
       if ticket.request_id in self._sinks:
         self.engine.cancel(ticket.request_id)
@@ -169,12 +193,31 @@ class EngineLoop:
       return
     try:
       request_id = self.engine.add_request(list(prompt), params, images, lora)
+    except UnknownAdapterError as e:  # unloaded since the request was checked
+      _deliver(sink, ApiError(str(e), status=404, type='not_found_error', param='model',
+                              code='model_not_found'))
+      return
     except ValueError as e:
       _deliver(sink, ApiError(str(e), code='invalid_value'))
       return
     ticket.request_id = request_id
     self._sinks[request_id] = sink
     _deliver(sink, ACCEPTED)
+
+  def _call(self, future: concurrent.futures.Future, fn: Callable) -> None:
+    if not future.set_running_or_notify_cancel():
+      return
+    if self.broken is not None:
+      future.set_exception(ApiError(f'The engine failed: {self.broken}', status=503,
+                                    type='server_error', code='unavailable'))
+      return
+    try:
+      result = fn(self.engine)
+    except Exception as e:  # the caller's to answer
+      future.set_exception(e)
+    else:
+      future.set_result(result)
+    self._publish()
 
   def _step(self) -> None:
     try:

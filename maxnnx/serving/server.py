@@ -7,9 +7,11 @@
 or from Python, ``uvicorn.run(make_app('runs/sft/final'))``. Endpoints:
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (with ``"stream": true``:
 server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), and vLLM's tokenizer
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), vLLM's tokenizer
 endpoints ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``
-(:mod:`~maxnnx.serving.openai_tokenize`).
+(:mod:`~maxnnx.serving.openai_tokenize`), and with ``allow_runtime_lora_updating`` vLLM's
+``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``
+(:mod:`~maxnnx.serving.openai_lora`).
 
 **Threads.** The engine is driven from one thread only: :class:`EngineLoop` owns
 it on a thread of its own, takes commands (add, cancel) from a thread-safe queue,
@@ -58,7 +60,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from maxnnx.data.chat import ChatTemplate
-from maxnnx.serving import openai_tokenize
+from maxnnx.serving import openai_lora, openai_tokenize
 from maxnnx.serving.engine import Engine
 from maxnnx.serving.engine_loop import ACCEPTED, EngineLoop
 from maxnnx.serving.loading import load_engine, served_model
@@ -243,6 +245,7 @@ class _Api:
     self.max_request_bytes = max_request_bytes
     self.capacity = loop.engine.max_batch + max_queue
     self.in_flight = 0  # choices submitted and not finished (touched on the event loop only)
+    self.lora_updates = asyncio.Lock()  # one adapter load or unload at a time
 
   async def completions(self, request: Request) -> Response:
     return await self._generate(request, parse_completion, 'completions')
@@ -324,7 +327,7 @@ class _Api:
     """The base model's card, or a LoRA adapter's (its ``parent`` the base, as vLLM's)."""
     base = name == self.served.name
     return {'id': name, 'object': 'model', 'created': 0, 'owned_by': 'maxnnx',
-            'root': name if base else self.loop.engine.adapters.paths[name],
+            'root': name if base else self.loop.engine.adapters.paths.get(name, name),
             'parent': None if base else self.served.name,
             'max_model_len': self.served.max_model_len}
 
@@ -340,6 +343,12 @@ class _Api:
           f"{', '.join(repr(n) for n in self.served.model_names)}.", status=404,
           type='not_found_error', param='model', code='model_not_found'))
     return JSONResponse(self._model_card(name))
+
+  async def load_lora_adapter(self, request: Request) -> Response:
+    return await openai_lora.load_lora_adapter(self, request)
+
+  async def unload_lora_adapter(self, request: Request) -> Response:
+    return await openai_lora.unload_lora_adapter(self, request)
 
   async def health(self, request: Request) -> Response:
     if self.loop.healthy:
@@ -462,6 +471,8 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
       Route('/tokenize', api.tokenize, methods=['POST']),
       Route('/detokenize', api.detokenize, methods=['POST']),
       Route('/tokenizer_info', api.tokenizer_info, methods=['GET']),
+      Route('/v1/load_lora_adapter', api.load_lora_adapter, methods=['POST']),
+      Route('/v1/unload_lora_adapter', api.unload_lora_adapter, methods=['POST']),
   ], lifespan=lifespan, exception_handlers={HTTPException: _http_error, 500: _server_error})
   app.state.engine_loop, app.state.metrics, app.state.leader = loop, metrics, leader
   return app
