@@ -206,6 +206,10 @@ def test_lora_modules_read_from_a_dict_and_from_the_command_line():
   options = parse(['lora_modules=sql=out/sql,chat=out/chat', 'max_lora_rank=8'], keys)
   assert EngineConfig(lora_modules=options['lora_modules']) == from_dict
   assert options['max_lora_rank'] == 8 and options['max_loras'] is None
+  runtime = parse(['lora_target_modules=q_proj,v_proj', 'allow_runtime_lora_updating=true'], keys)
+  config = EngineConfig(lora_target_modules=runtime['lora_target_modules'],
+                        allow_runtime_lora_updating=runtime['allow_runtime_lora_updating'])
+  assert config.lora_target_modules == ('q_proj', 'v_proj') and config.allow_runtime_lora_updating
 
 
 def test_the_adapter_travels_to_follower_processes():

@@ -55,8 +55,8 @@ class EngineConfig(ValidatedConfig):
     lora_modules: LoRA adapters served beside the base model, as name=path entries (PEFT
       directories, e.g. lora_modules=sql=out/sql/adapter,chat=out/chat/adapter; a dict
       {name: path} from Python); a request selects one by its name (the OpenAI API's model).
-    max_loras: adapter slots held at once (None: one per lora_modules entry); at least the
-      number of lora_modules.
+    max_loras: adapter slots held at once (None: one per lora_modules entry, at least one); at
+      least the number of lora_modules; slots beyond them take adapters loaded later.
     max_lora_rank: the largest adapter rank served; smaller ranks are padded with zeros.
     lora_target_modules: projections (e.g. q_proj,v_proj) given adapter slots from the start
       beside those the lora_modules adapt, so that adapters of them can be loaded later
