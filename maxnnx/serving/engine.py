@@ -257,7 +257,8 @@ class Engine:
       raise ValueError(f'lora_name={name!r}: give the adapter a non-empty name.')
     slot = self.adapters.add(name, str(path))  # refuses a name in use or no free slot
     try:
-      adapter = read_adapter(self._model, name, str(path), self.config.max_lora_rank)
+      adapter = read_adapter(self._model, name, str(path), self.config.max_lora_rank,
+                             'load_lora')
       self.runner.write_adapter(slot, adapter)
     except Exception:
       self.adapters.remove(name)

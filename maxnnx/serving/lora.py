@@ -148,8 +148,10 @@ class LoadedAdapter:
   weights: dict
 
 
-def read_adapter(model: nnx.Module, name: str, path: str, max_lora_rank: int) -> LoadedAdapter:
-  """The adapter in PEFT directory ``path`` for ``model``, checked against ``max_lora_rank``.
+def read_adapter(model: nnx.Module, name: str, path: str, max_lora_rank: int,
+                 source: str = 'Engine lora_modules') -> LoadedAdapter:
+  """The adapter in PEFT directory ``path`` for ``model``, checked against ``max_lora_rank``;
+  ``source`` (what named it) starts every error.
 
   Raises:
     ValueError: one line naming the adapter and the fix (a missing file, an unsupported
@@ -159,11 +161,11 @@ def read_adapter(model: nnx.Module, name: str, path: str, max_lora_rank: int) ->
   try:
     adapted = load_adapter(model, path)
   except ValueError as e:  # PretrainedError too
-    raise ValueError(f"Engine lora_modules: adapter '{name}' ({path}) does not load on this "
+    raise ValueError(f"{source}: adapter '{name}' ({path}) does not load on this "
                      f'{model.config.family} model: {e}') from None
   config = adapted.lora_config
   if config.rank > max_lora_rank:
-    raise ValueError(f"Engine lora_modules: adapter '{name}' ({path}) has rank {config.rank}, "
+    raise ValueError(f"{source}: adapter '{name}' ({path}) has rank {config.rank}, "
                      f'above max_lora_rank={max_lora_rank}; set max_lora_rank={config.rank} '
                      'or more.')
   weights = {}
@@ -172,12 +174,12 @@ def read_adapter(model: nnx.Module, name: str, path: str, max_lora_rank: int) ->
                             np.asarray(b, np.float32) * np.float32(config.scale))
   for module_path in weights:
     if module_path[-1] in KEY_SIDE_PROJECTIONS:
-      raise ValueError(f"Engine lora_modules: adapter '{name}' ({path}) adapts "
+      raise ValueError(f"{source}: adapter '{name}' ({path}) adapts "
                        f"{'.'.join(map(str, module_path))}, which the paged MLA applies to cached "
                        'latents, not to the step\'s tokens; serve it merged '
                        '(merge_adapters) or drop that module.')
     if not re.fullmatch(STACKS_PATH, '/'.join(map(str, module_path))):
-      raise ValueError(f"Engine lora_modules: adapter '{name}' ({path}) adapts "
+      raise ValueError(f"{source}: adapter '{name}' ({path}) adapts "
                        f"{'.'.join(map(str, module_path))}, outside the decoder layers; the "
                        'engine serves decoder-layer adapters only: drop that module.')
   return LoadedAdapter(name, path, config.rank, weights)
