@@ -71,6 +71,46 @@ def dispatch_all_to_all(moe, x_BTD: jax.Array, weights_NK: jax.Array, experts_NK
                     moe.expert_weights())
 
 
+def dispatch_per_batch_shard(dispatch, batch: int, x_ND: jax.Array, weights_NK: jax.Array,
+                             experts_NK: jax.Array, input_weights_NK: jax.Array | None,
+                             expert_weights: dict) -> jax.Array:
+  """``dispatch(x_ND, weights_NK, experts_NK, input_weights_NK, expert_weights)`` run on each
+  device's own tokens: under ``jax.shard_map`` over the mesh axes that split the batch other
+  than ``expert`` (e.g. ``data``, ``fsdp``), which GSPMD keeps partitioning as before.
+
+  The ``gspmd`` strategy's dropless dispatch sorts all ``tokens * k`` assignments by expert;
+  left to the partitioner, the sort and everything sorted (the inputs, the grouped matmuls'
+  rows, their gradients) are replicated on every device, so a device holds the whole global
+  batch's assignments however many devices split the batch. Per batch shard each device sorts
+  only its own; the expert weights' FSDP shards are gathered on entry, as GSPMD does per layer,
+  and their gradients summed over the shards on the way out. Dropless routing keeps no state
+  across tokens, so the result is the global dispatch's.
+  """
+  axes = _batch_shard_axes(batch)
+  if not axes:
+    return dispatch(x_ND, weights_NK, experts_NK, input_weights_NK, expert_weights)
+  tokens = P(axes)
+
+  # check_vma=False: as in dispatch_all_to_all (jax 0.10's searchsorted on manual axes).
+  @functools.partial(jax.shard_map, in_specs=(tokens, tokens, tokens, tokens, P()),
+                     out_specs=tokens, axis_names=set(axes), check_vma=False)
+  def per_shard(x, weights, experts, input_weights, expert_weights):
+    return dispatch(x, weights, experts, input_weights, expert_weights)
+
+  return per_shard(x_ND, weights_NK, experts_NK, input_weights_NK, expert_weights)
+
+
+def _batch_shard_axes(batch: int) -> tuple[str, ...]:
+  """The mesh axes that split a batch of ``batch`` rows, ``expert`` (left to GSPMD) and
+  axes already manual excepted."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return ()
+  spec = spec_for(('activation_batch',), mesh=mesh, shape=(batch,))[0]
+  axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+  return tuple(axis for axis in axes if axis != EXPERT_AXIS)
+
+
 def _token_axes(batch: int) -> tuple[str, ...]:
   """The mesh axes the dispatch takes over: those that split the batch up to and including
   ``expert`` (e.g. ``data, expert``), so each device exchanges only its own tokens with the

@@ -44,7 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxnnx.config import ModelConfig, MoEConfig, RuntimeConfig
 from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.options import RaggedDotOptions
-from maxnnx.layers.expert_parallel import dispatch_all_to_all
+from maxnnx.layers.expert_parallel import dispatch_all_to_all, dispatch_per_batch_shard
 from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.mlp import ACTIVATIONS, MLP
@@ -303,14 +303,14 @@ class MoE(nnx.Module):
       y_ECD = y_ECD + weights['down_bias'][:, None].astype(jnp.float32)
     return y_ECD
 
-  def _dropless(self, x_ND, weights_NK, experts_NK, input_weights_NK=None):
+  def _dropless(self, x_ND, weights_NK, experts_NK, input_weights_NK, expert_weights):
     """Sort assignments by expert, grouped matmuls, unsort, weighted sum."""
     num_tokens, k = experts_NK.shape
     experts_M = experts_NK.reshape(-1)
     order_M = jnp.argsort(experts_M, stable=True)
     x_MD = sorted_inputs(x_ND, order_M, k, input_weights_NK).astype(self.dtype)
     group_sizes_E = jnp.bincount(experts_M, length=self.cfg.num_experts).astype(jnp.int32)
-    y_MD = self.grouped_ffn(x_MD, experts_M[order_M], group_sizes_E, self.expert_weights())
+    y_MD = self.grouped_ffn(x_MD, experts_M[order_M], group_sizes_E, expert_weights)
     y_NKD = y_MD[jnp.argsort(order_M)].reshape(num_tokens, k, -1)
     return jnp.einsum('nkd,nk->nd', y_NKD, weights_NK)
 
@@ -346,9 +346,11 @@ class MoE(nnx.Module):
       input_weights_NK, weights_NK = weights_NK, jnp.ones_like(weights_NK)
     if expert_parallel_strategy() == 'all_to_all' and mesh_axis_size('expert') > 1:
       y_ND = dispatch_all_to_all(self, x_BTD, weights_NK, experts_NK, input_weights_NK)
+    elif cfg.dispatch == 'dropless':  # sorted per batch shard: nothing global to replicate
+      y_ND = dispatch_per_batch_shard(self._dropless, batch, x_ND, weights_NK, experts_NK,
+                                      input_weights_NK, self.expert_weights())
     else:
-      dispatch = self._dropless if cfg.dispatch == 'dropless' else self._capacity
-      y_ND = dispatch(x_ND, weights_NK, experts_NK, input_weights_NK)
+      y_ND = self._capacity(x_ND, weights_NK, experts_NK, input_weights_NK)
     counts_E = jnp.bincount(experts_NK.reshape(-1), length=cfg.num_experts)
     y_BTD = checkpoint_name(y_ND.astype(self.dtype).reshape(batch, length, d), 'mlp_out')
     if self.shared_experts is not None:
