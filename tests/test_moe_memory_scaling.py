@@ -11,6 +11,7 @@ step below). The dispatch now runs on each batch shard (``dispatch_per_batch_sha
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -83,11 +84,19 @@ def _block_outputs(mesh_config: MeshConfig | None):
   return np.asarray(y), jax.tree.map(np.asarray, nnx.to_pure_dict(grads)), np.asarray(loads)
 
 
-def test_per_shard_dispatch_equals_one_device_under_fsdp_and_tensor():
+MESHES = {
+    'data_fsdp_tensor': MeshConfig(data=2, fsdp=2, tensor=2),
+    'data_context': MeshConfig(data=2, context=4),  # each shard's rows split over context
+    'fsdp_expert': MeshConfig(data=1, fsdp=2, expert=4),  # expert stays with GSPMD
+}
+
+
+@pytest.mark.parametrize('mesh', sorted(MESHES))
+def test_per_shard_dispatch_equals_one_device(mesh):
   """Each device sorts its own tokens; the expert weights' FSDP shards are gathered on entry
   and their gradients summed over the shards: output, gradients and loads are one device's."""
   y_ref, grads_ref, loads_ref = _block_outputs(None)
-  y, grads, loads = _block_outputs(MeshConfig(data=2, fsdp=2, tensor=2))
+  y, grads, loads = _block_outputs(MESHES[mesh])
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                grads, grads_ref)

@@ -1,8 +1,10 @@
 """MoE tokens across the ``expert`` mesh axis by all-to-all
 (``MeshConfig.expert_parallel_strategy=all_to_all``).
 
-Under the default ``gspmd`` strategy the MoE block's global sort (or its per-expert
-buffers) is partitioned by the compiler, which moves tokens however it likes. Here the
+Under the default ``gspmd`` strategy the dropless dispatch sorts each batch shard's tokens
+(:func:`dispatch_per_batch_shard`, over the batch axes other than ``expert``) and the compiler
+moves them across ``expert`` however it likes; the capacity dispatch's per-expert buffers are
+left to it whole. Here the
 dispatch runs under ``jax.shard_map`` over ``expert`` and the axes that split the batch ahead
 of it (``data``, ``fsdp``), so each device holds only its own tokens (the FSDP shards of the
 expert weights are gathered on entry, as GSPMD does per layer); the other axes (``tensor``,
@@ -84,7 +86,9 @@ def dispatch_per_batch_shard(dispatch, batch: int, x_ND: jax.Array, weights_NK: 
   batch's assignments however many devices split the batch. Per batch shard each device sorts
   only its own; the expert weights' FSDP shards are gathered on entry, as GSPMD does per layer,
   and their gradients summed over the shards on the way out. Dropless routing keeps no state
-  across tokens, so the result is the global dispatch's.
+  across tokens, so the result is the global dispatch's. Under pipeline stages (``stage`` > 1)
+  the layers run vmapped over stages, where this ``shard_map`` does not lower: there the
+  dispatch stays global.
   """
   axes = _batch_shard_axes(batch)
   if not axes:
@@ -104,7 +108,7 @@ def _batch_shard_axes(batch: int) -> tuple[str, ...]:
   """The mesh axes that split a batch of ``batch`` rows, ``expert`` (left to GSPMD) and
   axes already manual excepted."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
+  if mesh.empty or mesh.size == 1 or mesh_axis_size('stage') > 1:
     return ()
   spec = spec_for(('activation_batch',), mesh=mesh, shape=(batch,))[0]
   axes = (spec,) if isinstance(spec, str) else tuple(spec or ())

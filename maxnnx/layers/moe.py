@@ -19,9 +19,12 @@ Dispatch, chosen by ``dispatch``:
   choices first; assignments that overflow are dropped (their weight is lost).
   Static shapes, plain batched matmuls.
 
-Across the ``expert`` mesh axis, either dispatch runs as GSPMD partitions it or, with
-``mesh.expert_parallel_strategy=all_to_all``, per device with tokens exchanged by
-``all_to_all`` (:mod:`maxnnx.layers.expert_parallel`).
+The dropless sort runs on each batch shard (the devices that split the batch other than over
+``expert`` each sort their own tokens:
+:func:`~maxnnx.layers.expert_parallel.dispatch_per_batch_shard`); a global sort left to GSPMD
+would be replicated on every device. Across the ``expert`` mesh axis, either dispatch runs as
+GSPMD partitions it or, with ``mesh.expert_parallel_strategy=all_to_all``, per device with
+tokens exchanged by ``all_to_all`` (:mod:`maxnnx.layers.expert_parallel`).
 
 Auxiliary outputs: every forward pass overwrites three :class:`MoeAux`
 variables on the module (``tokens_per_expert [E]``, ``load_balance_loss``,
