@@ -8,11 +8,9 @@ import pytest
 from flax import nnx
 
 import maxnnx
-from maxnnx.serving import SamplingParams
-from maxnnx.serving.openai_responses import ChoiceStream, chunk, response_body
-from maxnnx.serving.params import RequestOutput
+from maxnnx.serving.openai_responses import response_body
 from maxnnx.serving.reasoning import check_reasoning_parser, split_reasoning
-from tests.test_serving_tools_stream import _request, _splits
+from tests.test_serving_tools_stream import _splits, _stream
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 
@@ -43,17 +41,9 @@ def test_an_unknown_parser_is_refused_naming_the_parsers():
     check_reasoning_parser('r1')
 
 
-def _stream(pieces, parser, tool_format=None):
-  stream = ChoiceStream(0, None, SamplingParams(), tool_format=tool_format,
-                        reasoning_parser=parser)
-  chunks = []
-  for k in range(1, len(pieces) + 1):
-    done = k == len(pieces)
-    out = RequestOutput(0, (k,), None, tuple(range(1, k + 1)), done, 'stop' if done else None,
-                        ''.join(pieces[:k]), 0)
-    text, _ = stream.update(out)
-    if text or stream.finished or stream.has_deltas:
-      chunks.append(chunk(_request(), 'id', 'm', stream, text))
+def _deltas(pieces, parser, tool_format=None):
+  """The stream and the deltas a server sends for ``pieces`` under ``parser``."""
+  stream, chunks = _stream(tool_format, pieces, parser)
   return stream, [c['choices'][0]['delta'] for c in chunks]
 
 
@@ -67,10 +57,10 @@ def _stream(pieces, parser, tool_format=None):
 ])
 def test_streamed_reasoning_and_content_join_to_the_whole_replys(parser, reply, how):
   reasoning, content = split_reasoning(reply, parser, finished=True)
-  stream, deltas = _stream(_splits(reply, how), parser)
+  stream, deltas = _deltas(_splits(reply, how), parser)
   assert ''.join(d.get('reasoning_content') or '' for d in deltas) == reasoning
   assert ''.join(d.get('content') or '' for d in deltas) == content
-  whole, _ = _stream([reply], parser)
+  whole, _ = _deltas([reply], parser)
   request = types.SimpleNamespace(kind='chat', n=1, prompts=[(1, 2)], logprobs=None,
                                   return_token_ids=False, best_of=None, samples_per_prompt=1)
   [choice] = response_body(request, 'id', 'm', [whole])['choices']
@@ -81,7 +71,7 @@ def test_streamed_reasoning_and_content_join_to_the_whole_replys(parser, reply, 
 @pytest.mark.parametrize('how', ['chars', 5])
 def test_tool_calls_are_read_after_the_reasoning(how):
   reply = '<think>Weather needs a call.</think>\n' + CALL
-  stream, deltas = _stream(_splits(reply, how), 'qwen3', tool_format='hermes')
+  stream, deltas = _deltas(_splits(reply, how), 'qwen3', tool_format='hermes')
   assert ''.join(d.get('reasoning_content') or '' for d in deltas) == 'Weather needs a call.'
   assert [(c.name, json.loads(c.arguments)) for c in stream.tool_calls] == [
       ('get_weather', {'city': 'Oslo'})]

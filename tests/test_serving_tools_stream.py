@@ -34,16 +34,17 @@ def _request():
                                prompt_of=lambda index: ())
 
 
-def _stream(fmt, pieces):
+def _stream(fmt, pieces, reasoning_parser=None):
   """The chunks a server sends for ``pieces`` (the reply's text, piece by piece)."""
-  stream = ChoiceStream(0, None, SamplingParams(), tool_format=fmt)
+  stream = ChoiceStream(0, None, SamplingParams(), tool_format=fmt,
+                        reasoning_parser=reasoning_parser)
   chunks = []
   for k in range(1, len(pieces) + 1):
     done = k == len(pieces)
     out = RequestOutput(0, (k,), None, tuple(range(1, k + 1)), done, 'stop' if done else None,
                         ''.join(pieces[:k]), 0)
     text, _ = stream.update(out)
-    if text or stream.finished or stream.has_tool_deltas:
+    if text or stream.finished or stream.has_deltas:
       chunks.append(chunk(_request(), 'id', 'm', stream, text))
   return stream, chunks
 
