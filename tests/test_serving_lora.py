@@ -8,7 +8,6 @@ import os
 import shutil
 
 import httpx
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -20,6 +19,7 @@ from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.server import make_app, serve_in_thread
 from maxnnx.train.lora import LoraConfig, apply_lora, load_adapter, merge_adapters, save_adapter
 from tests.conftest import FIXTURES
+from tests.test_lora import _randomise_adapters
 
 LLAMA = os.path.join(FIXTURES, 'llama')
 PEFT_DIR = os.path.join(os.path.dirname(FIXTURES), 'peft', 'llama_lora')  # rank 4, by peft
@@ -29,20 +29,10 @@ ENGINE = dict(page_size=4, max_batch=4, token_budget=16, max_model_len=48, token
               page_buckets=(12,), max_lora_rank=4)
 
 
-def _randomised(model, seed, std):
-  """``model`` with nonzero adapters (B starts at zero, which would hide a wrong slot)."""
-  state = nnx.state(model, nnx.LoRAParam)
-  leaves, treedef = jax.tree.flatten(state)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  leaves = [x + std * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-  nnx.update(model, jax.tree.unflatten(treedef, leaves))
-  return model
-
-
 def _small_adapter(base, directory, seed=5):
   """A rank-2 adapter of three projections (padded to max_lora_rank=4 when served)."""
   config = LoraConfig(rank=2, alpha=4.0, targets=('q_proj', 'v_proj', 'down_proj'))
-  save_adapter(_randomised(apply_lora(base, config), seed, 0.3), str(directory))
+  save_adapter(_randomise_adapters(apply_lora(base, config), seed, 0.3), str(directory))
   return str(directory)
 
 
@@ -289,7 +279,7 @@ def test_server_lists_adapters_selects_them_by_model_and_refuses_unknown_ones(se
 def _adapter(base, directory, seed, targets=('q_proj', 'v_proj', 'down_proj')):
   """A rank-2 adapter of ``targets`` with nonzero weights drawn from ``seed``."""
   config = LoraConfig(rank=2, alpha=4.0, targets=targets)
-  save_adapter(_randomised(apply_lora(base, config), seed, 0.3), str(directory))
+  save_adapter(_randomise_adapters(apply_lora(base, config), seed, 0.3), str(directory))
   return str(directory)
 
 
