@@ -24,7 +24,7 @@ from maxnnx.serving.tools import (
   streamed_calls,
   tool_format,
 )
-from tests.test_serving_tools_stream import _random_value, _splits, _stream
+from tests.test_serving_tools_stream import _random_value, _splits, _stream, check_streamed_calls
 
 
 def _ds(words):
@@ -80,32 +80,8 @@ def _fmt(name):
 @pytest.mark.parametrize('how', ['chars', 1, 2])
 @pytest.mark.parametrize('name', sorted(REPLIES))
 def test_streamed_argument_fragments_add_up_to_the_parsed_arguments(name, how):
-  reply, fmt = REPLIES[name], _fmt(name)
-  content, calls = parse_tool_calls(reply, fmt)
-  assert calls, 'the reply must parse as calls'
-  stream, chunks = _stream(fmt, _splits(reply, how))
-  deltas = [c['choices'][0]['delta'] for c in chunks]
-  assert chunks[-1]['choices'][0]['finish_reason'] == 'tool_calls'
-  assert ''.join(d.get('content') or '' for d in deltas) == CONTENT.get(name, '')
-  assert ''.join(d.get('reasoning_content') or '' for d in deltas) == REASONING.get(name, '')
-  assert stream.reasoning == REASONING.get(name, '')
-  tool_deltas = [t for d in deltas for t in d.get('tool_calls', ())]
-  assert sorted({t['index'] for t in tool_deltas}) == list(range(len(calls)))
-  for k, call in enumerate(calls):
-    mine = [t for t in tool_deltas if t['index'] == k]
-    head, rest = mine[0], mine[1:]
-    assert head['type'] == 'function' and head['function']['name'] == call.name
-    assert head['id'] == stream.tool_calls[k].id
-    assert all(set(t) == {'index', 'function'} and set(t['function']) == {'arguments'}
-               for t in rest), rest
-    assert ''.join(t['function']['arguments'] for t in mine) == call.arguments
-    assert stream.tool_calls[k].arguments == call.arguments
-  if how == 'chars':  # the arguments went out as the model wrote them, not at the end
-    for k, call in enumerate(calls):
-      early = [t for c in chunks[:-1] for t in c['choices'][0]['delta'].get('tool_calls', ())
-               if t['index'] == k]
-      assert len(early) > 2
-      assert len(''.join(t['function']['arguments'] for t in early)) >= len(call.arguments) - 3
+  check_streamed_calls(REPLIES[name], _fmt(name), how, CONTENT.get(name, ''),
+                       REASONING.get(name, ''))
 
 
 @pytest.mark.parametrize('fmt, text, content, calls', [

@@ -57,42 +57,48 @@ def _splits(text, how):
   return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
-@pytest.mark.parametrize('how', ['chars', 1, 2])
-@pytest.mark.parametrize('name', sorted(REPLIES))
-def test_streamed_argument_fragments_add_up_to_the_parsed_arguments(name, how):
-  fmt = name.split('-')[0]
-  reply = REPLIES[name]
-  content, calls = parse_tool_calls(reply, fmt)
+def check_streamed_calls(reply, fmt, how, content='', reasoning='', arrive_early=True):
+  """Stream ``reply`` (in ``fmt``) cut ``how``, and check what the chunks carry against the
+  parse of the whole reply: (a) each call's argument fragments join to its parsed arguments;
+  (b) its first delta names it, the later ones carry only arguments; (c) the calls' indices
+  come in order, 0, 1, ...; (d) the text before the calls streams as ``content`` (and
+  ``reasoning``), no call text does; with ``arrive_early`` (character by character) the
+  arguments go out as the model writes them, not at the end."""
+  _, calls = parse_tool_calls(reply, fmt)
   assert calls, 'the reply must parse as calls'
   stream, chunks = _stream(fmt, _splits(reply, how))
   deltas = [c['choices'][0]['delta'] for c in chunks]
   assert chunks[-1]['choices'][0]['finish_reason'] == 'tool_calls'
-  # (d) the text before the call streams as content, and no call text does
-  assert ''.join(d.get('content') or '' for d in deltas) == CONTENT.get(name, '')
+  assert ''.join(d.get('content') or '' for d in deltas) == content
+  assert ''.join(d.get('reasoning_content') or '' for d in deltas) == reasoning
+  assert stream.reasoning == reasoning
   tool_deltas = [t for d in deltas for t in d.get('tool_calls', ())]
-  # (c) the calls' indices in order, 0, 1, ...
   assert sorted({t['index'] for t in tool_deltas}) == list(range(len(calls)))
   firsts = [min(i for i, t in enumerate(tool_deltas) if t['index'] == k)
             for k in range(len(calls))]
   assert firsts == sorted(firsts)
   for k, call in enumerate(calls):
     mine = [t for t in tool_deltas if t['index'] == k]
-    # (b) the first delta names the call, the later ones carry only arguments
     head, rest = mine[0], mine[1:]
     assert head['type'] == 'function' and head['function']['name'] == call.name
     assert head['id'] == stream.tool_calls[k].id and head['id'].startswith('call_')
     assert all(set(t) == {'index', 'function'} and set(t['function']) == {'arguments'}
                for t in rest), rest
-    # (a) the fragments, joined, are the arguments of the parse of the whole reply
     assert ''.join(t['function']['arguments'] for t in mine) == call.arguments
     assert stream.tool_calls[k].arguments == call.arguments
-  # the arguments went out as the model wrote them, not at the end
-  if how == 'chars' and name != 'hermes-arguments-first':
+  if how == 'chars' and arrive_early:
     for k, call in enumerate(calls):
       early = [t for c in chunks[:-1] for t in c['choices'][0]['delta'].get('tool_calls', ())
                if t['index'] == k]
       assert len(early) > 2
       assert len(''.join(t['function']['arguments'] for t in early)) >= len(call.arguments) - 3
+
+
+@pytest.mark.parametrize('how', ['chars', 1, 2])
+@pytest.mark.parametrize('name', sorted(REPLIES))
+def test_streamed_argument_fragments_add_up_to_the_parsed_arguments(name, how):
+  check_streamed_calls(REPLIES[name], name.split('-')[0], how, CONTENT.get(name, ''),
+                       arrive_early=name != 'hermes-arguments-first')
 
 
 def test_the_arguments_are_sent_only_once_certain_and_never_past_the_end_marker():
