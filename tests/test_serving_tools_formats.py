@@ -15,7 +15,9 @@ from maxnnx.data import load_tokenizer
 from maxnnx.data.chat import encode_with_specials, special_tokens
 from maxnnx.inference import end_of_turn_ids
 from maxnnx.inference.structured import StructuredOutput, grammar_tokenizer
-from maxnnx.serving.openai_responses import response_body
+from maxnnx.serving import SamplingParams
+from maxnnx.serving.openai_responses import ChoiceStream, chunk, response_body
+from maxnnx.serving.params import RequestOutput
 from maxnnx.serving.tools import (
   call_grammar,
   held_back,
@@ -24,7 +26,13 @@ from maxnnx.serving.tools import (
   streamed_calls,
   tool_format,
 )
-from tests.test_serving_tools_stream import _random_value, _splits, _stream, check_streamed_calls
+from tests.test_serving_tools_stream import (
+  _random_value,
+  _request,
+  _splits,
+  _stream,
+  check_streamed_calls,
+)
 
 
 def _ds(words):
@@ -366,3 +374,40 @@ def test_forced_deepseek_calls_from_the_engine_parse_back_and_validate(marker_to
     stream, _ = _stream(fmt, _splits(out.text, 'chars'))
     assert [(c.name, c.arguments) for c in stream.tool_calls] == [
         (c.name, c.arguments) for c in calls]
+
+
+def test_with_tool_choice_none_a_harmony_reply_is_read_for_its_channels_but_never_for_calls():
+  """A harmony reply is always read for its final channel, but with no tools, or with
+  ``tool_choice`` ``none``, a call message the model writes anyway is dropped: no
+  ``tool_calls``, whole or streamed, and the reply finishes as ``stop``."""
+  reply = ('<|channel|>final<|message|>It is sunny.<|end|><|start|>assistant'
+           + harmony_call('get_weather', '{"city": "oslo"}'))
+  for how in ('chars', 3, 'whole'):
+    stream = ChoiceStream(0, None, SamplingParams(), tool_format='harmony', read_calls=False)
+    pieces = [reply] if how == 'whole' else _splits(reply, how)
+    chunks = []
+    for k in range(1, len(pieces) + 1):
+      done = k == len(pieces)
+      text, _ = stream.update(RequestOutput(0, (k,), None, tuple(range(1, k + 1)), done,
+                                            'stop' if done else None, ''.join(pieces[:k]), 0))
+      chunks.append(chunk(_request(), 'id', 'm', stream, text))
+    deltas = [c['choices'][0]['delta'] for c in chunks]
+    assert not any('tool_calls' in d for d in deltas) and stream.tool_calls == []
+    assert ''.join(d.get('content') or '' for d in deltas) == 'It is sunny.'
+    assert stream.finish_reason == 'stop'
+  # Read for calls, the same reply answers one: the flag is what drops it.
+  assert [c.name for c in parse_tool_calls(reply, 'harmony')[1]] == ['get_weather']
+
+
+def test_a_harmony_chat_reads_calls_only_when_it_sends_tools_without_tool_choice_none(
+    marker_tokenizer):
+  from maxnnx.data.chat import ChatTemplate
+  from maxnnx.serving.openai_api import ServedModel
+  from maxnnx.serving.openai_chat import parse_chat
+  served = ServedModel('m', marker_tokenizer, ChatTemplate(HARMONY_TEMPLATE), 128, 512, 5)
+  body = {'model': 'm', 'messages': [{'role': 'user', 'content': 'Weather?'}], 'max_tokens': 4}
+  cases = (({'tools': [WEATHER]}, True), ({'tools': [WEATHER], 'tool_choice': 'auto'}, True),
+           ({'tools': [WEATHER], 'tool_choice': 'none'}, False), ({}, False))
+  for extra, reads in cases:
+    parsed = parse_chat({**body, **extra}, served)
+    assert (parsed.tool_format, parsed.read_calls) == ('harmony', reads), extra

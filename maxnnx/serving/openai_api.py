@@ -154,6 +154,9 @@ class ParsedRequest:
     tool_format: the format tool calls are parsed from in each reply
       (:mod:`~maxnnx.serving.tools`), or ``None`` (no tools, or ``tool_choice`` ``none``;
       a harmony template's replies are always read as ``harmony``, for their channels).
+    read_calls: whether tool calls are read from the replies; ``False`` where the format is
+      only read for its channels (a harmony reply without tools or with ``tool_choice``
+      ``none``: a call message the model writes anyway is dropped, not answered).
     lora: the LoRA adapter the request's ``model`` names, or ``None`` (the base model).
     reasoning_parser: how each chat reply's reasoning is split off, or ``None``.
   """
@@ -172,6 +175,7 @@ class ParsedRequest:
   score_only: bool = False
   best_of: int | None = None
   tool_format: str | None = None
+  read_calls: bool = True
   lora: str | None = None
   reasoning_parser: str | None = None
 

@@ -90,6 +90,7 @@ def parse_chat(body: Any, served: ServedModel) -> ParsedRequest:
   return ParsedRequest('chat', (ids,), tuple(params), n, stream, include_usage, logprobs,
                        _field(body, 'return_token_ids', (bool,), False), pixels,
                        tool_format=fmt, lora=lora,
+                       read_calls=tools is not None and body.get('tool_choice') != 'none',
                        reasoning_parser=None if fmt == 'harmony' else served.reasoning_parser)
 
 

@@ -35,13 +35,17 @@ class ChoiceStream:
       ``function.arguments`` as they become certain), or ``None``. A harmony reply's content
       is its final messages' text, and its reasoning (the ``analysis`` messages) streams as
       ``delta.reasoning_content`` and comes back as ``message.reasoning_content``.
+    read_calls: read tool calls in ``tool_format``; ``False`` reads the format for its
+      content and reasoning only, and a call the reply holds is dropped (a harmony reply
+      without tools, or with ``tool_choice`` ``none``).
     reasoning_parser: split the reply's ``<think>`` block off as its reasoning
       (:mod:`~maxnnx.serving.reasoning`: ``deepseek_r1`` or ``qwen3``), before tool calls are
       looked for in what follows it; ``None``: the reply is all content.
   """
 
   def __init__(self, index: int, tokenizer, params: SamplingParams, eos_ids=(),
-               tool_format: str | None = None, reasoning_parser: str | None = None):
+               tool_format: str | None = None, reasoning_parser: str | None = None,
+               read_calls: bool = True):
     self.index = index
     self.tokenizer = tokenizer
     self.params = params
@@ -54,6 +58,7 @@ class ChoiceStream:
     self.text_offset = 0           # completions logprobs: where the next token's text starts
     self.cumulative_logprob = 0.0  # of every generated token, a stop token included
     self.tool_format = tool_format
+    self.read_calls = read_calls
     self.reasoning_parser = reasoning_parser
     self.tool_calls: list[ToolCall] = []  # parsed from the finished reply
     self._calls_sent: list[ToolCall] = []  # each started call: its id, name, arguments sent
@@ -79,7 +84,8 @@ class ChoiceStream:
         new_logprobs = new_logprobs[:-1]  # nor are a stop token's log-probabilities part of it
       text = self._split_reasoning(text, finished=True)
       if self.tool_format is not None:
-        content, calls = parse_tool_calls(text, self.tool_format)
+        content, calls = (parse_tool_calls(text, self.tool_format) if self.read_calls else
+                          (split_reply(text, self.tool_format, finished=True)[0], []))
         self.tool_calls = self._send_calls([(c.name, c.arguments) for c in calls], calls)
         self._send_reasoning(split_reply(text, self.tool_format, finished=True)[1])
         text = content or ''  # without calls, the reply itself (harmony: its final text)
@@ -89,7 +95,8 @@ class ChoiceStream:
     else:
       text = self._split_reasoning(stable_text(out.text or '', self.params.stop))
       if self.tool_format is not None:
-        self._send_calls(streamed_calls(text, self.tool_format))
+        if self.read_calls:
+          self._send_calls(streamed_calls(text, self.tool_format))
         text, reasoning = split_reply(text, self.tool_format)
         self._send_reasoning(reasoning)
     self.logprobs.extend(new_logprobs)
