@@ -54,6 +54,17 @@ def v31_call(name, arguments):
   return f'{CALL}{name}{SEP}{arguments}{CALL_END}'
 
 
+DSML = '\uff5cDSML\uff5c'
+DSML_CALLS, DSML_CALLS_END = f'<{DSML}function_calls>', f'</{DSML}function_calls>'
+
+
+def dsml_call(name, parameters):
+  """One call as DeepSeek V3.2 writes it: ``parameters`` maps a name to ``(text, is_string)``."""
+  params = ''.join(f'<{DSML}parameter name="{k}" string="{str(raw).lower()}">{text}'
+                   f'</{DSML}parameter>\n' for k, (text, raw) in parameters.items())
+  return f'<{DSML}invoke name="{name}">\n{params}</{DSML}invoke>'
+
+
 def harmony_call(name, arguments, before=False):
   """One call message, its recipient after the channel (or ``before`` it)."""
   if before:
@@ -69,6 +80,9 @@ REPLIES = {
   'deepseek_v31': (CALLS + v31_call('get_weather', '{"city":"lima","days":7}')
                    + v31_call('get_time', '{"zone": "cet"}') + CALLS_END),
   'deepseek_v31-in-v3': CALLS + v31_call('f', '{"a": [1, 2]}') + CALLS_END,
+  'deepseek_v32': ('Checking. ' + DSML_CALLS + '\n' + dsml_call('get_weather', {
+      'city': ('Os"lo <b> é', True), 'days': ('[1, {"a": null}]', False), 'n': ('-1.5e1', False)})
+      + '\n' + dsml_call('get_time', {'zone': ('utc', True)}) + '\n' + DSML_CALLS_END),
   'harmony': THINK + '<|start|>assistant' + harmony_call('get_weather', '{"city":"oslo"}'),
   'harmony-before': (THINK + '<|start|>assistant' + harmony_call('get_time', '{"zone":"utc"}',
                                                                   before=True)),
@@ -76,7 +90,7 @@ REPLIES = {
                   + '<|start|>assistant' + harmony_call('get_time', '{"zone": "cet"}')),
 }
 FORMAT = {'deepseek_v31-in-v3': 'deepseek'}  # V3.1's layout read by the V3 format
-CONTENT = {'deepseek': 'Let me check. '}
+CONTENT = {'deepseek': 'Let me check. ', 'deepseek_v32': 'Checking. '}
 REASONING = {'harmony': 'The user wants the weather; call it.',
              'harmony-before': 'The user wants the weather; call it.'}
 
@@ -105,6 +119,14 @@ def test_streamed_argument_fragments_add_up_to_the_parsed_arguments(name, how):
   ('deepseek', CALLS + v31_call('', '{}') + CALLS_END,
    CALLS + v31_call('', '{}') + CALLS_END, []),  # no name
   ('deepseek', 'no call here', 'no call here', []),
+  ('deepseek_v32', DSML_CALLS + dsml_call('f', {'a': ('x', True), 'b': ('2', False)})
+   + DSML_CALLS_END + ' Done.', 'Done.', [('f', {'a': 'x', 'b': 2})]),
+  ('deepseek_v32', DSML_CALLS + dsml_call('f', {'a': ('1', True)}), None,
+   [('f', {'a': '1'})]),  # no closing marker: the engine stopped at end of sentence
+  ('deepseek_v32', DSML_CALLS + dsml_call('f', {'b': ('{oops', False)}) + DSML_CALLS_END,
+   DSML_CALLS + dsml_call('f', {'b': ('{oops', False)}) + DSML_CALLS_END, []),  # not JSON
+  ('deepseek_v32', DSML_CALLS + f'<{DSML}invoke name="f">' + DSML_CALLS_END,
+   DSML_CALLS + f'<{DSML}invoke name="f">' + DSML_CALLS_END, []),  # an unclosed invoke
   ('harmony', THINK + '<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>',
    'It is sunny.', []),
   ('harmony', '<|channel|>final<|message|>It is sunny.', 'It is sunny.', []),
@@ -167,7 +189,7 @@ def test_random_arguments_written_any_way_stream_to_the_parsed_arguments(seed):
   """Random JSON arguments, compact or spaced, escaped or not, after content or reasoning, in
   random pieces: each call's streamed pieces join to the parse of the whole reply."""
   rng = random.Random(seed)
-  fmt = ['deepseek', 'deepseek_v31', 'harmony'][seed % 3]
+  fmt = ['deepseek', 'deepseek_v31', 'harmony', 'deepseek_v32'][seed % 4]
   texts = []
   for _ in range(rng.randrange(1, 4)):
     arguments = {'x': _random_value(rng), 'y': _random_value(rng)}
@@ -178,6 +200,12 @@ def test_random_arguments_written_any_way_stream_to_the_parsed_arguments(seed):
     messages = [harmony_call(f'f{k}', t, before=rng.random() < 0.5) for k, t in enumerate(texts)]
     think = f'<|channel|>analysis<|message|>{before}<|end|><|start|>assistant' if before else ''
     reply = think + '<|start|>assistant'.join(messages)
+  elif fmt == 'deepseek_v32':  # the same values as parameters, strings written raw
+    calls = [dsml_call(f'f{k}', {key: (v, True) if isinstance(v, str) and '<' not in v else
+                                 (json.dumps(v, separators=separators), False)
+                                 for key, v in json.loads(t).items()})
+             for k, t in enumerate(texts)]
+    reply = before + DSML_CALLS + '\n' + '\n'.join(calls) + rng.choice([DSML_CALLS_END, ''])
   else:
     write = v3_call if fmt == 'deepseek' else v31_call
     joiner = '\n' if fmt == 'deepseek' else ''
@@ -207,6 +235,7 @@ def test_the_format_follows_the_chat_template():
   assert tool_format("{{'<|start|>assistant<|channel|>final<|message|>'}}") == 'harmony'
   assert tool_format("{{'<|call|>'}}") == 'harmony'
   assert tool_format("{{'<tool_call>'}}") == 'hermes'
+  assert tool_format("{{'" + DSML_CALLS + "'}}") == 'deepseek_v32'
 
 
 WEATHER = {'type': 'function', 'function': {'name': 'get_weather', 'parameters': {
@@ -216,6 +245,8 @@ WEATHER = {'type': 'function', 'function': {'name': 'get_weather', 'parameters':
 CLOCK = {'type': 'function', 'function': {'name': 'get_time', 'parameters': {
   'type': 'object', 'properties': {'zone': {'enum': ['utc', 'cet']}}, 'required': ['zone'],
   'additionalProperties': False}}}
+NOTE = {'type': 'function', 'function': {'name': 'get_note', 'parameters': {
+  'type': 'object', 'properties': {'text': {'type': 'string'}}, 'required': ['text']}}}
 HARMONY = ['<|start|>', '<|channel|>', '<|message|>', '<|end|>', '<|call|>', '<|return|>',
            '<|constrain|>', '<|endoftext|>']
 DEEPSEEK = [CALLS, CALLS_END, CALL, CALL_END, SEP, _ds('end of sentence')]
@@ -238,6 +269,15 @@ def marker_tokenizer(tmp_path_factory):
    CALLS + v3_call('get_weather', '{"city":"paris","days":2}') + CALLS_END),
   ('deepseek_v31', False, CALLS + v31_call('get_time', '{"zone":"cet"}') + CALLS_END,
    CALLS + v31_call('get_time', '{"zone":"cet"}') + v31_call('get_time', '{"zone":"cet"}')),
+  ('deepseek_v32', True,
+   DSML_CALLS + '\n' + dsml_call('get_weather', {'city': ('"rome"', False), 'days': ('2', False)})
+   + '\n' + dsml_call('get_time', {'zone': ('"utc"', False)}) + '\n' + DSML_CALLS_END,
+   DSML_CALLS + '\n' + dsml_call('get_weather', {'city': ('"rome"', False)}) + '\n'
+   + DSML_CALLS_END),  # a required parameter missing
+  ('deepseek_v32', False,
+   DSML_CALLS + '\n' + dsml_call('get_note', {'text': ('any "text" \\ é', True)}) + '\n'
+   + DSML_CALLS_END,
+   DSML_CALLS + '\n' + dsml_call('get_note', {'text': ('1', False)}) + '\n' + DSML_CALLS_END),
   ('harmony', True, harmony_call('get_weather', '{"city":"oslo","days":9}'),
    THINK + '<|start|>assistant' + harmony_call('get_weather', '{"city":"oslo","days":9}')),
 ])
@@ -247,7 +287,7 @@ def test_the_grammar_of_a_forced_call_takes_the_models_own_call_and_refuses_othe
   tokens) and refuses a call outside the schema, or more than the grammar allows."""
   tok = marker_tokenizer
   specials = special_tokens(tok)
-  grammar = StructuredOutput('grammar', call_grammar([WEATHER, CLOCK], fmt, parallel=parallel,
+  grammar = StructuredOutput('grammar', call_grammar([WEATHER, CLOCK, NOTE], fmt, parallel=parallel,
                                                      specials=specials)).grammar()
   grammar_tok = grammar_tokenizer(tok, tok.vocab_size, [specials['<|return|>']])
   for text, accepted in ((good, True), (bad, False)):
@@ -257,7 +297,7 @@ def test_the_grammar_of_a_forced_call_takes_the_models_own_call_and_refuses_othe
     taken = matcher.try_consume_tokens(ids)
     assert (taken == len(ids) and matcher.is_accepting()) == accepted, (text, taken, len(ids))
   _, calls = parse_tool_calls(good, fmt)
-  assert calls and all(c.name in ('get_weather', 'get_time') for c in calls)
+  assert calls and all(c.name in ('get_weather', 'get_time', 'get_note') for c in calls)
 
 
 def test_a_harmony_vocabulary_ends_its_turn_at_call_and_return_not_at_end(marker_tokenizer):
@@ -356,17 +396,21 @@ def test_forced_deepseek_calls_from_the_engine_parse_back_and_validate(marker_to
   specials = special_tokens(tok)
   model = maxnnx.Transformer(maxnnx.get_preset('tiny', vocab_size=512, num_layers=1),
                              rngs=nnx.Rngs(0))
-  engine = Engine(model, tok, max_batch=2, token_budget=32, page_size=8, max_model_len=128,
-                  token_buckets=(32,), page_buckets=(16,))
-  fmts = ['deepseek', 'deepseek_v31']
-  params = [SamplingParams(max_tokens=90, temperature=1.0, seed=k, structured=StructuredOutput(
-      'grammar', call_grammar([WEATHER, CLOCK], fmt, parallel=True, specials=specials)))
-            for k, fmt in enumerate(fmts)]
-  outs = engine.generate([tok.encode('Weather?')] * 2, params)
+  engine = Engine(model, tok, max_batch=3, token_budget=32, page_size=8, max_model_len=512,
+                  token_buckets=(32,), page_buckets=(64,))
+  fmts = ['deepseek', 'deepseek_v31', 'deepseek_v32']
+  # DSML's markers are text here, so one call spans hundreds of tokens: one call for it.
+  params = [SamplingParams(max_tokens=400, temperature=1.0, seed=k, structured=StructuredOutput(
+      'grammar', call_grammar([WEATHER, CLOCK], fmt, parallel=fmt != 'deepseek_v32',
+                              specials=specials))) for k, fmt in enumerate(fmts)]
+  outs = engine.generate([tok.encode('Weather?')] * 3, params)
   schemas = {t['function']['name']: t['function']['parameters'] for t in (WEATHER, CLOCK)}
   for fmt, out in zip(fmts, outs):
     assert out.finish_reason == 'stop', out.text
-    assert out.token_ids[0] == specials[CALLS] and out.token_ids[-1] == specials[CALLS_END]
+    if fmt == 'deepseek_v32':  # DSML's markers are text in this vocabulary
+      assert out.text.startswith(DSML_CALLS) and out.text.endswith(DSML_CALLS_END), out.text
+    else:
+      assert out.token_ids[0] == specials[CALLS] and out.token_ids[-1] == specials[CALLS_END]
     content, calls = parse_tool_calls(out.text, fmt)
     assert content is None and calls
     for call in calls:

@@ -1,7 +1,7 @@
 """Tool calls for the chat API: the ``tools`` a request declares, the grammar that forces a
 call, and the calls parsed back out of the model's text.
 
-A model writes its tool calls in its family's own format; the server recognises six, picked
+A model writes its tool calls in its family's own format; the server recognises seven, picked
 from what the chat template writes (:func:`tool_format`):
 
 * ``hermes`` (Qwen 2.5 / 3, Hermes, and the default):
@@ -17,6 +17,8 @@ from what the chat template writes (:func:`tool_format`):
   ``<|tool_call_begin|>NAME<|tool_sep|>{...}<|tool_call_end|>``. Both DeepSeek formats read
   either layout (the character after the separator tells them apart); the format picks the
   layout a forced call is written in;
+* ``deepseek_v32`` (DeepSeek V3.2): DSML markup, an ``invoke`` element per call with a
+  ``parameter`` element per argument (:mod:`maxnnx.serving.tools_dsml`);
 * ``harmony`` (GPT-OSS): the reply is messages ``<|channel|>CHANNEL<|message|>...<|end|>``,
   each after ``<|start|>assistant``; a call is a message addressed ``to=functions.NAME`` (in
   the header before or after ``<|channel|>``) whose text is the arguments, ended by
@@ -42,6 +44,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 
+from maxnnx.serving import tools_dsml
 from maxnnx.serving.partial_json import (
   Incomplete,
   NotJson,
@@ -50,7 +53,7 @@ from maxnnx.serving.partial_json import (
   skip_space,
 )
 
-FORMATS = ('hermes', 'llama3', 'mistral', 'deepseek', 'deepseek_v31', 'harmony')
+FORMATS = ('hermes', 'llama3', 'mistral', 'deepseek', 'deepseek_v31', 'deepseek_v32', 'harmony')
 _HERMES_CALL = re.compile(r'<tool_call>\s*(.*?)\s*</tool_call>', re.S)
 
 
@@ -63,7 +66,7 @@ _DS_CALLS, _DS_CALLS_END = _deepseek('tool calls begin'), _deepseek('tool calls 
 _DS_CALL, _DS_CALL_END = _deepseek('tool call begin'), _deepseek('tool call end')
 _DS_SEP = _deepseek('tool sep')
 _MARKERS = {'hermes': '<tool_call>', 'llama3': '<|python_tag|>', 'mistral': '[TOOL_CALLS]',
-            'deepseek': _DS_CALLS, 'deepseek_v31': _DS_CALLS}
+            'deepseek': _DS_CALLS, 'deepseek_v31': _DS_CALLS, 'deepseek_v32': tools_dsml.CALLS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +90,14 @@ class ToolCall:
 
 
 def tool_format(template_source: str) -> str:
-  """The call format a chat template's model writes: ``deepseek`` when the template holds
+  """The call format a chat template's model writes: ``deepseek_v32`` when the template
+  writes DSML markup, ``deepseek`` when it holds
   DeepSeek's tool-calls marker and a fenced ``json`` block (``deepseek_v31`` without the
   fence), ``harmony`` when it holds ``<|channel|>`` or ``<|call|>``, ``mistral`` when it holds
   ``[TOOL_CALLS]``, ``llama3`` when it holds ``<|python_tag|>`` or the ``ipython`` role, else
   ``hermes``."""
+  if tools_dsml.uses_dsml(template_source):
+    return 'deepseek_v32'
   if _DS_CALLS in template_source:
     return 'deepseek' if '```json' in template_source else 'deepseek_v31'
   if '<|channel|>' in template_source or '<|call|>' in template_source:
@@ -157,6 +163,8 @@ def call_grammar(tools: Sequence[Mapping], fmt: str, name: str | None = None,
     return f'<[{specials[text]}]>' if text in specials else json.dumps(text, ensure_ascii=False)
 
   functions = [t['function'] for t in tools if name is None or t['function']['name'] == name]
+  if fmt == 'deepseek_v32':
+    return tools_dsml.grammar(functions, parallel, literal)
   if fmt in ('deepseek', 'deepseek_v31', 'harmony'):
     return _named_grammar(functions, fmt, parallel, literal)
   schemas = [_call_schema(f, fmt) for f in functions]
@@ -217,6 +225,9 @@ def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
     return _parse_deepseek(text)
   if fmt == 'harmony':
     return _parse_harmony(text)
+  if fmt == 'deepseek_v32':
+    found = tools_dsml.parse(text)
+    return (text, []) if found is None else (found[0], [ToolCall(*c) for c in found[1]])
   if fmt == 'hermes':
     for found in _HERMES_CALL.finditer(text):
       try:
@@ -277,6 +288,8 @@ def streamed_calls(text: str, fmt: str) -> list[tuple[str | None, str]]:
     return _streamed_deepseek(text)
   if fmt == 'harmony':
     return _streamed_harmony(text)
+  if fmt == 'deepseek_v32':
+    return tools_dsml.streamed(text)
   if fmt == 'hermes':
     start = text.find('<tool_call>')
     while start >= 0:
