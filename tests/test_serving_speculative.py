@@ -162,23 +162,30 @@ def _probs(logits, temperature, top_k):
   return out / out.sum(axis=-1, keepdims=True)
 
 
-def test_verification_keeps_the_distribution_on_a_tiny_vocabulary():
+@pytest.mark.parametrize('biased', [False, True])
+def test_verification_keeps_the_distribution_on_a_tiny_vocabulary(biased):
   """40,000 rows verify the same two drafts under the same logits, each with its own seed:
   the first token follows p0 exactly, the second (after a kept first draft) p1, the third
   (after both) p2, by chi-square; greedy rows in the same call keep the drafts equal to the
   argmax and emit it. Keeping every draft or resampling a rejected position from p instead
-  of p without the draft fails it."""
+  of p without the draft fails it. ``biased``: a logit bias (one id raised, one masked, other
+  values at each position) shapes p first."""
   rows, vocab, temperature, top_k = 40_000, 5, 0.8, 4
   logits_SV = np.random.default_rng(0).normal(size=(3, vocab)).astype(np.float32) * 1.5
-  p_SV = _probs(logits_SV, temperature, top_k)
+  bias_SV = np.zeros_like(logits_SV)
+  if biased:
+    bias_SV[:, 0], bias_SV[[0, 1, 2], [2, 3, 4]] = [1.0, -0.5, 2.0], -np.inf
+  p_SV = _probs(logits_SV + bias_SV, temperature, top_k)
   drafts = [int(np.argsort(-p_SV[0])[1]), int(np.argsort(-p_SV[1])[0])]  # p0(x) < 1
-  tokens, kept = verify(
+  bias_ids_BSK = np.broadcast_to(np.arange(vocab, dtype=np.int32), (rows, 3, vocab))
+  tokens, kept, *_ = verify(
       np.broadcast_to(logits_SV, (rows, 3, vocab)), np.tile(drafts, (rows, 1)).astype(np.int32),
       np.full(rows, 2, np.int32), np.where(np.arange(rows) < 8, 0.0, temperature).astype(
           np.float32), np.full(rows, top_k, np.int32), np.ones(rows, np.float32),
-      np.arange(rows, dtype=np.int32), np.zeros(rows, np.int32))
+      np.arange(rows, dtype=np.int32), np.zeros(rows, np.int32), bias_ids_BSK,
+      np.broadcast_to(bias_SV, (rows, 3, vocab)))
   tokens, kept = np.asarray(tokens), np.asarray(kept)
-  greedy = logits_SV.argmax(-1)
+  greedy = (logits_SV + bias_SV).argmax(-1)
   assert (kept[:8] == (0 if greedy[0] != drafts[0] else 1 + (greedy[1] == drafts[1]))).all()
   assert (tokens[:8, :kept[0] + 1] == greedy[:kept[0] + 1]).all()
   tokens, kept = tokens[8:], kept[8:]
@@ -311,3 +318,88 @@ def test_families_with_speculation_give_generates_greedy_tokens(family):
   if engine.window_allocator is not None:
     assert engine.window_allocator.num_available == engine.max_window_pages
   _assert_idle(engine)
+
+
+def _run_with_logprobs(engine, prompts, params, arrivals):
+  """:func:`_run_staggered`, also gathering each request's streamed log-probabilities as
+  ``(token, logprob, top ids, top logprobs)`` rows."""
+  ids, streamed, finals, rows, step = {}, {}, {}, {}, 0
+  while len(ids) < len(prompts) or engine.has_unfinished():
+    for i, arrival in enumerate(arrivals):
+      if arrival == step:
+        ids[engine.add_request(prompts[i], params[i])] = i
+    for out in engine.step():
+      i = ids[out.request_id]
+      streamed.setdefault(i, []).extend(out.new_token_ids)
+      assert (out.new_logprobs is None) == (params[i].logprobs is None)
+      rows.setdefault(i, []).extend((lp.token_id, lp.logprob, [t for t, _ in lp.top],
+                                     [v for _, v in lp.top]) for lp in out.new_logprobs or ())
+      if out.finished:
+        finals[i] = out
+    step += 1
+  return streamed, finals, rows
+
+
+def test_requests_with_logit_bias_min_tokens_and_logprobs_speculate_to_plain_tokens(plain, spec):
+  """Greedy requests on repeating prompts with a logit bias, with ``min_tokens`` before a
+  stop id the plain run would emit early, and with log-probabilities now draft (they used to
+  decode one token per step): each gives the plain engine's tokens, finish reason and
+  log-probabilities, and drafts are kept."""
+  rng = np.random.default_rng(11)
+  prompts = [_repeating(rng, p, n) for p, n in ((3, 12), (4, 20), (5, 15), (2, 9), (3, 18))]
+  first = [c.token_ids for c in plain.generate(prompts, SamplingParams(max_tokens=12,
+                                                                       ignore_eos=True))]
+  params = [
+      SamplingParams(max_tokens=14, ignore_eos=True, logit_bias={first[0][1]: -100.0,
+                                                                 prompts[0][0]: 1.5}),
+      SamplingParams(max_tokens=16, stop_token_ids=(first[1][2],), min_tokens=6),
+      SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3),
+      SamplingParams(max_tokens=12, stop_token_ids=(first[3][1],), min_tokens=4, logprobs=2,
+                     logit_bias={first[3][0]: 0.7}),
+      SamplingParams(max_tokens=12, ignore_eos=True),
+  ]
+  arrivals = [0, 0, 1, 2, 2]
+  want, want_finals, want_lps = _run_with_logprobs(plain, prompts, params, arrivals)
+  before = (spec.spec.drafts, spec.spec.accepted_tokens)
+  got, got_finals, got_lps = _run_with_logprobs(spec, prompts, params, arrivals)
+  for i in range(len(prompts)):
+    assert got[i] == want[i], i
+    assert got_finals[i].finish_reason == want_finals[i].finish_reason, i
+    assert len(got_lps.get(i, ())) == (len(got[i]) if params[i].logprobs else 0)
+    for g, w in zip(got_lps.get(i, ()), want_lps.get(i, ()), strict=True):
+      assert g[0] == w[0] and g[2] == w[2], i
+      np.testing.assert_allclose([g[1], *g[3]], [w[1], *w[3]], rtol=1e-5, atol=1e-5)
+  assert len(want_finals[1].token_ids) >= 6 and len(want_finals[3].token_ids) >= 4
+  assert spec.spec.drafts > before[0] and spec.spec.accepted_tokens > before[1]
+  _assert_idle(spec)
+
+
+def test_the_verifier_masks_stop_ids_only_at_the_positions_short_of_min_tokens():
+  """One greedy row whose model prefers a stop id at every position: with ``min_tokens=2``
+  and nothing out yet, the stop id is masked at the first two positions, so the two drafts
+  (the runners-up) are kept, and the third position emits the stop id; a logit bias moves the
+  argmax; log-probabilities are of the model's own logits."""
+  import types
+
+  from maxnnx.serving.batch_sampler import BatchSampler
+  from maxnnx.serving.speculation import verify_rows
+  stop, vocab = 7, 8
+  logits_SV = np.zeros((3, vocab), np.float32)
+  logits_SV[:, stop] = 5.0
+  logits_SV[[0, 1, 2], [1, 2, 3]] = 4.0  # the runner-up at each position
+  sampler = BatchSampler(2, vocab, 3, stop_ids=lambda params: frozenset({stop}),
+                         running=lambda: set())
+
+  def row(**params):
+    return types.SimpleNamespace(params=SamplingParams(max_tokens=9, **params), seed=0,
+                                 output_ids=[], draft_ids=[1, 2])
+
+  logits_BSV = np.broadcast_to(logits_SV, (2, 3, vocab))
+  out = verify_rows(logits_BSV, [row(min_tokens=2, logprobs=2), row(logit_bias={5: 9.0})],
+                    sampler, 2)
+  assert out.tokens(0) == [1, 2, stop] and out.tokens(1) == [5]
+  want = logits_SV - np.log(np.exp(logits_SV.astype(np.float64)).sum(-1, keepdims=True))
+  for position, token in enumerate([1, 2, stop]):
+    [lp] = out.logprobs(0, position, 2)
+    assert lp.token_id == token and lp.top[0][0] == stop
+    np.testing.assert_allclose(lp.logprob, want[position, token], rtol=1e-5)

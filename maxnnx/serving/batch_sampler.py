@@ -160,7 +160,7 @@ class BatchSampler:
     wants_logprobs = any(r.params.logprobs is not None for r, _ in scheduled)
     num_logprobs = max(self.max_logprobs, 1) if wants_logprobs else 0
     tokens_B, chosen_B, top_ids_BN, top_lps_BN, self._counts_SV = _sample(
-        num_logprobs, logits_BV, *self._row_inputs(scheduled), controls, self._counts_SV,
+        num_logprobs, logits_BV, *self.row_inputs(scheduled), controls, self._counts_SV,
         self._prompt_seen_SV, *history_B)
     # Whole on every process of a model spread over several.
     if not wants_logprobs:
@@ -177,11 +177,11 @@ class BatchSampler:
     self._history([])  # the count arrays, and their writer
     self._write_row(0, [], [])
     tokens_B, *_, self._counts_SV = _sample(
-        num_logprobs, logits_BV, *self._row_inputs([]), controls, self._counts_SV,
+        num_logprobs, logits_BV, *self.row_inputs([]), controls, self._counts_SV,
         self._prompt_seen_SV, np.zeros(rows, np.int32), np.zeros(rows, bool))
     jax.block_until_ready(tokens_B)
 
-  def _row_inputs(self, scheduled: list[tuple[Request, int]]) -> tuple:
+  def row_inputs(self, scheduled: list[tuple[Request, int]]) -> tuple:
     """Each row's temperature, top-k, top-p, seed, sample counter and log-probability
     temperature (empty rows: greedy, unused)."""
     rows = self.max_batch
@@ -202,7 +202,7 @@ class BatchSampler:
     """The rows' logit bias, penalties and token masks (without the counts, which
     :meth:`_history` keeps): every call passes them, so that the sampler's shapes stay among
     :meth:`variants` (rows without a control add nothing)."""
-    entries = [self._bias_entries(request) for request, _ in scheduled]
+    entries = [self.bias_entries(request) for request, _ in scheduled]
     rows, vocab = self.max_batch, self.vocab_size
     width = bias_bucket(max(len(e) for e in entries), vocab)
     ids_BK = np.full((rows, width), vocab, np.int32)  # ids >= vocab are padding
@@ -222,12 +222,13 @@ class BatchSampler:
     return Controls(ids_BK, values_BK, presence_B, frequency_B, repetition_B,
                     allowed_BW=allowed_BW)
 
-  def _bias_entries(self, request: Request) -> list[tuple[int, float]]:
-    """``(token id, bias)`` pairs of the request's next token: its ``logit_bias``, and
-    ``-inf`` on its stop ids while fewer than ``min_tokens`` tokens are out."""
+  def bias_entries(self, request: Request, ahead: int = 0) -> list[tuple[int, float]]:
+    """``(token id, bias)`` pairs of the request's token ``ahead`` tokens after its next one:
+    its ``logit_bias``, and ``-inf`` on its stop ids while fewer than ``min_tokens`` tokens
+    are out before it."""
     params = request.params
     pairs = dict(params.logit_bias)  # one entry per id: at most the vocabulary
-    if len(request.output_ids) < params.min_tokens:
+    if len(request.output_ids) + ahead < params.min_tokens:
       pairs.update((i, -np.inf) for i in sorted(self.stop_ids(params)) if i < self.vocab_size)
     return list(pairs.items())
 

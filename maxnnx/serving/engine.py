@@ -66,7 +66,8 @@ before a step; the step verifies them with the request's last token (``k + 1`` q
 through the paged cache), and the request gains the drafts the model keeps plus one token of
 the model's, each put through the stop rules in order (see :mod:`maxnnx.serving.speculation`;
 :attr:`Engine.spec` counts drafted and accepted tokens). The verification steps add one
-bucket per page bucket, and the verifier one program, both compiled by :meth:`Engine.warmup`.
+bucket per page bucket, and the verifier one program per sampler variant, all compiled by
+:meth:`Engine.warmup`.
 Models with recurrent layers are refused (their state cannot roll back a rejected draft).
 
 **LoRA adapters.** With ``lora_modules`` (PEFT adapter directories by name) every adapted
@@ -442,7 +443,7 @@ class Engine(AdapterLoading):
     start = time.monotonic()
     variants = self.sampler_variants()
     verifies = bool(self.num_speculative_tokens)
-    total, done = self.max_compiles() + len(variants) + 1 + verifies, [0]
+    total, done = self.max_compiles() + len(variants) * (1 + verifies), [0]
 
     def one_more():
       done[0] += 1
@@ -454,8 +455,7 @@ class Engine(AdapterLoading):
       for num_logprobs, width in variants:
         self.sampler.warm(logits_BV, num_logprobs, width)
         one_more()
-      if verifies:
-        warm_verify(logits_BSV)
+      for _ in range(warm_verify(logits_BSV, self.sampler) if verifies else 0):
         one_more()
       jax.block_until_ready(logits_BV)
     if self.tokenizer is not None:
@@ -515,7 +515,7 @@ class Engine(AdapterLoading):
     # speculation); a step whose every such row verifies drafts skips it.
     sampled = (self.sampler.sample(logits_BV, scheduled) if any(
         not r.draft_ids and r.num_computed + n >= r.num_tokens for r, n in scheduled) else None)
-    verified = verify_rows(logits_BSV, [r for r, _ in scheduled], self.max_batch,
+    verified = verify_rows(logits_BSV, [r for r, _ in scheduled], self.sampler,
                            self.num_speculative_tokens)
     for row, (request, count) in enumerate(scheduled):
       num_drafts = len(request.draft_ids)
@@ -523,19 +523,20 @@ class Engine(AdapterLoading):
         self.scheduler.advance(request, count)
         continue  # a prefill chunk: no token yet
       if num_drafts:
-        tokens_S, kept = verified
-        self.spec.record(num_drafts, int(kept[row]))
-        tokens = tokens_S[row, :int(kept[row]) + 1].tolist()
+        tokens = verified.tokens(row)
+        self.spec.record(num_drafts, len(tokens) - 1)
       else:
         tokens = [int(sampled.tokens_B[row])]
-      new, logprobs, reason = [], None, None
-      for token in tokens:  # the stop rules see each kept token in order
+      new, new_logprobs, reason = [], [], None
+      for position, token in enumerate(tokens):  # the stop rules see each kept token in order
         self.scheduler.append_token(request, token)
         new.append(token)
         grammar_done = self.sampler.advance_grammar(request, token)
-        logprobs = None if num_drafts else sampled.logprobs(row, request.params.logprobs)
+        logprobs = (verified.logprobs(row, position, request.params.logprobs) if num_drafts
+                    else sampled.logprobs(row, request.params.logprobs))
         if logprobs is not None:
           request.logprobs.extend(logprobs)
+          new_logprobs.extend(logprobs)
         reason = self.outputs.finish_reason(request, token, grammar_done)
         if reason is not None:
           break
@@ -545,7 +546,8 @@ class Engine(AdapterLoading):
         self.scheduler.release_rejected(request)
       if reason is not None:
         self._retire(request, reason)
-      outputs.append(self.outputs.output(request, tuple(new), logprobs))
+      outputs.append(self.outputs.output(
+          request, tuple(new), None if request.params.logprobs is None else tuple(new_logprobs)))
     return outputs
 
   def generate(self, prompts: Sequence[Sequence[int] | str],

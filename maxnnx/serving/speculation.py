@@ -14,9 +14,11 @@ plain decoding; sampled: rejection sampling, so they keep the model's distributi
 keys and values of rejected drafts sit past the request's computed tokens: the next step
 writes over them, and the pages that hold only them go back to the pool at once.
 
-A request drafts only when nothing but temperature, ``top_k`` and ``top_p`` shapes its
-tokens: logit bias, penalties, ``min_tokens``, log-probabilities and structured outputs
-decode one token per step as before, in the same batch. Drafts never run past the
+The verifier applies each request's temperature, ``top_k``, ``top_p``, logit bias and
+``min_tokens`` (its stop ids masked at each draft position that is still short of it), and
+returns log-probabilities of every kept token, as the sampler does for one token. Requests
+with penalties or structured outputs (whose token counts and grammar state advance token by
+token) decode one token per step as before, in the same batch. Drafts never run past the
 request's ``max_tokens`` or ``max_model_len``, and the engine applies the stop rules to the
 kept tokens one at a time, so a request emits nothing after its stop.
 """
@@ -29,10 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxnnx.inference.sampling import cut_top_k_top_p, row_keys
+from maxnnx.inference.sampling import add_logit_bias, cut_top_k_top_p, row_keys
 from maxnnx.inference.speculative import accept_greedy, accept_sampled, drafts_then
 from maxnnx.processes import host_value
-from maxnnx.serving.params import SamplingParams
+from maxnnx.serving.batch_sampler import BatchSampler, bias_bucket
+from maxnnx.serving.params import SamplingParams, TokenLogprobs
 
 
 def ngram_drafts(token_ids: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -55,10 +58,10 @@ def ngram_drafts(token_ids: Sequence[int], k: int, max_ngram: int, min_ngram: in
 
 
 def may_draft(params: SamplingParams) -> bool:
-  """Whether a request with ``params`` drafts: only temperature, top-k and top-p shape its
-  tokens (the verifier applies no other control)."""
-  return not (params.structured is not None or params.logit_bias or params.penalized
-              or params.min_tokens or params.logprobs is not None)
+  """Whether a request with ``params`` drafts: unless penalties or a grammar shape its
+  tokens (the verifier applies temperature, top-k, top-p, logit bias and ``min_tokens``, and
+  gives log-probabilities, but keeps no token counts and no grammar state)."""
+  return not (params.structured is not None or params.penalized)
 
 
 @dataclasses.dataclass
@@ -93,9 +96,10 @@ class SpecCounts:
       self.accepted_per_position[position] += 1
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=('num_logprobs',))
 def verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B, seeds_B,
-           counters_B):
+           counters_B, bias_ids_BSK=None, bias_values_BSK=None, logprob_temperature_B=None,
+           num_logprobs: int = 0):
   """Each row's kept drafts and the token after them.
 
   Args:
@@ -104,13 +108,25 @@ def verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B,
     num_drafts_B: ``[B]`` drafts of each row (0: nothing to verify).
     temperature_B, top_k_B, top_p_B: ``[B]`` each row's sampling (temperature 0: greedy).
     seeds_B, counters_B: ``[B]`` each row's seed and output length: its keys.
+    bias_ids_BSK, bias_values_BSK: ``[B, k + 1, K]`` the logit bias of each row's token at
+      each position (ids ``>= V`` are padding; ``None``: none), applied before verifying.
+    logprob_temperature_B: ``[B]`` the log-probabilities' temperature (1: the model's own).
+    num_logprobs: the top log-probabilities returned per position (0: none).
 
   Returns:
-    ``(tokens_BS, kept_B)``: row ``b`` emits ``tokens_BS[b, :kept_B[b] + 1]``.
+    ``(tokens_BS, kept_B, chosen_BS, top_ids_BSN, top_lps_BSN)``: row ``b`` emits
+    ``tokens_BS[b, :kept_B[b] + 1]``; with ``num_logprobs``, each token's log-probability
+    (of the model's logits, before the bias) and the top ones at each position, else
+    ``None``.
   """
   batch, width, vocab = logits_BSV.shape
   k = width - 1
-  logits_BSV = logits_BSV.astype(jnp.float32)
+  raw_BSV = logits_BSV.astype(jnp.float32)
+  logits_BSV = raw_BSV
+  if bias_ids_BSK is not None:
+    logits_BSV = add_logit_bias(raw_BSV.reshape(batch * width, vocab),
+                                bias_ids_BSK.reshape(batch * width, -1),
+                                bias_values_BSK.reshape(batch * width, -1)).reshape(raw_BSV.shape)
   valid_BK = jnp.arange(k)[None] < num_drafts_B[:, None]
   target_BS = jnp.argmax(logits_BSV, axis=-1).astype(jnp.int32)
   greedy_B = temperature_B <= 0
@@ -132,7 +148,47 @@ def verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B,
 
   sampled_BS, sampled_kept_B = jax.lax.cond(jnp.any(~greedy_B), sampled, greedy, None)
   kept_B = jnp.where(greedy_B, accept_greedy(target_BS, drafts_BK, valid_BK), sampled_kept_B)
-  return jnp.where(greedy_B[:, None], target_BS, sampled_BS), kept_B
+  tokens_BS = jnp.where(greedy_B[:, None], target_BS, sampled_BS)
+  if not num_logprobs:
+    return tokens_BS, kept_B, None, None, None
+  logprobs_BSV = jax.nn.log_softmax(raw_BSV / logprob_temperature_B[:, None, None], axis=-1)
+  chosen_BS = jnp.take_along_axis(logprobs_BSV, tokens_BS[..., None], axis=-1)[..., 0]
+  top_lps_BSN, top_ids_BSN = jax.lax.top_k(logprobs_BSV, num_logprobs)
+  return tokens_BS, kept_B, chosen_BS, top_ids_BSN, top_lps_BSN
+
+
+@dataclasses.dataclass
+class Verified:
+  """One verification's results on the host (:func:`verify_rows`).
+
+  Attributes:
+    tokens_BS: each row's kept drafts, then its own token (``[B, k + 1]``).
+    kept_B: the drafts each row kept.
+    chosen_BS: each token's log-probability, or ``None`` when no row asked for them.
+    top_ids_BSN, top_lps_BSN: the most likely ids at each position and their
+      log-probabilities, or ``None``.
+  """
+
+  tokens_BS: np.ndarray
+  kept_B: np.ndarray
+  chosen_BS: np.ndarray | None = None
+  top_ids_BSN: np.ndarray | None = None
+  top_lps_BSN: np.ndarray | None = None
+
+  def tokens(self, row: int) -> list[int]:
+    """What row ``row`` emits: its kept drafts and the token after them."""
+    return self.tokens_BS[row, :int(self.kept_B[row]) + 1].tolist()
+
+  def logprobs(self, row: int, position: int,
+               num: int | None) -> tuple[TokenLogprobs, ...] | None:
+    """The token at ``position`` of row ``row`` with its log-probability and ``num`` top
+    ones (``None``: none asked), as :meth:`Sampled.logprobs` gives a sampled token's."""
+    if num is None:
+      return None
+    top = tuple(zip(self.top_ids_BSN[row, position, :num].tolist(),
+                    self.top_lps_BSN[row, position, :num].tolist()))
+    return (TokenLogprobs(int(self.tokens_BS[row, position]),
+                          float(self.chosen_BS[row, position]), top),)
 
 
 def propose_drafts(running, k: int, max_model_len: int, lookup_max: int,
@@ -148,35 +204,49 @@ def propose_drafts(running, k: int, max_model_len: int, lookup_max: int,
                          if decoding and room > 0 and may_draft(request.params) else [])
 
 
-def verify_rows(logits_BSV, requests, rows: int, k: int):
-  """``(tokens [B, k + 1], kept [B])`` on the host for a step's ``requests`` (row by row, the
-  rest of the ``rows`` padding), verified by :func:`verify` with each request's sampling
-  settings; ``None`` when no request has drafts."""
+def verify_rows(logits_BSV, requests, sampler: BatchSampler, k: int) -> Verified | None:
+  """:func:`verify` on the host for a step's ``requests`` (row by row; the rest of the
+  sampler's ``max_batch`` rows are padding), with each request's sampling settings, logit
+  bias and ``min_tokens`` at each draft position (:meth:`BatchSampler.bias_entries`) and
+  log-probabilities; ``None`` when no request has drafts."""
   if not any(request.draft_ids for request in requests):
     return None
+  rows, vocab = sampler.max_batch, sampler.vocab_size
   drafts_BK, num_drafts_B = np.zeros((rows, k), np.int32), np.zeros(rows, np.int32)
-  temperature_B, top_p_B = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-  top_k_B, seeds_B, counters_B = (np.zeros(rows, np.int32) for _ in range(3))
+  entries = [[sampler.bias_entries(request, ahead) for ahead in range(k + 1)]
+             if request.draft_ids else [] for request in requests]
+  width = bias_bucket(max((len(e) for row in entries for e in row), default=0), vocab)
+  bias_ids_BSK = np.full((rows, k + 1, width), vocab, np.int32)  # ids >= vocab are padding
+  bias_values_BSK = np.zeros((rows, k + 1, width), np.float32)
   for row, request in enumerate(requests):
-    params, drafts = request.params, request.draft_ids
+    drafts = request.draft_ids
     drafts_BK[row, :len(drafts)], num_drafts_B[row] = drafts, len(drafts)
-    temperature_B[row], top_k_B[row] = params.temperature, params.top_k or 0
-    top_p_B[row] = 1.0 if params.top_p is None else params.top_p
-    seeds_B[row], counters_B[row] = request.seed, len(request.output_ids)
-  tokens_BS, kept_B = verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B,
-                             top_p_B, seeds_B, counters_B)
-  return np.asarray(host_value(tokens_BS)), np.asarray(host_value(kept_B))
+    for position, pairs in enumerate(entries[row]):
+      if pairs:
+        ids, values = zip(*pairs)
+        bias_ids_BSK[row, position, :len(pairs)], bias_values_BSK[row, position, :len(pairs)] = (
+            ids, values)
+  temperature_B, top_k_B, top_p_B, seeds_B, counters_B, logprob_temperature_B = (
+      sampler.row_inputs([(request, 0) for request in requests]))
+  num_logprobs = (max(sampler.max_logprobs, 1) if any(
+      r.draft_ids and r.params.logprobs is not None for r in requests) else 0)
+  out = verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B, seeds_B,
+               counters_B, bias_ids_BSK, bias_values_BSK, logprob_temperature_B,
+               num_logprobs=num_logprobs)
+  return Verified(*(None if a is None else np.asarray(host_value(a)) for a in out))
 
 
-@functools.cache
-def _blank(batch: int, width: int) -> tuple:
-  """Host inputs of :func:`verify` for ``batch`` empty rows (warm-up)."""
+def warm_verify(logits_BSV, sampler: BatchSampler) -> int:
+  """Compile :func:`verify` for these logits' shape in each of the sampler's variants
+  (log-probabilities or not, times the logit-bias width; no row keeps anything); returns
+  how many programs that is."""
+  batch, width, vocab = logits_BSV.shape
   zeros_B = np.zeros(batch, np.int32)
-  return (np.zeros((batch, width - 1), np.int32), zeros_B, np.zeros(batch, np.float32),
-          zeros_B, np.ones(batch, np.float32), zeros_B, zeros_B)
-
-
-def warm_verify(logits_BSV) -> None:
-  """Compile :func:`verify` for these logits' shape (no row keeps anything)."""
-  batch, width, _ = logits_BSV.shape
-  jax.block_until_ready(verify(logits_BSV, *_blank(batch, width)))
+  for num_logprobs, bias_width in sampler.variants():
+    jax.block_until_ready(verify(
+        logits_BSV, np.zeros((batch, width - 1), np.int32), zeros_B,
+        np.zeros(batch, np.float32), zeros_B, np.ones(batch, np.float32), zeros_B, zeros_B,
+        np.full((batch, width, bias_width), vocab, np.int32),
+        np.zeros((batch, width, bias_width), np.float32), np.ones(batch, np.float32),
+        num_logprobs=num_logprobs))
+  return len(sampler.variants())
