@@ -258,6 +258,31 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
   Returns:
     A :class:`GenerationResult` with ``tokens [B, max_new_tokens]`` and ``lengths``.
   """
+  _check_sampling(max_new_tokens, temperature, top_k, top_p, kv_cache_dtype)
+  ids, segments, positions, lengths = _left_pad(prompt_ids, prompt_lengths, pad_id)
+  vocab = model.config.vocab_size
+  controls = _checked_controls(vocab, max_new_tokens, logit_bias=logit_bias or {},
+                               presence_penalty=presence_penalty,
+                               frequency_penalty=frequency_penalty,
+                               repetition_penalty=repetition_penalty, min_tokens=min_tokens)
+  top_k = _clamped_top_k(top_k, vocab)
+  _check_prompts(model, ids, max_new_tokens, pixel_values)
+  eos = _eos_array(model, eos_ids)
+  sampling = (float(temperature), top_k, top_p)
+  prompt = (ids, segments, positions, lengths)
+  if speculative is not None:
+    spec.check_speculative(speculative, model, pixel_values=pixel_values, controls=controls,
+                           longrope_switch=_longrope_switch_step(model, ids.shape[1],
+                                                                 max_new_tokens))
+    return _speculative(model, speculative, *prompt, max_new_tokens, sampling, eos, pad_id, seed,
+                        pixel_values, kv_cache_dtype)
+  return _plain(model, prompt, max_new_tokens, sampling, eos, pad_id, seed, pixel_values,
+                kv_cache_dtype, controls)
+
+
+def _check_sampling(max_new_tokens: int, temperature: float, top_k, top_p,
+                    kv_cache_dtype: str) -> None:
+  """Raise on a length, sampling setting or cache dtype :func:`generate` cannot use."""
   if max_new_tokens < 1:
     raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}.')
   check_kv_cache_dtype(kv_cache_dtype)
@@ -265,16 +290,21 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
       top_k is not None and top_k < 1):
     raise ValueError('Need temperature >= 0, 1 <= top_k and 0 < top_p <= 1; got '
                      f'temperature={temperature}, top_k={top_k}, top_p={top_p}.')
-  ids, segments, positions, lengths = _left_pad(prompt_ids, prompt_lengths, pad_id)
-  vocab = model.config.vocab_size
-  controls = _checked_controls(vocab, max_new_tokens, logit_bias=logit_bias or {},
-                               presence_penalty=presence_penalty,
-                               frequency_penalty=frequency_penalty,
-                               repetition_penalty=repetition_penalty, min_tokens=min_tokens)
+
+
+def _clamped_top_k(top_k: int | None, vocab: int) -> int | None:
+  """``top_k``, lowered (with a warning) to the vocabulary size when larger."""
   if top_k is not None and top_k > vocab:
     logger.warning('top_k=%d is larger than the vocabulary (%d tokens); using top_k=%d.', top_k,
                    vocab, vocab)
-    top_k = vocab
+    return vocab
+  return top_k
+
+
+def _check_prompts(model, ids: np.ndarray, max_new_tokens: int, pixel_values) -> None:
+  """Warn when the prompts plus ``max_new_tokens`` run past the trained positions; raise
+  on ids outside the vocabulary and on images that do not match their placeholders."""
+  vocab = model.config.vocab_size
   limit = model.config.max_position_embeddings
   if ids.shape[1] + max_new_tokens > limit:
     logger.warning('The prompt (%d tokens) plus max_new_tokens=%d run past the model\'s '
@@ -285,18 +315,24 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
                      'matches the model.')
   if pixel_values is not None:
     _check_images(model, ids, pixel_values)
+
+
+def _eos_array(model, eos_ids) -> np.ndarray:
+  """The end-of-sequence ids as an int32 array (empty: never stop); ``'config'`` reads
+  them from the model's config."""
   if isinstance(eos_ids, str):
     if eos_ids != 'config':
       raise ValueError(f"eos_ids must be ids, None or 'config', got {eos_ids!r}.")
     eos_ids = eos_token_ids(model.config)
-  eos = np.asarray([] if eos_ids is None else np.atleast_1d(eos_ids), np.int32)
+  return np.asarray([] if eos_ids is None else np.atleast_1d(eos_ids), np.int32)
+
+
+def _plain(model, prompt, max_new_tokens: int, sampling, eos, pad_id: int, seed: int,
+           pixel_values, kv_cache_dtype: str, controls) -> GenerationResult:
+  """:func:`generate` without a drafter (checked): prefill, then :func:`_decode`, with one
+  re-encoding of the whole sequence where a LongRoPE model switches factors."""
+  ids, segments, positions, lengths = prompt
   batch, width = ids.shape
-  if speculative is not None:
-    spec.check_speculative(speculative, model, pixel_values=pixel_values, controls=controls,
-                           longrope_switch=_longrope_switch_step(model, width, max_new_tokens))
-    return _speculative(model, speculative, ids, segments, positions, lengths, max_new_tokens,
-                        (float(temperature), top_k, top_p), eos, pad_id, seed, pixel_values,
-                        kv_cache_dtype)
   work = nnx.merge(*nnx.split(model))  # a working copy: the cache is not added to `model`
   work.init_cache(batch, width + max_new_tokens, kv_cache_dtype=kv_cache_dtype)
   # `cache` holds every non-parameter: KV caches, and MoE routing statistics if any.
@@ -307,10 +343,9 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
   logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
   done = jnp.zeros((batch,), bool)
   decode = functools.partial(_decode, graphdef)
-  sampling = (float(temperature), top_k, top_p)
   extra = (jnp.asarray(lengths), jnp.asarray(eos), pad_id)
   key = jax.random.key(seed)
-  rule, counts = _rule(controls, ids, segments, eos, vocab)
+  rule, counts = _rule(controls, ids, segments, eos, model.config.vocab_size)
   switch = _longrope_switch_step(work, width, max_new_tokens)
   if switch is None:
     tokens, logprobs, *_ = decode(max_new_tokens, *sampling, params, tokens, logprobs, done,
