@@ -307,24 +307,18 @@ def speculative_decode(graphdef, draft_graphdef, settings, sampling, max_new_tok
     their log-probabilities under ``log_softmax(logits / temperature)``, and the numbers
     of drafts kept and proposed.
   """
-  k, max_ngram, min_ngram = settings
+  k = settings[0]
   batch = first_logits_BV.shape[0]
   greedy = sampling[0] == 0.0
-  temperature = sampling[0] or 1.0
   buffer = max_new_tokens + k + 1
   rows_B = jnp.arange(batch)
-  steps_T = jnp.arange(k + 1)
-
-  def logprob_of(logits_BTV, tokens_BT):
-    return _logprobs(logits_BTV, tokens_BT, temperature)
-
   key, first_key = jax.random.split(key)
   first_logits_BV = first_logits_BV.astype(jnp.float32)
   first_B = (jnp.argmax(first_logits_BV, axis=-1).astype(jnp.int32) if greedy
              else _pick(first_key, _probs(first_logits_BV, *sampling), sampling))
   tokens_BN = jnp.zeros((batch, buffer), jnp.int32).at[:, 0].set(first_B)
   logprobs_BN = jnp.zeros((batch, buffer), jnp.float32).at[:, 0].set(
-      logprob_of(first_logits_BV[:, None], first_B[:, None])[:, 0])
+      _logprobs(first_logits_BV[:, None], first_B[:, None], sampling[0] or 1.0)[:, 0])
   context_BL = context_BL.at[rows_B, lengths_B].set(first_B)
   done_B = jnp.isin(first_B, eos_ids) | (max_new_tokens <= 1)
   prev_B = context_BL[rows_B, lengths_B - 1]
@@ -335,48 +329,62 @@ def speculative_decode(graphdef, draft_graphdef, settings, sampling, max_new_tok
   def cond(carry):
     return ~jnp.all(carry[7])
 
-  def body(carry):
-    (count_B, prev_B, last_B, pos_B, context_BL, tokens_BN, logprobs_BN, done_B, cache,
-     draft_cache, key, accepted, proposed) = carry
-    key, draft_key, accept_key, pick_key = jax.random.split(key, 4)
-    q_BKV = None
-    if draft_graphdef is None:
-      drafts_BK, valid_BK = prompt_lookup_drafts(context_BL, pos_B + 1, k, max_ngram,
-                                                 min_ngram)
-    else:
-      drafts_BK, q_BKV, draft_model, draft_start = _draft_with_model(
-          draft_graphdef, draft_params, draft_cache, prev_B, last_B, pos_B, k, sampling,
-          draft_key)
-      valid_BK = jnp.ones((batch, k), bool)
-    model = nnx.merge(graphdef, params, cache)
-    start = model.cache_index[...]
-    logits_BTV, kept_B, out_BT = _verify(model, last_B, drafts_BK, valid_BK, q_BKV, pos_B,
-                                         sampling, (accept_key, pick_key))
-    running_B = ~done_B
-    keep_BT = (steps_T[None] <= kept_B[:, None]) & running_B[:, None]
-    tokens_BN, logprobs_BN, context_BL = _write_kept(
-        (tokens_BN, logprobs_BN, context_BL), out_BT, logprob_of(logits_BTV, out_BT), keep_BT,
-        count_B, pos_B)
-    ended_B = jnp.any(keep_BT & jnp.isin(out_BT, eos_ids), axis=1)
-    gained_B = jnp.where(running_B, kept_B + 1, 0)
-    advance = jnp.max(gained_B)
-    _advance(model, start, kept_B, advance)
-    if draft_graphdef is not None:
-      _advance(draft_model, draft_start, kept_B, advance)
-      draft_cache = nnx.state(draft_model, nnx.Not(nnx.Param))
-    new_last_B = out_BT[rows_B, kept_B]
-    new_prev_B = jnp.where(kept_B > 0, out_BT[rows_B, jnp.maximum(kept_B - 1, 0)], last_B)
-    count_B = count_B + gained_B
-    done_B = done_B | ended_B | (count_B >= max_new_tokens)
-    accepted = accepted + jnp.sum(jnp.where(running_B, kept_B, 0))
-    proposed = proposed + jnp.sum(jnp.where(running_B, valid_BK.sum(axis=1), 0))
-    return (count_B, jnp.where(running_B, new_prev_B, prev_B),
-            jnp.where(running_B, new_last_B, last_B), pos_B + gained_B, context_BL, tokens_BN,
-            logprobs_BN, done_B, nnx.state(model, nnx.Not(nnx.Param)), draft_cache, key,
-            accepted, proposed)
-
+  body = functools.partial(_round, (graphdef, params), (draft_graphdef, draft_params), settings,
+                           sampling, max_new_tokens, eos_ids)
   carry = jax.lax.while_loop(cond, body, carry)
   return carry[5], carry[6], carry[11], carry[12]
+
+
+def _round(target, draft, settings, sampling, max_new_tokens, eos_ids, carry):
+  """One step of :func:`speculative_decode`'s loop: draft ``k`` tokens per row, verify
+  them in one target pass, write the kept tokens and move both caches on.
+
+  ``target`` / ``draft``: ``(graphdef, params)`` of each model (the draft's ``(None, None)``
+  for prompt lookup); ``carry``: the loop state, returned updated.
+  """
+  graphdef, params = target
+  draft_graphdef, draft_params = draft
+  k, max_ngram, min_ngram = settings
+  (count_B, prev_B, last_B, pos_B, context_BL, tokens_BN, logprobs_BN, done_B, cache,
+   draft_cache, key, accepted, proposed) = carry
+  batch = last_B.shape[0]
+  rows_B = jnp.arange(batch)
+  steps_T = jnp.arange(k + 1)
+  key, draft_key, accept_key, pick_key = jax.random.split(key, 4)
+  q_BKV = None
+  if draft_graphdef is None:
+    drafts_BK, valid_BK = prompt_lookup_drafts(context_BL, pos_B + 1, k, max_ngram, min_ngram)
+  else:
+    drafts_BK, q_BKV, draft_model, draft_start = _draft_with_model(
+        draft_graphdef, draft_params, draft_cache, prev_B, last_B, pos_B, k, sampling,
+        draft_key)
+    valid_BK = jnp.ones((batch, k), bool)
+  model = nnx.merge(graphdef, params, cache)
+  start = model.cache_index[...]
+  logits_BTV, kept_B, out_BT = _verify(model, last_B, drafts_BK, valid_BK, q_BKV, pos_B,
+                                       sampling, (accept_key, pick_key))
+  running_B = ~done_B
+  keep_BT = (steps_T[None] <= kept_B[:, None]) & running_B[:, None]
+  tokens_BN, logprobs_BN, context_BL = _write_kept(
+      (tokens_BN, logprobs_BN, context_BL), out_BT,
+      _logprobs(logits_BTV, out_BT, sampling[0] or 1.0), keep_BT, count_B, pos_B)
+  ended_B = jnp.any(keep_BT & jnp.isin(out_BT, eos_ids), axis=1)
+  gained_B = jnp.where(running_B, kept_B + 1, 0)
+  advance = jnp.max(gained_B)
+  _advance(model, start, kept_B, advance)
+  if draft_graphdef is not None:
+    _advance(draft_model, draft_start, kept_B, advance)
+    draft_cache = nnx.state(draft_model, nnx.Not(nnx.Param))
+  new_last_B = out_BT[rows_B, kept_B]
+  new_prev_B = jnp.where(kept_B > 0, out_BT[rows_B, jnp.maximum(kept_B - 1, 0)], last_B)
+  count_B = count_B + gained_B
+  done_B = done_B | ended_B | (count_B >= max_new_tokens)
+  accepted = accepted + jnp.sum(jnp.where(running_B, kept_B, 0))
+  proposed = proposed + jnp.sum(jnp.where(running_B, valid_BK.sum(axis=1), 0))
+  return (count_B, jnp.where(running_B, new_prev_B, prev_B),
+          jnp.where(running_B, new_last_B, last_B), pos_B + gained_B, context_BL, tokens_BN,
+          logprobs_BN, done_B, nnx.state(model, nnx.Not(nnx.Param)), draft_cache, key,
+          accepted, proposed)
 
 
 def _logprobs(logits_BTV, tokens_BT, temperature):
