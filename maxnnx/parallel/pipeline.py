@@ -99,17 +99,8 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
   per_chunk = num_layers // (stages * repeats)
   items = repeats * micro  # (micro-batch, repeat) pairs each stage works through
 
-  def by_stage(a):  # [L, ...] -> [S, R, L/(R S), ...]: chunk r S + s on stage s
-    return jnp.swapaxes(a.reshape(repeats, stages, per_chunk, *a.shape[1:]), 0, 1)
-
-  def by_micro(a):
-    return a.reshape(micro, batch // micro, *a.shape[1:])
-
-  state_S = jax.tree.map(by_stage, state)
-  per_layer_S = jax.tree.map(by_stage, per_layer_L)
-  x_M = by_micro(x_BTD)
-  per_row_M = jax.tree.map(by_micro, per_row_B)
-
+  state_S, per_layer_S = _by_stage((state, per_layer_L), stages, repeats, per_chunk)
+  x_M, per_row_M = _by_micro((x_BTD, per_row_B), micro)
   stats = _Statistics(layers, stages, repeats, per_chunk)
 
   def one_stage(stage_state, per_layer, repeat, x, per_row):
@@ -124,24 +115,15 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
   def iteration(carry, i):
     buffer, circulating, outputs, totals = carry
     item_S = jnp.clip(i - jnp.arange(stages), 0, items - 1)
-    first = x_M[jnp.minimum(i, micro - 1)]
-    if repeats > 1:  # from the second round on, stage 0 takes what came round
-      first = jnp.where(i < micro, first, circulating[i % micro])
-    buffer = buffer.at[0].set(first)
+    buffer = buffer.at[0].set(_first_stage_input(x_M, circulating, i, micro, repeats))
     out, stats_S = run_stages(state_S, per_layer_S, item_S // micro,
                               constrain(buffer, buffer_axes),
                               jax.tree.map(lambda a: a[item_S % micro], per_row_M))
     out = constrain(out, buffer_axes)
     working_S = (i - jnp.arange(stages) >= 0) & (i - jnp.arange(stages) < items)
     totals = stats.accumulate(totals, stats_S, working_S, item_S // micro)
-    done = i - (stages - 1)  # the item the last stage finished
-    slot = jnp.maximum(done, 0) % micro
-    last_round = done >= items - micro
-    updated = jax.lax.dynamic_update_index_in_dim(outputs, out[-1], slot, 0)
-    outputs = jnp.where(last_round, updated, outputs)
-    if repeats > 1:
-      kept = jax.lax.dynamic_update_index_in_dim(circulating, out[-1], slot, 0)
-      circulating = jnp.where((done >= 0) & ~last_round, kept, circulating)
+    outputs, circulating = _keep_finished(outputs, circulating, out[-1], i - (stages - 1),
+                                          micro, repeats)
     return (jnp.roll(out, 1, axis=0), circulating, outputs, totals), None
 
   buffer = jnp.zeros((stages, batch // micro, length, width), x_BTD.dtype)
@@ -151,6 +133,42 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
       jnp.arange(items + stages - 1))
   stats.write_back(layers, totals, micro)
   return outputs.reshape(batch, length, width)
+
+
+def _by_stage(tree, stages: int, repeats: int, per_chunk: int):
+  """Every ``[L, ...]`` leaf of ``tree`` as ``[S, R, L/(R S), ...]``: chunk ``r S + s`` on
+  stage ``s``."""
+  return jax.tree.map(
+      lambda a: jnp.swapaxes(a.reshape(repeats, stages, per_chunk, *a.shape[1:]), 0, 1), tree)
+
+
+def _by_micro(tree, micro: int):
+  """Every ``[B, ...]`` leaf of ``tree`` as ``[M, B/M, ...]``, one micro-batch a row."""
+  return jax.tree.map(lambda a: a.reshape(micro, a.shape[0] // micro, *a.shape[1:]), tree)
+
+
+def _first_stage_input(x_M, circulating, i, micro: int, repeats: int) -> jax.Array:
+  """Stage 0's input at iteration ``i``: micro-batch ``i`` in the first round, from the
+  second round on what came round from the last stage."""
+  first = x_M[jnp.minimum(i, micro - 1)]
+  if repeats > 1:
+    first = jnp.where(i < micro, first, circulating[i % micro])
+  return first
+
+
+def _keep_finished(outputs, circulating, last_out, done, micro: int, repeats: int):
+  """``(outputs, circulating)`` with the item ``done`` that the last stage finished
+  (``last_out``) stored: among the outputs after its last repeat, else in the buffer that
+  hands it back to stage 0 (nothing while ``done < 0``, the pipeline filling)."""
+  items = repeats * micro
+  slot = jnp.maximum(done, 0) % micro
+  last_round = done >= items - micro
+  updated = jax.lax.dynamic_update_index_in_dim(outputs, last_out, slot, 0)
+  outputs = jnp.where(last_round, updated, outputs)
+  if repeats > 1:
+    kept = jax.lax.dynamic_update_index_in_dim(circulating, last_out, slot, 0)
+    circulating = jnp.where((done >= 0) & ~last_round, kept, circulating)
+  return outputs, circulating
 
 
 def _check_schedule(num_layers: int, batch: int, stages: int, micro: int, repeats: int) -> None:
