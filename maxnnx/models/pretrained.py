@@ -269,6 +269,41 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
   embedding, head, norms, the index and ``config.json``; no process holds more
   than its share of the model.
   """
+  family = _saveable_family(model, dtype)
+  cfg = model.config
+  hf_config = family.config_to_hf(cfg)
+  if dtype is not None:
+    hf_config['dtype'] = dtype
+  state = nnx.state(model, nnx.Param)
+  together = any(isinstance(x, jax.Array) and not x.is_fully_addressable
+                 for x in jax.tree.leaves(state))
+  processes = jax.process_count() if together else 1
+  keep = None
+  if together:  # each process writes its share of the layers (see _writer_of)
+    keep = lambda path: _writer_of(path, cfg, processes) == jax.process_index()  # noqa: E731
+  tensors = _hf_tensors(model, state, family, dtype, keep)
+  if quantization_config is not None:
+    try:
+      tensors = quantize_tensors(tensors, quantization_config)
+    except QuantizationError as e:
+      raise PretrainedError(f'save_pretrained quantization_config: {e}') from None
+    hf_config['quantization_config'] = dict(quantization_config)
+  os.makedirs(directory, exist_ok=True)
+  if together:
+    files = _write_process_shards(directory, tensors, max_shard_bytes)
+  else:
+    files = write_sharded(directory, tensors, max_shard_bytes)
+  if not together or is_primary():
+    _write_json(os.path.join(directory, 'config.json'), hf_config)
+  if together:
+    barrier('save_pretrained')  # every file is written when any process returns
+  return ['config.json', *files]
+
+
+def _saveable_family(model: Transformer, dtype: str | None):
+  """The model's family mapping, after refusing what :func:`save_pretrained` cannot write:
+  an unknown ``dtype``, a family without a mapping, LoRA adapters, MTP layers the family's
+  checkpoints do not have."""
   if dtype is not None and dtype not in EXPORT_DTYPES:
     raise ValueError(f"save_pretrained dtype={dtype!r}: expected one of "
                      f"{', '.join(EXPORT_DTYPES)} (or None: the parameters' own).")
@@ -284,18 +319,17 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
   if cfg.mtp.num_layers and not family.mtp:
     raise PretrainedError(f'{cfg.family} checkpoints have no multi-token-prediction layers; '
                           'save a model with mtp.num_layers=0 (model.mtp is then dropped).')
-  hf_config = family.config_to_hf(cfg)
-  if dtype is not None:
-    hf_config['dtype'] = dtype
+  return family
+
+
+def _hf_tensors(model: Transformer, state, family, dtype: str | None, keep) -> dict:
+  """The parameters ``state`` of ``model`` as Hugging Face tensors by name, in ``dtype``
+  (``None``: their own), with the MTP layers' copies of the shared embedding and head and
+  fused where the family fuses; ``keep(path)`` picks the parameters this process writes
+  (``None``: all)."""
+  cfg = model.config
   n_in = _kernel_input_dims(model)
   tensors = {}
-  state = nnx.state(model, nnx.Param)
-  together = any(isinstance(x, jax.Array) and not x.is_fully_addressable
-                 for x in jax.tree.leaves(state))
-  processes = jax.process_count() if together else 1
-  keep = None
-  if together:  # each process writes its share of the layers (see _writer_of)
-    keep = lambda path: _writer_of(path, cfg, processes) == jax.process_index()  # noqa: E731
   for path, array in _unscanned_param_values(state, cfg, keep).items():
     kernel_n_in = n_in[_module_key(path)] if path[-1] == 'kernel' else None
     name = family.hf_name(hf_layer_path(path, cfg.num_layers))
@@ -311,25 +345,15 @@ def save_pretrained(model: Transformer, directory: str, *, max_shard_bytes: int 
         tensors[f'model.layers.{cfg.num_layers + k}.{suffix}'] = tensors[main]
   if family.fuse is not None:
     tensors = family.fuse(tensors, cfg)
-  if quantization_config is not None:
-    try:
-      tensors = quantize_tensors(tensors, quantization_config)
-    except QuantizationError as e:
-      raise PretrainedError(f'save_pretrained quantization_config: {e}') from None
-    hf_config['quantization_config'] = dict(quantization_config)
-  os.makedirs(directory, exist_ok=True)
-  if together:
-    files = _write_process_shards(directory, tensors, max_shard_bytes)
-  else:
-    files = write_sharded(directory, tensors, max_shard_bytes)
-  if not together or is_primary():
-    tmp = os.path.join(directory, 'config.json.tmp')
-    with open(tmp, 'w') as f:
-      json.dump(hf_config, f, indent=2)
-    os.replace(tmp, os.path.join(directory, 'config.json'))
-  if together:
-    barrier('save_pretrained')  # every file is written when any process returns
-  return ['config.json', *files]
+  return tensors
+
+
+def _write_json(path: str, data: dict) -> None:
+  """Write ``data`` to ``path`` beside it first, then rename it over any old file."""
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(data, f, indent=2)
+  os.replace(tmp, path)
 
 
 # -- multi-token prediction ----------------------------------------------------------------------
@@ -477,10 +501,7 @@ def _write_process_shards(directory: str, tensors: dict[str, np.ndarray],
       merged.update(part['weight_map'])
     index = {'metadata': {'total_size': sum(part['total_size'] for part in everyone)},
              'weight_map': dict(sorted(merged.items()))}
-    tmp = os.path.join(directory, 'model.safetensors.index.json.tmp')
-    with open(tmp, 'w') as f:
-      json.dump(index, f, indent=2)
-    os.replace(tmp, os.path.join(directory, 'model.safetensors.index.json'))
+    _write_json(os.path.join(directory, 'model.safetensors.index.json'), index)
   all_names = [f'model-{i + 1:05d}-of-{total:05d}.safetensors' for i in range(total)]
   return ['model.safetensors.index.json', *all_names]
 
