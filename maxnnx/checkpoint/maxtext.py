@@ -42,11 +42,15 @@ from maxnnx.checkpoint.manager import CheckpointError
 from maxnnx.checkpoint.maxtext_blocks import (
   BLOCKS,
   _bfloat16,
+  _deepseek_checkpoint,
   _f32,
+  _gpt_oss_checkpoint,
+  _llama4_checkpoint,
+  _llama_checkpoint,
   _map,
   _to_numpy,
-  hf_checkpoint,
 )
+from maxnnx.checkpoint.maxtext_gemma import _gemma_checkpoint
 
 #: MaxText's defaults (its ``configs/base.yml``) for the settings a conversion reads.
 MAXTEXT_DEFAULTS = {'decoder_block': 'llama2', 'model_name': 'default', 'num_experts_per_tok': 1,
@@ -157,6 +161,33 @@ def maxtext_params(step_dir: str) -> tuple[dict, dict]:
   params = _to_numpy(params)
   return params, {'step': None if step is None else int(np.asarray(step)), 'layout': layout,
                   'full_state': 'opt_state' in tree}
+
+
+def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """``(config.json dict, {tensor name: float32 array})`` of the Hugging Face checkpoint that
+  holds MaxText ``params`` (a tree from :func:`maxtext_params`) under ``settings``
+  (:func:`read_settings`).
+
+  Raises:
+    CheckpointError: a decoder block or setting this reader does not cover, or a tree that
+      does not look like the block's.
+  """
+  block = settings['decoder_block']
+  if block not in BLOCKS:
+    raise CheckpointError(f'decoder_block={block}: MaxText checkpoints of the '
+                          f"{', '.join(BLOCKS)} blocks are read so far.")
+  if int(settings['rope_min_timescale']) != 1:
+    raise CheckpointError(f"rope_min_timescale={settings['rope_min_timescale']}: MaxText "
+                          'rotary embeddings with a minimum timescale other than 1 are not read.')
+  if block == 'deepseek':
+    return _deepseek_checkpoint(params, settings)
+  if block.startswith('gemma'):
+    return _gemma_checkpoint(params, settings)
+  if block == 'gpt_oss':
+    return _gpt_oss_checkpoint(params, settings)
+  if block == 'llama4':
+    return _llama4_checkpoint(params, settings)
+  return _llama_checkpoint(params, settings)
 
 
 def maxtext_tree(config: dict, tensors: dict[str, np.ndarray], *, scan_layers: bool = True

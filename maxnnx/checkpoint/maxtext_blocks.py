@@ -1,9 +1,10 @@
 """MaxText's parameters as Hugging Face tensors, one function per decoder block.
 
-:func:`hf_checkpoint` turns the parameter tree of a MaxText checkpoint
-(:func:`maxnnx.checkpoint.maxtext.maxtext_params`) into a Hugging Face ``config.json`` and
-its tensors; each block (llama-style, gemma, gpt_oss, llama4, deepseek) has a function of its
-own that undoes its conventions (see :mod:`maxnnx.checkpoint.maxtext`).
+:func:`maxnnx.checkpoint.maxtext.hf_checkpoint` turns the parameter tree of a MaxText
+checkpoint (:func:`maxnnx.checkpoint.maxtext.maxtext_params`) into a Hugging Face
+``config.json`` and its tensors; each block (llama-style, gpt_oss, llama4, deepseek here,
+gemma in :mod:`maxnnx.checkpoint.maxtext_gemma`) has a function of its own that undoes its
+conventions (see :mod:`maxnnx.checkpoint.maxtext`), with the helpers of this module.
 """
 
 from __future__ import annotations
@@ -66,33 +67,6 @@ def _f32(x) -> np.ndarray:
   return np.asarray(x, np.float32)
 
 
-def hf_checkpoint(params: dict, settings: dict) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-  """``(config.json dict, {tensor name: float32 array})`` of the Hugging Face checkpoint that
-  holds MaxText ``params`` (a tree from :func:`maxtext_params`) under ``settings``
-  (:func:`read_settings`).
-
-  Raises:
-    CheckpointError: a decoder block or setting this reader does not cover, or a tree that
-      does not look like the block's.
-  """
-  block = settings['decoder_block']
-  if block not in BLOCKS:
-    raise CheckpointError(f'decoder_block={block}: MaxText checkpoints of the '
-                          f"{', '.join(BLOCKS)} blocks are read so far.")
-  if int(settings['rope_min_timescale']) != 1:
-    raise CheckpointError(f"rope_min_timescale={settings['rope_min_timescale']}: MaxText "
-                          'rotary embeddings with a minimum timescale other than 1 are not read.')
-  if block == 'deepseek':
-    return _deepseek_checkpoint(params, settings)
-  if block.startswith('gemma'):
-    return _gemma_checkpoint(params, settings)
-  if block == 'gpt_oss':
-    return _gpt_oss_checkpoint(params, settings)
-  if block == 'llama4':
-    return _llama4_checkpoint(params, settings)
-  return _llama_checkpoint(params, settings)
-
-
 def _llama_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
   """``llama2`` / ``mistral`` / ``mixtral`` as HF's families of those names (default or
   llama3.1 rotary embeddings; MaxText's ``1/sqrt(head_dim)`` taken back out of the query)."""
@@ -125,9 +99,7 @@ def _llama_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.
     tensors[p + 'self_attn.k_proj.weight'] = k.reshape(d_model, -1).T
     tensors[p + 'self_attn.v_proj.weight'] = _f32(attn['value']['kernel']).reshape(d_model, -1).T
     tensors[p + 'self_attn.o_proj.weight'] = _f32(attn['out']['kernel']).reshape(-1, d_model).T
-    tensors[p + 'input_layernorm.weight'] = _f32(layer['pre_self_attention_layer_norm']['scale'])
-    tensors[p + 'post_attention_layernorm.weight'] = _f32(
-        layer['post_self_attention_layer_norm']['scale'])
+    _attention_norms(tensors, p, layer)
     if moe:
       block_moe = layer['MoeBlock_0']
       tensors[p + 'block_sparse_moe.gate.weight'] = _f32(block_moe['gate']['kernel']).T
@@ -137,10 +109,7 @@ def _llama_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.
         tensors[e + 'w3.weight'] = _f32(block_moe['wi_1'][j]).T
         tensors[e + 'w2.weight'] = _f32(block_moe['wo'][j]).T
     else:
-      mlp = layer['mlp']
-      tensors[p + 'mlp.gate_proj.weight'] = _f32(mlp['wi_0']['kernel']).T
-      tensors[p + 'mlp.up_proj.weight'] = _f32(mlp['wi_1']['kernel']).T
-      tensors[p + 'mlp.down_proj.weight'] = _f32(mlp['wo']['kernel']).T
+      _dense_mlp(tensors, p + 'mlp.', layer['mlp'])
   if moe != (block == 'mixtral'):
     raise CheckpointError(f'decoder_block={block}, but the checkpoint\'s layers '
                           f"{'have' if moe else 'have no'} MoeBlock_0: give MaxText's settings "
@@ -235,20 +204,20 @@ def _attention(tensors: dict, prefix: str, attn: dict, query_scale: float,
       tensors[prefix + theirs + '.weight'] = _f32(attn[ours]['scale']) - norm_offset
 
 
-def _gemma_layers(decoder: dict, block: str) -> list[dict]:
-  """Gemma's per-layer trees with one set of names. Gemma 2's MaxText layer holds a local
-  then a global layer (``*_local``, ``*_global``): two HF layers. Gemma 3 scans blocks of its
-  6-layer pattern (``layers/layers_0 … layers_5``, stacked) and keeps the rest in
-  ``layers_remainder/layers_k``."""
-  if block == 'gemma2':
-    out = []
-    for layer in _layers(decoder):
-      for kind in ('_local', '_global'):
-        out.append({k[:-len(kind)]: v for k, v in layer.items() if k.endswith(kind)})
-    return out
-  if block == 'gemma3':
-    return _cycle_layers(decoder)
-  return _layers(decoder)
+def _attention_norms(tensors: dict, prefix: str, layer: dict) -> None:
+  """A layer's norms before and after attention as HF's ``input_layernorm`` and
+  ``post_attention_layernorm`` under ``prefix`` (``model.layers.<i>.``)."""
+  tensors[prefix + 'input_layernorm.weight'] = _f32(layer['pre_self_attention_layer_norm']['scale'])
+  tensors[prefix + 'post_attention_layernorm.weight'] = _f32(
+      layer['post_self_attention_layer_norm']['scale'])
+
+
+def _dense_mlp(tensors: dict, prefix: str, mlp: dict) -> None:
+  """A gated MLP (``wi_0`` gate, ``wi_1`` up, ``wo`` down) as HF's ``gate_proj`` /
+  ``up_proj`` / ``down_proj`` under ``prefix``."""
+  tensors[prefix + 'gate_proj.weight'] = _f32(mlp['wi_0']['kernel']).T
+  tensors[prefix + 'up_proj.weight'] = _f32(mlp['wi_1']['kernel']).T
+  tensors[prefix + 'down_proj.weight'] = _f32(mlp['wo']['kernel']).T
 
 
 def _cycled_stack(params: dict, settings: dict, attention: str):
@@ -277,92 +246,6 @@ def _cycle_layers(decoder: dict) -> list[dict]:
   return out
 
 
-def _gemma_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
-  """``decoder_block=gemma|gemma2|gemma3`` as HF's Gemma families.
-
-  MaxText stores Gemma's norms as HF's ``1 + w`` and the embedding multiplied by
-  sqrt(d_model) (``param_mapping.py`` ``GEMMA3_MAXTEXT_TO_HF_PARAM_HOOK_FN``:
-  ``scale_rmsnorm``, ``pad_and_scale_embedding``). Gemma 1 and 2 fold the query's
-  ``1 / sqrt(head_dim)`` into its kernel (``query_pre_attn_scalar`` unset); Gemma 3 normalises
-  q and k per head, then multiplies the query by ``query_pre_attn_scalar`` = ``head_dim **
-  -0.5`` (gemma3-4b/12b) or ``(emb_dim // heads) ** -0.5`` (gemma3-27b), from the model name
-  (``models/gemma3.py`` ``get_query_pre_attn_scalar``).
-  """
-  block = settings['decoder_block']
-  decoder = params['decoder']
-  layers = _gemma_layers(decoder, block)
-  first = layers[0]
-  _, heads, head_dim = first['self_attention']['query']['kernel'].shape
-  kv_heads = first['self_attention']['key']['kernel'].shape[1]
-  d_model = params['token_embedder']['embedding'].shape[1]
-  if block == 'gemma3':
-    name = str(settings['model_name'])
-    scalars = {'gemma3-4b': head_dim, 'gemma3-12b': head_dim, 'gemma3-27b': d_model // heads}
-    if name not in scalars:
-      raise CheckpointError(f'decoder_block=gemma3 with model_name={name}: MaxText takes the '
-                            'query scale of Gemma 3 from the model name (gemma3-4b, gemma3-12b '
-                            "or gemma3-27b); give the run's model_name.")
-    query_pre_attn_scalar, query_scale = scalars[name], 1.0
-  else:
-    query_pre_attn_scalar, query_scale = head_dim, math.sqrt(head_dim)
-  tensors, tied = _embedding_and_head(params, settings, math.sqrt(d_model), 1.0)
-  sandwich = block != 'gemma'
-  for i, layer in enumerate(layers):
-    p = f'model.layers.{i}.'
-    _attention(tensors, p + 'self_attn.', layer['self_attention'], query_scale, 1.0)
-    norms = {'pre_self_attention_norm': 'input_layernorm',
-             'post_self_attention_norm': 'post_attention_layernorm',
-             'pre_ffw_norm': 'pre_feedforward_layernorm',
-             'post_ffw_norm': 'post_feedforward_layernorm'}
-    if not sandwich:
-      norms = {'pre_self_attention_norm': 'input_layernorm',
-               'pre_ffw_norm': 'post_attention_layernorm'}
-    for ours, theirs in norms.items():
-      if ours not in layer:
-        raise CheckpointError(f'decoder_block={block}: layer {i} has no {ours} (MaxText '
-                              'use_post_attn_norm/use_post_ffw_norm false is not read).')
-      tensors[p + theirs + '.weight'] = _f32(layer[ours]['scale']) - 1.0
-    mlp = layer['mlp']
-    tensors[p + 'mlp.gate_proj.weight'] = _f32(mlp['wi_0']['kernel']).T
-    tensors[p + 'mlp.up_proj.weight'] = _f32(mlp['wi_1']['kernel']).T
-    tensors[p + 'mlp.down_proj.weight'] = _f32(mlp['wo']['kernel']).T
-  theta = float(settings['rope_max_timescale'])
-  local = float(settings['local_rope_max_timescale'])
-  config = {'model_type': BLOCKS[block] if block != 'gemma3' else 'gemma3_text',
-            'architectures': [], 'vocab_size': int(tensors['model.embed_tokens.weight'].shape[0]),
-            'hidden_size': int(d_model), 'intermediate_size': int(
-                first['mlp']['wi_0']['kernel'].shape[-1]),
-            'num_hidden_layers': len(layers), 'num_attention_heads': int(heads),
-            'num_key_value_heads': int(kv_heads), 'head_dim': int(head_dim),
-            'rms_norm_eps': float(settings['normalization_layer_epsilon']),
-            'rope_theta': theta, 'hidden_activation': 'gelu_pytorch_tanh',
-            'max_position_embeddings': int(settings['max_target_length']),
-            'tie_word_embeddings': tied, 'torch_dtype': 'float32'}
-  if sandwich:
-    window = int(settings['sliding_window_size'])
-    if not window:
-      raise CheckpointError(f'decoder_block={block} without sliding_window_size: give the '
-                            "run's sliding_window_size (MaxText's local layers need it).")
-    pattern = 2 if block == 'gemma2' else 6
-    config.update(
-        sliding_window=window, query_pre_attn_scalar=int(query_pre_attn_scalar),
-        attn_logit_softcapping=float(settings['attn_logits_soft_cap']) or None,
-        final_logit_softcapping=float(settings['final_logits_soft_cap']) or None,
-        layer_types=['full_attention' if (i + 1) % pattern == 0 else 'sliding_attention'
-                     for i in range(len(layers))])
-  if block == 'gemma3':
-    factor = float(settings['rope_linear_scaling_factor'])
-    config['rope_local_base_freq'] = local if local > 0 else theta
-    if factor != 1.0:
-      config['rope_scaling'] = {'rope_type': 'linear', 'factor': factor}
-  elif local > 0 and local != theta:
-    raise CheckpointError(f'decoder_block={block} with local_rope_max_timescale={local}: a '
-                          'separate local rotary base is read for gemma3 only.')
-  elif float(settings['rope_linear_scaling_factor']) != 1.0:
-    raise CheckpointError('rope_linear_scaling_factor other than 1: read for gemma3 only.')
-  return config, tensors
-
-
 def _gpt_oss_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
   """``decoder_block=gpt_oss`` as HF's ``gpt_oss`` (``param_mapping.py``
   ``GPT_OSS_MAXTEXT_TO_HF_PARAM_MAPPING``): biased q/k/v/o and one sink logit per head
@@ -388,9 +271,7 @@ def _gpt_oss_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, n
     for name in ('query', 'key', 'value', 'out'):
       tensors[p + f'self_attn.{name[0]}_proj.bias'] = _f32(attn[name]['bias']).reshape(-1)
     tensors[p + 'self_attn.sinks'] = _f32(attn['sinks'])
-    tensors[p + 'input_layernorm.weight'] = _f32(layer['pre_self_attention_layer_norm']['scale'])
-    tensors[p + 'post_attention_layernorm.weight'] = _f32(
-        layer['post_self_attention_layer_norm']['scale'])
+    _attention_norms(tensors, p, layer)
     tensors[p + 'mlp.router.weight'] = _f32(moe['gate']['kernel']).T
     tensors[p + 'mlp.router.bias'] = _f32(moe['gate']['bias'])
     gate_up = np.stack([_f32(moe['wi_0']), _f32(moe['wi_1'])], axis=-1)
@@ -441,9 +322,7 @@ def _llama4_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np
   for i, layer in enumerate(layers):
     p = f'model.layers.{i}.'
     _attention(tensors, p + 'self_attn.', layer['self_attention'], 1.0)
-    tensors[p + 'input_layernorm.weight'] = _f32(layer['pre_self_attention_layer_norm']['scale'])
-    tensors[p + 'post_attention_layernorm.weight'] = _f32(
-        layer['post_self_attention_layer_norm']['scale'])
+    _attention_norms(tensors, p, layer)
     f = p + 'feed_forward.'
     if 'Llama4MoEBlock_0' in layer:
       routed = layer['Llama4MoEBlock_0']['MoeBlock_0']
@@ -457,9 +336,7 @@ def _llama4_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np
     else:
       mlp, m = layer['mlp'], f
       dense_dim = mlp['wi_0']['kernel'].shape[-1]
-    tensors[m + 'gate_proj.weight'] = _f32(mlp['wi_0']['kernel']).T
-    tensors[m + 'up_proj.weight'] = _f32(mlp['wi_1']['kernel']).T
-    tensors[m + 'down_proj.weight'] = _f32(mlp['wo']['kernel']).T
+    _dense_mlp(tensors, m, mlp)
   nope = int(settings['nope_layer_interval'])
   uses_rope = [int(nope <= 0 or (i + 1) % nope != 0) for i in range(len(layers))]
   chunk = int(settings['chunk_attn_window_size'])
@@ -516,6 +393,19 @@ def _deepseek_routed_experts(tensors: dict, prefix: str, routed: dict) -> int:
   return routed['wi_0'].shape[0]
 
 
+def _mla(tensors: dict, prefix: str, attn: dict) -> None:
+  """A layer's multi-head latent attention as HF's ``self_attn.*`` under ``prefix``: the
+  kernels transposed, the output one to ``[d_model, heads * v_head_dim]``."""
+  tensors[prefix + 'q_a_proj.weight'] = _linear(attn['wq_a']['kernel'])
+  tensors[prefix + 'q_a_layernorm.weight'] = _f32(attn['q_norm']['scale'])
+  tensors[prefix + 'q_b_proj.weight'] = _linear(attn['wq_b']['kernel'])
+  tensors[prefix + 'kv_a_proj_with_mqa.weight'] = _linear(attn['wkv_a']['kernel'])
+  tensors[prefix + 'kv_a_layernorm.weight'] = _f32(attn['kv_norm']['scale'])
+  tensors[prefix + 'kv_b_proj.weight'] = _linear(attn['wkv_b']['kernel'])
+  tensors[prefix + 'o_proj.weight'] = _f32(attn['out']['kernel']).reshape(-1, tensors[
+      'model.norm.weight'].shape[0]).T
+
+
 def _deepseek_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, np.ndarray]]:
   """``decoder_block=deepseek`` (DeepSeek-V3: ``model_name=deepseek3-…``) as HF's
   ``deepseek_v3``: multi-head latent attention, ``dense_layers`` then ``moe_layers`` with a
@@ -545,28 +435,16 @@ def _deepseek_checkpoint(params: dict, settings: dict) -> tuple[dict, dict[str, 
   nope_dim = qk_head_dim - rope_dim
   moe_dim, experts = moe[0]['DeepSeekMoeBlock_0']['MoeBlock_0']['wi_0'].shape[-1], 0
   for i, layer in enumerate(dense + moe):
-    p, attn = f'model.layers.{i}.', layer['self_attention']
-    tensors[p + 'input_layernorm.weight'] = _f32(layer['pre_self_attention_layer_norm']['scale'])
-    tensors[p + 'post_attention_layernorm.weight'] = _f32(
-        layer['post_self_attention_layer_norm']['scale'])
-    a = p + 'self_attn.'
-    tensors[a + 'q_a_proj.weight'] = _linear(attn['wq_a']['kernel'])
-    tensors[a + 'q_a_layernorm.weight'] = _f32(attn['q_norm']['scale'])
-    tensors[a + 'q_b_proj.weight'] = _linear(attn['wq_b']['kernel'])
-    tensors[a + 'kv_a_proj_with_mqa.weight'] = _linear(attn['wkv_a']['kernel'])
-    tensors[a + 'kv_a_layernorm.weight'] = _f32(attn['kv_norm']['scale'])
-    tensors[a + 'kv_b_proj.weight'] = _linear(attn['wkv_b']['kernel'])
-    tensors[a + 'o_proj.weight'] = _f32(attn['out']['kernel']).reshape(-1, tensors[
-        'model.norm.weight'].shape[0]).T
+    p = f'model.layers.{i}.'
+    _attention_norms(tensors, p, layer)
+    _mla(tensors, p + 'self_attn.', layer['self_attention'])
     if i < len(dense):
       mlp, m = layer['mlp'], p + 'mlp.'
     else:
       block = layer['DeepSeekMoeBlock_0']
       mlp, m = block['shared_experts'], p + 'mlp.shared_experts.'
       experts = _deepseek_routed_experts(tensors, p + 'mlp.', block['MoeBlock_0'])
-    tensors[m + 'gate_proj.weight'] = _f32(mlp['wi_0']['kernel']).T
-    tensors[m + 'up_proj.weight'] = _f32(mlp['wi_1']['kernel']).T
-    tensors[m + 'down_proj.weight'] = _f32(mlp['wo']['kernel']).T
+    _dense_mlp(tensors, m, mlp)
   shared_dim = moe[0]['DeepSeekMoeBlock_0']['shared_experts']['wi_0']['kernel'].shape[-1]
   embedding = tensors['model.embed_tokens.weight']
   groups = int(settings['n_routing_groups'])
