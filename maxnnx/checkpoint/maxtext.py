@@ -218,28 +218,7 @@ def maxtext_tree(config: dict, tensors: dict[str, np.ndarray], *, scan_layers: b
   for i in range(int(config['num_hidden_layers'])):
     p = f'model.layers.{i}.'
     t = {k[len(p):]: _f32(v) for k, v in tensors.items() if k.startswith(p)}
-    attention = {
-        'query': {'kernel': (t['self_attn.q_proj.weight'].T / math.sqrt(head_dim)).reshape(
-            d_model, heads, head_dim)},
-        'key': {'kernel': t['self_attn.k_proj.weight'].T.reshape(d_model, kv_heads, head_dim)},
-        'value': {'kernel': t['self_attn.v_proj.weight'].T.reshape(d_model, kv_heads, head_dim)},
-        'out': {'kernel': t['self_attn.o_proj.weight'].T.reshape(heads, head_dim, d_model)}}
-    layer = {'self_attention': attention,
-             'pre_self_attention_layer_norm': {'scale': t['input_layernorm.weight']},
-             'post_self_attention_layer_norm': {'scale': t['post_attention_layernorm.weight']}}
-    if family == 'mixtral':
-      count = int(config['num_local_experts'])
-      e = 'block_sparse_moe.experts.{}.{}.weight'
-      layer['MoeBlock_0'] = {
-          'gate': {'kernel': t['block_sparse_moe.gate.weight'].T},
-          'wi_0': np.stack([t[e.format(j, 'w1')].T for j in range(count)]),
-          'wi_1': np.stack([t[e.format(j, 'w3')].T for j in range(count)]),
-          'wo': np.stack([t[e.format(j, 'w2')].T for j in range(count)])}
-    else:
-      layer['mlp'] = {'wi_0': {'kernel': t['mlp.gate_proj.weight'].T},
-                      'wi_1': {'kernel': t['mlp.up_proj.weight'].T},
-                      'wo': {'kernel': t['mlp.down_proj.weight'].T}}
-    layers.append(layer)
+    layers.append(_maxtext_layer(t, config, (d_model, heads, kv_heads, head_dim)))
   decoder: dict[str, Any] = {'decoder_norm': {'scale': _f32(tensors['model.norm.weight'])}}
   if scan_layers:
     decoder['layers'] = _map_many(lambda *xs: np.stack(xs, axis=1), layers)
@@ -269,6 +248,35 @@ def maxtext_tree(config: dict, tensors: dict[str, np.ndarray], *, scan_layers: b
   if family == 'mistral' and config.get('sliding_window'):
     settings['sliding_window_size'] = int(config['sliding_window'])
   return tree, settings
+
+
+def _maxtext_layer(t: dict[str, np.ndarray], config: dict, shape: tuple[int, ...]) -> dict:
+  """One decoder layer's MaxText tree from its HF tensors ``t`` (named without the
+  ``model.layers.<i>.`` prefix); ``shape``: ``(d_model, heads, kv_heads, head_dim)``. The
+  query kernel takes MaxText's ``1 / sqrt(head_dim)`` in."""
+  d_model, heads, kv_heads, head_dim = shape
+  attention = {
+      'query': {'kernel': (t['self_attn.q_proj.weight'].T / math.sqrt(head_dim)).reshape(
+          d_model, heads, head_dim)},
+      'key': {'kernel': t['self_attn.k_proj.weight'].T.reshape(d_model, kv_heads, head_dim)},
+      'value': {'kernel': t['self_attn.v_proj.weight'].T.reshape(d_model, kv_heads, head_dim)},
+      'out': {'kernel': t['self_attn.o_proj.weight'].T.reshape(heads, head_dim, d_model)}}
+  layer = {'self_attention': attention,
+           'pre_self_attention_layer_norm': {'scale': t['input_layernorm.weight']},
+           'post_self_attention_layer_norm': {'scale': t['post_attention_layernorm.weight']}}
+  if config.get('model_type') == 'mixtral':
+    count = int(config['num_local_experts'])
+    e = 'block_sparse_moe.experts.{}.{}.weight'
+    layer['MoeBlock_0'] = {
+        'gate': {'kernel': t['block_sparse_moe.gate.weight'].T},
+        'wi_0': np.stack([t[e.format(j, 'w1')].T for j in range(count)]),
+        'wi_1': np.stack([t[e.format(j, 'w3')].T for j in range(count)]),
+        'wo': np.stack([t[e.format(j, 'w2')].T for j in range(count)])}
+  else:
+    layer['mlp'] = {'wi_0': {'kernel': t['mlp.gate_proj.weight'].T},
+                    'wi_1': {'kernel': t['mlp.up_proj.weight'].T},
+                    'wo': {'kernel': t['mlp.down_proj.weight'].T}}
+  return layer
 
 
 def _map_many(fn, trees: list):
