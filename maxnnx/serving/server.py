@@ -451,18 +451,15 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
   api = _Api(loop, served, metrics, max_queue, max_request_bytes,
              scorer=engine.score_prompt if leader is None else None)
 
-  @contextlib.asynccontextmanager
-  async def lifespan(app):
-    loop.start()
-    try:
-      yield
-    finally:
-      await asyncio.to_thread(loop.stop)
-      if leader is not None:  # the other processes' engines return, and all leave together
-        leader.close()
-        _leave_processes()
+  app = Starlette(routes=_routes(api), lifespan=_lifespan(loop, leader),
+                  exception_handlers={HTTPException: _http_error, 500: _server_error})
+  app.state.engine_loop, app.state.metrics, app.state.leader = loop, metrics, leader
+  return app
 
-  app = Starlette(routes=[
+
+def _routes(api: _Api) -> list[Route]:
+  """The app's endpoints, each to its :class:`_Api` method."""
+  return [
       Route('/v1/completions', api.completions, methods=['POST']),
       Route('/v1/chat/completions', api.chat_completions, methods=['POST']),
       Route('/v1/models', api.models, methods=['GET']),
@@ -474,9 +471,25 @@ def make_app(engine_or_model_dir: Engine | str | os.PathLike, *, model_name: str
       Route('/tokenizer_info', api.tokenizer_info, methods=['GET']),
       Route('/v1/load_lora_adapter', api.load_lora_adapter, methods=['POST']),
       Route('/v1/unload_lora_adapter', api.unload_lora_adapter, methods=['POST']),
-  ], lifespan=lifespan, exception_handlers={HTTPException: _http_error, 500: _server_error})
-  app.state.engine_loop, app.state.metrics, app.state.leader = loop, metrics, leader
-  return app
+  ]
+
+
+def _lifespan(loop: EngineLoop, leader):
+  """The app's lifespan: the engine loop runs while the app does; in a multi-process run
+  the leader then releases the other processes and all leave together."""
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    loop.start()
+    try:
+      yield
+    finally:
+      await asyncio.to_thread(loop.stop)
+      if leader is not None:  # the other processes' engines return, and all leave together
+        leader.close()
+        _leave_processes()
+
+  return lifespan
 
 
 def _leader(engine: Engine):
