@@ -241,18 +241,7 @@ def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = 
   config, shard_index, shard_count = pipeline_arguments(
       'make_pipeline', config, batch_size, seq_len, shard_index, shard_count)
 
-  tokenizer = tokenizer if tokenizer is not None else (config.tokenizer or None)
-  if isinstance(tokenizer, str):
-    tokenizer = load_tokenizer(tokenizer)
-  if tokenizer is not None:
-    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
-      raise ValueError(f'The tokenizer has {tokenizer.vocab_size} tokens but the model only '
-                       f'{vocab_size} (vocab_size): its ids would fall outside the model. Use '
-                       'the tokenizer the model was made for, or a larger vocab_size.')
-    vocab_size = vocab_size or tokenizer.vocab_size
-  if vocab_size is None:
-    raise ValueError('make_pipeline needs a tokenizer or vocab_size= (the model vocabulary) '
-                     'to know the valid token ids.')
+  tokenizer, vocab_size = _tokenizer_and_vocab(config, tokenizer, vocab_size)
   bos = eos = None
   if tokenizer is not None:
     bos = _special(tokenizer, 'bos_id', config.add_bos)
@@ -262,28 +251,11 @@ def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = 
               for spec in config.sources]
   sources, datasets = [], []
   for i, res in enumerate(resolved):
-    files, by_document = _files_per_process(res, config, shard_index, shard_count)
-    source = _make_source(res, config, vocab_size=vocab_size, seq_len=seq_len,
-                          extras=(bos is not None) + (eos is not None), seed=seed, index=i,
-                          files=files)
-    if res.kind not in (SYNTHETIC, 'array_record') and not config.pretokenized \
-        and tokenizer is None:
-      raise ValueError(f'data source {res.spec!r} is text: pass a tokenizer to make_pipeline '
-                       'or set DataConfig.tokenizer.')
-    if by_document and len(source) < shard_count:
-      raise ValueError(f'data source {res.spec!r} has {len(source)} documents, fewer than '
-                       f'shard_count={shard_count}: every process needs at least one.')
+    source, ds = _source_dataset(res, i, config, tokenizer, vocab_size=vocab_size,
+                                 seq_len=seq_len, extras=(bos is not None) + (eos is not None),
+                                 seed=seed, shard_index=shard_index, shard_count=shard_count)
     sources.append(source)
-    ds = grain.MapDataset.source(source).map_with_index(_tag(i, len(source)))
-    blocks = getattr(source, 'block_starts', None)  # a streamed source: shuffle within blocks
-    if by_document:
-      ds = ds[shard_index::shard_count]
-      if blocks is not None:
-        blocks = sliced_block_starts(blocks, len(source), shard_index, shard_count)
-    if config.shuffle:
-      ds = (BlockShuffle(ds, blocks, _derived_seed(seed, i, 2)) if blocks is not None
-            else ds.shuffle(seed=_derived_seed(seed, i, 2)))
-    datasets.append(ds.repeat(config.num_epochs))
+    datasets.append(ds)
   ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, config.weights)
   ds = ds.map(_Tokenize(tokenizer, sources, bos=bos, eos=eos, vocab_size=vocab_size))
   examples, rows = pack_examples(ds, sources, config, seq_len=seq_len, batch_size=batch_size,
@@ -296,6 +268,51 @@ def make_pipeline(config: DataConfig | str, tokenizer: Tokenizer | str | None = 
   fingerprint = _jsonable(fingerprint)
   return Pipeline(batches, examples, fingerprint, config=config, tokenizer=tokenizer,
                   batch_size=batch_size, seq_len=seq_len)
+
+
+def _tokenizer_and_vocab(config: DataConfig, tokenizer, vocab_size: int | None):
+  """``(tokenizer or None, vocab_size)`` of :func:`make_pipeline`: the tokenizer given, else
+  ``config.tokenizer``, loaded from a path; the vocabulary size given (which the tokenizer's
+  must not exceed), else the tokenizer's."""
+  tokenizer = tokenizer if tokenizer is not None else (config.tokenizer or None)
+  if isinstance(tokenizer, str):
+    tokenizer = load_tokenizer(tokenizer)
+  if tokenizer is not None:
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+      raise ValueError(f'The tokenizer has {tokenizer.vocab_size} tokens but the model only '
+                       f'{vocab_size} (vocab_size): its ids would fall outside the model. Use '
+                       'the tokenizer the model was made for, or a larger vocab_size.')
+    vocab_size = vocab_size or tokenizer.vocab_size
+  if vocab_size is None:
+    raise ValueError('make_pipeline needs a tokenizer or vocab_size= (the model vocabulary) '
+                     'to know the valid token ids.')
+  return tokenizer, vocab_size
+
+
+def _source_dataset(res, i: int, config: DataConfig, tokenizer, *, vocab_size: int, seq_len: int,
+                    extras: int, seed: int, shard_index: int, shard_count: int):
+  """``(source, dataset)`` of the ``i``-th resolved source: this process's documents (or
+  files), tagged with the source, shuffled as ``config`` says and repeated for its epochs."""
+  files, by_document = _files_per_process(res, config, shard_index, shard_count)
+  source = _make_source(res, config, vocab_size=vocab_size, seq_len=seq_len, extras=extras,
+                        seed=seed, index=i, files=files)
+  if res.kind not in (SYNTHETIC, 'array_record') and not config.pretokenized \
+      and tokenizer is None:
+    raise ValueError(f'data source {res.spec!r} is text: pass a tokenizer to make_pipeline '
+                     'or set DataConfig.tokenizer.')
+  if by_document and len(source) < shard_count:
+    raise ValueError(f'data source {res.spec!r} has {len(source)} documents, fewer than '
+                     f'shard_count={shard_count}: every process needs at least one.')
+  ds = grain.MapDataset.source(source).map_with_index(_tag(i, len(source)))
+  blocks = getattr(source, 'block_starts', None)  # a streamed source: shuffle within blocks
+  if by_document:
+    ds = ds[shard_index::shard_count]
+    if blocks is not None:
+      blocks = sliced_block_starts(blocks, len(source), shard_index, shard_count)
+  if config.shuffle:
+    ds = (BlockShuffle(ds, blocks, _derived_seed(seed, i, 2)) if blocks is not None
+          else ds.shuffle(seed=_derived_seed(seed, i, 2)))
+  return source, ds.repeat(config.num_epochs)
 
 
 def pack_examples(ds: grain.MapDataset, sources: list, config: DataConfig, *, seq_len: int,
