@@ -479,3 +479,47 @@ class KernelStrategy(abc.ABC):
         reasons = [f'the backend raised NotImplementedError: {e}']
     refuse(self.kind, self.name, reasons, self.on_unsupported, self.reference)
     return fallback(*args)
+
+
+#: The order a ``tokamax`` strategy tries tokamax's implementations in (tokamax's own default).
+TOKAMAX_DEFAULT_ORDER = ('mosaic', 'triton', 'xla')
+
+
+@dataclasses.dataclass(frozen=True)
+class TokamaxStrategy(KernelStrategy):
+  """What the strategies over a tokamax op share (``TokamaxAttention``, ``TokamaxRaggedDot``,
+  each listing it before its kind's base class): ``implementations`` checked against
+  :attr:`PLATFORMS` (each implementation's platforms), the platforms those cover, tokamax
+  being importable as one more limit, and running the first implementation that can
+  (:func:`run_first_tokamax`).
+
+  Attributes:
+    implementations: tokamax implementation names, tried in order.
+  """
+
+  name: str = 'tokamax'
+  implementations: tuple[str, ...] = TOKAMAX_DEFAULT_ORDER
+  PLATFORMS: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+  def __post_init__(self):
+    super().__post_init__()
+    unknown = [i for i in self.implementations if i not in self.PLATFORMS]
+    if unknown or not self.implementations:
+      raise ValueError(f'{type(self).__name__}.implementations must be a non-empty tuple of '
+                       f'{tuple(self.PLATFORMS)}, got {self.implementations}.')
+
+  @property
+  def platforms(self) -> tuple[str, ...]:
+    """The platforms at least one of ``implementations`` is made for."""
+    return tuple(p for p in ALL_PLATFORMS
+                 if any(p in self.PLATFORMS[i] for i in self.implementations))
+
+  def unsupported_reasons(self, request) -> list[str]:
+    """The declared limits, and tokamax being importable."""
+    missing = tokamax_missing()
+    return self.capabilities.missing(request) + ([missing] if missing else [])
+
+  def run_first(self, call):
+    """``call(impl)`` for the first of ``implementations`` that runs (see
+    :func:`run_first_tokamax`)."""
+    return run_first_tokamax(self.kind, self.name, self.implementations, call, self.PLATFORMS)

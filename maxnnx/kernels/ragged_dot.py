@@ -24,10 +24,9 @@ from maxnnx.kernels.capabilities import (
   KernelStrategy,
   RaggedDotCapabilities,
   RaggedDotRequest,
+  TokamaxStrategy,
   import_tokamax,
   lookup_kernel,
-  run_first_tokamax,
-  tokamax_missing,
 )
 from maxnnx.kernels.options import RaggedDotOptions
 
@@ -158,54 +157,34 @@ class TiledRaggedDot(RaggedDotKernel):
 #: Platforms of each tokamax ragged-dot implementation.
 TOKAMAX_RAGGED_DOT_PLATFORMS = {'mosaic': ('gpu', 'tpu'), 'triton': ('gpu',),
                                 'xla': ALL_PLATFORMS}
-#: The order ``tokamax`` tries them in (tokamax's own default order).
-TOKAMAX_RAGGED_DOT_DEFAULT_ORDER = ('mosaic', 'triton', 'xla')
 
 
 @dataclasses.dataclass(frozen=True)
-class TokamaxRaggedDot(RaggedDotKernel):
-  """``tokamax.ragged_dot`` over ``implementations``, first that runs wins.
+class TokamaxRaggedDot(TokamaxStrategy, RaggedDotKernel):
+  """``tokamax.ragged_dot`` over ``implementations`` (see
+  :class:`~maxnnx.kernels.capabilities.TokamaxStrategy`), first that runs wins.
 
   Implementations that cannot run are logged once (a warning on
   ``maxnnx.kernels``), so a drop to XLA is visible. tokamax is imported on
   first use.
-
-  Attributes:
-    implementations: tokamax implementation names, tried in order.
   """
 
-  name: str = 'tokamax'
-  implementations: tuple[str, ...] = TOKAMAX_RAGGED_DOT_DEFAULT_ORDER
-
-  def __post_init__(self):
-    super().__post_init__()
-    unknown = [i for i in self.implementations if i not in TOKAMAX_RAGGED_DOT_PLATFORMS]
-    if unknown or not self.implementations:
-      raise ValueError(f'TokamaxRaggedDot.implementations must be a non-empty tuple of '
-                       f'{tuple(TOKAMAX_RAGGED_DOT_PLATFORMS)}, got {self.implementations}.')
+  PLATFORMS: ClassVar[dict[str, tuple[str, ...]]] = TOKAMAX_RAGGED_DOT_PLATFORMS
 
   @property
   def capabilities(self) -> RaggedDotCapabilities:
     """Float dtypes, same dtype on both sides; platforms of its implementations."""
-    platforms = tuple(p for p in ALL_PLATFORMS
-                      if any(p in TOKAMAX_RAGGED_DOT_PLATFORMS[i] for i in self.implementations))
-    return RaggedDotCapabilities(platforms=platforms, dtypes=FLOAT_DTYPES, mixed_dtypes=False)
-
-  def unsupported_reasons(self, request):
-    """The declared limits, and tokamax being importable."""
-    missing = tokamax_missing()
-    return self.capabilities.missing(request) + ([missing] if missing else [])
+    return RaggedDotCapabilities(platforms=self.platforms, dtypes=FLOAT_DTYPES,
+                                 mixed_dtypes=False)
 
   def compute(self, lhs_MK, rhs_GKN, group_sizes_G, options):
     """Try each implementation; log the ones that refuse; raise if all refuse."""
     tokamax = import_tokamax()
     group_sizes_G = group_sizes_G.astype(jnp.int32)
-    return run_first_tokamax(
-        'ragged_dot', self.name, self.implementations,
+    return self.run_first(
         lambda impl: tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G,
                                         preferred_element_type=options.preferred_element_type,
-                                        implementation=impl),
-        TOKAMAX_RAGGED_DOT_PLATFORMS)
+                                        implementation=impl))
 
 
 RAGGED_DOT_IMPLEMENTATIONS: dict[str, Callable[[], RaggedDotKernel]] = {
