@@ -340,37 +340,46 @@ def _run_with_logprobs(engine, prompts, params, arrivals):
   return streamed, finals, rows
 
 
-def test_requests_with_logit_bias_min_tokens_and_logprobs_speculate_to_plain_tokens(plain, spec):
+def test_requests_with_controls_and_logprobs_speculate_to_plain_tokens(plain, spec):
   """Greedy requests on repeating prompts with a logit bias, with ``min_tokens`` before a
-  stop id the plain run would emit early, and with log-probabilities now draft (they used to
-  decode one token per step): each gives the plain engine's tokens, finish reason and
-  log-probabilities, and drafts are kept."""
+  stop id the plain run would emit early, with presence, frequency and repetition penalties
+  and with log-probabilities now draft (they used to decode one token per step): each gives
+  the plain engine's tokens, finish reason and log-probabilities, and drafts are kept."""
   rng = np.random.default_rng(11)
   prompts = [_repeating(rng, p, n) for p, n in ((3, 12), (4, 20), (5, 15), (2, 9), (3, 18))]
   first = [c.token_ids for c in plain.generate(prompts, SamplingParams(max_tokens=12,
                                                                        ignore_eos=True))]
-  params = [
+  mixed = [
       SamplingParams(max_tokens=14, ignore_eos=True, logit_bias={first[0][1]: -100.0,
                                                                  prompts[0][0]: 1.5}),
       SamplingParams(max_tokens=16, stop_token_ids=(first[1][2],), min_tokens=6),
       SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3),
       SamplingParams(max_tokens=12, stop_token_ids=(first[3][1],), min_tokens=4, logprobs=2,
                      logit_bias={first[3][0]: 0.7}),
-      SamplingParams(max_tokens=12, ignore_eos=True),
+      SamplingParams(max_tokens=20, ignore_eos=True, presence_penalty=0.1,
+                     frequency_penalty=0.1),
+      SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.1, logprobs=2),
   ]
-  arrivals = [0, 0, 1, 2, 2]
-  want, want_finals, want_lps = _run_with_logprobs(plain, prompts, params, arrivals)
-  before = (spec.spec.drafts, spec.spec.accepted_tokens)
-  got, got_finals, got_lps = _run_with_logprobs(spec, prompts, params, arrivals)
-  for i in range(len(prompts)):
-    assert got[i] == want[i], i
-    assert got_finals[i].finish_reason == want_finals[i].finish_reason, i
-    assert len(got_lps.get(i, ())) == (len(got[i]) if params[i].logprobs else 0)
-    for g, w in zip(got_lps.get(i, ()), want_lps.get(i, ()), strict=True):
-      assert g[0] == w[0] and g[2] == w[2], i
-      np.testing.assert_allclose([g[1], *g[3]], [w[1], *w[3]], rtol=1e-5, atol=1e-5)
-  assert len(want_finals[1].token_ids) >= 6 and len(want_finals[3].token_ids) >= 4
-  assert spec.spec.drafts > before[0] and spec.spec.accepted_tokens > before[1]
+  mild = [dict(presence_penalty=0.1, frequency_penalty=0.1), dict(repetition_penalty=1.1),
+          dict(frequency_penalty=0.2)]
+  penalised = [SamplingParams(max_tokens=20, ignore_eos=True, **mild[i % 3]) for i in range(5)]
+  # Mixed controls, then only (mild) penalties, so that drafts are kept under penalties and
+  # a count lost with them changes a later token.
+  for run, params, arrivals in ((prompts + [prompts[2]], mixed, [0, 0, 1, 2, 2, 3]),
+                                 (prompts, penalised, [0, 0, 1, 2, 2])):
+    want, want_finals, want_lps = _run_with_logprobs(plain, run, params, arrivals)
+    before = (spec.spec.drafts, spec.spec.accepted_tokens)
+    got, got_finals, got_lps = _run_with_logprobs(spec, run, params, arrivals)
+    for i in range(len(run)):
+      assert got[i] == want[i], i
+      assert got_finals[i].finish_reason == want_finals[i].finish_reason, i
+      assert len(got_lps.get(i, ())) == (len(got[i]) if params[i].logprobs else 0)
+      for g, w in zip(got_lps.get(i, ()), want_lps.get(i, ()), strict=True):
+        assert g[0] == w[0] and g[2] == w[2], i
+        np.testing.assert_allclose([g[1], *g[3]], [w[1], *w[3]], rtol=1e-5, atol=1e-5)
+    assert spec.spec.drafts > before[0] and spec.spec.accepted_tokens > before[1]
+    if params is not penalised:
+      assert len(want_finals[1].token_ids) >= 6 and len(want_finals[3].token_ids) >= 4
   _assert_idle(spec)
 
 
@@ -403,3 +412,31 @@ def test_the_verifier_masks_stop_ids_only_at_the_positions_short_of_min_tokens()
     [lp] = out.logprobs(0, position, 2)
     assert lp.token_id == token and lp.top[0][0] == stop
     np.testing.assert_allclose(lp.logprob, want[position, token], rtol=1e-5)
+
+
+def test_the_verifier_penalises_each_position_with_the_drafts_before_it():
+  """A greedy row whose model prefers token 0 slightly over token 1 at every position, with a
+  frequency penalty: the first draft 0 is kept, and at the next position the draft before it
+  counts, so 1 wins there and the second draft (0 again) is rejected; the emitted tokens
+  join the sampler's counts, which the next verification reads."""
+  import types
+
+  from maxnnx.serving.batch_sampler import BatchSampler
+  from maxnnx.serving.speculation import verify_rows
+  vocab = 6
+  logits_SV = np.zeros((3, vocab), np.float32)
+  logits_SV[:, 0], logits_SV[:, 1], logits_SV[:, 2] = 3.0, 2.9, 2.75
+  request = types.SimpleNamespace(
+      request_id=1, params=SamplingParams(max_tokens=9, frequency_penalty=0.2), seed=0,
+      output_ids=[], draft_ids=[0, 0], token_ids=[4, 5], num_prompt=2, num_computed=1,
+      num_tokens=2)
+  sampler = BatchSampler(2, vocab, 0, stop_ids=lambda params: frozenset(),
+                         running=lambda: {1})
+  logits_BSV = np.broadcast_to(logits_SV, (2, 3, vocab))
+  out = verify_rows(logits_BSV, [request], sampler, 2)
+  assert out.tokens(0) == [0, 1]
+  # The counts now hold 0 and 1 once each: drafts [0, 0] keep the first (2.8 over 2.75 and
+  # 2.7), and then 0 counts twice (2.6), so 2 wins (counts not carried over: 1 would).
+  request.output_ids, request.draft_ids = [0, 1], [0, 0]
+  request.token_ids, request.num_computed, request.num_tokens = [4, 5, 0, 1], 3, 4
+  assert verify_rows(logits_BSV, [request], sampler, 2).tokens(0) == [0, 2]

@@ -254,9 +254,23 @@ class BatchSampler:
         self._history_rows[request.request_id] = n = free.pop()
         self._write_row(n, request.output_ids, request.token_ids[:request.num_prompt])
       rows_B[row] = self._history_rows[request.request_id]
-      # A prefill chunk that does not reach the last token samples nothing that is kept.
-      emits_B[row] = request.num_computed + scheduled[row][1] >= request.num_tokens
+      # A prefill chunk that does not reach the last token samples nothing that is kept,
+      # nor does a row with drafts (its tokens come from the verifier, which counts them).
+      emits_B[row] = (not request.draft_ids
+                      and request.num_computed + scheduled[row][1] >= request.num_tokens)
     return rows_B, emits_B
+
+  def penalty_counts(self, requests: Sequence[Request]) -> tuple:
+    """``(counts_SV, prompt_seen_SV, rows_B)`` for verifying ``requests`` (row by row): the
+    count arrays and each row's row of them (0: not penalised), filled for a penalised
+    request that has none yet. The verifier returns the counts with its kept tokens added,
+    for :meth:`keep_counts`."""
+    rows_B, _ = self._history([(request, 0) for request in requests])
+    return self._counts_SV, self._prompt_seen_SV, rows_B
+
+  def keep_counts(self, counts_SV) -> None:
+    """Take back the count arrays a verification donated and updated."""
+    self._counts_SV = counts_SV
 
   def _write_row(self, row: int, output_ids: Sequence[int], prompt_ids: Sequence[int]) -> None:
     """Set row ``row`` of the count arrays to these tokens' counts and prompt presence."""

@@ -14,11 +14,13 @@ plain decoding; sampled: rejection sampling, so they keep the model's distributi
 keys and values of rejected drafts sit past the request's computed tokens: the next step
 writes over them, and the pages that hold only them go back to the pool at once.
 
-The verifier applies each request's temperature, ``top_k``, ``top_p``, logit bias and
-``min_tokens`` (its stop ids masked at each draft position that is still short of it), and
-returns log-probabilities of every kept token, as the sampler does for one token. Requests
-with penalties or structured outputs (whose token counts and grammar state advance token by
-token) decode one token per step as before, in the same batch. Drafts never run past the
+The verifier applies each request's temperature, ``top_k``, ``top_p``, logit bias,
+``min_tokens`` (its stop ids masked at each draft position that is still short of it) and
+penalties (over its token counts with the drafts before each position added; the kept
+tokens then join the sampler's counts), and returns log-probabilities of every kept token,
+as the sampler does for one token. Requests with structured outputs (whose grammar state
+advances token by token on the host) decode one token per step as before, in the same
+batch. Drafts never run past the
 request's ``max_tokens`` or ``max_model_len``, and the engine applies the stop rules to the
 kept tokens one at a time, so a request emits nothing after its stop.
 """
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxnnx.inference.sampling import add_logit_bias, cut_top_k_top_p, row_keys
+from maxnnx.inference.sampling import add_logit_bias, cut_top_k_top_p, penalize, row_keys
 from maxnnx.inference.speculative import accept_greedy, accept_sampled, drafts_then
 from maxnnx.processes import host_value
 from maxnnx.serving.batch_sampler import BatchSampler, bias_bucket
@@ -58,10 +60,10 @@ def ngram_drafts(token_ids: Sequence[int], k: int, max_ngram: int, min_ngram: in
 
 
 def may_draft(params: SamplingParams) -> bool:
-  """Whether a request with ``params`` drafts: unless penalties or a grammar shape its
-  tokens (the verifier applies temperature, top-k, top-p, logit bias and ``min_tokens``, and
-  gives log-probabilities, but keeps no token counts and no grammar state)."""
-  return not (params.structured is not None or params.penalized)
+  """Whether a request with ``params`` drafts: unless a grammar shapes its tokens (the
+  verifier applies temperature, top-k, top-p, logit bias, ``min_tokens`` and the penalties,
+  and gives log-probabilities, but keeps no grammar state)."""
+  return params.structured is None
 
 
 @dataclasses.dataclass
@@ -96,10 +98,10 @@ class SpecCounts:
       self.accepted_per_position[position] += 1
 
 
-@functools.partial(jax.jit, static_argnames=('num_logprobs',))
+@functools.partial(jax.jit, static_argnames=('num_logprobs',), donate_argnames=('counts_SV',))
 def verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B, seeds_B,
            counters_B, bias_ids_BSK=None, bias_values_BSK=None, logprob_temperature_B=None,
-           num_logprobs: int = 0):
+           penalties=None, counts_SV=None, num_logprobs: int = 0):
   """Each row's kept drafts and the token after them.
 
   Args:
@@ -111,13 +113,18 @@ def verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B,
     bias_ids_BSK, bias_values_BSK: ``[B, k + 1, K]`` the logit bias of each row's token at
       each position (ids ``>= V`` are padding; ``None``: none), applied before verifying.
     logprob_temperature_B: ``[B]`` the log-probabilities' temperature (1: the model's own).
+    penalties: ``(prompt_seen_SV, rows_B, presence_B, frequency_B, repetition_B)``, with
+      ``counts_SV``: the sampler's token counts (:class:`BatchSampler`), each row's row of
+      them (0: none) and its penalties, applied at each position to the counts with the
+      drafts before it added; ``None``: no penalties.
+    counts_SV: the sampler's token counts (donated), or ``None`` with ``penalties``.
     num_logprobs: the top log-probabilities returned per position (0: none).
 
   Returns:
-    ``(tokens_BS, kept_B, chosen_BS, top_ids_BSN, top_lps_BSN)``: row ``b`` emits
-    ``tokens_BS[b, :kept_B[b] + 1]``; with ``num_logprobs``, each token's log-probability
-    (of the model's logits, before the bias) and the top ones at each position, else
-    ``None``.
+    ``(tokens_BS, kept_B, chosen_BS, top_ids_BSN, top_lps_BSN, counts_SV)``: row ``b``
+    emits ``tokens_BS[b, :kept_B[b] + 1]``; with ``num_logprobs``, each token's
+    log-probability (of the model's logits, before the controls) and the top ones at each
+    position, else ``None``; the counts with each penalised row's emitted tokens added.
   """
   batch, width, vocab = logits_BSV.shape
   k = width - 1
@@ -128,6 +135,8 @@ def verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B,
                                 bias_ids_BSK.reshape(batch * width, -1),
                                 bias_values_BSK.reshape(batch * width, -1)).reshape(raw_BSV.shape)
   valid_BK = jnp.arange(k)[None] < num_drafts_B[:, None]
+  if penalties is not None:
+    logits_BSV = _penalize_positions(logits_BSV, drafts_BK, valid_BK, counts_SV, *penalties)
   target_BS = jnp.argmax(logits_BSV, axis=-1).astype(jnp.int32)
   greedy_B = temperature_B <= 0
 
@@ -149,12 +158,37 @@ def verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B,
   sampled_BS, sampled_kept_B = jax.lax.cond(jnp.any(~greedy_B), sampled, greedy, None)
   kept_B = jnp.where(greedy_B, accept_greedy(target_BS, drafts_BK, valid_BK), sampled_kept_B)
   tokens_BS = jnp.where(greedy_B[:, None], target_BS, sampled_BS)
+  if penalties is not None:  # the emitted tokens join the penalised rows' counts
+    rows_B = penalties[1]
+    emitted_BS = (jnp.arange(width)[None] <= kept_B[:, None]) & (rows_B > 0)[:, None]
+    counts_SV = counts_SV.at[rows_B[:, None], tokens_BS].add(emitted_BS.astype(jnp.int32))
   if not num_logprobs:
-    return tokens_BS, kept_B, None, None, None
+    return tokens_BS, kept_B, None, None, None, counts_SV
   logprobs_BSV = jax.nn.log_softmax(raw_BSV / logprob_temperature_B[:, None, None], axis=-1)
   chosen_BS = jnp.take_along_axis(logprobs_BSV, tokens_BS[..., None], axis=-1)[..., 0]
   top_lps_BSN, top_ids_BSN = jax.lax.top_k(logprobs_BSV, num_logprobs)
-  return tokens_BS, kept_B, chosen_BS, top_ids_BSN, top_lps_BSN
+  return tokens_BS, kept_B, chosen_BS, top_ids_BSN, top_lps_BSN, counts_SV
+
+
+def _penalize_positions(logits_BSV, drafts_BK, valid_BK, counts_SV, prompt_seen_SV, rows_B,
+                        presence_B, frequency_B, repetition_B):
+  """``logits_BSV`` with each row's penalties at each position, over its counts plus the
+  drafts before that position (skipped by ``lax.cond`` when no row is penalised)."""
+  batch, width, vocab = logits_BSV.shape
+
+  def penalized(x_BSV):
+    drafted_BKV = jax.nn.one_hot(drafts_BK, vocab, dtype=jnp.int32) * valid_BK[..., None]
+    before_BSV = jnp.concatenate([jnp.zeros((batch, 1, vocab), jnp.int32),
+                                  jnp.cumsum(drafted_BKV, axis=1)], axis=1)
+    counts_BSV = counts_SV[rows_B][:, None] + before_BSV
+    seen_BSV = jnp.broadcast_to(prompt_seen_SV[rows_B][:, None], counts_BSV.shape)
+    flat = (lambda a: a.reshape(batch * width, *a.shape[2:]))
+    every = (lambda a_B: jnp.repeat(a_B, width))
+    return penalize(flat(x_BSV), flat(counts_BSV), flat(seen_BSV), every(presence_B),
+                    every(frequency_B), every(repetition_B)).reshape(x_BSV.shape)
+
+  any_B = (presence_B != 0) | (frequency_B != 0) | (repetition_B != 1)
+  return jax.lax.cond(jnp.any(any_B & (rows_B > 0)), penalized, lambda x: x, logits_BSV)
 
 
 @dataclasses.dataclass
@@ -230,10 +264,27 @@ def verify_rows(logits_BSV, requests, sampler: BatchSampler, k: int) -> Verified
       sampler.row_inputs([(request, 0) for request in requests]))
   num_logprobs = (max(sampler.max_logprobs, 1) if any(
       r.draft_ids and r.params.logprobs is not None for r in requests) else 0)
-  out = verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B, seeds_B,
-               counters_B, bias_ids_BSK, bias_values_BSK, logprob_temperature_B,
-               num_logprobs=num_logprobs)
+  counts_SV, prompt_seen_SV, rows_B = sampler.penalty_counts(requests)
+  rows_B = np.where([bool(r.draft_ids) for r in requests] + [False] * (rows - len(requests)),
+                    rows_B, 0)  # the sampler counts the tokens of the rows without drafts
+  *out, counts_SV = verify(
+      logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B, seeds_B,
+      counters_B, bias_ids_BSK, bias_values_BSK, logprob_temperature_B,
+      _penalty_inputs(requests, rows, prompt_seen_SV, rows_B), counts_SV,
+      num_logprobs=num_logprobs)
+  sampler.keep_counts(counts_SV)
   return Verified(*(None if a is None else np.asarray(host_value(a)) for a in out))
+
+
+def _penalty_inputs(requests, rows: int, prompt_seen_SV, rows_B) -> tuple:
+  """:func:`verify`'s ``penalties`` for ``requests`` (the rest of ``rows`` padding)."""
+  presence_B, frequency_B = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+  repetition_B = np.ones(rows, np.float32)
+  for row, request in enumerate(requests):
+    params = request.params
+    presence_B[row], frequency_B[row] = params.presence_penalty, params.frequency_penalty
+    repetition_B[row] = params.repetition_penalty
+  return prompt_seen_SV, rows_B, presence_B, frequency_B, repetition_B
 
 
 def warm_verify(logits_BSV, sampler: BatchSampler) -> int:
@@ -242,11 +293,15 @@ def warm_verify(logits_BSV, sampler: BatchSampler) -> int:
   how many programs that is."""
   batch, width, vocab = logits_BSV.shape
   zeros_B = np.zeros(batch, np.int32)
+  counts_SV, prompt_seen_SV, rows_B = sampler.penalty_counts([])
   for num_logprobs, bias_width in sampler.variants():
-    jax.block_until_ready(verify(
+    *out, counts_SV = verify(
         logits_BSV, np.zeros((batch, width - 1), np.int32), zeros_B,
         np.zeros(batch, np.float32), zeros_B, np.ones(batch, np.float32), zeros_B, zeros_B,
         np.full((batch, width, bias_width), vocab, np.int32),
         np.zeros((batch, width, bias_width), np.float32), np.ones(batch, np.float32),
-        num_logprobs=num_logprobs))
+        _penalty_inputs([], batch, prompt_seen_SV, rows_B), counts_SV,
+        num_logprobs=num_logprobs)
+    jax.block_until_ready(out[0])
+  sampler.keep_counts(counts_SV)
   return len(sampler.variants())
