@@ -400,8 +400,8 @@ def test_the_verifier_masks_stop_ids_only_at_the_positions_short_of_min_tokens()
                          running=lambda: set())
 
   def row(**params):
-    return types.SimpleNamespace(params=SamplingParams(max_tokens=9, **params), seed=0,
-                                 output_ids=[], draft_ids=[1, 2])
+    return types.SimpleNamespace(request_id=len(params), params=SamplingParams(
+        max_tokens=9, **params), seed=0, output_ids=[], draft_ids=[1, 2])
 
   logits_BSV = np.broadcast_to(logits_SV, (2, 3, vocab))
   out = verify_rows(logits_BSV, [row(min_tokens=2, logprobs=2), row(logit_bias={5: 9.0})],

@@ -386,3 +386,27 @@ def test_a_forced_call_writes_a_marker_token_the_vocabulary_has_as_that_token(
     content, [call] = parse_tool_calls(out.text, fmt)
     assert content is None and call.name == 'get_weather'
     check_schema(json.loads(call.arguments), WEATHER['function']['parameters'])
+
+
+def test_structured_requests_speculate_to_the_plain_engines_tokens(model, tokenizer, engine):
+  """With n-gram speculation, requests under a JSON schema and under regexes that force
+  repeats (so drafts are proposed and kept) give the plain engine's tokens, greedy; sampled
+  replies still match their regex."""
+  spec = Engine(model, tokenizer, max_batch=4, token_budget=32, page_size=8, max_model_len=128,
+                token_buckets=(32,), page_buckets=(16,), speculative_method='ngram',
+                num_speculative_tokens=3)
+  prompt = tokenizer.encode('Who is there?')
+  greedy = [StructuredOutput.json_schema(PERSON), StructuredOutput('regex', r'(ab ){6}[a-z]{2,5}'),
+            StructuredOutput('regex', r'(yes|no)( (yes|no|maybe)){8}')]
+  params = [SamplingParams(max_tokens=80, structured=s) for s in greedy]
+  want = engine.generate([prompt] * 3, params)
+  got = spec.generate([prompt] * 3, params)
+  assert [g.token_ids for g in got] == [w.token_ids for w in want]
+  assert spec.spec.drafts > 0 and spec.spec.accepted_tokens > 0
+  pattern = r'(ab ){6}(yes|no) [0-9]{2,4}'
+  outs = spec.generate([prompt] * 4, [SamplingParams(
+      max_tokens=60, temperature=1.0, seed=s, structured=StructuredOutput('regex', pattern))
+      for s in range(4)])
+  for out in outs:
+    assert re.fullmatch(pattern, out.text) and out.finish_reason == 'stop', out.text
+  assert spec.allocator.num_available == spec.max_pages

@@ -147,6 +147,27 @@ class BatchSampler:
       return True
     return matcher.is_stopped()
 
+  def draft_masks(self, request: Request, k: int) -> np.ndarray:
+    """``[k + 1, words]`` packed masks of the tokens the request's grammar allows at its next
+    token and at each draft position after it (every token without a grammar, and past a
+    draft the grammar refuses, a stop id, or a draft that ends the grammar: verification
+    stops there). The matcher is walked through the drafts and rolled back."""
+    masks_SW = np.full((k + 1, mask_words(self.vocab_size)), -1, np.int32)
+    matcher = self._matchers.get(request.request_id)
+    if matcher is None:
+      return masks_SW
+    stops, consumed = self.stop_ids(request.params), 0
+    for position, draft in enumerate([*request.draft_ids, None]):
+      fill_allowed(matcher, masks_SW, position, request.params.stop_token_ids)
+      if draft is None or draft in stops or matcher.is_stopped():
+        break
+      if matcher.try_consume_tokens([draft]) != 1:
+        break
+      consumed += 1
+    if consumed:
+      matcher.rollback(consumed)
+    return masks_SW
+
   def forget(self, request_id: int) -> None:
     """Drop a finished or cancelled request's matcher."""
     self._matchers.pop(request_id, None)

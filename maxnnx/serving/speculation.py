@@ -14,15 +14,15 @@ plain decoding; sampled: rejection sampling, so they keep the model's distributi
 keys and values of rejected drafts sit past the request's computed tokens: the next step
 writes over them, and the pages that hold only them go back to the pool at once.
 
-The verifier applies each request's temperature, ``top_k``, ``top_p``, logit bias,
-``min_tokens`` (its stop ids masked at each draft position that is still short of it) and
-penalties (over its token counts with the drafts before each position added; the kept
-tokens then join the sampler's counts), and returns log-probabilities of every kept token,
-as the sampler does for one token. Requests with structured outputs (whose grammar state
-advances token by token on the host) decode one token per step as before, in the same
-batch. Drafts never run past the
-request's ``max_tokens`` or ``max_model_len``, and the engine applies the stop rules to the
-kept tokens one at a time, so a request emits nothing after its stop.
+Every request may draft. The verifier applies each request's controls at every position,
+as the sampler does for one token: temperature, ``top_k``, ``top_p``, logit bias,
+``min_tokens`` (its stop ids masked at each position still short of it), the penalties
+(over its token counts plus the drafts before the position; the kept tokens then join the
+sampler's counts) and its grammar (the tokens the matcher allows at each position, found by
+walking the matcher through the drafts on the host and rolling it back). It returns the
+log-probabilities of every kept token. Drafts never run past the request's ``max_tokens``
+or ``max_model_len``, and the engine applies the stop rules to the kept tokens one at a
+time, so a request emits nothing after its stop.
 """
 
 import dataclasses
@@ -33,11 +33,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxnnx.inference.sampling import add_logit_bias, cut_top_k_top_p, penalize, row_keys
+from maxnnx.inference.sampling import (
+  add_logit_bias,
+  cut_top_k_top_p,
+  penalize,
+  row_keys,
+  unpack_mask,
+)
 from maxnnx.inference.speculative import accept_greedy, accept_sampled, drafts_then
+from maxnnx.inference.structured import mask_words
 from maxnnx.processes import host_value
 from maxnnx.serving.batch_sampler import BatchSampler, bias_bucket
-from maxnnx.serving.params import SamplingParams, TokenLogprobs
+from maxnnx.serving.params import TokenLogprobs
 
 
 def ngram_drafts(token_ids: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -57,13 +64,6 @@ def ngram_drafts(token_ids: Sequence[int], k: int, max_ngram: int, min_ngram: in
       start = int(hits[-1]) + n
       return ids[start:start + k].tolist()
   return []
-
-
-def may_draft(params: SamplingParams) -> bool:
-  """Whether a request with ``params`` drafts: unless a grammar shapes its tokens (the
-  verifier applies temperature, top-k, top-p, logit bias, ``min_tokens`` and the penalties,
-  and gives log-probabilities, but keeps no grammar state)."""
-  return params.structured is None
 
 
 @dataclasses.dataclass
@@ -101,7 +101,7 @@ class SpecCounts:
 @functools.partial(jax.jit, static_argnames=('num_logprobs',), donate_argnames=('counts_SV',))
 def verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B, seeds_B,
            counters_B, bias_ids_BSK=None, bias_values_BSK=None, logprob_temperature_B=None,
-           penalties=None, counts_SV=None, num_logprobs: int = 0):
+           penalties=None, counts_SV=None, allowed_BSW=None, num_logprobs: int = 0):
   """Each row's kept drafts and the token after them.
 
   Args:
@@ -118,6 +118,8 @@ def verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B,
       them (0: none) and its penalties, applied at each position to the counts with the
       drafts before it added; ``None``: no penalties.
     counts_SV: the sampler's token counts (donated), or ``None`` with ``penalties``.
+    allowed_BSW: ``[B, k + 1, words]`` packed masks of the tokens each row's grammar allows at
+      each position (-1: every token; ``None``: no masks).
     num_logprobs: the top log-probabilities returned per position (0: none).
 
   Returns:
@@ -137,6 +139,10 @@ def verify(logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B,
   valid_BK = jnp.arange(k)[None] < num_drafts_B[:, None]
   if penalties is not None:
     logits_BSV = _penalize_positions(logits_BSV, drafts_BK, valid_BK, counts_SV, *penalties)
+  if allowed_BSW is not None:
+    allowed_BSV = unpack_mask(allowed_BSW.reshape(batch * width, -1), vocab).reshape(
+        logits_BSV.shape)
+    logits_BSV = jnp.where(allowed_BSV, logits_BSV, -jnp.inf)
   target_BS = jnp.argmax(logits_BSV, axis=-1).astype(jnp.int32)
   greedy_B = temperature_B <= 0
 
@@ -228,14 +234,14 @@ class Verified:
 def propose_drafts(running, k: int, max_model_len: int, lookup_max: int,
                    lookup_min: int) -> None:
   """Set each ``running`` request's ``draft_ids`` for the next step: its n-gram drafts if it
-  decodes and :func:`may_draft`, as many (up to ``k``) as its ``max_tokens`` and
-  ``max_model_len`` leave room for after the model's own token; else none."""
+  decodes, as many (up to ``k``) as its ``max_tokens`` and ``max_model_len`` leave room for
+  after the model's own token; else none."""
   for request in running:
     room = min(k, request.params.max_tokens - len(request.output_ids) - 1,
                max_model_len - request.num_tokens)
     decoding = request.num_computed == request.num_tokens - 1
     request.draft_ids = (ngram_drafts(request.token_ids, room, lookup_max, lookup_min)
-                         if decoding and room > 0 and may_draft(request.params) else [])
+                         if decoding and room > 0 else [])
 
 
 def verify_rows(logits_BSV, requests, sampler: BatchSampler, k: int) -> Verified | None:
@@ -264,13 +270,17 @@ def verify_rows(logits_BSV, requests, sampler: BatchSampler, k: int) -> Verified
       sampler.row_inputs([(request, 0) for request in requests]))
   num_logprobs = (max(sampler.max_logprobs, 1) if any(
       r.draft_ids and r.params.logprobs is not None for r in requests) else 0)
+  allowed_BSW = np.full((rows, k + 1, mask_words(vocab)), -1, np.int32)
+  for row, request in enumerate(requests):
+    if request.draft_ids:
+      allowed_BSW[row] = sampler.draft_masks(request, k)
   counts_SV, prompt_seen_SV, rows_B = sampler.penalty_counts(requests)
   rows_B = np.where([bool(r.draft_ids) for r in requests] + [False] * (rows - len(requests)),
                     rows_B, 0)  # the sampler counts the tokens of the rows without drafts
   *out, counts_SV = verify(
       logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B, seeds_B,
       counters_B, bias_ids_BSK, bias_values_BSK, logprob_temperature_B,
-      _penalty_inputs(requests, rows, prompt_seen_SV, rows_B), counts_SV,
+      _penalty_inputs(requests, rows, prompt_seen_SV, rows_B), counts_SV, allowed_BSW,
       num_logprobs=num_logprobs)
   sampler.keep_counts(counts_SV)
   return Verified(*(None if a is None else np.asarray(host_value(a)) for a in out))
@@ -301,7 +311,7 @@ def warm_verify(logits_BSV, sampler: BatchSampler) -> int:
         np.full((batch, width, bias_width), vocab, np.int32),
         np.zeros((batch, width, bias_width), np.float32), np.ones(batch, np.float32),
         _penalty_inputs([], batch, prompt_seen_SV, rows_B), counts_SV,
-        num_logprobs=num_logprobs)
+        np.full((batch, width, mask_words(vocab)), -1, np.int32), num_logprobs=num_logprobs)
     jax.block_until_ready(out[0])
   sampler.keep_counts(counts_SV)
   return len(sampler.variants())
