@@ -456,3 +456,22 @@ def test_server_refuses_runtime_adapter_changes_unless_allowed(served):
     answer = client.post(f'/v1/{endpoint}', json={'lora_name': 'sql', 'lora_path': adapter})
     assert answer.status_code == 400
     assert 'allow_runtime_lora_updating=true' in answer.json()['error']['message']
+
+
+def test_adapters_serve_over_an_int8_quantized_base(adapters):
+  """An engine over a base quantized for inference (qwix int8) serves adapters: in one batch
+  each row gives the tokens of ``generate`` on that quantized base with the adapter loaded
+  (unmerged), and the base row the quantized base's own."""
+  from maxnnx.inference.quantize import quantize_for_inference
+
+  def quantized():
+    return quantize_for_inference(maxnnx.from_pretrained(LLAMA, scan_layers=True), 'int8')
+
+  engine = Engine(quantized(), lora_modules=adapters, **ENGINE)
+  prompt = [1, 5, 9, 33, 17]
+  outs = engine.generate([prompt] * 3, _greedy(6), lora=['a', 'b', None])
+  for out, name in zip(outs, ['a', 'b', None]):
+    model = quantized() if name is None else load_adapter(quantized(), adapters[name])
+    want = np.asarray(maxnnx.generate(model, [prompt], max_new_tokens=6, eos_ids=None).tokens)
+    assert list(out.token_ids) == want[0].tolist(), name
+  assert len({out.token_ids for out in outs}) == 3  # the adapters change the tokens
