@@ -186,3 +186,24 @@ def test_random_arguments_written_any_way_stream_to_the_parsed_arguments(seed):
     pieces = [t['function']['arguments'] for c in chunks
               for t in c['choices'][0]['delta'].get('tool_calls', ()) if t['index'] == k]
     assert ''.join(pieces) == call.arguments
+
+
+def test_a_choice_that_does_not_stream_reads_its_reply_once_at_the_end(monkeypatch):
+  """Without streaming nothing of the reply is parsed before it finishes (no per-token
+  rescans), and the finished choice carries the same content and calls as a streamed one."""
+  import maxnnx.serving.openai_responses as responses
+  reply = 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>'
+  pieces = _splits(reply, 'chars')
+  streamed, _ = _stream('hermes', pieces)
+  calls = []
+  monkeypatch.setattr(responses, 'streamed_calls', lambda *a: calls.append(a) or [])
+  whole = ChoiceStream(0, None, SamplingParams(), tool_format='hermes', streaming=False)
+  for k in range(1, len(pieces) + 1):
+    done = k == len(pieces)
+    text, _ = whole.update(RequestOutput(0, (k,), None, tuple(range(1, k + 1)), done,
+                                         'stop' if done else None, ''.join(pieces[:k]), 0))
+    assert (text == '') != done
+  assert calls == []
+  assert whole.text == streamed.text == 'Sure.' and whole.finish_reason == 'tool_calls'
+  assert [(c.name, c.arguments) for c in whole.tool_calls] == [
+      (c.name, c.arguments) for c in streamed.tool_calls]

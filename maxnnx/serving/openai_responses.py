@@ -38,6 +38,8 @@ class ChoiceStream:
     read_calls: read tool calls in ``tool_format``; ``False`` reads the format for its
       content and reasoning only, and a call the reply holds is dropped (a harmony reply
       without tools, or with ``tool_choice`` ``none``).
+    streaming: the choice streams; ``False`` reads the reply (stop strings, reasoning, tool
+      calls) once, when it finishes, rather than after every token.
     reasoning_parser: split the reply's ``<think>`` block off as its reasoning
       (:mod:`~maxnnx.serving.reasoning`: ``deepseek_r1`` or ``qwen3``), before tool calls are
       looked for in what follows it; ``None``: the reply is all content.
@@ -45,7 +47,7 @@ class ChoiceStream:
 
   def __init__(self, index: int, tokenizer, params: SamplingParams, eos_ids=(),
                tool_format: str | None = None, reasoning_parser: str | None = None,
-               read_calls: bool = True):
+               read_calls: bool = True, streaming: bool = True):
     self.index = index
     self.tokenizer = tokenizer
     self.params = params
@@ -59,6 +61,7 @@ class ChoiceStream:
     self.cumulative_logprob = 0.0  # of every generated token, a stop token included
     self.tool_format = tool_format
     self.read_calls = read_calls
+    self.streaming = streaming
     self.reasoning_parser = reasoning_parser
     self.tool_calls: list[ToolCall] = []  # parsed from the finished reply
     self._calls_sent: list[ToolCall] = []  # each started call: its id, name, arguments sent
@@ -92,6 +95,9 @@ class ChoiceStream:
         if self.tool_calls:
           self.finish_reason = 'tool_calls' if out.finish_reason == 'stop' else (
               out.finish_reason)
+    elif not self.streaming:  # nothing is sent before the end: the reply is read once then
+      self.logprobs.extend(new_logprobs)
+      return '', new_logprobs
     else:
       text = self._split_reasoning(stable_text(out.text or '', self.params.stop))
       if self.tool_format is not None:

@@ -97,7 +97,7 @@ class _Job:
     self.events: asyncio.Queue = asyncio.Queue()
     tokenizer, eos = api.loop.engine.tokenizer, api.loop.engine.eos_ids
     self.choices = [ChoiceStream(i, tokenizer, p, eos, parsed.tool_format,
-                                 parsed.reasoning_parser, parsed.read_calls)
+                                 parsed.reasoning_parser, parsed.read_calls, parsed.stream)
                     for i, p in enumerate(parsed.params)]
     self.open = set(range(len(self.choices)))
     self.disconnected = False
