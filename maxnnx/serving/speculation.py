@@ -246,44 +246,53 @@ def propose_drafts(running, k: int, max_model_len: int, lookup_max: int,
 
 def verify_rows(logits_BSV, requests, sampler: BatchSampler, k: int) -> Verified | None:
   """:func:`verify` on the host for a step's ``requests`` (row by row; the rest of the
-  sampler's ``max_batch`` rows are padding), with each request's sampling settings, logit
-  bias and ``min_tokens`` at each draft position (:meth:`BatchSampler.bias_entries`) and
-  log-probabilities; ``None`` when no request has drafts."""
+  sampler's ``max_batch`` rows are padding), with each request's sampling settings and, at
+  each draft position, its logit bias and ``min_tokens`` (:meth:`BatchSampler.bias_entries`),
+  penalties (:meth:`BatchSampler.penalty_counts`) and grammar
+  (:meth:`BatchSampler.draft_masks`), and log-probabilities; ``None`` when no request has
+  drafts."""
   if not any(request.draft_ids for request in requests):
     return None
   rows, vocab = sampler.max_batch, sampler.vocab_size
   drafts_BK, num_drafts_B = np.zeros((rows, k), np.int32), np.zeros(rows, np.int32)
-  entries = [[sampler.bias_entries(request, ahead) for ahead in range(k + 1)]
-             if request.draft_ids else [] for request in requests]
-  width = bias_bucket(max((len(e) for row in entries for e in row), default=0), vocab)
-  bias_ids_BSK = np.full((rows, k + 1, width), vocab, np.int32)  # ids >= vocab are padding
-  bias_values_BSK = np.zeros((rows, k + 1, width), np.float32)
+  allowed_BSW = np.full((rows, k + 1, mask_words(vocab)), -1, np.int32)
   for row, request in enumerate(requests):
     drafts = request.draft_ids
     drafts_BK[row, :len(drafts)], num_drafts_B[row] = drafts, len(drafts)
-    for position, pairs in enumerate(entries[row]):
-      if pairs:
-        ids, values = zip(*pairs)
-        bias_ids_BSK[row, position, :len(pairs)], bias_values_BSK[row, position, :len(pairs)] = (
-            ids, values)
+    if drafts:
+      allowed_BSW[row] = sampler.draft_masks(request, k)
   temperature_B, top_k_B, top_p_B, seeds_B, counters_B, logprob_temperature_B = (
       sampler.row_inputs([(request, 0) for request in requests]))
   num_logprobs = (max(sampler.max_logprobs, 1) if any(
       r.draft_ids and r.params.logprobs is not None for r in requests) else 0)
-  allowed_BSW = np.full((rows, k + 1, mask_words(vocab)), -1, np.int32)
-  for row, request in enumerate(requests):
-    if request.draft_ids:
-      allowed_BSW[row] = sampler.draft_masks(request, k)
   counts_SV, prompt_seen_SV, rows_B = sampler.penalty_counts(requests)
-  rows_B = np.where([bool(r.draft_ids) for r in requests] + [False] * (rows - len(requests)),
-                    rows_B, 0)  # the sampler counts the tokens of the rows without drafts
+  drafting_B = np.zeros(rows, bool)
+  drafting_B[:len(requests)] = [bool(r.draft_ids) for r in requests]
+  rows_B = np.where(drafting_B, rows_B, 0)  # the sampler counts the rows without drafts
   *out, counts_SV = verify(
       logits_BSV, drafts_BK, num_drafts_B, temperature_B, top_k_B, top_p_B, seeds_B,
-      counters_B, bias_ids_BSK, bias_values_BSK, logprob_temperature_B,
+      counters_B, *_bias_inputs(requests, sampler, k), logprob_temperature_B,
       _penalty_inputs(requests, rows, prompt_seen_SV, rows_B), counts_SV, allowed_BSW,
       num_logprobs=num_logprobs)
   sampler.keep_counts(counts_SV)
   return Verified(*(None if a is None else np.asarray(host_value(a)) for a in out))
+
+
+def _bias_inputs(requests, sampler: BatchSampler, k: int) -> tuple:
+  """:func:`verify`'s ``(bias_ids_BSK, bias_values_BSK)``: each drafting row's bias pairs at
+  each position, in a width among the sampler's (:func:`bias_bucket`)."""
+  rows, vocab = sampler.max_batch, sampler.vocab_size
+  entries = [[sampler.bias_entries(request, ahead) for ahead in range(k + 1)]
+             if request.draft_ids else [] for request in requests]
+  width = bias_bucket(max((len(e) for row in entries for e in row), default=0), vocab)
+  ids_BSK = np.full((rows, k + 1, width), vocab, np.int32)  # ids >= vocab are padding
+  values_BSK = np.zeros((rows, k + 1, width), np.float32)
+  for row, positions in enumerate(entries):
+    for position, pairs in enumerate(positions):
+      if pairs:
+        ids_BSK[row, position, :len(pairs)], values_BSK[row, position, :len(pairs)] = (
+            zip(*pairs))
+  return ids_BSK, values_BSK
 
 
 def _penalty_inputs(requests, rows: int, prompt_seen_SV, rows_B) -> tuple:
