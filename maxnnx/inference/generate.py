@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maxnnx.inference import mtp_draft
 from maxnnx.inference import speculative as spec
 from maxnnx.inference.sampling import (
   Controls,
@@ -70,6 +71,14 @@ class GenerationResult:
   def as_lists(self) -> list[list[int]]:
     """Each row's generated ids, without padding."""
     return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+
+def working_copy(model):
+  """``model`` with the same parameters and a copy of its other state (MoE statistics), to
+  which a decode adds its cache: the prefill donates that state, which must not delete the
+  buffers of ``model`` (those of modules a decode never runs, such as MTP modules, would go)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return nnx.merge(graphdef, params, jax.tree.map(jnp.copy, rest))
 
 
 def _left_pad(prompts, prompt_lengths, pad_id: int):
@@ -219,7 +228,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
              pixel_values: np.ndarray | None = None, logit_bias: dict[int, float] | None = None,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repetition_penalty: float = 1.0, min_tokens: int = 0,
-             speculative: 'spec.PromptLookup | spec.DraftModel | None' = None,
+             speculative: 'spec.PromptLookup | spec.DraftModel | spec.MTPDraft | None' = None,
              kv_cache_dtype: str = 'auto') -> GenerationResult:
   """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -245,8 +254,10 @@ def generate(model, prompt_ids: Sequence[Sequence[int]] | np.ndarray, max_new_to
       ranges (applied before temperature, top-k and top-p; see
       :mod:`maxnnx.inference.sampling`). ``min_tokens`` holds back ``eos_ids``. The returned
       ``logprobs`` stay those of the model's own logits.
-    speculative: a :class:`~maxnnx.inference.speculative.PromptLookup` or
-      :class:`~maxnnx.inference.speculative.DraftModel` drafter: each step the model
+    speculative: a :class:`~maxnnx.inference.speculative.PromptLookup`,
+      :class:`~maxnnx.inference.speculative.DraftModel` or
+      :class:`~maxnnx.inference.speculative.MTPDraft` (the model's own multi-token-prediction
+      module, DeepSeek V3) drafter: each step the model
       verifies its drafts in one forward pass (see :mod:`maxnnx.inference.speculative`).
       Greedy output is the same token for token; sampling keeps the same distribution
       (with different random draws). Not with the logit controls.
@@ -333,7 +344,7 @@ def _plain(model, prompt, max_new_tokens: int, sampling, eos, pad_id: int, seed:
   re-encoding of the whole sequence where a LongRoPE model switches factors."""
   ids, segments, positions, lengths = prompt
   batch, width = ids.shape
-  work = nnx.merge(*nnx.split(model))  # a working copy: the cache is not added to `model`
+  work = working_copy(model)
   work.init_cache(batch, width + max_new_tokens, kv_cache_dtype=kv_cache_dtype)
   # `cache` holds every non-parameter: KV caches, and MoE routing statistics if any.
   graphdef, params, cache = nnx.split(work, nnx.Param, ...)
@@ -384,12 +395,16 @@ def _speculative(model, speculative, ids, segments, positions, lengths, max_new_
   """:func:`generate` with a drafter (checked): prefill, then
   :func:`~maxnnx.inference.speculative.speculative_decode`."""
   batch, width = ids.shape
+  if isinstance(speculative, spec.MTPDraft):
+    *out, _ = mtp_draft.decode_with_mtp(model, speculative, (ids, segments, positions), lengths,
+                                        max_new_tokens, sampling, eos, seed, kv_cache_dtype)
+    return _speculative_result(*out, max_new_tokens, eos, pad_id)
   k = speculative.num_draft_tokens
   slots = spec.cache_slots(width, max_new_tokens, k, batch)
   images = None if pixel_values is None else jnp.asarray(pixel_values)
 
   def prefilled(each, kv='auto'):
-    work = nnx.merge(*nnx.split(each))
+    work = working_copy(each)
     work.init_cache(batch, slots, kv_cache_dtype=kv)
     graphdef, params, cache = nnx.split(work, nnx.Param, ...)
     logits, cache = _prefill(graphdef, params, cache, ids, segments, positions, images)
@@ -412,6 +427,13 @@ def _speculative(model, speculative, ids, segments, positions, lengths, max_new_
       graphdef, draft_graphdef, settings, sampling, max_new_tokens, params, draft_params, cache,
       logits, draft_cache, jnp.asarray(context), jnp.asarray(lengths), jnp.asarray(eos),
       jax.random.key(seed))
+  return _speculative_result(tokens, logprobs, accepted, proposed, max_new_tokens, eos, pad_id)
+
+
+def _speculative_result(tokens, logprobs, accepted, proposed, max_new_tokens: int, eos,
+                        pad_id: int) -> GenerationResult:
+  """The :class:`GenerationResult` of a speculative decode's buffers (cut after each row's
+  first end id or ``max_new_tokens``)."""
   tokens, out_lengths = _ended(host_value(tokens)[:, :max_new_tokens], eos, pad_id)
   logprobs = host_value(logprobs)[:, :max_new_tokens]
   logprobs = np.where(np.arange(max_new_tokens)[None] < out_lengths[:, None], logprobs, 0.0)

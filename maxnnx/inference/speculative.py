@@ -8,9 +8,9 @@ target's distribution by rejection sampling (Leviathan et al., 2023; Chen et al.
 draft ``x`` drawn from ``q`` is kept with probability ``min(1, p(x) / q(x))``, a rejected
 one is replaced by a sample of ``max(0, p - q)`` renormalised, and after ``k`` kept drafts
 a bonus token comes from ``p``. ``p`` is the target's distribution after temperature,
-``top_k`` and ``top_p``, and so is ``q`` for a draft model.
+``top_k`` and ``top_p``, and so is ``q`` for a draft model or the MTP module.
 
-Two drafters:
+Three drafters:
 
 * :class:`PromptLookup`: the tokens that followed the most recent earlier occurrence of the
   row's last ``n`` tokens in its prompt and output (``n`` from ``max_ngram`` down to
@@ -19,6 +19,9 @@ Two drafters:
   the match, or none may match: the missing drafts are never kept and are not counted as
   proposed.
 * :class:`DraftModel`: a smaller model with the same vocabulary, with its own KV cache.
+* :class:`MTPDraft`: the model's own multi-token-prediction module (DeepSeek V3,
+  ``mtp.num_layers >= 1``), fed the model's hidden states, with a KV cache of its own that
+  catches up on the kept positions after each verification (:mod:`.mtp_draft`).
 
 Rejected drafts do not corrupt the cache: the cache is indexed by slot and every key carries
 its row's segment id and position (see :class:`~maxnnx.kernels.masks.AttentionMask`). After a
@@ -88,12 +91,31 @@ class DraftModel:
     return []
 
 
+@dataclasses.dataclass(frozen=True)
+class MTPDraft:
+  """The model's multi-token-prediction module 0 drafts (DeepSeek V3; see
+  :mod:`maxnnx.inference.mtp_draft`): from the model's hidden state at the row's last
+  position and its last token, then chained on its own output for ``k > 1``.
+
+  Attributes:
+    num_draft_tokens: ``k``, the drafts proposed (and verified in one pass) per step.
+  """
+
+  num_draft_tokens: int = 1
+
+  def problems(self) -> list[str]:
+    """What is wrong with these settings, one phrase per field at fault."""
+    if self.num_draft_tokens < 1:
+      return [f'num_draft_tokens={self.num_draft_tokens} (need >= 1)']
+    return []
+
+
 def check_speculative(speculative, model, *, pixel_values=None, controls=None,
                       longrope_switch=None) -> None:
   """Raise a one-line ``ValueError`` if ``speculative`` cannot decode ``model`` as asked."""
-  if not isinstance(speculative, (PromptLookup, DraftModel)):
-    raise ValueError('speculative must be maxnnx.inference.PromptLookup(...) or '
-                     f'DraftModel(model=...), got {type(speculative).__name__}.')
+  if not isinstance(speculative, (PromptLookup, DraftModel, MTPDraft)):
+    raise ValueError('speculative must be maxnnx.inference.PromptLookup(...), '
+                     f'DraftModel(model=...) or MTPDraft(...), got {type(speculative).__name__}.')
   problems = speculative.problems()
   if problems:
     raise ValueError(f"Invalid speculative settings: {', '.join(problems)}.")
@@ -107,6 +129,8 @@ def check_speculative(speculative, model, *, pixel_values=None, controls=None,
     if pixel_values is not None:
       raise ValueError('pixel_values with a DraftModel: the draft model cannot see the images; '
                        'use PromptLookup or decode without speculative.')
+  if isinstance(speculative, MTPDraft):
+    _check_mtp(model, pixel_values)
   for name, each in models:
     if 'linear' in each.config.resolved_layer_types:
       raise ValueError(f'{name} ({each.config.family}) has recurrent Gated DeltaNet layers '
@@ -120,6 +144,17 @@ def check_speculative(speculative, model, *, pixel_values=None, controls=None,
                                or controls.penalized):
     raise ValueError('speculative decoding takes no logit_bias, penalties or min_tokens yet; '
                      'drop them or decode without speculative.')
+
+
+def _check_mtp(model, pixel_values) -> None:
+  """Refuse :class:`MTPDraft` for a model without MTP modules, or with images."""
+  if not model.config.mtp.num_layers:
+    raise ValueError(f'MTPDraft needs a model with multi-token-prediction modules but this '
+                     f'{model.config.family} model has mtp.num_layers=0; use a checkpoint that '
+                     'ships them (DeepSeek V3) or PromptLookup / DraftModel.')
+  if pixel_values is not None:
+    raise ValueError('pixel_values with MTPDraft: the MTP drafter takes text only; use '
+                     'PromptLookup or decode without speculative.')
 
 
 def prompt_lookup_drafts(context_BL: jax.Array, length_B: jax.Array, k: int, max_ngram: int,
@@ -401,11 +436,19 @@ def _verify(model, last_B, drafts_BK, valid_BK, q_BKV, pos_B, sampling, keys):
   places, the number of drafts each row keeps, and the row's tokens (the kept drafts, then
   the target's own choice after them).
   """
-  batch, k = drafts_BK.shape
+  k = drafts_BK.shape[1]
   inputs_BT = jnp.concatenate([last_B[:, None], drafts_BK], axis=1)
   logits_BTV = model(inputs_BT, segment_ids=jnp.ones(inputs_BT.shape, jnp.int32),
                      positions=pos_B[:, None] + jnp.arange(k + 1),
                      decode=True).astype(jnp.float32)
+  return accept_step(logits_BTV, drafts_BK, valid_BK, q_BKV, sampling, keys)
+
+
+def accept_step(logits_BTV, drafts_BK, valid_BK, q_BKV, sampling, keys):
+  """What a step keeps from the target's float32 logits ``[B, k + 1, V]`` at the row's last
+  token and its drafts: ``(logits_BTV, kept_B, out_BT)`` as :func:`_verify` returns them
+  (``keys``: the acceptance and the pick keys, unused when greedy)."""
+  batch, k = drafts_BK.shape
   if sampling[0] == 0.0:
     target_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
     return logits_BTV, accept_greedy(target_BT, drafts_BK, valid_BK), target_BT

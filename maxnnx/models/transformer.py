@@ -208,7 +208,7 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
                     positions: jax.Array | None = None, decode: bool = False, mtp: bool = False,
                     paged: PagedBatch | None = None, pixel_values: jax.Array | None = None,
                     token_type_ids: jax.Array | None = None,
-                    image_embeddings: jax.Array | None = None
+                    image_embeddings: jax.Array | None = None, pre_norm: bool = False
                     ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """Final hidden states ``[B, T, d_model]``, after the final norm and before the head.
 
@@ -244,6 +244,8 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
       image_embeddings: ``[B, T, d_model]``, the image embeddings already computed
         (:meth:`image_features`) and laid out at the placeholders' places (other
         rows are ignored); the serving engine computes them once per request.
+      pre_norm: return the last block's output, before the final norm (what the MTP
+        modules take; :mod:`maxnnx.inference.mtp_draft`). Not with ``mtp=True``.
     """
     cfg = self.config
     if image_embeddings is not None and pixel_values is not None:
@@ -270,6 +272,8 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
       x_BTD = jnp.where(is_image_BT[..., None], image_embeddings.astype(x_BTD.dtype), x_BTD)
     x_BTD = self._run_layers(x_BTD, input_ids_BT, segment_ids, positions, mask, cache_index,
                              paged, blocks_BT)
+    if pre_norm and not mtp:
+      return x_BTD
     if not mtp:
       return self.final_norm(x_BTD)
     return self.final_norm(x_BTD), self._mtp_hidden(x_BTD, input_ids_BT, positions, mask)
@@ -359,10 +363,37 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
     call = self._layer_call(cfg.num_layers - 1, self._cos_sin(positions_BT), mask)
     out = []
     for k, layer in enumerate(self.mtp, start=1):
-      h_BTD = layer(h_BTD, self._embed(shift_left(input_ids_BT, k), positions_BT))
-      h_BTD = self._apply_block(layer.block, h_BTD, call)
+      h_BTD = self._mtp_block(layer, h_BTD, shift_left(input_ids_BT, k), positions_BT, call)
       out.append(layer.final_norm(h_BTD))
     return tuple(out)
+
+  def _mtp_block(self, layer, h_BTD, next_ids_BT, positions_BT, call: LayerCall):
+    """One MTP depth's block output (before its final norm) at ``positions_BT``, from the
+    previous depth's hidden states and the embeddings of the tokens one further ahead."""
+    h_BTD = layer(h_BTD, self._embed(next_ids_BT, positions_BT))
+    return self._apply_block(layer.block, h_BTD, call)
+
+  def mtp_decode(self, depth: int, hidden_BTD: jax.Array, next_ids_BT: jax.Array,
+                 mask: AttentionMask, cache_index: jax.Array) -> jax.Array:
+    """MTP module ``depth`` (0-based) against its own KV cache: speculative drafting.
+
+    Args:
+      depth: which module of ``self.mtp`` (its attention's cache set up with
+        ``init_cache``).
+      hidden_BTD: the hidden states it merges, before any final norm (the main model's
+        last block output, ``hidden_states(..., pre_norm=True)``, or its own output).
+      next_ids_BT: the token after each query position.
+      mask: the queries' and the module's cached keys' segment ids and positions (the
+        caller keeps them; this call's keys are written at ``cache_index``).
+      cache_index: the slot of the first query.
+
+    Returns:
+      The block output ``[B, T, d_model]`` before the module's final norm.
+    """
+    positions_BT = mask.q_positions
+    call = self._layer_call(self.config.num_layers - 1, self._cos_sin(positions_BT), mask,
+                            cache_index=cache_index)
+    return self._mtp_block(self.mtp[depth], hidden_BTD, next_ids_BT, positions_BT, call)
 
   def _cos_sin(self, positions_BT):
     """Each layer type's ``(cos, sin)``; ``None`` when the model has no rotary embedding.
