@@ -18,19 +18,22 @@ from maxnnx.inference.generate import _left_pad
 from maxnnx.inference.mtp_draft import decode_with_mtp
 
 
-def _model(seed=0, context=0.005, **overrides):
-  """The tiny DeepSeek V3 fixture (MLA, a dense layer then routed experts) with one MTP module.
+def _model(seed=0, context=None, **overrides):
+  """The tiny DeepSeek V3 fixture (MLA, a dense layer then routed experts) with one MTP
+  module, random.
 
-  The blocks' output projections are scaled by ``context``, so the model is close to a
-  bigram model, and the MTP module is set to predict that bigram model's next token from
-  the token it is fed (its embedding half of ``eh_proj`` the identity, plus a little of the
-  hidden half): its drafts are kept at some steps and not at others.
+  With ``context``, the blocks' output projections are scaled by it, so the model is close
+  to a bigram model, and the MTP module is set to predict that bigram model's next token
+  from the token it is fed (its embedding half of ``eh_proj`` the identity, plus a little
+  of the hidden half): its drafts are kept at some steps and not at others.
   """
   cfg = maxnnx.config_from_pretrained(os.path.join(FIXTURES, 'deepseek_v3'),
                                       mtp_num_layers=1, **overrides)
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(seed))
   rng = np.random.default_rng(seed + 1)
   randomize_params(model, rng)
+  if context is None:
+    return model
   for path, node in list(nnx.iter_graph(model)):
     if isinstance(node, nnx.Param) and ('o_proj' in path or 'down_proj' in path):
       node[...] = node[...] * context
@@ -50,7 +53,7 @@ def _prompts():
 
 @pytest.fixture(scope='module')
 def deepseek():
-  return _model()
+  return _model(context=0.005)
 
 
 @pytest.mark.parametrize('k', [1, 3])
@@ -80,7 +83,7 @@ def test_first_drafts_are_the_training_forwards_mtp_predictions():
   sequence: the module got the model's hidden state at that position and the token after
   it (an off-by-one hidden state or token gives other drafts). A random model, so the
   drafts are mostly rejected and the neighbouring positions' predictions differ."""
-  model = _model(seed=2, context=1.0)
+  model = _model(seed=2)
   prompts = _prompts()
   steps = 12
   ids, segments, positions, lengths = _left_pad(prompts, None, 0)
@@ -112,7 +115,7 @@ def test_sampling_keeps_the_target_distribution():
   (temperature 1.5, top-k 6 of 8): a chi-square test over the joint cells, with the MTP
   module's distributions as ``q`` (of the first draft and of the chained one)."""
   vocab, steps, rows = 8, 3, 6000
-  model = _model(vocab_size=vocab, context=1.0)
+  model = _model(vocab_size=vocab)
   prompt = [1, 2, 3, 1, 2, 3, 1, 2]
   result = maxnnx.generate(model, [prompt] * rows, steps, temperature=1.5, top_k=6,
                            eos_ids=None, seed=4, speculative=MTPDraft(2))
