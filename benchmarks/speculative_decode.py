@@ -1,10 +1,11 @@
-"""Batch-1 decoding speed of ``maxnnx.generate`` with prompt-lookup speculative decoding.
+"""Batch-1 decoding speed of ``maxnnx.generate`` with speculative decoding.
 
 ::
 
   python -m benchmarks.speculative_decode --config cpu-tiny
   python -m benchmarks.speculative_decode --config cpu-medium --draft 2 4 8 --decode 64
   python -m benchmarks.speculative_decode --config cpu-tiny --engine --draft 2 4
+  python -m benchmarks.speculative_decode --mtp --draft 1 2 3
 
 The prompt is text with repetition: the first ``--prompt-chars`` characters of the shipped
 Shakespeare corpus, as byte ids, ``--repeat`` times over. For plain decoding and for prompt
@@ -20,6 +21,13 @@ per ``--draft`` count, each warmed up (every bucket compiled) first, prefix cach
 that every call computes its prompt; decode tokens/s is
 ``(decode - 1) / (full - prefill)`` with ``max_tokens`` ``--decode`` and 1, medians of
 ``--repeats`` calls in which the settings take turns (a shared machine slows them alike).
+
+With ``--mtp`` (no ``--config``) the model is a tiny DeepSeek V3 (:data:`MTP_MODEL`: MLA, a
+dense layer then routed experts, one multi-token-prediction module) trained first, with the
+MTP loss, for ``--train-steps`` steps on random windows of the corpus (byte ids); then plain
+decoding, prompt lookup and :class:`~maxnnx.inference.MTPDraft` with each ``--draft`` count
+are timed as above, on the same prompt. A trained model, so the MTP module's acceptance rate
+is that of a model that has learnt something about the text.
 """
 
 from __future__ import annotations
@@ -38,10 +46,12 @@ from benchmarks import measure, results
 from benchmarks.configs import BENCH_CONFIGS, get_config
 from benchmarks.decode import median_seconds
 from benchmarks.model import model_config
-from maxnnx.inference import PromptLookup, generate
+from maxnnx.config import MeshConfig
+from maxnnx.inference import MTPDraft, PromptLookup, generate
 from maxnnx.models.counting import num_params
 from maxnnx.models.transformer import Transformer
 from maxnnx.serving import Engine, SamplingParams
+from maxnnx.train import TrainConfig, Trainer
 
 CORPUS = Path(maxnnx.__file__).parent / 'data' / 'corpus' / 'tinyshakespeare.txt'
 
@@ -52,18 +62,64 @@ def repeated_prompt(chars: int, repeat: int) -> list[int]:
   return list(text) * repeat
 
 
-def run(cfg: dict, *, name: str, drafts=(4,), prompt_chars: int = 200, repeat: int = 2,
+# The --mtp model: DeepSeek V3's layout, small enough to train on a CPU in a few minutes.
+MTP_MODEL = dict(preset='deepseek3-tiny', vocab_size=256, num_layers=3, d_model=96,
+                 mlp_dim=256, mtp_num_layers=1,
+                 moe={'first_k_dense_layers': 1, 'num_experts': 4, 'num_experts_per_tok': 2,
+                      'mlp_dim': 128},
+                 mla={'q_lora_rank': 48, 'kv_lora_rank': 32, 'qk_nope_head_dim': 32,
+                      'qk_rope_head_dim': 16, 'v_head_dim': 32})
+MTP_TRAIN = dict(global_batch_size=8, seq_len=128, learning_rate=3e-3, warmup_steps=20,
+                 mtp_loss_scaling_factor=0.3)
+
+
+def corpus_windows(batch: int, seq_len: int, seed: int = 0):
+  """Endless ``[batch, seq_len + 1]`` byte-id windows of the corpus at random offsets."""
+  data = np.frombuffer(CORPUS.read_bytes(), np.uint8).astype(np.int32)
+  rng = np.random.default_rng(seed)
+  while True:
+    starts = rng.integers(0, len(data) - seq_len - 1, batch)
+    yield np.stack([data[s:s + seq_len + 1] for s in starts])
+
+
+def trained_mtp_model(steps: int, max_length: int, dtype: str, log=print):
+  """The :data:`MTP_MODEL` trained ``steps`` steps with the MTP loss (:data:`MTP_TRAIN`);
+  returns the model and the last logged metrics."""
+  spec = dict(MTP_MODEL)
+  mcfg = maxnnx.get_preset(spec.pop('preset'), **spec,
+                           max_position_embeddings=max(max_length, 1024))
+  mcfg = mcfg.replace(runtime=mcfg.runtime.replace(dtype=dtype))
+  tcfg = TrainConfig(steps=steps, mesh=MeshConfig(data=1), log_every=max(steps // 5, 1),
+                     **MTP_TRAIN)
+  trainer = Trainer(Transformer(mcfg, rngs=nnx.Rngs(0)), tcfg,
+                    data=corpus_windows(tcfg.global_batch_size, tcfg.seq_len))
+  start = time.perf_counter()
+  history = trainer.fit(log=log)
+  log(f'trained {steps} steps in {time.perf_counter() - start:.0f} s')
+  return trainer.model, history[-1]
+
+
+def run(cfg: dict | None, *, name: str, drafts=(4,), prompt_chars: int = 200, repeat: int = 2,
         decode: int = 64, max_ngram: int = 3, dtype: str | None = None, repeats: int = 3,
-        json_path: str | None = None, log=print) -> list[dict]:
-  """Benchmark plain and prompt-lookup ``generate`` at batch 1; one dict per setting."""
+        json_path: str | None = None, log=print, mtp_steps: int = 0) -> list[dict]:
+  """Benchmark plain and prompt-lookup ``generate`` at batch 1 (and MTP drafts, with
+  ``mtp_steps``: ``cfg`` is then ignored); one dict per setting."""
   if decode < 1 or repeats < 1 or repeat < 1 or prompt_chars < 1 or min(drafts) < 1:
     raise ValueError('--decode, --repeats, --repeat, --prompt-chars and --draft must be >= 1')
-  if cfg['vocab_size'] < 256:
+  if not mtp_steps and cfg['vocab_size'] < 256:
     raise ValueError(f"config {name} has vocab_size {cfg['vocab_size']}; byte ids need 256")
   dtype = dtype or ('float32' if measure.on_cpu() else 'bfloat16')
   prompt = repeated_prompt(prompt_chars, repeat)
-  mcfg = model_config(cfg, dtype=dtype, max_length=len(prompt) + decode + max(drafts) + 1)
-  model = Transformer(mcfg, rngs=nnx.Rngs(0))
+  max_length = len(prompt) + decode + max(drafts) + 1
+  extra = {}
+  if mtp_steps:
+    model, last = trained_mtp_model(mtp_steps, max_length, dtype, log)
+    mcfg = model.config
+    extra = {'train_steps': mtp_steps, 'train': MTP_TRAIN, 'model': MTP_MODEL,
+             'final_loss': last.get('loss'), 'final_mtp_loss': last.get('mtp_loss')}
+  else:
+    mcfg = model_config(cfg, dtype=dtype, max_length=max_length)
+    model = Transformer(mcfg, rngs=nnx.Rngs(0))
   device = measure.device_description()
   log(f'{name}: {num_params(mcfg):,} parameters, {dtype}, prompt {len(prompt)} tokens '
       f'({prompt_chars} characters x {repeat}), decode {decode}, batch 1; {device}')
@@ -75,16 +131,19 @@ def run(cfg: dict, *, name: str, drafts=(4,), prompt_chars: int = 200, repeat: i
     return call(decode), max(full - prefill, 1e-12)
 
   plain, plain_s = timed(None)
-  settings = [(None, plain, plain_s)]
+  settings = [('none', None, plain, plain_s)]
   for k in drafts:
-    settings.append((k, *timed(PromptLookup(num_draft_tokens=k, max_ngram=max_ngram))))
+    settings.append(('prompt_lookup', k,
+                     *timed(PromptLookup(num_draft_tokens=k, max_ngram=max_ngram))))
+  for k in drafts if mtp_steps else ():
+    settings.append(('mtp', k, *timed(MTPDraft(num_draft_tokens=k))))
   rows = []
-  for k, out, seconds in settings:
+  for drafter, k, out, seconds in settings:
     rows.append({
         'kind': 'speculative_decode', 'framework': 'maxnnx', 'config': name, 'device': device,
         'dtype': dtype, 'batch': 1, 'prefill': len(prompt), 'decode': decode,
-        'drafter': 'none' if k is None else 'prompt_lookup', 'num_draft_tokens': k or 0,
-        'max_ngram': max_ngram if k else None,
+        'drafter': drafter, 'num_draft_tokens': k or 0,
+        'max_ngram': max_ngram if drafter == 'prompt_lookup' else None, **extra,
         'decode_s': seconds, 'decode_tokens_per_s': (decode - 1) / seconds,
         'speedup': plain_s / seconds, 'acceptance_rate': out.acceptance_rate,
         'accepted_draft_tokens': out.accepted_draft_tokens,
@@ -194,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
   """Command line entry point."""
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--config', required=True, choices=sorted(BENCH_CONFIGS))
+  parser.add_argument('--config', choices=sorted(BENCH_CONFIGS),
+                      help='the model (required unless --mtp)')
   parser.add_argument('--draft', type=int, nargs='+', default=[4],
                       help='draft tokens per step to try (default 4)')
   parser.add_argument('--prompt-chars', type=int, default=200)
@@ -206,10 +266,20 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--json', default=None, help='append one JSON line per setting here')
   parser.add_argument('--engine', action='store_true',
                       help='time the serving engine (batch 1) instead of generate')
+  parser.add_argument('--mtp', action='store_true',
+                      help='train the tiny DeepSeek V3 (MTP_MODEL) and time MTP drafts too')
+  parser.add_argument('--train-steps', type=int, default=500,
+                      help='training steps of the --mtp model (default 500)')
   args = parser.parse_args(argv)
-  (run_engine if args.engine else run)(get_config(args.config), name=args.config, drafts=args.draft,
-      prompt_chars=args.prompt_chars, repeat=args.repeat, decode=args.decode,
-      max_ngram=args.max_ngram, dtype=args.dtype, repeats=args.repeats, json_path=args.json)
+  if args.mtp == bool(args.config) or (args.mtp and args.engine):
+    parser.error('give --config, or --mtp (without --engine)')
+  common = dict(drafts=args.draft, prompt_chars=args.prompt_chars, repeat=args.repeat,
+                decode=args.decode, max_ngram=args.max_ngram, dtype=args.dtype,
+                repeats=args.repeats, json_path=args.json)
+  if args.mtp:
+    run(None, name='deepseek-mtp-tiny', mtp_steps=args.train_steps, **common)
+  else:
+    (run_engine if args.engine else run)(get_config(args.config), name=args.config, **common)
   return 0
 
 

@@ -11,7 +11,8 @@ embedding table):
 
 ``logits^k_i`` predicts token ``t_{i+k+1}``, i.e. ``targets[i + k]`` of a
 next-token batch. The training loss adds ``mtp_loss_scaling_factor`` times the
-mean over depths of their cross-entropy; generation ignores these modules.
+mean over depths of their cross-entropy. Plain generation ignores these modules;
+speculative decoding can draft with module 1 (:mod:`maxnnx.inference.mtp_draft`).
 
 The model runs the block (so it gets the same attention kernel and remat policy
 as the main stack); this module holds the pieces and the target bookkeeping.
