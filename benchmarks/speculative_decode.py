@@ -89,8 +89,9 @@ def trained_mtp_model(steps: int, max_length: int, dtype: str, log=print):
   mcfg = maxnnx.get_preset(spec.pop('preset'), **spec,
                            max_position_embeddings=max(max_length, 1024))
   mcfg = mcfg.replace(runtime=mcfg.runtime.replace(dtype=dtype))
+  train = {**MTP_TRAIN, 'warmup_steps': min(MTP_TRAIN['warmup_steps'], steps)}
   tcfg = TrainConfig(steps=steps, mesh=MeshConfig(data=1), log_every=max(steps // 5, 1),
-                     **MTP_TRAIN)
+                     **train)
   trainer = Trainer(Transformer(mcfg, rngs=nnx.Rngs(0)), tcfg,
                     data=corpus_windows(tcfg.global_batch_size, tcfg.seq_len))
   start = time.perf_counter()

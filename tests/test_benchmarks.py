@@ -313,6 +313,19 @@ def test_speculative_decode_harness_smoke(tmp_path):
 
 
 @pytest.mark.slow  # a benchmark harness end to end; the training harness runs by default
+def test_speculative_decode_mtp_harness_smoke():
+  """With MTP, the harness trains the tiny DeepSeek V3 a few steps and times MTP drafts too,
+  with the same greedy tokens as plain decoding."""
+  from benchmarks import speculative_decode  # noqa: PLC0415
+  rows = speculative_decode.run(None, name='mtp', drafts=(1,), prompt_chars=12, repeat=2,
+                                decode=6, repeats=1, mtp_steps=2, log=lambda line: None)
+  assert [r['drafter'] for r in rows] == ['none', 'prompt_lookup', 'mtp']
+  assert all(r['same_tokens'] and r['train_steps'] == 2 for r in rows)
+  assert rows[2]['proposed_draft_tokens'] > 0
+  assert np.isfinite(rows[0]['final_mtp_loss'])
+
+
+@pytest.mark.slow  # a benchmark harness end to end; the training harness runs by default
 def test_speculative_engine_harness_smoke(tmp_path):
   """The harness's engine mode times a warm engine without and with n-gram speculation on a
   micro config, with consistent rates, counted drafts and the same greedy tokens."""
