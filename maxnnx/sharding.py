@@ -52,8 +52,11 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ('norm', None),
     ('layers', 'stage'),
     ('expert', 'expert'),
-    ('q_lora', None),
-    ('kv_lora', None),
+    # MLA's low-rank latents: the up-projections (``[q_lora, heads, head_dim]``) have no
+    # ``embed`` axis, so FSDP splits them here (as MaxText does); left whole they were
+    # replicated on every device (DeepSeek-V3: 3.3 B parameters and their moments per chip).
+    ('q_lora', ('fsdp', 'context', 'expert')),
+    ('kv_lora', ('fsdp', 'context', 'expert')),
     # activations
     ('activation_batch', ('data', 'fsdp', 'expert')),
     ('activation_length', 'context'),
