@@ -200,3 +200,31 @@ def test_experts_that_do_not_split_over_the_mesh_are_refused():
   with pytest.raises(ConfigError, match=r'moe.num_experts=6 over 4 expert shards.*'
                                         r'expert_parallel_strategy=gspmd'):
     _run(cfg, MESHES['data2_expert4'], 'all_to_all')
+
+
+def _layer_temporaries(strategy: str) -> int:
+  """Temporary bytes per device of the compiled gradient of a dropless block (64 tokens a
+  device, 8 experts over ``expert=8``) whose tokens cross ``expert`` by ``strategy``."""
+  cfg = ModelConfig.from_dict({**BASE, 'd_model': 64, 'moe_mlp_dim': 16})
+  graphdef, params, rest = nnx.split(MoE.from_config(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  mesh_config = MESHES['expert8']
+  mesh, rules = make_mesh(mesh_config), logical_rules(mesh_config)
+  params = jax.device_put(params, state_shardings(params, mesh, rules))
+  x = jax.random.normal(jax.random.key(1), (8, 64, cfg.d_model), jnp.float32)
+  x = jax.device_put(x, NamedSharding(mesh, spec_for(
+      ('activation_batch', 'activation_length', 'activation_embed'), rules, mesh, x.shape)))
+
+  def loss(params, rest, x):
+    return jnp.sum(nnx.merge(graphdef, params, rest, copy=True)(x))
+
+  with use_mesh(mesh, rules, expert_parallel_strategy=strategy):
+    compiled = jax.jit(jax.grad(loss)).lower(params, rest, x).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_dropless_exchange_unsorts_without_a_zeroed_copy_of_its_buffer():
+  """The experts' results go back to arrival order by a gather in the exchange's dtype; a
+  scatter into a zeroed float32 buffer (``expert`` x the local assignments, the layer's
+  largest) needed 0.98x the ``gspmd`` layer's temporaries here (0.67x now). Compiled for v5p-256,
+  the deepseek-v3 preset at fsdp 16 x expert 8 went from 87.33 to 80.15 GiB."""
+  assert _layer_temporaries('all_to_all') < 0.8 * _layer_temporaries('gspmd')

@@ -161,9 +161,11 @@ def _dropless_shard(moe, shards, x_ND, weights_NK, experts_NK, input_weights_NK,
   y_RD = moe.grouped_ffn(recv_XMD.reshape(shards * rows, -1)[order_R],
                          jnp.minimum(expert_R[order_R], local_experts - 1),
                          recv_counts_XL.sum(axis=0), expert_weights)
-  y_XMD = jnp.zeros_like(y_RD).at[order_R].set(y_RD).reshape(shards, rows, -1)
+  # Back in arrival order, in the exchange's dtype before the move: the buffer is ``expert``
+  # times the local assignments, and a float32 copy of it doubles the largest temporaries.
+  y_XMD = y_RD.astype(moe.dtype)[jnp.argsort(order_R)].reshape(shards, rows, -1)
 
-  back_XMD = _exchange(y_XMD.astype(moe.dtype))
+  back_XMD = _exchange(y_XMD)
   y_MD = back_XMD[dest_M, pos_M][jnp.argsort(order_M)]
   return jnp.einsum('nkd,nk->nd', y_MD.astype(jnp.float32).reshape(num_tokens, k, -1),
                     weights_NK)
