@@ -281,7 +281,7 @@ def _model_from_checkpoint(checkpoint_dir: str, scan_layers: bool = False):
 
   import maxnnx  # noqa: PLC0415
   from maxnnx.models.checkpoints import checkpoint_config, load_params  # noqa: PLC0415
-  cfg = checkpoint_config(checkpoint_dir).replace(scan_layers=scan_layers)
+  cfg = checkpoint_config(checkpoint_dir).replace(**{'runtime.scan_layers': scan_layers})
   return load_params(maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)), checkpoint_dir)
 
 
@@ -318,7 +318,8 @@ def convert(options: dict) -> str:
     # Tensor by tensor: the host never holds the model (save_params_streaming).
     from maxnnx.models.checkpoints import save_params_streaming  # noqa: PLC0415
     from maxnnx.models.pretrained import host_params  # noqa: PLC0415
-    save_params_streaming(*host_params(paths.local_copy(src), scan_layers=scan), dst)
+    save_params_streaming(*host_params(paths.local_copy(src), **{'runtime.scan_layers': scan}),
+                          dst)
     print(f'Converted {src} ({source}) to {dst} ({target}{layout}).')
     return dst
   if source == 'maxtext':

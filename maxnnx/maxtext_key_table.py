@@ -109,7 +109,7 @@ REMAT_TENSORS = {
 }
 REMAT_LOCATIONS = ('remat', 'device', 'offload')
 _NO_REMAT_TAG = ("maxnnx tags the MLP's activated hidden state, not its input projections: "
-                 'give model.remat_save= or model.remat_offload=mlp_hidden')
+                 'give model.runtime.remat_save= or model.runtime.remat_offload=mlp_hidden')
 _REMAT = {name: name for name in ('custom', 'none', 'minimal', 'save_dot_except_mlp',
                                   'save_qkv_proj',
                                   'save_out_proj', 'full')}
@@ -172,14 +172,15 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'quantization': _map('quantization', str, '', _choice(_QUANT, 'quantization')),
     # Numerics and kernels
     'dtype': _map('dtype', str, 'bfloat16'),
-    'weight_dtype': _map('model.param_dtype', str, 'float32'),
+    'weight_dtype': _map('model.runtime.param_dtype', str, 'float32'),
     'scan_layers': _map('scan_layers', bool, True),
     'param_scan_axis': _noop(int, 1, "a checkpoint layout detail; maxnnx's scanned layers "
                              'stack on axis 0'),
     'remat_policy': _map('remat_policy', str, 'full', _choice(_REMAT, 'remat_policy')),
     'attention': _map('attention_impl', str, 'autoselected', _choice(_ATTENTION, 'attention'),
                       'flash: auto (the fused kernel for the device)'),
-    'megablox': _noop(bool, True, "MaxText's MoE kernel choice; maxnnx: model.ragged_dot_impl"),
+    'megablox': _noop(bool, True,
+                      "MaxText's MoE kernel choice; maxnnx: model.runtime.ragged_dot_impl"),
     'sparse_matmul': _noop(bool, True, "MaxText's MoE kernel choice; maxnnx's MoE is "
                            'dropless grouped matmuls (model.moe.dispatch)'),
     'use_ring_of_experts': _refuse(bool, False, 'no ring of experts (token all-gather); '
@@ -191,9 +192,9 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'matmul_precision': _noop(str, 'default', 'maxnnx uses JAX default matmul precision'),
     'shard_mode': _refuse(str, 'auto', "maxnnx's sharding is automatic (GSPMD) only"),
     'allow_split_physical_axes': _noop(bool, False, _TPU),
-    **{key: _derive('model.remat_save', str, 'remat',
-                    f"with remat_policy=custom: device -> model.remat_save, offload -> "
-                    f"model.remat_offload ({', '.join(tensors)})")
+    **{key: _derive('model.runtime.remat_save', str, 'remat',
+                    f"with remat_policy=custom: device -> model.runtime.remat_save, offload -> "
+                    f"model.runtime.remat_offload ({', '.join(tensors)})")
        for key, tensors in REMAT_TENSORS.items()},
     **{key: _refuse(str, 'remat', _NO_REMAT_TAG)
        for key in ('mlpwi', 'mlpwi_0', 'mlpwi_1', 'moe_mlpwi_0', 'moe_mlpwi_1')},
@@ -231,9 +232,10 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'logits_via_embedding': _map('model.tie_word_embeddings', bool, False),
     'mlp_activations': _derive('model.mlp_activation', tuple[str, ...], ('silu', 'linear'),
                                '[act, "linear"]: a gated MLP (model.mlp_gated)'),
-    'use_qk_norm': _map('model.qk_norm', bool, False, lambda on: 'head' if on else 'none'),
-    'sliding_window_size': _map('model.sliding_window', int, 0, _none_if(0)),
-    'attn_logits_soft_cap': _map('model.attn_logit_softcap', float, 0.0, _none_if(0.0)),
+    'use_qk_norm': _map('model.attention.qk_norm', bool, False,
+                        lambda on: 'head' if on else 'none'),
+    'sliding_window_size': _map('model.attention.sliding_window', int, 0, _none_if(0)),
+    'attn_logits_soft_cap': _map('model.attention.logit_softcap', float, 0.0, _none_if(0.0)),
     'final_logits_soft_cap': _map('model.final_logit_softcap', float, 0.0, _none_if(0.0)),
     'num_experts': _map('model.moe.num_experts', int, 1, lambda n: 0 if n == 1 else n,
                         '1: a dense model (0 here)'),

@@ -211,7 +211,7 @@ def _checkpoint_settings(given: dict[str, Any]) -> str:
                        f'blocks; this is a {preset.family} model.')
     chosen = {'decoder_block': block, 'normalization_layer_epsilon': preset.norm_eps,
               'rope_max_timescale': preset.rope.theta,
-              'sliding_window_size': preset.sliding_window or 0,
+              'sliding_window_size': preset.attention.sliding_window or 0,
               'num_experts_per_tok': preset.moe.num_experts_per_tok,
               **_family_settings(preset)}
   chosen.update({k: given[k] for k in MAXTEXT_DEFAULTS if k in given})
@@ -231,7 +231,7 @@ def _family_settings(preset) -> dict[str, Any]:
             'beta_fast': rope.beta_fast, 'beta_slow': rope.beta_slow, 'mscale': rope.mscale,
             'max_position_embeddings': preset.max_position_embeddings}
   if preset.family in ('gemma2', 'gemma3'):
-    out = {'attn_logits_soft_cap': preset.attn_logit_softcap or 0.0,
+    out = {'attn_logits_soft_cap': preset.attention.logit_softcap or 0.0,
            'final_logits_soft_cap': preset.final_logit_softcap or 0.0}
     if preset.local_rope is not None:
       out['local_rope_max_timescale'] = preset.local_rope.theta
@@ -247,14 +247,16 @@ def _family_settings(preset) -> dict[str, Any]:
             'mlp_activations_limit': moe.swiglu_limit}
   if preset.family == 'llama4':
     return {'rope_type': 'llama3.1', 'nope_layer_interval': 4,
-            'interleave_moe_layer_step': moe.layer_step, 'use_qk_norm': preset.qk_norm == 'l2',
-            'temperature_tuning': preset.attn_temperature_tuning,
-            'chunk_attn_window_size': preset.attention_chunk_size or 0}
+            'interleave_moe_layer_step': moe.layer_step,
+            'use_qk_norm': preset.attention.qk_norm == 'l2',
+            'temperature_tuning': preset.attention.temperature_tuning,
+            'chunk_attn_window_size': preset.attention.chunk_size or 0}
   return {}
 
 
 def _remat_locations(given: dict[str, Any], settings: _Settings) -> None:
-  """``model.remat_save`` / ``model.remat_offload`` from MaxText's per-tensor locations."""
+  """``model.runtime.remat_save`` / ``model.runtime.remat_offload`` from MaxText's per-tensor
+  locations."""
   keys = [k for k in REMAT_TENSORS if k in given]
   if not keys:
     return

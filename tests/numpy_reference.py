@@ -307,7 +307,8 @@ def transformer(ids_BT, p, cfg, *, segment_ids=None, positions=None):
   if learned:  # GPT-2/3: a row of the position table added per token, no rotation
     table = f64(p['pos_embed']['embedding'])
     x = x + np.stack([np.stack([table[pos] for pos in row]) for row in positions])
-  layer_types = cfg.layer_types or (('sliding' if cfg.sliding_window else 'full'),) * cfg.num_layers
+  window = cfg.attention.sliding_window
+  layer_types = cfg.layer_types or (('sliding' if window else 'full'),) * cfg.num_layers
   for i, layer_type in enumerate(layer_types):
     lp = p['layers'][i]
     sliding = layer_type == 'sliding'
@@ -319,8 +320,9 @@ def transformer(ids_BT, p, cfg, *, segment_ids=None, positions=None):
     h = norm(x, lp['attn_pre_norm']) if cfg.pre_norm else x
     h = attention_module(h, lp['attn'], positions=positions, segment_ids=segment_ids,
                          inv_freq=inv_freq, attention_factor=att, scale=cfg.resolved_query_scale,
-                         softcap=cfg.attn_logit_softcap,
-                         window=cfg.sliding_window if sliding else None, qk_norm=cfg.qk_norm,
+                         softcap=cfg.attention.logit_softcap,
+                         window=cfg.attention.sliding_window if sliding else None,
+                         qk_norm=cfg.attention.qk_norm,
                          norm_eps=cfg.norm_eps, norm_offset=cfg.norm_scale_offset)
     x = x + (norm(h, lp['attn_post_norm']) if cfg.post_norm else h)
     h = norm(x, lp['mlp_pre_norm']) if cfg.pre_norm else x

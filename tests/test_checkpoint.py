@@ -241,7 +241,7 @@ def test_load_params_from_a_training_checkpoint_in_either_layout(two_checkpoints
   """load_params reads a training checkpoint's parameters into a scanned or unscanned model."""
   directory, params_at_2 = two_checkpoints
   for scan in (False, True):
-    model = maxnnx.Transformer(_model_config(scan_layers=scan), rngs=nnx.Rngs(7))
+    model = maxnnx.Transformer(_model_config(**{'runtime.scan_layers': scan}), rngs=nnx.Rngs(7))
     load_params(model, directory, step=2)
     loaded = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     if scan:  # unstack the layers to compare with the per-layer original
@@ -272,7 +272,8 @@ def test_convert_hf_orbax_hf_round_trip_and_layouts(tmp_path, capsys):
   tokens = np.random.default_rng().integers(0, reference.config.vocab_size, (2, 12))
   expected = np.asarray(reference(tokens))
   for directory, scan in ((scanned, False), (flat, True)):  # each into the other layout
-    model = maxnnx.Transformer(reference.config.replace(scan_layers=scan), rngs=nnx.Rngs(1))
+    model = maxnnx.Transformer(reference.config.replace(**{'runtime.scan_layers': scan}),
+                               rngs=nnx.Rngs(1))
     load_params(model, directory)
     np.testing.assert_allclose(np.asarray(model(tokens)), expected, rtol=1e-5, atol=1e-5)
   assert cli.main(['convert', f'src={source}', f'dst={scanned}']) == 2  # never overwrites
@@ -337,7 +338,7 @@ def test_convert_hf_to_orbax_streams_tensor_by_tensor(case, scan, tmp_path, caps
 def test_a_checkpoint_restores_onto_another_mesh(tmp_path):
   """Saved from data x fsdp x tensor = 2 x 2 x 2, restored by a run on fsdp = 8: every value
   equal, laid out on the new mesh, and the next step's loss that of the first run."""
-  config = maxnnx.get_preset('tiny', num_layers=2, scan_layers=True)
+  config = maxnnx.get_preset('tiny', num_layers=2, **{'runtime.scan_layers': True})
 
   def run(mesh, steps):
     train = TrainConfig(steps=steps, global_batch_size=8, seq_len=32, learning_rate=1e-2,

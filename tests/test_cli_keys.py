@@ -112,6 +112,17 @@ def test_yaml_tree_and_command_line_precedence(tmp_path):
   assert train.steps == 9
 
 
+def test_attention_group_keys_reach_the_model_config():
+  """``model.attention.*`` keys come from AttentionConfig's fields and merge into the preset's
+  group; a renamed field's old name is an unknown key."""
+  _, _, model, _ = _configs(['model=gemma2-2b', 'model.attention.sliding_window=64',
+                             'model.attention.logit_softcap=20.0'])
+  preset = maxnnx.get_preset('gemma2-2b').attention
+  assert model.attention == preset.replace(sliding_window=64, logit_softcap=20.0)
+  with pytest.raises(cli.UsageError, match="unknown key 'model.attn_logit_softcap'"):
+    _configs(['model=gemma2-2b', 'model.attn_logit_softcap=20.0'])
+
+
 def test_stages_switch_scan_layers_on(capsys):
   run, train, model, _ = _configs(['mesh.stage=2', 'mesh.data=1'])
   assert train.mesh.stage == 2 and run['scan_layers'] and model.runtime.scan_layers

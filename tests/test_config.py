@@ -1,12 +1,15 @@
 """ModelConfig / RopeConfig: typo and type errors, cross-field checks, round trips."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
 import pytest
 
 from maxnnx.config import (
-    LEGACY_MODEL_KEYS,
+    ATTENTION_KEYS,
+    FLAT_GROUP_KEYS,
+    AttentionConfig,
     ConfigError,
     MLAConfig,
     ModelConfig,
@@ -16,6 +19,7 @@ from maxnnx.config import (
     RuntimeConfig,
     resolve_dtype,
 )
+from maxnnx.presets import get_preset
 from maxnnx.train.config import TrainConfig
 
 TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
@@ -79,7 +83,7 @@ def test_int_accepted_for_float_field():
 
 def test_optional_fields_accept_none():
   """Optional fields take None."""
-  cfg = _tiny(head_dim=None, query_scale=None, sliding_window=None)
+  cfg = _tiny(head_dim=None, **{'attention.query_scale': None, 'attention.sliding_window': None})
   assert cfg.resolved_head_dim == 8
 
 
@@ -105,15 +109,67 @@ def test_layer_types_length_must_match():
 
 
 def test_sliding_layers_need_window():
-  """'sliding' layer_types without sliding_window is rejected."""
-  with pytest.raises(ConfigError, match='sliding_window'):
+  """'sliding' layer_types without attention.sliding_window is rejected, naming the key."""
+  with pytest.raises(ConfigError, match=r'set attention\.sliding_window'):
     _tiny(layer_types=('sliding', 'full'))
+  with pytest.raises(ConfigError, match=r'set attention\.chunk_size'):
+    _tiny(layer_types=('chunked', 'full'))
 
 
 def test_nonpositive_window_rejected():
-  """sliding_window must be positive."""
-  with pytest.raises(ConfigError, match='sliding_window'):
-    _tiny(sliding_window=0)
+  """attention.sliding_window must be positive: the group refuses it, by its dotted path."""
+  for build in (lambda: _tiny(**{'attention.sliding_window': 0}),
+                lambda: _tiny(attention={'sliding_window': -2}),
+                lambda: AttentionConfig(sliding_window=0)):
+    with pytest.raises(ConfigError, match=r'ModelConfig\.attention\.sliding_window must be > 0'):
+      build()
+
+
+@pytest.mark.parametrize('fields,message', [
+    ({'chunk_size': 0}, r'attention\.chunk_size must be > 0'),
+    ({'temperature_floor': 0.0}, r'attention\.temperature_floor must be > 0'),
+    ({'nope_layers': (1, 1)}, r'attention\.nope_layers must list distinct'),
+    ({'nope_layers': (-1,)}, r'attention\.nope_layers must list distinct layer indices >= 0'),
+    ({'type': 'mla', 'sinks': True}, r"attention\.sinks needs ModelConfig\.attention\.type='mha'"),
+    ({'type': 'mla', 'nope_layers': (0,)}, r'attention\.nope_layers needs'),
+    ({'type': 'mla', 'global_layers': {'head_dim': 8}}, r'attention\.global_layers needs'),
+    ({'global_layers': {'num_kv_heads': 0}}, r'attention\.global_layers\.num_kv_heads must be'),
+    ({'qk_norm': 'rms'}, r"ModelConfig\.attention\.qk_norm = 'rms' is invalid"),
+])
+def test_attention_group_validates_on_its_own(fields, message):
+  """The group's own checks run when the group is built, alone or inside a ModelConfig."""
+  with pytest.raises(ConfigError, match=message):
+    AttentionConfig.from_dict(fields)
+  with pytest.raises(ConfigError, match=message):
+    _tiny(attention=fields)
+
+
+def test_attention_checks_that_need_the_model_stay_in_model_config():
+  """Layer indices past num_layers and chunked layers under MLA name the dotted key."""
+  assert AttentionConfig(nope_layers=(5,)).nope_layers == (5,)  # fine alone
+  with pytest.raises(ConfigError, match=r'attention\.nope_layers must list layer indices in '
+                                        r'\[0, num_layers=2\)'):
+    _tiny(attention={'nope_layers': (5,)})
+  with pytest.raises(ConfigError, match=r"chunked layers need attention\.type='mha'"):
+    _tiny(layer_types=('chunked', 'full'), attention={'chunk_size': 4, 'type': 'mla'},
+          head_dim=None)
+
+
+def test_attention_group_holds_the_attention_fields():
+  """The attention settings are one frozen group; a dict or dotted keys update part of it."""
+  cfg = _tiny(attention={'sliding_window': 4, 'qk_norm': 'head'})
+  assert isinstance(cfg.attention, AttentionConfig)
+  assert (cfg.attention.sliding_window, cfg.attention.qk_norm) == (4, 'head')
+  assert cfg.resolved_layer_types == ('sliding', 'sliding')
+  new = cfg.replace(**{'attention.logit_softcap': 30.0})
+  assert new.attention == cfg.attention.replace(logit_softcap=30.0)
+  assert cfg.replace(attention={'type': 'mla'}, head_dim=None).rope_head_dim == 64
+  global_layers = _tiny(attention={'global_layers': {'head_dim': 16, 'num_kv_heads': 1}})
+  assert global_layers.attention_shape('full') == (16, 1, False)
+  assert global_layers.attention_shape('sliding') == (8, 2, False)
+  assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.attention.sliding_window = 8
 
 
 def test_nonpositive_sizes_rejected():
@@ -139,8 +195,8 @@ def test_learned_positions_refuse_what_they_cannot_use():
   """position_embedding='learned' refuses latent attention and an unused local_rope;
   unknown kinds are refused by the annotation."""
   assert _tiny(position_embedding='learned').position_embedding == 'learned'
-  with pytest.raises(ConfigError, match="attention_type='mha'"):
-    _tiny(position_embedding='learned', attention_type='mla')
+  with pytest.raises(ConfigError, match="attention.type='mha'"):
+    _tiny(position_embedding='learned', **{'attention.type': 'mla'})
   with pytest.raises(ConfigError, match='local_rope'):
     _tiny(position_embedding='learned', local_rope={'theta': 100.0})
   with pytest.raises(ConfigError, match='position_embedding'):
@@ -183,7 +239,7 @@ def test_rope_value_ranges(bad):
 def test_replace_changes_one_field():
   """replace returns a modified copy and leaves the original alone."""
   cfg = _tiny()
-  new = cfg.replace(num_layers=3, scan_layers=True)
+  new = cfg.replace(num_layers=3, **{'runtime.scan_layers': True})
   assert (new.num_layers, new.runtime.scan_layers) == (3, True)
   assert (cfg.num_layers, cfg.runtime.scan_layers) == (2, False)
   assert new.d_model == cfg.d_model
@@ -207,10 +263,10 @@ def test_replace_accepts_nested_dict():
 
 
 def _rich():
-  return _tiny(sliding_window=4, layer_types=['sliding', 'full'], post_norm=True,
+  return _tiny(**{'attention.sliding_window': 4}, layer_types=['sliding', 'full'], post_norm=True,
                rope={'scaling': 'longrope', 'original_max_position_embeddings': 64,
                      'short_factor': [1.0, 1.5, 2.0, 2.5], 'long_factor': [3.0, 4.0, 5.0, 6.0]},
-               local_rope={'theta': 10_000.0}, attn_logit_softcap=50.0)
+               local_rope={'theta': 10_000.0}, **{'attention.logit_softcap': 50.0})
 
 
 def test_lists_become_tuples():
@@ -260,13 +316,13 @@ def test_resolved_defaults():
   assert cfg.resolved_head_dim == 8
   assert cfg.resolved_layer_types == ('full', 'full')
   assert cfg.resolved_query_scale == pytest.approx(8**-0.5)
-  assert _tiny(sliding_window=4).resolved_layer_types == ('sliding', 'sliding')
-  assert _tiny(query_scale=0.25).resolved_query_scale == 0.25
+  assert _tiny(**{'attention.sliding_window': 4}).resolved_layer_types == ('sliding', 'sliding')
+  assert _tiny(**{'attention.query_scale': 0.25}).resolved_query_scale == 0.25
 
 
 def test_dtypes():
   """dtype names resolve to jnp dtypes; unknown names suggest the nearest."""
-  cfg = _tiny(dtype='bfloat16')
+  cfg = _tiny(**{'runtime.dtype': 'bfloat16'})
   assert cfg.jnp_dtype() == jnp.bfloat16 and cfg.jnp_dtype('param_dtype') == jnp.float32
   assert resolve_dtype('float16') == jnp.float16
   with pytest.raises(ConfigError, match="'bfloat16'"):
@@ -286,30 +342,35 @@ def test_groups_are_nested_configs():
     cfg.moe.num_experts = 4
 
 
-@pytest.mark.parametrize('old,path', sorted(LEGACY_MODEL_KEYS.items()))
-def test_every_legacy_key_names_an_existing_field(old, path):
-  """Each old flat name maps to a real field of a group."""
+@pytest.mark.parametrize('old,path', sorted({**ATTENTION_KEYS, **FLAT_GROUP_KEYS}.items()))
+def test_every_former_flat_key_is_refused_naming_its_dotted_path(old, path):
+  """The flat names of earlier versions are unknown keys now; the error names the dotted key
+  to set instead, which is a real field of a group."""
   group, field = path.split('.')
-  assert field in {f for f in getattr(_tiny(), group).to_dict()}
+  assert field in {f.name for f in dataclasses.fields(getattr(_tiny(), group))}
+  for build in (lambda: _tiny(**{old: None}), lambda: _tiny().replace(**{old: None}),
+                lambda: get_preset('tiny', **{old: None})):
+    with pytest.raises(ConfigError) as info:
+      build()
+    assert str(info.value) == (f"Unknown ModelConfig field '{old}'. It moved: set {path} "
+                               'instead.')
 
 
-def test_legacy_flat_keys_in_from_dict_and_replace():
-  """The flat names of earlier versions still work as input."""
-  cfg = _tiny(num_experts=4, num_experts_per_tok=1, moe_mlp_dim=16, moe_dispatch='capacity',
-              dtype='bfloat16', scan_layers=True, mtp_num_layers=1, kv_lora_rank=32)
-  assert (cfg.moe.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.mlp_dim) == (4, 1, 16)
-  assert cfg.moe.dispatch == 'capacity' and cfg.mla.kv_lora_rank == 32
-  assert (cfg.runtime.dtype, cfg.runtime.scan_layers, cfg.mtp.num_layers) == ('bfloat16', True, 1)
-  new = cfg.replace(moe_layer_step=1, param_dtype='bfloat16', num_experts=8)
-  assert (new.moe.num_experts, new.moe.num_experts_per_tok) == (8, 1)  # the rest is kept
-  assert new.runtime.param_dtype == 'bfloat16' and new.runtime.dtype == 'bfloat16'
+def test_a_near_miss_of_a_moved_name_suggests_its_dotted_path():
+  """A typo of a former flat name points at where that setting lives now."""
+  with pytest.raises(ConfigError, match=r"'slidingwindow'\. Did you mean "
+                                        r"'attention\.sliding_window'\?"):
+    _tiny(slidingwindow=4)
+  with pytest.raises(ConfigError, match=r"Did you mean 'num_heads'\?"):
+    _tiny(num_head=4)
 
 
-def test_get_preset_takes_legacy_overrides():
-  """get_preset('tiny', dtype=..., scan_layers=...) keeps working."""
-  from maxnnx.presets import get_preset  # noqa: PLC0415
-  cfg = get_preset('tiny', dtype='bfloat16', scan_layers=True)
-  assert cfg.runtime.dtype == 'bfloat16' and cfg.runtime.scan_layers
+def test_flat_keys_are_not_attributes_any_more():
+  """ModelConfig has no flat attention, MoE or runtime fields left."""
+  names = {f.name for f in dataclasses.fields(ModelConfig)}
+  assert not names & ({*ATTENTION_KEYS, *FLAT_GROUP_KEYS})
+  with pytest.raises(TypeError):
+    ModelConfig(**TINY, sliding_window=4)
 
 
 def test_dotted_keys():
@@ -348,13 +409,16 @@ def test_loss_weights_are_refused_naming_train_config(key):
 
 
 def test_stored_configs_drop_loss_weights(caplog):
-  """A config saved by an earlier version (flat keys, loss weights) still loads."""
-  stored = {**TINY, 'num_experts': 4, 'router_aux_loss_coef': 0.01, 'dtype': 'bfloat16',
-            'mtp_loss_scaling_factor': 0.3}
+  """A stored config that still holds the loss weights loads without them; flat group keys
+  are refused there too."""
+  stored = {**TINY, 'moe': {'num_experts': 4}, 'router_aux_loss_coef': 0.01,
+            'runtime': {'dtype': 'bfloat16'}, 'mtp_loss_scaling_factor': 0.3}
   with caplog.at_level('INFO'):
     cfg = ModelConfig.from_stored_dict(stored)
   assert cfg.moe.num_experts == 4 and cfg.runtime.dtype == 'bfloat16'
   assert 'router_aux_loss_coef' in caplog.text
+  with pytest.raises(ConfigError, match='set attention.sliding_window instead'):
+    ModelConfig.from_stored_dict({**TINY, 'sliding_window': 4})
 
 
 @pytest.mark.parametrize('changes,message', [

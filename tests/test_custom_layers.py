@@ -50,7 +50,7 @@ IDS = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 16)), jnp.int32)
 
 
 def _cfg(scan: bool, **changes):
-  return maxnnx.get_preset('tiny', scan_layers=scan, **changes)
+  return maxnnx.get_preset('tiny', **{'runtime.scan_layers': scan}, **changes)
 
 
 def _first_attn(model):
@@ -123,7 +123,7 @@ def test_parts_reach_mtp_blocks_norms_and_block_subclasses():
 
   parts = BlockParts(attention=GatedAttention, norm=my_norm, block=MyBlock)
   for scan in (False, True):
-    model = maxnnx.Transformer(_cfg(scan, mtp_num_layers=1), rngs=nnx.Rngs(0), parts=parts)
+    model = maxnnx.Transformer(_cfg(scan, **{'mtp.num_layers': 1}), rngs=nnx.Rngs(0), parts=parts)
     block = model.layers if scan else model.layers[0]
     assert type(block) is MyBlock and type(block.attn) is GatedAttention
     assert type(block.attn_pre_norm) is MyNorm and type(model.final_norm) is MyNorm

@@ -100,7 +100,8 @@ def test_chunked_distillation_equals_full_logits(divergence):
 
 
 def _model_config(**changes):
-  return maxnnx.get_preset('tiny', dtype='float32', param_dtype='float32').replace(**changes)
+  return maxnnx.get_preset('tiny', **{'runtime.dtype': 'float32',
+                                      'runtime.param_dtype': 'float32'}).replace(**changes)
 
 
 def _batch(seed):

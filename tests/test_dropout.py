@@ -14,7 +14,7 @@ from maxnnx import cli
 from maxnnx.layers.dropout import dropout, dropout_key
 
 MODEL = dict(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=64,
-             max_position_embeddings=64, dtype='float32')
+             max_position_embeddings=64, **{'runtime.dtype': 'float32'})
 
 
 def test_dropout_zeroes_at_the_rate_and_rescales_the_rest():

@@ -69,7 +69,8 @@ def _resume(root, process) -> dict:
 @pytest.fixture(scope='module')
 def reference():
   """Losses of an uninterrupted 8-step run on one device, on the same global batches."""
-  model = maxnnx.get_preset('tiny', scan_layers=True, num_layers=2, dtype='float32')
+  model = maxnnx.get_preset('tiny', num_layers=2,
+                            runtime={'scan_layers': True, 'dtype': 'float32'})
   config = TrainConfig(steps=STEPS, global_batch_size=BATCH, seq_len=SEQ, learning_rate=1e-2,
                        warmup_steps=0, log_every=1, mesh=MeshConfig(data=1))
   history = Trainer(model, config, data=StepBatches()).fit(log=lambda line: None)

@@ -23,16 +23,19 @@ from maxnnx.sharding import logical_rules, make_mesh, spec_for, state_shardings,
 
 BATCH, LENGTH = 8, 7  # every count of tokens or assignments is a multiple of 7
 BASE = dict(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=24,
-            num_experts=8, num_experts_per_tok=2, moe_mlp_dim=8)
+            **{'moe.num_experts': 8, 'moe.num_experts_per_tok': 2, 'moe.mlp_dim': 8})
 VARIANTS = {
     # Sigmoid scores with the balancing bias choosing experts, groups, two shared experts.
-    'deepseek_v3': dict(router_score='sigmoid', router_score_bias=True, router_groups=4,
-                        router_topk_groups=2, router_group_score='top2_sum',
-                        router_scaling_factor=2.5, num_shared_experts=2),
+    'deepseek_v3': {'moe.router_score': 'sigmoid', 'moe.router_score_bias': True,
+                    'moe.router_groups': 4,
+                        'moe.router_topk_groups': 2, 'moe.router_group_score': 'top2_sum',
+                        'moe.router_scaling_factor': 2.5, 'moe.num_shared_experts': 2},
     # Projection bias on the router, expert biases, clamped SwiGLU, four experts a token.
-    'gpt_oss': dict(router_bias=True, expert_bias=True, swiglu_limit=1.5, num_experts_per_tok=4),
+    'gpt_oss': {'moe.router_bias': True, 'moe.expert_bias': True, 'moe.swiglu_limit': 1.5,
+                'moe.num_experts_per_tok': 4},
     # Routing weights scale the experts' inputs; a shared expert.
-    'llama4': {'router_score': 'sigmoid', 'router_norm_topk': False, 'num_shared_experts': 1,
+    'llama4': {'moe.router_score': 'sigmoid', 'moe.router_norm_topk': False,
+               'moe.num_shared_experts': 1,
                'moe.router_weights_on_input': True},
 }
 MESHES = {'data2_expert4': MeshConfig(data=2, expert=4), 'expert8': MeshConfig(data=1, expert=8)}
@@ -106,7 +109,7 @@ def test_dropless_all_to_all_equals_gspmd(variant, mesh):
 def test_dense_ragged_dot_kernel_on_each_shard():
   """The grouped matmul on each shard is the block's ``ragged_dot_impl`` (here ``dense``,
   which multiplies the padding rows too)."""
-  cfg = _cfg('deepseek_v3', ragged_dot_impl='dense')
+  cfg = _cfg('deepseek_v3', **{'runtime.ragged_dot_impl': 'dense'})
   mesh = MESHES['data2_expert4']
   _assert_same(_run(cfg, mesh, 'all_to_all'), _run(cfg, mesh, 'gspmd'))
 
@@ -115,7 +118,7 @@ def test_dense_ragged_dot_kernel_on_each_shard():
 def test_capacity_all_to_all_equals_capacity_dispatch_when_nothing_drops(mesh):
   """Slots for every local assignment (capacity_factor = experts / k): nothing drops on any
   shard, so the result is the GSPMD capacity dispatch's, and the dropless block's."""
-  cfg = _cfg('deepseek_v3', moe_dispatch='capacity', capacity_factor=4.0)
+  cfg = _cfg('deepseek_v3', **{'moe.dispatch': 'capacity', 'moe.capacity_factor': 4.0})
   got = _run(cfg, MESHES[mesh], 'all_to_all')
   _assert_same(got, _run(cfg, MESHES[mesh], 'gspmd'))
   _assert_same(got, _run(_cfg('deepseek_v3'), MESHES[mesh], 'gspmd'))
@@ -140,7 +143,7 @@ def _quantized_forward(cfg, mesh_config, strategy, mode):
 
 
 @pytest.mark.parametrize('mode,dispatch', [
-    ('int8', {}), ('fp8', {'moe_dispatch': 'capacity', 'capacity_factor': 4.0}),
+    ('int8', {}), ('fp8', {'moe.dispatch': 'capacity', 'moe.capacity_factor': 4.0}),
     pytest.param('int4', {}, marks=SLOW)])
 def test_quantized_experts_exchange_tokens_by_all_to_all(mode, dispatch):
   """Experts quantized for inference (their values split over ``expert``, their scales placed
@@ -167,7 +170,7 @@ def _token_collectives(hlo: str) -> list[str]:
 
 @pytest.mark.parametrize('dispatch', ['dropless', pytest.param('capacity', marks=SLOW)])
 def test_compiled_layer_exchanges_tokens_with_all_to_all(dispatch):
-  cfg = _cfg('llama4', moe_dispatch=dispatch, capacity_factor=4.0)
+  cfg = _cfg('llama4', **{'moe.dispatch': dispatch, 'moe.capacity_factor': 4.0})
   hlo = _run(cfg, MESHES['data2_expert4'], 'all_to_all')[3]
   assert hlo.count(' all-to-all(') >= 4  # forward out and back, and their transposes
   assert not _token_collectives(hlo), _token_collectives(hlo)
@@ -196,7 +199,7 @@ def test_cli_refuses_experts_that_do_not_split_before_writing(tmp_path, capsys):
 
 
 def test_experts_that_do_not_split_over_the_mesh_are_refused():
-  cfg = _cfg('llama4', num_experts=6)
+  cfg = _cfg('llama4', **{'moe.num_experts': 6})
   with pytest.raises(ConfigError, match=r'moe.num_experts=6 over 4 expert shards.*'
                                         r'expert_parallel_strategy=gspmd'):
     _run(cfg, MESHES['data2_expert4'], 'all_to_all')

@@ -2,6 +2,7 @@
 presets, and docs/families.md is the text generated from the specs."""
 
 import ast
+import json
 import os
 import sys
 import textwrap
@@ -11,6 +12,8 @@ import pytest
 from maxnnx.config import ModelConfig
 from maxnnx.models import registry
 from maxnnx.models.families_doc import REGENERATE, families_markdown
+from maxnnx.models.hf import HFConfig
+from maxnnx.models.pretrained import config_from_pretrained
 from maxnnx.models.registry import FAMILIES, PRESETS, FamilySpec, discover, specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +98,7 @@ NEW_FAMILY = '''
 
   SPEC = FamilySpec('newfam', 'Llama with q/k norms.', Family(
       'newfam', ('newfam',), 'NewfamForCausalLM', llama.config_from_hf, llama.config_to_hf),
-      differences={'qk_norm': 'head'}, presets={'newfam-tiny': newfam_tiny})
+      differences={'attention': {'qk_norm': 'head'}}, presets={'newfam-tiny': newfam_tiny})
 '''
 
 
@@ -110,7 +113,7 @@ def test_a_new_module_with_a_spec_is_discovered(tmp_path, monkeypatch):
       del sys.modules[module]
   assert list(found) == ['newfam'] and isinstance(found['newfam'], FamilySpec)
   cfg = found['newfam'].presets['newfam-tiny']()
-  assert (cfg.family, cfg.qk_norm, cfg.num_layers) == ('newfam', 'head', 2)
+  assert (cfg.family, cfg.attention.qk_norm, cfg.num_layers) == ('newfam', 'head', 2)
 
 
 def test_discovery_refuses_a_preset_declared_twice(tmp_path, monkeypatch):
@@ -123,3 +126,41 @@ def test_discovery_refuses_a_preset_declared_twice(tmp_path, monkeypatch):
   finally:
     for module in [m for m in sys.modules if m.startswith(package)]:
       del sys.modules[module]
+
+
+# The attention keys of each fixture's config.json (written by transformers) that its
+# family maps into ModelConfig.attention, and the fields they become.
+ATTENTION_ROUND_TRIPS = {
+    'gemma2': (('sliding_window', 'attn_logit_softcapping', 'query_pre_attn_scalar',
+                'attention_bias', 'layer_types'),
+               {'sliding_window': 8, 'logit_softcap': 5.0, 'query_scale': 24**-0.5}),
+    'gemma3': (('sliding_window', 'query_pre_attn_scalar', 'attention_bias', 'layer_types'),
+               {'sliding_window': 8, 'qk_norm': 'head', 'query_scale': 48**-0.5}),
+    'gpt_oss': (('sliding_window', 'attention_bias', 'layer_types'),
+                {'sliding_window': 8, 'sinks': True, 'qkv_bias': True, 'out_bias': True}),
+    'olmo3': (('sliding_window', 'attention_bias', 'layer_types'),
+              {'sliding_window': 8, 'qk_norm': 'projection'}),
+    'llama4': (('attention_chunk_size', 'attn_temperature_tuning', 'floor_scale', 'attn_scale',
+                'no_rope_layers', 'use_qk_norm', 'attention_bias'),
+               {'chunk_size': 8, 'temperature_tuning': True, 'temperature_floor': 4.0,
+                'nope_layers': (3,), 'qk_norm': 'l2'}),
+}
+
+
+@pytest.mark.parametrize('name', sorted(ATTENTION_ROUND_TRIPS))
+def test_attention_settings_survive_hf_config_round_trip(name):
+  """config.json -> ModelConfig.attention -> config.json keeps the attention keys the
+  fixture's transformers config wrote, and reading the export back gives the same config."""
+  directory = os.path.join(ROOT, 'tests', 'fixtures', 'hf', name)
+  with open(os.path.join(directory, 'config.json')) as f:
+    hf = json.load(f)
+  hf = hf.get('text_config', hf)
+  keys, fields = ATTENTION_ROUND_TRIPS[name]
+  cfg = config_from_pretrained(directory)
+  for field, value in fields.items():
+    assert getattr(cfg.attention, field) == pytest.approx(value), field
+  family = FAMILIES[cfg.family]
+  exported = family.config_to_hf(cfg)
+  for key in keys:
+    assert exported[key] == hf[key], key
+  assert family.config_from_hf(HFConfig(exported, 'config.json', family.defaults)) == cfg

@@ -164,14 +164,15 @@ def test_kv_sharing_layers_have_no_keys_values_or_cache_of_their_own():
 
 
 @pytest.mark.parametrize('change,match', [
-    (dict(scan_layers=True), 'scan_layers'),
-    (dict(layer_types=('full',) * 4, scan_layers=True, per_layer_input_dim=8), 'scan_layers'),
+    ({'runtime.scan_layers': True}, 'scan_layers'),
+    (dict(layer_types=('full',) * 4, **{'runtime.scan_layers': True}, per_layer_input_dim=8),
+     'scan_layers'),
     (dict(layer_types=('sliding', 'sliding', 'full', 'full'), num_kv_shared_layers=2),
      "type \\['full'\\]"),
     (dict(num_kv_shared_layers=4), 'num_kv_shared_layers'),
-    (dict(layer_types=('chunked', 'full') * 2, attention_chunk_size=4), 'chunked'),
-    (dict(global_attn={'num_kv_heads': 3}), 'num_kv_heads'),
-    (dict(global_attn={'head_dim': 0}), 'head_dim'),
+    (dict(layer_types=('chunked', 'full') * 2, **{'attention.chunk_size': 4}), 'chunked'),
+    ({'attention.global_layers': {'num_kv_heads': 3}}, 'num_kv_heads'),
+    ({'attention.global_layers': {'head_dim': 0}}, 'head_dim'),
 ])
 def test_bad_global_attention_settings_are_clear_errors(change, match):
   with pytest.raises(maxnnx.ConfigError, match=match):
@@ -183,7 +184,7 @@ def test_a_scanned_stack_of_global_layers_only_equals_the_list():
   """All-full stacks have one shape: they scan, with the same logits."""
   cfg = maxnnx.get_preset('tiny-gemma4', layer_types=('full',) * 4, initializer_range=0.3)
   listed = maxnnx.Transformer(cfg, rngs=nnx.Rngs(3))
-  scanned = maxnnx.Transformer(cfg.replace(scan_layers=True), rngs=nnx.Rngs(3))
+  scanned = maxnnx.Transformer(cfg.replace(**{'runtime.scan_layers': True}), rngs=nnx.Rngs(3))
   flat = dict(nnx.to_flat_state(nnx.state(listed, nnx.Param)))
   state = nnx.state(scanned, nnx.Param)
   for path, var in nnx.to_flat_state(state):

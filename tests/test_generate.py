@@ -34,14 +34,14 @@ def _argmax_loop(model, prompt, steps):
 
 
 @pytest.mark.parametrize('overrides', [
-    {}, {'scan_layers': True},
-    {'sliding_window': 5, 'layer_types': ('sliding', 'full', 'sliding')},
+    {}, {'runtime.scan_layers': True},
+    {'attention.sliding_window': 5, 'layer_types': ('sliding', 'full', 'sliding')},
     # GPT-OSS-like (sinks, biases, clamped MoE); the gpt_oss HF parity case decodes in the
     # default suite.
-    pytest.param({'sliding_window': 5, 'layer_types': ('sliding', 'full', 'sliding'),
-                  'scan_layers': True, 'attention_sinks': True, 'qkv_bias': True,
-                  'num_experts': 4, 'num_experts_per_tok': 2, 'router_bias': True,
-                  'expert_bias': True, 'swiglu_limit': 1.0}, marks=pytest.mark.slow),
+    pytest.param({'attention.sliding_window': 5, 'layer_types': ('sliding', 'full', 'sliding'),
+                  'runtime.scan_layers': True, 'attention.sinks': True, 'attention.qkv_bias': True,
+                  'moe.num_experts': 4, 'moe.num_experts_per_tok': 2, 'moe.router_bias': True,
+                  'moe.expert_bias': True, 'moe.swiglu_limit': 1.0}, marks=pytest.mark.slow),
 ], ids=['list', 'scan', 'sliding', 'gpt_oss_like'])
 def test_greedy_equals_cache_free_argmax(overrides):
   """Greedy generation with the KV cache equals re-running the full sequence."""

@@ -37,8 +37,10 @@ def test_hub_config_defaults(checkpoint_copy):
                            'swiglu_alpha', 'attention_bias'))
   cfg = maxnnx.config_from_pretrained(path)
   assert cfg.layer_types == ('sliding', 'full', 'sliding', 'full')
-  assert cfg.sliding_window == 128 and cfg.moe.swiglu_limit == 7.0 and cfg.moe.swiglu_alpha == 1.702
-  assert cfg.qkv_bias and cfg.out_bias and cfg.attention_sinks and cfg.moe.router_bias
+  attention = cfg.attention
+  assert attention.sliding_window == 128 and cfg.moe.swiglu_limit == 7.0
+  assert cfg.moe.swiglu_alpha == 1.702 and cfg.moe.router_bias
+  assert attention.qkv_bias and attention.out_bias and attention.sinks
   rope = cfg.rope
   assert (rope.scaling, rope.theta, rope.factor, rope.original_max_position_embeddings,
           rope.beta_fast, rope.beta_slow, rope.truncate) == ('yarn', 150_000.0, 32.0, 4096,

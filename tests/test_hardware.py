@@ -80,12 +80,12 @@ def test_auto_computes_like_the_dtype_it_resolves_to():
   tokens = np.random.default_rng(0).integers(0, 64, (2, 9))
   logits = {}
   for name in ('auto', dtype):
-    cfg = maxnnx.get_preset('tiny', vocab_size=64, num_layers=1, dtype=name)
+    cfg = maxnnx.get_preset('tiny', vocab_size=64, num_layers=1, **{'runtime.dtype': name})
     assert cfg.jnp_dtype('dtype') == jax.numpy.dtype(dtype)
     logits[name] = np.asarray(maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))(tokens))
   np.testing.assert_array_equal(logits['auto'], logits[dtype])
   with pytest.raises(ConfigError, match='param_dtype'):
-    maxnnx.get_preset('tiny', param_dtype='auto')
+    maxnnx.get_preset('tiny', **{'runtime.param_dtype': 'auto'})
 
 
 def test_the_cpu_ceiling_is_the_faster_dtypes(monkeypatch):

@@ -21,8 +21,8 @@ REL_TOL = 1e-4
 NO_SCAN = {'llama4': 'MoE layers interleaved with dense ones (moe.layer_step=2)',
            'qwen3_next': 'Gated DeltaNet layers interleaved with attention layers',
            'qwen3_5': 'Gated DeltaNet layers interleaved with attention layers',
-           'gemma4': 'global layers wider than the sliding ones (global_attn)',
-           'gemma4_moe': 'global layers wider than the sliding ones (global_attn)',
+           'gemma4': 'global layers wider than the sliding ones (attention.global_layers)',
+           'gemma4_moe': 'global layers wider than the sliding ones (attention.global_layers)',
            'gemma4_small': 'per-layer inputs and keys/values shared across layers'}
 
 

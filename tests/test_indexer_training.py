@@ -66,7 +66,7 @@ def test_kl_loss_and_its_gradient_equal_float64_numpy():
 
 def _v32(stage):
   base = maxnnx.from_pretrained(os.path.join(FIXTURES, 'deepseek_v32'))
-  cfg = base.config.replace(**{'mla.indexer_training': stage, 'dtype': 'float32'})
+  cfg = base.config.replace(**{'mla.indexer_training': stage, 'runtime.dtype': 'float32'})
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
   nnx.update(model, nnx.state(base, nnx.Param))
   return model
@@ -127,5 +127,5 @@ def test_the_sparse_stage_trains_everything_and_logs_the_indexer_loss():
 
 def test_indexer_training_needs_an_indexer():
   with pytest.raises(ConfigError, match='index_topk'):
-    maxnnx.get_preset('tiny').replace(**{'attention_type': 'mla',
+    maxnnx.get_preset('tiny').replace(**{'attention.type': 'mla',
                                          'mla.indexer_training': 'sparse'})

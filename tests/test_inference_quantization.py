@@ -27,7 +27,8 @@ from maxnnx.serving import Engine, SamplingParams
 
 VOCAB = 64
 MODEL = dict(vocab_size=VOCAB, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-             mlp_dim=128, max_position_embeddings=128, initializer_range=1.0, dtype='float32')
+             mlp_dim=128, max_position_embeddings=128, initializer_range=1.0,
+             **{'runtime.dtype': 'float32'})
 
 
 def _absmax_round(values, axis, bound, qtype=None):
@@ -120,7 +121,7 @@ def test_unknown_mode_and_quantizing_twice_are_refused():
 
 
 MOE = dict(vocab_size=64, d_model=64, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=40,
-           num_experts=4, num_experts_per_tok=2, moe_mlp_dim=64)
+           **{'moe.num_experts': 4, 'moe.num_experts_per_tok': 2, 'moe.mlp_dim': 64})
 
 
 def _expected_experts(w, mode):
@@ -141,7 +142,7 @@ def test_quantized_experts_compute_the_modes_rule(mode, dispatch):
   MoE block computes the float64 NumPy reference on their dequantized values, through the
   grouped matmul (dropless) and the per-expert buffers (capacity, with room for every token);
   the router stays float, so every token reaches the experts it reached before quantizing."""
-  cfg = maxnnx.ModelConfig.from_dict({**MOE, 'moe_dispatch': dispatch, 'capacity_factor': 2.0})
+  cfg = maxnnx.ModelConfig.from_dict({**MOE, 'moe.dispatch': dispatch, 'moe.capacity_factor': 2.0})
   moe = MoE.from_config(cfg, rngs=nnx.Rngs(3))
   x = jax.random.normal(jax.random.key(4), (2, 6, cfg.d_model), jnp.float32)
   params = nnx.to_pure_dict(nnx.state(moe, nnx.Param))
@@ -165,7 +166,7 @@ def test_quantized_experts_take_their_share_of_the_bytes():
   """An MoE model: quantize_for_inference covers the experts, so the weights it quantizes
   (experts included) take under 0.27x their float32 bytes in int8."""
   model = maxnnx.Transformer(maxnnx.ModelConfig.from_dict(
-      {**MOE, 'dtype': 'float32'}), rngs=nnx.Rngs(0))
+      {**MOE, 'runtime.dtype': 'float32'}), rngs=nnx.Rngs(0))
   experts = sum(getattr(layer.mlp.experts, n)[...].size * 4 for layer in model.layers
                 for n in ('gate_proj', 'up_proj', 'down_proj'))
   before = kernel_bytes(model)
@@ -199,7 +200,7 @@ def test_a_kept_quantized_release_is_served_as_generate_serves_it():
 def test_a_scanned_stack_gets_one_scale_per_layer_and_output_channel():
   """Under scan_layers the kernels carry a leading layer axis, which is not an input axis: int8
   scales are ``[layers, 1, out]``, each layer's its own kernel's absmax over the inputs."""
-  cfg = maxnnx.ModelConfig.from_dict({**MODEL, 'scan_layers': True})
+  cfg = maxnnx.ModelConfig.from_dict({**MODEL, 'runtime.scan_layers': True})
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(5))
   weight = np.asarray(model.layers.mlp.up_proj.kernel[...])
   kernel = quantize_for_inference(model, 'int8').layers.mlp.up_proj.kernel[...]

@@ -419,7 +419,7 @@ def test_unknown_names_and_policies_give_clear_errors():
   with pytest.raises(ValueError, match='implementations must be'):
     get_attention_kernel('tokamax').__class__(implementations=('fastest',))
   with pytest.raises(ConfigError, match='kernel_on_unsupported'):
-    ModelConfig.from_dict({'kernel_on_unsupported': 'ignore'})
+    ModelConfig.from_dict({'runtime.kernel_on_unsupported': 'ignore'})
 
 
 def test_every_registered_strategy_declares_capabilities():
@@ -431,7 +431,7 @@ def test_every_registered_strategy_declares_capabilities():
 
 
 def _tiny_logits(attention_impl, ids, segment_ids=None, positions=None, **overrides):
-  cfg = maxnnx.get_preset('tiny', attention_impl=attention_impl, **overrides)
+  cfg = maxnnx.get_preset('tiny', **{'runtime.attention_impl': attention_impl}, **overrides)
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
   assert model.layers[0].attn.kernel.name == attention_impl
   return nnx.jit(lambda m, i, s, p: m(i, segment_ids=s, positions=p))(model, ids, segment_ids,
@@ -450,7 +450,7 @@ def test_tiny_model_logits_match_xla(impl, monkeypatch):
   seg = jnp.asarray([[1] * 7 + [2] * 9, [1] * 16], jnp.int32)
   pos = jnp.asarray([[*range(7), *range(9)], [*range(16)]], jnp.int32)
   expected = _tiny_logits('xla', ids, seg, pos)
-  actual = _tiny_logits(impl, ids, seg, pos, kernel_on_unsupported='error')
+  actual = _tiny_logits(impl, ids, seg, pos, **{'runtime.kernel_on_unsupported': 'error'})
   _assert_close(actual, expected, 1e-5)
 
 
@@ -460,7 +460,7 @@ def test_tiny_model_strict_policy_raises_on_cpu_for_gpu_strategy():
     pytest.skip('checks the CPU behaviour')
   ids = jnp.zeros((1, 8), jnp.int32)
   with pytest.raises(KernelUnsupportedError, match="attention_impl 'cudnn'.*platform 'cpu'"):
-    _tiny_logits('cudnn', ids, kernel_on_unsupported='error')
+    _tiny_logits('cudnn', ids, **{'runtime.kernel_on_unsupported': 'error'})
 
 
 def _request(**changes):

@@ -26,10 +26,10 @@ from maxnnx.layers.mla import MLA
 from maxnnx.layers.moe import MoE
 
 DENSE = dict(vocab_size=64, d_model=24, num_layers=2, num_heads=2, num_kv_heads=2, mlp_dim=40,
-             head_dim=8, attention_impl='xla')
-MLA_DIMS = dict(attention_type='mla', head_dim=None, kv_lora_rank=8, qk_nope_head_dim=8,
-                qk_rope_head_dim=4, v_head_dim=8)
-MOE_DIMS = dict(num_experts=4, num_experts_per_tok=2, moe_mlp_dim=16)
+             head_dim=8, **{'runtime.attention_impl': 'xla'})
+MLA_DIMS = {'attention.type': 'mla', 'head_dim': None, 'mla.kv_lora_rank': 8,
+            'mla.qk_nope_head_dim': 8, 'mla.qk_rope_head_dim': 4, 'mla.v_head_dim': 8}
+MOE_DIMS = {'moe.num_experts': 4, 'moe.num_experts_per_tok': 2, 'moe.mlp_dim': 16}
 REFUSAL = 'declines every call in this test'
 
 
@@ -89,11 +89,12 @@ def test_policy_reaches_every_layer(layer, refusing_strategies, caplog):
   replaced by the reference (one warning) under 'fallback', through the real layer."""
   fields, impl_field, reference, layer_type = LAYERS[layer]
   kind = impl_field.removesuffix('_impl')
-  strict = _model(fields, **{impl_field: 'refusing'}, kernel_on_unsupported='error')
+  strict = _model(fields, **{impl_field: 'refusing', 'runtime.kernel_on_unsupported': 'error'})
   assert _layer_of(strict, layer_type), f'the config builds no {layer_type.__name__}'
   with pytest.raises(KernelUnsupportedError, match=f"{kind}_impl 'refusing'.*{REFUSAL}"):
     _logits(strict)
-  lenient = _model(fields, **{impl_field: 'refusing'}, kernel_on_unsupported='fallback')
+  lenient = _model(fields,
+                   **{impl_field: 'refusing', 'runtime.kernel_on_unsupported': 'fallback'})
   with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
     got = _logits(lenient)
   expected = _logits(_model(fields, **{impl_field: reference}))
@@ -106,8 +107,8 @@ def test_policy_reaches_every_layer(layer, refusing_strategies, caplog):
 
 def test_kernel_for_reads_the_config():
   """The helper picks the named strategy and the config's policy, for each kind."""
-  cfg = ModelConfig.from_dict({**DENSE, 'ragged_dot_impl': 'tiled',
-                              'kernel_on_unsupported': 'error'})
+  cfg = ModelConfig.from_dict({**DENSE, 'runtime.ragged_dot_impl': 'tiled',
+                              'runtime.kernel_on_unsupported': 'error'})
   attention, ragged = kernel_for(cfg, 'attention'), kernel_for(cfg, 'ragged_dot')
   assert (attention.name, attention.on_unsupported) == ('xla', 'error')
   assert (ragged.name, ragged.on_unsupported) == ('tiled', 'error')
@@ -144,7 +145,7 @@ MLA_NAMES = {'query_proj', 'key_proj', 'value_proj', 'attention_out', 'out_proj'
 ])
 def test_remat_policies_reach_mla(policy, names, capsys, monkeypatch):
   """The block's remat policy saves MLA's named projections; untagged, nothing named is."""
-  model = _model({**DENSE, **MLA_DIMS}, num_layers=1, remat_policy=policy)
+  model = _model({**DENSE, **MLA_DIMS}, num_layers=1, **{'runtime.remat_policy': policy})
   assert _saved_names(capsys, *_loss_fn(model)) == names
   monkeypatch.setattr(maxnnx.layers.mla, 'checkpoint_name', lambda x, name: x)
   assert not _saved_names(capsys, *_loss_fn(model))
@@ -154,8 +155,8 @@ def test_remat_policies_reach_mla(policy, names, capsys, monkeypatch):
 def test_moe_activations_carry_the_mlp_names(dispatch, capsys, monkeypatch):
   """A policy naming ``mlp_hidden``/``mlp_out`` saves the experts' activations (as for the
   dense MLP); untagged, it saves nothing named."""
-  model = _model({**DENSE, **MOE_DIMS}, num_layers=1, moe_dispatch=dispatch,
-                 first_k_dense_layers=0)
+  model = _model({**DENSE, **MOE_DIMS}, num_layers=1, **{'moe.dispatch': dispatch},
+                 **{'moe.first_k_dense_layers': 0})
   policy = jax.checkpoint_policies.save_only_these_names('mlp_hidden', 'mlp_out')
   assert _saved_names(capsys, *_loss_fn(model, policy)) == {'mlp_hidden', 'mlp_out'}
   monkeypatch.setattr(maxnnx.layers.moe, 'checkpoint_name', lambda x, name: x)

@@ -156,11 +156,12 @@ MODEL = dict(vocab_size=61, d_model=32, num_layers=3, num_heads=4, num_kv_heads=
 
 @pytest.mark.parametrize('overrides', [
     {},
-    {'scan_layers': True, 'sliding_window': 3, 'layer_types': ('sliding', 'full', 'sliding'),
-     'attn_logit_softcap': 5.0, 'attention_sinks': True},
-    pytest.param({'attention_type': 'mla', 'head_dim': None, 'kv_lora_rank': 8,
-                  'qk_nope_head_dim': 8, 'qk_rope_head_dim': 4, 'v_head_dim': 6,
-                  'q_lora_rank': 12}, marks=pytest.mark.slow),  # the engine tests run MLA
+    {'runtime.scan_layers': True, 'attention.sliding_window': 3, 'layer_types': ('sliding',
+                                                                                 'full', 'sliding'),
+     'attention.logit_softcap': 5.0, 'attention.sinks': True},
+    pytest.param({'attention.type': 'mla', 'head_dim': None, 'mla.kv_lora_rank': 8,
+                  'mla.qk_nope_head_dim': 8, 'mla.qk_rope_head_dim': 4, 'mla.v_head_dim': 6,
+                  'mla.q_lora_rank': 12}, marks=pytest.mark.slow),  # the engine tests run MLA
 ], ids=['gqa', 'scan_sliding_softcap_sinks', 'mla'])
 def test_paged_forward_in_chunks_equals_the_plain_forward(overrides):
   """Two requests prefilled together, one continued in a second chunk, through the model's

@@ -101,7 +101,7 @@ def test_the_engine_serves_greedy_tokens_like_generate_through_the_kernel():
   try:
     cfg = maxnnx.ModelConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=2,
                              num_kv_heads=1, head_dim=16, mlp_dim=48,
-                             max_position_embeddings=128, sliding_window=12,
+                             max_position_embeddings=128, **{'attention.sliding_window': 12},
                              layer_types=('sliding', 'full'))
     cfg = cfg.replace(runtime=cfg.runtime.replace(paged_attention_impl='pallas_interpreted_test'))
     model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))

@@ -159,13 +159,13 @@ def _greedy(max_tokens):
   return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
-SLIDING = dict(num_layers=4, head_dim=12, sliding_window=6,
-               layer_types=('sliding', 'full', 'sliding', 'full'), attn_logit_softcap=5.0)
+SLIDING = dict(num_layers=4, head_dim=12, layer_types=('sliding', 'full', 'sliding', 'full'),
+               attention={'sliding_window': 6, 'logit_softcap': 5.0})
 
 
 @pytest.mark.parametrize('kv_cache_dtype,family', [
     ('int8', {}), ('fp8', {}), ('int8', SLIDING),
-    ('int8', {'scan_layers': True}), ('int8', 'tiny-qwen3-next'),
+    ('int8', {'runtime.scan_layers': True}), ('int8', 'tiny-qwen3-next'),
 ], ids=['int8', 'fp8', 'int8_sliding_pool', 'int8_scanned', 'int8_recurrent'])
 def test_engine_on_quantized_pages_gives_generates_tokens(kv_cache_dtype, family):
   """The engine's paged cache and generate's contiguous one quantize each token's keys and
@@ -219,7 +219,7 @@ def _pool_bytes(engine):
 def test_int8_and_fp8_pages_take_about_half_a_bf16_pages_bytes(head_dim):
   """Per token and kv head, a bf16 page holds 2 * head_dim bytes, an int8 or fp8 one
   head_dim bytes and a float32 scale: (head_dim + 4) / (2 * head_dim) of the bytes."""
-  model = _model(dtype='bfloat16', head_dim=head_dim)
+  model = _model(**{'runtime.dtype': 'bfloat16'}, head_dim=head_dim)
   sizes = {kv: _pool_bytes(Engine(model, page_size=16, max_batch=2, max_model_len=64,
                                   kv_cache_dtype=kv)) for kv in KV_CACHE_DTYPES}
   pages = 2 * 64 // 16 + 1
@@ -239,9 +239,9 @@ def test_bad_kv_cache_dtypes_and_unquantizable_caches_are_refused_in_one_line():
   with pytest.raises(ValueError, match=r"^kv_cache_dtype='bf16': expected one of auto, int8, "
                                        r'fp8 \(auto: the compute dtype\)\.$'):
     maxnnx.generate(model, [[1, 2]], max_new_tokens=2, kv_cache_dtype='bf16')
-  mla = _model(num_layers=1, family='deepseek_v3', attention_type='mla', head_dim=None,
-               kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
-               q_lora_rank=12)
+  mla = _model(num_layers=1, family='deepseek_v3', attention={'type': 'mla'}, head_dim=None,
+               mla={'kv_lora_rank': 8, 'qk_nope_head_dim': 8, 'qk_rope_head_dim': 4,
+                    'v_head_dim': 6, 'q_lora_rank': 12})
   for run in (lambda: Engine(mla, max_model_len=16, kv_cache_dtype='fp8'),
               lambda: maxnnx.generate(mla, [[1, 2]], max_new_tokens=2, kv_cache_dtype='fp8')):
     with pytest.raises(ValueError) as error:

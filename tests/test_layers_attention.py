@@ -233,16 +233,17 @@ def _reference(attn, cfg, x, seg, pos, window=None):
   return ref.attention_module(
       x, nnx.to_pure_dict(nnx.state(attn, nnx.Param)), positions=pos, segment_ids=seg,
       inv_freq=inv_freq, attention_factor=att, scale=cfg.resolved_query_scale,
-      softcap=cfg.attn_logit_softcap, window=window, qk_norm=cfg.qk_norm,
+      softcap=cfg.attention.logit_softcap, window=window, qk_norm=cfg.attention.qk_norm,
       norm_eps=cfg.norm_eps, norm_offset=cfg.norm_scale_offset)
 
 
 MODULE_CASES = {
     'gqa': {},
-    'mha_bias': dict(num_kv_heads=4, qkv_bias=True, out_bias=True),
-    'mqa_softcap_scale': dict(num_kv_heads=1, attn_logit_softcap=3.0, query_scale=0.5),
-    'head_qk_norm_gemma': dict(qk_norm='head', norm_scale_offset=1.0),
-    'projection_qk_norm': dict(qk_norm='projection', num_kv_heads=4),
+    'mha_bias': dict(num_kv_heads=4, **{'attention.qkv_bias': True, 'attention.out_bias': True}),
+    'mqa_softcap_scale': dict(num_kv_heads=1, **{'attention.logit_softcap': 3.0,
+                                                 'attention.query_scale': 0.5}),
+    'head_qk_norm_gemma': dict(**{'attention.qk_norm': 'head'}, norm_scale_offset=1.0),
+    'projection_qk_norm': dict(**{'attention.qk_norm': 'projection'}, num_kv_heads=4),
     'partial_rope': dict(rope=RopeConfig(theta=500.0, partial_rotary_factor=0.5)),
     'yarn': dict(rope=RopeConfig(scaling='yarn', factor=4.0,
                                  original_max_position_embeddings=16)),
@@ -274,7 +275,7 @@ def test_attention_module_sliding_window_matches_reference():
 @pytest.mark.parametrize('window', [None, 2])
 def test_attention_module_packed_equals_document_alone(window):
   """Packed segments with restarting positions: document 2 is computed as if alone."""
-  cfg = _cfg(qk_norm='head')
+  cfg = _cfg(**{'attention.qk_norm': 'head'})
   attn = _module(cfg, seed=2)
   rng = np.random.default_rng(13)
   x = rng.normal(size=(1, 8, 32))
@@ -295,7 +296,7 @@ def test_attention_module_packed_equals_document_alone(window):
 
 def test_attention_module_projection_axes():
   """q/k/v/o kernels carry logical axis names per dimension."""
-  attn = Attention(_cfg(qkv_bias=True), rngs=nnx.Rngs(0))
+  attn = Attention(_cfg(**{'attention.qkv_bias': True}), rngs=nnx.Rngs(0))
   specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(attn, nnx.Param)))
   assert tuple(specs['q_proj']['kernel']) == ('embed', 'heads', 'head_dim')
   assert tuple(specs['k_proj']['kernel']) == ('embed', 'kv_heads', 'head_dim')
@@ -325,7 +326,7 @@ def test_kernel_sinks_match_reference(window):
 
 def test_attention_module_sinks():
   """Sinks are a [heads] parameter passed to the kernel; at -1e4 they vanish."""
-  cfg = _cfg(attention_sinks=True)
+  cfg = _cfg(**{'attention.sinks': True})
   attn = _module(cfg, seed=3)
   rng = np.random.default_rng(16)
   attn.sinks[...] = jnp.asarray(rng.normal(size=4), jnp.float32)
@@ -349,6 +350,7 @@ def test_attention_module_sinks():
 def test_attention_module_sinks_refused_by_kernel_without_them():
   """A strategy that declares no sinks refuses them under kernel_on_unsupported='error'."""
   from maxnnx.kernels import KernelUnsupportedError
-  cfg = _cfg(attention_sinks=True, attention_impl='jax_nn', kernel_on_unsupported='error')
+  cfg = _cfg(**{'attention.sinks': True, 'runtime.attention_impl': 'jax_nn',
+                'runtime.kernel_on_unsupported': 'error'})
   with pytest.raises(KernelUnsupportedError, match='attention sinks are not supported'):
     _run(_module(cfg), cfg, np.zeros((1, 4, 32)), *_causal(1, 4))

@@ -33,7 +33,7 @@ def test_yarn_mscale_scales_the_softmax():
   cfg = maxnnx.config_from_pretrained(os.path.join(FIXTURES, 'deepseek_v3'))
   mscale = 0.1 * 0.8 * math.log(4.0) + 1.0   # mscale_all_dim 0.8, factor 4
   assert math.isclose(mla_query_scale(cfg), 24**-0.5 * mscale**2)
-  assert math.isclose(mla_query_scale(cfg.replace(query_scale=0.5)), 0.5)
+  assert math.isclose(mla_query_scale(cfg.replace(**{'attention.query_scale': 0.5})), 0.5)
 
 
 # -- DeepSeek Sparse Attention (V3.2) ---------------------------------------------------------

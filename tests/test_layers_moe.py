@@ -24,21 +24,23 @@ from maxnnx.models.counting import num_active_params, num_params
 from maxnnx.models.transformer import Transformer
 
 BASE = dict(vocab_size=64, d_model=24, num_layers=2, num_heads=2, num_kv_heads=2, mlp_dim=40,
-            num_experts=8, num_experts_per_tok=2, moe_mlp_dim=16)
+            **{'moe.num_experts': 8, 'moe.num_experts_per_tok': 2, 'moe.mlp_dim': 16})
 
 VARIANTS = {
     'mixtral': dict(),
-    'qwen3_moe_unnormalised': dict(router_norm_topk=False, num_experts_per_tok=3),
-    'deepseek_v3': dict(router_score='sigmoid', router_score_bias=True, router_groups=4,
-                        router_topk_groups=2, router_group_score='top2_sum',
-                        router_scaling_factor=2.5, num_shared_experts=2),
-    'deepseek_v2': dict(router_groups=4, router_topk_groups=2, router_group_score='max',
-                        router_norm_topk=False, router_scaling_factor=1.5, num_shared_experts=1),
-    'gpt_oss': dict(router_bias=True, expert_bias=True, swiglu_limit=1.5, swiglu_alpha=1.702,
-                    num_experts_per_tok=4),
+    'qwen3_moe_unnormalised': {'moe.router_norm_topk': False, 'moe.num_experts_per_tok': 3},
+    'deepseek_v3': {'moe.router_score': 'sigmoid', 'moe.router_score_bias': True,
+                    'moe.router_groups': 4, 'moe.router_topk_groups': 2,
+                    'moe.router_group_score': 'top2_sum', 'moe.router_scaling_factor': 2.5,
+                    'moe.num_shared_experts': 2},
+    'deepseek_v2': {'moe.router_groups': 4, 'moe.router_topk_groups': 2,
+                    'moe.router_group_score': 'max', 'moe.router_norm_topk': False,
+                    'moe.router_scaling_factor': 1.5, 'moe.num_shared_experts': 1},
+    'gpt_oss': {'moe.router_bias': True, 'moe.expert_bias': True, 'moe.swiglu_limit': 1.5,
+                'moe.swiglu_alpha': 1.702, 'moe.num_experts_per_tok': 4},
     'gelu_experts': dict(mlp_activation='gelu_tanh'),
-    'llama4': {'router_score': 'sigmoid', 'router_norm_topk': False, 'num_shared_experts': 1,
-               'moe.router_weights_on_input': True},
+    'llama4': {'moe.router_score': 'sigmoid', 'moe.router_norm_topk': False,
+               'moe.num_shared_experts': 1, 'moe.router_weights_on_input': True},
 }
 
 
@@ -67,7 +69,7 @@ def _x(cfg, n=24, seed=1):
 @pytest.mark.parametrize('variant', sorted(VARIANTS))
 @pytest.mark.parametrize('ragged_dot_impl', ['lax', 'dense'])
 def test_dropless_matches_numpy_reference(variant, ragged_dot_impl):
-  cfg = _cfg(**VARIANTS[variant], ragged_dot_impl=ragged_dot_impl)
+  cfg = _cfg(**VARIANTS[variant], **{'runtime.ragged_dot_impl': ragged_dot_impl})
   moe = _module(cfg)
   x = _x(cfg)
   out = moe(x)
@@ -83,8 +85,8 @@ def test_dropless_matches_numpy_reference(variant, ragged_dot_impl):
 def test_capacity_dispatch_equals_dropless_when_nothing_drops(variant):
   """capacity_factor = E / k gives every expert room for every token."""
   cfg = _cfg(**VARIANTS[variant])
-  big = cfg.replace(moe_dispatch='capacity',
-                    capacity_factor=cfg.moe.num_experts / cfg.moe.num_experts_per_tok)
+  big = cfg.replace(**{'moe.dispatch': 'capacity'},
+                    **{'moe.capacity_factor': cfg.moe.num_experts / cfg.moe.num_experts_per_tok})
   x = _x(cfg)
   assert capacity(24, big.moe) == 24
   dropless = _module(cfg)(x)
@@ -94,7 +96,7 @@ def test_capacity_dispatch_equals_dropless_when_nothing_drops(variant):
 
 @pytest.mark.parametrize('variant', ['mixtral', 'deepseek_v3'])
 def test_capacity_dispatch_drops_overflow_like_the_reference(variant):
-  cfg = _cfg(**VARIANTS[variant], moe_dispatch='capacity', capacity_factor=0.5)
+  cfg = _cfg(**VARIANTS[variant], **{'moe.dispatch': 'capacity', 'moe.capacity_factor': 0.5})
   moe = _module(cfg)
   x = _x(cfg, n=32)
   slots = capacity(32, cfg.moe)
@@ -112,7 +114,8 @@ def test_bfloat16_compute_stays_close():
   moe = _module(cfg)
   x = _x(cfg)
   ref = moe_reference(np.asarray(x).reshape(-1, cfg.d_model), _params(moe), cfg)[0]
-  bf16 = nnx.merge(nnx.graphdef(MoE.from_config(cfg.replace(dtype='bfloat16'), rngs=nnx.Rngs(0))),
+  bf16_cfg = cfg.replace(**{'runtime.dtype': 'bfloat16'})
+  bf16 = nnx.merge(nnx.graphdef(MoE.from_config(bf16_cfg, rngs=nnx.Rngs(0))),
                    nnx.state(moe))
   out = bf16(x.astype(jnp.bfloat16))
   assert out.dtype == jnp.bfloat16
@@ -123,7 +126,7 @@ def test_router_bias_update_rule():
   bias = jnp.array([0.0, 0.1, -0.2, 0.0])
   load = jnp.array([10.0, 2.0, 2.0, 2.0])     # mean 4: expert 0 over-loaded
   np.testing.assert_allclose(router_bias_update(bias, load, 0.01), [-0.01, 0.11, -0.19, 0.01])
-  cfg = _cfg(**VARIANTS['deepseek_v3'], scan_layers=True)
+  cfg = _cfg(**VARIANTS['deepseek_v3'], **{'runtime.scan_layers': True})
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   nnx.jit(lambda m, x: m(x))(model, jnp.zeros((1, 8), jnp.int32))  # one token: skewed load
   load = model.layers.mlp.tokens_per_expert[...]
@@ -137,7 +140,7 @@ def test_router_bias_update_rule():
 
 @pytest.mark.parametrize('scan_layers', [pytest.param(False, marks=pytest.mark.slow), True])
 def test_aux_outputs_are_collected_and_differentiable(scan_layers):
-  cfg = _cfg(num_layers=3, first_k_dense_layers=1, scan_layers=scan_layers)
+  cfg = _cfg(num_layers=3, **{'moe.first_k_dense_layers': 1, 'runtime.scan_layers': scan_layers})
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   ids = jax.random.randint(jax.random.key(2), (2, 16), 0, cfg.vocab_size)
 
@@ -157,8 +160,9 @@ def test_aux_outputs_are_collected_and_differentiable(scan_layers):
 
 
 def test_moe_layer_layout_and_counts():
-  cfg = _cfg(num_layers=5, first_k_dense_layers=1, moe_layer_step=2, num_shared_experts=1,
-             router_score_bias=True)
+  cfg = _cfg(num_layers=5, **{'moe.first_k_dense_layers': 1, 'moe.layer_step': 2,
+                              'moe.num_shared_experts': 1},
+             **{'moe.router_score_bias': True})
   assert cfg.moe_layers == (False, True, False, True, False)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -170,13 +174,13 @@ def test_moe_layer_layout_and_counts():
 
 
 @pytest.mark.parametrize('bad,match', [
-    (dict(num_experts_per_tok=9), 'num_experts_per_tok'),
-    (dict(router_groups=3), 'router_groups'),
-    (dict(router_groups=4, router_topk_groups=5), 'router_topk_groups'),
-    (dict(first_k_dense_layers=2), 'first_k_dense_layers'),
-    (dict(moe_layer_step=2, scan_layers=True), 'scan_layers'),
-    (dict(capacity_factor=0.0), 'capacity_factor'),
-    (dict(moe_dispatch='sorted'), r'ModelConfig\.moe\.dispatch'),
+    ({'moe.num_experts_per_tok': 9}, 'num_experts_per_tok'),
+    ({'moe.router_groups': 3}, 'router_groups'),
+    ({'moe.router_groups': 4, 'moe.router_topk_groups': 5}, 'router_topk_groups'),
+    ({'moe.first_k_dense_layers': 2}, 'first_k_dense_layers'),
+    ({'moe.layer_step': 2, 'runtime.scan_layers': True}, 'scan_layers'),
+    ({'moe.capacity_factor': 0.0}, 'capacity_factor'),
+    ({'moe.dispatch': 'sorted'}, r'ModelConfig\.moe\.dispatch'),
 ])
 def test_bad_moe_config_is_a_clear_error(bad, match):
   with pytest.raises(ConfigError, match=match):

@@ -59,7 +59,7 @@ def test_the_scout_hub_config_is_the_scout_preset():
   alone is the preset's text model."""
   cfg = LLAMA4.hf.config_from_hf(_multimodal(SCOUT_TEXT_CONFIG))
   assert cfg == maxnnx.get_preset('llama4-17b-16e')
-  assert cfg.nope_layers == tuple(range(3, 48, 4)) and all(cfg.moe_layers)
+  assert cfg.attention.nope_layers == tuple(range(3, 48, 4)) and all(cfg.moe_layers)
   text = LLAMA4.hf.config_from_hf(HFConfig(SCOUT_TEXT_CONFIG, 'config.json', LLAMA4.hf.defaults))
   assert text == cfg.replace(vision=VisionConfig())
   maverick = dict(SCOUT_TEXT_CONFIG, num_local_experts=128, interleave_moe_layer_step=2,
@@ -83,7 +83,7 @@ def test_export_writes_the_transformers_tensors_and_config(tmp_path):
 def _all_moe_tiny():
   """tiny-llama4 with every layer MoE (as in Scout): a layout the scanned stack holds."""
   return maxnnx.get_preset('tiny-llama4', moe={'first_k_dense_layers': 0, 'layer_step': 1},
-                           attention_chunk_size=6, attn_temperature_floor=3.0,
+                           **{'attention.chunk_size': 6, 'attention.temperature_floor': 3.0},
                            initializer_range=0.5)
 
 
@@ -107,9 +107,9 @@ def test_a_scanned_stack_mixing_nope_and_rotary_layers_equals_the_list(tmp_path)
 
 
 @pytest.mark.parametrize('change,match', [
-    (dict(nope_layers=(4,)), 'nope_layers'),
-    (dict(layer_types=('chunked',) * 4, attention_chunk_size=None), 'attention_chunk_size'),
-    (dict(attention_chunk_size=0), 'attention_chunk_size'),
+    ({'attention.nope_layers': (4,)}, 'nope_layers'),
+    (dict(layer_types=('chunked',) * 4, **{'attention.chunk_size': None}), 'attention.chunk_size'),
+    ({'attention.chunk_size': 0}, 'attention.chunk_size'),
 ])
 def test_bad_llama4_settings_are_clear_errors(change, match):
   with pytest.raises(maxnnx.ConfigError, match=match):

@@ -50,7 +50,7 @@ def test_keys_map_with_their_values_converted():
   assert (model.num_layers, model.d_model, model.num_heads) == (
       2, 256, get_preset('llama3.1-8b').num_heads)
   assert (model.mlp_activation, model.mlp_gated, model.moe.num_experts) == ('gelu_tanh', False, 0)
-  assert model.qk_norm == 'head' and model.runtime.param_dtype == 'bfloat16'
+  assert model.attention.qk_norm == 'head' and model.runtime.param_dtype == 'bfloat16'
   assert model.runtime.remat_policy == 'save_qkv_proj'
   assert model.runtime.attention_impl == 'xla_flash'
 
@@ -109,7 +109,7 @@ def test_refusals_and_notes(capsys):
   out = capsys.readouterr().out.splitlines()
   assert out == ["Note: MaxText's hardware has no effect here: maxnnx uses the devices JAX finds.",
                  "Note: MaxText's megablox has no effect here: MaxText's MoE kernel choice; "
-                 'maxnnx: model.ragged_dot_impl.']
+                 'maxnnx: model.runtime.ragged_dot_impl.']
 
 
 def test_batch_per_device_needs_the_devices_known():

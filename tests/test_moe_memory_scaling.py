@@ -48,9 +48,11 @@ def test_train_step_temporaries_shrink_as_fsdp_doubles_at_a_fixed_batch():
 
 
 BLOCK = dict(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=24,
-             num_experts=8, num_experts_per_tok=2, moe_mlp_dim=8, router_score='sigmoid',
-             router_score_bias=True, router_groups=4, router_topk_groups=2,
-             router_group_score='top2_sum', router_scaling_factor=2.5, num_shared_experts=1)
+             **{'moe.num_experts': 8, 'moe.num_experts_per_tok': 2, 'moe.mlp_dim': 8,
+                'moe.router_score': 'sigmoid'},
+             **{'moe.router_score_bias': True, 'moe.router_groups': 4, 'moe.router_topk_groups': 2},
+             **{'moe.router_group_score': 'top2_sum', 'moe.router_scaling_factor': 2.5,
+                'moe.num_shared_experts': 1})
 
 
 def _block_outputs(mesh_config: MeshConfig | None):

@@ -30,7 +30,7 @@ FIXTURE = os.path.join(FIXTURES, 'deepseek_v3')
 def _config(**overrides):
   """The tiny DeepSeek V3 fixture's architecture (MLA with YaRN, a dense first
   layer, then group-routed sigmoid experts) with MTP modules."""
-  return maxnnx.config_from_pretrained(FIXTURE, **{'mtp_num_layers': 2, **overrides})
+  return maxnnx.config_from_pretrained(FIXTURE, **{'mtp.num_layers': 2, **overrides})
 
 
 def _model(seed=0, **overrides):
@@ -108,7 +108,7 @@ def test_mtp_off_gives_the_same_logits(deepseek):
   plain = model(ids)
   with_mtp, _ = model(ids, mtp=True)
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(with_mtp))
-  without = maxnnx.Transformer(model.config.replace(mtp_num_layers=0), rngs=nnx.Rngs(0))
+  without = maxnnx.Transformer(model.config.replace(**{'mtp.num_layers': 0}), rngs=nnx.Rngs(0))
   state = {k: v for k, v in _params(model).items() if k != 'mtp'}
   nnx.update(without, state)
   assert without.mtp is None
@@ -118,9 +118,9 @@ def test_mtp_off_gives_the_same_logits(deepseek):
 
 
 def test_config_validation():
-  cfg = _config(mtp_num_layers=1)
+  cfg = _config(**{'mtp.num_layers': 1})
   with pytest.raises(ConfigError, match=r'ModelConfig\.mtp\.num_layers must be >= 0'):
-    cfg.replace(mtp_num_layers=-1)
+    cfg.replace(**{'mtp.num_layers': -1})
   with pytest.raises(ConfigError, match='TrainConfig.mtp_loss_scaling_factor'):
     cfg.replace(mtp_loss_scaling_factor=0.1)
   with pytest.raises(ConfigError, match='TrainConfig.mtp_loss_scaling_factor must be >= 0'):
@@ -162,7 +162,7 @@ def test_mtp_loss_matches_numpy_cross_entropy(grad_accum_steps, deepseek):
 def _dense(**overrides):
   """A small Llama-style model with MTP: the modules are not DeepSeek-specific."""
   cfg = maxnnx.get_preset('tiny', **{**dict(vocab_size=32, num_layers=2, d_model=32, mlp_dim=64,
-                                            num_heads=2, num_kv_heads=2, mtp_num_layers=2),
+                                            num_heads=2, num_kv_heads=2, **{'mtp.num_layers': 2}),
                                      **overrides})
   return maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
 
@@ -213,7 +213,8 @@ def test_mtp_under_scan_layers_and_a_data_mesh(kind):
   values = _host_params(model)
   batch = _packed_batch(np.random.default_rng(5), model.config.vocab_size, batch=4)
   one = Trainer(model, _train_config(batch=4)).step(batch)
-  scanned = maxnnx.Transformer(model.config.replace(scan_layers=True), rngs=nnx.Rngs(1))
+  scanned = maxnnx.Transformer(model.config.replace(**{'runtime.scan_layers': True}),
+                               rngs=nnx.Rngs(1))
   _copy_into_scanned(values, model.config, scanned)
   two = Trainer(scanned, _train_config(batch=4, mesh=MeshConfig(data=2))).step(batch)
   for key in ('loss', 'mtp_loss', 'moe_aux_loss'):
@@ -278,7 +279,7 @@ def test_save_writes_the_hub_layout_and_round_trips(tmp_path, deepseek):
                                 tensors['lm_head.weight'])
 
   again = maxnnx.from_pretrained(first, scan_layers=True)
-  assert again.config == model.config.replace(scan_layers=True)
+  assert again.config == model.config.replace(**{'runtime.scan_layers': True})
   maxnnx.save_pretrained(again, second)
   rewritten = _hub_names(second)
   assert rewritten.keys() == tensors.keys()
@@ -294,8 +295,8 @@ def test_loading_with_fewer_mtp_layers_skips_those_tensors(tmp_path, caplog, dee
   model = deepseek
   maxnnx.save_pretrained(model, str(tmp_path))
   with caplog.at_level(logging.INFO, logger='maxnnx.models'):
-    plain = maxnnx.from_pretrained(str(tmp_path), mtp_num_layers=0)
-    one = maxnnx.from_pretrained(str(tmp_path), mtp_num_layers=1)
+    plain = maxnnx.from_pretrained(str(tmp_path), **{'mtp.num_layers': 0})
+    one = maxnnx.from_pretrained(str(tmp_path), **{'mtp.num_layers': 1})
   assert plain.mtp is None and len(one.mtp) == 1
   assert [r.getMessage().count('skipping') for r in caplog.records] == [1, 1]
   assert 'skipping 2' in caplog.records[0].getMessage()
@@ -304,7 +305,7 @@ def test_loading_with_fewer_mtp_layers_skips_those_tensors(tmp_path, caplog, dee
   ours, theirs = one(ids, mtp=True)[1][0], model(ids, mtp=True)[1][0]
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
   with pytest.raises(PretrainedError, match=r'mtp\.num_layers=3'):
-    maxnnx.from_pretrained(str(tmp_path), mtp_num_layers=3)
+    maxnnx.from_pretrained(str(tmp_path), **{'mtp.num_layers': 3})
 
 
 def test_transformers_checkpoint_without_mtp_tensors_loads_without_mtp(caplog):
@@ -315,12 +316,12 @@ def test_transformers_checkpoint_without_mtp_tensors_loads_without_mtp(caplog):
   assert model.config.mtp.num_layers == 0 and model.mtp is None
   assert any('holds tensors for 0' in r.getMessage() for r in caplog.records)
   with pytest.raises(PretrainedError, match='holds multi-token-prediction tensors for 0'):
-    maxnnx.from_pretrained(FIXTURE, mtp_num_layers=1)
+    maxnnx.from_pretrained(FIXTURE, **{'mtp.num_layers': 1})
 
 
 def test_families_without_mtp_refuse_to_save_it(tmp_path):
   cfg = maxnnx.get_preset('tiny', vocab_size=32, num_layers=1, d_model=16, mlp_dim=32,
-                          num_heads=2, num_kv_heads=2, mtp_num_layers=1)
+                          num_heads=2, num_kv_heads=2, **{'mtp.num_layers': 1})
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
   ids = np.zeros((1, 4), np.int32)
   assert len(model(ids, mtp=True)[1]) == 1  # the modules themselves are family-agnostic
@@ -335,5 +336,5 @@ def test_flops_count_the_mtp_modules():
   base = forward_flops_per_token(cfg, 64)
   one_more_block = forward_flops_per_token(cfg.replace(num_layers=3), 64) - base
   extra = 2 * 2 * cfg.d_model**2 + 2 * cfg.d_model * cfg.vocab_size
-  assert forward_flops_per_token(cfg.replace(mtp_num_layers=2), 64) == pytest.approx(
+  assert forward_flops_per_token(cfg.replace(**{'mtp.num_layers': 2}), 64) == pytest.approx(
       base + 2 * (one_more_block + extra))

@@ -15,7 +15,8 @@ BATCH, SEQ = 4, 16
 
 
 def _model_config(**changes):
-  return maxnnx.get_preset('tiny', dtype='float32', param_dtype='float32').replace(**changes)
+  return maxnnx.get_preset('tiny', **{'runtime.dtype': 'float32',
+                                      'runtime.param_dtype': 'float32'}).replace(**changes)
 
 
 def _batch(seed=0, vocab=512):

@@ -24,7 +24,7 @@ STEPS, BATCH, SEQ = 3, 8, 32
 
 def _model_config(**changes):
   # Mixed sliding/full layers exercise per-layer windows through every stack layout.
-  return maxnnx.get_preset('tiny', scan_layers=True, sliding_window=8,
+  return maxnnx.get_preset('tiny', **{'runtime.scan_layers': True, 'attention.sliding_window': 8},
                            layer_types=('sliding', 'full', 'sliding', 'full')).replace(**changes)
 
 
@@ -79,26 +79,28 @@ def test_parallel_losses_match_one_device(reference, name):
 FAMILY_SIZES = dict(vocab_size=128, d_model=64, num_layers=4, num_heads=4,
                     max_position_embeddings=64)
 FAMILIES = {
-    'olmo3': dict(FAMILY_SIZES, num_kv_heads=2, mlp_dim=128, sliding_window=8,
+    'olmo3': dict(FAMILY_SIZES, num_kv_heads=2, mlp_dim=128, attention={'sliding_window': 8},
                   layer_types=('sliding', 'sliding', 'sliding', 'full')),
     'gpt3': dict(FAMILY_SIZES, num_kv_heads=4, mlp_dim=256),
     # Chunked layers, a NoPE layer with its temperature, L2 q/k norms and top-1 experts
     # weighting their inputs, all in one scanned stack (nope flags traced per layer).
-    'llama4': dict(FAMILY_SIZES, num_kv_heads=2, mlp_dim=128, attention_chunk_size=8,
-                   layer_types=('chunked', 'chunked', 'chunked', 'full'), nope_layers=(3,),
-                   attn_temperature_floor=4.0, moe={'num_experts': 4, 'mlp_dim': 64}),
+    'llama4': dict(FAMILY_SIZES, num_kv_heads=2, mlp_dim=128,
+                   layer_types=('chunked', 'chunked', 'chunked', 'full'),
+                   attention={'chunk_size': 8, 'nope_layers': (3,), 'temperature_floor': 4.0},
+                   moe={'num_experts': 4, 'mlp_dim': 64}),
     # Gated DeltaNet layers (state and convolution over the sequence, grouped value heads)
     # beside a gated attention layer, and a gated shared expert; unscanned (hybrid stack).
     'qwen3_next': dict(FAMILY_SIZES, num_layers=2, num_kv_heads=2, head_dim=16, mlp_dim=128,
-                       layer_types=('linear', 'full'), scan_layers=False,
+                       layer_types=('linear', 'full'), **{'runtime.scan_layers': False},
                        linear_attn={'num_key_heads': 2, 'num_value_heads': 4, 'key_head_dim': 8,
                                     'value_head_dim': 8},
                        moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 32}),
     # Wider global layers whose values are their keys, value norms, layer scalars, and top-2
     # experts beside the dense MLP with a normed router input; unscanned (two layer shapes).
     'gemma4': dict(FAMILY_SIZES, num_layers=2, num_kv_heads=2, head_dim=16, mlp_dim=64,
-                   sliding_window=8, layer_types=('sliding', 'full'), scan_layers=False,
-                   global_attn={'head_dim': 32, 'num_kv_heads': 1},
+                   layer_types=('sliding', 'full'), **{'runtime.scan_layers': False},
+                   attention={'sliding_window': 8,
+                              'global_layers': {'head_dim': 32, 'num_kv_heads': 1}},
                    moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 32}),
 }
 
@@ -115,7 +117,7 @@ FAMILY_TRAINING = {'qwen3_next': {'optimizer': 'sgd'}}
     pytest.param('qwen3_next', marks=pytest.mark.slow),  # 46 s
     pytest.param('gpt3', marks=pytest.mark.slow)])  # gpt3's layers: test_transformer
 def test_family_trains_on_a_2x2x2_mesh_like_one_device(family):
-  cfg = specs()[family].config(**{'scan_layers': True, **FAMILIES[family]})
+  cfg = specs()[family].config(**{'runtime.scan_layers': True, **FAMILIES[family]})
   train = FAMILY_TRAINING.get(family, {})
   one_device = _losses(MeshConfig(data=1), cfg, **train)
   losses = _losses(MeshConfig(data=2, fsdp=2, tensor=2), cfg, **train)
@@ -176,7 +178,7 @@ def test_grad_accumulation_equals_the_large_batch(reference):
 
 def test_remat_policies_change_memory_not_numbers(reference):
   for policy in ('full', 'save_dot_except_mlp'):
-    losses = _losses(MeshConfig(data=1), _model_config(remat_policy=policy))
+    losses = _losses(MeshConfig(data=1), _model_config(**{'runtime.remat_policy': policy}))
     # Recomputed forward passes fuse differently from the first one; the default attention's
     # exp/log-sum-exp then round differently in the last bits (with 'xla' the match is exact).
     np.testing.assert_allclose(losses, reference, rtol=2e-5, err_msg=policy)
@@ -197,13 +199,13 @@ def test_sharded_parameters_follow_the_logical_rules():
 def test_pipeline_builds_a_config_scanned_and_matches_one_device(reference, caplog):
   """stage > 1 switches scan_layers on for a model the Trainer builds (and logs it)."""
   with caplog.at_level(logging.INFO, logger='maxnnx.train.trainer'):
-    losses = _losses(MeshConfig(data=4, stage=2), _model_config(scan_layers=False))
+    losses = _losses(MeshConfig(data=4, stage=2), _model_config(**{'runtime.scan_layers': False}))
   assert 'scan_layers=True' in caplog.text
   np.testing.assert_allclose(losses, reference, rtol=1e-4)
 
 
 def test_pipeline_needs_a_scanned_stack_and_divisible_layers():
-  built = maxnnx.Transformer(_model_config(scan_layers=False), rngs=nnx.Rngs(0))
+  built = maxnnx.Transformer(_model_config(**{'runtime.scan_layers': False}), rngs=nnx.Rngs(0))
   config = TrainConfig(global_batch_size=BATCH, seq_len=SEQ, mesh=MeshConfig(stage=2))
   with pytest.raises(ValueError, match='build it with scan_layers=True'):
     Trainer(built, config)
@@ -227,7 +229,7 @@ def test_aot_compile_reports_memory_and_fails_fast_when_too_big():
 def test_an_8b_model_is_refused_before_any_weights_exist():
   """Llama 3.1 8B with AdamW on 8 CPU 'devices' of this host cannot fit: compile says so."""
   config = TrainConfig(global_batch_size=8, seq_len=256, mesh=MeshConfig(fsdp=8))
-  trainer = Trainer(maxnnx.get_preset('llama3.1-8b', scan_layers=True), config)
+  trainer = Trainer(maxnnx.get_preset('llama3.1-8b', **{'runtime.scan_layers': True}), config)
   with pytest.raises(TrainingError, match='per device'):
     trainer.compile(verbose=False)
 
@@ -236,7 +238,7 @@ def test_an_8b_model_is_refused_before_any_weights_exist():
 def test_expert_parallel_moe_matches_one_device(strategy):
   """tiny-moe (8 experts, top-2) with experts split over 4 devices, batch over 2; tokens
   reach their experts as GSPMD chooses or by all-to-all (mesh.expert_parallel_strategy)."""
-  moe = maxnnx.get_preset('tiny-moe', scan_layers=True)
+  moe = maxnnx.get_preset('tiny-moe', **{'runtime.scan_layers': True})
   reference = _losses(MeshConfig(data=1), moe, router_aux_loss_coef=0.01)
   losses = _losses(MeshConfig(data=2, expert=4, expert_parallel_strategy=strategy), moe,
                    router_aux_loss_coef=0.01)

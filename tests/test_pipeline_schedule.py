@@ -127,7 +127,8 @@ def test_a_pipelined_model_reports_the_whole_batchs_loads_and_max_logits():
   from maxnnx.layers.moe import moe_stats
   from maxnnx.layers.qk_clip import attention_max_logits
   cfg = maxnnx.get_preset('tiny-moe', vocab_size=64, num_layers=2, d_model=32, mlp_dim=32,
-                          scan_layers=True, record_max_logits=True, dtype='float32')
+                          **{'runtime.scan_layers': True, 'runtime.record_max_logits': True,
+                             'runtime.dtype': 'float32'})
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(0))
   ids = jnp.asarray(np.random.default_rng(3).integers(0, 64, (8, 16)), jnp.int32)
   model(ids)

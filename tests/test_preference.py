@@ -107,7 +107,7 @@ def test_chunked_sequence_logps_match_a_full_log_softmax(vocab_major, softcap):
 
 
 def _model_config():
-  return maxnnx.get_preset('tiny', dtype='float32', param_dtype='float32')
+  return maxnnx.get_preset('tiny', **{'runtime.dtype': 'float32', 'runtime.param_dtype': 'float32'})
 
 
 def _pairs_batch(seed=0, prompt=6):

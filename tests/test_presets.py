@@ -171,20 +171,20 @@ def test_architecture_details():
 @pytest.mark.parametrize('name', ['tiny', 'gemma2-2b', 'gemma3-1b', 'qwen2.5-0.5b', 'qwen3-0.6b',
                                   'olmo2-7b', 'gpt3-52k'])
 def test_num_params_equals_abstract_model_size(name):
-  cfg = get_preset(name, scan_layers=True)
+  cfg = get_preset(name, **{'runtime.scan_layers': True})
   assert _param_count(_abstract(cfg)) == num_params(cfg)
 
 
 def test_scanned_and_unscanned_models_have_the_same_parameters():
-  unscanned = _abstract(get_preset('gemma3-1b', scan_layers=False))
-  scanned = _abstract(get_preset('gemma3-1b', scan_layers=True))
+  unscanned = _abstract(get_preset('gemma3-1b', **{'runtime.scan_layers': False}))
+  scanned = _abstract(get_preset('gemma3-1b', **{'runtime.scan_layers': True}))
   assert _param_count(unscanned) == _param_count(scanned) == num_params(get_preset('gemma3-1b'))
   assert len(unscanned.layers) == 26
   assert scanned.layers.attn.q_proj.kernel.shape[0] == 26
 
 
 def test_70b_abstract_model_is_fast_and_allocates_nothing():
-  cfg = get_preset('llama3-70b', scan_layers=True, param_dtype='bfloat16')
+  cfg = get_preset('llama3-70b', **{'runtime.scan_layers': True, 'runtime.param_dtype': 'bfloat16'})
   start = time.perf_counter()
   model = _abstract(cfg)
   assert time.perf_counter() - start < 5.0
@@ -215,10 +215,11 @@ def test_maxtext_names_resolve_to_the_same_architecture():
 
 
 def test_overrides():
-  cfg = get_preset('tiny', dtype='bfloat16', scan_layers=True)
+  cfg = get_preset('tiny', **{'runtime.dtype': 'bfloat16', 'runtime.scan_layers': True})
   assert cfg.runtime.dtype == 'bfloat16' and cfg.runtime.scan_layers
-  assert cfg.replace(dtype='float32', scan_layers=False) == get_preset('tiny')
-  with pytest.raises(ConfigError, match="'dtype'"):
+  assert cfg.replace(**{'runtime.dtype': 'float32',
+                        'runtime.scan_layers': False}) == get_preset('tiny')
+  with pytest.raises(ConfigError, match=r"'dtpye'\. Did you mean 'runtime\.dtype'\?"):
     get_preset('tiny', dtpye='bfloat16')
   with pytest.raises(ConfigError, match='num_kv_heads'):
     get_preset('tiny', num_kv_heads=3)

@@ -42,7 +42,7 @@ SLOW_COUNTS = {'gemma4-26b-a4b', 'llama4-17b-128e'}
     pytest.param(n, b, marks=pytest.mark.slow) if n in SLOW_COUNTS else (n, b)
     for n, b in sorted(PUBLISHED_BILLIONS.items())])
 def test_total_and_active_params_match_published(name, billions):
-  cfg = get_preset(name).replace(mtp_num_layers=0)  # published counts exclude MTP modules
+  cfg = get_preset(name).replace(**{'mtp.num_layers': 0})  # published counts exclude MTP modules
   total, active = billions
   assert num_params(cfg) == pytest.approx(total * 1e9, rel=5e-3)
   embedding = cfg.vocab_size * cfg.d_model if name in ACTIVE_WITHOUT_INPUT_EMBEDDING else 0
@@ -57,7 +57,7 @@ def test_deepseek_v3_with_mtp_matches_hub_size():
   assert cfg.mtp.num_layers == 1
   copies = 2 * cfg.vocab_size * cfg.d_model
   assert num_params(cfg) + copies == pytest.approx(685e9, rel=5e-3)
-  assert num_params(cfg) - num_params(cfg.replace(mtp_num_layers=0)) == pytest.approx(
+  assert num_params(cfg) - num_params(cfg.replace(**{'mtp.num_layers': 0})) == pytest.approx(
       11.7e9, rel=1e-2)
 
 
@@ -72,7 +72,7 @@ def test_deepseek_v2_lite_size():
 @pytest.mark.parametrize('name', ['tiny-moe', 'qwen3-30b-a3b', 'mixtral-8x7b', 'deepseek-v2-lite',
                                   'deepseek-v3', 'gpt-oss-20b'])
 def test_num_params_equals_abstract_model_size(name):
-  cfg = get_preset(name, scan_layers=True, param_dtype='bfloat16')
+  cfg = get_preset(name, **{'runtime.scan_layers': True, 'runtime.param_dtype': 'bfloat16'})
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   count = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert count == num_params(cfg)
@@ -83,7 +83,7 @@ def test_tiny_moe_forward_scanned_equals_unscanned():
   assert (cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.moe.num_experts,
           cfg.moe.num_experts_per_tok) == (512, 128, 4, 8, 2)
   unscanned = Transformer(cfg, rngs=nnx.Rngs(0))
-  scanned = nnx.eval_shape(lambda: Transformer(cfg.replace(scan_layers=True),
+  scanned = nnx.eval_shape(lambda: Transformer(cfg.replace(**{'runtime.scan_layers': True}),
                                                rngs=nnx.Rngs(0)))
   # Stack the unscanned layers' parameters into the scanned model.
   layers = [nnx.state(block) for block in unscanned.layers]
@@ -103,8 +103,8 @@ def test_tiny_moe_forward_scanned_equals_unscanned():
 def test_deepseek_v3_2_is_v3_plus_one_indexer_per_layer():
   """671B like V3 (the card's figure, which leaves the indexers out): exactly 61 indexers
   (wq_b, wk, k_norm, weights_proj) more than V3, MTP modules aside."""
-  v3 = get_preset('deepseek-v3').replace(mtp_num_layers=0)
-  v32 = get_preset('deepseek-v3.2').replace(mtp_num_layers=0)
+  v3 = get_preset('deepseek-v3').replace(**{'mtp.num_layers': 0})
+  v32 = get_preset('deepseek-v3.2').replace(**{'mtp.num_layers': 0})
   mla = v32.mla
   indexer = (mla.q_lora_rank * mla.index_num_heads * mla.index_head_dim
              + v32.d_model * mla.index_head_dim + 2 * mla.index_head_dim

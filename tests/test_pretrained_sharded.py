@@ -28,8 +28,8 @@ def _params(model):
 
 @pytest.mark.parametrize('case,mesh,overrides', [
     ('llama', MeshConfig(fsdp=4, tensor=2), {}),
-    ('qwen3_moe', MeshConfig(fsdp=2, expert=2, tensor=2), {'scan_layers': True}),
-    ('phi3', MeshConfig(data=2, tensor=4), {'param_dtype': 'bfloat16'}),
+    ('qwen3_moe', MeshConfig(fsdp=2, expert=2, tensor=2), {'runtime.scan_layers': True}),
+    ('phi3', MeshConfig(data=2, tensor=4), {'runtime.param_dtype': 'bfloat16'}),
 ])
 def test_sharded_load_equals_the_unsharded_one_bit_for_bit(case, mesh, overrides):
   """Every parameter holds the unsharded load's values exactly, on the shards the logical rules

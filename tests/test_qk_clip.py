@@ -22,7 +22,7 @@ from maxnnx.layers.qk_clip import (
 from maxnnx.train import TrainConfig, Trainer
 
 MODEL = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=4, mlp_dim=64,
-             max_position_embeddings=64, dtype='float32', qkv_bias=True)
+             max_position_embeddings=64, **{'runtime.dtype': 'float32', 'attention.qkv_bias': True})
 
 
 def _model(scan=False, **changes):
@@ -114,7 +114,7 @@ def _per_head(factor_LN, value, part, scan):
 
 def test_an_output_gated_query_keeps_its_gate():
   """Qwen3-Next's ``[query, gate]`` per head: the clip scales the query half only."""
-  model = _model(attention_output_gate=True, num_kv_heads=2)
+  model = _model(**{'attention.output_gate': True}, num_kv_heads=2)
   model(jnp.asarray(np.random.default_rng().integers(0, 64, size=(2, 16))))
   layer = model.layers[0].attn
   kernel = np.asarray(layer.q_proj.kernel[...])
@@ -131,7 +131,7 @@ def test_clip_factors_leave_heads_under_the_threshold_and_heads_that_saw_nothing
 
 
 def _losses(threshold, steps=3):
-  cfg = maxnnx.get_preset('tiny', num_layers=2, dtype='float32', vocab_size=256)
+  cfg = maxnnx.get_preset('tiny', num_layers=2, **{'runtime.dtype': 'float32'}, vocab_size=256)
   trainer = Trainer(cfg, TrainConfig(steps=steps, global_batch_size=4, seq_len=32,
                                      optimizer='muon', learning_rate=0.02, log_every=1,
                                      eval_every=0, qk_clip_threshold=threshold, seed=3,
@@ -154,7 +154,7 @@ def test_muon_with_a_clip_that_never_fires_trains_like_plain_muon():
 
 def test_qk_clip_is_refused_where_it_cannot_work():
   with pytest.raises(ConfigError, match='qk_norm'):
-    Trainer(maxnnx.get_preset('tiny', num_layers=1, qk_norm='head'),
+    Trainer(maxnnx.get_preset('tiny', num_layers=1, **{'attention.qk_norm': 'head'}),
             TrainConfig(qk_clip_threshold=100.0, mesh=MeshConfig(data=1), seq_len=32))
   plain = maxnnx.Transformer(maxnnx.get_preset('tiny', num_layers=1), rngs=nnx.Rngs(0))
   with pytest.raises(ConfigError, match='record_max_logits'):
@@ -171,7 +171,7 @@ def test_mla_clip_scales_nope_by_the_root_and_the_query_rope_by_gamma():
   from conftest import FIXTURES  # noqa: PLC0415
 
   base = maxnnx.from_pretrained(os.path.join(FIXTURES, 'deepseek_v2')).config
-  cfg = base.replace(record_max_logits=True, dtype='float32')
+  cfg = base.replace(**{'runtime.record_max_logits': True, 'runtime.dtype': 'float32'})
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(int(np.random.default_rng().integers(1 << 30))))
   ids = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, size=(2, 12)))
   model(ids)

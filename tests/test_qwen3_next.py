@@ -94,6 +94,6 @@ def test_qwen3_5_preset_sizes(name, total, active):
 
 def test_what_the_hybrid_stack_cannot_do_is_a_clear_error():
   with pytest.raises(maxnnx.ConfigError, match='scan_layers'):
-    maxnnx.get_preset('tiny-qwen3-next', scan_layers=True)
+    maxnnx.get_preset('tiny-qwen3-next', **{'runtime.scan_layers': True})
   with pytest.raises(ValueError, match='num_slots'):
     _tiny().init_paged_cache(8, 4)  # the serving engine gives one state slot per request

@@ -20,7 +20,7 @@ SAVE = ('out_proj',)
 
 
 def _model(**runtime):
-  config = maxnnx.get_preset('tiny', num_layers=2, dtype='float32', **runtime)
+  config = maxnnx.get_preset('tiny', num_layers=2, **{'runtime.dtype': 'float32'}, **runtime)
   return maxnnx.Transformer(config, rngs=nnx.Rngs(0))
 
 
@@ -36,7 +36,8 @@ def test_custom_policy_gradients_equal_no_remat():
   ids = _ids()
   grad = nnx.jit(nnx.grad(_loss))
   reference = grad(_model(), ids)
-  custom = grad(_model(remat_policy='custom', remat_save=SAVE, remat_offload=OFFLOAD), ids)
+  custom = grad(_model(**{'runtime.remat_policy': 'custom', 'runtime.remat_save': SAVE,
+                          'runtime.remat_offload': OFFLOAD}), ids)
   for want, got in zip(jax.tree.leaves(reference), jax.tree.leaves(custom), strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
@@ -57,7 +58,8 @@ def _memory_moves(jaxpr) -> list[str]:
 
 @pytest.mark.parametrize('offload', [OFFLOAD, ()])
 def test_only_the_offloaded_tensors_go_to_host_and_back(offload):
-  model = _model(remat_policy='custom', remat_save=SAVE, remat_offload=offload)
+  model = _model(**{'runtime.remat_policy': 'custom', 'runtime.remat_save': SAVE,
+                    'runtime.remat_offload': offload})
   graphdef, state = nnx.split(model)
   jaxpr = jax.make_jaxpr(jax.grad(lambda s, ids: _loss(nnx.merge(graphdef, s), ids)))(
       state, _ids())
@@ -69,10 +71,11 @@ def test_only_the_offloaded_tensors_go_to_host_and_back(offload):
 
 
 @pytest.mark.parametrize('runtime,match', [
-    (dict(remat_offload=('query_proj',)), "remat_policy='none': set remat_policy='custom'"),
-    (dict(remat_policy='custom', remat_save=('out_proj',), remat_offload=('out_proj',)),
+    ({'runtime.remat_offload': ('query_proj',)}, "remat_policy='none': set remat_policy='custom'"),
+    ({'runtime.remat_policy': 'custom', 'runtime.remat_save': ('out_proj',),
+      'runtime.remat_offload': ('out_proj',)},
      'out_proj is in both remat_save and remat_offload'),
-    (dict(remat_policy='custom', remat_offload=('qkv',)), 'remat_offload'),
+    ({'runtime.remat_policy': 'custom', 'runtime.remat_offload': ('qkv',)}, 'remat_offload'),
 ])
 def test_bad_custom_choices_name_the_field(runtime, match):
   with pytest.raises(ConfigError, match=match):

@@ -126,7 +126,7 @@ def test_cli_ring_trains_like_one_device(tmp_path, capsys):
   """``mesh.context_parallel_strategy=ring`` on data=2 x context=4 (load-balanced, sliding and
   full layers): every step's loss equals one device's, and the compiled train step passes
   keys and values around the ring where the all-gather strategy gathers them."""
-  common = ['train', 'model=tiny', 'model.num_layers=2', 'model.sliding_window=8',
+  common = ['train', 'model=tiny', 'model.num_layers=2', 'model.attention.sliding_window=8',
             'model.layer_types=sliding,full', 'data=synthetic', 'steps=3', 'log_every=1',
             'global_batch_size=8', 'seq_len=32', 'sample_tokens=0', 'eval_every=0',
             'checkpoint_every=0', 'dtype=float32']

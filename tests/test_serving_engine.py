@@ -332,28 +332,30 @@ def test_logit_bias_forces_and_bans_and_min_tokens_delays_the_stop(model, engine
 
 
 SLIDING = dict(vocab_size=VOCAB, d_model=48, num_layers=4, num_heads=4, num_kv_heads=2,
-               head_dim=12, mlp_dim=96, sliding_window=6,
-               layer_types=('sliding', 'full', 'sliding', 'full'), attn_logit_softcap=5.0,
+               head_dim=12, mlp_dim=96, attention={'sliding_window': 6, 'logit_softcap': 5.0},
+               layer_types=('sliding', 'full', 'sliding', 'full'),
                final_logit_softcap=10.0, max_position_embeddings=128, initializer_range=1.0)
 
 
 @pytest.mark.parametrize('family', [
-    pytest.param(dict(preset='gemma2-2b', scan_layers=True, **SLIDING), id='gemma2_scanned',
+    pytest.param(dict(preset='gemma2-2b', runtime={'scan_layers': True}, **SLIDING),
+                 id='gemma2_scanned',
                  marks=pytest.mark.slow),  # ~19 s
     pytest.param(dict(preset='gemma3-1b', **SLIDING), id='gemma3_list', marks=pytest.mark.slow),
-    pytest.param(dict(attention_type='mla', head_dim=None, kv_lora_rank=8, qk_nope_head_dim=8,
-                      qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12), id='mla'),
-    pytest.param(dict(attention_type='mla', head_dim=None, mla=dict(
+    pytest.param(dict(attention={'type': 'mla'}, head_dim=None, mla=dict(
+        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12)),
+                 id='mla'),
+    pytest.param(dict(attention={'type': 'mla'}, head_dim=None, mla=dict(
         kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12,
         index_topk=5, index_num_heads=2, index_head_dim=8)), id='mla_sparse_v32'),
-    pytest.param(dict(num_experts=4, num_experts_per_tok=2, moe_mlp_dim=32, scan_layers=True),
-                 id='moe', marks=pytest.mark.slow),
-    pytest.param(dict(preset='tiny-llama4', attention_chunk_size=6, attn_temperature_floor=3.0,
+    pytest.param(dict(moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 32},
+                      runtime={'scan_layers': True}), id='moe', marks=pytest.mark.slow),
+    pytest.param(dict(preset='tiny-llama4', attention={'chunk_size': 6, 'temperature_floor': 3.0},
                       vocab_size=VOCAB, initializer_range=1.0), id='llama4_chunked_nope'),
-    pytest.param(dict(preset='tiny-gemma4', sliding_window=6, vocab_size=VOCAB,
+    pytest.param(dict(preset='tiny-gemma4', attention={'sliding_window': 6}, vocab_size=VOCAB,
                       initializer_range=1.0), id='gemma4_global_shapes_moe',
                  marks=pytest.mark.slow),
-    pytest.param(dict(preset='tiny-gemma4', sliding_window=6, vocab_size=VOCAB,
+    pytest.param(dict(preset='tiny-gemma4', attention={'sliding_window': 6}, vocab_size=VOCAB,
                       initializer_range=1.0, moe={'num_experts': 0}, per_layer_input_dim=8,
                       num_kv_shared_layers=2, kv_shared_mlp_dim=256),
                  id='gemma4_per_layer_inputs_shared_kv', marks=pytest.mark.slow),
@@ -384,7 +386,7 @@ def test_pages_behind_an_every_layer_window_go_back_to_the_pool():
   """Every layer sliding (window 6): a request gives back the pages no later token attends
   to as it advances, holding a bounded number however long it runs, and its tokens stay
   generate's. A model with full layers keeps every page."""
-  windowed = _model(sliding_window=6, num_layers=2)
+  windowed = _model(attention={'sliding_window': 6}, num_layers=2)
   assert set(windowed.config.resolved_layer_types) == {'sliding'}
   engine = Engine(windowed, page_size=4, max_batch=2, token_budget=8, max_model_len=64,
                   prefix_caching=False)
@@ -448,7 +450,8 @@ def test_sliding_layers_of_a_mixed_model_give_back_their_pages():
     small.add_request(prompts[2], _greedy(30))  # its window needs more than 3 pages
   with pytest.raises(ValueError, match='max_window_pages=0'):
     Engine(mixed, max_model_len=64, max_window_pages=0)
-  scanned = maxnnx.Transformer(maxnnx.ModelConfig.from_dict({**SLIDING, 'scan_layers': True}),
+  scanned = maxnnx.Transformer(maxnnx.ModelConfig.from_dict({**SLIDING,
+                                                             'runtime.scan_layers': True}),
                                rngs=nnx.Rngs(0))
   assert Engine(scanned, max_model_len=16).window_allocator is None  # one pool: all kept
 

@@ -294,11 +294,13 @@ def test_stop_strings_cut_speculated_tokens_as_plain_decoding_does(plain, spec):
 
 
 @pytest.mark.parametrize('family', [
-    pytest.param(dict(sliding_window=5, layer_types=('sliding', 'full', 'sliding')),
+    pytest.param(dict(attention={'sliding_window': 5}, layer_types=('sliding', 'full', 'sliding')),
                  id='sliding_and_full_pools'),
-    pytest.param(dict(sliding_window=6, layer_types=('sliding',) * 3), id='every_layer_sliding'),
-    pytest.param(dict(attention_type='mla', head_dim=None, kv_lora_rank=8, qk_nope_head_dim=8,
-                      qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12), id='mla'),
+    pytest.param(dict(attention={'sliding_window': 6}, layer_types=('sliding',) * 3),
+                 id='every_layer_sliding'),
+    pytest.param(dict(attention={'type': 'mla'}, head_dim=None, mla=dict(
+        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12)),
+                 id='mla'),
 ])
 def test_families_with_speculation_give_generates_greedy_tokens(family):
   """Sliding windows (pages behind the window given back, in one pool or a second one) and

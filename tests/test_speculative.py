@@ -13,8 +13,9 @@ from maxnnx.inference.speculative import prompt_lookup_drafts
 
 FAMILIES = {
     'llama': {},
-    'qwen3_scanned': {'family': 'qwen3', 'qk_norm': 'head', 'scan_layers': True},
-    'moe_sliding': {'num_experts': 4, 'num_experts_per_tok': 2, 'sliding_window': 5,
+    'qwen3_scanned': {'family': 'qwen3', 'attention.qk_norm': 'head', 'runtime.scan_layers': True},
+    'moe_sliding': {'moe.num_experts': 4, 'moe.num_experts_per_tok': 2,
+                    'attention.sliding_window': 5,
                     'layer_types': ('sliding', 'full', 'sliding')},
 }
 

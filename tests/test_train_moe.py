@@ -19,7 +19,8 @@ def _trainer(rate, steps, start_bias=None, scan_layers=False, learning_rate=1e-3
   """A tiny MoE's Trainer (one layer by default) whose balancing bias starts at
   ``start_bias`` (default: one that sends every token to experts 0 and 1)."""
   cfg = maxnnx.get_preset('tiny-moe', vocab_size=VOCAB, num_layers=num_layers, d_model=32,
-                          mlp_dim=32, scan_layers=scan_layers, dtype='float32',
+                          mlp_dim=32, **{'runtime.scan_layers': scan_layers,
+                                         'runtime.dtype': 'float32'},
                           **{'moe.router_score_bias': True,
                              'moe.router_bias_update_rate': rate})
   config = TrainConfig(steps=steps, learning_rate=learning_rate, global_batch_size=BATCH,

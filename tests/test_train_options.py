@@ -79,7 +79,7 @@ def test_flops_count_halves_causal_attention_and_caps_windows():
   assert mean_keys_per_query(8, 2) == (1 + 2 * 7) / 8
   assert mean_keys_per_query(8, None, 3) == (1 + 2 + 3 + 1 + 2 + 3 + 1 + 2) / 8
   cfg = maxnnx.get_preset('tiny')
-  windowed = cfg.replace(sliding_window=16)
+  windowed = cfg.replace(**{'attention.sliding_window': 16})
   assert forward_flops_per_token(windowed, 1024) < forward_flops_per_token(cfg, 1024)
 
 

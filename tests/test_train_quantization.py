@@ -126,7 +126,8 @@ def test_int8_gradients_are_straight_through():
 def test_default_rules_pick_projections_and_experts_only():
   """Attention/MLP/expert matmuls are quantized; embeddings, LM head, routers, norms are not."""
   for scan in (False, True):
-    cfg = maxnnx.get_preset('tiny-moe', scan_layers=scan, first_k_dense_layers=1)
+    cfg = maxnnx.get_preset('tiny-moe', **{'runtime.scan_layers': scan,
+                                           'moe.first_k_dense_layers': 1})
     model = nnx.eval_shape(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)))
     nodes = {'/'.join(map(str, p)): node for p, node in nnx.iter_modules(model)}
     paths = list(nodes)
@@ -139,7 +140,7 @@ def test_default_rules_pick_projections_and_experts_only():
     assert moe and moe <= experts  # (a dense MLP there has no matmul of its own)
     assert not any('embed' in p or 'lm_head' in p or 'router' in p or 'norm' in p
                    for p in projections | experts)
-  rules = quantization_rules('int8', maxnnx.get_preset('tiny-moe', moe_dispatch='capacity'))
+  rules = quantization_rules('int8', maxnnx.get_preset('tiny-moe', **{'moe.dispatch': 'capacity'}))
   assert rules[1].op_names == ('einsum',) and rules[0].op_names == ('dot_general',)
   assert quantization_rules('fp8', maxnnx.get_preset('tiny'))[0].bwd_qtype == jnp.float8_e5m2
 
@@ -161,7 +162,7 @@ def _trainer(quantization, steps=10, mesh=None, scan=False, **train):
   """A small model on a learnable stream (a repeating 0..15 ramp)."""
   mesh = mesh or MeshConfig(data=1)
   cfg = maxnnx.get_preset('tiny', vocab_size=64, num_layers=2, d_model=64, mlp_dim=128,
-                          scan_layers=scan)
+                          **{'runtime.scan_layers': scan})
   config = TrainConfig(steps=steps, global_batch_size=8, seq_len=32, learning_rate=1e-2,
                        log_every=steps, quantization=quantization, mesh=mesh, **train)
   data = TokenWindows(np.tile(np.arange(16), 300), 32, 8, seed=0)
@@ -210,7 +211,7 @@ def test_checkpoint_round_trip_under_quantization(tmp_path):
 def test_refusals_name_the_field_and_the_fix():
   with pytest.raises(ValueError, match=r"quantization='int8'.*mesh.stage=2.*mesh.stage=1"):
     _trainer('int8', mesh=MeshConfig(stage=2, data=4), scan=True)
-  moe = maxnnx.get_preset('tiny-moe', ragged_dot_impl='dense')
+  moe = maxnnx.get_preset('tiny-moe', **{'runtime.ragged_dot_impl': 'dense'})
   with pytest.raises(ValueError, match=r"ragged_dot_impl='dense'.*ragged_dot_impl='lax'"):
     Trainer(moe, TrainConfig(quantization='fp8', mesh=MeshConfig(data=1)))
   model = Transformer(maxnnx.get_preset('tiny', num_layers=1), rngs=nnx.Rngs(0))

@@ -15,26 +15,30 @@ from maxnnx.models.transformer import Transformer
 BASE = dict(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
             mlp_dim=64, max_position_embeddings=64)
 # Mixed sliding/full layers with their own local rope, post-norms and soft-caps.
-MIXED = dict(BASE, sliding_window=3, layer_types=('sliding', 'full', 'sliding'),
-             local_rope={'theta': 100.0}, rope={'theta': 10_000.0}, post_norm=True,
-             attn_logit_softcap=5.0, final_logit_softcap=3.0)
+MIXED = dict(BASE, layer_types=('sliding', 'full', 'sliding'), local_rope={'theta': 100.0},
+             rope={'theta': 10_000.0}, post_norm=True, final_logit_softcap=3.0,
+             **{'attention.sliding_window': 3, 'attention.logit_softcap': 5.0})
 
 REFERENCE_CASES = {
     'llama': dict(BASE),
     'gemma': dict(MIXED, tie_word_embeddings=True, scale_embeddings=True, norm_scale_offset=1.0,
-                  qk_norm='head', mlp_activation='gelu_tanh', query_scale=0.2),
-    'olmo2': dict(BASE, pre_norm=False, post_norm=True, qk_norm='projection', num_kv_heads=4),
-    'phi': dict(BASE, norm_type='layer', qkv_bias=True, out_bias=True, mlp_gated=False,
-                mlp_activation='gelu', mlp_bias=True, num_kv_heads=1,
+                  mlp_activation='gelu_tanh',
+                  **{'attention.qk_norm': 'head', 'attention.query_scale': 0.2}),
+    'olmo2': dict(BASE, pre_norm=False, post_norm=True, num_kv_heads=4,
+                  attention={'qk_norm': 'projection'}),
+    'phi': dict(BASE, norm_type='layer', attention={'qkv_bias': True, 'out_bias': True},
+                mlp_gated=False, mlp_activation='gelu', mlp_bias=True, num_kv_heads=1,
                 rope={'partial_rotary_factor': 0.5, 'scaling': 'linear', 'factor': 2.0}),
     # GPT-3 (MaxText's gpt3 block): learned positions, LayerNorm with biases, biased
     # projections, plain tanh-GELU MLP, tied output.
     'gpt3': dict(BASE, position_embedding='learned', norm_type='layer', norm_eps=1e-5,
-                 qkv_bias=True, out_bias=True, mlp_gated=False, mlp_activation='gelu_tanh',
-                 mlp_bias=True, num_kv_heads=4, tie_word_embeddings=True),
+                 attention={'qkv_bias': True, 'out_bias': True}, mlp_gated=False,
+                 mlp_activation='gelu_tanh', mlp_bias=True, num_kv_heads=4,
+                 tie_word_embeddings=True),
     # OLMo 3: OLMo 2's post-norms and projection q/k norms, sliding layers with their own
     # unscaled rope, YaRN on the full layer.
-    'olmo3': dict(BASE, pre_norm=False, post_norm=True, qk_norm='projection', sliding_window=3,
+    'olmo3': dict(BASE, pre_norm=False, post_norm=True,
+                  attention={'qk_norm': 'projection', 'sliding_window': 3},
                   layer_types=('sliding', 'sliding', 'full'), local_rope={'theta': 500.0},
                   rope={'theta': 500.0, 'scaling': 'yarn', 'factor': 4.0,
                         'original_max_position_embeddings': 16}),
@@ -49,7 +53,7 @@ def _model(cfg_dict, seed=0, **overrides):
   """A model with random norm scales and biases (scanned ones via _scanned_copy)."""
   cfg = ModelConfig.from_dict({**cfg_dict, **overrides})
   if cfg.runtime.scan_layers:
-    return _scanned_copy(_model(cfg_dict, seed, **{**overrides, 'scan_layers': False}))
+    return _scanned_copy(_model(cfg_dict, seed, **{**overrides, 'runtime.scan_layers': False}))
   model = Transformer(cfg, rngs=nnx.Rngs(seed))
   ref.randomize_params(model, np.random.default_rng(seed + 1000))
   return model
@@ -80,7 +84,7 @@ def _scanned_copy(model):
 
   Built abstractly (eval_shape) and filled in: eager vmapped init is slow on CPU.
   """
-  cfg = model.config.replace(scan_layers=True)
+  cfg = model.config.replace(**{'runtime.scan_layers': True})
   scanned = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   per_layer = [pure['layers'][i] for i in range(model.config.num_layers)]
@@ -143,7 +147,7 @@ def test_learned_positions_change_the_logits():
 # -- scan layouts ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('cfg_dict', [MIXED, dict(BASE, sliding_window=3)],
+@pytest.mark.parametrize('cfg_dict', [MIXED, dict(BASE, **{'attention.sliding_window': 3})],
                          ids=['mixed_layers', 'all_sliding'])
 def test_scan_and_loop_give_identical_logits(cfg_dict):
   """scan_layers=True and False compute the same function of the same weights."""
@@ -167,7 +171,7 @@ def test_a_seed_draws_the_same_weights_scanned_or_not(cfg_dict):
   included."""
   by_layout = []
   for scan in (False, True):
-    cfg = ModelConfig.from_dict(dict(cfg_dict, scan_layers=scan))
+    cfg = ModelConfig.from_dict(dict(cfg_dict, **{'runtime.scan_layers': scan}))
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     by_layout.append(_unscanned_param_values(nnx.state(model, nnx.Param), cfg))
   looped, scanned = by_layout
@@ -182,7 +186,7 @@ def test_a_seed_draws_the_same_weights_scanned_or_not(cfg_dict):
 
 def test_scanned_params_have_leading_layers_axis():
   """Scanned init stacks per-layer params on a leading axis named 'layers'."""
-  cfg = ModelConfig.from_dict(dict(MIXED, scan_layers=True))
+  cfg = ModelConfig.from_dict(dict(MIXED, **{'runtime.scan_layers': True}))
   # eval_shape traces the real constructor (a vmapped build) without slow eager init.
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.Param)))
@@ -227,8 +231,8 @@ def _dot_operand_dtypes(fn, *args):
 @pytest.mark.parametrize('scan', [False, True])
 def test_bf16_compute_with_f32_params(scan):
   """dtype=bfloat16 computes every matmul in bf16 while params stay float32."""
-  model = _model(MIXED, dtype='bfloat16', param_dtype='float32', logits_dtype='float32',
-                 scan_layers=scan)
+  model = _model(MIXED, runtime={'dtype': 'bfloat16', 'param_dtype': 'float32',
+                                 'logits_dtype': 'float32', 'scan_layers': scan})
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
   assert params and all(p.dtype == jnp.float32 for p in params)
   ids = jnp.asarray(_ids(4, (2, 12)), jnp.int32)
@@ -244,7 +248,7 @@ def test_bf16_compute_with_f32_params(scan):
 def test_bf16_logits_close_to_f32():
   """The bf16-compute model approximates the f32 model with the same weights."""
   f32 = _model(MIXED)
-  bf16 = _model(MIXED, dtype='bfloat16')
+  bf16 = _model(MIXED, **{'runtime.dtype': 'bfloat16'})
   nnx.update(bf16, nnx.state(f32, nnx.Param))
   ids = _ids(5, (2, 12))
   want, got = np.asarray(_logits(f32, ids)), np.asarray(_logits(bf16, ids))
@@ -255,8 +259,8 @@ def test_bf16_logits_close_to_f32():
 @pytest.mark.parametrize('scan', [False, True])
 def test_param_dtype_independent_of_compute_dtype(scan):
   """param_dtype=bfloat16 with dtype=float32 stores every param in bf16."""
-  cfg = ModelConfig.from_dict(dict(MIXED, param_dtype='bfloat16', dtype='float32',
-                                   scan_layers=scan))
+  cfg = ModelConfig.from_dict(dict(MIXED, runtime={'param_dtype': 'bfloat16', 'dtype': 'float32',
+                                                   'scan_layers': scan}))
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   params = jax.tree.leaves(nnx.state(abstract, nnx.Param))
   assert params and all(p.dtype == jnp.bfloat16 for p in params)
@@ -264,7 +268,7 @@ def test_param_dtype_independent_of_compute_dtype(scan):
 
 def test_logits_dtype():
   """logits_dtype sets the dtype of the returned logits."""
-  model = _model(MIXED, logits_dtype='bfloat16')
+  model = _model(MIXED, **{'runtime.logits_dtype': 'bfloat16'})
   assert _logits(model, _ids(6, (2, 12))).dtype == jnp.bfloat16
 
 
@@ -274,7 +278,7 @@ def test_logits_dtype():
 @pytest.mark.parametrize('scan', [False, True])
 def test_packed_documents_do_not_interact(scan):
   """Each packed document's logits equal running the model on that document alone."""
-  model = _model(MIXED, scan_layers=scan)
+  model = _model(MIXED, **{'runtime.scan_layers': scan})
   ids = _ids(7, (1, 8))
   packed = np.asarray(_logits(model, ids, PACKED_SEGMENTS, PACKED_POSITIONS))
   for doc in DOCS if not scan else DOCS[1:2]:  # the loop layout checks every document
@@ -329,7 +333,7 @@ def _decode_incrementally(model, ids, prefix, max_length):
 @pytest.mark.parametrize('scan', [False, True])
 def test_kv_cache_decoding_equals_full_forward(scan):
   """Prefill then token-by-token decoding reproduces the full pass (window 3 < 12)."""
-  model = _model(MIXED, scan_layers=scan)
+  model = _model(MIXED, **{'runtime.scan_layers': scan})
   ids = _ids(10, (2, 12))
   full = np.asarray(_logits(model, ids))
   ref.assert_close(_decode_incrementally(model, ids, prefix=5, max_length=12), full,
@@ -362,7 +366,7 @@ def test_kv_cache_layout():
   loop = _model(MIXED)
   loop.init_cache(2, 16)
   assert loop.layers[0].attn.cache_k.shape == (2, 16, 2, 8)
-  scanned = _model(MIXED, scan_layers=True)
+  scanned = _model(MIXED, **{'runtime.scan_layers': True})
   scanned.init_cache(2, 16, jnp.bfloat16)
   assert scanned.layers.attn.cache_v.shape == (3, 2, 16, 2, 8)
   assert scanned.layers.attn.cache_v.dtype == jnp.bfloat16

@@ -400,7 +400,7 @@ def _in_model_layout(config: dict, tensors: dict, model_config) -> dict[tuple, n
                       {k: np.asarray(v, np.float32) for k, v in tensors.items()})
     with open(os.path.join(scratch, 'config.json'), 'w') as f:
       json.dump(config, f)
-    _, params = host_params(scratch, scan_layers=model_config.runtime.scan_layers)
+    _, params = host_params(scratch, **{'runtime.scan_layers': model_config.runtime.scan_layers})
     return {tuple(path): np.asarray(array, np.float32) for path, array in params}
 
 

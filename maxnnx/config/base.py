@@ -71,12 +71,12 @@ class ValidatedConfig:
   """Mixin: type-check every field after construction; build from dicts.
 
   Subclasses may set ``_PATH`` (how error messages name the class, e.g.
-  ``ModelConfig.moe``), ``_ALIASES`` (an accepted input key -> the dotted path of
-  the field it sets) and ``_MOVED`` (a key that is refused -> where it lives now).
+  ``ModelConfig.moe``) and ``_MOVED`` (a former field name -> where that setting
+  lives now, e.g. ``'sliding_window'`` -> ``'attention.sliding_window'``): such a
+  key is refused like any unknown one, and the error names its new home.
   """
 
   _PATH: ClassVar[str | None] = None
-  _ALIASES: ClassVar[dict[str, str]] = {}
   _MOVED: ClassVar[dict[str, str]] = {}
 
   def __post_init__(self):
@@ -107,9 +107,9 @@ class ValidatedConfig:
   def from_dict(cls, data: dict[str, Any]):
     """Build from a plain dict, recursing into nested config fields.
 
-    Keys may be field names, dotted paths into nested configs (``'moe.num_experts'``)
-    or the accepted aliases of the class; a dict given for a nested config
-    updates that config's defaults.
+    Keys may be field names or dotted paths into nested configs
+    (``'moe.num_experts'``); a dict given for a nested config updates that
+    config's defaults.
 
     Raises:
       ConfigError: on an unknown key (naming the nearest valid one) or a bad value.
@@ -128,27 +128,22 @@ class ValidatedConfig:
     """A copy with ``changes`` applied (validated like ``from_dict``).
 
     A dict given for a nested config (``moe={'num_experts': 4}``) is merged
-    into the current one; dotted keys (``**{'moe.num_experts': 4}``) and the
-    class's aliases work as in :meth:`from_dict`.
+    into the current one; dotted keys (``**{'moe.num_experts': 4}``) work as in
+    :meth:`from_dict`.
     """
     current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     return type(self)._build(current, changes)
 
   @classmethod
   def _build(cls, current: dict[str, Any], changes: dict[str, Any]):
-    """``cls(**current)`` with ``changes`` (plain, dotted, aliased or nested keys) applied."""
+    """``cls(**current)`` with ``changes`` (plain, dotted or nested keys) applied."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs, nested_changes = dict(current), {}
     for key, value in changes.items():
-      if key in cls._MOVED:
-        raise ConfigError(f"'{key}' is not a {cls._name()} field: it is a training setting now, "
-                          f'set {cls._MOVED[key]} instead.')
-      key = cls._ALIASES.get(key, key)
       head, _, rest = key.partition('.')
       if head not in names:
-        raise ConfigError(f"Unknown {cls._name()} field '{key}'."
-                          f'{_nearest(key, [*names, *cls._ALIASES])}')
+        raise ConfigError(f"Unknown {cls._name()} field '{key}'.{cls._hint(key, names)}")
       nested = _nested_config_type(hints[head])
       if rest:
         if nested is None:
@@ -165,6 +160,15 @@ class ValidatedConfig:
       kwargs[head] = (base.replace(**group_changes) if isinstance(base, nested)
                       else nested.from_dict(group_changes))
     return cls(**kwargs)
+
+  @classmethod
+  def _hint(cls, key: str, names: list[str]) -> str:
+    """What an unknown-key error suggests: the new home of a moved name (``_MOVED``), else
+    the nearest field (a near miss of a moved name points at its new home too)."""
+    if key in cls._MOVED:
+      return f' It moved: set {cls._MOVED[key]} instead.'
+    match = difflib.get_close_matches(key, [*names, *cls._MOVED], n=1, cutoff=0.5)
+    return f" Did you mean '{cls._MOVED.get(match[0], match[0])}'?" if match else ''
 
 
 def _nested_config_type(annotation):

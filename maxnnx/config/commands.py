@@ -66,8 +66,8 @@ class RunConfig(ValidatedConfig):
       or float32; parameters stay float32
     scan_layers: run the layer stack as one scanned block (mesh.stage > 1 sets it)
     remat_policy: activation rematerialisation: none, minimal, save_dot_except_mlp,
-      save_qkv_proj, save_out_proj, full, custom (per tensor: model.remat_save /
-      model.remat_offload; empty: the model default)
+      save_qkv_proj, save_out_proj, full, custom (per tensor: model.runtime.remat_save /
+      model.runtime.remat_offload; empty: the model default)
     attention_impl: attention kernel strategy (empty: the model default)
     sample_tokens: tokens of the sample printed at the end (0: none)
     resume: auto: continue the run in output_dir when its stored config matches (a different one

@@ -223,7 +223,7 @@ class MoEConfig(ValidatedConfig):
 @dataclasses.dataclass(frozen=True)
 class MLAConfig(ValidatedConfig):
   """Multi-head latent attention (DeepSeek, :class:`maxnnx.layers.mla.MLA`); used when
-  ``ModelConfig.attention_type='mla'``.
+  ``ModelConfig.attention.type='mla'``.
 
   Attributes:
     q_lora_rank: rank of the query down-projection; ``None`` = full-rank queries.
@@ -294,7 +294,7 @@ class GlobalAttentionConfig(ValidatedConfig):
       projection before the key norm and rotation (``attention_k_eq_v``).
   """
 
-  _PATH = 'ModelConfig.global_attn'
+  _PATH = 'ModelConfig.attention.global_layers'
 
   head_dim: int | None = None
   num_kv_heads: int | None = None

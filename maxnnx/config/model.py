@@ -6,9 +6,9 @@ import dataclasses
 import logging
 from typing import Any, Literal
 
+from maxnnx.config.attention import AttentionConfig
 from maxnnx.config.base import ConfigError, ValidatedConfig
 from maxnnx.config.groups import (
-  GlobalAttentionConfig,
   LayerType,
   LinearAttentionConfig,
   MLAConfig,
@@ -19,8 +19,24 @@ from maxnnx.config.groups import (
   VisionConfig,
 )
 
-# The flat ModelConfig keys of earlier versions, accepted as input: old name -> new dotted path.
-LEGACY_MODEL_KEYS: dict[str, str] = {
+# Attention settings that earlier versions kept at the top level -> their dotted path now.
+ATTENTION_KEYS: dict[str, str] = {
+    **{name: f'attention.{name}' for name in (
+        'qkv_bias', 'out_bias', 'qk_norm', 'query_scale', 'sliding_window', 'nope_layers',
+        'value_norm')},
+    'attn_logit_softcap': 'attention.logit_softcap',
+    'attention_sinks': 'attention.sinks',
+    'attention_chunk_size': 'attention.chunk_size',
+    'attn_temperature_tuning': 'attention.temperature_tuning',
+    'attn_temperature_floor': 'attention.temperature_floor',
+    'attn_temperature_scale': 'attention.temperature_scale',
+    'attention_output_gate': 'attention.output_gate',
+    'attention_type': 'attention.type',
+    'global_attn': 'attention.global_layers',
+}
+
+# The flat keys of earlier versions for the other groups -> their dotted path now.
+FLAT_GROUP_KEYS: dict[str, str] = {
     **{name: f'moe.{name}' for name in (
         'num_experts', 'num_experts_per_tok', 'num_shared_experts', 'first_k_dense_layers',
         'router_score', 'router_norm_topk', 'router_scaling_factor', 'router_groups',
@@ -50,11 +66,12 @@ class ModelConfig(ValidatedConfig):
 
   One config covers every family; a family is a choice of these fields plus its
   Hugging Face mapping (see :mod:`maxnnx.models.registry` and ``docs/families.md``).
-  Mixture-of-Experts, latent attention, multi-token prediction and the runtime
-  settings are nested groups (``cfg.moe.num_experts``, ``cfg.runtime.dtype``…).
-  ``from_dict`` and ``replace`` also take dotted keys (``'moe.num_experts'``) and the
-  flat names of earlier versions (:data:`LEGACY_MODEL_KEYS`, e.g. ``num_experts``,
-  ``dtype``).
+  Attention, Mixture-of-Experts, latent attention, multi-token prediction and the
+  runtime settings are nested groups (``cfg.attention.sliding_window``,
+  ``cfg.moe.num_experts``, ``cfg.runtime.dtype``…). ``from_dict`` and ``replace`` also
+  take dotted keys (``'moe.num_experts'``). The flat names of earlier versions
+  (``num_experts``, ``dtype``, ``sliding_window``…) are refused, and the error names the
+  dotted key to use (:data:`ATTENTION_KEYS`, :data:`FLAT_GROUP_KEYS`).
 
   Attributes:
     family: model family, used for Hugging Face export (``llama``, ``gemma2``…).
@@ -72,39 +89,9 @@ class ModelConfig(ValidatedConfig):
     pre_norm: normalise the input of each attention/MLP sub-block.
     post_norm: normalise the output of each attention/MLP sub-block before the
       residual add (Gemma 2/3 use both, OLMo 2 only this one).
-    qkv_bias: bias on the query/key/value projections (Qwen2).
-    out_bias: bias on the attention output projection.
-    qk_norm: ``none``; ``head`` (RMSNorm over ``head_dim`` of each head, Qwen3,
-      Gemma3); ``projection`` (over all heads of q and of k, OLMo 2); or ``l2``
-      (Llama 4: RMSNorm over ``head_dim`` without a learned scale, in the layers
-      with rotary embeddings only).
-    query_scale: multiplier of q·k; ``None`` means ``head_dim ** -0.5``
-      (Gemma 2/3 use ``query_pre_attn_scalar ** -0.5``).
-    attn_logit_softcap: ``cap * tanh(scores / cap)`` before the softmax.
-    attention_sinks: a learned logit per query head joins every softmax as a
-      value-less extra key, so a head can attend to nothing (GPT-OSS).
-    sliding_window: keys at most this many positions back (query included) are
-      visible in sliding layers.
-    attention_chunk_size: in chunked layers the sequence is cut into chunks of
-      this many positions and a query sees only the keys of its own chunk
-      (Llama 4's local attention, ``attention_chunk_size``).
     layer_types: ``full``, ``sliding``, ``chunked`` or ``linear`` (Gated DeltaNet,
       configured by ``linear_attn``) per layer; ``None`` means all sliding when
-      ``sliding_window`` is set, else all full.
-    nope_layers: indices of the layers whose attention rotates nothing ("NoPE"
-      layers, Llama 4's ``no_rope_layers`` zeros); the others use ``rope``.
-    attn_temperature_tuning: multiply the queries of NoPE layers by
-      ``1 + attn_temperature_scale * log1p(floor((position + 1) / attn_temperature_floor))``
-      (Llama 4), which sharpens attention far into long contexts.
-    attn_temperature_floor: the position scale of that multiplier (``floor_scale``).
-    attn_temperature_scale: its strength (``attn_scale``).
-    attention_output_gate: the query projection also yields a per-head gate, and
-      the attention output is multiplied by its sigmoid before ``o_proj``
-      (Qwen3-Next's gated attention).
-    value_norm: normalise each value head to unit RMS over ``head_dim``, without a
-      learned scale (Gemma 4).
-    global_attn: attention shapes of the ``full`` layers when they differ from the
-      others' (:class:`GlobalAttentionConfig`, Gemma 4); see :meth:`attention_shape`.
+      ``attention.sliding_window`` is set, else all full.
     layer_scale: every block's output is multiplied by a learned scalar
       (``layer_scalar``, Gemma 4).
     per_layer_input_dim: width of the per-layer inputs (Gemma 4 E2B/E4B's
@@ -140,10 +127,11 @@ class ModelConfig(ValidatedConfig):
     bos_token_id: beginning-of-sequence id of the model's tokenizer, if any.
     eos_token_id: end-of-sequence id(s); ``generate`` stops at them by default.
     pad_token_id: padding id, if the tokenizer has one.
-    attention_type: ``mha`` (multi/grouped-query attention) or ``mla`` (DeepSeek
-      multi-head latent attention, configured by ``mla``).
+    attention: how the attention layers attend (:class:`AttentionConfig`): biases,
+      q/k norms, scale and soft-cap, sinks, sliding window and chunks, NoPE layers,
+      gates and the full layers' own shapes.
     moe: Mixture-of-Experts layers (:class:`MoEConfig`); ``moe.num_experts=0`` is dense.
-    mla: latent attention shapes (:class:`MLAConfig`), used when ``attention_type='mla'``.
+    mla: latent attention shapes (:class:`MLAConfig`), used when ``attention.type='mla'``.
     mtp: multi-token prediction modules (:class:`MTPConfig`).
     linear_attn: shapes of the Gated DeltaNet layers (:class:`LinearAttentionConfig`),
       used by ``linear`` layers.
@@ -152,8 +140,7 @@ class ModelConfig(ValidatedConfig):
     runtime: dtypes, layer-stack layout, remat and kernels (:class:`RuntimeConfig`).
   """
 
-  _ALIASES = LEGACY_MODEL_KEYS
-  _MOVED = TRAINING_KEYS
+  _MOVED = {**ATTENTION_KEYS, **FLAT_GROUP_KEYS, **TRAINING_KEYS}
 
   family: str = 'llama'
   vocab_size: int = 32_000
@@ -169,22 +156,7 @@ class ModelConfig(ValidatedConfig):
   norm_scale_offset: float = 0.0
   pre_norm: bool = True
   post_norm: bool = False
-  qkv_bias: bool = False
-  out_bias: bool = False
-  qk_norm: Literal['none', 'head', 'projection', 'l2'] = 'none'
-  query_scale: float | None = None
-  attn_logit_softcap: float | None = None
-  attention_sinks: bool = False
-  sliding_window: int | None = None
-  attention_chunk_size: int | None = None
   layer_types: tuple[LayerType, ...] | None = None
-  nope_layers: tuple[int, ...] = ()
-  attn_temperature_tuning: bool = False
-  attn_temperature_floor: float = 8192.0
-  attn_temperature_scale: float = 0.1
-  attention_output_gate: bool = False
-  value_norm: bool = False
-  global_attn: GlobalAttentionConfig = dataclasses.field(default_factory=GlobalAttentionConfig)
   layer_scale: bool = False
   per_layer_input_dim: int = 0
   per_layer_input_vocab_size: int | None = None
@@ -205,7 +177,7 @@ class ModelConfig(ValidatedConfig):
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
-  attention_type: Literal['mha', 'mla'] = 'mha'
+  attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
   moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
   mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
   mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
@@ -218,7 +190,9 @@ class ModelConfig(ValidatedConfig):
     """:meth:`from_dict` for a config read back from disk (a checkpoint's metadata).
 
     Configs saved by earlier versions may hold the training-loss weights
-    (:data:`TRAINING_KEYS`); they are dropped with a log line instead of refused.
+    (:data:`TRAINING_KEYS`); they are dropped with a log line instead of refused. Flat
+    keys of earlier versions (:data:`ATTENTION_KEYS`, :data:`FLAT_GROUP_KEYS`) are not
+    rewritten: they are refused as in :meth:`from_dict`, naming the dotted key.
     """
     if isinstance(data, dict) and any(key in TRAINING_KEYS for key in data):
       dropped = {k: data[k] for k in data if k in TRAINING_KEYS}
@@ -246,19 +220,14 @@ class ModelConfig(ValidatedConfig):
       if len(self.layer_types) != self.num_layers:
         raise ConfigError(f'ModelConfig.layer_types has {len(self.layer_types)} entries but '
                           f'num_layers is {self.num_layers}.')
-      if 'sliding' in self.layer_types and self.sliding_window is None:
-        raise ConfigError("ModelConfig.layer_types has 'sliding' layers but sliding_window "
-                          'is None; set sliding_window.')
-      if 'chunked' in self.layer_types and self.attention_chunk_size is None:
+      if 'sliding' in self.layer_types and self.attention.sliding_window is None:
+        raise ConfigError("ModelConfig.layer_types has 'sliding' layers but "
+                          'attention.sliding_window is None; set attention.sliding_window.')
+      if 'chunked' in self.layer_types and self.attention.chunk_size is None:
         raise ConfigError("ModelConfig.layer_types has 'chunked' layers but "
-                          'attention_chunk_size is None; set attention_chunk_size.')
-    if self.sliding_window is not None and self.sliding_window <= 0:
-      raise ConfigError(f'ModelConfig.sliding_window must be > 0, got {self.sliding_window}.')
-    if self.attention_chunk_size is not None and self.attention_chunk_size <= 0:
-      raise ConfigError('ModelConfig.attention_chunk_size must be > 0, got '
-                        f'{self.attention_chunk_size}.')
-    if 'chunked' in self.resolved_layer_types and self.attention_type != 'mha':
-      raise ConfigError("ModelConfig: chunked layers need attention_type='mha'.")
+                          'attention.chunk_size is None; set attention.chunk_size.')
+    if 'chunked' in self.resolved_layer_types and self.attention.type != 'mha':
+      raise ConfigError("ModelConfig: chunked layers need attention.type='mha'.")
     if 'linear' in self.resolved_layer_types:
       if self.runtime.scan_layers and set(self.resolved_layer_types) != {'linear'}:
         raise ConfigError("ModelConfig.runtime.scan_layers=True needs one kind of token mixer; "
@@ -270,46 +239,43 @@ class ModelConfig(ValidatedConfig):
     self._validate_global_attn()
     self._validate_layer_sharing()
     self._validate_nope()
-    if (self.rope_interleave and self.attention_type == 'mha'
+    if (self.rope_interleave and self.attention.type == 'mha'
         and self.rope.partial_rotary_factor != 1.0):
-      raise ConfigError('ModelConfig.rope_interleave with attention_type=\'mha\' needs '
+      raise ConfigError('ModelConfig.rope_interleave with attention.type=\'mha\' needs '
                         'rope.partial_rotary_factor=1.0.')
     if self.rope.partial_rotary_factor * self.resolved_head_dim % 2:
       raise ConfigError('ModelConfig: the rotated part of head_dim '
                         f'({self.rope.partial_rotary_factor} * {self.resolved_head_dim}) '
                         'must be even.')
     if self.position_embedding == 'learned':
-      if self.attention_type != 'mha':
-        raise ConfigError("ModelConfig.position_embedding='learned' needs attention_type='mha' "
+      if self.attention.type != 'mha':
+        raise ConfigError("ModelConfig.position_embedding='learned' needs attention.type='mha' "
                           '(latent attention rotates part of every key).')
       if self.local_rope is not None:
         raise ConfigError("ModelConfig.local_rope is set but position_embedding='learned' "
                           'rotates nothing; set local_rope=None.')
-    if self.attention_sinks and self.attention_type != 'mha':
-      raise ConfigError("ModelConfig.attention_sinks needs attention_type='mha'.")
     if self.moe.num_experts:
       self._validate_moe()
 
   def _validate_global_attn(self):
-    """Checks of ``global_attn`` (the full layers' own attention shapes)."""
-    if not self.global_attn.is_set:
+    """Checks of ``attention.global_layers`` (the full layers' own attention shapes)."""
+    if not self.attention.global_layers.is_set:
       return
-    if self.attention_type != 'mha':
-      raise ConfigError("ModelConfig.global_attn needs attention_type='mha'.")
     head_dim, kv_heads, _ = self.attention_shape('full')
     if self.num_heads % kv_heads:
       raise ConfigError(f'ModelConfig.num_heads ({self.num_heads}) must be a multiple of '
-                        f'global_attn.num_kv_heads ({kv_heads}).')
+                        f'attention.global_layers.num_kv_heads ({kv_heads}).')
     if self.rope.partial_rotary_factor * head_dim % 2:
-      raise ConfigError('ModelConfig: the rotated part of global_attn.head_dim '
+      raise ConfigError('ModelConfig: the rotated part of attention.global_layers.head_dim '
                         f'({self.rope.partial_rotary_factor} * {head_dim}) must be even.')
     types = set(self.resolved_layer_types)
     if 'chunked' in types:
-      raise ConfigError('ModelConfig.global_attn cannot be combined with chunked layers.')
+      raise ConfigError('ModelConfig.attention.global_layers cannot be combined with chunked '
+                        'layers.')
     if self.runtime.scan_layers and 'full' in types and len(types) > 1:
       raise ConfigError('ModelConfig.runtime.scan_layers=True needs every layer to have the '
-                        'same parameter shapes; global_attn gives the full-attention layers '
-                        'their own: use scan_layers=False.')
+                        'same parameter shapes; attention.global_layers gives the '
+                        'full-attention layers their own: use scan_layers=False.')
 
   def _validate_layer_sharing(self):
     """Checks of the per-layer inputs and of key/value sharing across layers."""
@@ -330,8 +296,8 @@ class ModelConfig(ValidatedConfig):
       raise ConfigError('ModelConfig.mtp.num_layers > 0 is not supported with per_layer_input_dim '
                         'or num_kv_shared_layers.')
     if self.num_kv_shared_layers:
-      if self.attention_type != 'mha' or 'linear' in self.resolved_layer_types:
-        raise ConfigError("ModelConfig.num_kv_shared_layers needs attention_type='mha' and no "
+      if self.attention.type != 'mha' or 'linear' in self.resolved_layer_types:
+        raise ConfigError("ModelConfig.num_kv_shared_layers needs attention.type='mha' and no "
                           "'linear' layers.")
       if self.num_kv_shared_layers >= self.num_layers:
         raise ConfigError(f'ModelConfig.num_kv_shared_layers ({self.num_kv_shared_layers}) '
@@ -359,28 +325,23 @@ class ModelConfig(ValidatedConfig):
 
   def attention_shape(self, layer_type: LayerType) -> tuple[int, int, bool]:
     """``(head_dim, num_kv_heads, values_from_keys)`` of the attention of a
-    ``layer_type`` layer: ``global_attn``'s values in ``full`` layers where set,
-    else the model's."""
+    ``layer_type`` layer: ``attention.global_layers``' values in ``full`` layers where
+    set, else the model's."""
     head_dim, kv_heads = self.resolved_head_dim, self.num_kv_heads
     if layer_type != 'full':
       return head_dim, kv_heads, False
-    g = self.global_attn
+    g = self.attention.global_layers
     return (g.head_dim or head_dim, g.num_kv_heads or kv_heads, g.values_from_keys)
 
   def _validate_nope(self):
-    """Checks of ``nope_layers`` and the attention temperature."""
-    bad = [i for i in self.nope_layers if not 0 <= i < self.num_layers]
-    if bad or len(set(self.nope_layers)) != len(self.nope_layers):
-      raise ConfigError(f'ModelConfig.nope_layers must list distinct layer indices in '
-                        f'[0, num_layers={self.num_layers}), got {self.nope_layers}.')
-    if self.attn_temperature_floor <= 0:
-      raise ConfigError('ModelConfig.attn_temperature_floor must be > 0, got '
-                        f'{self.attn_temperature_floor}.')
-    if self.nope_layers and self.position_embedding != 'rope':
-      raise ConfigError("ModelConfig.nope_layers needs position_embedding='rope' (with learned "
-                        'positions no layer rotates anything).')
-    if self.nope_layers and self.attention_type != 'mha':
-      raise ConfigError("ModelConfig.nope_layers needs attention_type='mha'.")
+    """Checks of ``attention.nope_layers`` that need the rest of the model."""
+    nope = self.attention.nope_layers
+    if any(i >= self.num_layers for i in nope):
+      raise ConfigError(f'ModelConfig.attention.nope_layers must list layer indices in '
+                        f'[0, num_layers={self.num_layers}), got {nope}.')
+    if nope and self.position_embedding != 'rope':
+      raise ConfigError("ModelConfig.attention.nope_layers needs position_embedding='rope' "
+                        '(with learned positions no layer rotates anything).')
 
   def _validate_moe(self):
     """Checks of the MoE group that need the rest of the model."""
@@ -400,7 +361,7 @@ class ModelConfig(ValidatedConfig):
   @property
   def rope_head_dim(self) -> int:
     """Per-head width the rotary tables are built for (``mla.qk_rope_head_dim`` under MLA)."""
-    return self.mla.qk_rope_head_dim if self.attention_type == 'mla' else self.resolved_head_dim
+    return self.mla.qk_rope_head_dim if self.attention.type == 'mla' else self.resolved_head_dim
 
   @property
   def resolved_moe_mlp_dim(self) -> int:
@@ -431,12 +392,13 @@ class ModelConfig(ValidatedConfig):
     """The attention type of every layer."""
     if self.layer_types is not None:
       return self.layer_types
-    return (('sliding' if self.sliding_window else 'full'),) * self.num_layers
+    return (('sliding' if self.attention.sliding_window else 'full'),) * self.num_layers
 
   @property
   def resolved_query_scale(self) -> float:
-    """The multiplier applied to q·k before the softmax."""
-    return self.query_scale if self.query_scale is not None else self.resolved_head_dim**-0.5
+    """The multiplier applied to q·k before the softmax (``attention.query_scale``)."""
+    scale = self.attention.query_scale
+    return scale if scale is not None else self.resolved_head_dim**-0.5
 
   def jnp_dtype(self, which: Literal['dtype', 'param_dtype', 'logits_dtype'] = 'dtype'):
     """The ``jnp`` dtype of ``runtime.dtype``, ``runtime.param_dtype`` or

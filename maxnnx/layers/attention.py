@@ -53,11 +53,11 @@ class Attention(nnx.Module):
   Attributes:
     q_proj: ``[d_model] -> [heads, head_dim]``.
     k_proj, v_proj: ``[d_model] -> [kv_heads, head_dim]``; ``v_proj`` is ``None`` when
-      the values are the key projection (``global_attn.values_from_keys``), both are
+      the values are the key projection (``attention.global_layers.values_from_keys``), both are
       ``None`` in a layer that attends with another layer's keys and values (``kv_shared``).
     o_proj: ``[heads, head_dim] -> [d_model]``.
     q_norm, k_norm: optional RMSNorms (per head or over the whole projection).
-    sinks: ``[heads]`` learned attention-sink logits (``cfg.attention_sinks``) or ``None``.
+    sinks: ``[heads]`` learned attention-sink logits (``cfg.attention.sinks``) or ``None``.
     max_logits: :class:`~maxnnx.layers.qk_clip.MaxLogits` ``[heads]``, each head's largest
       logit in the last forward pass, when ``cfg.runtime.record_max_logits`` (QK-clip reads
       it); ``None`` otherwise.
@@ -81,40 +81,40 @@ class Attention(nnx.Module):
     hd, kv, values_from_keys = cfg.attention_shape(layer_type)
     dense = dict(dtype=cfg.jnp_dtype(), param_dtype=cfg.jnp_dtype('param_dtype'), rngs=rngs)
     # With an output gate, each head's projection is [query, gate] (Qwen3-Next).
-    q_width = 2 * hd if cfg.attention_output_gate else hd
+    q_width = 2 * hd if cfg.attention.output_gate else hd
     self.q_proj = DenseGeneral((d,), (h, q_width), axes=('embed', 'heads', 'head_dim'),
-                               use_bias=cfg.qkv_bias, **dense)
-    self.output_gate = cfg.attention_output_gate
+                               use_bias=cfg.attention.qkv_bias, **dense)
+    self.output_gate = cfg.attention.output_gate
     self.k_proj = (None if kv_shared else
                    DenseGeneral((d,), (kv, hd), axes=('embed', 'kv_heads', 'head_dim'),
-                                use_bias=cfg.qkv_bias, **dense))
+                                use_bias=cfg.attention.qkv_bias, **dense))
     self.v_proj = (None if values_from_keys or kv_shared else
                    DenseGeneral((d,), (kv, hd), axes=('embed', 'kv_heads', 'head_dim'),
-                                use_bias=cfg.qkv_bias, **dense))
-    self.value_norm_eps = cfg.norm_eps if cfg.value_norm else None
+                                use_bias=cfg.attention.qkv_bias, **dense))
+    self.value_norm_eps = cfg.norm_eps if cfg.attention.value_norm else None
     self.o_proj = DenseGeneral((h, hd), (d,), axes=('heads', 'head_dim', 'embed'),
-                               use_bias=cfg.out_bias, **dense)
-    if cfg.qk_norm == 'head':
+                               use_bias=cfg.attention.out_bias, **dense)
+    if cfg.attention.qk_norm == 'head':
       self.q_norm = make_norm(cfg, (hd,), ('head_dim',), rngs=rngs)
       self.k_norm = make_norm(cfg, (hd,), ('head_dim',), rngs=rngs)
-    elif cfg.qk_norm == 'projection':
+    elif cfg.attention.qk_norm == 'projection':
       self.q_norm = make_norm(cfg, (h, hd), ('heads', 'head_dim'), rngs=rngs)
       self.k_norm = make_norm(cfg, (kv, hd), ('kv_heads', 'head_dim'), rngs=rngs)
     else:  # 'l2' has no parameters: see _normalise
       self.q_norm = self.k_norm = None
     if kv_shared:
       self.k_norm = None
-    self.qk_l2_norm_eps = cfg.norm_eps if cfg.qk_norm == 'l2' else None
+    self.qk_l2_norm_eps = cfg.norm_eps if cfg.attention.qk_norm == 'l2' else None
     self.interleaved = cfg.rope_interleave
-    self.temperature = ((cfg.attn_temperature_floor, cfg.attn_temperature_scale)
-                        if cfg.attn_temperature_tuning else None)
+    self.temperature = ((cfg.attention.temperature_floor, cfg.attention.temperature_scale)
+                        if cfg.attention.temperature_tuning else None)
     self.sinks = (logical_param(nnx.initializers.normal(cfg.initializer_range), rngs.params(),
                                 (h,), cfg.jnp_dtype('param_dtype'), ('heads',))
-                  if cfg.attention_sinks else None)
+                  if cfg.attention.sinks else None)
     self.kernel = kernel_for(cfg, 'attention')
     self.paged_kernel = kernel_for(cfg, 'paged_attention')
     self.scale = cfg.resolved_query_scale
-    self.softcap = cfg.attn_logit_softcap
+    self.softcap = cfg.attention.logit_softcap
     self.cache_k = nnx.data(None)
     self.cache_v = nnx.data(None)
     self.pages_k = nnx.data(None)
@@ -208,7 +208,7 @@ class Attention(nnx.Module):
     ``call.cos_sin`` is the layer's rotary ``(cos, sin)``, or ``None`` to rotate
     nothing (models with learned absolute positions, NoPE layers).
     ``call.sliding_window`` and ``call.chunk_size`` restrict the keys each query sees
-    (``ModelConfig.sliding_window``, ``attention_chunk_size``).
+    (``ModelConfig.attention.sliding_window``, ``attention.chunk_size``).
     ``call.nope`` (a traced bool, scanned stacks only) says whether this layer skips
     the rotation that ``cos_sin`` would apply.
 
@@ -315,7 +315,7 @@ class Attention(nnx.Module):
 
   def _keys_values(self, x_BTD):
     """The projected keys and values ``[B, T, kv_heads, head_dim]`` (values normalised
-    with ``value_norm``; before the key norm and rotation)."""
+    with ``attention.value_norm``; before the key norm and rotation)."""
     k_BTKH = self.k_proj(x_BTD)
     v_BTKH = k_BTKH if self.v_proj is None else self.v_proj(x_BTD)
     if self.value_norm_eps is not None:

@@ -31,7 +31,7 @@ class DecoderBlock(nnx.Module):
   (same name, ``attn``; the config's ``linear`` layers).
   ``parts`` (:class:`~maxnnx.layers.parts.BlockParts`) swaps in your own attention,
   MLP, MoE or norm modules; its ``None`` fields keep the config's choice.
-  ``layer_type`` gives the attention its layer's shapes when ``cfg.global_attn``
+  ``layer_type`` gives the attention its layer's shapes when ``cfg.attention.global_layers``
   sets the full layers apart (a custom attention factory then gets it as a keyword).
 
   With ``cfg.moe.dense_branch`` a MoE layer keeps its dense ``mlp`` and adds ``moe``
@@ -65,12 +65,12 @@ class DecoderBlock(nnx.Module):
       self.attn = GatedDeltaNet(cfg, rngs=rngs)
     else:
       shaped = ({'layer_type': layer_type}
-                if cfg.global_attn.is_set and layer_type is not None else {})
+                if cfg.attention.global_layers.is_set and layer_type is not None else {})
       if kv_shared:
         shaped['kv_shared'] = True
       if parts.attention is not None:
         self.attn = build_part(parts.attention, cfg, rngs, 'attention', **shaped)
-      elif cfg.attention_type == 'mla':
+      elif cfg.attention.type == 'mla':
         self.attn = MLA(cfg, rngs=rngs)
       else:
         self.attn = Attention(cfg, rngs=rngs, **shaped)
@@ -149,12 +149,12 @@ def make_block(cfg: ModelConfig, rngs: nnx.Rngs, use_moe: bool = False,
   """One layer of the stack: ``parts.block`` when set, else a :class:`DecoderBlock`.
 
   ``linear_attention`` (a ``linear`` layer) and ``kv_shared`` reach a custom block factory
-  only when set, ``layer_type`` only when ``cfg.global_attn`` gives layer types their own
-  shapes.
+  only when set, ``layer_type`` only when ``cfg.attention.global_layers`` gives layer types
+  their own shapes.
   """
   parts = BlockParts() if parts is None else parts
   extra = {'linear_attention': True} if linear_attention else {}
-  if cfg.global_attn.is_set and layer_type is not None:
+  if cfg.attention.global_layers.is_set and layer_type is not None:
     extra['layer_type'] = layer_type
   if kv_shared:
     extra['kv_shared'] = True

@@ -34,7 +34,7 @@ class LayerCall:
       decoding, the keys are the cache slots); ``None`` in a paged call (the pages hold it).
     sliding_window: the layer's sliding window: an ``int``, or a traced int32 in scanned
       stacks mixing layer types (int32 max for layers without one).
-    chunk_size: the layer's attention chunk (``ModelConfig.attention_chunk_size``), an
+    chunk_size: the layer's attention chunk (``ModelConfig.attention.chunk_size``), an
       ``int`` or traced like ``sliding_window``.
     nope: a traced bool in scanned stacks mixing NoPE and rotary layers: this layer skips
       the rotation ``cos_sin`` would apply.

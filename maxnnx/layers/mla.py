@@ -23,7 +23,7 @@ indexer's keys beside the latents, and the paged cache holds them in pages of th
 
 With YaRN scaling and ``mscale_all_dim``, the softmax scale is multiplied by
 ``mscale(factor, mscale_all_dim) ** 2`` as DeepSeek does (unless
-``cfg.query_scale`` is given explicitly).
+``cfg.attention.query_scale`` is given explicitly).
 """
 
 import math
@@ -58,8 +58,8 @@ LORA_NORM_EPS = 1e-6
 
 def mla_query_scale(cfg: ModelConfig) -> float:
   """Softmax scale of MLA: ``qk_head_dim ** -0.5``, times the YaRN ``mscale ** 2``."""
-  if cfg.query_scale is not None:
-    return cfg.query_scale
+  if cfg.attention.query_scale is not None:
+    return cfg.attention.query_scale
   scale = (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim) ** -0.5
   rope = cfg.rope
   if rope.scaling == 'yarn' and rope.mscale_all_dim:
@@ -104,21 +104,21 @@ class MLA(nnx.Module):
     else:
       r = cfg.mla.q_lora_rank
       self.q_proj = None
-      self.q_a_proj = DenseGeneral((d,), (r,), axes=('embed', 'q_lora'), use_bias=cfg.qkv_bias,
-                                   **dense)
+      self.q_a_proj = DenseGeneral((d,), (r,), axes=('embed', 'q_lora'),
+                                   use_bias=cfg.attention.qkv_bias, **dense)
       self.q_a_layernorm = RMSNorm(r, axes=('q_lora',), **norm)
       self.q_b_proj = DenseGeneral((r,), (h, qk), axes=('q_lora', 'heads', 'head_dim'), **dense)
     self.kv_a_proj_with_mqa = DenseGeneral((d,), (self.kv_lora_rank + self.rope,),
-                                           axes=('embed', 'kv_lora'), use_bias=cfg.qkv_bias,
-                                           **dense)
+                                           axes=('embed', 'kv_lora'),
+                                           use_bias=cfg.attention.qkv_bias, **dense)
     self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, axes=('kv_lora',), **norm)
     self.kv_b_proj = DenseGeneral((self.kv_lora_rank,), (h, self.nope + self.v_dim),
                                   axes=('kv_lora', 'heads', 'head_dim'), **dense)
     self.o_proj = DenseGeneral((h, self.v_dim), (d,), axes=('heads', 'head_dim', 'embed'),
-                               use_bias=cfg.out_bias, **dense)
+                               use_bias=cfg.attention.out_bias, **dense)
     self.kernel = kernel_for(cfg, 'attention')
     self.scale = mla_query_scale(cfg)
-    self.softcap = cfg.attn_logit_softcap
+    self.softcap = cfg.attention.logit_softcap
     self.interleaved = cfg.rope_interleave
     self.indexer = (LightningIndexer(cfg, rngs=rngs) if cfg.mla.index_topk is not None
                     else nnx.data(None))

@@ -65,7 +65,7 @@ class BlockParts:
 
   Attributes:
     attention: replaces :class:`~maxnnx.layers.attention.Attention` (or
-      :class:`~maxnnx.layers.mla.MLA` when ``attention_type='mla'``).
+      :class:`~maxnnx.layers.mla.MLA` when ``attention.type='mla'``).
     mlp: replaces the dense :class:`~maxnnx.layers.mlp.MLP` of non-MoE layers.
     moe: replaces :class:`~maxnnx.layers.moe.MoE` in MoE layers (it may report
       routing statistics through ``MoeAux`` variables as ``MoE`` does).

@@ -28,7 +28,7 @@ def _abstract_param_sizes(cfg: ModelConfig) -> tuple[tuple[tuple, int], ...]:
   types = set(cfg.resolved_layer_types)
   mixers = types & {'linear'}
   uniform = ((not mixers or types == mixers)
-             and (not cfg.global_attn.is_set or len(types) == 1))
+             and (not cfg.attention.global_layers.is_set or len(types) == 1))
   if cfg.moe.layer_step == 1 and uniform:  # a scanned stack: same parameters, faster build
     cfg = cfg.replace(**{'runtime.scan_layers': True})
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -6,12 +6,12 @@ dimensions), keep their first ``first_k_dense_replace`` layers dense and add
 ``n_shared_experts`` always-on experts to the routed ones.
 """
 
-from maxnnx.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from maxnnx.config import AttentionConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from maxnnx.models.hf import HFConfig, PretrainedError
 from maxnnx.models.moe_hf import expert_hooks
 
 # What both versions change in Llama: latent attention with interleaved rotary pairs.
-DIFFERENCES = {'attention_type': 'mla', 'rope_interleave': True}
+DIFFERENCES = {'attention': {'type': 'mla'}, 'rope_interleave': True}
 
 MLA_KEYS = ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')
 MLA_DEFAULTS = {'q_lora_rank': 1536, 'kv_lora_rank': 512, 'qk_nope_head_dim': 128,
@@ -29,15 +29,17 @@ def mla_fields(hf: HFConfig) -> dict:
   for key in MLA_KEYS[1:]:
     if fields[key] is None:
       raise PretrainedError(f"{hf.path}: required key '{key}' is missing.")
-  return dict(attention_type='mla', qkv_bias=bias, out_bias=bias,
+  return dict(attention=AttentionConfig(type='mla', qkv_bias=bias, out_bias=bias),
               rope_interleave=bool(hf.get('rope_interleave', True)), mla=MLAConfig(**fields))
 
 
 def mla_to_hf(cfg: ModelConfig) -> dict:
-  if cfg.qkv_bias != cfg.out_bias:
+  if cfg.attention.qkv_bias != cfg.attention.out_bias:
     raise PretrainedError('DeepSeek has one attention_bias; this config sets '
-                          f'qkv_bias={cfg.qkv_bias} and out_bias={cfg.out_bias}.')
-  return {**{k: getattr(cfg.mla, k) for k in MLA_KEYS}, 'attention_bias': cfg.qkv_bias,
+                          f'attention.qkv_bias={cfg.attention.qkv_bias} and '
+                          f'attention.out_bias={cfg.attention.out_bias}.')
+  return {**{k: getattr(cfg.mla, k) for k in MLA_KEYS},
+          'attention_bias': cfg.attention.qkv_bias,
           'rope_interleave': cfg.rope_interleave, 'head_dim': cfg.mla.qk_rope_head_dim,
           'qk_head_dim': cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim}
 

@@ -29,9 +29,9 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig) -> dict:
   moe = cfg.moe
-  if (cfg.attention_type != 'mla' or moe.router_score != 'softmax' or moe.router_norm_topk
+  if (cfg.attention.type != 'mla' or moe.router_score != 'softmax' or moe.router_norm_topk
       or not cfg.rope_interleave or moe.layer_step != 1):
-    raise PretrainedError('deepseek_v2 export needs attention_type="mla", softmax routing '
+    raise PretrainedError('deepseek_v2 export needs attention.type="mla", softmax routing '
                           'without renormalisation, rope_interleave and moe.layer_step=1.')
   grouped = moe.router_groups > 1
   out = {**common_to_hf(cfg, 'deepseek_v2', 'DeepseekV2ForCausalLM'),

@@ -36,8 +36,8 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig) -> dict:
   moe = cfg.moe
-  if cfg.attention_type != 'mla' or moe.router_score != 'sigmoid' or moe.layer_step != 1:
-    raise PretrainedError('deepseek_v3 export needs attention_type="mla", sigmoid routing and '
+  if cfg.attention.type != 'mla' or moe.router_score != 'sigmoid' or moe.layer_step != 1:
+    raise PretrainedError('deepseek_v3 export needs attention.type="mla", sigmoid routing and '
                           'moe.layer_step=1.')
   out = common_to_hf(cfg, 'deepseek_v3', 'DeepseekV3ForCausalLM')
   return {**out, **deepseek_common.mla_to_hf(cfg), **deepseek_common.experts_to_hf(moe, cfg),

@@ -24,15 +24,15 @@ def gemma_fields(hf: HFConfig) -> dict:
   # Early Gemma configs say hidden_act "gelu" but the models use the tanh approximation.
   if hf.data.get('hidden_activation') is None:
     fields['mlp_activation'] = 'gelu_tanh'
+  bias = bool(hf.get('attention_bias', False))
   return dict(fields, norm_scale_offset=1.0, scale_embeddings=True,
-              qkv_bias=bool(hf.get('attention_bias', False)),
-              out_bias=bool(hf.get('attention_bias', False)))
+              attention={'qkv_bias': bias, 'out_bias': bias})
 
 
 def gemma_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict:
   out = common_to_hf(cfg, model_type, architecture)
   out['hidden_activation'] = out.pop('hidden_act')
-  out['attention_bias'] = cfg.qkv_bias
+  out['attention_bias'] = cfg.attention.qkv_bias
   return out
 
 

@@ -5,7 +5,7 @@ from maxnnx.config import ModelConfig, RopeConfig
 from maxnnx.models import gemma
 from maxnnx.models.gemma import GEMMA_DEFAULTS, GEMMA_VOCAB, gemma_fields, gemma_to_hf
 from maxnnx.models.hf import Family, HFConfig, PretrainedError, layer_types_to_hf
-from maxnnx.models.registry import FamilySpec
+from maxnnx.models.registry import FamilySpec, merge
 
 # -- Hugging Face mapping ----------------------------------------------------------------------
 
@@ -23,26 +23,27 @@ def sandwich_fields(hf: HFConfig, default_pattern: int) -> dict:
   layer_types = hf.layer_types() or tuple(
       'sliding' if (i + 1) % pattern else 'full' for i in range(num_layers))
   scalar = hf.get('query_pre_attn_scalar')
-  return dict(post_norm=True, attn_logit_softcap=hf.get('attn_logit_softcapping'),
-              final_logit_softcap=hf.get('final_logit_softcapping'),
-              query_scale=float(scalar)**-0.5 if scalar else None,
-              sliding_window=hf.require('sliding_window'), layer_types=layer_types)
+  return dict(post_norm=True, final_logit_softcap=hf.get('final_logit_softcapping'),
+              attention={'logit_softcap': hf.get('attn_logit_softcapping'),
+                         'query_scale': float(scalar)**-0.5 if scalar else None,
+                         'sliding_window': hf.require('sliding_window')},
+              layer_types=layer_types)
 
 
 def sandwich_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict:
   scalar = cfg.resolved_query_scale**-2
   if abs(scalar - round(scalar)) > 1e-6:
-    raise PretrainedError(f'{model_type} needs an integer query_pre_attn_scalar; query_scale '
+    raise PretrainedError(f'{model_type} needs an integer query_pre_attn_scalar; query scale '
                           f'{cfg.resolved_query_scale} gives {scalar}.')
   return {**gemma_to_hf(cfg, model_type, architecture),
-          'attn_logit_softcapping': cfg.attn_logit_softcap,
+          'attn_logit_softcapping': cfg.attention.logit_softcap,
           'final_logit_softcapping': cfg.final_logit_softcap,
           'query_pre_attn_scalar': round(cfg.resolved_query_scale**-2),
-          'sliding_window': cfg.sliding_window, 'layer_types': layer_types_to_hf(cfg)}
+          'sliding_window': cfg.attention.sliding_window, 'layer_types': layer_types_to_hf(cfg)}
 
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
-  return ModelConfig(family='gemma2', **gemma_fields(hf), **sandwich_fields(hf, 2))
+  return ModelConfig(family='gemma2', **merge(gemma_fields(hf), sandwich_fields(hf, 2)))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -59,7 +60,8 @@ def _gemma2(d_model: int, num_layers: int, num_heads: int, num_kv_heads: int, he
   return SPEC.config(vocab_size=GEMMA_VOCAB, d_model=d_model, num_layers=num_layers,
                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      mlp_dim=mlp_dim, max_position_embeddings=8192,
-                     query_scale=query_pre_attn_scalar**-0.5, layer_types=layer_types,
+                     attention={'query_scale': query_pre_attn_scalar**-0.5},
+                     layer_types=layer_types,
                      rope=RopeConfig(theta=10_000.0))
 
 
@@ -87,7 +89,7 @@ SPEC = FamilySpec(
               defaults={**GEMMA_DEFAULTS, 'attn_logit_softcapping': None,
                         'final_logit_softcapping': None, 'sliding_window': 4096},
               module_names=SANDWICH_NORM_NAMES),
-    differences={**gemma.DIFFERENCES, 'post_norm': True, 'attn_logit_softcap': 50.0,
-                 'final_logit_softcap': 30.0, 'sliding_window': 4096},
+    differences={**gemma.DIFFERENCES, 'post_norm': True, 'final_logit_softcap': 30.0,
+                 'attention': {'logit_softcap': 50.0, 'sliding_window': 4096}},
     presets={'gemma2-2b': gemma2_2b, 'gemma2-9b': gemma2_9b, 'gemma2-27b': gemma2_27b},
     chat_template='gemma')

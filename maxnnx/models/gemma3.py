@@ -24,7 +24,7 @@ from maxnnx.models import gemma
 from maxnnx.models.gemma import GEMMA_DEFAULTS, gemma_fields
 from maxnnx.models.gemma2 import SANDWICH_NORM_NAMES, sandwich_fields, sandwich_to_hf
 from maxnnx.models.hf import Family, HFConfig, PretrainedError, TensorDict, rope_to_hf
-from maxnnx.models.registry import FamilySpec
+from maxnnx.models.registry import FamilySpec, merge
 
 # SigLIP's defaults (transformers' SiglipVisionConfig), for keys a vision_config leaves out.
 SIGLIP_DEFAULTS = {'hidden_size': 768, 'intermediate_size': 3072, 'num_hidden_layers': 12,
@@ -43,8 +43,8 @@ def _text_config_from_hf(hf: HFConfig) -> ModelConfig:
   else:  # older configs: rope_local_base_freq, never scaled
     local_rope = fields['rope'].replace(theta=float(hf.get('rope_local_base_freq', 10_000.0)),
                                         scaling='none', factor=None)
-  return ModelConfig(family='gemma3', **fields, **sandwich_fields(hf, 6), qk_norm='head',
-                     local_rope=local_rope)
+  fields = merge(merge(fields, sandwich_fields(hf, 6)), {'attention': {'qk_norm': 'head'}})
+  return ModelConfig(family='gemma3', **fields, local_rope=local_rope)
 
 
 def _vision_from_hf(data: dict, top: HFConfig) -> VisionConfig:
@@ -178,7 +178,8 @@ def _gemma3(vocab_size: int, d_model: int, num_layers: int, num_heads: int, num_
   return SPEC.config(vocab_size=vocab_size, d_model=d_model, num_layers=num_layers,
                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      mlp_dim=mlp_dim, max_position_embeddings=max_position_embeddings,
-                     query_scale=query_pre_attn_scalar**-0.5, sliding_window=sliding_window,
+                     attention={'query_scale': query_pre_attn_scalar**-0.5,
+                                'sliding_window': sliding_window},
                      layer_types=layer_types, rope=rope, vision=vision or {})
 
 
@@ -211,8 +212,9 @@ def tiny_gemma3_vision() -> ModelConfig:
   """A tiny Gemma 3 with a vision tower (64x64 images, 8x8 patches pooled to 16 tokens;
   placeholder id 511) for tests and tutorials on a CPU."""
   return SPEC.config(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=16, mlp_dim=128, max_position_embeddings=256, sliding_window=16,
-                     layer_types=('sliding', 'full'), query_scale=16**-0.5,
+                     head_dim=16, mlp_dim=128, max_position_embeddings=256,
+                     attention={'sliding_window': 16, 'query_scale': 16**-0.5},
+                     layer_types=('sliding', 'full'),
                      rope=RopeConfig(theta=1_000_000.0),
                      vision={'num_layers': 2, 'hidden_size': 32, 'intermediate_size': 64,
                              'num_heads': 4, 'image_size': 64, 'patch_size': 8,
@@ -263,7 +265,7 @@ SPEC = FamilySpec(
                             'multi_modal_projector': 'model.multi_modal_projector',
                             'encoder_layers': 'encoder.layers'},
               unfuse=unfuse, fuse=fuse, to_peft=to_peft, from_peft=from_peft),
-    differences={**gemma.DIFFERENCES, 'post_norm': True, 'qk_norm': 'head',
+    differences={**gemma.DIFFERENCES, 'post_norm': True, 'attention': {'qk_norm': 'head'},
                  'local_rope': {'theta': 10_000.0}},
     image_inputs=image_inputs,
     presets={'gemma3-1b': gemma3_1b, 'gemma3-4b': gemma3_4b, 'gemma3-12b': gemma3_12b,

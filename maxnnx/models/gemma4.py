@@ -3,10 +3,10 @@ layer scalars and, in the MoE variant, experts beside the dense MLP.
 
 What it changes in Gemma 3, all expressed as :class:`ModelConfig` fields:
 
-* norms multiply by ``w`` (not ``1 + w``), queries are not scaled (``query_scale=1``:
-  the q/k norms fix their size), and values are normalised too, without a weight
-  (``value_norm``);
-* the full-attention layers have their own shapes (``global_attn``): heads of
+* norms multiply by ``w`` (not ``1 + w``), queries are not scaled
+  (``attention.query_scale=1``: the q/k norms fix their size), and values are normalised
+  too, without a weight (``attention.value_norm``);
+* the full-attention layers have their own shapes (``attention.global_layers``): heads of
   ``global_head_dim``, fewer key/value heads and, with ``attention_k_eq_v``, no
   value projection (the values are the un-normed keys); their rotary embedding is
   ``proportional`` (a quarter of the frequency pairs of a full-width rotation turn);
@@ -49,7 +49,7 @@ from maxnnx.models.hf import (
   layer_types_to_hf,
   rope_to_hf,
 )
-from maxnnx.models.registry import FamilySpec
+from maxnnx.models.registry import FamilySpec, merge
 
 GLOBAL_EVERY = 6  # transformers' default layer pattern: 5 sliding layers, then a full one
 # How the MoE variant routes (set in dense models too, where it changes nothing).
@@ -125,17 +125,19 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
     moe = moe.replace(num_experts=hf.require('num_experts'),
                       num_experts_per_tok=hf.require('top_k_experts'),
                       mlp_dim=hf.require('moe_intermediate_size'))
+  attention = {'qk_norm': 'head', 'query_scale': 1.0, 'value_norm': True,
+               'sliding_window': hf.require('sliding_window'),
+               'global_layers': _global_attention(hf, layer_types)}
   return ModelConfig(
-      family='gemma4', **fields, post_norm=True, qk_norm='head', query_scale=1.0,
-      value_norm=True, layer_scale=True, final_logit_softcap=hf.get('final_logit_softcapping'),
-      sliding_window=hf.require('sliding_window'), layer_types=layer_types,
-      global_attn=_global_attention(hf, layer_types), moe=moe,
+      family='gemma4', **merge(fields, {'attention': attention}), post_norm=True,
+      layer_scale=True, final_logit_softcap=hf.get('final_logit_softcapping'),
+      layer_types=layer_types, moe=moe,
       **_layer_sharing(hf, fields['mlp_dim'], fields['vocab_size']))
 
 
 def _check_convertible(cfg: ModelConfig) -> None:
   """What the transformers Gemma 4 text classes cannot express."""
-  moe, g = cfg.moe, cfg.global_attn
+  moe, g = cfg.moe, cfg.attention.global_layers
   gemma4_moe = (moe.dense_branch and moe.router_input_norm and moe.per_expert_scale
                 and moe.router_score == 'softmax' and moe.router_norm_topk
                 and moe.first_k_dense_layers == 0 and moe.layer_step == 1
@@ -145,14 +147,14 @@ def _check_convertible(cfg: ModelConfig) -> None:
   problems = [name for name, ok in (
       ('norm_scale_offset=0 (norms multiply by w)', cfg.norm_scale_offset == 0.0),
       ('pre_norm and post_norm', cfg.pre_norm and cfg.post_norm),
-      ("qk_norm='head', value_norm and layer_scale",
-       cfg.qk_norm == 'head' and cfg.value_norm and cfg.layer_scale),
-      ('query_scale=1', cfg.resolved_query_scale == 1.0),
-      ('no attention logit soft-cap', cfg.attn_logit_softcap is None),
+      ("attention.qk_norm='head', attention.value_norm and layer_scale",
+       cfg.attention.qk_norm == 'head' and cfg.attention.value_norm and cfg.layer_scale),
+      ('attention.query_scale=1', cfg.resolved_query_scale == 1.0),
+      ('no attention logit soft-cap', cfg.attention.logit_softcap is None),
       ('sliding and full layers, the last one full',
        set(cfg.resolved_layer_types) <= {'sliding', 'full'}
        and cfg.resolved_layer_types[-1] == 'full'),
-      ('global_attn.num_kv_heads only with values_from_keys',
+      ('attention.global_layers.num_kv_heads only with values_from_keys',
        g.values_from_keys or g.num_kv_heads in (None, cfg.num_kv_heads)),
       ('kv_shared_mlp_dim of mlp_dim or twice it',
        cfg.kv_shared_mlp_dim in (None, cfg.mlp_dim, 2 * cfg.mlp_dim)),
@@ -167,7 +169,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
   head_dim, kv_heads, values_from_keys = cfg.attention_shape('full')
   out = {**gemma_to_hf(cfg, 'gemma4_text', 'Gemma4ForCausalLM'),
          'final_logit_softcapping': cfg.final_logit_softcap,
-         'sliding_window': cfg.sliding_window, 'layer_types': layer_types_to_hf(cfg),
+         'sliding_window': cfg.attention.sliding_window, 'layer_types': layer_types_to_hf(cfg),
          'rope_parameters': {'full_attention': rope_to_hf(cfg.rope),
                              'sliding_attention': rope_to_hf(cfg.local_rope or cfg.rope)},
          'global_head_dim': head_dim, 'attention_k_eq_v': values_from_keys,
@@ -243,7 +245,7 @@ def fuse(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarr
 
 
 def _gemma4(d_model: int, num_layers: int, num_heads: int, num_kv_heads: int, mlp_dim: int,
-            global_attn: dict, global_every: int = GLOBAL_EVERY, sliding_window: int = 1024,
+            global_layers: dict, global_every: int = GLOBAL_EVERY, sliding_window: int = 1024,
             context: int = 262_144, **fields) -> ModelConfig:
   """A Gemma 4 config: heads of 256 (512 in the global layers), ``global_every - 1``
   sliding layers per global one (the last layer global)."""
@@ -252,8 +254,9 @@ def _gemma4(d_model: int, num_layers: int, num_heads: int, num_kv_heads: int, ml
   return SPEC.config(vocab_size=262_144, d_model=d_model, num_layers=num_layers,
                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=256,
                      mlp_dim=mlp_dim, max_position_embeddings=context,
-                     sliding_window=sliding_window, layer_types=layer_types,
-                     global_attn={'head_dim': 512, **global_attn},
+                     layer_types=layer_types,
+                     attention={'sliding_window': sliding_window,
+                                'global_layers': {'head_dim': 512, **global_layers}},
                      bos_token_id=2, eos_token_id=1, pad_token_id=0, **fields)
 
 
@@ -297,9 +300,10 @@ def tiny_gemma4() -> ModelConfig:
   """A tiny Gemma 4 MoE (wide global layers whose values are their keys, experts beside
   the MLP; 4 layers, window 8) for tests and tutorials."""
   return SPEC.config(vocab_size=512, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                     head_dim=32, mlp_dim=128, max_position_embeddings=512, sliding_window=8,
+                     head_dim=32, mlp_dim=128, max_position_embeddings=512,
                      layer_types=('sliding', 'full', 'sliding', 'full'),
-                     global_attn={'head_dim': 64, 'num_kv_heads': 1, 'values_from_keys': True},
+                     attention={'sliding_window': 8, 'global_layers': {
+                         'head_dim': 64, 'num_kv_heads': 1, 'values_from_keys': True}},
                      moe={'num_experts': 4, 'num_experts_per_tok': 2, 'mlp_dim': 64})
 
 
@@ -322,7 +326,7 @@ SPEC = FamilySpec(
     # Gemma's differences but its `1 + w` norms (Gemma 4 multiplies by w, Llama's default).
     differences={**{k: v for k, v in gemma.DIFFERENCES.items() if k != 'norm_scale_offset'},
                  'post_norm': True,
-                 'qk_norm': 'head', 'query_scale': 1.0, 'value_norm': True,
+                 'attention': {'qk_norm': 'head', 'query_scale': 1.0, 'value_norm': True},
                  'layer_scale': True, 'final_logit_softcap': 30.0,
                  'rope': {'theta': 1_000_000.0, 'scaling': 'proportional',
                           'partial_rotary_factor': 0.25},

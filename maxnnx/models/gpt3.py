@@ -39,7 +39,7 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
                             'decoder-only GPT-2 models with one attention scale for all layers).')
   d_model, num_heads = hf.require('n_embd'), hf.require('n_head')
   eos = hf.data.get('eos_token_id')
-  return ModelConfig(**{
+  return ModelConfig.from_dict({
       **DIFFERENCES, 'family': 'gpt3', 'vocab_size': hf.require('vocab_size'),
       'd_model': d_model, 'num_layers': hf.require('n_layer'), 'num_heads': num_heads,
       'num_kv_heads': num_heads, 'mlp_dim': hf.get('n_inner') or 4 * d_model,
@@ -47,14 +47,14 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
       'norm_eps': float(hf.require('layer_norm_epsilon')),
       'tie_word_embeddings': bool(hf.get('tie_word_embeddings', True)),
       'mlp_activation': hf.activation('activation_function'),
-      'query_scale': None if hf.get('scale_attn_weights', True) else 1.0,
+      'attention.query_scale': None if hf.get('scale_attn_weights', True) else 1.0,
       'bos_token_id': hf.data.get('bos_token_id'),
       'eos_token_id': tuple(eos) if isinstance(eos, list) else eos,
       'pad_token_id': hf.data.get('pad_token_id')})
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-  unscaled = cfg.query_scale is not None and cfg.query_scale == 1.0
+  unscaled = cfg.attention.query_scale is not None and cfg.attention.query_scale == 1.0
   out = {
       'architectures': ['GPT2LMHeadModel'],
       'model_type': 'gpt2',
@@ -86,7 +86,8 @@ def _refuse_what_gpt2_cannot_hold(cfg: ModelConfig, out: dict) -> None:
   back = config_from_hf(HFConfig(out, 'config.json', SPEC.hf.defaults))
 
   def described(c: ModelConfig) -> dict:
-    c = c.replace(head_dim=c.resolved_head_dim, query_scale=c.resolved_query_scale)
+    c = c.replace(head_dim=c.resolved_head_dim,
+                  **{'attention.query_scale': c.resolved_query_scale})
     flat = c.to_dict()
     for key in ('runtime', 'rope', 'initializer_range', 'family'):  # not architecture, or unused
       flat.pop(key)
@@ -184,7 +185,7 @@ def gpt3_175b() -> ModelConfig:
 
 
 DIFFERENCES = {'position_embedding': 'learned', 'norm_type': 'layer', 'norm_eps': 1e-5,
-               'qkv_bias': True, 'out_bias': True, 'mlp_gated': False,
+               'attention': {'qkv_bias': True, 'out_bias': True}, 'mlp_gated': False,
                'mlp_activation': 'gelu_tanh', 'mlp_bias': True, 'tie_word_embeddings': True}
 
 SPEC = FamilySpec(

@@ -3,7 +3,7 @@
 Architecture choices, all expressed as :class:`ModelConfig` fields:
 
 * attention has biases on every projection and one learned sink logit per head
-  (``attention_sinks``); even layers use a sliding window, odd layers attend fully;
+  (``attention.sinks``); even layers use a sliding window, odd layers attend fully;
 * rotary embeddings are YaRN (x32 from 4096 positions, ``truncate: false``);
 * every layer is a Mixture-of-Experts with a biased router; the softmax over the
   top-k router logits equals a softmax over all experts renormalised over the top k;
@@ -22,7 +22,7 @@ experts) are dequantized as they load (:mod:`maxnnx.checkpoint.quantized`).
 
 import numpy as np
 
-from maxnnx.config import ModelConfig, MoEConfig
+from maxnnx.config import AttentionConfig, ModelConfig, MoEConfig
 from maxnnx.models.hf import (
   Family,
   HFConfig,
@@ -48,8 +48,9 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
   if window is None:
     layer_types = ('full',) * num_layers
   bias = bool(hf.get('attention_bias', True))
-  return ModelConfig(family='gpt_oss', **hf.common_fields(), qkv_bias=bias, out_bias=bias,
-                     attention_sinks=True, sliding_window=window, layer_types=layer_types,
+  return ModelConfig(family='gpt_oss', **hf.common_fields(), layer_types=layer_types,
+                     attention=AttentionConfig(qkv_bias=bias, out_bias=bias, sinks=True,
+                                               sliding_window=window),
                      moe=MoEConfig(
                          num_experts=hf.get('num_local_experts') or hf.require('num_experts'),
                          num_experts_per_tok=hf.get('num_experts_per_tok')
@@ -62,8 +63,8 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
 def config_to_hf(cfg: ModelConfig) -> dict:
   return {**common_to_hf(cfg, 'gpt_oss', 'GptOssForCausalLM'),
           'intermediate_size': cfg.resolved_moe_mlp_dim,
-          'layer_types': layer_types_to_hf(cfg), 'sliding_window': cfg.sliding_window,
-          'attention_bias': cfg.qkv_bias, 'num_local_experts': cfg.moe.num_experts,
+          'layer_types': layer_types_to_hf(cfg), 'sliding_window': cfg.attention.sliding_window,
+          'attention_bias': cfg.attention.qkv_bias, 'num_local_experts': cfg.moe.num_experts,
           'num_experts_per_tok': cfg.moe.num_experts_per_tok,
           'swiglu_limit': cfg.moe.swiglu_limit, 'swiglu_alpha': cfg.moe.swiglu_alpha,
           'router_aux_loss_coef': 0.9}  # a training setting (TrainConfig): HF's default
@@ -74,8 +75,9 @@ def _check_convertible(cfg: ModelConfig) -> None:
   problems = [name for name, ok in (
       ('every layer a MoE layer', all(cfg.moe_layers)),
       ('expert_bias=True', cfg.moe.expert_bias), ('router_bias=True', cfg.moe.router_bias),
-      ('attention_sinks=True', cfg.attention_sinks), ('qkv_bias == out_bias',
-                                                      cfg.qkv_bias == cfg.out_bias)) if not ok]
+      ('attention.sinks=True', cfg.attention.sinks),
+      ('attention.qkv_bias == attention.out_bias',
+       cfg.attention.qkv_bias == cfg.attention.out_bias)) if not ok]
   if problems:
     raise PretrainedError(f'A gpt_oss model needs {", ".join(problems)}.')
 
@@ -155,8 +157,8 @@ SPEC = FamilySpec(
               defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 131_072,
                         'rope_theta': 150_000.0},
               unfuse=unfuse, fuse=fuse),
-    differences={'qkv_bias': True, 'out_bias': True, 'attention_sinks': True,
-                 'sliding_window': 128,
+    differences={'attention': {'qkv_bias': True, 'out_bias': True, 'sinks': True,
+                               'sliding_window': 128},
                  'rope': {'theta': 150_000.0, 'scaling': 'yarn', 'factor': 32.0,
                           'original_max_position_embeddings': 4096, 'truncate': False},
                  'moe': {'num_experts_per_tok': 4, 'router_bias': True, 'expert_bias': True,

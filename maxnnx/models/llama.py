@@ -6,7 +6,7 @@ follow the ``config.json`` files of the ``meta-llama`` Hugging Face repos; ``tin
 Llama small enough to train on a laptop CPU in seconds.
 """
 
-from maxnnx.config import ModelConfig, RopeConfig
+from maxnnx.config import AttentionConfig, ModelConfig, RopeConfig
 from maxnnx.models.hf import Family, HFConfig, PretrainedError, common_to_hf
 from maxnnx.models.registry import FamilySpec
 
@@ -15,16 +15,18 @@ from maxnnx.models.registry import FamilySpec
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
   bias = bool(hf.get('attention_bias', False))
-  return ModelConfig(family='llama', **hf.common_fields(), qkv_bias=bias, out_bias=bias,
+  return ModelConfig(family='llama', **hf.common_fields(),
+                     attention=AttentionConfig(qkv_bias=bias, out_bias=bias),
                      mlp_bias=bool(hf.get('mlp_bias', False)))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-  if cfg.qkv_bias != cfg.out_bias:
+  if cfg.attention.qkv_bias != cfg.attention.out_bias:
     raise PretrainedError('Llama has one attention_bias for q/k/v/o; this config sets '
-                          f'qkv_bias={cfg.qkv_bias} and out_bias={cfg.out_bias}.')
-  return {**common_to_hf(cfg, 'llama', 'LlamaForCausalLM'), 'attention_bias': cfg.qkv_bias,
-          'mlp_bias': cfg.mlp_bias}
+                          f'attention.qkv_bias={cfg.attention.qkv_bias} and '
+                          f'attention.out_bias={cfg.attention.out_bias}.')
+  return {**common_to_hf(cfg, 'llama', 'LlamaForCausalLM'),
+          'attention_bias': cfg.attention.qkv_bias, 'mlp_bias': cfg.mlp_bias}
 
 
 # -- Presets -----------------------------------------------------------------------------------

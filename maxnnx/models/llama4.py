@@ -3,11 +3,11 @@
 What it changes in Llama, all expressed as :class:`ModelConfig` fields:
 
 * three of every four layers are ``chunked`` (a query sees only the keys of its own
-  chunk of ``attention_chunk_size`` positions) and rotate q/k; the fourth attends
-  fully with no rotary embedding (``nope_layers``) and multiplies its queries by a
-  position-dependent temperature (``attn_temperature_tuning``);
+  chunk of ``attention.chunk_size`` positions) and rotate q/k; the fourth attends
+  fully with no rotary embedding (``attention.nope_layers``) and multiplies its queries
+  by a position-dependent temperature (``attention.temperature_tuning``);
 * rotary pairs are adjacent dims (``rope_interleave``); Scout's q/k get an L2 norm
-  without weights in the rotary layers (``qk_norm='l2'``);
+  without weights in the rotary layers (``attention.qk_norm='l2'``);
 * feed-forward blocks are MoE layers (all of them in Scout, every second one in
   Maverick; the others are dense MLPs of width ``intermediate_size_mlp``): top-1
   of the routed experts by a sigmoid of the router logit, which scales the
@@ -32,7 +32,7 @@ import re
 
 import numpy as np
 
-from maxnnx.config import ModelConfig, MoEConfig, RopeConfig, VisionConfig
+from maxnnx.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig, VisionConfig
 from maxnnx.data.images import TiledImageProcessor, TiledImagePrompt
 from maxnnx.models.hf import (
   Family,
@@ -102,13 +102,13 @@ def _text_config_from_hf(hf: HFConfig) -> ModelConfig:
   fields['mlp_dim'] = hf.get('intermediate_size_mlp', 16_384)
   bias = bool(hf.get('attention_bias', False))
   return ModelConfig(
-      family='llama4', **fields, qkv_bias=bias, out_bias=bias, rope_interleave=True,
-      qk_norm='l2' if hf.get('use_qk_norm', True) else 'none',
-      attention_chunk_size=chunk, layer_types=layer_types,
-      nope_layers=tuple(i for i in range(num_layers) if not uses_rope[i]),
-      attn_temperature_tuning=bool(hf.get('attn_temperature_tuning', True)),
-      attn_temperature_floor=float(hf.get('floor_scale', 8192)),
-      attn_temperature_scale=float(hf.get('attn_scale', 0.1)),
+      family='llama4', **fields, rope_interleave=True, layer_types=layer_types,
+      attention=AttentionConfig(
+          qkv_bias=bias, out_bias=bias, qk_norm='l2' if hf.get('use_qk_norm', True) else 'none',
+          chunk_size=chunk, nope_layers=tuple(i for i in range(num_layers) if not uses_rope[i]),
+          temperature_tuning=bool(hf.get('attn_temperature_tuning', True)),
+          temperature_floor=float(hf.get('floor_scale', 8192)),
+          temperature_scale=float(hf.get('attn_scale', 0.1))),
       moe=MoEConfig(num_experts=hf.get('num_local_experts', 16) if any(is_moe) else 0,
                     num_experts_per_tok=hf.get('num_experts_per_tok', 1),
                     mlp_dim=hf.require('intermediate_size'), num_shared_experts=1,
@@ -121,8 +121,9 @@ def _check_convertible(cfg: ModelConfig) -> None:
   moe = cfg.moe
   problems = [name for name, ok in (
       ('rope_interleave=True', cfg.rope_interleave),
-      ("qk_norm 'l2' or 'none'", cfg.qk_norm in ('l2', 'none')),
-      ('qkv_bias == out_bias', cfg.qkv_bias == cfg.out_bias),
+      ("attention.qk_norm 'l2' or 'none'", cfg.attention.qk_norm in ('l2', 'none')),
+      ('attention.qkv_bias == attention.out_bias',
+       cfg.attention.qkv_bias == cfg.attention.out_bias),
       ("full or chunked layers", set(cfg.resolved_layer_types) <= {'full', 'chunked'}),
       ('one shared expert, sigmoid routing weights on the expert inputs, not renormalised',
        not moe.num_experts or (moe.num_shared_experts == 1 and moe.router_score == 'sigmoid'
@@ -162,19 +163,19 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 def _text_config_to_hf(cfg: ModelConfig) -> dict:
   _check_convertible(cfg)
-  uses_rope = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
-  floor = cfg.attn_temperature_floor
+  uses_rope = [int(i not in cfg.attention.nope_layers) for i in range(cfg.num_layers)]
+  floor = cfg.attention.temperature_floor
   return {**common_to_hf(cfg, 'llama4_text', 'Llama4ForCausalLM'),
           'intermediate_size': cfg.resolved_moe_mlp_dim, 'intermediate_size_mlp': cfg.mlp_dim,
           'num_local_experts': max(cfg.moe.num_experts, 1),
           'num_experts_per_tok': cfg.moe.num_experts_per_tok,
           'moe_layers': [i for i, m in enumerate(cfg.moe_layers) if m],
           'no_rope_layers': uses_rope, 'layer_types': layer_types_to_hf(cfg),
-          'attention_chunk_size': cfg.attention_chunk_size,
-          'use_qk_norm': cfg.qk_norm == 'l2', 'attention_bias': cfg.qkv_bias,
-          'attn_temperature_tuning': cfg.attn_temperature_tuning,
+          'attention_chunk_size': cfg.attention.chunk_size,
+          'use_qk_norm': cfg.attention.qk_norm == 'l2', 'attention_bias': cfg.attention.qkv_bias,
+          'attn_temperature_tuning': cfg.attention.temperature_tuning,
           'floor_scale': int(floor) if float(floor).is_integer() else floor,
-          'attn_scale': cfg.attn_temperature_scale,
+          'attn_scale': cfg.attention.temperature_scale,
           'router_aux_loss_coef': 0.001}  # a training setting (TrainConfig): HF's default
 
 
@@ -294,10 +295,11 @@ def _llama4(num_experts: int, moe_every: int, max_position_embeddings: int, rope
   return SPEC.config(vision=LLAMA4_VISION,
       vocab_size=202_048, d_model=5120, num_layers=num_layers, num_heads=40, num_kv_heads=8,
       mlp_dim=16_384, max_position_embeddings=max_position_embeddings,
-      norm_eps=1e-5, rope=rope, qk_norm=qk_norm, attention_chunk_size=8192,
+      norm_eps=1e-5, rope=rope,
       layer_types=tuple('full' if (i + 1) % NOPE_EVERY == 0 else 'chunked'
                         for i in range(num_layers)),
-      nope_layers=tuple(i for i in range(num_layers) if (i + 1) % NOPE_EVERY == 0),
+      attention={'qk_norm': qk_norm, 'chunk_size': 8192, 'nope_layers': tuple(
+          i for i in range(num_layers) if (i + 1) % NOPE_EVERY == 0)},
       moe={'num_experts': num_experts, 'mlp_dim': 8192, 'first_k_dense_layers': moe_every - 1,
            'layer_step': moe_every},
       bos_token_id=200_000, eos_token_id=(200_001, 200_007, 200_008), pad_token_id=200_018)
@@ -320,9 +322,9 @@ def tiny_llama4() -> ModelConfig:
   """A tiny Llama 4 (every mechanism, 4 layers, chunks of 8) for tests and tutorials on a CPU."""
   return SPEC.config(vocab_size=512, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2,
                      head_dim=32, mlp_dim=256, max_position_embeddings=512, norm_eps=1e-5,
-                     attention_chunk_size=8, qk_norm='l2',
-                     layer_types=('chunked', 'chunked', 'chunked', 'full'), nope_layers=(3,),
-                     attn_temperature_floor=4.0,
+                     layer_types=('chunked', 'chunked', 'chunked', 'full'),
+                     attention={'chunk_size': 8, 'qk_norm': 'l2', 'nope_layers': (3,),
+                                'temperature_floor': 4.0},
                      moe={'num_experts': 4, 'mlp_dim': 128, 'first_k_dense_layers': 1,
                           'layer_step': 2})
 
@@ -365,7 +367,7 @@ SPEC = FamilySpec(
                         'rope_theta': 500_000.0, 'num_key_value_heads': 8, 'head_dim': 128},
               module_names={'mlp': 'feed_forward', 'shared_experts': 'shared_expert'},
               unfuse=unfuse, fuse=fuse, to_peft=to_peft, from_peft=from_peft),
-    differences={'rope_interleave': True, 'attn_temperature_tuning': True,
+    differences={'rope_interleave': True, 'attention': {'temperature_tuning': True},
                  'rope': {'theta': 500_000.0},
                  'moe': {'num_experts_per_tok': 1, 'num_shared_experts': 1,
                          'router_score': 'sigmoid', 'router_norm_topk': False,

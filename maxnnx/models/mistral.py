@@ -1,18 +1,18 @@
 """Mistral: Llama with an optional sliding window on every layer."""
 
-from maxnnx.config import ModelConfig, RopeConfig
+from maxnnx.config import AttentionConfig, ModelConfig, RopeConfig
 from maxnnx.models.hf import Family, HFConfig, common_to_hf
 from maxnnx.models.registry import FamilySpec
 
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
   return ModelConfig(family='mistral', **hf.common_fields(),
-                     sliding_window=hf.get('sliding_window'))
+                     attention=AttentionConfig(sliding_window=hf.get('sliding_window')))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
   return {**common_to_hf(cfg, 'mistral', 'MistralForCausalLM'),
-          'sliding_window': cfg.sliding_window}
+          'sliding_window': cfg.attention.sliding_window}
 
 
 def mistral_7b() -> ModelConfig:

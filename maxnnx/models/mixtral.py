@@ -4,7 +4,7 @@ The router's softmax top-2 weights are renormalised. Hub tensors live under
 ``block_sparse_moe`` with experts named ``w1`` (gate), ``w3`` (up) and ``w2`` (down).
 """
 
-from maxnnx.config import ModelConfig, MoEConfig, RopeConfig
+from maxnnx.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
 from maxnnx.models.hf import Family, HFConfig, common_to_hf
 from maxnnx.models.moe_hf import expert_hooks
 from maxnnx.models.registry import FamilySpec
@@ -12,14 +12,14 @@ from maxnnx.models.registry import FamilySpec
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
   return ModelConfig(family='mixtral', **hf.common_fields(),
-                     sliding_window=hf.get('sliding_window'),
+                     attention=AttentionConfig(sliding_window=hf.get('sliding_window')),
                      moe=MoEConfig(num_experts=hf.require('num_local_experts'),
                                    num_experts_per_tok=hf.get('num_experts_per_tok', 2)))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
   return {**common_to_hf(cfg, 'mixtral', 'MixtralForCausalLM'),
-          'sliding_window': cfg.sliding_window, 'num_local_experts': cfg.moe.num_experts,
+          'sliding_window': cfg.attention.sliding_window, 'num_local_experts': cfg.moe.num_experts,
           'num_experts_per_tok': cfg.moe.num_experts_per_tok,
           'router_aux_loss_coef': 0.001}  # a training setting (TrainConfig): HF's default
 

@@ -26,7 +26,7 @@ def choose_mtp_layers(cfg: ModelConfig, family: Family, tensors, explicit: bool,
       holds = (f'holds multi-token-prediction tensors for {stored} layer(s)' if family.mtp
                else f'is a {cfg.family} checkpoint, which has no multi-token-prediction layers')
       raise PretrainedError(f'{directory}: mtp.num_layers={wanted} but the checkpoint {holds}; '
-                            f'pass mtp_num_layers={stored} or fewer.')
+                            f"pass mtp={{'num_layers': {stored}}} or fewer.")
     logger.info('%s: config.json declares %d multi-token-prediction layer(s) but the '
                 'checkpoint holds tensors for %d; loading those.', directory, wanted, stored)
     cfg = cfg.replace(mtp={'num_layers': stored})

@@ -1,6 +1,6 @@
 """OLMo 2: norms after each sub-block only, RMSNorm over the whole q and k projections."""
 
-from maxnnx.config import ModelConfig, RopeConfig
+from maxnnx.config import AttentionConfig, ModelConfig, RopeConfig
 from maxnnx.models.hf import Family, HFConfig, common_to_hf
 from maxnnx.models.registry import FamilySpec
 
@@ -8,11 +8,13 @@ from maxnnx.models.registry import FamilySpec
 def config_from_hf(hf: HFConfig) -> ModelConfig:
   bias = bool(hf.get('attention_bias', False))
   return ModelConfig(family='olmo2', **hf.common_fields(), pre_norm=False, post_norm=True,
-                     qk_norm='projection', qkv_bias=bias, out_bias=bias)
+                     attention=AttentionConfig(qk_norm='projection', qkv_bias=bias,
+                                               out_bias=bias))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-  return {**common_to_hf(cfg, 'olmo2', 'Olmo2ForCausalLM'), 'attention_bias': cfg.qkv_bias}
+  return {**common_to_hf(cfg, 'olmo2', 'Olmo2ForCausalLM'),
+          'attention_bias': cfg.attention.qkv_bias}
 
 
 def olmo2_7b() -> ModelConfig:
@@ -30,5 +32,6 @@ SPEC = FamilySpec(
               defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 2048},
               module_names={'attn_post_norm': 'post_attention_layernorm',
                             'mlp_post_norm': 'post_feedforward_layernorm'}),
-    differences={'pre_norm': False, 'post_norm': True, 'qk_norm': 'projection'},
+    differences={'pre_norm': False, 'post_norm': True,
+                 'attention': {'qk_norm': 'projection'}},
     presets={'olmo2-7b': olmo2_7b})

@@ -3,9 +3,9 @@
 Architecture choices, all expressed as :class:`ModelConfig` fields:
 
 * OLMo 2's block: norms after each sub-block only (``post_norm``), RMSNorm over the
-  whole q and k projections (``qk_norm='projection'``);
+  whole q and k projections (``attention.qk_norm='projection'``);
 * layer ``i`` attends fully iff ``(i + 1) % 4 == 0``; the others see the last
-  ``sliding_window`` (4096) positions (``layer_types``);
+  ``attention.sliding_window`` (4096) positions (``layer_types``);
 * the released models extend their context with YaRN on the full-attention layers
   only (``rope``); sliding layers keep plain rotary at the same base (``local_rope``).
 
@@ -15,7 +15,7 @@ describe the full-attention layers, and sliding layers use the unscaled rotary a
 ``rope_theta``.
 """
 
-from maxnnx.config import ModelConfig, RopeConfig
+from maxnnx.config import AttentionConfig, ModelConfig, RopeConfig
 from maxnnx.models import olmo2
 from maxnnx.models.hf import (
   Family,
@@ -51,15 +51,17 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
     local_rope = RopeConfig(theta=fields['rope'].theta)
   bias = bool(hf.get('attention_bias', False))
   return ModelConfig(
-      family='olmo3', **fields, pre_norm=False, post_norm=True, qk_norm='projection',
-      qkv_bias=bias, out_bias=bias, sliding_window=hf.require('sliding_window'),
+      family='olmo3', **fields, pre_norm=False, post_norm=True,
+      attention=AttentionConfig(qk_norm='projection', qkv_bias=bias, out_bias=bias,
+                                sliding_window=hf.require('sliding_window')),
       layer_types=hf.layer_types() or default_layer_types(hf.require('num_hidden_layers')),
       local_rope=None if local_rope == fields['rope'] else local_rope)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-  return {**common_to_hf(cfg, 'olmo3', 'Olmo3ForCausalLM'), 'attention_bias': cfg.qkv_bias,
-          'sliding_window': cfg.sliding_window, 'layer_types': layer_types_to_hf(cfg),
+  return {**common_to_hf(cfg, 'olmo3', 'Olmo3ForCausalLM'),
+          'attention_bias': cfg.attention.qkv_bias,
+          'sliding_window': cfg.attention.sliding_window, 'layer_types': layer_types_to_hf(cfg),
           'rope_parameters': {'full_attention': rope_to_hf(cfg.rope),
                               'sliding_attention': rope_to_hf(cfg.local_rope or cfg.rope)}}
 
@@ -95,8 +97,8 @@ SPEC = FamilySpec(
               defaults={'rms_norm_eps': 1e-5, 'max_position_embeddings': 2048,
                         'rope_theta': 500_000.0, 'sliding_window': 4096},
               module_names=olmo2.SPEC.hf.module_names),
-    differences={'pre_norm': False, 'post_norm': True, 'qk_norm': 'projection',
-                 'sliding_window': 4096,
+    differences={'pre_norm': False, 'post_norm': True,
+                 'attention': {'qk_norm': 'projection', 'sliding_window': 4096},
                  'rope': {'theta': 500_000.0, 'scaling': 'yarn', 'factor': 8.0,
                           'original_max_position_embeddings': 8192},
                  'local_rope': {'theta': 500_000.0}},

@@ -2,18 +2,19 @@
 
 import numpy as np
 
-from maxnnx.config import ModelConfig, RopeConfig
+from maxnnx.config import AttentionConfig, ModelConfig, RopeConfig
 from maxnnx.models.hf import Family, HFConfig, TensorDict, common_to_hf
 from maxnnx.models.registry import FamilySpec
 
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
-  return ModelConfig(family='phi3', **hf.common_fields(), sliding_window=hf.get('sliding_window'))
+  return ModelConfig(family='phi3', **hf.common_fields(),
+                     attention=AttentionConfig(sliding_window=hf.get('sliding_window')))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
   out = common_to_hf(cfg, 'phi3', 'Phi3ForCausalLM')
-  out['sliding_window'] = cfg.sliding_window
+  out['sliding_window'] = cfg.attention.sliding_window
   if cfg.rope.original_max_position_embeddings is not None:
     out['original_max_position_embeddings'] = cfg.rope.original_max_position_embeddings
   return out
@@ -63,7 +64,7 @@ def phi3_mini() -> ModelConfig:
   """
   return SPEC.config(vocab_size=32_064, d_model=3072, num_layers=32, num_heads=32,
                      num_kv_heads=32, mlp_dim=8192, max_position_embeddings=4096, norm_eps=1e-5,
-                     sliding_window=2047, rope=RopeConfig(theta=10_000.0))
+                     attention={'sliding_window': 2047}, rope=RopeConfig(theta=10_000.0))
 
 
 SPEC = FamilySpec(

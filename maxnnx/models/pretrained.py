@@ -100,7 +100,8 @@ def family_for_model_type(model_type: str, path: str = 'config.json') -> Family:
 def config_from_pretrained(directory: str, **overrides: Any) -> ModelConfig:
   """The :class:`ModelConfig` of a Hugging Face directory (no weights read).
 
-  ``overrides`` replace config fields, e.g. ``dtype='bfloat16'``, ``scan_layers=True``.
+  ``overrides`` replace config fields as :meth:`ModelConfig.replace` takes them, e.g.
+  ``runtime={'dtype': 'bfloat16'}`` or ``**{'runtime.scan_layers': True}``.
   """
   data, path = load_config_json(paths.local_model_dir(directory))
   family = family_for_model_type(data['model_type'], path)
@@ -142,8 +143,8 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
       stored one tensor per expert in such a form (DeepSeek's releases) and MXFP4 experts
       (GPT-OSS) are kept too, as ``[experts, in, out]`` QArrays; other tensors (embeddings,
       norms, the head) load as without it.
-    **overrides: any other :class:`ModelConfig` field. ``mtp_num_layers``
-      (or ``mtp={'num_layers': n}``)
+    **overrides: any other :class:`ModelConfig` field (dotted keys as
+      ``**{'attention.sliding_window': 512}``, or a dict per group). ``mtp={'num_layers': n}``
       chooses how many multi-token-prediction layers to load (DeepSeek V3);
       by default those the checkpoint holds (a transformers-saved checkpoint
       holds none, whatever ``num_nextn_predict_layers`` says). With fewer, the
@@ -158,7 +159,7 @@ def from_pretrained(directory: str, *, dtype: str | None = None, param_dtype: st
     raise ValueError(f'keep_quantized={keep_quantized!r}: expected True or False.')
   for key, value in (('dtype', dtype), ('param_dtype', param_dtype), ('scan_layers', scan_layers)):
     if value is not None:
-      overrides[key] = value
+      overrides[f'runtime.{key}'] = value
   cfg, graphdef, abstract_state, sources = _read_sources(paths.local_model_dir(directory),
                                                          overrides)
   shardings = _shardings(abstract_state, mesh, rules)
@@ -209,7 +210,7 @@ def _read_sources(directory: str, overrides: dict):
                                     data.get('quantization_config'), config_path)
   except QuantizationError as e:
     raise PretrainedError(str(e)) from None
-  mtp_chosen = any(key in overrides for key in ('mtp_num_layers', 'mtp.num_layers', 'mtp'))
+  mtp_chosen = any(key in overrides for key in ('mtp.num_layers', 'mtp'))
   cfg, skipped = choose_mtp_layers(cfg, family, tensors, mtp_chosen, directory)
   if family.unfuse is not None:
     tensors = family.unfuse(tensors, cfg)

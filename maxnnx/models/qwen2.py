@@ -5,33 +5,37 @@ differ only in ``max_position_embeddings`` = 32768 and, for 14B+, ``norm_eps``
 = 1e-6). ``use_sliding_window`` is false in every release, so no window is set.
 """
 
-from maxnnx.config import ModelConfig, RopeConfig
+from typing import Any
+
+from maxnnx.config import AttentionConfig, ModelConfig, RopeConfig
 from maxnnx.models.hf import Family, HFConfig, common_to_hf, layer_types_to_hf
 from maxnnx.models.registry import FamilySpec
 
 # -- Hugging Face mapping ----------------------------------------------------------------------
 
 
-def sliding_layers(hf: HFConfig) -> dict:
-  """``sliding_window``/``layer_types`` as Qwen configs define them: windows
-  only when ``use_sliding_window``, on layers from ``max_window_layers`` up."""
+def sliding_layers(hf: HFConfig, **attention: Any) -> dict:
+  """``attention`` (the other :class:`AttentionConfig` fields) with the sliding window, and
+  ``layer_types``, as Qwen configs define them: windows only when ``use_sliding_window``,
+  on layers from ``max_window_layers`` up."""
   window = hf.get('sliding_window') if hf.get('use_sliding_window', False) else None
   if window is None:
-    return {}
+    return {'attention': AttentionConfig(**attention)}
   layer_types = hf.layer_types() or tuple(
       'sliding' if i >= hf.get('max_window_layers', 0) else 'full'
       for i in range(hf.require('num_hidden_layers')))
-  return {'sliding_window': window, 'layer_types': layer_types}
+  return {'attention': AttentionConfig(**attention, sliding_window=window),
+          'layer_types': layer_types}
 
 
 def sliding_layers_to_hf(cfg: ModelConfig) -> dict:
   has_window = 'sliding' in cfg.resolved_layer_types
-  return {'use_sliding_window': has_window, 'sliding_window': cfg.sliding_window,
+  return {'use_sliding_window': has_window, 'sliding_window': cfg.attention.sliding_window,
           'max_window_layers': cfg.num_layers, 'layer_types': layer_types_to_hf(cfg)}
 
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
-  return ModelConfig(family='qwen2', **hf.common_fields(), qkv_bias=True, **sliding_layers(hf))
+  return ModelConfig(family='qwen2', **hf.common_fields(), **sliding_layers(hf, qkv_bias=True))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -92,7 +96,7 @@ SPEC = FamilySpec(
     description='Llama with q/k/v biases (and sliding windows on upper layers when enabled).',
     hf=Family('qwen2', ('qwen2',), 'Qwen2ForCausalLM', config_from_hf, config_to_hf,
               defaults={'max_position_embeddings': 32768}),
-    differences={'qkv_bias': True},
+    differences={'attention': {'qkv_bias': True}},
     presets={'qwen2.5-0.5b': qwen2_5_0_5b, 'qwen2.5-1.5b': qwen2_5_1_5b,
              'qwen2.5-3b': qwen2_5_3b, 'qwen2.5-7b': qwen2_5_7b, 'qwen2.5-14b': qwen2_5_14b,
              'qwen2.5-32b': qwen2_5_32b, 'qwen2.5-72b': qwen2_5_72b},

@@ -11,13 +11,13 @@ from maxnnx.models.registry import FamilySpec
 
 def config_from_hf(hf: HFConfig) -> ModelConfig:
   bias = bool(hf.get('attention_bias', False))
-  return ModelConfig(family='qwen3', **hf.common_fields(), qkv_bias=bias, out_bias=bias,
-                     qk_norm='head', **sliding_layers(hf))
+  return ModelConfig(family='qwen3', **hf.common_fields(),
+                     **sliding_layers(hf, qkv_bias=bias, out_bias=bias, qk_norm='head'))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
   return {**common_to_hf(cfg, 'qwen3', 'Qwen3ForCausalLM'), **sliding_layers_to_hf(cfg),
-          'attention_bias': cfg.qkv_bias}
+          'attention_bias': cfg.attention.qkv_bias}
 
 
 def _qwen3(d_model: int, num_layers: int, num_heads: int, mlp_dim: int,
@@ -71,7 +71,7 @@ SPEC = FamilySpec(
     description='Llama with per-head RMSNorm on queries and keys.',
     hf=Family('qwen3', ('qwen3',), 'Qwen3ForCausalLM', config_from_hf, config_to_hf,
               defaults={'max_position_embeddings': 32768}),
-    differences={'qk_norm': 'head'},
+    differences={'attention': {'qk_norm': 'head'}},
     presets={'qwen3-0.6b': qwen3_0_6b, 'qwen3-1.7b': qwen3_1_7b, 'qwen3-4b': qwen3_4b,
              'qwen3-4b-thinking-2507': qwen3_4b_thinking_2507, 'qwen3-8b': qwen3_8b,
              'qwen3-14b': qwen3_14b, 'qwen3-32b': qwen3_32b},

@@ -19,8 +19,8 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
   step, dense = hf.get('decoder_sparse_step', 1), set(hf.get('mlp_only_layers') or ())
   is_moe = [i not in dense and (i + 1) % step == 0
             for i in range(hf.require('num_hidden_layers'))]
-  return ModelConfig(family='qwen3_moe', **hf.common_fields(), qkv_bias=bias, out_bias=bias,
-                     qk_norm='head', **sliding_layers(hf),
+  return ModelConfig(family='qwen3_moe', **hf.common_fields(),
+                     **sliding_layers(hf, qkv_bias=bias, out_bias=bias, qk_norm='head'),
                      moe=MoEConfig(num_experts=experts,
                                    num_experts_per_tok=hf.get('num_experts_per_tok', 8),
                                    mlp_dim=hf.require('moe_intermediate_size'),
@@ -30,7 +30,7 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig) -> dict:
   return {**common_to_hf(cfg, 'qwen3_moe', 'Qwen3MoeForCausalLM'), **sliding_layers_to_hf(cfg),
-          'attention_bias': cfg.qkv_bias, 'num_local_experts': cfg.moe.num_experts,
+          'attention_bias': cfg.attention.qkv_bias, 'num_local_experts': cfg.moe.num_experts,
           'num_experts_per_tok': cfg.moe.num_experts_per_tok,
           'moe_intermediate_size': cfg.resolved_moe_mlp_dim,
           'norm_topk_prob': cfg.moe.router_norm_topk, 'decoder_sparse_step': 1,
@@ -78,7 +78,7 @@ SPEC = FamilySpec(
     hf=Family('qwen3_moe', ('qwen3_moe',), 'Qwen3MoeForCausalLM', config_from_hf,
               config_to_hf, defaults={'max_position_embeddings': 32768},
               module_names={'router': 'gate'}, unfuse=unfuse, fuse=fuse),
-    differences={'qk_norm': 'head', 'moe': {'num_experts_per_tok': 8}},
+    differences={'attention': {'qk_norm': 'head'}, 'moe': {'num_experts_per_tok': 8}},
     presets={'qwen3-30b-a3b': qwen3_30b_a3b, 'qwen3-235b-a22b': qwen3_235b_a22b,
              'qwen3-480b-a35b': qwen3_480b_a35b},
     chat_template='chatml')

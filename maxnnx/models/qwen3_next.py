@@ -7,7 +7,7 @@ What it changes in Llama, as :class:`ModelConfig` fields:
   shaped by ``linear_attn``) then one ``full`` layer, repeated;
 * full attention has per-head q/k norms, rotates a quarter of ``head_dim``
   (``rope.partial_rotary_factor=0.25``) and gates its output per head
-  (``attention_output_gate``);
+  (``attention.output_gate``);
 * every norm is Gemma-style ``(1 + w)`` (``norm_scale_offset=1``), except the gated
   norm inside the linear layers;
 * MoE: softmax top-10 of 512 experts, renormalised, plus a shared expert whose
@@ -22,7 +22,7 @@ caching.
 
 import re
 
-from maxnnx.config import LinearAttentionConfig, ModelConfig, MoEConfig, RopeConfig
+from maxnnx.config import AttentionConfig, LinearAttentionConfig, ModelConfig, MoEConfig, RopeConfig
 from maxnnx.models.hf import (
   Family,
   HFConfig,
@@ -48,8 +48,8 @@ def config_from_hf(hf: HFConfig) -> ModelConfig:
   shared_dim = hf.get('shared_expert_intermediate_size', 512)
   bias = bool(hf.get('attention_bias', False))
   return ModelConfig(
-      family='qwen3_next', **hf.common_fields(), qkv_bias=bias, out_bias=bias,
-      qk_norm='head', norm_scale_offset=1.0, attention_output_gate=True,
+      family='qwen3_next', **hf.common_fields(), norm_scale_offset=1.0,
+      attention=AttentionConfig(qkv_bias=bias, out_bias=bias, qk_norm='head', output_gate=True),
       layer_types=layer_types,
       linear_attn=LinearAttentionConfig(
           num_key_heads=hf.get('linear_num_key_heads', 16),
@@ -76,7 +76,7 @@ def _shared_expert(shared_dim: int, expert_dim: int) -> dict:
 def config_to_hf(cfg: ModelConfig) -> dict:
   la, moe = cfg.linear_attn, cfg.moe
   return {**common_to_hf(cfg, 'qwen3_next', 'Qwen3NextForCausalLM'),
-          'layer_types': layer_types_to_hf(cfg), 'attention_bias': cfg.qkv_bias,
+          'layer_types': layer_types_to_hf(cfg), 'attention_bias': cfg.attention.qkv_bias,
           'linear_num_key_heads': la.num_key_heads, 'linear_num_value_heads': la.num_value_heads,
           'linear_key_head_dim': la.key_head_dim, 'linear_value_head_dim': la.value_head_dim,
           'linear_conv_kernel_dim': la.conv_kernel_size,
@@ -152,7 +152,7 @@ SPEC = FamilySpec(
                         'head_dim': 256, 'partial_rotary_factor': 0.25},
               module_names={'router': 'gate', 'shared_experts': 'shared_expert'},
               unfuse=unfuse, fuse=fuse),
-    differences={'qk_norm': 'head', 'norm_scale_offset': 1.0, 'attention_output_gate': True,
+    differences={'attention': {'qk_norm': 'head', 'output_gate': True}, 'norm_scale_offset': 1.0,
                  'moe': {'num_shared_experts': 1, 'shared_expert_gate': True}},
     presets={'qwen3-next-80b-a3b': qwen3_next_80b_a3b, 'tiny-qwen3-next': tiny_qwen3_next},
     chat_template='chatml')

@@ -30,7 +30,7 @@ class FamilySpec:
     description: one line: what the family is, said in terms of Llama.
     hf: the Hugging Face mapping (``config.json`` keys, tensor names, fuse hooks).
     differences: the :class:`ModelConfig` fields every model of the family sets away
-      from their defaults, nested groups as dicts (``{'qk_norm': 'head', 'moe':
+      from their defaults, nested groups as dicts (``{'attention': {'qk_norm': 'head'}, 'moe':
       {'num_experts': 8}}``); the presets build on them (:meth:`config`).
     presets: preset name -> a function returning a published model's config, whose
       docstring cites the published size.

@@ -80,7 +80,7 @@ def _stacked_blocks(cfg: ModelConfig, stack_key: jax.Array, start: int, count: i
   leading ``layers`` axis (one vmapped build, however many layers)."""
   types = set(cfg.resolved_layer_types)
   linear = types == {'linear'}  # ModelConfig refuses a mixed scan
-  # With global_attn, ModelConfig allows a scan only when every layer has one type.
+  # With attention.global_layers, ModelConfig allows a scan only when every layer has one type.
   layer_type = next(iter(types)) if len(types) == 1 else None
 
   @nnx.vmap(in_axes=(None, 0), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
@@ -156,7 +156,7 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
                           for _ in range(config.mtp.num_layers)])
                 if config.mtp.num_layers else nnx.data(None))
     head_dim = local_head_dim = config.rope_head_dim
-    if config.global_attn.is_set:  # full layers rotate heads of their own width
+    if config.attention.global_layers.is_set:  # full layers rotate heads of their own width
       head_dim = config.attention_shape('full')[0]
     self.rotary = (RotaryEmbedding.from_config(config.rope, head_dim,
                                                config.max_position_embeddings)
@@ -413,10 +413,11 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
     sliding window or chunk size (``None`` where unused), ``mask`` and ``fields``."""
     cfg = self.config
     layer_type = cfg.resolved_layer_types[layer]
-    return LayerCall(cos_sin=None if layer in cfg.nope_layers else cos_sin[layer_type],
+    attention = cfg.attention
+    return LayerCall(cos_sin=None if layer in attention.nope_layers else cos_sin[layer_type],
                      mask=mask,
-                     sliding_window=cfg.sliding_window if layer_type == 'sliding' else None,
-                     chunk_size=cfg.attention_chunk_size if layer_type == 'chunked' else None,
+                     sliding_window=attention.sliding_window if layer_type == 'sliding' else None,
+                     chunk_size=attention.chunk_size if layer_type == 'chunked' else None,
                      **fields)
 
   def _apply_block(self, block, x_BTD, call: LayerCall):
@@ -453,14 +454,14 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
     """
     cfg = self.config
     mixed = len(set(layer_types)) > 1
-    num_nope = len(cfg.nope_layers)
+    num_nope = len(cfg.attention.nope_layers)
     if num_nope == cfg.num_layers:  # nothing rotates
       cos_sin = dict.fromkeys(_LAYER_KINDS)
     # Stacks mixing NoPE and rotary layers: the flag rides in the kind (+ len(_LAYER_KINDS)).
     mixed_nope = 0 < num_nope < cfg.num_layers
     static = layer_types[0]
-    static_window = cfg.sliding_window if static == 'sliding' else None
-    static_chunk = cfg.attention_chunk_size if static == 'chunked' else None
+    static_window = cfg.attention.sliding_window if static == 'sliding' else None
+    static_chunk = cfg.attention.chunk_size if static == 'chunked' else None
     graphdef, state = nnx.split(layers)
 
     def body(x, xs):
@@ -471,9 +472,9 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
         nope, kind = kind >= len(_LAYER_KINDS), kind % len(_LAYER_KINDS)
       if mixed:
         is_sliding = kind == _LAYER_KINDS.index('sliding')
-        window = (jnp.where(is_sliding, cfg.sliding_window, _NO_WINDOW)
+        window = (jnp.where(is_sliding, cfg.attention.sliding_window, _NO_WINDOW)
                   if 'sliding' in layer_types else None)
-        chunk = (jnp.where(kind == _LAYER_KINDS.index('chunked'), cfg.attention_chunk_size,
+        chunk = (jnp.where(kind == _LAYER_KINDS.index('chunked'), cfg.attention.chunk_size,
                            _NO_WINDOW) if 'chunked' in layer_types else None)
         layer_cos_sin = jax.tree.map(lambda s, f: jnp.where(is_sliding, s, f),
                                      cos_sin['sliding'], cos_sin['full'])
@@ -532,7 +533,7 @@ def _layer_kinds(cfg: ModelConfig, start: int, count: int) -> jax.Array:
   """``[count]`` int32 codes of layers ``start…``: the type's index in ``_LAYER_KINDS``,
   plus ``len(_LAYER_KINDS)`` for NoPE layers."""
   return jnp.asarray([_LAYER_KINDS.index(cfg.resolved_layer_types[i])
-                      + len(_LAYER_KINDS) * (i in cfg.nope_layers)
+                      + len(_LAYER_KINDS) * (i in cfg.attention.nope_layers)
                       for i in range(start, start + count)], jnp.int32)
 
 

@@ -255,7 +255,7 @@ class Engine(AdapterLoading):
     cfg = self.model_config
     self.allocator = PageAllocator(self.max_pages + 1, reserved=1)
     types = set(cfg.resolved_layer_types)
-    window = cfg.sliding_window if 'sliding' in types else None
+    window = cfg.attention.sliding_window if 'sliding' in types else None
     # A request's pages that its sliding layers still attend to, at most.
     self.window_pages_per_request = (
         self.pages_per_request if window is None else

@@ -33,11 +33,11 @@ def check_qk_clip(config: TrainConfig, model_config: ModelConfig, model) -> None
   if not config.qk_clip_threshold:
     return
   where = f'TrainConfig.qk_clip_threshold={config.qk_clip_threshold:g}'
-  if model_config.qk_norm != 'none':
-    raise ConfigError(f"{where}: this model normalises queries and keys (model.qk_norm="
-                      f"{model_config.qk_norm}), which fixes each head's scale, so rescaling the "
-                      'projections cannot lower its logits (the norm bounds them already); '
-                      'set qk_clip_threshold=0.')
+  if model_config.attention.qk_norm != 'none':
+    raise ConfigError(f"{where}: this model normalises queries and keys "
+                      f"(model.attention.qk_norm={model_config.attention.qk_norm}), which fixes "
+                      "each head's scale, so rescaling the projections cannot lower its logits "
+                      '(the norm bounds them already); set qk_clip_threshold=0.')
   if config.lora.enabled:
     raise ConfigError(f'{where} rescales the base query/key projections, which LoRA freezes; '
                       'train without LoRA or set qk_clip_threshold=0.')

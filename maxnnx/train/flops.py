@@ -53,8 +53,8 @@ def _block_flops(cfg: ModelConfig, kind: str, is_moe: bool, seq_len: int) -> flo
   hd, kv, values_from_keys = cfg.attention_shape(kind)
   kv_projections = 1 if values_from_keys else 2
   total = 2 * d * hd * (h + kv_projections * kv) + 2 * h * hd * d  # q, k, v, o projections
-  window = cfg.sliding_window if kind == 'sliding' else None
-  chunk = cfg.attention_chunk_size if kind == 'chunked' else None
+  window = cfg.attention.sliding_window if kind == 'sliding' else None
+  chunk = cfg.attention.chunk_size if kind == 'chunked' else None
   total += 4 * h * hd * mean_keys_per_query(seq_len, window, chunk)  # q.k and p.v
   if is_moe:
     width = cfg.moe.mlp_dim or cfg.mlp_dim

@@ -21,13 +21,13 @@ if TYPE_CHECKING:
   from maxnnx.train.run_settings import RunRecipe
 
 
-def _legacy_model_overrides(run: dict) -> dict:
-  """The ModelConfig fields the flat run keys (``dtype=``, ``scan_layers=``…) set."""
-  overrides = {'dtype': run['dtype'], 'scan_layers': run['scan_layers']}
-  if run['remat_policy']:
-    overrides['remat_policy'] = run['remat_policy']
-  if run['attention_impl']:
-    overrides['attention_impl'] = run['attention_impl']
+def _run_model_overrides(run: dict) -> dict:
+  """The ModelConfig fields (dotted keys) the flat run keys (``dtype=``, ``scan_layers=``…)
+  set."""
+  overrides = {'runtime.dtype': run['dtype'], 'runtime.scan_layers': run['scan_layers']}
+  for key in ('remat_policy', 'attention_impl'):
+    if run[key]:
+      overrides[f'runtime.{key}'] = run[key]
   return overrides
 
 
@@ -48,13 +48,13 @@ def run_model_config(run: dict, changes: dict):
   """
   import maxnnx  # noqa: PLC0415
   from maxnnx.models.pretrained import config_from_pretrained  # noqa: PLC0415
-  legacy = _legacy_model_overrides(run)
+  flat = _run_model_overrides(run)
   if is_checkpoint(run['model']):
-    base = config_from_pretrained(run['model'], **legacy)
+    base = config_from_pretrained(run['model'], **flat)
   else:
-    base = maxnnx.get_preset(run['model'], **legacy)
+    base = maxnnx.get_preset(run['model'], **flat)
   cfg = base.replace(**changes) if changes else base  # a nested group keeps its other fields
-  return cfg, {**legacy, **{name: getattr(cfg, name) for name in changes}}
+  return cfg, {**flat, **{name: getattr(cfg, name) for name in changes}}
 
 
 def model_and_tokenizer(run: dict, changes: dict, out: str, corpus: str | None, *,

@@ -224,11 +224,11 @@ class Trainer(FitLoop, Checkpointing, Compilation):
   def _model_config_for(self, model_config: ModelConfig, stages: int) -> ModelConfig:
     """``model_config`` with what QK-clip and pipeline stages need of a model built here."""
     if self.config.qk_clip_threshold and not model_config.runtime.record_max_logits:
-      model_config = model_config.replace(record_max_logits=True)  # what QK-clip reads
+      model_config = model_config.replace(**{'runtime.record_max_logits': True})  # QK-clip
     if stages > 1 and not model_config.runtime.scan_layers:
       logger.info('mesh.stage=%d: building the model with scan_layers=True (pipeline '
                   'parallelism runs a scanned layer stack).', stages)
-      model_config = model_config.replace(scan_layers=True)
+      model_config = model_config.replace(**{'runtime.scan_layers': True})
     return model_config
 
   def _trainable_filter(self, trainable, abstract_model: nnx.Module):

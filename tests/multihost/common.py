@@ -10,7 +10,7 @@ STEPS, BATCH, SEQ = 3, 8, 32
 
 
 def model_config():
-  return maxnnx.get_preset('tiny', scan_layers=True, num_layers=2)
+  return maxnnx.get_preset('tiny', num_layers=2, runtime={'scan_layers': True})
 
 
 def train_config(mesh_data: int = 1, mesh_fsdp: int = 1) -> TrainConfig:

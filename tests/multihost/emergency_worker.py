@@ -45,7 +45,8 @@ def main(port: str, process_id: str, processes: str, root: str, die_at: str) -> 
     if me == 1 and record['step'] == int(die_at):
       os._exit(17)
 
-  model = maxnnx.get_preset('tiny', scan_layers=True, num_layers=2, dtype='float32')
+  model = maxnnx.get_preset('tiny', num_layers=2,
+                            runtime={'scan_layers': True, 'dtype': 'float32'})
   trainer = Trainer(model, config, data=StepBatches(me, jax.process_count()),
                     callbacks=[callback])
   step = trainer.restore_checkpoint()

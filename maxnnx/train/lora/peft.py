@@ -253,7 +253,7 @@ def load_adapter(model: nnx.Module, directory: str, *, base_quantization: str = 
 def _unscanned_view(model: nnx.Module) -> nnx.Module:
   """An abstract unscanned model of ``model``'s config (for its per-layer module paths)."""
   from maxnnx.models.transformer import Transformer  # noqa: PLC0415
-  cfg = model.config.replace(scan_layers=False)
+  cfg = model.config.replace(**{'runtime.scan_layers': False})
   return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
