@@ -89,15 +89,16 @@ def test_policy_reaches_every_layer(layer, refusing_strategies, caplog):
   replaced by the reference (one warning) under 'fallback', through the real layer."""
   fields, impl_field, reference, layer_type = LAYERS[layer]
   kind = impl_field.removesuffix('_impl')
-  strict = _model(fields, **{impl_field: 'refusing', 'runtime.kernel_on_unsupported': 'error'})
+  impl_key = f'runtime.{impl_field}'
+  strict = _model(fields, **{impl_key: 'refusing', 'runtime.kernel_on_unsupported': 'error'})
   assert _layer_of(strict, layer_type), f'the config builds no {layer_type.__name__}'
   with pytest.raises(KernelUnsupportedError, match=f"{kind}_impl 'refusing'.*{REFUSAL}"):
     _logits(strict)
   lenient = _model(fields,
-                   **{impl_field: 'refusing', 'runtime.kernel_on_unsupported': 'fallback'})
+                   **{impl_key: 'refusing', 'runtime.kernel_on_unsupported': 'fallback'})
   with caplog.at_level(logging.WARNING, logger='maxnnx.kernels'):
     got = _logits(lenient)
-  expected = _logits(_model(fields, **{impl_field: reference}))
+  expected = _logits(_model(fields, **{impl_key: reference}))
   np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
   messages = [r.getMessage() for r in caplog.records]
   assert len(messages) == 1, messages
