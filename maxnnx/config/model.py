@@ -140,6 +140,7 @@ class ModelConfig(ValidatedConfig):
     runtime: dtypes, layer-stack layout, remat and kernels (:class:`RuntimeConfig`).
   """
 
+  # Former names: refused like any unknown key, the error naming where the setting is now.
   _MOVED = {**ATTENTION_KEYS, **FLAT_GROUP_KEYS, **TRAINING_KEYS}
 
   family: str = 'llama'
