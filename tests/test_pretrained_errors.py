@@ -147,7 +147,7 @@ def test_config_overrides_and_bad_override(checkpoint_copy):
   path = checkpoint_copy('llama')
   model = maxnnx.from_pretrained(path, dtype='bfloat16', scan_layers=True)
   assert model.config.runtime.dtype == 'bfloat16' and model.config.runtime.scan_layers
-  with pytest.raises(maxnnx.PretrainedError, match="Did you mean 'sliding_window'"):
+  with pytest.raises(maxnnx.PretrainedError, match="Did you mean 'attention.sliding_window'"):
     maxnnx.from_pretrained(path, sliding_windw=4)
 
 
