@@ -64,7 +64,7 @@ def repeated_prompt(chars: int, repeat: int) -> list[int]:
 
 # The --mtp model: DeepSeek V3's layout, small enough to train on a CPU in a few minutes.
 MTP_MODEL = dict(preset='deepseek3-tiny', vocab_size=256, num_layers=3, d_model=96,
-                 mlp_dim=256, mtp_num_layers=1,
+                 mlp_dim=256, mtp={'num_layers': 1},
                  moe={'first_k_dense_layers': 1, 'num_experts': 4, 'num_experts_per_tok': 2,
                       'mlp_dim': 128},
                  mla={'q_lora_rank': 48, 'kv_lora_rank': 32, 'qk_nope_head_dim': 32,

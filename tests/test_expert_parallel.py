@@ -208,7 +208,7 @@ def test_experts_that_do_not_split_over_the_mesh_are_refused():
 def _layer_temporaries(strategy: str) -> int:
   """Temporary bytes per device of the compiled gradient of a dropless block (64 tokens a
   device, 8 experts over ``expert=8``) whose tokens cross ``expert`` by ``strategy``."""
-  cfg = ModelConfig.from_dict({**BASE, 'd_model': 64, 'moe_mlp_dim': 16})
+  cfg = ModelConfig.from_dict({**BASE, 'd_model': 64, 'moe.mlp_dim': 16})
   graphdef, params, rest = nnx.split(MoE.from_config(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
   mesh_config = MESHES['expert8']
   mesh, rules = make_mesh(mesh_config), logical_rules(mesh_config)

@@ -28,7 +28,7 @@ def _model(seed=0, context=None, **overrides):
   of the hidden half): its drafts are kept at some steps and not at others.
   """
   cfg = maxnnx.config_from_pretrained(os.path.join(FIXTURES, 'deepseek_v3'),
-                                      mtp_num_layers=1, **overrides)
+                                      mtp={'num_layers': 1}, **overrides)
   model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(seed))
   rng = np.random.default_rng(seed + 1)
   randomize_params(model, rng)
@@ -129,7 +129,8 @@ def test_sampling_keeps_the_target_distribution():
 
 def test_a_model_without_mtp_modules_is_refused():
   """One line naming the fix; bad settings name the field."""
-  cfg = maxnnx.config_from_pretrained(os.path.join(FIXTURES, 'deepseek_v3'), mtp_num_layers=0)
+  cfg = maxnnx.config_from_pretrained(os.path.join(FIXTURES, 'deepseek_v3'),
+                                      mtp={'num_layers': 0})
   model = nnx.eval_shape(lambda: maxnnx.Transformer(cfg, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match=r'mtp.num_layers=0; use a checkpoint') as error:
     maxnnx.generate(model, [[1, 2]], 4, speculative=MTPDraft(2))
