@@ -50,9 +50,10 @@ def _assert_idle(engine):
   assert engine.allocator.num_available == engine.max_pages  # nothing held: no leak
 
 
-def _run_staggered(engine, prompts, params, arrivals):
+def _run_staggered(engine, prompts, params, arrivals, logprobs=None):
   """Add request ``i`` at the step ``arrivals[i]`` names; each request's streamed tokens and
-  final output."""
+  final output. ``logprobs``: a dict that gets each request's streamed log-probabilities, as
+  ``(token, logprob, top ids, top logprobs)`` rows."""
   ids, streamed, finals, step = {}, {}, {}, 0
   while len(ids) < len(prompts) or engine.has_unfinished():
     for i, arrival in enumerate(arrivals):
@@ -62,6 +63,11 @@ def _run_staggered(engine, prompts, params, arrivals):
       i = ids[out.request_id]
       streamed.setdefault(i, []).extend(out.new_token_ids)
       assert list(out.token_ids) == streamed[i]  # the stream adds up to the output
+      if logprobs is not None:
+        assert (out.new_logprobs is None) == (params[i].logprobs is None)
+        logprobs.setdefault(i, []).extend(
+            (lp.token_id, lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top])
+            for lp in out.new_logprobs or ())
       if out.finished:
         finals[i] = out
     step += 1

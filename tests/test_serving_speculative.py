@@ -322,26 +322,6 @@ def test_families_with_speculation_give_generates_greedy_tokens(family):
   _assert_idle(engine)
 
 
-def _run_with_logprobs(engine, prompts, params, arrivals):
-  """:func:`_run_staggered`, also gathering each request's streamed log-probabilities as
-  ``(token, logprob, top ids, top logprobs)`` rows."""
-  ids, streamed, finals, rows, step = {}, {}, {}, {}, 0
-  while len(ids) < len(prompts) or engine.has_unfinished():
-    for i, arrival in enumerate(arrivals):
-      if arrival == step:
-        ids[engine.add_request(prompts[i], params[i])] = i
-    for out in engine.step():
-      i = ids[out.request_id]
-      streamed.setdefault(i, []).extend(out.new_token_ids)
-      assert (out.new_logprobs is None) == (params[i].logprobs is None)
-      rows.setdefault(i, []).extend((lp.token_id, lp.logprob, [t for t, _ in lp.top],
-                                     [v for _, v in lp.top]) for lp in out.new_logprobs or ())
-      if out.finished:
-        finals[i] = out
-    step += 1
-  return streamed, finals, rows
-
-
 def test_requests_with_controls_and_logprobs_speculate_to_plain_tokens(plain, spec):
   """Greedy requests on repeating prompts with a logit bias, with ``min_tokens`` before a
   stop id the plain run would emit early, with presence, frequency and repetition penalties
@@ -369,9 +349,10 @@ def test_requests_with_controls_and_logprobs_speculate_to_plain_tokens(plain, sp
   # a count lost with them changes a later token.
   for run, params, arrivals in ((prompts + [prompts[2]], mixed, [0, 0, 1, 2, 2, 3]),
                                  (prompts, penalised, [0, 0, 1, 2, 2])):
-    want, want_finals, want_lps = _run_with_logprobs(plain, run, params, arrivals)
+    want_lps, got_lps = {}, {}
+    want, want_finals = _run_staggered(plain, run, params, arrivals, want_lps)
     before = (spec.spec.drafts, spec.spec.accepted_tokens)
-    got, got_finals, got_lps = _run_with_logprobs(spec, run, params, arrivals)
+    got, got_finals = _run_staggered(spec, run, params, arrivals, got_lps)
     for i in range(len(run)):
       assert got[i] == want[i], i
       assert got_finals[i].finish_reason == want_finals[i].finish_reason, i

@@ -148,6 +148,14 @@ def test_sampling_keeps_the_target_distribution(drafter):
   prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # lookup drafts [3, 1, 2] at the first step
   speculative = (PromptLookup(num_draft_tokens=2) if drafter == 'lookup'
                  else DraftModel(_model(seed=8, vocab=vocab), num_draft_tokens=2))
+  check_sampled_distribution(model, prompt, speculative, steps, rows)
+
+
+def check_sampled_distribution(model, prompt, speculative, steps: int, rows: int) -> None:
+  """``rows`` sampled continuations of ``prompt`` (temperature 1.5, top-k 6) with the
+  ``speculative`` drafter: their first ``steps`` tokens pass a chi-square test over the joint
+  cells against the model's exact float64 distribution, and drafts were proposed, some kept
+  and some not."""
   result = maxnnx.generate(model, [prompt] * rows, steps, temperature=1.5, top_k=6,
                            eos_ids=None, seed=4, speculative=speculative)
   probs = _exact_first_tokens(model, prompt, steps, 1.5, 6)

@@ -10,7 +10,7 @@ import pytest
 from conftest import FIXTURES
 from flax import nnx
 from numpy_reference import randomize_params
-from test_speculative import _chi_square_p, _exact_first_tokens
+from test_speculative import check_sampled_distribution
 
 import maxnnx
 from maxnnx.inference import MTPDraft
@@ -117,14 +117,7 @@ def test_sampling_keeps_the_target_distribution():
   vocab, steps, rows = 8, 3, 6000
   model = _model(vocab_size=vocab)
   prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-  result = maxnnx.generate(model, [prompt] * rows, steps, temperature=1.5, top_k=6,
-                           eos_ids=None, seed=4, speculative=MTPDraft(2))
-  probs = _exact_first_tokens(model, prompt, steps, 1.5, 6)
-  pvalue, cells = _chi_square_p(result.tokens[:, :steps], probs)
-  assert cells > 20
-  assert pvalue > 1e-4, pvalue
-  assert result.proposed_draft_tokens > rows // 2
-  assert 0 < result.acceptance_rate < 1
+  check_sampled_distribution(model, prompt, MTPDraft(2), steps, rows)
 
 
 def test_a_model_without_mtp_modules_is_refused():
