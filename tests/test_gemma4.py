@@ -194,5 +194,7 @@ def test_a_scanned_stack_of_global_layers_only_equals_the_list():
       var[...] = flat[path][...]
   nnx.update(scanned, state)
   ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 12))
+  # Logits reach about 7 here: float32 sums in another order differ by ~1e-5 on some CPUs
+  # (1.27e-5 in one of 12,288 on an AMD EPYC, before and after the attention group).
   np.testing.assert_allclose(np.asarray(scanned(ids)), np.asarray(listed(ids)), rtol=1e-5,
-                             atol=1e-5)
+                             atol=5e-5)
