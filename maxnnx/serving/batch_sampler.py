@@ -238,7 +238,10 @@ class BatchSampler:
       presence_B[row], frequency_B[row] = params.presence_penalty, params.frequency_penalty
       repetition_B[row] = params.repetition_penalty
       matcher = self._matchers.get(request.request_id)
-      if matcher is not None and request.num_computed + count >= request.num_tokens:
+      # A row with drafts takes its tokens from the verifier, which masks each position itself
+      # (draft_masks): its sampled token is never kept, so its mask is not computed here.
+      if (matcher is not None and not request.draft_ids
+          and request.num_computed + count >= request.num_tokens):
         fill_allowed(matcher, allowed_BW, row, params.stop_token_ids)
     return Controls(ids_BK, values_BK, presence_B, frequency_B, repetition_B,
                     allowed_BW=allowed_BW)
