@@ -243,6 +243,10 @@ MAXTEXT_KEYS: dict[str, Rule] = {
     'base_moe_mlp_dim': _map('model.moe.mlp_dim', int, -1, _none_if(-1)),
     'first_num_dense_layers': _map('model.moe.first_k_dense_layers', int, 0),
     'shared_experts': _map('model.moe.num_shared_experts', int, 0),
+    'ragged_buffer_factor': _map('model.moe.ragged_buffer_factor', float, -1.0,
+                                 lambda f: f if f > 0 else None,
+                                 '<= 0: worst-case buffers, nothing dropped; needs '
+                                 'mesh.expert_parallel_strategy=all_to_all'),
     'decoder_block': _refuse(str, 'llama2', 'the architecture comes from model_name= (a '
                              'preset), whose block is set with it'),
     'dropout_rate': _map('model.dropout_rate', float, 0.0),

@@ -17,8 +17,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from maxnnx.checkpoint.run_lock import LOCK_NAME
-from maxnnx.config import ConfigError, MeshConfig, ModelConfig
-from maxnnx.layers.moe import MoE, RouterBias
+from maxnnx.config import ConfigError, MeshConfig, ModelConfig, check_expert_split
+from maxnnx.layers.moe import MoE, RouterBias, route
 from maxnnx.sharding import logical_rules, make_mesh, spec_for, state_shardings, use_mesh
 
 BATCH, LENGTH = 8, 7  # every count of tokens or assignments is a multiple of 7
@@ -236,3 +236,143 @@ def test_dropless_exchange_unsorts_without_a_zeroed_copy_of_its_buffer():
   largest) needed 0.98x the ``gspmd`` layer's temporaries here (0.67x now). Compiled for v5p-256,
   the deepseek-v3 preset at fsdp 16 x expert 8 went from 87.33 to 80.15 GiB."""
   assert _layer_temporaries('all_to_all') < 0.8 * _layer_temporaries('gspmd')
+
+
+# -- the dropless exchange's receive cap (moe.ragged_buffer_factor) ------------------------------
+
+SOURCES = 8  # both meshes split the 8 x 7 tokens into 8 blocks of 7, one a device
+
+
+def _routing_reference(moe, x):
+  """Float64 NumPy routing of ``BASE`` (softmax, top-k renormalised): ``(weights, experts)``,
+  ``[tokens, k]`` each, the choices in descending score."""
+  x = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+  logits = x @ np.asarray(moe.router.kernel[...], np.float64)
+  scores = np.exp(logits - logits.max(-1, keepdims=True))
+  scores /= scores.sum(-1, keepdims=True)
+  experts = np.argsort(-scores, axis=-1, kind='stable')[:, :moe.cfg.num_experts_per_tok]
+  weights = np.take_along_axis(scores, experts, -1)
+  return weights / weights.sum(-1, keepdims=True), experts
+
+
+def _kept_reference(experts, shards: int, local_experts: int, factor: float | None):
+  """The drop rule, written out: on each source block of tokens, each destination shard takes
+  that block's assignments choice-major (all first choices, then all second ones) until it
+  holds ``min(M, ceil(factor * M / shards))`` of them (``M``: the block's assignments)."""
+  kept = np.ones(experts.shape, bool)
+  if factor is None:
+    return kept
+  n, k = experts.shape
+  per_block = n // SOURCES
+  rows = min(per_block * k, int(np.ceil(factor * per_block * k / shards)))
+  for block in range(SOURCES):
+    taken = np.zeros(shards, int)
+    for j in range(k):
+      for t in range(block * per_block, (block + 1) * per_block):
+        dest = experts[t, j] // local_experts
+        kept[t, j] = taken[dest] < rows
+        taken[dest] += 1
+  return kept
+
+
+def _moe_reference(moe, x, shards: int, factor: float | None):
+  """Float64 NumPy output ``[tokens, d_model]`` of the block under the receive cap, and how
+  many assignments it drops."""
+  weights, experts = _routing_reference(moe, x)
+  kept = _kept_reference(experts, shards, moe.cfg.num_experts // shards, factor)
+  x = np.asarray(x, np.float64).reshape(weights.shape[0], -1)
+  gate, up, down = (np.asarray(p[...], np.float64) for p in
+                    (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj))
+  y = np.zeros_like(x)
+  for t, j in zip(*np.nonzero(kept)):
+    e = experts[t, j]
+    g = x[t] @ gate[e]
+    y[t] += weights[t, j] * ((g / (1 + np.exp(-g)) * (x[t] @ up[e])) @ down[e])
+  return y, int((~kept).sum()), experts
+
+
+def _capped_forward(cfg, mesh_config):
+  """The block's output and ``dropped_assignments`` under ``all_to_all`` on ``mesh_config``,
+  the module and its input."""
+  moe = _module(cfg)
+  mesh, rules = make_mesh(mesh_config), logical_rules(mesh_config)
+  graphdef, state = nnx.split(moe)
+  state = jax.device_put(state, state_shardings(state, mesh, rules))
+  x = jax.random.normal(jax.random.key(1), (BATCH, LENGTH, cfg.d_model), jnp.float32)
+
+  def forward(state, x):
+    block = nnx.merge(graphdef, state)
+    return block(x), block.dropped_assignments[...]
+
+  with use_mesh(mesh, rules, expert_parallel_strategy='all_to_all'):
+    y, dropped = jax.jit(forward)(state, x)
+  return np.asarray(y), float(dropped), moe, x
+
+
+@pytest.mark.parametrize('mesh,factor', [('data2_expert4', 1.0), ('expert8', 1.5)])
+def test_receive_cap_drops_the_assignments_of_its_rule(mesh, factor):
+  """Under the cap the output is the float64 reference's sum over the assignments the rule
+  keeps, and the layer counts the ones it drops (some, not all: the check can fail)."""
+  cfg = ModelConfig.from_dict({**BASE, 'moe.ragged_buffer_factor': factor})
+  y, dropped, moe, x = _capped_forward(cfg, MESHES[mesh])
+  shards = MESHES[mesh].expert
+  want, want_dropped, _ = _moe_reference(moe, x, shards, factor)
+  uncapped, _, _ = _moe_reference(moe, x, shards, None)
+  assert 0 < want_dropped < BATCH * LENGTH * 2
+  assert dropped == want_dropped
+  np.testing.assert_allclose(y.reshape(want.shape), want, rtol=1e-5, atol=1e-5)
+  assert np.abs(y.reshape(want.shape) - uncapped).max() > 1e-2
+
+
+def test_receive_cap_that_nothing_overflows_is_the_dropless_exchange():
+  """The smallest factor whose buffers hold every block's busiest destination (below the
+  worst case) drops nothing: output, gradients and statistics are the uncapped layer's,
+  bit for bit."""
+  mesh = MESHES['data2_expert4']
+  cfg = _cfg('deepseek_v3')
+  moe = _module(cfg)
+  x = jax.random.normal(jax.random.key(1), (BATCH * LENGTH, cfg.d_model), jnp.float32)
+  bias = moe.router.e_score_correction_bias[...]
+  routed = np.asarray(route(moe.router(x), cfg.moe, bias)[1])  # the layer's own routing
+  shards, per_block = mesh.expert, BATCH * LENGTH // SOURCES
+  busiest = max(np.bincount(routed[b * per_block:(b + 1) * per_block].reshape(-1)
+                            // (cfg.moe.num_experts // shards), minlength=shards).max()
+                for b in range(SOURCES))
+  assignments = per_block * cfg.moe.num_experts_per_tok
+  assert busiest < assignments
+  capped = _cfg('deepseek_v3', **{'moe.ragged_buffer_factor': busiest * shards / assignments})
+  got, want = _run(capped, mesh, 'all_to_all'), _run(cfg, mesh, 'all_to_all')
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               got[1], want[1])
+  for a, b in zip(got[2], want[2]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert _capped_forward(capped, mesh)[1] == 0
+
+
+@pytest.mark.parametrize('changes,message', [
+    ({'moe.ragged_buffer_factor': 0.0}, r'moe.ragged_buffer_factor must be > 0'),
+    ({'moe.ragged_buffer_factor': -1.0}, r'moe.ragged_buffer_factor must be > 0'),
+    ({'moe.ragged_buffer_factor': 2.0, 'moe.dispatch': 'capacity'},
+     r"moe.ragged_buffer_factor caps the dropless.*dispatch='capacity'")])
+def test_receive_cap_settings_are_validated(changes, message):
+  with pytest.raises(ConfigError, match=message):
+    ModelConfig.from_dict({**BASE, **changes})
+
+
+def test_receive_cap_needs_the_all_to_all_strategy():
+  check_expert_split('all_to_all', 8, 4, 2.0)
+  check_expert_split('gspmd', 8, 4, None)
+  with pytest.raises(ConfigError, match=r'moe.ragged_buffer_factor=2.0 caps the buffers of '
+                                        r'mesh.expert_parallel_strategy=all_to_all, not gspmd'):
+    check_expert_split('gspmd', 8, 4, 2.0)
+
+
+def test_cli_refuses_a_receive_cap_under_gspmd(tmp_path, capsys):
+  from maxnnx import cli  # noqa: PLC0415
+  code = cli.main(['train', 'model=tiny-moe', 'model.moe.ragged_buffer_factor=2', 'steps=1',
+                   'data=synthetic', 'mesh.data=2', 'mesh.expert=4',
+                   f'output_dir={tmp_path / "run"}'])
+  err = capsys.readouterr().err.strip()
+  assert code == 2
+  assert 'moe.ragged_buffer_factor=2.0' in err and 'not gspmd' in err

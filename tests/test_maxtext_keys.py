@@ -63,6 +63,13 @@ def test_context_parallel_keys_reach_the_mesh():
   assert _configs('per_device_batch_size=1')[1].mesh.context_parallel_strategy == 'all_gather'
 
 
+def test_ragged_buffer_factor_caps_the_moe_exchange():
+  """MaxText's factor (-1 and other values <= 0: the worst case) is the MoE setting."""
+  moe = ('per_device_batch_size=1', 'num_experts=8', 'num_experts_per_tok=2')
+  assert _configs(*moe, 'ragged_buffer_factor=2')[2].moe.ragged_buffer_factor == 2.0
+  assert _configs(*moe, 'ragged_buffer_factor=-1')[2].moe.ragged_buffer_factor is None
+
+
 def test_maxtext_defaults_are_honoured():
   """Its optimizer, schedule, mesh, scan and remat, checkpoint period and default model."""
   run, train, model = _configs('per_device_batch_size=1', 'steps=50')

@@ -141,6 +141,13 @@ class MoEConfig(ValidatedConfig):
       per-expert buffers; overflowing assignments are dropped).
     capacity_factor: ``capacity`` dispatch: buffer size per expert is
       ``ceil(capacity_factor * tokens * top_k / num_experts)``.
+    ragged_buffer_factor: ``dropless`` dispatch under ``mesh.expert_parallel_strategy=
+      all_to_all`` (MaxText's ``ragged_buffer_factor``): each device's receive buffer holds
+      this many times its balanced share of the exchanged assignments (its own ``tokens *
+      top_k``) instead of ``expert`` times it (the worst case); assignments that overflow are
+      dropped (see :mod:`maxnnx.layers.expert_parallel` for which) and counted in
+      ``MoE.dropped_assignments``. ``None`` (default): the worst case, nothing dropped;
+      ``>= expert`` drops nothing either.
     expert_bias: biases in the expert projections (GPT-OSS).
     swiglu_limit: GPT-OSS clamped SwiGLU: ``gate <= limit``, ``|up| <= limit``,
       ``out = (up + 1) * gate * sigmoid(swiglu_alpha * gate)``; ``None`` = plain.
@@ -172,6 +179,7 @@ class MoEConfig(ValidatedConfig):
   dense_branch: bool = False
   dispatch: Literal['dropless', 'capacity'] = 'dropless'
   capacity_factor: float = 1.25
+  ragged_buffer_factor: float | None = None
   expert_bias: bool = False
   swiglu_limit: float | None = None
   swiglu_alpha: float = 1.702
@@ -216,6 +224,14 @@ class MoEConfig(ValidatedConfig):
                         'it moves); set both, or the rate to 0.')
     if self.capacity_factor <= 0:
       raise ConfigError(f'{p}.capacity_factor must be > 0, got {self.capacity_factor}.')
+    if self.ragged_buffer_factor is not None:
+      if not self.ragged_buffer_factor > 0:
+        raise ConfigError(f'{p}.ragged_buffer_factor must be > 0 (None = worst-case buffers, '
+                          f'nothing dropped), got {self.ragged_buffer_factor}.')
+      if self.dispatch != 'dropless':
+        raise ConfigError(f"{p}.ragged_buffer_factor caps the dropless dispatch's exchange "
+                          f"buffers; dispatch='{self.dispatch}' sizes its own with "
+                          'capacity_factor: set one or the other.')
     if self.swiglu_limit is not None and self.swiglu_limit <= 0:
       raise ConfigError(f'{p}.swiglu_limit must be > 0, got {self.swiglu_limit}.')
 

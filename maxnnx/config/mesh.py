@@ -110,13 +110,21 @@ def check_ring_split(strategy: str, length: int, shards: int) -> None:
                       f'that is a multiple of {shards}.')
 
 
-def check_expert_split(strategy: str, num_experts: int, shards: int) -> None:
+def check_expert_split(strategy: str, num_experts: int, shards: int,
+                       ragged_buffer_factor: float | None = None) -> None:
   """Refuse the ``all_to_all`` expert strategy when ``num_experts`` (0: a dense model, nothing
-  to split) does not split evenly over ``shards`` expert shards (``gspmd`` takes any count).
+  to split) does not split evenly over ``shards`` expert shards (``gspmd`` takes any count),
+  and a ``moe.ragged_buffer_factor`` under any other strategy (it caps the ``all_to_all``
+  exchange's buffers; ``gspmd`` has none).
 
   Raises:
-    ConfigError: naming ``moe.num_experts``, the shards and the way out.
+    ConfigError: naming ``moe.num_experts``, the shards and the way out, or
+      ``moe.ragged_buffer_factor`` and the strategy.
   """
+  if ragged_buffer_factor is not None and strategy != 'all_to_all':
+    raise ConfigError(f'moe.ragged_buffer_factor={ragged_buffer_factor} caps the buffers of '
+                      f'mesh.expert_parallel_strategy=all_to_all, not {strategy}: set the '
+                      'strategy to all_to_all, or the factor to None.')
   if strategy == 'all_to_all' and shards > 1 and num_experts and num_experts % shards:
     raise ConfigError(f'mesh.expert_parallel_strategy=all_to_all splits moe.num_experts='
                       f'{num_experts} over {shards} expert shards: use a mesh.expert that '

@@ -26,9 +26,10 @@ would be replicated on every device. Across the ``expert`` mesh axis, either dis
 GSPMD partitions it or, with ``mesh.expert_parallel_strategy=all_to_all``, per device with
 tokens exchanged by ``all_to_all`` (:mod:`maxnnx.layers.expert_parallel`).
 
-Auxiliary outputs: every forward pass overwrites three :class:`MoeAux`
+Auxiliary outputs: every forward pass overwrites four :class:`MoeAux`
 variables on the module (``tokens_per_expert [E]``, ``load_balance_loss``,
-``router_z_loss``); in a scanned stack they carry a leading ``layers`` axis.
+``router_z_loss``, ``dropped_assignments``: what the ``all_to_all`` exchange's receive cap,
+``ragged_buffer_factor``, dropped); in a scanned stack they carry a leading ``layers`` axis.
 Read them after the forward pass inside the loss function with
 :func:`moe_aux_losses` (differentiable), :func:`expert_loads` or :func:`moe_stats`. The
 train step moves the aux-loss-free bias after the optimizer step with
@@ -196,6 +197,9 @@ class MoE(nnx.Module):
     ragged_dot: the grouped-matmul kernel (``runtime.ragged_dot_impl``), shown in treescope.
     tokens_per_expert, load_balance_loss, router_z_loss: :class:`MoeAux` of the
       last call (assignments per expert ``[E]``; the two scalar losses).
+    dropped_assignments: :class:`MoeAux`, the assignments of the last call that the
+      dropless ``all_to_all`` exchange's receive cap (``ragged_buffer_factor``) dropped, over
+      all devices (0 without the cap, and for every other dispatch).
   """
 
   def __init__(self, cfg: MoEConfig, *, d_model: int, expert_dim: int, rngs: nnx.Rngs,
@@ -229,6 +233,7 @@ class MoE(nnx.Module):
     self.tokens_per_expert = MoeAux(jnp.zeros((cfg.num_experts,), jnp.float32), combine='sum')
     self.load_balance_loss = MoeAux(jnp.zeros((), jnp.float32))
     self.router_z_loss = MoeAux(jnp.zeros((), jnp.float32))
+    self.dropped_assignments = MoeAux(jnp.zeros((), jnp.float32), combine='sum')
 
   @classmethod
   def from_config(cls, cfg: ModelConfig, *, rngs: nnx.Rngs) -> MoE:
@@ -347,8 +352,10 @@ class MoE(nnx.Module):
     input_weights_NK = None
     if cfg.router_weights_on_input:  # Llama 4: experts see weighted inputs, outputs are summed
       input_weights_NK, weights_NK = weights_NK, jnp.ones_like(weights_NK)
+    dropped = 0  # by the all_to_all exchange's receive cap (ragged_buffer_factor)
     if expert_parallel_strategy() == 'all_to_all' and mesh_axis_size('expert') > 1:
-      y_ND = dispatch_all_to_all(self, x_BTD, weights_NK, experts_NK, input_weights_NK)
+      y_ND, dropped = dispatch_all_to_all(self, x_BTD, weights_NK, experts_NK,
+                                          input_weights_NK)
     elif cfg.dispatch == 'dropless':  # sorted per batch shard: nothing global to replicate
       y_ND = dispatch_per_batch_shard(self._dropless, batch, x_ND, weights_NK, experts_NK,
                                       input_weights_NK, self.expert_weights())
@@ -372,6 +379,7 @@ class MoE(nnx.Module):
     z_N = jax.nn.logsumexp(logits_NE.astype(jnp.float32), axis=-1)
     self.router_z_loss[...] = jnp.mean(jnp.square(z_N))
     self.tokens_per_expert[...] = jax.lax.stop_gradient(counts_E)
+    self.dropped_assignments[...] = jnp.asarray(dropped, jnp.float32)
     return y_BTD
 
 
@@ -430,6 +438,24 @@ def expert_loads(model) -> list[jax.Array]:
   (``[E]``, or ``[layers, E]`` for a scanned stack), in graph order; traceable, unlike
   :func:`moe_stats`. Empty for a model without MoE layers."""
   return [moe.tokens_per_expert[...] for moe in _moe_modules(model)]
+
+
+def dropped_assignments(model) -> list[jax.Array]:
+  """Assignments of the last forward pass that the ``all_to_all`` exchange's receive cap
+  (``MoEConfig.ragged_buffer_factor``) dropped, one scalar (``[layers]`` for a scanned stack)
+  per MoE module of ``model`` whose config sets the cap, in graph order; traceable."""
+  return [moe.dropped_assignments[...] for moe in _moe_modules(model)
+          if moe.cfg.ragged_buffer_factor is not None]
+
+
+def dropped_fraction(loads: list[jax.Array], dropped: list[jax.Array]) -> dict[str, jax.Array]:
+  """``moe_dropped_fraction``: the share of the MoE layers' assignments that the receive cap
+  dropped (``dropped``: :func:`dropped_assignments`; ``loads``: :func:`expert_loads`, of a
+  model whose MoE layers share one config). Empty when the model sets no cap."""
+  if not dropped:
+    return {}
+  total = sum(load.astype(jnp.float32).sum() for load in loads)
+  return {'moe_dropped_fraction': sum(d.sum() for d in dropped) / jnp.maximum(total, 1.0)}
 
 
 def balance_router_biases(model, loads: list[jax.Array]) -> None:

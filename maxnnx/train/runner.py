@@ -103,14 +103,16 @@ def _check_expert_split(model_config, mesh_config) -> None:
   import jax  # noqa: PLC0415
 
   from maxnnx.sharding import mesh_shape  # noqa: PLC0415
+  factor = model_config.moe.ragged_buffer_factor
   if mesh_config.expert_parallel_strategy != 'all_to_all':
+    check_expert_split(mesh_config.expert_parallel_strategy, 0, 1, factor)
     return
   try:
     ici, dcn = mesh_shape(mesh_config, jax.device_count())
   except ValueError:  # a mesh of fewer devices than there are: the Trainer checks it on them
     return
   check_expert_split(mesh_config.expert_parallel_strategy, model_config.moe.num_experts,
-                     ici['expert'] * dcn['expert'])
+                     ici['expert'] * dcn['expert'], factor)
 
 
 def _model_tokenizer_checked(run, model_changes, data_fields, corpus, options, recipe,

@@ -28,7 +28,13 @@ import optax
 from flax import nnx
 
 from maxnnx.layers.dropout import dropout_key
-from maxnnx.layers.moe import balance_router_biases, expert_loads, load_spread
+from maxnnx.layers.moe import (
+  balance_router_biases,
+  dropped_assignments,
+  dropped_fraction,
+  expert_loads,
+  load_spread,
+)
 from maxnnx.layers.qk_clip import attention_max_logits, clip_query_key, qk_clip_metrics
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.lora.dropout import adapter_dropout
@@ -145,9 +151,11 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
   of the parameters differentiated (the optimizer's ``wrt``): every ``nnx.Param``,
   or e.g. ``nnx.LoRAParam`` when only adapters train; the rest is held constant.
   MoE models also log how evenly the step's tokens (summed over micro-batches) went
-  to experts (:func:`~maxnnx.layers.moe.load_spread`), and their router biases move
-  by ``moe.router_bias_update_rate`` after the update. With ``config.qk_clip_threshold`` the
-  query/key projections are rescaled after the update by QK-clip
+  to experts (:func:`~maxnnx.layers.moe.load_spread`) and, with
+  ``moe.ragged_buffer_factor``, the share of assignments its receive cap dropped
+  (``moe_dropped_fraction``, :func:`~maxnnx.layers.moe.dropped_fraction`); their router
+  biases move by ``moe.router_bias_update_rate`` after the update. With
+  ``config.qk_clip_threshold`` the query/key projections are rescaled after the update by QK-clip
   (:mod:`maxnnx.layers.qk_clip`) from the largest logits of the step's micro-batches, and
   ``max_attention_logit`` / ``qk_clipped_heads`` are logged.
   The loss is traced under :func:`~maxnnx.layers.dropout.dropout_key` (residual dropout,
@@ -174,12 +182,13 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
     micro_key = jax.random.fold_in(step_key, index)
     with adapter_dropout(micro_key), dropout_key(micro_key):
       loss, sums = objective.loss(m, micro, frozen=frozen, norm=norm)
-    return loss, ((sums, expert_loads(m)), attention_max_logits(m))
+    return loss, ((sums, expert_loads(m), dropped_assignments(m)), attention_max_logits(m))
 
-  grads, ((sums, loads), max_logits) = accumulate_gradients(
+  grads, ((sums, loads, dropped), max_logits) = accumulate_gradients(
       loss_fn, params, batch, config.grad_accum_steps, maxima=True)
   metrics = objective.metrics(sums, norm)
   metrics.update(load_spread(loads))
+  metrics.update(dropped_fraction(loads, dropped))
   if config.qk_clip_threshold:
     metrics.update(qk_clip_metrics(max_logits, config.qk_clip_threshold))
   grad_norm = optax.tree.norm(grads)

@@ -208,7 +208,8 @@ class Trainer(FitLoop, Checkpointing, Compilation):
     if stages > 1:
       logger.info(checks.check_pipeline_schedule(self.model_config, config.mesh, stages))
     check_expert_split(config.mesh.expert_parallel_strategy, self.model_config.moe.num_experts,
-                       dict(self.mesh.shape).get('expert', 1))
+                       dict(self.mesh.shape).get('expert', 1),
+                       self.model_config.moe.ragged_buffer_factor)
     self.quantization = checks.quantization_name(config, self.model_config, concrete, self.mesh)
     if concrete is not None and config.quantization != 'none':
       concrete = quantize(concrete, config.quantization)
