@@ -32,10 +32,11 @@ exchange brings it. Its buffer for each destination shard, and so each block of 
 buffer, holds ``rows = min(M, ceil(f * M / expert))`` assignments: the receive buffer is
 ``expert * rows``, about ``f * M`` rather than ``expert * M``. The drop rule, on each device
 and for each destination shard: number the device's assignments choice-major (``j * N + n``
-for its local token ``n``'s ``j``-th choice, ``j < k``: every token's first choice before any
-second one, as ``capacity`` dispatch fills its slots); of those whose expert lives on that
-shard, the first ``rows`` in that order are sent and the rest dropped (their results count
-zero in the token's weighted sum). So what drops depends on how the mesh splits the batch,
+for its local token ``n``'s ``j``-th choice in the router's top-k order, ``j < k``: every
+token's first choice before any second one, as ``capacity`` dispatch fills its slots); of
+those whose expert lives on that shard, the first ``rows`` in that order are sent and the rest
+dropped (their results count zero in the token's weighted sum, and their routing weights get
+no gradient from it). So what drops depends on how the mesh splits the batch,
 not only on the routing. ``f >= expert`` drops nothing and gives the uncapped result.
 """
 
