@@ -56,13 +56,15 @@ def _expert(x_D, p, e, cfg):
   return y + f64(p['down_bias'])[e] if 'down_bias' in p else y
 
 
-def moe(x_ND, p, cfg, capacity=None):
+def moe(x_ND, p, cfg, capacity=None, group_size=None):
   """Output ``[N, D]``, assignments per expert and the balancing / z losses.
 
   ``p`` holds ``router`` (``kernel``, optional ``bias`` and
   ``e_score_correction_bias``), ``experts`` and optional ``shared_experts``.
   With ``capacity``, an expert takes at most that many assignments, first
-  choices of all tokens before second choices, each in token order.
+  choices of all tokens before second choices, each in token order. With
+  ``group_size`` too, that holds in each run of ``group_size`` consecutive tokens
+  separately: every group has its own ``capacity`` slots per expert.
   """
   x_ND = f64(x_ND)
   n, _ = x_ND.shape
@@ -76,14 +78,16 @@ def moe(x_ND, p, cfg, capacity=None):
   num_experts = cfg.moe.num_experts
   counts = np.zeros(num_experts)
   kept = np.ones((n, cfg.moe.num_experts_per_tok), bool)
-  fill = np.zeros(num_experts, int)
-  for k in range(cfg.moe.num_experts_per_tok):
-    for i in range(n):
-      e = routes[i][0][k]
-      counts[e] += 1
-      if capacity is not None:
-        kept[i, k] = fill[e] < capacity
-        fill[e] += 1
+  group_size = group_size or n
+  for start in range(0, n, group_size):
+    fill = np.zeros(num_experts, int)
+    for k in range(cfg.moe.num_experts_per_tok):
+      for i in range(start, start + group_size):
+        e = routes[i][0][k]
+        counts[e] += 1
+        if capacity is not None:
+          kept[i, k] = fill[e] < capacity
+          fill[e] += 1
   out = np.zeros_like(x_ND)
   for i in range(n):
     chosen, weights, _ = routes[i]

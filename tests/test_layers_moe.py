@@ -95,17 +95,25 @@ def test_capacity_dispatch_equals_dropless_when_nothing_drops(variant):
 
 
 @pytest.mark.parametrize('variant', ['mixtral', 'deepseek_v3'])
-def test_capacity_dispatch_drops_overflow_like_the_reference(variant):
-  cfg = _cfg(**VARIANTS[variant], **{'moe.dispatch': 'capacity', 'moe.capacity_factor': 0.5})
+@pytest.mark.parametrize('group', ['sequence', 'batch'])
+def test_capacity_dispatch_drops_overflow_like_the_reference(variant, group):
+  """``sequence``: each of the 2 rows of 16 tokens has ceil(0.5 * 16 * 2 / 8) = 2 slots per
+  expert and drops on its own; ``batch``: the 32 tokens share 4 slots per expert."""
+  cfg = _cfg(**VARIANTS[variant], **{'moe.dispatch': 'capacity', 'moe.capacity_factor': 0.5,
+                                     'moe.capacity_group': group})
   moe = _module(cfg)
   x = _x(cfg, n=32)
-  slots = capacity(32, cfg.moe)
-  assert slots == 4
-  ref, counts, _, _ = moe_reference(np.asarray(x).reshape(-1, cfg.d_model), _params(moe), cfg,
-                                    capacity=slots)
-  full, _, _, _ = moe_reference(np.asarray(x).reshape(-1, cfg.d_model), _params(moe), cfg)
-  assert counts.max() > slots, 'the test needs an overloaded expert'
-  assert np.abs(ref - full).max() > 1e-3
+  x_ND = np.asarray(x).reshape(-1, cfg.d_model)
+  group_size = x.shape[1] if group == 'sequence' else 32
+  slots = capacity(group_size, cfg.moe)
+  assert slots == {'sequence': 2, 'batch': 4}[group]
+  ref, counts, _, _ = moe_reference(x_ND, _params(moe), cfg, capacity=slots,
+                                    group_size=group_size)
+  full, _, _, _ = moe_reference(x_ND, _params(moe), cfg)
+  other = (moe_reference(x_ND, _params(moe), cfg, capacity=4) if group == 'sequence' else
+           moe_reference(x_ND, _params(moe), cfg, capacity=2, group_size=16))[0]
+  assert counts.max() > 2 * slots, 'the test needs an overloaded expert'
+  assert np.abs(ref - full).max() > 1e-3 and np.abs(ref - other).max() > 1e-3
   assert_close(moe(x).reshape(-1, cfg.d_model), ref, rtol=1e-5, atol=1e-5)
 
 

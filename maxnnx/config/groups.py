@@ -140,7 +140,15 @@ class MoEConfig(ValidatedConfig):
     dispatch: ``dropless`` (sort by expert + ragged dot) or ``capacity`` (fixed
       per-expert buffers; overflowing assignments are dropped).
     capacity_factor: ``capacity`` dispatch: buffer size per expert is
-      ``ceil(capacity_factor * tokens * top_k / num_experts)``.
+      ``ceil(capacity_factor * tokens * top_k / num_experts)``, ``tokens`` those of one
+      capacity group (``capacity_group``).
+    capacity_group: ``capacity`` dispatch under the ``gspmd`` expert strategy: which tokens
+      share an expert's slots and decide its drops. ``sequence`` (as MaxText's dropping path,
+      whose capacity is per batch row): each sequence is a group of ``seq_len`` tokens with
+      its own slots, so a batch split over ``data``/``fsdp`` dispatches without exchanging
+      any routing and each device holds only its rows' buffers. ``batch``: the whole global
+      batch is one group (the rule before ``sequence``; its slot positions count every
+      shard's tokens). The ``all_to_all`` strategy keeps its own per-shard slots.
     ragged_buffer_factor: ``dropless`` dispatch under ``mesh.expert_parallel_strategy=
       all_to_all`` (MaxText's ``ragged_buffer_factor``): each device's receive buffer holds
       this many times its balanced share of the exchanged assignments (its own ``tokens *
@@ -180,6 +188,7 @@ class MoEConfig(ValidatedConfig):
   dispatch: Literal['dropless', 'capacity'] = 'dropless'
   capacity_factor: float = 1.25
   ragged_buffer_factor: float | None = None
+  capacity_group: Literal['sequence', 'batch'] = 'sequence'
   expert_bias: bool = False
   swiglu_limit: float | None = None
   swiglu_alpha: float = 1.702

@@ -14,10 +14,12 @@ Dispatch, chosen by ``dispatch``:
 
 * ``dropless``: the ``tokens * k`` assignments are sorted by expert and run as
   grouped matmuls (``runtime.ragged_dot_impl`` kernel), then unsorted. No token is dropped.
-* ``capacity``: every expert gets a buffer of
-  ``ceil(capacity_factor * tokens * k / num_experts)`` slots, filled first
-  choices first; assignments that overflow are dropped (their weight is lost).
-  Static shapes, plain batched matmuls.
+* ``capacity``: the tokens are split into capacity groups (``capacity_group``: each
+  sequence, as MaxText's dropping path, or the whole batch); in every group each expert gets
+  ``ceil(capacity_factor * group_tokens * k / num_experts)`` slots, filled first choices
+  first; assignments that overflow are dropped (their weight is lost). Static shapes, plain
+  batched matmuls. Per-sequence groups run on each batch shard like the dropless sort, so
+  no routing crosses devices and each device's buffers hold only its own rows' slots.
 
 The dropless sort runs on each batch shard (the devices that split the batch other than over
 ``expert`` each sort their own tokens:
@@ -38,6 +40,8 @@ step's loads; :func:`update_router_bias` does the same by hand with a rate of yo
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -322,13 +326,31 @@ class MoE(nnx.Module):
     y_NKD = y_MD[jnp.argsort(order_M)].reshape(num_tokens, k, -1)
     return jnp.einsum('nkd,nk->nd', y_NKD, weights_NK)
 
-  def _capacity(self, x_ND, weights_NK, experts_NK, input_weights_NK=None):
-    """Fixed per-expert buffers (first choices first); overflow is dropped."""
-    slots = capacity(x_ND.shape[0], self.cfg)
-    plan = CapacityPlan.of(experts_NK, slots)
-    buffer_ECD = plan.pack(x_ND, input_weights_NK, self.cfg.num_experts, self.dtype)
-    y_ECD = self.batched_ffn(constrain(buffer_ECD, EXPERT_AXES), self.expert_weights())
-    return plan.combine(y_ECD, weights_NK)
+  def _capacity(self, x_ND, weights_NK, experts_NK, input_weights_NK, expert_weights,
+                group_size: int):
+    """Fixed per-expert buffers per group of ``group_size`` consecutive tokens.
+
+    Group ``g`` is tokens ``[g * group_size, (g + 1) * group_size)``. In each group every
+    expert has ``capacity(group_size)`` slots, filled in choice-major order (all the group's
+    first choices in token order, then its second choices, ...); an assignment that finds
+    its expert's slots full is dropped. The groups' slots of one expert run as one batched
+    matmul (``[experts, groups * slots, d_model]``).
+    """
+    num_tokens, d = x_ND.shape
+    groups, num_experts = num_tokens // group_size, self.cfg.num_experts
+    slots = capacity(group_size, self.cfg)
+
+    def grouped(a):
+      return None if a is None else a.reshape(groups, group_size, *a.shape[1:])
+
+    plans = jax.vmap(lambda e: CapacityPlan.of(e, slots))(grouped(experts_NK))
+    buffer_GECD = jax.vmap(lambda plan, x, w: plan.pack(x, w, num_experts, self.dtype))(
+        plans, grouped(x_ND), grouped(input_weights_NK))
+    buffer_ECD = buffer_GECD.transpose(1, 0, 2, 3).reshape(num_experts, groups * slots, d)
+    y_ECD = self.batched_ffn(constrain(buffer_ECD, EXPERT_AXES), expert_weights)
+    y_GECD = y_ECD.reshape(num_experts, groups, slots, d).transpose(1, 0, 2, 3)
+    y_GSD = jax.vmap(lambda plan, y, w: plan.combine(y, w))(plans, y_GECD, grouped(weights_NK))
+    return y_GSD.reshape(num_tokens, d)
 
   def __call__(self, x_BTD: jax.Array, call: LayerCall | None = None,
                router_input_BTD: jax.Array | None = None) -> jax.Array:
@@ -359,8 +381,13 @@ class MoE(nnx.Module):
     elif cfg.dispatch == 'dropless':  # sorted per batch shard: nothing global to replicate
       y_ND = dispatch_per_batch_shard(self._dropless, batch, x_ND, weights_NK, experts_NK,
                                       input_weights_NK, self.expert_weights())
-    else:
-      y_ND = self._capacity(x_ND, weights_NK, experts_NK, input_weights_NK)
+    elif cfg.capacity_group == 'sequence':  # groups never span a batch shard: run per shard
+      y_ND = dispatch_per_batch_shard(functools.partial(self._capacity, group_size=length),
+                                      batch, x_ND, weights_NK, experts_NK, input_weights_NK,
+                                      self.expert_weights())
+    else:  # one group of the global batch
+      y_ND = self._capacity(x_ND, weights_NK, experts_NK, input_weights_NK,
+                            self.expert_weights(), group_size=x_ND.shape[0])
     counts_E = jnp.bincount(experts_NK.reshape(-1), length=cfg.num_experts)
     y_BTD = checkpoint_name(y_ND.astype(self.dtype).reshape(batch, length, d), 'mlp_out')
     if self.shared_experts is not None:

@@ -1,10 +1,12 @@
 """Bookkeeping shared by the MoE dispatches: which token each assignment reads and where
-``capacity`` dispatch puts it. Used by :class:`~maxnnx.layers.moe.MoE` under GSPMD and by
-:mod:`maxnnx.layers.expert_parallel` on each ``expert`` shard."""
+``capacity`` dispatch puts it. Used by :class:`~maxnnx.layers.moe.MoE` under GSPMD (one plan
+per capacity group, vmapped) and by :mod:`maxnnx.layers.expert_parallel` on each ``expert``
+shard."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -28,12 +30,16 @@ def sorted_inputs(x_ND, order_M, k, input_weights_NK=None):
   return x_MD
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=['experts_M', 'tokens_M', 'slot_M', 'kept_M'],
+                   meta_fields=['slots'])
 @dataclasses.dataclass(frozen=True)
 class CapacityPlan:
   """Where each assignment sits in ``capacity`` dispatch's per-expert buffers.
 
   Assignments are taken choice-major (every token's first choice before any second one);
-  each expert fills its ``slots`` in that order and drops the rest.
+  each expert fills its ``slots`` in that order and drops the rest. A pytree (``slots`` is
+  static), so :func:`jax.vmap` builds one plan per capacity group.
 
   Attributes:
     experts_M, tokens_M: expert and token of each assignment (``M = tokens * k``).
