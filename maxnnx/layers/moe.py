@@ -62,6 +62,7 @@ from maxnnx.sharding import constrain, expert_parallel_strategy, mesh_axis_size
 
 EXPERT_AXES = ('activation_expert', None, 'activation_embed')
 EXPERT_HIDDEN_AXES = ('activation_expert', None, 'activation_mlp')
+GROUP_AXES = ('activation_batch', None, None, 'activation_embed')  # [groups, E, slots, D]
 
 
 class MoeAux(ForwardStat):
@@ -346,9 +347,14 @@ class MoE(nnx.Module):
     plans = jax.vmap(lambda e: CapacityPlan.of(e, slots))(grouped(experts_NK))
     buffer_GECD = jax.vmap(lambda plan, x, w: plan.pack(x, w, num_experts, self.dtype))(
         plans, grouped(x_ND), grouped(input_weights_NK))
+    # Several groups: each packed where its tokens are (split over ``expert`` too when that
+    # splits the batch), then moved to the experts' devices (an all-to-all) and back.
+    by_group = constrain if groups > 1 else lambda a, _: a
+    buffer_GECD = by_group(buffer_GECD, GROUP_AXES)
     buffer_ECD = buffer_GECD.transpose(1, 0, 2, 3).reshape(num_experts, groups * slots, d)
     y_ECD = self.batched_ffn(constrain(buffer_ECD, EXPERT_AXES), expert_weights)
-    y_GECD = y_ECD.reshape(num_experts, groups, slots, d).transpose(1, 0, 2, 3)
+    y_GECD = by_group(y_ECD.reshape(num_experts, groups, slots, d).transpose(1, 0, 2, 3),
+                      GROUP_AXES)
     y_GSD = jax.vmap(lambda plan, y, w: plan.combine(y, w))(plans, y_GECD, grouped(weights_NK))
     return y_GSD.reshape(num_tokens, d)
 
