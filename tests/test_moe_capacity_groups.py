@@ -90,6 +90,18 @@ def test_grouped_capacity_matches_numpy_reference(mesh):
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize('mesh', ['data2_fsdp4', 'fsdp2_expert4'])
+def test_sharded_grouped_gradients_equal_one_device(mesh):
+  """The parameter gradients through the per-shard packing (and, over ``expert``, the move
+  to the experts' devices and back) are one device's."""
+  def grads(mesh_config):
+    compiled, args = _compiled(_cfg(), mesh_config, grad=True)
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(compiled(*args)))
+
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+               grads(MESHES[mesh]), grads(None))
+
+
 def _dispatch_collectives(hlo: str) -> list[str]:
   """Collectives of the compiled layer that move routing (any integer array) or tokens
   (``[.., d_model]`` floats with a dimension that counts tokens: a multiple of ``LENGTH``)."""
