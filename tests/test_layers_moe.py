@@ -189,6 +189,7 @@ def test_moe_layer_layout_and_counts():
     ({'moe.layer_step': 2, 'runtime.scan_layers': True}, 'scan_layers'),
     ({'moe.capacity_factor': 0.0}, 'capacity_factor'),
     ({'moe.dispatch': 'sorted'}, r'ModelConfig\.moe\.dispatch'),
+    ({'moe.capacity_group': 'row'}, r'ModelConfig\.moe\.capacity_group'),
 ])
 def test_bad_moe_config_is_a_clear_error(bad, match):
   with pytest.raises(ConfigError, match=match):

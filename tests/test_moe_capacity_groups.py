@@ -32,7 +32,8 @@ BASE = dict(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2
                'moe.router_groups': 4, 'moe.router_topk_groups': 2,
                'moe.router_group_score': 'top2_sum', 'moe.num_shared_experts': 1})
 MESHES = {'fsdp8': MeshConfig(data=1, fsdp=8), 'data2_fsdp4': MeshConfig(data=2, fsdp=4),
-          'fsdp2_expert4': MeshConfig(data=1, fsdp=2, expert=4)}
+          'fsdp2_expert4': MeshConfig(data=1, fsdp=2, expert=4),
+          'data2_context4': MeshConfig(data=2, context=4)}  # a sequence split over context
 
 
 def _cfg(group='sequence', **changes):
