@@ -5,6 +5,7 @@
   python -m benchmarks.speculative_decode --config cpu-tiny
   python -m benchmarks.speculative_decode --config cpu-medium --draft 2 4 8 --decode 64
   python -m benchmarks.speculative_decode --config cpu-tiny --engine --draft 2 4
+  python -m benchmarks.speculative_decode --config cpu-medium --engine --draft-model cpu-tiny
   python -m benchmarks.speculative_decode --mtp --draft 1 2 3
 
 The prompt is text with repetition: the first ``--prompt-chars`` characters of the shipped
@@ -21,6 +22,11 @@ per ``--draft`` count, each warmed up (every bucket compiled) first, prefix cach
 that every call computes its prompt; decode tokens/s is
 ``(decode - 1) / (full - prefill)`` with ``max_tokens`` ``--decode`` and 1, medians of
 ``--repeats`` calls in which the settings take turns (a shared machine slows them alike).
+``--draft-model`` adds an engine with ``speculative_method='draft_model'`` per ``--draft``
+count, the draft model a config of :data:`~benchmarks.configs.BENCH_CONFIGS` (randomly
+initialised, with the target's vocabulary: its drafts are mostly rejected, so the row shows
+what drafting costs) or ``self`` (the target drafting for itself: every draft kept, the most
+a draft model of the target's cost can give).
 
 With ``--mtp`` (no ``--config``) the model is a tiny DeepSeek V3 (:data:`MTP_MODEL`: MLA, a
 dense layer then routed experts, one multi-token-prediction module) trained first, with the
@@ -162,9 +168,9 @@ def run(cfg: dict | None, *, name: str, drafts=(4,), prompt_chars: int = 200, re
 def run_engine(cfg: dict, *, name: str, drafts=(4,), prompt_chars: int = 200, repeat: int = 2,
                decode: int = 64, max_ngram: int = 3, dtype: str | None = None,
                repeats: int = 3, page_size: int = 16, json_path: str | None = None,
-               log=print) -> list[dict]:
-  """Benchmark the serving engine at batch 1 without and with n-gram speculation; one dict
-  per setting (see the module docstring)."""
+               draft_model: str | None = None, log=print) -> list[dict]:
+  """Benchmark the serving engine at batch 1 without and with n-gram speculation (and a
+  draft model's, with ``draft_model``); one dict per setting (see the module docstring)."""
   if decode < 2 or repeats < 1 or repeat < 1 or prompt_chars < 1 or min(drafts) < 1:
     raise ValueError('--decode must be >= 2; --repeats, --repeat, --prompt-chars and --draft '
                      '>= 1')
@@ -185,11 +191,18 @@ def run_engine(cfg: dict, *, name: str, drafts=(4,), prompt_chars: int = 200, re
   settings = dict(max_batch=1, token_budget=budget, page_size=page_size, max_model_len=max_len,
                   prefix_caching=False, token_buckets=(8, budget), page_buckets=(pages,))
 
+  draft = None
+  if draft_model is not None:
+    draft = model if draft_model == 'self' else Transformer(model_config(
+        {**get_config(draft_model), 'vocab_size': cfg['vocab_size']}, dtype=dtype,
+        max_length=max_len), rngs=nnx.Rngs(1))
   engines, warm_s = {}, {}
-  for k in (None, *drafts):
-    spec = {} if k is None else dict(speculative_method='ngram', num_speculative_tokens=k,
+  for k in [None, *(('ngram', k) for k in drafts),
+            *((('draft_model', k) for k in drafts) if draft is not None else ())]:
+    spec = {} if k is None else dict(speculative_method=k[0], num_speculative_tokens=k[1],
                                       prompt_lookup_max=max_ngram)
-    engines[k] = Engine(model, **settings, **spec)
+    engines[k] = Engine(model, **settings, **spec,
+                        draft_model=draft if k and k[0] == 'draft_model' else None)
     warm_s[k] = engines[k].warmup()
 
   def call(k, n):
@@ -222,8 +235,9 @@ def run_engine(cfg: dict, *, name: str, drafts=(4,), prompt_chars: int = 200, re
     rows.append({
         'kind': 'speculative_decode_engine', 'framework': 'maxnnx', 'config': name,
         'device': device, 'dtype': dtype, 'batch': 1, 'prefill': len(prompt), 'decode': decode,
-        'drafter': 'none' if k is None else 'prompt_lookup', 'num_draft_tokens': k or 0,
-        'max_ngram': max_ngram if k else None, 'warmup_s': warm,
+        'drafter': ('none' if k is None else 'prompt_lookup' if k[0] == 'ngram' else
+                    f'draft:{draft_model}'), 'num_draft_tokens': k[1] if k else 0,
+        'max_ngram': max_ngram if k and k[0] == 'ngram' else None, 'warmup_s': warm,
         'decode_s': seconds, 'decode_tokens_per_s': (decode - 1) / seconds,
         'speedup': plain[1] / seconds,
         'acceptance_rate': accepted / drafted if k and drafted else None,
@@ -267,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--json', default=None, help='append one JSON line per setting here')
   parser.add_argument('--engine', action='store_true',
                       help='time the serving engine (batch 1) instead of generate')
+  parser.add_argument('--draft-model', default=None,
+                      help="with --engine: a config name (or 'self') drafting in the engine too")
   parser.add_argument('--mtp', action='store_true',
                       help='train the tiny DeepSeek V3 (MTP_MODEL) and time MTP drafts too')
   parser.add_argument('--train-steps', type=int, default=500,
@@ -274,13 +290,18 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if args.mtp == bool(args.config) or (args.mtp and args.engine):
     parser.error('give --config, or --mtp (without --engine)')
+  if args.draft_model is not None and (not args.engine or args.draft_model not in (
+      'self', *BENCH_CONFIGS)):
+    parser.error('--draft-model needs --engine, and a config name or self')
   common = dict(drafts=args.draft, prompt_chars=args.prompt_chars, repeat=args.repeat,
                 decode=args.decode, max_ngram=args.max_ngram, dtype=args.dtype,
                 repeats=args.repeats, json_path=args.json)
   if args.mtp:
     run(None, name='deepseek-mtp-tiny', mtp_steps=args.train_steps, **common)
   else:
-    (run_engine if args.engine else run)(get_config(args.config), name=args.config, **common)
+    engine = dict(draft_model=args.draft_model) if args.engine else {}
+    (run_engine if args.engine else run)(get_config(args.config), name=args.config, **common,
+                                         **engine)
   return 0
 
 

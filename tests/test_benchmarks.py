@@ -327,15 +327,17 @@ def test_speculative_decode_mtp_harness_smoke():
 
 @pytest.mark.slow  # a benchmark harness end to end; the training harness runs by default
 def test_speculative_engine_harness_smoke(tmp_path):
-  """The harness's engine mode times a warm engine without and with n-gram speculation on a
-  micro config, with consistent rates, counted drafts and the same greedy tokens."""
+  """The harness's engine mode times a warm engine without and with n-gram speculation and
+  with the model drafting for itself on a micro config, with consistent rates, counted drafts
+  (every draft model's kept) and the same greedy tokens."""
   from benchmarks import speculative_decode  # noqa: PLC0415
   path = tmp_path / 'spec.jsonl'
   rows = speculative_decode.run_engine(MICRO, name='micro', drafts=(2,), prompt_chars=12,
                                        repeat=2, decode=6, repeats=1, json_path=str(path),
-                                       log=lambda line: None)
-  assert [r['drafter'] for r in rows] == ['none', 'prompt_lookup']
-  assert len(path.read_text().splitlines()) == 2
+                                       draft_model='self', log=lambda line: None)
+  assert [r['drafter'] for r in rows] == ['none', 'prompt_lookup', 'draft:self']
+  assert len(path.read_text().splitlines()) == 3
+  assert rows[2]['acceptance_rate'] == 1.0 and rows[2]['num_draft_tokens'] == 2
   for row in rows:
     assert row['decode_tokens_per_s'] == pytest.approx(5 / row['decode_s'])
     assert row['same_tokens'] and row['warmup_s'] > 0

@@ -46,10 +46,13 @@ class EngineConfig(ValidatedConfig):
     kv_cache_dtype: how KV-cache pages store keys and values: auto (the compute dtype), int8 or
       fp8 (e4m3), each with a float32 scale per token and KV head (about half a bf16 page's
       bytes); recurrent states stay in the compute dtype.
-    speculative_method: speculative decoding: none, or ngram (prompt lookup: draft the tokens
+    speculative_method: speculative decoding: none; ngram (prompt lookup: draft the tokens
       that followed the latest earlier occurrence of a request's last n tokens in its prompt
-      and output, and verify them in one step).
-    num_speculative_tokens: draft tokens verified per request and step (with ngram).
+      and output, and verify them in one step); or draft_model (a smaller model of the same
+      vocabulary drafts greedily: speculative_model, or Engine(..., draft_model=) from Python).
+    num_speculative_tokens: draft tokens verified per request and step.
+    speculative_model: the draft model of speculative_method=draft_model: a Hugging Face
+      checkpoint directory (loaded with from_pretrained, in the model's dtype and on its mesh).
     prompt_lookup_max: the longest n-gram looked up (tried first).
     prompt_lookup_min: the shortest n-gram looked up.
     lora_modules: LoRA adapters served beside the base model, as name=path entries (PEFT
@@ -81,8 +84,9 @@ class EngineConfig(ValidatedConfig):
   page_buckets: tuple[int, ...] | None = None
   kv_cache_dtype: str = 'auto'
   # Speculative decoding (vLLM's names).
-  speculative_method: Literal['none', 'ngram'] = 'none'
+  speculative_method: Literal['none', 'ngram', 'draft_model'] = 'none'
   num_speculative_tokens: int = 3
+  speculative_model: str = ''
   prompt_lookup_max: int = 3
   prompt_lookup_min: int = 1
   # Multi-LoRA serving (vLLM's names).
@@ -114,9 +118,12 @@ class EngineConfig(ValidatedConfig):
       if isinstance(value, (list, tuple, np.ndarray)):
         value = tuple(int(v) if isinstance(v, np.integer) else v for v in value)
       object.__setattr__(self, name, value)
-    if self.speculative_method not in ('none', 'ngram'):
+    if self.speculative_method not in ('none', 'ngram', 'draft_model'):
       raise ConfigError(f'Engine speculative_method={self.speculative_method!r}: expected '
-                        "'none' or 'ngram'.")
+                        "'none', 'ngram' or 'draft_model'.")
+    if self.speculative_model and self.speculative_method != 'draft_model':
+      raise ConfigError(f'Engine speculative_model={self.speculative_model!r} drafts only with '
+                        "speculative_method='draft_model'; set it, or drop speculative_model.")
     if self.prompt_lookup_min > self.prompt_lookup_max:
       raise ConfigError(f'Engine prompt_lookup_min={self.prompt_lookup_min} is more than '
                         f'prompt_lookup_max={self.prompt_lookup_max}: lower it.')

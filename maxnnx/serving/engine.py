@@ -60,15 +60,21 @@ state, and chunked prefill carries the state from chunk to chunk. Its attention 
 are paged as usual. Prefix caching is off for such a model: pages could be shared, but
 the state after a shared prefix is not kept.
 
-**Speculative decoding.** With ``speculative_method='ngram'`` each decoding request that
-may draft proposes up to ``num_speculative_tokens`` tokens from its own prompt and output
-before a step; the step verifies them with the request's last token (``k + 1`` query tokens
-through the paged cache), and the request gains the drafts the model keeps plus one token of
-the model's, each put through the stop rules in order (see :mod:`maxnnx.serving.speculation`;
-:attr:`Engine.spec` counts drafted and accepted tokens). The verification steps add one
-bucket per page bucket, and the verifier one program per sampler variant, all compiled by
-:meth:`Engine.warmup`.
-Models with recurrent layers are refused (their state cannot roll back a rejected draft).
+**Speculative decoding.** A drafter (:mod:`maxnnx.serving.drafters`) gives each decoding
+request up to ``num_speculative_tokens`` drafts per step: prompt lookup on the host
+(``speculative_method='ngram'``), or a smaller model of the same vocabulary
+(``'draft_model'``, ``Engine(model, draft_model=small)`` or ``speculative_model=<dir>``) that
+drafts greedily in a page pool of its own indexed by the target's page tables, so that the
+scheduler's pages and prefix cache serve both models. The step verifies the drafts with the
+request's last token (``k + 1`` query tokens through the paged cache), and the request gains
+the drafts the model keeps plus one token of the model's, each put through the stop rules
+in order (see :mod:`maxnnx.serving.speculation`; :attr:`Engine.spec` counts drafted and
+accepted tokens). Greedy output is plain decoding's; sampled rows keep the model's
+distribution (the drafts are deterministic, so the verifier's rejection sampling is exact).
+The verification steps add one bucket per page bucket, the verifier one program per sampler
+variant, and a draft model its own programs of each bucket, all compiled by
+:meth:`Engine.warmup`. Models with recurrent layers are refused (their state cannot roll
+back a rejected draft), as target or as draft.
 
 **LoRA adapters.** With ``lora_modules`` (PEFT adapter directories by name) every adapted
 projection holds all the adapters stacked, slot 0 the base (zeros), and each token of a step
@@ -102,7 +108,9 @@ import numpy as np
 from maxnnx.config.engine import EngineConfig
 from maxnnx.inference.stops import eos_token_ids
 from maxnnx.serving.batch_sampler import BatchSampler
+from maxnnx.serving.drafters import make_drafter
 from maxnnx.serving.engine_lora import AdapterLoading
+from maxnnx.serving.engine_sizing import EngineSizing
 from maxnnx.serving.lora import ServedAdapters
 from maxnnx.serving.model_runner import (
   MIN_TOKEN_BUCKET,
@@ -113,7 +121,6 @@ from maxnnx.serving.model_runner import (
   listen_to_compiles,
 )
 from maxnnx.serving.output_processor import OutputProcessor
-from maxnnx.serving.pages import PageAllocator
 from maxnnx.serving.params import (
   MAX_SEED,
   Completion,
@@ -122,12 +129,12 @@ from maxnnx.serving.params import (
   TokenLogprobs,
 )
 from maxnnx.serving.scheduler import Request, Scheduler
-from maxnnx.serving.speculation import SpecCounts, propose_drafts, verify_rows, warm_verify
+from maxnnx.serving.speculation import SpecCounts, verify_rows, warm_verify
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(AdapterLoading):
+class Engine(AdapterLoading, EngineSizing):
   """Serves many requests at once from one model, with a paged KV cache.
 
   Args:
@@ -141,6 +148,9 @@ class Engine(AdapterLoading):
       default ``EngineConfig()``.
     rules: logical-axis rules for the page pools of a sharded model (default
       :data:`maxnnx.sharding.DEFAULT_RULES`).
+    draft_model: the draft model of ``speculative_method='draft_model'`` (a smaller
+      :class:`~maxnnx.Transformer` of the same vocabulary, not modified); ``None``: the one
+      ``speculative_model`` names.
     **settings: fields of :class:`~maxnnx.config.EngineConfig` that replace ``config``'s
       (``Engine(model, max_batch=4)``); an unknown name or a bad value is one
       ``ConfigError`` naming it.
@@ -171,12 +181,14 @@ class Engine(AdapterLoading):
     num_speculative_tokens: drafts a request verifies per step at most (0: no speculative
       decoding).
     spec: the :class:`~maxnnx.serving.speculation.SpecCounts` of speculative decoding.
+    drafter: the :class:`~maxnnx.serving.drafters.Drafter` that proposes the drafts
+      (``None`` without speculative decoding).
     adapters: the :class:`~maxnnx.serving.lora.ServedAdapters` (LoRA adapters by name, their
       slots and directories; none without ``lora_modules``).
   """
 
   def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *,
-               rules: dict | None = None, **settings):
+               rules: dict | None = None, draft_model=None, **settings):
     config = EngineConfig() if config is None else EngineConfig.from_dict(config)
     self.config = config.replace(**settings) if settings else config
     page_size, max_batch = self.config.page_size, self.config.max_batch
@@ -224,6 +236,10 @@ class Engine(AdapterLoading):
         window_pages=self.max_window_pages + 1 if self.max_window_pages else None, rules=rules,
         kv_cache_dtype=self.config.kv_cache_dtype,
         num_verify=self.num_speculative_tokens, lora=lora)
+    self.drafter = make_drafter(
+        self.config, model, draft_model, max_model_len=self.max_model_len, runner=self.runner,
+        frees_pages=window is not None and self.window_allocator is None,
+        num_pages=self.max_pages + 1, rules=rules)
     self.eos_ids = frozenset(eos_token_ids(cfg, tokenizer))
     self.outputs = OutputProcessor(tokenizer, self.eos_ids, self.max_model_len)
     self.sampler = BatchSampler(max_batch, cfg.vocab_size, self.max_logprobs,
@@ -234,44 +250,6 @@ class Engine(AdapterLoading):
     self._next_id = 0
     self.compiles = CompileCounts()
     listen_to_compiles()
-
-  def _check_positions(self, model) -> None:
-    """Warn about positions beyond the trained ones; refuse what a batch cannot serve."""
-    cfg = self.model_config
-    if self.max_model_len > cfg.max_position_embeddings:
-      logger.warning('max_model_len=%d is beyond the model\'s max_position_embeddings=%d; '
-                     'positions beyond it were never trained.', self.max_model_len,
-                     cfg.max_position_embeddings)
-    for rotary in (model.rotary, model.local_rotary):
-      if rotary.long_inv_freq is not None and self.max_model_len > rotary.long_threshold:
-        raise NotImplementedError(
-            f'LongRoPE switches every position to its long factors once a sequence passes '
-            f'{rotary.long_threshold} tokens, which a batch of independent requests cannot do; '
-            f'serve this model with max_model_len <= {rotary.long_threshold}.')
-
-  def _plan_pools(self, max_window_pages: int | None) -> int | None:
-    """Make the page pools; returns the window the scheduler frees pages behind (``None``:
-    every page is kept)."""
-    cfg = self.model_config
-    self.allocator = PageAllocator(self.max_pages + 1, reserved=1)
-    types = set(cfg.resolved_layer_types)
-    window = cfg.attention.sliding_window if 'sliding' in types else None
-    # A request's pages that its sliding layers still attend to, at most.
-    self.window_pages_per_request = (
-        self.pages_per_request if window is None else
-        min(self.pages_per_request, math.ceil((window + self.token_budget) / self.page_size) + 1))
-    # Mixed sliding and full layers (unscanned): the sliding layers get a pool of their own,
-    # twice what the running requests hold, so released pages stay cached for prefix hits.
-    self.window_allocator = None
-    self.max_window_pages = 0
-    if window is not None and types == {'sliding', 'full'} and not cfg.runtime.scan_layers:
-      self.max_window_pages = (
-          min(self.max_pages, 2 * self.max_batch * self.window_pages_per_request)
-          if max_window_pages is None else max_window_pages)
-      self.window_allocator = PageAllocator(self.max_window_pages + 1, reserved=1)
-    elif types != {'sliding'}:
-      window = None  # full (or chunked) layers read every page
-    return window
 
   @property
   def tokenizer(self):
@@ -353,34 +331,6 @@ class Engine(AdapterLoading):
     self.scheduler.add(request)
     return request_id
 
-  def _check_request(self, ids: list[int], params: SamplingParams) -> None:
-    """Refuse a request the engine could never serve, with the reason (``ValueError``)."""
-    vocab = self.model_config.vocab_size
-    if not ids or min(ids) < 0 or max(ids) >= vocab:
-      raise ValueError(f'A prompt needs at least one token, each in [0, {vocab}).')
-    if len(ids) >= self.max_model_len:
-      raise ValueError(f'The prompt has {len(ids)} tokens; max_model_len={self.max_model_len} '
-                       'leaves no room for output.')
-    longest = min(len(ids) + params.max_tokens, self.max_model_len) - 1  # tokens ever cached
-    pages_held = math.ceil(longest / self.page_size)
-    window_pages_held = min(pages_held, self.window_pages_per_request)
-    if self.scheduler.window is not None and self.window_allocator is None:
-      pages_held = window_pages_held  # every layer slides: pages behind the window go back
-    sliding_pool = (f'; {self.max_window_pages} for sliding layers'
-                    if self.window_allocator is not None else '')
-    if pages_held > self.max_pages or (self.window_allocator is not None
-                                       and window_pages_held > self.max_window_pages):
-      raise ValueError(f'The request can reach {longest} cached tokens, more than the pool '
-                       f'holds ({self.max_pages} pages of {self.page_size}{sliding_pool}).')
-    if params.logprobs is not None and params.logprobs > self.max_logprobs:
-      raise ValueError(f'logprobs={params.logprobs} is more than the engine returns '
-                       f'(max_logprobs={self.max_logprobs}).')
-    if params.stop and self.tokenizer is None:
-      raise ValueError('Stop strings need an Engine with a tokenizer.')
-    if params.logit_bias and params.logit_bias[-1][0] >= vocab:
-      raise ValueError(f'logit_bias names token {params.logit_bias[-1][0]}, outside the '
-                       f'vocabulary [0, {vocab}).')
-
   def cancel(self, request_id: int) -> bool:
     """Stop a request now and release its pages; ``False`` if it is unknown or finished.
 
@@ -443,7 +393,8 @@ class Engine(AdapterLoading):
     start = time.monotonic()
     variants = self.sampler_variants()
     verifies = bool(self.num_speculative_tokens)
-    total, done = self.max_compiles() + len(variants) * (1 + verifies), [0]
+    drafts = 0 if self.drafter is None else self.drafter.num_warm()
+    total, done = self.max_compiles() + len(variants) * (1 + verifies) + drafts, [0]
 
     def one_more():
       done[0] += 1
@@ -452,6 +403,8 @@ class Engine(AdapterLoading):
 
     with counting_compiles(self.compiles):
       logits_BV, logits_BSV = self.runner.warm(one_more)
+      if self.drafter is not None:
+        self.drafter.warm(one_more)
       for num_logprobs, width in variants:
         self.sampler.warm(logits_BV, num_logprobs, width)
         one_more()
@@ -501,16 +454,20 @@ class Engine(AdapterLoading):
 
   def _step(self) -> list[RequestOutput]:
     outputs, self._cancelled = self._cancelled, []
-    if self.num_speculative_tokens:
-      config = self.config
-      propose_drafts(self.scheduler.running, self.num_speculative_tokens, self.max_model_len,
-                     config.prompt_lookup_max, config.prompt_lookup_min)
+    drafter = self.drafter
+    if drafter is not None:
+      drafter.before_schedule(self.scheduler.running)
     # Rows with prefill chunks first: only those are gathered max_q wide (PagedBatch.wide_rows).
     scheduled = sorted(self.scheduler.schedule(), key=lambda rc: rc[1] == 1)
+    if drafter is not None:
+      drafter.after_schedule(scheduled)
     if not scheduled:
       return outputs
-    logits_BV, logits_BSV = self.runner.run(self.runner.layout(
-        scheduled, self.scheduler.kv_cache.state_slot, self._image_embeddings))
+    inputs = self.runner.layout(scheduled, self.scheduler.kv_cache.state_slot,
+                                self._image_embeddings)
+    logits_BV, logits_BSV = self.runner.run(inputs)
+    if drafter is not None:
+      drafter.after_step(scheduled, inputs, (logits_BV, logits_BSV))
     # The sampler serves the rows that end their tokens without drafts (all rows, without
     # speculation); a step whose every such row verifies drafts skips it.
     sampled = (self.sampler.sample(logits_BV, scheduled) if any(

@@ -236,11 +236,12 @@ class ModelRunner:
     width = self.num_verify + 1
     return (smallest_holding(self.token_buckets, self.max_batch * width), width, pages, None)
 
-  def warm(self, progress: Callable[[], None] | None = None):
-    """Run a step of every bucket with every row empty (it writes the scratch page and state
-    slot 0 only); returns the last step's outputs (:meth:`run`'s)."""
+  def warm(self, progress: Callable[[], None] | None = None,
+           shapes: Sequence[tuple] | None = None):
+    """Run a step of every bucket (of ``shapes`` when given) with every row empty (it writes
+    the scratch page and state slot 0 only); returns the last step's outputs (:meth:`run`'s)."""
     logits_BV = None
-    for shape in self.step_buckets():
+    for shape in self.step_buckets() if shapes is None else shapes:
       logits_BV = self.run(self._model_inputs(shape, self._blank_inputs(shape)))
       self.step_shapes.add(shape)
       if progress is not None:
@@ -297,6 +298,27 @@ class ModelRunner:
       offset += count
     self.last_step_shape = shape
     self.step_shapes.add(shape)
+    return self._model_inputs(shape, a)
+
+  def decode_inputs(self, rows: Sequence[tuple[int, Sequence[int]] | None],
+                    num_pages: int) -> tuple:
+    """The model step's inputs for one token per row, bucket ``(T, 1, num_pages, None)``
+    (``T`` the decode steps'): ``rows[r]`` is ``(position, pages)`` of row ``r``'s token, or
+    ``None`` for an empty row. The token ids are zeros: the caller sets ``ids_T[r]``. For a
+    runner with one pool and no state slots (a draft model's: the sliding layers' pool and
+    the recurrent slots are left at their scratch entries)."""
+    ps = self.page_size
+    shape = (smallest_holding(self.token_buckets, self.max_batch), 1, num_pages, None)
+    a = self._blank_inputs(shape)
+    for row, entry in enumerate(rows):
+      if entry is None:
+        continue
+      position, pages = entry
+      a['positions_T'][row] = position
+      a['slots_T'][row] = pages[position // ps] * ps + position % ps
+      a['page_table_BM'][row, :len(pages)] = pages
+      a['kv_lens_B'][row], a['q_starts_B'][row], a['q_lens_B'][row] = position + 1, row, 1
+      a['last_BS'][row] = row
     return self._model_inputs(shape, a)
 
   @staticmethod

@@ -1,4 +1,5 @@
-"""Speculative decoding in the engine: draft on the host, verify in the model step.
+"""Speculative decoding in the engine: prompt-lookup drafts, and their verification in the
+model step (whoever drafted them: :mod:`maxnnx.serving.drafters`).
 
 With ``EngineConfig.speculative_method='ngram'``, before each step the engine gives every
 decoding request that may draft up to ``num_speculative_tokens`` draft tokens
