@@ -205,3 +205,31 @@ def test_a_draft_model_the_engine_cannot_run_is_refused_naming_the_setting(model
 def test_speculative_model_without_the_method_is_refused():
   with pytest.raises(ConfigError, match="speculative_model='runs/small' drafts only with"):
     EngineConfig(speculative_model='runs/small')
+
+
+@pytest.mark.parametrize('family', [
+    pytest.param(dict(attention={'sliding_window': 5}, layer_types=('sliding', 'full', 'sliding')),
+                 id='sliding_and_full_pools'),
+    pytest.param(dict(attention={'type': 'mla'}, head_dim=None, mla=dict(
+        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12)),
+                 id='mla'),
+])
+def test_families_drafting_for_themselves_give_generates_greedy_tokens(family):
+  """The staggered requests on a model mixing sliding and full layers (the target's sliding
+  layers in a pool of their own, whose page ids part from the full pool's as pages behind the
+  window go back; the draft model reads its one pool through the full page tables: drafts
+  written through the sliding tables keep about half) and on MLA's compressed cache, each
+  drafting for itself: the tokens of greedy generate, every draft kept, every page back."""
+  model = _model(vocab=VOCAB, **family)
+  prompts, max_tokens, arrivals = _staggered_requests()
+  want = maxnnx.generate(model, prompts, max_new_tokens=max(max_tokens), eos_ids=None)
+  engine = Engine(model, **ENGINE, **DRAFT, draft_model=model)
+  got, _ = _run_staggered(engine, prompts, [SamplingParams(max_tokens=m, ignore_eos=True)
+                                            for m in max_tokens], arrivals)
+  for i, m in enumerate(max_tokens):
+    assert got[i] == want.tokens[i, :m].tolist(), i
+  assert engine.spec.accepted_tokens == engine.spec.draft_tokens > 50
+  if 'layer_types' in family:
+    assert engine.window_allocator is not None
+    assert engine.window_allocator.num_available == engine.max_window_pages
+  _assert_idle(engine)
