@@ -395,6 +395,20 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
                             cache_index=cache_index)
     return self._mtp_block(self.mtp[depth], hidden_BTD, next_ids_BT, positions_BT, call)
 
+  def mtp_paged(self, depth: int, hidden_1TD: jax.Array, next_ids_1T: jax.Array,
+                positions_1T: jax.Array, paged: PagedBatch) -> jax.Array:
+    """MTP module ``depth`` (0-based) over a paged step's flat tokens (serving drafts; its
+    attention's pools set up with ``init_paged_cache``; :mod:`maxnnx.serving.mtp_runner`).
+
+    ``hidden_1TD`` are the hidden states it merges (as for :meth:`mtp_decode`),
+    ``next_ids_1T`` the token after each position, ``positions_1T`` each token's position
+    in its request. Returns the block output ``[1, T, d_model]`` before the module's final
+    norm.
+    """
+    call = self._layer_call(self.config.num_layers - 1, self._cos_sin(positions_1T), None,
+                            paged=paged)
+    return self._mtp_block(self.mtp[depth], hidden_1TD, next_ids_1T, positions_1T, call)
+
   def _cos_sin(self, positions_BT):
     """Each layer type's ``(cos, sin)``; ``None`` when the model has no rotary embedding.
 

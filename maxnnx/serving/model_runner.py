@@ -24,6 +24,12 @@ whose rows all hold at most ``num_verify + 1`` tokens takes a bucket of its own,
 wide, ``(T, num_verify + 1, M, None)`` with ``T`` the smallest token bucket that holds every
 row at that width.
 
+**Hidden states.** With ``return_hidden=True`` the step also keeps the target's last block
+output (before the final norm) at every flat token, ``[T, d_model]``, in
+:attr:`ModelRunner.hidden_TD` after each :meth:`ModelRunner.run`: what DeepSeek V3's MTP module
+drafts from (:mod:`maxnnx.serving.mtp_runner`). The buckets stay the same; off, the step is
+unchanged.
+
 **Images.** A vision-language model's images are embedded once, when a request is added
 (:meth:`ModelRunner.embed_images`); a step whose tokens include image placeholders passes the
 embeddings of those tokens (``[T, d_model]``) and their image-block ids to the model.
@@ -169,6 +175,8 @@ class ModelRunner:
     lora: ``(adapters, slots, rank, targets)``: the
       :class:`~maxnnx.serving.lora.LoadedAdapter`\\ s installed in the working copy, in slots
       1.., and the projection names given slots besides; ``None``: no adapters.
+    return_hidden: keep each step's hidden states before the final norm (see
+      :attr:`hidden_TD`).
 
   Attributes:
     params, cache: the parameters and the cache state the step runs on (the adapters'
@@ -176,14 +184,20 @@ class ModelRunner:
     lora_stacks: ``{adapted projection's path: its layers' unscanned paths}``.
     mesh: the mesh of a sharded model, else ``None``.
     step_shapes: the buckets run so far; ``last_step_shape`` the latest one.
+    num_pages: pages per pool, the scratch page included.
+    hidden_TD: with ``return_hidden``, the last step's hidden states before the final norm
+      at every flat token ``[T, d_model]`` (on the device), else ``None``.
   """
 
   def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int,
                token_buckets: tuple[int, ...], page_buckets: tuple[int, ...],
                num_state_slots: int = 0, window_pages: int | None = None,
                rules: dict | None = None, kv_cache_dtype: str = 'auto',
-               num_verify: int = 0, lora: tuple | None = None):
+               num_verify: int = 0, lora: tuple | None = None, return_hidden: bool = False):
     self.model_config = model.config
+    self.num_pages = num_pages
+    self.return_hidden = return_hidden
+    self.hidden_TD = None
     self.lora = lora is not None
     self.num_verify = num_verify
     self.page_size = page_size
@@ -207,7 +221,7 @@ class ModelRunner:
     self.traces = [0]
     self.step_shapes: set[tuple] = set()
     self.last_step_shape: tuple | None = None
-    self._step_fn = _make_step(self._graphdef, self.traces)
+    self._step_fn = _make_step(self._graphdef, self.traces, return_hidden)
     self._score_fn = _make_scorer(self._plain_graphdef)
     self._features_fn = (_make_features(self._graphdef) if model.config.vision.num_layers
                          else None)
@@ -256,8 +270,12 @@ class ModelRunner:
     """Run the model step on :meth:`layout`'s inputs; the logits of each row's last token
     ``[max_batch, vocab]``, and with ``num_verify`` those of its last ``num_verify + 1``
     scheduled tokens ``[max_batch, num_verify + 1, vocab]`` (else ``None``). On the device:
-    the call returns before they are computed."""
-    logits_BV, logits_BSV, self.cache = self._step_fn(self.params, self.cache, *inputs)
+    the call returns before they are computed. With ``return_hidden`` the step's hidden
+    states land in :attr:`hidden_TD`."""
+    logits_BV, logits_BSV, self.cache, hidden_TD = self._step_fn(self.params, self.cache,
+                                                                 *inputs)
+    if self.return_hidden:
+      self.hidden_TD = hidden_TD
     return logits_BV, logits_BSV
 
   def layout(self, scheduled: list[tuple[Request, int]], state_slot: Callable[[Request], int],
@@ -459,13 +477,15 @@ def _mesh_of(params) -> jax.sharding.Mesh | None:
   return None
 
 
-def _make_step(graphdef, traces: list[int]):
+def _make_step(graphdef, traces: list[int], return_hidden: bool = False):
   """The jitted model step over ``graphdef``'s model; ``traces[0]`` counts its traces.
 
   ``lora_T`` (``None`` without adapters) is each token's LoRA slot.
   Returns the logits of each row's last token ``[B, vocab]``, those at each of ``last_BS``'s
   ``S`` tokens per row ``[B, S, vocab]`` when ``S > 1`` (speculative decoding: the last is
-  the row's last scheduled token; else ``None``), and the new cache state.
+  the row's last scheduled token; else ``None``), the new cache state, and with
+  ``return_hidden`` the last block's output (before the final norm) at every flat token
+  ``[T, d_model]`` (else ``None``).
   """
 
   @functools.partial(jax.jit, donate_argnums=(1,))
@@ -476,14 +496,18 @@ def _make_step(graphdef, traces: list[int]):
       set_token_slots(model, lora_T)
     x_1TD = model.hidden_states(
         ids_T[None], positions=positions_T[None], paged=batch,
-        image_embeddings=None if embeddings_TD is None else embeddings_TD[None])
+        image_embeddings=None if embeddings_TD is None else embeddings_TD[None],
+        pre_norm=return_hidden)
+    hidden_TD = None
+    if return_hidden:  # the final norm as hidden_states applies it, on every token
+      hidden_TD, x_1TD = x_1TD[0], model.final_norm(x_1TD)
     if lora_T is not None:
       set_token_slots(model, None)  # the returned state keeps its shapes
     rows, width = last_BS.shape
     # The head on the tokens whose logits are used only.
     logits_BSV = model.logits(x_1TD[:, last_BS.reshape(-1)])[0].reshape(rows, width, -1)
     return (logits_BSV[:, -1], logits_BSV if width > 1 else None,
-            nnx.state(model, nnx.Not(nnx.Param)))
+            nnx.state(model, nnx.Not(nnx.Param)), hidden_TD)
 
   return step
 

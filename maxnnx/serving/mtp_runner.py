@@ -1,0 +1,216 @@
+"""DeepSeek V3's multi-token-prediction module as a drafter for the serving engine.
+
+MTP module 0 (:mod:`maxnnx.layers.mtp`) at position ``t`` takes the target's last block output
+at ``t`` (before the final norm) and the embedding of token ``t + 1``, and predicts token
+``t + 2``. :class:`MTPRunner` runs it as the engine runs the target:
+
+* :meth:`MTPRunner.run` after a target step, over that step's flat token layout (the
+  :class:`~maxnnx.kernels.paged_attention.PagedBatch` of :meth:`ModelRunner.layout`), with the
+  step's hidden states (``ModelRunner(return_hidden=True)``, :attr:`ModelRunner.hidden_TD`) and
+  the token after each flat token (:func:`next_token_ids`, once the step's tokens are
+  verified). It writes the module's keys and values at the step's slots and returns its logits
+  and outputs at the flat tokens asked for: each row's last kept token gives the first draft.
+  Rejected positions get whatever token follows them; their entries are written over when the
+  target computes those positions again.
+* :meth:`MTPRunner.chain` then drafts 2..k: one-token paged steps of the module at positions
+  ``p + 1 .. p + k - 1``, each fed its own previous output as the hidden state and the
+  previous draft as the token (as :mod:`maxnnx.inference.mtp_draft` does).
+
+**Pages.** The module has a page pool of its own, indexed by the same page ids as the target's
+(same ``page_size``, pages ``0 .. num_pages - 1``), so the scheduler's pages serve both. The
+chained positions lie past the request's computed tokens, where it may hold no page yet: each
+row has ``chain_pages`` private pages past the shared ones (pool pages ``num_pages + row *
+chain_pages ..``) that stand in for the request's missing pages during :meth:`chain`.
+
+**Buckets.** :meth:`run` compiles once per target bucket (:meth:`ModelRunner.step_buckets`,
+gathering ``max_batch`` rows), :meth:`chain` once per page bucket; :meth:`warm` compiles both
+sets.
+"""
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maxnnx.kernels.paged_attention import PagedBatch
+from maxnnx.serving.model_runner import ModelRunner, smallest_holding
+from maxnnx.sharding import state_shardings
+
+
+def next_token_ids(rows: Sequence[tuple[Sequence[int], int, int]], width: int) -> np.ndarray:
+  """The token after each flat token of a step ``[width]`` int32 (0 where none is known).
+
+  Args:
+    rows: per scheduled row, in the step's order, ``(token_ids, start, count)``: the request's
+      tokens once the step's are verified and appended, the position of its first token in
+      the step (``num_computed`` before the step), and its tokens in the step.
+    width: the step's flat token count (its bucket).
+  """
+  next_T = np.zeros(width, np.int32)
+  offset = 0
+  for token_ids, start, count in rows:
+    known = max(0, min(count, len(token_ids) - start - 1))
+    next_T[offset:offset + known] = token_ids[start + 1:start + 1 + known]
+    offset += count
+  return next_T
+
+
+class MTPRunner:
+  """MTP module 0 over the engine's steps, on a page pool of its own (see the module docstring).
+
+  Args:
+    model: the served :class:`~maxnnx.Transformer`, with ``mtp.num_layers >= 1`` (not
+      modified).
+    runner: the target's :class:`ModelRunner` (page size, pool size, rows and buckets).
+    num_draft_tokens: drafts per row, ``k >= 1`` (:meth:`chain` runs ``k - 1`` steps).
+    rules: logical-axis rules for the pool of a sharded model.
+
+  Attributes:
+    params, cache: the parameters and the cache state (the module's pool) the steps run on.
+    chain_pages: private pages per row for :meth:`chain`'s positions past a request's pages.
+    traces: ``[run traces, chain traces]``.
+  """
+
+  def __init__(self, model, runner: ModelRunner, num_draft_tokens: int, rules=None):
+    if model.mtp is None:
+      raise ValueError('MTP drafting needs a model with MTP modules: mtp.num_layers=0; use a '
+                       'checkpoint that has them (DeepSeek V3).')
+    if num_draft_tokens < 1:
+      raise ValueError(f'num_draft_tokens={num_draft_tokens}: expected at least 1.')
+    self.runner = runner
+    self.k = num_draft_tokens
+    self.page_size, self.max_batch, self.num_pages = (runner.page_size, runner.max_batch,
+                                                      runner.num_pages)
+    self.chain_pages = max(1, -(-(num_draft_tokens - 1) // self.page_size))
+    self.dtype = model.config.jnp_dtype()
+    work = nnx.merge(*nnx.split(model))  # a working copy: the pool is not added to `model`
+    work.mtp[0].block.attn.init_paged_cache(
+        self.num_pages + self.max_batch * self.chain_pages, self.page_size, self.dtype)
+    graphdef, self.params, self.cache = nnx.split(work, nnx.Param, ...)
+    if runner.mesh is not None:
+      self.cache = jax.device_put(self.cache, state_shardings(self.cache, runner.mesh, rules))
+    self.traces = [0, 0]
+    self._run_fn = _make_run(graphdef, self.traces)
+    self._chain_fn = _make_chain(graphdef, self.traces, self.k, self.page_size)
+
+  def run(self, inputs: tuple, hidden_TD, next_ids_T, at_N) -> tuple[jax.Array, jax.Array]:
+    """The module over a target step's flat tokens; its logits and outputs at ``at_N``.
+
+    Args:
+      inputs: the target step's inputs (:meth:`ModelRunner.layout`).
+      hidden_TD: the target step's hidden states before the final norm
+        (:attr:`ModelRunner.hidden_TD`).
+      next_ids_T: the token after each flat token (:func:`next_token_ids`).
+      at_N: flat indices to return (``[max_batch]`` in the warm buckets: each row's last kept
+        token; an empty row any index).
+
+    Returns:
+      ``(logits_NV, out_ND)``: float32 logits at ``at_N`` (predicting the token two after
+      each) and the module's outputs there (before its final norm; :meth:`chain`'s input).
+      On the device.
+    """
+    _, positions_T, batch, *_ = inputs
+    logits_NV, out_ND, self.cache = self._run_fn(
+        self.params, self.cache, jnp.asarray(hidden_TD, self.dtype),
+        jnp.asarray(next_ids_T, jnp.int32), positions_T, batch, jnp.asarray(at_N, jnp.int32))
+    return logits_NV, out_ND
+
+  def chain(self, out_BD, logits_BV, rows: Sequence[tuple[Sequence[int], int] | None]
+            ) -> tuple[jax.Array, jax.Array]:
+    """``k`` greedy drafts per row: the argmax of :meth:`run`'s logits, then ``k - 1`` steps
+    of the module on its own output and the previous draft.
+
+    Args:
+      out_BD, logits_BV: :meth:`run`'s outputs, ``max_batch`` rows.
+      rows: per row (``max_batch`` at most; missing rows are empty), ``None`` for a row
+        that drafts nothing, else ``(pages, position)``: the request's pages and the
+        position ``p`` of the row's :meth:`run` output. Step ``j`` runs at ``p + j``; a
+        position past the widest page bucket is not run (its drafts are meaningless).
+
+    Returns:
+      ``(drafts_BK, logits_BKV)``: int32 drafts and the float32 logits each was the argmax
+      of, on the device.
+    """
+    ps, rows = self.page_size, list(rows) + [None] * (self.max_batch - len(rows))
+    needed = max([(row[1] + self.k - 1) // ps + 1 for row in rows if row is not None] or [1])
+    table_BM = np.zeros((self.max_batch, smallest_holding(self.runner.page_buckets, needed)),
+                        np.int32)
+    positions_B = np.zeros(self.max_batch, np.int32)
+    active_B = np.zeros(self.max_batch, bool)
+    for b, row in enumerate(rows):
+      if row is None:
+        continue
+      pages, positions_B[b], active_B[b] = row[0][:table_BM.shape[1]], row[1], True
+      private = self.num_pages + b * self.chain_pages + np.arange(self.chain_pages)
+      table_BM[b] = np.concatenate([pages, private, np.zeros(table_BM.shape[1], np.int32)]
+                                   )[:table_BM.shape[1]]
+    drafts_BK, logits_BKV, self.cache = self._chain_fn(
+        self.params, self.cache, out_BD, logits_BV, positions_B, table_BM, active_B)
+    return drafts_BK, logits_BKV
+
+  def warm(self) -> None:
+    """Compile :meth:`run` for every target bucket and :meth:`chain` for every page bucket
+    (empty rows: they write the scratch page only)."""
+    runner, d = self.runner, self.runner.model_config.d_model
+    out = None
+    for shape in runner.step_buckets():
+      inputs = runner._model_inputs(shape, runner._blank_inputs(shape))
+      width = shape[0]
+      out = self.run(inputs, jnp.zeros((width, d), self.dtype), np.zeros(width, np.int32),
+                     np.zeros(self.max_batch, np.int32))
+    logits_BV, out_BD = out
+    for pages in runner.page_buckets:
+      active_B = np.zeros(self.max_batch, bool)
+      result = self._chain_fn(self.params, self.cache, out_BD, logits_BV,
+                              np.zeros(self.max_batch, np.int32),
+                              np.zeros((self.max_batch, pages), np.int32), active_B)
+      self.cache = result[-1]
+    jax.block_until_ready(self.cache)
+
+
+def _mtp_logits(model, out_ND):
+  """Float32 logits ``[N, V]`` of the module's outputs (its final norm, the shared head)."""
+  return model.logits(model.mtp[0].final_norm(out_ND[None]))[0].astype(jnp.float32)
+
+
+def _make_run(graphdef, traces: list[int]):
+  """The jitted :meth:`MTPRunner.run` step over ``graphdef``'s model."""
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def run(params, cache, hidden_TD, next_ids_T, positions_T, batch, at_N):
+    traces[0] += 1
+    model = nnx.merge(graphdef, params, cache)
+    out_TD = model.mtp_paged(0, hidden_TD[None], next_ids_T[None], positions_T[None], batch)[0]
+    out_ND = out_TD[at_N]
+    return _mtp_logits(model, out_ND), out_ND, nnx.state(model, nnx.Not(nnx.Param))
+
+  return run
+
+
+def _make_chain(graphdef, traces: list[int], k: int, page_size: int):
+  """The jitted :meth:`MTPRunner.chain` (``k - 1`` one-token paged steps, unrolled)."""
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def chain(params, cache, out_BD, logits_BV, positions_B, table_BM, active_B):
+    traces[1] += 1
+    model = nnx.merge(graphdef, params, cache)
+    rows_B = jnp.arange(positions_B.shape[0], dtype=jnp.int32)
+    drafts, logits = [jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)], [logits_BV]
+    for j in range(1, k):
+      pos_B = positions_B + j
+      block_B = pos_B // page_size
+      live_B = (active_B & (block_B < table_BM.shape[1])).astype(jnp.int32)
+      slots_B = live_B * (table_BM[rows_B, jnp.minimum(block_B, table_BM.shape[1] - 1)]
+                          * page_size + pos_B % page_size)
+      batch = PagedBatch(table_BM, (pos_B + 1) * live_B, rows_B, live_B, slots_B, 1)
+      out_BD = model.mtp_paged(0, out_BD[None], drafts[-1][None], pos_B[None], batch)[0]
+      logits_BV = _mtp_logits(model, out_BD)
+      drafts.append(jnp.argmax(logits_BV, axis=-1).astype(jnp.int32))
+      logits.append(logits_BV)
+    return (jnp.stack(drafts, axis=1), jnp.stack(logits, axis=1),
+            nnx.state(model, nnx.Not(nnx.Param)))
+
+  return chain
