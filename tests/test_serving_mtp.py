@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 from flax import nnx
+from test_serving_engine import _run_staggered
 from test_speculative_mtp import _model
 
 import maxnnx
 from maxnnx.kernels.masks import AttentionMask
+from maxnnx.serving import Engine
 from maxnnx.serving.model_runner import ModelRunner
-from maxnnx.serving.mtp_runner import MTPRunner, next_token_ids
+from maxnnx.serving.mtp_runner import MTPDrafter, MTPRunner, next_token_ids
 from maxnnx.serving.params import SamplingParams
 from maxnnx.serving.scheduler import Request
 
@@ -143,3 +145,54 @@ def test_a_model_without_mtp_modules_is_refused():
   with pytest.raises(ValueError, match=r'mtp.num_layers=0; use a checkpoint') as error:
     MTPRunner(model, None, 2)
   assert '\n' not in str(error.value)
+
+
+ENGINE = dict(page_size=4, max_batch=4, token_budget=32, max_model_len=64, max_pages=40,
+              token_buckets=(8, 32), page_buckets=(16,))
+
+
+def test_engine_with_mtp_drafts_streams_the_plain_engines_greedy_tokens():
+  """Eight staggered requests (chunked prefill, rows joining mid-run) through a warm engine
+  drafting with the module (``speculative_method='mtp'``) stream the plain engine's greedy
+  tokens request by request and compile nothing after warm-up. Each step's first draft of a
+  request with ``n`` tokens is the argmax of the training forward's MTP logits at position
+  ``n - 2`` of its final sequence (an off-by-one hidden state or token gives others)."""
+  model = _model(context=0.005)  # close to a bigram model the module predicts: some kept
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(0, 256, n).tolist() for n in (5, 17, 11, 3, 26, 9, 14, 30)]
+  params = [SamplingParams(max_tokens=m, ignore_eos=True)
+            for m in (20, 12, 23, 25, 8, 20, 21, 6)]
+  arrivals = [0, 0, 0, 1, 2, 2, 3, 5]
+  want, _ = _run_staggered(Engine(model, **ENGINE), prompts, params, arrivals)
+  engine = Engine(model, **ENGINE, speculative_method='mtp', num_speculative_tokens=3)
+  assert isinstance(engine.drafter, MTPDrafter)
+  engine.warmup()
+  firsts, propose = [], engine.drafter.before_schedule
+
+  def recording(running):
+    propose(running)
+    firsts.extend((tuple(r.token_ids[:r.num_prompt]), r.num_tokens, r.draft_ids[0])
+                  for r in running if r.draft_ids)
+
+  engine.drafter.before_schedule = recording
+  got, _ = _run_staggered(engine, prompts, params, arrivals)
+  for i in range(len(prompts)):
+    assert got[i] == want[i], i
+  assert engine.compiles.after_warmup == 0 and engine.compiles.warm
+  counts = engine.spec
+  assert counts.draft_tokens > 50 and counts.accepted_tokens > 0
+  assert counts.accepted_per_position[2] > 0  # third drafts: two chained steps
+  # The training forward over each final sequence (right-padded).
+  sequences = np.zeros((len(prompts), ENGINE['max_model_len']), np.int32)
+  segments = np.zeros_like(sequences)
+  for i, prompt in enumerate(prompts):
+    sequences[i, :len(prompt) + len(got[i])] = prompt + got[i]
+    segments[i, :len(prompt) + len(got[i])] = 1
+  forward = nnx.jit(lambda m, ids, segments: m(ids, segment_ids=segments, mtp=True)[1][0])
+  predicted = np.asarray(jnp.argmax(forward(model, sequences, segments), axis=-1))
+  row = {tuple(prompt): i for i, prompt in enumerate(prompts)}
+  shifted = 0
+  for prompt, n, draft in firsts:
+    assert draft == predicted[row[prompt], n - 2], (prompt, n)
+    shifted += int(draft != predicted[row[prompt], n - 1])
+  assert len(firsts) >= 40 and shifted > len(firsts) // 2

@@ -49,7 +49,9 @@ class EngineConfig(ValidatedConfig):
     speculative_method: speculative decoding: none; ngram (prompt lookup: draft the tokens
       that followed the latest earlier occurrence of a request's last n tokens in its prompt
       and output, and verify them in one step); or draft_model (a smaller model of the same
-      vocabulary drafts greedily: speculative_model, or Engine(..., draft_model=) from Python).
+      vocabulary drafts greedily: speculative_model, or Engine(..., draft_model=) from Python);
+      or mtp (DeepSeek V3's multi-token-prediction module drafts greedily from the model's
+      hidden states).
     num_speculative_tokens: draft tokens verified per request and step.
     speculative_model: the draft model of speculative_method=draft_model: a Hugging Face
       checkpoint directory (loaded with from_pretrained, in the model's dtype and on its mesh).
@@ -84,7 +86,7 @@ class EngineConfig(ValidatedConfig):
   page_buckets: tuple[int, ...] | None = None
   kv_cache_dtype: str = 'auto'
   # Speculative decoding (vLLM's names).
-  speculative_method: Literal['none', 'ngram', 'draft_model'] = 'none'
+  speculative_method: Literal['none', 'ngram', 'draft_model', 'mtp'] = 'none'
   num_speculative_tokens: int = 3
   speculative_model: str = ''
   prompt_lookup_max: int = 3
@@ -118,9 +120,9 @@ class EngineConfig(ValidatedConfig):
       if isinstance(value, (list, tuple, np.ndarray)):
         value = tuple(int(v) if isinstance(v, np.integer) else v for v in value)
       object.__setattr__(self, name, value)
-    if self.speculative_method not in ('none', 'ngram', 'draft_model'):
+    if self.speculative_method not in ('none', 'ngram', 'draft_model', 'mtp'):
       raise ConfigError(f'Engine speculative_method={self.speculative_method!r}: expected '
-                        "'none', 'ngram' or 'draft_model'.")
+                        "'none', 'ngram', 'draft_model' or 'mtp'.")
     if self.speculative_model and self.speculative_method != 'draft_model':
       raise ConfigError(f'Engine speculative_model={self.speculative_model!r} drafts only with '
                         "speculative_method='draft_model'; set it, or drop speculative_model.")

@@ -254,6 +254,9 @@ def make_drafter(config: EngineConfig, model, draft_model, *, max_model_len: int
     return None
   if method == 'ngram':
     return NgramDrafter(k, max_model_len, config.prompt_lookup_max, config.prompt_lookup_min)
+  if method == 'mtp':
+    from maxnnx.serving.mtp_runner import MTPDrafter  # noqa: PLC0415 (it imports Drafter)
+    return MTPDrafter(model, runner, k, max_model_len, rules=rules)
   if draft_model is None and config.speculative_model:
     draft_model = load_draft_model(config.speculative_model, model.config, runner.mesh)
   if draft_model is None:

@@ -235,7 +235,8 @@ class Engine(AdapterLoading, EngineSizing):
         num_state_slots=num_slots + 1 if recurrent else 0,
         window_pages=self.max_window_pages + 1 if self.max_window_pages else None, rules=rules,
         kv_cache_dtype=self.config.kv_cache_dtype,
-        num_verify=self.num_speculative_tokens, lora=lora)
+        num_verify=self.num_speculative_tokens, lora=lora,
+        return_hidden=self.config.speculative_method == 'mtp')
     self.drafter = make_drafter(
         self.config, model, draft_model, max_model_len=self.max_model_len, runner=self.runner,
         frees_pages=window is not None and self.window_allocator is None,

@@ -208,7 +208,7 @@ class ModelRunner:
     self.window_pool = window_pages is not None
     # The model without pools, for scoring whole prompts in one plain forward pass.
     self._plain_graphdef, _, self._plain_rest = nnx.split(model, nnx.Param, ...)
-    work = nnx.merge(*nnx.split(model))  # a working copy: the pools are not added to `model`
+    work = working_copy(model)  # the pools are not added to `model`
     work.init_paged_cache(num_pages, page_size, num_slots=num_state_slots,
                           window_pages=window_pages, kv_cache_dtype=kv_cache_dtype)
     self.lora_stacks: dict[tuple, list[tuple]] = {}  # adapted projections: their layers' paths
@@ -466,6 +466,14 @@ class ModelRunner:
     if not same:
       raise ValueError('load_weights() needs a model of the same architecture and shapes.')
     self.params = params
+
+
+def working_copy(model):
+  """A copy of ``model`` sharing its parameters, with copies of its other state (a MoE
+  layer's statistics, say): a runner's step donates that state, which must not delete the
+  model's own, nor another runner's built from the same model."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return nnx.merge(graphdef, params, jax.tree.map(jnp.copy, rest))
 
 
 def _mesh_of(params) -> jax.sharding.Mesh | None:

@@ -22,6 +22,12 @@ chained positions lie past the request's computed tokens, where it may hold no p
 row has ``chain_pages`` private pages past the shared ones (pool pages ``num_pages + row *
 chain_pages ..``) that stand in for the request's missing pages during :meth:`chain`.
 
+**In the engine** (``speculative_method='mtp'``), :class:`MTPDrafter` drives it through the
+drafter hooks (:mod:`maxnnx.serving.drafters`): after the target's step it keeps the step's
+inputs and hidden states; before the next schedule, when the requests show what the step kept,
+it runs :meth:`MTPRunner.run` over that step (each decoding row's last kept token is its
+position ``p``) and :meth:`MTPRunner.chain`, and sets each decoding request's ``draft_ids``.
+
 **Buckets.** :meth:`run` compiles once per target bucket (:meth:`ModelRunner.step_buckets`,
 gathering ``max_batch`` rows), :meth:`chain` once per page bucket; :meth:`warm` compiles both
 sets.
@@ -36,7 +42,8 @@ import numpy as np
 from flax import nnx
 
 from maxnnx.kernels.paged_attention import PagedBatch
-from maxnnx.serving.model_runner import ModelRunner, smallest_holding
+from maxnnx.serving.drafters import Drafter
+from maxnnx.serving.model_runner import ModelRunner, smallest_holding, working_copy
 from maxnnx.sharding import state_shardings
 
 
@@ -86,7 +93,7 @@ class MTPRunner:
                                                       runner.num_pages)
     self.chain_pages = max(1, -(-(num_draft_tokens - 1) // self.page_size))
     self.dtype = model.config.jnp_dtype()
-    work = nnx.merge(*nnx.split(model))  # a working copy: the pool is not added to `model`
+    work = working_copy(model)  # the pool is not added to `model`
     work.mtp[0].block.attn.init_paged_cache(
         self.num_pages + self.max_batch * self.chain_pages, self.page_size, self.dtype)
     graphdef, self.params, self.cache = nnx.split(work, nnx.Param, ...)
@@ -151,9 +158,13 @@ class MTPRunner:
         self.params, self.cache, out_BD, logits_BV, positions_B, table_BM, active_B)
     return drafts_BK, logits_BKV
 
-  def warm(self) -> None:
+  def num_warm(self) -> int:
+    """The programs :meth:`warm` builds: one per target bucket and one per page bucket."""
+    return len(self.runner.step_buckets()) + len(self.runner.page_buckets)
+
+  def warm(self, progress=None) -> None:
     """Compile :meth:`run` for every target bucket and :meth:`chain` for every page bucket
-    (empty rows: they write the scratch page only)."""
+    (empty rows: they write the scratch page only); ``progress()`` after each."""
     runner, d = self.runner, self.runner.model_config.d_model
     out = None
     for shape in runner.step_buckets():
@@ -161,6 +172,8 @@ class MTPRunner:
       width = shape[0]
       out = self.run(inputs, jnp.zeros((width, d), self.dtype), np.zeros(width, np.int32),
                      np.zeros(self.max_batch, np.int32))
+      if progress is not None:
+        progress()
     logits_BV, out_BD = out
     for pages in runner.page_buckets:
       active_B = np.zeros(self.max_batch, bool)
@@ -168,7 +181,79 @@ class MTPRunner:
                               np.zeros(self.max_batch, np.int32),
                               np.zeros((self.max_batch, pages), np.int32), active_B)
       self.cache = result[-1]
+      if progress is not None:
+        progress()
     jax.block_until_ready(self.cache)
+
+
+class MTPDrafter(Drafter):
+  """The engine's drafter for ``speculative_method='mtp'`` (see the module docstring).
+
+  Args:
+    model: the served model, with MTP modules.
+    runner: the engine's :class:`ModelRunner`, built with ``return_hidden=True``.
+    num_speculative_tokens, max_model_len: as :class:`~maxnnx.serving.drafters.Drafter`'s.
+    rules: logical-axis rules for the module's pool of a sharded model.
+
+  Attributes:
+    mtp: the :class:`MTPRunner`.
+  """
+
+  def __init__(self, model, runner: ModelRunner, num_speculative_tokens: int,
+               max_model_len: int, rules: dict | None = None):
+    super().__init__(num_speculative_tokens, max_model_len)
+    if not runner.return_hidden:
+      raise ValueError('MTPDrafter needs ModelRunner(return_hidden=True).')
+    self.mtp = MTPRunner(model, runner, num_speculative_tokens, rules)
+    self._last = None  # the last step: (inputs, hidden_TD, [(request, start, count)])
+    self._drafted: list = []  # the requests given drafts before this schedule
+
+  def after_step(self, scheduled, inputs: tuple, outputs: tuple) -> None:
+    """Keep the step's inputs, hidden states and rows (their first positions before it)."""
+    self._last = (inputs, self.mtp.runner.hidden_TD,
+                  [(request, request.num_computed, count) for request, count in scheduled])
+
+  def before_schedule(self, running) -> None:
+    """The module over the last step (its tokens now verified), then each decoding request's
+    drafts: from its last kept token ``p``, the module's argmax there and ``k - 1`` chained
+    ones, cut to :meth:`room`. A decoding request the last step did not run drafts nothing."""
+    for request in running:
+      request.draft_ids = []
+    self._drafted = []
+    if self._last is None:
+      return
+    (inputs, hidden_TD, rows), self._last = self._last, None
+    live = {id(request) for request in running}
+    at_B = np.zeros(self.mtp.max_batch, np.int32)
+    chain_rows, rooms, offset = [None] * self.mtp.max_batch, {}, 0
+    for row, (request, start, count) in enumerate(rows):
+      room, p = self.room(request), request.num_tokens - 2
+      if id(request) in live and room and start <= p < start + count:
+        at_B[row], chain_rows[row], rooms[row] = offset + p - start, (request.pages, p), room
+      offset += count
+    next_T = next_token_ids([(r.token_ids, start, n) for r, start, n in rows], len(inputs[0]))
+    logits_BV, out_BD = self.mtp.run(inputs, hidden_TD, next_T, at_B)
+    if not rooms:
+      return
+    drafts_BK = np.asarray(jax.device_get(self.mtp.chain(out_BD, logits_BV, chain_rows)[0]))
+    for row, room in rooms.items():
+      rows[row][0].draft_ids = drafts_BK[row, :room].tolist()
+      self._drafted.append(rows[row][0])
+
+  def after_schedule(self, scheduled) -> None:
+    """Drop the drafts of running requests the schedule left out (they are not verified)."""
+    chosen = {id(request) for request, _ in scheduled}
+    for request in self._drafted:
+      if id(request) not in chosen:
+        request.draft_ids = []
+
+  def num_warm(self) -> int:
+    """:meth:`MTPRunner.num_warm`."""
+    return self.mtp.num_warm()
+
+  def warm(self, progress=None) -> None:
+    """:meth:`MTPRunner.warm`."""
+    self.mtp.warm(progress)
 
 
 def _mtp_logits(model, out_ND):
