@@ -65,16 +65,17 @@ request up to ``num_speculative_tokens`` drafts per step: prompt lookup on the h
 (``speculative_method='ngram'``), or a smaller model of the same vocabulary
 (``'draft_model'``, ``Engine(model, draft_model=small)`` or ``speculative_model=<dir>``) that
 drafts greedily in a page pool of its own indexed by the target's page tables, so that the
-scheduler's pages and prefix cache serve both models. The step verifies the drafts with the
-request's last token (``k + 1`` query tokens through the paged cache), and the request gains
-the drafts the model keeps plus one token of the model's, each put through the stop rules
-in order (see :mod:`maxnnx.serving.speculation`; :attr:`Engine.spec` counts drafted and
-accepted tokens). Greedy output is plain decoding's; sampled rows keep the model's
+scheduler's pages and prefix cache serve both models, or DeepSeek V3's MTP module (``'mtp'``,
+:mod:`maxnnx.serving.mtp_runner`) fed the model's hidden states. The step verifies the drafts
+with the request's last token (``k + 1`` query tokens through the paged cache), and the
+request gains the drafts the model keeps plus one token of the model's, each put through the
+stop rules in order (see :mod:`maxnnx.serving.speculation`; :attr:`Engine.spec` counts drafted
+and accepted tokens). Greedy output is plain decoding's; sampled rows keep the model's
 distribution (the drafts are deterministic, so the verifier's rejection sampling is exact).
 The verification steps add one bucket per page bucket, the verifier one program per sampler
 variant, and a draft model its own programs of each bucket, all compiled by
-:meth:`Engine.warmup`. Models with recurrent layers are refused (their state cannot roll
-back a rejected draft), as target or as draft.
+:meth:`Engine.warmup`. Models with recurrent layers are refused (their state cannot roll back
+a rejected draft), as target or as draft.
 
 **LoRA adapters.** With ``lora_modules`` (PEFT adapter directories by name) every adapted
 projection holds all the adapters stacked, slot 0 the base (zeros), and each token of a step
