@@ -8,6 +8,7 @@ import os
 import shutil
 
 import httpx
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -329,6 +330,45 @@ def test_adapters_loaded_while_serving_match_generate_and_reuse_no_pages_of_an_e
   assert engine.compile_count == count and engine.compiles.programs == programs
   assert engine.compiles.after_warmup == 0
 
+
+
+def test_an_adapter_loaded_into_an_engine_sharded_over_tensor_devices_matches_generate(
+    base, later):
+  """An engine over the model sharded tensor=2, warmed up with no adapter, loads b: a batch
+  mixing b and the base gives, row by row, generate's tokens with b merged into the one-device
+  model and the base's; the slots keep their shardings and nothing is compiled after warmup
+  (nor by the sampler, whose penalty counts are laid out as the sharded logits)."""
+  from maxnnx.config import MeshConfig  # noqa: PLC0415
+  sharded = maxnnx.from_pretrained(LLAMA, scan_layers=True,
+                                   mesh=MeshConfig(data=1, tensor=2))
+  engine = Engine(sharded, lora_target_modules='q_proj,v_proj,down_proj', max_loras=2,
+                  **{**ENGINE, 'max_lora_rank': 2})
+  assert dict(engine.mesh.shape)['tensor'] == 2
+  engine.warmup()
+  count = engine.compile_count
+
+  def stacks():
+    return {path: (leaf.sharding, leaf.committed)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(engine.runner.cache)
+            if 'lora_' in jax.tree_util.keystr(path)}
+
+  shardings = stacks()
+  assert shardings and all(s.mesh.size == 2 for s, _ in shardings.values())
+  engine.load_lora('b', later['b'])
+  assert stacks() == shardings
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in (7, 13, 5, 18)]
+  loras = ['b', None, None, 'b']
+  got = engine.generate(prompts, _greedy(6), lora=loras)
+  merged = merge_adapters(load_adapter(base, later['b']))
+  for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+    want = np.asarray(maxnnx.generate(merged if lora else base, [prompt], max_new_tokens=6,
+                                      eos_ids=None).tokens)[0].tolist()
+    assert list(got[i].token_ids) == want, (i, lora)
+  assert got[0].token_ids != engine.generate([prompts[0]], _greedy(6))[0].token_ids
+  engine.unload_lora('b')
+  assert stacks() == shardings
+  assert engine.compile_count == count and engine.compiles.after_warmup == 0
 
 @pytest.fixture(scope='module')
 def slotted(base):

@@ -176,6 +176,7 @@ class BatchSampler:
 
   def sample(self, logits_BV, scheduled: list[tuple[Request, int]]) -> Sampled:
     """One token per row of ``scheduled`` from its last-token logits ``[max_batch, vocab]``."""
+    self._allocate(logits_BV)
     controls, history_B = self._controls(scheduled), self._history(scheduled)
     # Log-probabilities (a softmax and a top-k over the vocabulary) only when a row asks.
     wants_logprobs = any(r.params.logprobs is not None for r, _ in scheduled)
@@ -195,6 +196,7 @@ class BatchSampler:
                         np.zeros((rows, width), np.float32), np.zeros(rows, np.float32),
                         np.zeros(rows, np.float32), np.ones(rows, np.float32),
                         allowed_BW=np.full((rows, mask_words(vocab)), -1, np.int32))
+    self._allocate(logits_BV)
     self._history([])  # the count arrays, and their writer
     self._write_row(0, [], [])
     tokens_B, *_, self._counts_SV = _sample(
@@ -255,6 +257,16 @@ class BatchSampler:
     if len(request.output_ids) + ahead < params.min_tokens:
       pairs.update((i, -np.inf) for i in sorted(self.stop_ids(params)) if i < self.vocab_size)
     return list(pairs.items())
+
+  def _allocate(self, logits_BV) -> None:
+    """Make the count arrays, the first time, laid out as the logits when those are spread over
+    a mesh (a sharded model): every later call meets them with that one sharding, not with the
+    one the first call happened to give back (a program compiled anew after warm-up)."""
+    sharding = getattr(logits_BV, 'sharding', None)
+    if self._counts_SV is None and isinstance(sharding, jax.sharding.NamedSharding):
+      shape = (self.max_batch + 1, self.vocab_size)
+      self._counts_SV = jax.device_put(np.zeros(shape, np.int32), sharding)
+      self._prompt_seen_SV = jax.device_put(np.zeros(shape, bool), sharding)
 
   def _history(self, scheduled: list[tuple[Request, int]]):
     """``(row of the count arrays, whether a token is added)`` per batch row, both ``[B]``
