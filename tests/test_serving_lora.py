@@ -332,6 +332,28 @@ def test_adapters_loaded_while_serving_match_generate_and_reuse_no_pages_of_an_e
 
 
 
+def test_an_unload_frees_the_adapters_cached_pages_and_keeps_the_bases(base, later):
+  """After requests of the base and of adapter b leave their prompt pages cached, unloading b
+  frees b's cached pages at once (the free count is back to what it was before b's requests;
+  the pool checks consistent), and the base's prompt is still a prefix hit."""
+  engine = Engine(base, lora_target_modules='q_proj,v_proj,down_proj', max_loras=2,
+                  **{**ENGINE, 'max_lora_rank': 2})
+  allocator = engine.allocator
+  base_prompt, b_prompt = list(range(40, 61)), list(range(100, 121))  # five full pages each
+  engine.generate([base_prompt], _greedy(2))
+  engine.load_lora('b', later['b'])
+  free_before, cached_before = len(allocator._free), allocator.num_cached
+  assert cached_before > 0
+  engine.generate([b_prompt, base_prompt], _greedy(2), lora=['b', None])
+  assert allocator.num_cached > cached_before  # b's prompt pages are cached too
+  engine.unload_lora('b')
+  allocator.check()
+  assert len(allocator._free) == free_before and allocator.num_cached == cached_before
+  assert engine.generate([base_prompt], _greedy(2))[0].num_cached_tokens > 0
+  engine.load_lora('b', later['b'])  # the same adapter again: nothing of the old load is hit
+  assert engine.generate([b_prompt], _greedy(2), lora='b')[0].num_cached_tokens == 0
+
+
 def test_an_adapter_loaded_into_an_engine_sharded_over_tensor_devices_matches_generate(
     base, later):
   """An engine over the model sharded tensor=2, warmed up with no adapter, loads b: a batch

@@ -43,6 +43,25 @@ def test_hashed_pages_are_cached_shared_and_evicted_least_recent_first():
   alloc.check()
 
 
+
+def test_forgetting_a_group_frees_its_cached_pages_and_unhashes_those_in_use():
+  """forget_group(1) frees group 1's cached pages at once and forgets its hashes (a page still
+  held becomes free, not cached, when released); group 0's and group 2's stay cached."""
+  alloc = PageAllocator(7, reserved=1)
+  a, b, c, d, e = alloc.allocate(5)
+  for page, content_hash, group in ((a, b'a', 0), (b, b'b', 1), (c, b'c', 1), (d, b'd', 2),
+                                    (e, b'e', 1)):
+    assert alloc.register(page, content_hash, group)
+  alloc.release([a, b, c, d])  # e stays in use
+  assert alloc.num_cached == 4 and alloc.num_available == 5
+  assert alloc.forget_group(1) == 2
+  assert alloc.num_cached == 2 and alloc.num_available == 5 and alloc.evictions == 0
+  assert [alloc.lookup(h) for h in (b'a', b'b', b'c', b'd', b'e')] == [a, None, None, d, None]
+  alloc.check()
+  alloc.release([e])
+  assert alloc.num_cached == 2 and alloc.num_available == 6 and alloc.forget_group(1) == 0
+  alloc.check()
+
 def test_page_hashes_chain_the_prefix():
   """Equal pages after different prefixes hash differently; only full pages hash."""
   x = page_hashes([1, 2, 3, 4, 5, 6, 7], 2)

@@ -14,8 +14,8 @@ class AdapterLoading:
   """:meth:`load_lora` and :meth:`unload_lora` of an engine with adapter stacks.
 
   The engine provides ``adapters`` (a :class:`~maxnnx.serving.lora.ServedAdapters`),
-  ``runner`` (its :class:`~maxnnx.serving.model_runner.ModelRunner`), ``config``, ``_model``
-  (what adapters are read against) and ``_requests``.
+  ``runner`` (its :class:`~maxnnx.serving.model_runner.ModelRunner`), ``scheduler``, ``config``,
+  ``_model`` (what adapters are read against) and ``_requests``.
   """
 
   @property
@@ -54,8 +54,10 @@ class AdapterLoading:
   def unload_lora(self, name: str) -> int:
     """Stop serving adapter ``name``; returns the slot freed (zeroed, ready for another load).
 
-    Requests of the adapter must have finished: an unload is refused while any is unfinished
-    (cancel them, or unload once they end).
+    The prefix pages cached for its requests are freed at once (no later request can hit
+    them); the base model's and other adapters' stay cached. Requests of the adapter must have
+    finished: an unload is refused while any is unfinished (cancel them, or unload once they
+    end).
 
     Raises:
       ValueError: ``name`` is not served (an
@@ -68,7 +70,8 @@ class AdapterLoading:
                        'they finish, or cancel them first.')
     self.runner.write_adapter(slot, None)
     self.adapters.remove(name)
-    logger.info('Unloaded LoRA adapter %r (slot %d).', name, slot)
+    freed = self.scheduler.kv_cache.forget_adapter(slot)
+    logger.info('Unloaded LoRA adapter %r (slot %d; %d cached pages freed).', name, slot, freed)
     return slot
 
 

@@ -78,8 +78,9 @@ class PageManager:
     self.allocator.release(new_pages)
 
   def register(self, request: Request, index: int, content_hash: bytes) -> None:
-    """Put the request's page ``index`` (full and computed) in the prefix cache."""
-    self.allocator.register(self.pages(request)[index], content_hash)
+    """Put the request's page ``index`` (full and computed) in the prefix cache, in the group
+    of its adapter slot."""
+    self.allocator.register(self.pages(request)[index], content_hash, request.lora_slot)
 
   def release_behind(self, request: Request) -> None:
     """Give back the pages no later token attends to (sliding layers only)."""
@@ -259,6 +260,11 @@ class CacheManager:
       self.state_slots.free(request)
     request.hashes = []
     request.num_released = request.num_computed = 0
+
+  def forget_adapter(self, slot: int) -> int:
+    """Free at once the cached pages of LoRA adapter slot ``slot``'s requests in every pool
+    (its adapter was unloaded: no later request hits them). Returns the pages freed."""
+    return sum(manager.allocator.forget_group(slot) for manager in self.managers)
 
   def state_slot(self, request: Request) -> int:
     """The request's recurrent-state slot (0 without recurrent layers or a slot)."""

@@ -15,6 +15,10 @@ token before them (:func:`page_hashes`), so equal hashes mean equal prefixes.
 Only full pages are hashed: a request appends to its last page, never to a
 full one, so a shared page is never written again.
 
+Each registered page also records its ``group`` (the engine's LoRA adapter slot, 0 for the
+base model): :meth:`PageAllocator.forget_group` drops the cached pages of one group at once,
+when no later request can hit them (an unloaded adapter's).
+
 Pages below ``reserved`` are never handed out; the engine uses page 0 as a
 scratch page that padding tokens write to.
 """
@@ -59,6 +63,7 @@ class PageAllocator:
     self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
     self._page_of_hash: dict[bytes, int] = {}
     self._hash_of_page: dict[int, bytes] = {}
+    self._group_of_page: dict[int, int] = {}  # registered pages: their group
     self.evictions = 0
 
   @property
@@ -86,7 +91,7 @@ class PageAllocator:
         page = self._free.popleft()
       else:
         page, _ = self._cached.popitem(last=False)
-        del self._page_of_hash[self._hash_of_page.pop(page)]
+        self._unregister(page)
         self.evictions += 1
       self.ref_counts[page] = 1
       pages.append(page)
@@ -119,8 +124,9 @@ class PageAllocator:
         else:
           self._free.append(page)
 
-  def register(self, page: int, content_hash: bytes) -> bool:
-    """Record that in-use ``page`` holds the full prefix ``content_hash``.
+  def register(self, page: int, content_hash: bytes, group: int = 0) -> bool:
+    """Record that in-use ``page`` holds the full prefix ``content_hash``, of ``group`` (what
+    :meth:`forget_group` drops).
 
     Returns ``False`` (and records nothing) when another page already holds it.
     """
@@ -128,7 +134,24 @@ class PageAllocator:
       return False
     self._page_of_hash[content_hash] = page
     self._hash_of_page[page] = content_hash
+    self._group_of_page[page] = group
     return True
+
+  def _unregister(self, page: int) -> None:
+    del self._page_of_hash[self._hash_of_page.pop(page)]
+    del self._group_of_page[page]
+
+  def forget_group(self, group: int) -> int:
+    """Forget the content hashes of ``group``'s pages: its cached pages become free at once
+    (and pages still in use become free when released). Returns the cached pages freed."""
+    pages = [page for page, of in self._group_of_page.items() if of == group]
+    freed = [page for page in pages if page in self._cached]
+    for page in pages:
+      self._unregister(page)
+    for page in freed:
+      del self._cached[page]
+    self._free.extend(freed)
+    return len(freed)
 
   def clear_cache(self) -> None:
     """Forget every content hash (e.g. after the weights changed); cached pages become free."""
@@ -136,6 +159,7 @@ class PageAllocator:
     self._cached.clear()
     self._page_of_hash.clear()
     self._hash_of_page.clear()
+    self._group_of_page.clear()
 
   def check(self) -> None:
     """Raise ``AssertionError`` unless every page is in exactly one state, consistently."""
@@ -149,3 +173,4 @@ class PageAllocator:
     assert cached <= set(self._hash_of_page), 'a cached page has no hash'
     assert not free & set(self._hash_of_page), 'a free page has a hash'
     assert {self._page_of_hash[h]: h for h in self._page_of_hash} == self._hash_of_page
+    assert self._group_of_page.keys() == self._hash_of_page.keys(), 'a hash has no group'
