@@ -17,9 +17,12 @@ Skipping blocks by index is right only while no query sees a key beyond its
 block's range (causality by index, which holds for plain, packed and padded
 rows). The kernel checks exactly that on the dense mask at run time and,
 where it fails (context-parallel load balancing reorders tokens, user
-positions out of order), computes the call with one block over all keys: the
-answer is never wrong, only slower. Decoding (queries shorter than the cache)
-always takes the one-block path.
+positions out of order), scores each of the same query blocks against all
+keys: the answer is never wrong, only slower. Either way no buffer holds a
+score per head for every query-key pair (``[B, H, T, S]`` float32, 8 GiB at
+128 heads and 4,096 tokens): the largest is one block's ``[B, H, T / n, S]``,
+and the check reads the ``[B, T, S]`` mask, not per head. Decoding (queries
+shorter than the cache) takes one block over all keys.
 
 Everything ``xla`` supports is supported: GQA/MQA, packed and padded rows,
 static and traced sliding windows, chunked attention (a static chunk bounds the
@@ -61,6 +64,15 @@ def block_plan(q_length: int, kv_length: int, *, block_size: int, max_blocks: in
     key_start = 0 if window is None else max(0, start - window + 1)
     plan.append((start, end, key_start, end))
   return tuple(plan)
+
+
+def all_keys(plan: tuple[Block, ...], kv_length: int) -> tuple[Block, ...]:
+  """The plan's query blocks, each scoring every key: the fallback when skipping is unsafe.
+
+  Cutting the queries keeps its largest score buffer at one block's rows, as the
+  skipping plan's; one block of all rows would be ``[B, H, T, S]``.
+  """
+  return tuple((q_start, q_end, 0, kv_length) for q_start, q_end, _, _ in plan)
 
 
 def covered_by(plan: tuple[Block, ...], q_length: int, kv_length: int) -> np.ndarray:
@@ -144,7 +156,7 @@ def _backward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse_BKG
 
 
 def _choose(skip_ok, skipping, full):
-  """``skipping()`` where the check passed, ``full()`` otherwise (only one runs)."""
+  """``skipping()`` where the check passed, ``full()`` (every key) otherwise; only one runs."""
   if skip_ok is None:
     return full()
   return jax.lax.cond(skip_ok, skipping, full)
@@ -214,7 +226,7 @@ class BlockwiseAttention(AttentionKernel):
     static_window = min(bounds) if bounds else None
     plan = block_plan(length, kv_length, block_size=self.block_size,
                       max_blocks=self.max_blocks, window=static_window)
-    full_plan = ((0, length, 0, kv_length),)
+    full_plan = all_keys(plan, kv_length)
     skip_ok = None
     if plan != full_plan:
       # Built from per-row bounds ([T] constants), not a [T, S] constant in the program.
