@@ -1,6 +1,7 @@
 """Attention strategies agree with the ``xla`` reference, and refuse or fall back as declared."""
 
 import dataclasses
+import functools
 import logging
 import zlib
 
@@ -383,9 +384,9 @@ def test_blockwise_skips_only_what_the_mask_hides(reordered):
 
 
 def test_blockwise_scores_only_the_planned_blocks():
-  """The forward's score matmuls are [4 rows x 4, 8, 12, 16 keys] (skipping), plus the same
-  four query blocks over all 16 keys for the run-time fallback branch (never one [16 x 16]:
-  at 4,096 tokens and 128 heads that is the 8 GiB the blocks avoid)."""
+  """The forward's score matmuls are [4 rows x 4, 8, 12, 16 keys] (skipping), plus one
+  [4 x 16] in the run-time fallback branch's loop over the same four query blocks (never one
+  [16 x 16]: at 4,096 tokens and 128 heads that is the 8 GiB the blocks avoid)."""
   q, k, _, mask, options, _ = _case('gqa_causal', jnp.float32, _rng('blockwise-shapes'))
   v = jnp.ones(k.shape[:3] + (3,))  # a v head size no score matmul has
   kernel = BlockwiseAttention(block_size=4)
@@ -393,7 +394,29 @@ def test_blockwise_scores_only_the_planned_blocks():
   score_shapes = sorted(eqn.outvars[0].aval.shape[-2:] for eqn in equations(jaxpr.jaxpr)
                         if eqn.primitive.name == 'dot_general'
                         and eqn.outvars[0].aval.shape[-1] != 3)
-  assert score_shapes == [(4, 4), (4, 8), (4, 12), (4, 16), (4, 16), (4, 16), (4, 16), (4, 16)]
+  assert score_shapes == [(4, 4), (4, 8), (4, 12), (4, 16), (4, 16)]
+
+
+def test_blockwise_fallback_loop_matches_xla_with_sinks_and_softcap():
+  """Reordered tokens take the fallback (a loop over query blocks, each over all keys): its
+  output and the q, k, v and sink gradients equal autodiff of ``xla``'s, soft-capped."""
+  rng = _rng('blockwise-fallback-sinks')
+  q, k, v, mask = _reordered_case(rng)
+  q = jnp.concatenate([q, q[:, :, ::-1]], axis=2)  # 4 query heads over 2 KV heads
+  weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+  def loss(kernel, q, k, v, sinks):
+    options = AttentionOptions(scale=0.3, softcap=1.5, sinks_N=sinks)
+    return jnp.sum(kernel(q, k, v, mask, options) * weights)
+
+  sinks = jnp.asarray(rng.normal(size=4), jnp.float32)
+  grad = lambda kernel: jax.jit(jax.value_and_grad(  # noqa: E731
+      functools.partial(loss, kernel), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+  (got, got_grads), (expected, expected_grads) = grad(BlockwiseAttention(block_size=4)), grad(
+      XlaAttention())
+  _assert_close(got, expected, 1e-5)
+  for g, e in zip(got_grads, expected_grads):
+    _assert_close(g, e, 1e-5)
 
 
 def test_blockwise_sink_gradients_match_xla():

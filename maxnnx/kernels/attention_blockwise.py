@@ -18,11 +18,13 @@ block's range (causality by index, which holds for plain, packed and padded
 rows). The kernel checks exactly that on the dense mask at run time and,
 where it fails (context-parallel load balancing reorders tokens, user
 positions out of order), scores each of the same query blocks against all
-keys: the answer is never wrong, only slower. Either way no buffer holds a
-score per head for every query-key pair (``[B, H, T, S]`` float32, 8 GiB at
-128 heads and 4,096 tokens): the largest is one block's ``[B, H, T / n, S]``,
-and the check reads the ``[B, T, S]`` mask, not per head. Decoding (queries
-shorter than the cache) takes one block over all keys.
+keys, in a loop (one block's scores alive at a time, where the blocks are of
+equal size): the answer is never wrong, only slower. Either way no buffer holds
+a score per head for every query-key pair (``[B, H, T, S]`` float32, 8 GiB at
+128 heads and 4,096 tokens, which the compiled step would reserve even where
+the check passes): the largest is one block's ``[B, H, T / n, S]``, and the
+check reads the ``[B, T, S]`` mask, not per head. Decoding (queries shorter
+than the cache) takes one block over all keys.
 
 Everything ``xla`` supports is supported: GQA/MQA, packed and padded rows,
 static and traced sliding windows, chunked attention (a static chunk bounds the
@@ -124,6 +126,15 @@ def _forward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, scale, softcap, pla
 def _backward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse_BKGT1, dout_BKGTV,
               scale, softcap, plan):
   """Gradients of q, k, v and the sinks, recomputing each block's probabilities."""
+  dq, dk, dv, dsinks = _backward_f32(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV,
+                                     lse_BKGT1, dout_BKGTV, scale, softcap, plan)
+  return (dq, dk.astype(k_BKSH.dtype), dv.astype(v_BKSV.dtype),
+          None if dsinks is None else dsinks.astype(sinks_KG.dtype))
+
+
+def _backward_f32(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse_BKGT1,
+                  dout_BKGTV, scale, softcap, plan):
+  """:func:`_backward` with the key, value and sink gradients left in float32."""
   delta_BKGT1 = jnp.sum(dout_BKGTV.astype(jnp.float32) * out_BKGTV.astype(jnp.float32),
                         axis=-1, keepdims=True)
   dk = jnp.zeros(k_BKSH.shape, jnp.float32)
@@ -150,9 +161,67 @@ def _backward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse_BKG
   if sinks_KG is not None:
     # The sink takes probability exp(sink - lse) and gives nothing: d out / d sink = -p_sink out.
     p_sink = jnp.exp(sinks_KG[None, :, :, None, None] - lse_BKGT1)
-    dsinks = -jnp.sum(p_sink * delta_BKGT1, axis=(0, 3, 4)).astype(sinks_KG.dtype)
-  return (jnp.concatenate(dqs, axis=3), dk.astype(k_BKSH.dtype), dv.astype(v_BKSV.dtype),
-          dsinks)
+    dsinks = -jnp.sum(p_sink * delta_BKGT1, axis=(0, 3, 4))
+  return jnp.concatenate(dqs, axis=3), dk, dv, dsinks
+
+
+def _equal_rows(plan: tuple[Block, ...], kv_length: int) -> int | None:
+  """Rows per block when the plan is two or more equal query blocks over all keys, else None."""
+  rows = {q_end - q_start for q_start, q_end, _, _ in plan}
+  if len(plan) < 2 or len(rows) > 1 or plan != all_keys(plan, kv_length):
+    return None
+  return rows.pop()
+
+
+def _blocks_first(x, rows, axis):
+  """``x`` with ``axis`` cut into blocks of ``rows``, the block index moved to the front."""
+  x = x.reshape(x.shape[:axis] + (x.shape[axis] // rows, rows) + x.shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _blocks_back(x, axis):
+  """Undo :func:`_blocks_first`: the leading block index joins ``axis`` again."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _forward_in_turn(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, scale, softcap, plan):
+  """:func:`_forward`; equal blocks over all keys run in a loop, so one block's scores
+  are alive at a time (unrolled, XLA may keep every block's at once)."""
+  rows = _equal_rows(plan, k_BKSH.shape[2])
+  if rows is None:
+    return _forward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, scale, softcap, plan)
+  one = ((0, rows, 0, k_BKSH.shape[2]),)
+  out, lse = jax.lax.map(
+      lambda xs: _forward(xs[0], k_BKSH, v_BKSV, xs[1], sinks_KG, scale, softcap, one),
+      (_blocks_first(q_BKGTH, rows, 3), _blocks_first(allowed_BTS, rows, 1)))
+  return _blocks_back(out, 3), _blocks_back(lse, 3)
+
+
+def _backward_in_turn(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse_BKGT1,
+                      dout_BKGTV, scale, softcap, plan):
+  """:func:`_backward`, looping over equal blocks over all keys like :func:`_forward_in_turn`."""
+  rows = _equal_rows(plan, k_BKSH.shape[2])
+  if rows is None:
+    return _backward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse_BKGT1,
+                     dout_BKGTV, scale, softcap, plan)
+  one = ((0, rows, 0, k_BKSH.shape[2]),)
+
+  def step(carry, xs):
+    q_blk, allowed_blk, out_blk, lse_blk, dout_blk = xs
+    dq, dk, dv, dsinks = _backward_f32(q_blk, k_BKSH, v_BKSV, allowed_blk, sinks_KG, out_blk,
+                                       lse_blk, dout_blk, scale, softcap, one)
+    total = (carry[0] + dk, carry[1] + dv, None if dsinks is None else carry[2] + dsinks)
+    return total, dq
+
+  init = (jnp.zeros(k_BKSH.shape, jnp.float32), jnp.zeros(v_BKSV.shape, jnp.float32),
+          None if sinks_KG is None else jnp.zeros(sinks_KG.shape, jnp.float32))
+  xs = (_blocks_first(q_BKGTH, rows, 3), _blocks_first(allowed_BTS, rows, 1),
+        _blocks_first(out_BKGTV, rows, 3), _blocks_first(lse_BKGT1, rows, 3),
+        _blocks_first(dout_BKGTV, rows, 3))
+  (dk, dv, dsinks), dq = jax.lax.scan(step, init, xs)
+  return (_blocks_back(dq, 3), dk.astype(k_BKSH.dtype), dv.astype(v_BKSV.dtype),
+          None if dsinks is None else dsinks.astype(sinks_KG.dtype))
 
 
 def _choose(skip_ok, skipping, full):
@@ -169,14 +238,15 @@ def _attention(q, k, v, allowed, sinks, skip_ok, scale, softcap, plan, full_plan
 
 
 def _attention_fwd(q, k, v, allowed, sinks, skip_ok, scale, softcap, plan, full_plan):
-  run = functools.partial(_forward, q, k, v, allowed, sinks, scale, softcap)
+  run = functools.partial(_forward_in_turn, q, k, v, allowed, sinks, scale, softcap)
   out, lse = _choose(skip_ok, lambda: run(plan), lambda: run(full_plan))
   return out, (q, k, v, allowed, sinks, skip_ok, out, lse)
 
 
 def _attention_bwd(scale, softcap, plan, full_plan, residuals, dout):
   q, k, v, allowed, sinks, skip_ok, out, lse = residuals
-  run = functools.partial(_backward, q, k, v, allowed, sinks, out, lse, dout, scale, softcap)
+  run = functools.partial(_backward_in_turn, q, k, v, allowed, sinks, out, lse, dout, scale,
+                          softcap)
   dq, dk, dv, dsinks = _choose(skip_ok, lambda: run(plan), lambda: run(full_plan))
   return dq, dk, dv, None, dsinks, None
 
