@@ -1,7 +1,9 @@
 """DeepSeek V3's MTP module as the serving engine's drafter (maxnnx.serving.mtp_runner): the
 target step's hidden states, the module over a paged step's flat tokens (two requests, one
-prefilled in two chunks, pages out of order) against the training forward's MTP logits, and
-the chained drafts against a dense loop over the module fed its own outputs."""
+prefilled in two chunks, pages out of order) against the training forward's MTP logits, the
+chained drafts against a dense loop over the module fed its own outputs, and the engine
+drafting with it: greedy tokens of the plain engine, sampled tokens of the model's
+distribution."""
 
 import os
 
@@ -10,7 +12,8 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 from flax import nnx
-from test_serving_engine import _run_staggered
+from test_serving_engine import _assert_idle, _run_staggered
+from test_speculative import _chi_square_p, _exact_first_tokens
 from test_speculative_mtp import _model
 
 import maxnnx
@@ -196,3 +199,26 @@ def test_engine_with_mtp_drafts_streams_the_plain_engines_greedy_tokens():
     assert draft == predicted[row[prompt], n - 2], (prompt, n)
     shifted += int(draft != predicted[row[prompt], n - 1])
   assert len(firsts) >= 40 and shifted > len(firsts) // 2
+
+
+def test_sampled_engine_tokens_with_mtp_drafts_keep_the_models_distribution():
+  """The first three tokens of 1,600 sampled engine requests (temperature 1.5, top-k 6 of 8)
+  drafted by the MTP module (its first draft and a chained one): a chi-square test over the
+  joint cells against the model's exact float64 distribution; drafts were kept and
+  rejected."""
+  vocab, steps, rows = 8, 3, 1600
+  model = _model(vocab_size=vocab)
+  prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+  engine = Engine(model, page_size=8, max_batch=48, token_budget=256, max_model_len=16,
+                  token_buckets=(256,), page_buckets=(2,), speculative_method='mtp',
+                  num_speculative_tokens=2)
+  params = SamplingParams(max_tokens=4, temperature=1.5, top_k=6, ignore_eos=True)
+  result = engine.generate([prompt] * rows, params)
+  samples = np.array([c.token_ids[:steps] for c in result])
+  pvalue, cells = _chi_square_p(samples, _exact_first_tokens(model, prompt, steps, 1.5, 6))
+  assert cells > 20
+  assert pvalue > 1e-4, pvalue
+  counts = engine.spec
+  assert counts.drafts > rows // 2 and counts.accepted_per_position[1] > 0
+  assert rows // 20 < counts.accepted_tokens < counts.draft_tokens - rows // 20
+  _assert_idle(engine)
