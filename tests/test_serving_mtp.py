@@ -185,12 +185,19 @@ def test_engine_with_mtp_drafts_streams_the_plain_engines_greedy_tokens():
   counts = engine.spec
   assert counts.draft_tokens > 50 and counts.accepted_tokens > 0
   assert counts.accepted_per_position[2] > 0  # third drafts: two chained steps
-  # The training forward over each final sequence (right-padded).
+  _assert_first_drafts(model, prompts, got, firsts)
+  assert len(firsts) >= 40
+
+
+def _assert_first_drafts(model, prompts, outputs, firsts):
+  """Each recorded first draft ``(prompt, n, draft)`` of a request with ``n`` tokens is the
+  argmax of the training forward's MTP logits at position ``n - 2`` of its final sequence,
+  and most differ from the argmax at ``n - 1`` (the check sees an off-by-one)."""
   sequences = np.zeros((len(prompts), ENGINE['max_model_len']), np.int32)
   segments = np.zeros_like(sequences)
-  for i, prompt in enumerate(prompts):
-    sequences[i, :len(prompt) + len(got[i])] = prompt + got[i]
-    segments[i, :len(prompt) + len(got[i])] = 1
+  for i, prompt in enumerate(prompts):  # right-padded
+    sequences[i, :len(prompt) + len(outputs[i])] = prompt + outputs[i]
+    segments[i, :len(prompt) + len(outputs[i])] = 1
   forward = nnx.jit(lambda m, ids, segments: m(ids, segment_ids=segments, mtp=True)[1][0])
   predicted = np.asarray(jnp.argmax(forward(model, sequences, segments), axis=-1))
   row = {tuple(prompt): i for i, prompt in enumerate(prompts)}
@@ -198,7 +205,45 @@ def test_engine_with_mtp_drafts_streams_the_plain_engines_greedy_tokens():
   for prompt, n, draft in firsts:
     assert draft == predicted[row[prompt], n - 2], (prompt, n)
     shifted += int(draft != predicted[row[prompt], n - 1])
-  assert len(firsts) >= 40 and shifted > len(firsts) // 2
+  assert shifted > len(firsts) // 2
+
+
+def test_a_decoding_request_a_step_left_out_drafts_at_the_next():
+  """Four short prompts prefilled in one step, then a token budget of 8 that two decoding
+  rows with three drafts each fill: the other two decoding requests are left out of steps,
+  and each drafts at the step it is scheduled anyway, from the module's output stored when
+  its last token was run (first drafts the training forward's MTP argmax); the tokens are
+  the plain engine's."""
+  model = _model(context=0.005)
+  small = dict(ENGINE, token_budget=8, token_buckets=(8,))
+  rng = np.random.default_rng(6)
+  prompts = [rng.integers(0, 256, n).tolist() for n in (3, 2, 1, 2)]
+  params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (10, 8, 9, 7)]
+  want, _ = _run_staggered(Engine(model, **small), prompts, params, [0] * 4)
+  engine = Engine(model, **small, speculative_method='mtp', num_speculative_tokens=3)
+  drafter = engine.drafter
+  propose, keep = drafter.before_schedule, drafter.after_step
+  last, firsts, left_out = set(), [], []
+
+  def after_step(scheduled, inputs, outputs):
+    last.clear()
+    last.update(id(request) for request, _ in scheduled)
+    keep(scheduled, inputs, outputs)
+
+  def before_schedule(running):
+    propose(running)
+    for r in running:
+      if drafter.room(r):
+        assert r.draft_ids, (r.request_id, r.num_tokens)
+        firsts.append((tuple(r.token_ids[:r.num_prompt]), r.num_tokens, r.draft_ids[0]))
+        left_out.append(id(r) not in last)
+
+  drafter.after_step, drafter.before_schedule = after_step, before_schedule
+  got, _ = _run_staggered(engine, prompts, params, [0] * 4)
+  assert got == want
+  assert sum(left_out) >= 3 and engine.spec.accepted_tokens > 0
+  _assert_first_drafts(model, prompts, got, firsts)
+  _assert_idle(engine)
 
 
 def test_sampled_engine_tokens_with_mtp_drafts_keep_the_models_distribution():

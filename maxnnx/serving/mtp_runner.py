@@ -26,7 +26,9 @@ chain_pages ..``) that stand in for the request's missing pages during :meth:`ch
 drafter hooks (:mod:`maxnnx.serving.drafters`): after the target's step it keeps the step's
 inputs and hidden states; before the next schedule, when the requests show what the step kept,
 it runs :meth:`MTPRunner.run` over that step (each decoding row's last kept token is its
-position ``p``) and :meth:`MTPRunner.chain`, and sets each decoding request's ``draft_ids``.
+position ``p``), keeps each row's output at ``p`` in a store of ``max_batch`` slots, runs
+:meth:`MTPRunner.chain` from the stored outputs, and sets each decoding request's
+``draft_ids``: a decoding request the step left out drafts from the output stored before.
 
 **Buckets.** :meth:`run` compiles once per target bucket (:meth:`ModelRunner.step_buckets`,
 gathering ``max_batch`` rows), :meth:`chain` once per page bucket; :meth:`warm` compiles both
@@ -40,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.serving.drafters import Drafter
@@ -162,9 +165,18 @@ class MTPRunner:
     """The programs :meth:`warm` builds: one per target bucket and one per page bucket."""
     return len(self.runner.step_buckets()) + len(self.runner.page_buckets)
 
-  def warm(self, progress=None) -> None:
+  def warm(self, progress=None, chain_inputs=None) -> tuple[jax.Array, jax.Array]:
     """Compile :meth:`run` for every target bucket and :meth:`chain` for every page bucket
-    (empty rows: they write the scratch page only); ``progress()`` after each."""
+    (empty rows: they write the scratch page only); ``progress()`` after each.
+
+    Args:
+      chain_inputs: a function of :meth:`run`'s ``(logits_BV, out_BD)`` giving the arrays
+        :meth:`chain` is warmed on (``None``: those; a caller that feeds :meth:`chain` other
+        arrays compiles it for theirs).
+
+    Returns:
+      The last :meth:`run`'s ``(logits_BV, out_BD)``.
+    """
     runner, d = self.runner, self.runner.model_config.d_model
     out = None
     for shape in runner.step_buckets():
@@ -174,7 +186,7 @@ class MTPRunner:
                      np.zeros(self.max_batch, np.int32))
       if progress is not None:
         progress()
-    logits_BV, out_BD = out
+    logits_BV, out_BD = out if chain_inputs is None else chain_inputs(*out)
     for pages in runner.page_buckets:
       active_B = np.zeros(self.max_batch, bool)
       result = self._chain_fn(self.params, self.cache, out_BD, logits_BV,
@@ -184,10 +196,15 @@ class MTPRunner:
       if progress is not None:
         progress()
     jax.block_until_ready(self.cache)
+    return out
 
 
 class MTPDrafter(Drafter):
   """The engine's drafter for ``speculative_method='mtp'`` (see the module docstring).
+
+  Each running request's last module output (at its last kept token ``p``, with the logits
+  there) stays in a store of ``max_batch`` slots on the device, so that a decoding request a
+  step left out (the token budget ran out) drafts from it at the next step.
 
   Args:
     model: the served model, with MTP modules.
@@ -207,6 +224,14 @@ class MTPDrafter(Drafter):
     self.mtp = MTPRunner(model, runner, num_speculative_tokens, rules)
     self._last = None  # the last step: (inputs, hidden_TD, [(request, start, count)])
     self._drafted: list = []  # the requests given drafts before this schedule
+    rows, config = self.mtp.max_batch, model.config
+    self._store = (np.zeros((rows, config.d_model), self.mtp.dtype),
+                   np.zeros((rows, config.vocab_size), np.float32))
+    if runner.mesh is not None:  # replicated over the model's devices
+      self._store = jax.device_put(self._store, NamedSharding(runner.mesh, PartitionSpec()))
+    else:
+      self._store = jax.device_put(self._store)
+    self._slots: dict[int, tuple] = {}  # id(request): (request, slot, its position p)
 
   def after_step(self, scheduled, inputs: tuple, outputs: tuple) -> None:
     """Keep the step's inputs, hidden states and rows (their first positions before it)."""
@@ -214,31 +239,51 @@ class MTPDrafter(Drafter):
                   [(request, request.num_computed, count) for request, count in scheduled])
 
   def before_schedule(self, running) -> None:
-    """The module over the last step (its tokens now verified), then each decoding request's
-    drafts: from its last kept token ``p``, the module's argmax there and ``k - 1`` chained
-    ones, cut to :meth:`room`. A decoding request the last step did not run drafts nothing."""
+    """The module over the last step (its tokens now verified), its output at each row's
+    last kept token ``p`` stored; then each decoding request's drafts from its stored
+    output at ``p``: the module's argmax there and ``k - 1`` chained ones, cut to
+    :meth:`room`."""
     for request in running:
       request.draft_ids = []
     self._drafted = []
-    if self._last is None:
-      return
-    (inputs, hidden_TD, rows), self._last = self._last, None
     live = {id(request) for request in running}
+    self._slots = {key: entry for key, entry in self._slots.items() if key in live}
+    if self._last is not None:
+      self._run_last(live)
+    chain_rows, slot_B, rooms = [], np.zeros(self.mtp.max_batch, np.int32), []
+    for request in running:
+      room, entry = self.room(request), self._slots.get(id(request))
+      if room and entry is not None and entry[2] == request.num_tokens - 2:
+        slot_B[len(chain_rows)] = entry[1]
+        chain_rows.append((request.pages, entry[2]))
+        rooms.append((request, room))
+    if not rooms:
+      return
+    out_BD, logits_BV = _gather(*self._store, slot_B)
+    drafts_BK = np.asarray(jax.device_get(self.mtp.chain(out_BD, logits_BV, chain_rows)[0]))
+    for row, (request, room) in enumerate(rooms):
+      request.draft_ids = drafts_BK[row, :room].tolist()
+      self._drafted.append(request)
+
+  def _run_last(self, live: set[int]) -> None:
+    """:meth:`MTPRunner.run` over the last step; each live row's output at its last kept
+    token into the request's slot of the store."""
+    (inputs, hidden_TD, rows), self._last = self._last, None
+    free = sorted(set(range(self.mtp.max_batch)) - {e[1] for e in self._slots.values()})
     at_B = np.zeros(self.mtp.max_batch, np.int32)
-    chain_rows, rooms, offset = [None] * self.mtp.max_batch, {}, 0
+    into_B = np.full(self.mtp.max_batch, self.mtp.max_batch, np.int32)  # past the end: drop
+    offset = 0
     for row, (request, start, count) in enumerate(rows):
-      room, p = self.room(request), request.num_tokens - 2
-      if id(request) in live and room and start <= p < start + count:
-        at_B[row], chain_rows[row], rooms[row] = offset + p - start, (request.pages, p), room
+      p = request.num_tokens - 2
+      if id(request) in live and start <= p < start + count:
+        entry = self._slots.get(id(request))
+        slot = entry[1] if entry is not None else free.pop(0)
+        self._slots[id(request)] = (request, slot, p)
+        at_B[row], into_B[row] = offset + p - start, slot
       offset += count
     next_T = next_token_ids([(r.token_ids, start, n) for r, start, n in rows], len(inputs[0]))
     logits_BV, out_BD = self.mtp.run(inputs, hidden_TD, next_T, at_B)
-    if not rooms:
-      return
-    drafts_BK = np.asarray(jax.device_get(self.mtp.chain(out_BD, logits_BV, chain_rows)[0]))
-    for row, room in rooms.items():
-      rows[row][0].draft_ids = drafts_BK[row, :room].tolist()
-      self._drafted.append(rows[row][0])
+    self._store = _scatter(*self._store, out_BD, logits_BV, into_B)
 
   def after_schedule(self, scheduled) -> None:
     """Drop the drafts of running requests the schedule left out (they are not verified)."""
@@ -252,8 +297,29 @@ class MTPDrafter(Drafter):
     return self.mtp.num_warm()
 
   def warm(self, progress=None) -> None:
-    """:meth:`MTPRunner.warm`."""
-    self.mtp.warm(progress)
+    """:meth:`MTPRunner.warm` (its chains on the store's reads), and the store's writes."""
+    rows = self.mtp.max_batch
+
+    def through_store(logits_BV, out_BD):
+      self._store = _scatter(*self._store, out_BD, logits_BV, np.full(rows, rows, np.int32))
+      out_BD, logits_BV = _gather(*self._store, np.zeros(rows, np.int32))
+      return logits_BV, out_BD
+
+    self.mtp.warm(progress, through_store)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _scatter(store_SD, store_SV, out_BD, logits_BV, into_B):
+  """The store with row ``b`` of the outputs written at slot ``into_B[b]`` (past the end:
+  not written)."""
+  return (store_SD.at[into_B].set(out_BD.astype(store_SD.dtype), mode='drop'),
+          store_SV.at[into_B].set(logits_BV.astype(store_SV.dtype), mode='drop'))
+
+
+@jax.jit
+def _gather(store_SD, store_SV, slot_B):
+  """The stored outputs and logits of slots ``slot_B``."""
+  return store_SD[slot_B], store_SV[slot_B]
 
 
 def _mtp_logits(model, out_ND):
