@@ -29,6 +29,10 @@ it runs :meth:`MTPRunner.run` over that step (each decoding row's last kept toke
 position ``p``), keeps each row's output at ``p`` in a store of ``max_batch`` slots, runs
 :meth:`MTPRunner.chain` from the stored outputs, and sets each decoding request's
 ``draft_ids``: a decoding request the step left out drafts from the output stored before.
+With prefix caching, the module's entry at the last token of a request's last cached page
+holds the first request's next token there (recomputing it on a hit would need a private
+copy of that page and the target's hidden state at that token; see ``docs/architecture.md``):
+only that request's drafts can differ, never its tokens.
 
 **Buckets.** :meth:`run` compiles once per target bucket (:meth:`ModelRunner.step_buckets`,
 gathering ``max_batch`` rows), :meth:`chain` once per page bucket; :meth:`warm` compiles both
