@@ -311,19 +311,23 @@ def test_pallas_checks_index_order_at_run_time(caplog):
   assert 'not in index order' in caplog.records[0].getMessage()
 
 
-@pytest.mark.parametrize('seg,pos,expected', [
-    ([1, 1, 1, 2, 2, 2], [0, 1, 2, 0, 1, 2], True),   # packed
-    ([0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 2, 3], True),   # left padding
-    ([1, 1, 0, 1, 2, 2], [0, 1, 0, 2, 0, 1], True),   # padding inside a document
-    ([2, 2, 1, 1, 1, 1], [0, 1, 0, 1, 2, 3], False),  # ids decrease
-    ([1, 1, 1, 1, 1, 1], [0, 2, 1, 3, 4, 5], False),  # positions out of order
-    ([1, 1, 1, 1, 1, 1], [0, 1, 1, 2, 3, 4], False),  # repeated position
+@pytest.mark.parametrize('seg,pos,expected,per_index', [
+    ([1, 1, 1, 2, 2, 2], [0, 1, 2, 0, 1, 2], True, True),     # packed
+    ([0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 2, 3], True, True),     # left padding
+    ([1, 1, 0, 1, 2, 2], [0, 1, 0, 2, 0, 1], True, False),    # padding inside a document
+    ([1, 1, 1, 1, 2, 2], [0, 1, 4, 6, 0, 1], True, True),     # positions skip ahead
+    ([2, 2, 1, 1, 1, 1], [0, 1, 0, 1, 2, 3], False, False),  # ids decrease
+    ([1, 1, 1, 1, 1, 1], [0, 2, 1, 3, 4, 5], False, False),  # positions out of order
+    ([1, 1, 1, 1, 1, 1], [0, 1, 1, 2, 3, 4], False, False),  # repeated position
 ])
-def test_index_order_matches_positions(seg, pos, expected):
-  """The run-time guard of the Pallas kernel accepts exactly the index-ordered layouts."""
+def test_index_order_matches_positions(seg, pos, expected, per_index):
+  """The run-time guard of the Pallas kernel accepts exactly the index-ordered layouts;
+  ``step_per_index`` (``xla_flash`` with a window) also wants positions to rise at least
+  one per index."""
   seg_BT, pos_BT = jnp.asarray([seg], jnp.int32), jnp.asarray([pos], jnp.int32)
   mask = AttentionMask.causal(seg_BT, pos_BT)
   assert bool(index_order_matches_positions(mask)) is expected
+  assert bool(index_order_matches_positions(mask, step_per_index=True)) is per_index
   index_causal = ((seg_BT[0, :, None] == seg_BT[0, None, :]) & (seg_BT[0, None, :] != 0)
                   & (jnp.arange(6)[None, :] <= jnp.arange(6)[:, None]))
   real_rows = np.asarray(seg_BT[0] != 0)
@@ -381,6 +385,69 @@ def test_blockwise_skips_only_what_the_mask_hides(reordered):
   _assert_close(np.where(valid, out, 0), np.where(valid, ref_out, 0), 1e-5)
   for grad, ref_grad in zip(grads, ref_grads):
     _assert_close(grad, ref_grad, 1e-5)
+
+
+def _random_layout(rng, length):
+  """Segment ids and positions of one row: packed documents with padding, position gaps
+  and, at random, a shuffled order (what context-parallel load balancing gives)."""
+  seg = np.sort(rng.integers(0, 4, size=length))
+  seg[rng.random(length) < 0.15] = 0  # padding anywhere
+  pos = np.zeros(length, np.int64)
+  for doc in np.unique(seg[seg != 0]):
+    where = np.flatnonzero(seg == doc)
+    pos[where] = np.cumsum(rng.integers(1, 3, size=len(where))) - 1
+  order = rng.permutation(length) if rng.random() < 0.3 else np.arange(length)
+  return seg[order], pos[order]
+
+
+@pytest.mark.parametrize('bounds, key_mask', [
+    (dict(), False), (dict(sliding_window=3), False), (dict(chunk_size=5), False),
+    (dict(), True)])
+def test_blockwise_order_check_is_sound_and_exact(bounds, key_mask):
+  """Where the O(B T) check lets blocks be skipped, no visible key (dense NumPy mask) lies
+  outside the plan's blocks; on every layout (skipping or not) the output and gradients
+  equal ``xla``'s, also under an extra sparse key mask."""
+  rng = _rng('blockwise-sound', tuple(bounds), key_mask)
+  kernel, options = BlockwiseAttention(block_size=4), AttentionOptions(scale=0.3, **bounds)
+  window = bounds.get('sliding_window', bounds.get('chunk_size'))
+  plan = block_plan(16, 16, block_size=4, max_blocks=8, window=window)
+
+  @functools.partial(jax.jit, static_argnums=0)  # the mask is an argument: one compilation
+  def step(kernel, q, k, v, mask, weights, keys_BTS):
+    def loss(q, k, v):
+      out = kernel(q, k, v, mask, dataclasses.replace(options, key_mask_BTS=keys_BTS))
+      return jnp.sum(out * weights), out
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+  skipped = 0
+  for _ in range(12):
+    seg, pos = (jnp.asarray(np.stack(a), jnp.int32)
+                for a in zip(*(_random_layout(rng, 16) for _ in range(2))))
+    mask = AttentionMask.causal(seg, pos)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 2, HEAD_DIM)), jnp.float32) for _ in range(3))
+    seg_np, pos_np = np.asarray(seg)[:, :, None], np.asarray(pos)[:, :, None]
+    dense = ((seg_np == seg_np.transpose(0, 2, 1)) & (seg_np.transpose(0, 2, 1) != 0)
+             & (pos_np.transpose(0, 2, 1) <= pos_np))
+    if 'sliding_window' in bounds:
+      dense &= pos_np - pos_np.transpose(0, 2, 1) < window
+    if 'chunk_size' in bounds:
+      dense &= pos_np // window == pos_np.transpose(0, 2, 1) // window
+    keys_BTS = None
+    if key_mask:  # a random selection that keeps each query's own key
+      keys_BTS = (rng.random((2, 16, 16)) < 0.5) | np.eye(16, dtype=bool)
+      dense &= keys_BTS
+      keys_BTS = jnp.asarray(keys_BTS)
+    if bool(index_order_matches_positions(mask, step_per_index=window is not None)):
+      skipped += 1
+      assert not (dense & ~covered_by(plan, 16, 16)).any()
+    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * (seg != 0)[..., None, None]
+    (_, out), grads = step(kernel, q, k, v, mask, weights, keys_BTS)
+    (_, ref_out), ref_grads = step(XlaAttention(), q, k, v, mask, weights, keys_BTS)
+    valid = np.asarray(weights != 0)
+    _assert_close(np.where(valid, out, 0), np.where(valid, ref_out, 0), 1e-5)
+    for grad, ref_grad in zip(grads, ref_grads):
+      _assert_close(grad, ref_grad, 1e-5)
+  assert 0 < skipped < 12  # both branches were taken
 
 
 def test_blockwise_scores_only_the_planned_blocks():

@@ -14,17 +14,27 @@ strategy computes the same function as flash attention does, in plain XLA:
   residual), with the ``D = rowsum(dO * O)`` shortcut of flash attention.
 
 Skipping blocks by index is right only while no query sees a key beyond its
-block's range (causality by index, which holds for plain, packed and padded
-rows). The kernel checks exactly that on the dense mask at run time and,
-where it fails (context-parallel load balancing reorders tokens, user
-positions out of order), scores each of the same query blocks against all
-keys, in a loop (one block's scores alive at a time, where the blocks are of
-equal size): the answer is never wrong, only slower. Either way no buffer holds
-a score per head for every query-key pair (``[B, H, T, S]`` float32, 8 GiB at
-128 heads and 4,096 tokens, which the compiled step would reserve even where
-the check passes): the largest is one block's ``[B, H, T / n, S]``, and the
-check reads the ``[B, T, S]`` mask, not per head. Decoding (queries shorter
-than the cache) takes one block over all keys.
+block's range. The kernel checks, at run time and in O(B·T) from the mask's
+segment ids and positions (:func:`~maxnnx.kernels.masks.index_order_matches_positions`),
+a condition that implies it: queries and keys share segment ids and positions,
+and along each row's non-padding tokens segment ids never decrease and positions
+strictly increase inside a segment, so a visible key (same segment, position not
+after the query's) is never after the query by index; with a static window or
+chunk of ``W``, positions must also rise by at least the index distance between
+neighbouring tokens of a segment, so a key fewer than ``W`` positions back is
+fewer than ``W`` indices back (the plan's first key). Plain, packed and
+left-padded rows pass. Where the check fails (context-parallel load balancing
+reorders tokens, user positions out of order, padding inside a windowed
+document), the kernel scores each of the same query blocks against all keys, in
+a loop (one block's scores alive at a time, where the blocks are of equal size):
+the answer is never wrong, only slower. Either way no buffer holds a score per
+head for every query-key pair (``[B, H, T, S]`` float32, 8 GiB at 128 heads and
+4,096 tokens, which the compiled step would reserve even where the check
+passes): the largest is one block's ``[B, H, T / n, S]``. Nor is the mask ever
+whole: each block's ``[B, T / n, S]`` part is built from the segment ids and
+positions where it is used (a ``[B, T, S]`` bool is 16 MiB a row at 4,096
+tokens); only an extra ``key_mask_BTS`` the caller passes is dense. Decoding
+(queries shorter than the cache) takes one block over all keys.
 
 Everything ``xla`` supports is supported: GQA/MQA, packed and padded rows,
 static and traced sliding windows, chunked attention (a static chunk bounds the
@@ -41,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxnnx.kernels.attention import AttentionKernel, XlaAttention, register_attention_kernel
+from maxnnx.kernels.masks import AttentionMask, index_order_matches_positions
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -92,6 +103,36 @@ def _key_range(plan: tuple[Block, ...], q_length: int) -> tuple[np.ndarray, np.n
   return key_start_T, key_end_T
 
 
+def _visible(vis, rows, keys):
+  """``[B, t, s]`` bool: which keys of ``keys`` (a slice) the queries ``rows`` (a slice) see.
+
+  ``vis`` is ``(mask, sliding_window, chunk_size, key_mask_BTS)``: the mask is
+  built per block from the segment ids and positions, never whole.
+  """
+  mask, window, chunk, key_mask_BTS = vis
+  q_blocks, kv_blocks = mask.q_blocks, mask.kv_blocks
+  part = AttentionMask(mask.q_segment_ids[:, rows], mask.q_positions[:, rows],
+                       mask.kv_segment_ids[:, keys], mask.kv_positions[:, keys],
+                       None if q_blocks is None else q_blocks[:, rows],
+                       None if kv_blocks is None else kv_blocks[:, keys])
+  allowed_Bts = part.dense(window, chunk)
+  return allowed_Bts if key_mask_BTS is None else allowed_Bts & key_mask_BTS[:, rows, keys]
+
+
+def _query_parts(vis):
+  """The per-query arrays of ``vis`` (segment ids, positions, image blocks, key mask)."""
+  mask, _, _, key_mask_BTS = vis
+  return mask.q_segment_ids, mask.q_positions, mask.q_blocks, key_mask_BTS
+
+
+def _with_query_parts(vis, parts):
+  """``vis`` with its per-query arrays replaced by ``parts`` (one block's, in a loop)."""
+  mask, window, chunk, _ = vis
+  seg, pos, blocks, key_mask_BTS = parts
+  mask = dataclasses.replace(mask, q_segment_ids=seg, q_positions=pos, q_blocks=blocks)
+  return mask, window, chunk, key_mask_BTS
+
+
 def _scores(q_BKGtH, k_BKsH, allowed_Bts, scale, softcap):
   """Masked float32 scores of one block and ``tanh`` of the soft-cap (``None`` without it)."""
   raw = jnp.einsum('bkgth,bksh->bkgts', q_BKGtH, k_BKsH,
@@ -103,12 +144,12 @@ def _scores(q_BKGtH, k_BKsH, allowed_Bts, scale, softcap):
   return jnp.where(allowed_Bts[:, None, None], raw, _NEG), tanh
 
 
-def _forward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, scale, softcap, plan):
+def _forward(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, scale, softcap, plan):
   """Output ``[B, K, G, T, V]`` and log-sum-exp ``[B, K, G, T, 1]`` (float32) of a plan."""
   outs, lses = [], []
   for q_start, q_end, k_start, k_end in plan:
     s, _ = _scores(q_BKGTH[:, :, :, q_start:q_end], k_BKSH[:, :, k_start:k_end],
-                   allowed_BTS[:, q_start:q_end, k_start:k_end], scale, softcap)
+                   _visible(vis, slice(q_start, q_end), slice(k_start, k_end)), scale, softcap)
     m = jnp.max(s, axis=-1, keepdims=True)
     if sinks_KG is not None:
       m = jnp.maximum(m, sinks_KG[None, :, :, None, None])
@@ -123,16 +164,16 @@ def _forward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, scale, softcap, pla
   return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
 
 
-def _backward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse_BKGT1, dout_BKGTV,
+def _backward(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, out_BKGTV, lse_BKGT1, dout_BKGTV,
               scale, softcap, plan):
   """Gradients of q, k, v and the sinks, recomputing each block's probabilities."""
-  dq, dk, dv, dsinks = _backward_f32(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV,
+  dq, dk, dv, dsinks = _backward_f32(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, out_BKGTV,
                                      lse_BKGT1, dout_BKGTV, scale, softcap, plan)
   return (dq, dk.astype(k_BKSH.dtype), dv.astype(v_BKSV.dtype),
           None if dsinks is None else dsinks.astype(sinks_KG.dtype))
 
 
-def _backward_f32(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse_BKGT1,
+def _backward_f32(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, out_BKGTV, lse_BKGT1,
                   dout_BKGTV, scale, softcap, plan):
   """:func:`_backward` with the key, value and sink gradients left in float32."""
   delta_BKGT1 = jnp.sum(dout_BKGTV.astype(jnp.float32) * out_BKGTV.astype(jnp.float32),
@@ -143,7 +184,7 @@ def _backward_f32(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse
   for q_start, q_end, k_start, k_end in plan:
     rows, keys = slice(q_start, q_end), slice(k_start, k_end)
     q_blk, dout_blk = q_BKGTH[:, :, :, rows], dout_BKGTV[:, :, :, rows]
-    s, tanh = _scores(q_blk, k_BKSH[:, :, keys], allowed_BTS[:, rows, keys], scale, softcap)
+    s, tanh = _scores(q_blk, k_BKSH[:, :, keys], _visible(vis, rows, keys), scale, softcap)
     p = jnp.exp(s - lse_BKGT1[:, :, :, rows])
     dv = dv.at[:, :, keys].add(jnp.einsum('bkgts,bkgtv->bksv', p.astype(dout_blk.dtype),
                                           dout_blk, preferred_element_type=jnp.float32))
@@ -185,43 +226,49 @@ def _blocks_back(x, axis):
   return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def _forward_in_turn(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, scale, softcap, plan):
+def _forward_in_turn(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, scale, softcap, plan):
   """:func:`_forward`; equal blocks over all keys run in a loop, so one block's scores
   are alive at a time (unrolled, XLA may keep every block's at once)."""
   rows = _equal_rows(plan, k_BKSH.shape[2])
   if rows is None:
-    return _forward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, scale, softcap, plan)
+    return _forward(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, scale, softcap, plan)
   one = ((0, rows, 0, k_BKSH.shape[2]),)
   out, lse = jax.lax.map(
-      lambda xs: _forward(xs[0], k_BKSH, v_BKSV, xs[1], sinks_KG, scale, softcap, one),
-      (_blocks_first(q_BKGTH, rows, 3), _blocks_first(allowed_BTS, rows, 1)))
+      lambda xs: _forward(xs[0], k_BKSH, v_BKSV, _with_query_parts(vis, xs[1]), sinks_KG, scale,
+                          softcap, one),
+      (_blocks_first(q_BKGTH, rows, 3), _query_blocks(vis, rows)))
   return _blocks_back(out, 3), _blocks_back(lse, 3)
 
 
-def _backward_in_turn(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse_BKGT1,
+def _backward_in_turn(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, out_BKGTV, lse_BKGT1,
                       dout_BKGTV, scale, softcap, plan):
   """:func:`_backward`, looping over equal blocks over all keys like :func:`_forward_in_turn`."""
   rows = _equal_rows(plan, k_BKSH.shape[2])
   if rows is None:
-    return _backward(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, out_BKGTV, lse_BKGT1,
+    return _backward(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, out_BKGTV, lse_BKGT1,
                      dout_BKGTV, scale, softcap, plan)
   one = ((0, rows, 0, k_BKSH.shape[2]),)
 
   def step(carry, xs):
-    q_blk, allowed_blk, out_blk, lse_blk, dout_blk = xs
-    dq, dk, dv, dsinks = _backward_f32(q_blk, k_BKSH, v_BKSV, allowed_blk, sinks_KG, out_blk,
-                                       lse_blk, dout_blk, scale, softcap, one)
+    q_blk, parts, out_blk, lse_blk, dout_blk = xs
+    dq, dk, dv, dsinks = _backward_f32(q_blk, k_BKSH, v_BKSV, _with_query_parts(vis, parts),
+                                       sinks_KG, out_blk, lse_blk, dout_blk, scale, softcap, one)
     total = (carry[0] + dk, carry[1] + dv, None if dsinks is None else carry[2] + dsinks)
     return total, dq
 
   init = (jnp.zeros(k_BKSH.shape, jnp.float32), jnp.zeros(v_BKSV.shape, jnp.float32),
           None if sinks_KG is None else jnp.zeros(sinks_KG.shape, jnp.float32))
-  xs = (_blocks_first(q_BKGTH, rows, 3), _blocks_first(allowed_BTS, rows, 1),
+  xs = (_blocks_first(q_BKGTH, rows, 3), _query_blocks(vis, rows),
         _blocks_first(out_BKGTV, rows, 3), _blocks_first(lse_BKGT1, rows, 3),
         _blocks_first(dout_BKGTV, rows, 3))
   (dk, dv, dsinks), dq = jax.lax.scan(step, init, xs)
   return (_blocks_back(dq, 3), dk.astype(k_BKSH.dtype), dv.astype(v_BKSV.dtype),
           None if dsinks is None else dsinks.astype(sinks_KG.dtype))
+
+
+def _query_blocks(vis, rows):
+  """The per-query arrays of ``vis`` cut into blocks of ``rows``, the block index first."""
+  return jax.tree.map(lambda x: _blocks_first(x, rows, 1), _query_parts(vis))
 
 
 def _choose(skip_ok, skipping, full):
@@ -232,20 +279,20 @@ def _choose(skip_ok, skipping, full):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attention(q, k, v, allowed, sinks, skip_ok, scale, softcap, plan, full_plan):
-  out, _ = _attention_fwd(q, k, v, allowed, sinks, skip_ok, scale, softcap, plan, full_plan)
+def _attention(q, k, v, vis, sinks, skip_ok, scale, softcap, plan, full_plan):
+  out, _ = _attention_fwd(q, k, v, vis, sinks, skip_ok, scale, softcap, plan, full_plan)
   return out
 
 
-def _attention_fwd(q, k, v, allowed, sinks, skip_ok, scale, softcap, plan, full_plan):
-  run = functools.partial(_forward_in_turn, q, k, v, allowed, sinks, scale, softcap)
+def _attention_fwd(q, k, v, vis, sinks, skip_ok, scale, softcap, plan, full_plan):
+  run = functools.partial(_forward_in_turn, q, k, v, vis, sinks, scale, softcap)
   out, lse = _choose(skip_ok, lambda: run(plan), lambda: run(full_plan))
-  return out, (q, k, v, allowed, sinks, skip_ok, out, lse)
+  return out, (q, k, v, vis, sinks, skip_ok, out, lse)
 
 
 def _attention_bwd(scale, softcap, plan, full_plan, residuals, dout):
-  q, k, v, allowed, sinks, skip_ok, out, lse = residuals
-  run = functools.partial(_backward_in_turn, q, k, v, allowed, sinks, out, lse, dout, scale,
+  q, k, v, vis, sinks, skip_ok, out, lse = residuals
+  run = functools.partial(_backward_in_turn, q, k, v, vis, sinks, out, lse, dout, scale,
                           softcap)
   dq, dk, dv, dsinks = _choose(skip_ok, lambda: run(plan), lambda: run(full_plan))
   return dq, dk, dv, None, dsinks, None
@@ -290,7 +337,6 @@ class BlockwiseAttention(AttentionKernel):
     q_BKGTH = q_BTNH.reshape(batch, length, num_kv_heads, groups, head_dim).transpose(
         0, 2, 3, 1, 4)
     k_BKSH, v_BKSV = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
-    allowed_BTS = options.visible(mask)
     # A chunk of C positions bounds the look-back like a window of C does.
     bounds = [b for b in (sliding_window, options.chunk_size) if isinstance(b, int | np.integer)]
     static_window = min(bounds) if bounds else None
@@ -298,15 +344,13 @@ class BlockwiseAttention(AttentionKernel):
                       max_blocks=self.max_blocks, window=static_window)
     full_plan = all_keys(plan, kv_length)
     skip_ok = None
-    if plan != full_plan:
-      # Built from per-row bounds ([T] constants), not a [T, S] constant in the program.
-      key_start_T, key_end_T = _key_range(plan, length)
-      keys_S = jnp.arange(kv_length)
-      outside_TS = ((keys_S < key_start_T[:, None]) | (keys_S >= key_end_T[:, None]))
-      skip_ok = ~jnp.any(allowed_BTS & outside_TS)
+    if plan != full_plan and mask.q_blocks is None:
+      # O(B T) from the segment ids and positions: see the module docstring.
+      skip_ok = index_order_matches_positions(mask, step_per_index=static_window is not None)
+    vis = (mask, options.sliding_window, options.chunk_size, options.key_mask_BTS)
     sinks_KG = (None if sinks_N is None
                 else sinks_N.astype(jnp.float32).reshape(num_kv_heads, groups))
-    out_BKGTV = _attention(q_BKGTH, k_BKSH, v_BKSV, allowed_BTS, sinks_KG, skip_ok, scale,
+    out_BKGTV = _attention(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, skip_ok, scale,
                            softcap, plan, full_plan)
     return out_BKGTV.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, -1)
 

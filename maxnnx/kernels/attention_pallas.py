@@ -29,29 +29,10 @@ from maxnnx.kernels.capabilities import (
   AttentionCapabilities,
   warn_once,
 )
+from maxnnx.kernels.masks import index_order_matches_positions
 
 #: The kernel's default forward block; backward blocks are 32.
 _BLOCK = 128
-
-
-def index_order_matches_positions(mask) -> jax.Array:
-  """Whether causality by index equals causality by position for this self-attention mask.
-
-  True when queries and keys share segment ids and positions, and along each
-  row's non-padding tokens segment ids never decrease and positions strictly
-  increase inside a segment.
-  """
-  seg_BT, pos_BT = mask.q_segment_ids, mask.q_positions
-  same = jnp.all(seg_BT == mask.kv_segment_ids) & jnp.all(pos_BT == mask.kv_positions)
-  length = seg_BT.shape[1]
-  index_BT = jnp.broadcast_to(jnp.arange(length), seg_BT.shape)
-  last_real_BT = jax.lax.cummax(jnp.where(seg_BT != 0, index_BT, -1), axis=1)
-  prev_BT = jnp.pad(last_real_BT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-  prev_seg = jnp.take_along_axis(seg_BT, jnp.maximum(prev_BT, 0), axis=1)
-  prev_pos = jnp.take_along_axis(pos_BT, jnp.maximum(prev_BT, 0), axis=1)
-  ok_BT = ((seg_BT == 0) | (prev_BT < 0) | (seg_BT > prev_seg)
-           | ((seg_BT == prev_seg) & (pos_BT > prev_pos)))
-  return same & jnp.all(ok_BT)
 
 
 def _warn_runtime_fallback(name: str) -> None:

@@ -68,6 +68,32 @@ class AttentionMask:
     return allowed
 
 
+def index_order_matches_positions(mask: AttentionMask, *, step_per_index: bool = False
+                                  ) -> jax.Array:
+  """Whether causality by index equals causality by position for this self-attention mask.
+
+  True when queries and keys share segment ids and positions, and along each
+  row's non-padding tokens segment ids never decrease and positions strictly
+  increase inside a segment (O(B·T), no ``[B, T, S]`` array). Then a query sees
+  no key after it by index. With ``step_per_index``, positions must also rise by
+  at least the index distance to the previous non-padding token of the segment,
+  so a key fewer than ``W`` positions back is fewer than ``W`` indices back (a
+  window or chunk of ``W`` bounds the look-back by index too).
+  """
+  seg_BT, pos_BT = mask.q_segment_ids, mask.q_positions
+  same = jnp.all(seg_BT == mask.kv_segment_ids) & jnp.all(pos_BT == mask.kv_positions)
+  length = seg_BT.shape[1]
+  index_BT = jnp.broadcast_to(jnp.arange(length), seg_BT.shape)
+  last_real_BT = jax.lax.cummax(jnp.where(seg_BT != 0, index_BT, -1), axis=1)
+  prev_BT = jnp.pad(last_real_BT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  prev_seg = jnp.take_along_axis(seg_BT, jnp.maximum(prev_BT, 0), axis=1)
+  prev_pos = jnp.take_along_axis(pos_BT, jnp.maximum(prev_BT, 0), axis=1)
+  min_step_BT = index_BT - prev_BT if step_per_index else 1
+  ok_BT = ((seg_BT == 0) | (prev_BT < 0) | (seg_BT > prev_seg)
+           | ((seg_BT == prev_seg) & (pos_BT - prev_pos >= min_step_BT)))
+  return same & jnp.all(ok_BT)
+
+
 def image_blocks(is_image_BT: jax.Array) -> jax.Array:
   """``[B, T]`` int32 block ids of runs of image tokens (0, 1, … per row) and -1 for text:
   each image's tokens form one block (transformers' ``token_type_ids == 1`` runs)."""
