@@ -15,12 +15,10 @@ from maxnnx.config import ConfigError, EngineConfig
 from maxnnx.serving import Engine, SamplingParams
 from maxnnx.serving.drafters import DraftModelDrafter
 from tests.test_serving_engine import _assert_idle, _run_staggered
-from tests.test_speculative import _chi_square_p, _exact_first_tokens, _model
+from tests.test_serving_speculative import ENGINE, sampled_engine_pvalue
+from tests.test_speculative import _model
 
 VOCAB = 97
-# 24 pages of 4 tokens for 6 rows of up to 64 tokens (full batches preempt), few buckets.
-ENGINE = dict(page_size=4, max_batch=6, token_budget=32, max_model_len=64, max_pages=24,
-              token_buckets=(8, 32), page_buckets=(16,))
 DRAFT = dict(speculative_method='draft_model', num_speculative_tokens=3)
 
 
@@ -108,16 +106,9 @@ def test_sampled_tokens_with_a_draft_model_keep_the_models_distribution():
   """The first three tokens of 1,600 sampled requests (temperature 1.5, top-k 6 of 8) drafted
   by an unrelated model: a chi-square test over the joint cells against the model's exact
   float64 distribution; drafts were kept and rejected."""
-  vocab, steps, rows = 8, 3, 1600
-  model = _model(vocab=vocab)
-  prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-  engine = Engine(model, page_size=8, max_batch=48, token_budget=256, max_model_len=16,
-                  token_buckets=(256,), page_buckets=(2,), speculative_method='draft_model',
-                  num_speculative_tokens=2, draft_model=_model(seed=8, vocab=vocab))
-  params = SamplingParams(max_tokens=4, temperature=1.5, top_k=6, ignore_eos=True)
-  result = engine.generate([prompt] * rows, params)
-  samples = np.array([c.token_ids[:steps] for c in result])
-  pvalue, cells = _chi_square_p(samples, _exact_first_tokens(model, prompt, steps, 1.5, 6))
+  rows = 1600
+  engine, pvalue, cells = sampled_engine_pvalue(
+      _model(vocab=8), speculative_method='draft_model', draft_model=_model(seed=8, vocab=8))
   assert cells > 20
   assert pvalue > 1e-4, pvalue
   counts = engine.spec

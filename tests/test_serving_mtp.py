@@ -13,7 +13,7 @@ import pytest
 from conftest import FIXTURES
 from flax import nnx
 from test_serving_engine import _assert_idle, _run_staggered
-from test_speculative import _chi_square_p, _exact_first_tokens
+from test_serving_speculative import sampled_engine_pvalue
 from test_speculative_mtp import _model
 
 import maxnnx
@@ -251,16 +251,8 @@ def test_sampled_engine_tokens_with_mtp_drafts_keep_the_models_distribution():
   drafted by the MTP module (its first draft and a chained one): a chi-square test over the
   joint cells against the model's exact float64 distribution; drafts were kept and
   rejected."""
-  vocab, steps, rows = 8, 3, 1600
-  model = _model(vocab_size=vocab)
-  prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-  engine = Engine(model, page_size=8, max_batch=48, token_budget=256, max_model_len=16,
-                  token_buckets=(256,), page_buckets=(2,), speculative_method='mtp',
-                  num_speculative_tokens=2)
-  params = SamplingParams(max_tokens=4, temperature=1.5, top_k=6, ignore_eos=True)
-  result = engine.generate([prompt] * rows, params)
-  samples = np.array([c.token_ids[:steps] for c in result])
-  pvalue, cells = _chi_square_p(samples, _exact_first_tokens(model, prompt, steps, 1.5, 6))
+  rows = 1600
+  engine, pvalue, cells = sampled_engine_pvalue(_model(vocab_size=8), speculative_method='mtp')
   assert cells > 20
   assert pvalue > 1e-4, pvalue
   counts = engine.spec

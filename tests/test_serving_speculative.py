@@ -198,23 +198,28 @@ def test_verification_keeps_the_distribution_on_a_tiny_vocabulary(biased):
     assert stats.chisquare(observed[live], expected[live]).pvalue > 1e-4, position
 
 
-def test_sampled_engine_tokens_keep_the_models_distribution():
-  """The first three tokens of 1,600 sampled requests (temperature 1.5, top-k 6 of 8) whose
-  prompt repeats, so that the second and third often come from verified drafts: a chi-square
-  test over the joint cells against the model's exact float64 distribution."""
-  vocab, steps, rows = 8, 3, 1600
-  model = _model(vocab=vocab)
-  prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+def sampled_engine_pvalue(model, **spec):
+  """1,600 sampled requests (temperature 1.5, top-k 6) of a repeating prompt through an
+  engine drafting 2 tokens with ``spec``: returns the engine and the chi-square p-value and
+  cell count of their first three tokens against ``model``'s exact float64 distribution."""
+  prompt, steps, rows = [1, 2, 3, 1, 2, 3, 1, 2], 3, 1600
   engine = Engine(model, page_size=8, max_batch=48, token_budget=256, max_model_len=16,
-                  token_buckets=(256,), page_buckets=(2,), speculative_method='ngram',
-                  num_speculative_tokens=2)
+                  token_buckets=(256,), page_buckets=(2,), num_speculative_tokens=2, **spec)
   params = SamplingParams(max_tokens=4, temperature=1.5, top_k=6, ignore_eos=True)
   result = engine.generate([prompt] * rows, params)
   samples = np.array([c.token_ids[:steps] for c in result])
   pvalue, cells = _chi_square_p(samples, _exact_first_tokens(model, prompt, steps, 1.5, 6))
+  return engine, pvalue, cells
+
+
+def test_sampled_engine_tokens_keep_the_models_distribution():
+  """The first three tokens of 1,600 sampled requests (temperature 1.5, top-k 6 of 8) whose
+  prompt repeats, so that the second and third often come from verified drafts: a chi-square
+  test over the joint cells against the model's exact float64 distribution."""
+  engine, pvalue, cells = sampled_engine_pvalue(_model(vocab=8), speculative_method='ngram')
   assert cells > 20
   assert pvalue > 1e-4, pvalue
-  assert engine.spec.drafts > rows // 3 and engine.spec.accepted_tokens > rows // 20
+  assert engine.spec.drafts > 1600 // 3 and engine.spec.accepted_tokens > 1600 // 20
   _assert_idle(engine)
 
 
