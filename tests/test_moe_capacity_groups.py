@@ -17,9 +17,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from numpy_moe_reference import moe as moe_reference
+from test_moe_memory_scaling import biased_moe
 
 from maxnnx.config import MeshConfig, ModelConfig
-from maxnnx.layers.moe import MoE, RouterBias
 from maxnnx.layers.moe_dispatch import capacity
 from maxnnx.sharding import logical_rules, make_mesh, spec_for, state_shardings, use_mesh
 
@@ -43,12 +43,7 @@ def _cfg(group='sequence', **changes):
 def _setup(cfg, mesh_config, shape=(BATCH, LENGTH)):
   """The block's graphdef, parameters (random balancing bias), the rest, and input, placed
   on ``mesh_config`` (``None``: one device)."""
-  moe = MoE.from_config(cfg, rngs=nnx.Rngs(0))
-  rng = np.random.default_rng(0)
-  for _, node in nnx.iter_graph(moe):
-    if isinstance(node, RouterBias):
-      node[...] = jnp.asarray(rng.normal(size=node.shape) * 0.3, node.dtype)
-  graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+  graphdef, params, rest = biased_moe(cfg)
   x = jax.random.normal(jax.random.key(1), (*shape, cfg.d_model), jnp.float32)
   if mesh_config is None:
     return graphdef, params, rest, x, None

@@ -55,16 +55,22 @@ BLOCK = dict(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=
                 'moe.num_shared_experts': 1})
 
 
-def _block_outputs(mesh_config: MeshConfig | None):
-  """Output, parameter gradients and loads of a DeepSeek-routed MoE block, on one device
-  (``None``) or sharded over ``mesh_config``."""
-  cfg = ModelConfig.from_dict(BLOCK)
+def biased_moe(cfg: ModelConfig):
+  """A MoE block of ``cfg`` whose routing-balance biases are random (so the loads are
+  uneven), split into graphdef, parameters and the rest."""
   moe = MoE.from_config(cfg, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   for _, node in nnx.iter_graph(moe):
     if isinstance(node, RouterBias):
       node[...] = jnp.asarray(rng.normal(size=node.shape) * 0.3, node.dtype)
-  graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+  return nnx.split(moe, nnx.Param, ...)
+
+
+def _block_outputs(mesh_config: MeshConfig | None):
+  """Output, parameter gradients and loads of a DeepSeek-routed MoE block, on one device
+  (``None``) or sharded over ``mesh_config``."""
+  cfg = ModelConfig.from_dict(BLOCK)
+  graphdef, params, rest = biased_moe(cfg)
   x = jax.random.normal(jax.random.key(1), (8, 6, cfg.d_model), jnp.float32)
   cotangent = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
 
