@@ -304,7 +304,8 @@ def test_a_write_the_file_system_refuses_is_one_line_and_no_traceback(tmp_path):
   """A real refused write inside orbax's writers (the file-size limit stands in for a full disk:
   tensorstore reports both as ``RESOURCE_EXHAUSTED ... [os_error_code=N]``): every writer thread
   used to echo it, 14 to 75 tracebacks before the error line. Now the run ends with one line
-  naming the step's directory and nothing else on stderr."""
+  naming the step's directory and nothing else on stderr (the slow-step warning is off: on a
+  loaded machine it may fire, and it is not what this test pins down)."""
   out = tmp_path / 'run'
   script = ('import resource, signal, sys\n'
             'signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n'
@@ -312,7 +313,8 @@ def test_a_write_the_file_system_refuses_is_one_line_and_no_traceback(tmp_path):
             'from maxnnx import cli\n'
             'sys.exit(cli.main(sys.argv[1:]))\n')
   done = subprocess.run([sys.executable, '-c', script, 'train', f'output_dir={out}', *ARGS,
-                         'steps=4', 'data=synthetic'], capture_output=True, text=True,
+                         'steps=4', 'data=synthetic', 'outlier_factor=0'],
+                        capture_output=True, text=True,
                         timeout=300,
                         env={**os.environ, 'PYTHONPATH': ROOT, 'JAX_PLATFORMS': 'cpu'})
   assert done.returncode == 1, done.stderr[-2000:]
