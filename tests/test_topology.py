@@ -93,3 +93,14 @@ def test_the_train_step_compiles_for_a_slice_that_is_not_here(args, devices, kin
   assert done.returncode == 0, done.stderr[-2000:]
   assert f'{devices} {kind} devices' in done.stdout
   assert f'({kind} HBM ({hbm}, datasheet))' in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install 'jax[tpu]')")
+def test_kernels_are_chosen_for_the_slice_not_for_the_host_that_compiles():
+  """Compiled from a CPU host, a step for TPUs picks kernels as a TPU would: tokamax skips its
+  GPU-only Triton implementation for being made for GPUs, not for running on a CPU (its own
+  Mosaic kernel still refuses the CPU host, and the step falls back to tokamax's XLA one)."""
+  done = _compile('topology=v5p-8', 'attention_impl=tokamax')
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert 'triton: not made for tpu' in done.stderr, done.stderr[-2000:]

@@ -68,8 +68,14 @@ def check_policy(on_unsupported: str) -> None:
 
 
 def current_platform() -> str:
-  """``cpu``, ``gpu`` or ``tpu``: where computations run by default."""
-  platform = jax.default_backend()
+  """``cpu``, ``gpu`` or ``tpu``: where the computation being traced will run.
+
+  That is the current mesh's platform when a mesh is set (``jax.set_mesh``, also inside
+  ``jit``), so a step compiled ahead of time for a TPU slice from a CPU host picks the TPU's
+  kernels, as it would on the slice; otherwise JAX's default backend.
+  """
+  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
+  platform = getattr(device, 'platform', None) or jax.default_backend()
   return 'gpu' if platform in ('cuda', 'rocm') else platform
 
 
