@@ -291,7 +291,7 @@ def test_grpo_sigterm_during_a_stuck_reward_stops_at_once_and_resumes(base, tmp_
           'max_new_tokens=4', 'steps=3', 'checkpoint_every=100', f'output_dir={out}', *SMALL]
   assert cli.main(args) == 0
   waited = time.time() - float((tmp_path / 'killed').read_text())
-  assert waited < 5
+  assert waited < 60  # the reward sleeps 600 s: the stop does not wait for it
   assert 'Stopped by SIGTERM after step 1' in capsys.readouterr().out
   assert [m['step'] for m in _metrics(out)] == [1]
   assert cli.main(args) == 0
@@ -335,4 +335,4 @@ def test_grpo_reward_that_never_returns_stops_at_its_timeout(base, tmp_path, cap
   err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
   assert err == ["error: Reward function 'stuck' did not return within 1 s (reward_timeout_s); "
                  'make it faster or raise reward_timeout_s.']
-  assert 1 <= waited < 5
+  assert 1 <= waited < 60  # the reward sleeps 600 s: the timeout cut it

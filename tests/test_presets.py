@@ -1,6 +1,5 @@
 """Tests for maxnnx.presets: names, validity, parameter counts, overrides, tiny forward."""
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -183,11 +182,12 @@ def test_scanned_and_unscanned_models_have_the_same_parameters():
   assert scanned.layers.attn.q_proj.kernel.shape[0] == 26
 
 
-def test_70b_abstract_model_is_fast_and_allocates_nothing():
+def test_70b_abstract_model_allocates_nothing():
+  """No array is created on a device (a 70 B model would not fit here); every leaf is a shape."""
   cfg = get_preset('llama3-70b', **{'runtime.scan_layers': True, 'runtime.param_dtype': 'bfloat16'})
-  start = time.perf_counter()
+  before = {id(a) for a in jax.live_arrays()}
   model = _abstract(cfg)
-  assert time.perf_counter() - start < 5.0
+  assert not [a for a in jax.live_arrays() if id(a) not in before and a.nbytes > 1 << 20]
   leaves = jax.tree.leaves(nnx.state(model))
   assert leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
   assert _param_count(model) == num_params(cfg)
