@@ -23,6 +23,10 @@ from maxnnx.train import TrainConfig, Trainer
 
 MODEL = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=4, mlp_dim=64,
              max_position_embeddings=64, **{'runtime.dtype': 'float32', 'attention.qkv_bias': True})
+MLA_MODEL = dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=4, mlp_dim=64, vocab_size=64,
+                 mtp={'num_layers': 0}, moe={'num_experts': 0},
+                 mla={'q_lora_rank': 16, 'kv_lora_rank': 16, 'qk_nope_head_dim': 16,
+                      'qk_rope_head_dim': 8, 'v_head_dim': 16})
 
 
 def _model(scan=False, **changes):
@@ -197,3 +201,28 @@ def test_mla_clip_scales_nope_by_the_root_and_the_query_rope_by_gamma():
   np.testing.assert_array_equal(attn.kv_a_proj_with_mqa.kernel[...], kv_a_old)
   model(ids)
   np.testing.assert_allclose(attn.max_logits[...], np.minimum(logits, threshold), rtol=2e-5)
+
+
+@pytest.mark.parametrize('preset', ['llama', 'mla'])
+def test_recorded_max_logits_do_not_depend_on_the_attention_strategy(preset):
+  """``xla_flash`` (what ``auto`` runs on CPU and TPU) takes the max logits from its query
+  blocks (256 tokens: two blocks, the upper one skipped), ``xla`` from a dense score pass:
+  every layer's equal, for grouped heads and for MLA (the kernel tests hold ``xla_flash``'s
+  against float64 NumPy)."""
+  ids = jnp.asarray(np.random.default_rng(7).integers(0, 64, size=(1, 256)))
+  recorded = {}
+  for impl in ('xla', 'xla_flash'):
+    if preset == 'llama':
+      cfg = maxnnx.ModelConfig.from_dict({
+          **MODEL, 'num_kv_heads': 2, 'max_position_embeddings': 256,
+          'runtime': {'record_max_logits': True, 'attention_impl': impl}})
+    else:
+      cfg = maxnnx.get_preset('deepseek-v3', runtime={'attention_impl': impl,
+                                                      'record_max_logits': True,
+                                                      'dtype': 'float32'}, **MLA_MODEL)
+    model = maxnnx.Transformer(cfg, rngs=nnx.Rngs(3))
+    model(ids)
+    recorded[impl] = [np.asarray(m) for m in attention_max_logits(model)]
+  for got, expected in zip(recorded['xla_flash'], recorded['xla'], strict=True):
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+  assert np.isfinite(recorded['xla'][0]).all()

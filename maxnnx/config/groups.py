@@ -547,7 +547,8 @@ class RuntimeConfig(ValidatedConfig):
       recomputed.
     record_max_logits: give each attention layer a ``max_logits`` variable that every
       forward pass fills with each head's largest pre-softmax logit (what QK-clip,
-      ``TrainConfig.qk_clip_threshold``, reads; one more score pass per layer).
+      ``TrainConfig.qk_clip_threshold``, reads; ``xla_flash`` takes it from its own blocks,
+      other strategies cost one more dense score pass per layer).
     kernel_on_unsupported: what a kernel strategy does with a call it declares it
       cannot serve: ``fallback`` (compute it with ``xla``/``lax`` and log a warning
       once) or ``error`` (raise).

@@ -61,6 +61,16 @@ class AttentionKernel(KernelStrategy):
              mask: AttentionMask, options: AttentionOptions) -> jax.Array:
     """Compute attention for a call already checked against the capabilities."""
 
+  def attend_and_max_logits(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                            mask: AttentionMask, options: AttentionOptions
+                            ) -> tuple[jax.Array, jax.Array | None]:
+    """``__call__``'s output and each head's largest visible logit ``scale * q . k`` (before
+    any soft-cap; ``[heads]`` float32, no gradient, ``-inf`` for a head that sees no key),
+    for QK-clip. ``None`` in its place where the strategy does not track it as it attends
+    (this default): the caller then computes it over the dense mask.
+    """
+    return self(q_BTNH, k_BSKH, v_BSKH, mask, options), None
+
 
 @dataclasses.dataclass(frozen=True)
 class XlaAttention(AttentionKernel):

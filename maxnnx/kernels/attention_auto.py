@@ -55,12 +55,22 @@ class AutoAttention(AttentionKernel):
 
   def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Attention by the chosen strategy."""
+    return self._chosen(q_BTNH, k_BSKH, v_BSKH, mask, options)(q_BTNH, k_BSKH, v_BSKH, mask,
+                                                                options)
+
+  def attend_and_max_logits(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
+    """The chosen strategy's output and max logits (``xla_flash`` tracks them blockwise)."""
+    kernel = self._chosen(q_BTNH, k_BSKH, v_BSKH, mask, options)
+    return kernel.attend_and_max_logits(q_BTNH, k_BSKH, v_BSKH, mask, options)
+
+  def _chosen(self, q_BTNH, k_BSKH, v_BSKH, mask, options) -> AttentionKernel:
+    """:meth:`choose` for this call, logged once per kind of call."""
     request = AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, options, mask)
     kernel = self.choose(request)
     log_once(('attention', 'auto', request.platform, request.dtype, kernel.name),
              f"attention_impl 'auto' runs '{kernel.name}' for {request.dtype} on "
              f'{request.platform}.')
-    return kernel(q_BTNH, k_BSKH, v_BSKH, mask, options)
+    return kernel
 
 
 register_attention_kernel('auto', AutoAttention)

@@ -26,7 +26,7 @@ fewer than ``W`` indices back (the plan's first key). Plain, packed and
 left-padded rows pass. Where the check fails (context-parallel load balancing
 reorders tokens, user positions out of order, padding inside a windowed
 document), the kernel scores each of the same query blocks against all keys, in
-a loop (one block's scores alive at a time, where the blocks are of equal size):
+a loop (one block's scores alive at a time):
 the answer is never wrong, only slower. Either way no buffer holds a score per
 head for every query-key pair (``[B, H, T, S]`` float32, 8 GiB at 128 heads and
 4,096 tokens, which the compiled step would reserve even where the check
@@ -34,7 +34,13 @@ passes): the largest is one block's ``[B, H, T / n, S]``. Nor is the mask ever
 whole: each block's ``[B, T / n, S]`` part is built from the segment ids and
 positions where it is used (a ``[B, T, S]`` bool is 16 MiB a row at 4,096
 tokens); only an extra ``key_mask_BTS`` the caller passes is dense. Decoding
-(queries shorter than the cache) takes one block over all keys.
+(queries shorter than the cache) takes one block over all keys. Where the length does not
+split evenly, the fallback pads the queries to the largest block's rows with rows in
+segment 0 (they see no key, get a zero output gradient, and are cut off), so it loops too.
+
+For QK-clip, :meth:`BlockwiseAttention.attend_and_max_logits` also returns each head's
+largest visible logit ``scale * q . k`` (before the soft-cap), a masked max over the scores
+each block forms anyway, so recording it needs no dense mask or score pass either.
 
 Everything ``xla`` supports is supported: GQA/MQA, packed and padded rows,
 static and traced sliding windows, chunked attention (a static chunk bounds the
@@ -51,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxnnx.kernels.attention import AttentionKernel, XlaAttention, register_attention_kernel
+from maxnnx.kernels.capabilities import AttentionRequest
 from maxnnx.kernels.masks import AttentionMask, index_order_matches_positions
 
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -133,23 +140,31 @@ def _with_query_parts(vis, parts):
   return mask, window, chunk, key_mask_BTS
 
 
-def _scores(q_BKGtH, k_BKsH, allowed_Bts, scale, softcap):
-  """Masked float32 scores of one block and ``tanh`` of the soft-cap (``None`` without it)."""
+def _scores(q_BKGtH, k_BKsH, allowed_Bts, scale, softcap, track=False):
+  """Masked float32 scores of one block, ``tanh`` of the soft-cap (``None`` without it) and,
+  with ``track``, each head's largest visible logit before the soft-cap (``[K, G]``, ``-inf``
+  where the block sees nothing; else ``None``)."""
   raw = jnp.einsum('bkgth,bksh->bkgts', q_BKGtH, k_BKsH,
                    preferred_element_type=jnp.float32) * scale
+  top_KG = None
+  if track:
+    top_KG = jnp.max(jnp.where(allowed_Bts[:, None, None], raw, -jnp.inf), axis=(0, 3, 4))
   tanh = None
   if softcap is not None:
     tanh = jnp.tanh(raw / softcap)
     raw = softcap * tanh
-  return jnp.where(allowed_Bts[:, None, None], raw, _NEG), tanh
+  return jnp.where(allowed_Bts[:, None, None], raw, _NEG), tanh, top_KG
 
 
-def _forward(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, scale, softcap, plan):
-  """Output ``[B, K, G, T, V]`` and log-sum-exp ``[B, K, G, T, 1]`` (float32) of a plan."""
-  outs, lses = [], []
+def _forward(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, scale, softcap, plan, track=False):
+  """Output ``[B, K, G, T, V]``, log-sum-exp ``[B, K, G, T, 1]`` (float32) of a plan and, with
+  ``track``, each head's largest visible logit ``[K, G]`` (else ``None``)."""
+  outs, lses, tops = [], [], []
   for q_start, q_end, k_start, k_end in plan:
-    s, _ = _scores(q_BKGTH[:, :, :, q_start:q_end], k_BKSH[:, :, k_start:k_end],
-                   _visible(vis, slice(q_start, q_end), slice(k_start, k_end)), scale, softcap)
+    s, _, top_KG = _scores(q_BKGTH[:, :, :, q_start:q_end], k_BKSH[:, :, k_start:k_end],
+                           _visible(vis, slice(q_start, q_end), slice(k_start, k_end)), scale,
+                           softcap, track)
+    tops.append(top_KG)
     m = jnp.max(s, axis=-1, keepdims=True)
     if sinks_KG is not None:
       m = jnp.maximum(m, sinks_KG[None, :, :, None, None])
@@ -161,7 +176,8 @@ def _forward(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, scale, softcap, plan):
                    preferred_element_type=jnp.float32)
     outs.append((o / total).astype(v_BKSV.dtype))
     lses.append(m + jnp.log(total))
-  return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
+  top_KG = functools.reduce(jnp.maximum, tops) if track else None
+  return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3), top_KG
 
 
 def _backward(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, out_BKGTV, lse_BKGT1, dout_BKGTV,
@@ -184,7 +200,8 @@ def _backward_f32(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, out_BKGTV, lse_BKGT1,
   for q_start, q_end, k_start, k_end in plan:
     rows, keys = slice(q_start, q_end), slice(k_start, k_end)
     q_blk, dout_blk = q_BKGTH[:, :, :, rows], dout_BKGTV[:, :, :, rows]
-    s, tanh = _scores(q_blk, k_BKSH[:, :, keys], _visible(vis, rows, keys), scale, softcap)
+    s, tanh, _ = _scores(q_blk, k_BKSH[:, :, keys], _visible(vis, rows, keys), scale,
+                         softcap)
     p = jnp.exp(s - lse_BKGT1[:, :, :, rows])
     dv = dv.at[:, :, keys].add(jnp.einsum('bkgts,bkgtv->bksv', p.astype(dout_blk.dtype),
                                           dout_blk, preferred_element_type=jnp.float32))
@@ -206,12 +223,31 @@ def _backward_f32(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, out_BKGTV, lse_BKGT1,
   return jnp.concatenate(dqs, axis=3), dk, dv, dsinks
 
 
-def _equal_rows(plan: tuple[Block, ...], kv_length: int) -> int | None:
-  """Rows per block when the plan is two or more equal query blocks over all keys, else None."""
-  rows = {q_end - q_start for q_start, q_end, _, _ in plan}
-  if len(plan) < 2 or len(rows) > 1 or plan != all_keys(plan, kv_length):
+def _loop_rows(plan: tuple[Block, ...], kv_length: int) -> int | None:
+  """Rows per looped block when the plan is two or more query blocks over all keys (its
+  largest block's: uneven blocks are padded to it), else None."""
+  if len(plan) < 2 or plan != all_keys(plan, kv_length):
     return None
-  return rows.pop()
+  return max(q_end - q_start for q_start, q_end, _, _ in plan)
+
+
+def _pad_rows(x, length, axis, value=0):
+  """``x`` with ``axis`` padded with ``value`` at the end to ``length`` (unchanged if there)."""
+  if x is None or x.shape[axis] == length:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _padded_query_blocks(vis, rows, num_blocks):
+  """The per-query arrays of ``vis`` padded to ``rows * num_blocks`` queries (padding rows are
+  in segment 0, so they see no key) and cut into blocks of ``rows``, the block index first."""
+  seg, pos, blocks, key_mask_BTS = _query_parts(vis)
+  length = rows * num_blocks
+  parts = (_pad_rows(seg, length, 1), _pad_rows(pos, length, 1),
+           _pad_rows(blocks, length, 1, -1), _pad_rows(key_mask_BTS, length, 1, False))
+  return jax.tree.map(lambda x: _blocks_first(x, rows, 1), parts)
 
 
 def _blocks_first(x, rows, axis):
@@ -220,30 +256,38 @@ def _blocks_first(x, rows, axis):
   return jnp.moveaxis(x, axis, 0)
 
 
-def _blocks_back(x, axis):
-  """Undo :func:`_blocks_first`: the leading block index joins ``axis`` again."""
+def _blocks_back(x, axis, length):
+  """Undo :func:`_blocks_first`: the leading block index joins ``axis`` again, cut back to
+  ``length`` rows (dropping the padding)."""
   x = jnp.moveaxis(x, 0, axis)
-  return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+  x = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+  return jax.lax.slice_in_dim(x, 0, length, axis=axis)
 
 
-def _forward_in_turn(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, scale, softcap, plan):
-  """:func:`_forward`; equal blocks over all keys run in a loop, so one block's scores
-  are alive at a time (unrolled, XLA may keep every block's at once)."""
-  rows = _equal_rows(plan, k_BKSH.shape[2])
+def _forward_in_turn(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, scale, softcap, track, plan):
+  """:func:`_forward`; query blocks over all keys run in a loop, so one block's scores are
+  alive at a time (unrolled, XLA may keep every block's at once). Uneven blocks are padded
+  to the largest with rows that see no key, which the result drops."""
+  length = q_BKGTH.shape[3]
+  rows = _loop_rows(plan, k_BKSH.shape[2])
   if rows is None:
-    return _forward(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, scale, softcap, plan)
+    return _forward(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, scale, softcap, plan, track)
   one = ((0, rows, 0, k_BKSH.shape[2]),)
-  out, lse = jax.lax.map(
+  q_blocks = _blocks_first(_pad_rows(q_BKGTH, rows * len(plan), 3), rows, 3)
+  out, lse, top = jax.lax.map(
       lambda xs: _forward(xs[0], k_BKSH, v_BKSV, _with_query_parts(vis, xs[1]), sinks_KG, scale,
-                          softcap, one),
-      (_blocks_first(q_BKGTH, rows, 3), _query_blocks(vis, rows)))
-  return _blocks_back(out, 3), _blocks_back(lse, 3)
+                          softcap, one, track),
+      (q_blocks, _padded_query_blocks(vis, rows, len(plan))))
+  top_KG = None if top is None else jnp.max(top, axis=0)
+  return _blocks_back(out, 3, length), _blocks_back(lse, 3, length), top_KG
 
 
 def _backward_in_turn(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, out_BKGTV, lse_BKGT1,
                       dout_BKGTV, scale, softcap, plan):
-  """:func:`_backward`, looping over equal blocks over all keys like :func:`_forward_in_turn`."""
-  rows = _equal_rows(plan, k_BKSH.shape[2])
+  """:func:`_backward`, looping over query blocks over all keys like :func:`_forward_in_turn`
+  (padding rows get a zero output gradient, so they add nothing to any gradient)."""
+  length = q_BKGTH.shape[3]
+  rows = _loop_rows(plan, k_BKSH.shape[2])
   if rows is None:
     return _backward(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, out_BKGTV, lse_BKGT1,
                      dout_BKGTV, scale, softcap, plan)
@@ -258,17 +302,12 @@ def _backward_in_turn(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, out_BKGTV, lse_BKG
 
   init = (jnp.zeros(k_BKSH.shape, jnp.float32), jnp.zeros(v_BKSV.shape, jnp.float32),
           None if sinks_KG is None else jnp.zeros(sinks_KG.shape, jnp.float32))
-  xs = (_blocks_first(q_BKGTH, rows, 3), _query_blocks(vis, rows),
-        _blocks_first(out_BKGTV, rows, 3), _blocks_first(lse_BKGT1, rows, 3),
-        _blocks_first(dout_BKGTV, rows, 3))
+  cut = lambda x: _blocks_first(_pad_rows(x, rows * len(plan), 3), rows, 3)  # noqa: E731
+  xs = (cut(q_BKGTH), _padded_query_blocks(vis, rows, len(plan)), cut(out_BKGTV),
+        cut(lse_BKGT1), cut(dout_BKGTV))
   (dk, dv, dsinks), dq = jax.lax.scan(step, init, xs)
-  return (_blocks_back(dq, 3), dk.astype(k_BKSH.dtype), dv.astype(v_BKSV.dtype),
+  return (_blocks_back(dq, 3, length), dk.astype(k_BKSH.dtype), dv.astype(v_BKSV.dtype),
           None if dsinks is None else dsinks.astype(sinks_KG.dtype))
-
-
-def _query_blocks(vis, rows):
-  """The per-query arrays of ``vis`` cut into blocks of ``rows``, the block index first."""
-  return jax.tree.map(lambda x: _blocks_first(x, rows, 1), _query_parts(vis))
 
 
 def _choose(skip_ok, skipping, full):
@@ -278,20 +317,24 @@ def _choose(skip_ok, skipping, full):
   return jax.lax.cond(skip_ok, skipping, full)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attention(q, k, v, vis, sinks, skip_ok, scale, softcap, plan, full_plan):
-  out, _ = _attention_fwd(q, k, v, vis, sinks, skip_ok, scale, softcap, plan, full_plan)
-  return out
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _attention(q, k, v, vis, sinks, skip_ok, scale, softcap, track, plan, full_plan):
+  """Output and, with ``track``, each head's largest visible logit (no gradient flows
+  through it), else ``None``."""
+  outs, _ = _attention_fwd(q, k, v, vis, sinks, skip_ok, scale, softcap, track, plan,
+                           full_plan)
+  return outs
 
 
-def _attention_fwd(q, k, v, vis, sinks, skip_ok, scale, softcap, plan, full_plan):
-  run = functools.partial(_forward_in_turn, q, k, v, vis, sinks, scale, softcap)
-  out, lse = _choose(skip_ok, lambda: run(plan), lambda: run(full_plan))
-  return out, (q, k, v, vis, sinks, skip_ok, out, lse)
+def _attention_fwd(q, k, v, vis, sinks, skip_ok, scale, softcap, track, plan, full_plan):
+  run = functools.partial(_forward_in_turn, q, k, v, vis, sinks, scale, softcap, track)
+  out, lse, top = _choose(skip_ok, lambda: run(plan), lambda: run(full_plan))
+  return (out, top), (q, k, v, vis, sinks, skip_ok, out, lse)
 
 
-def _attention_bwd(scale, softcap, plan, full_plan, residuals, dout):
+def _attention_bwd(scale, softcap, track, plan, full_plan, residuals, cotangents):
   q, k, v, vis, sinks, skip_ok, out, lse = residuals
+  dout = cotangents[0]  # the max logits are a statistic: their cotangent is dropped
   run = functools.partial(_backward_in_turn, q, k, v, vis, sinks, out, lse, dout, scale,
                           softcap)
   dq, dk, dv, dsinks = _choose(skip_ok, lambda: run(plan), lambda: run(full_plan))
@@ -329,6 +372,20 @@ class BlockwiseAttention(AttentionKernel):
 
   def attend(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
     """Skip the key blocks no query of a block can see (checked at run time), then attend."""
+    return self._blockwise(q_BTNH, k_BSKH, v_BSKH, mask, options, track=False)[0]
+
+  def attend_and_max_logits(self, q_BTNH, k_BSKH, v_BSKH, mask, options):
+    """The output and each head's largest visible logit, taken from the same blocks' scores
+    (no dense mask or score pass); a call this strategy cannot serve gets ``xla``'s output
+    and ``None`` (or the policy's error)."""
+    return self.run_checked(AttentionRequest.of(q_BTNH, k_BSKH, v_BSKH, options, mask),
+                            functools.partial(self._blockwise, track=True),
+                            lambda *args: (XlaAttention().attend(*args), None),
+                            q_BTNH, k_BSKH, v_BSKH, mask, options)
+
+  def _blockwise(self, q_BTNH, k_BSKH, v_BSKH, mask, options, track):
+    """Output ``[B, T, N, V]`` and, with ``track``, the per-head max logits ``[N]`` (else
+    ``None``)."""
     scale, softcap, sinks_N = options.scale, options.softcap, options.sinks_N
     sliding_window = options.sliding_window
     batch, length, num_heads, head_dim = q_BTNH.shape
@@ -350,9 +407,10 @@ class BlockwiseAttention(AttentionKernel):
     vis = (mask, options.sliding_window, options.chunk_size, options.key_mask_BTS)
     sinks_KG = (None if sinks_N is None
                 else sinks_N.astype(jnp.float32).reshape(num_kv_heads, groups))
-    out_BKGTV = _attention(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, skip_ok, scale,
-                           softcap, plan, full_plan)
-    return out_BKGTV.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, -1)
+    out_BKGTV, top_KG = _attention(q_BKGTH, k_BKSH, v_BKSV, vis, sinks_KG, skip_ok, scale,
+                                   softcap, track, plan, full_plan)
+    out_BTNV = out_BKGTV.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, -1)
+    return out_BTNV, None if top_KG is None else jax.lax.stop_gradient(top_KG.reshape(-1))
 
 
 register_attention_kernel('xla_flash', BlockwiseAttention)

@@ -31,12 +31,12 @@ from maxnnx.kernels.kv_quant import (
 )
 from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.options import AttentionOptions
-from maxnnx.layers.context_parallel import attend
+from maxnnx.layers.context_parallel import attend, attend_and_max_logits
 from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.params import logical_param
-from maxnnx.layers.qk_clip import MaxLogits, head_max_logits
+from maxnnx.layers.qk_clip import MaxLogits
 from maxnnx.layers.rope import apply_rope, deinterleave
 from maxnnx.sharding import constrain
 
@@ -244,10 +244,11 @@ class Attention(nnx.Module):
     v_BTKH = checkpoint_name(constrain(v_BTKH, KV_AXES), 'value_proj')
     options = self._options(call.sliding_window, call.chunk_size)
     if self.max_logits is not None and cache_index is None and mask is not None:
-      self.max_logits[...] = head_max_logits(q_BTNH, k_BTKH, options.visible(mask),
-                                             self.scale)
-    out_BTNH = self._gate(attend(self.kernel, q_BTNH, k_BTKH, v_BTKH, mask, options),
-                          gate_BTNH)
+      out_BTNH, self.max_logits[...] = attend_and_max_logits(self.kernel, q_BTNH, k_BTKH,
+                                                             v_BTKH, mask, options)
+    else:
+      out_BTNH = attend(self.kernel, q_BTNH, k_BTKH, v_BTKH, mask, options)
+    out_BTNH = self._gate(out_BTNH, gate_BTNH)
     out_BTNH = checkpoint_name(constrain(out_BTNH, Q_AXES), 'attention_out')
     out_BTD = checkpoint_name(constrain(self.o_proj(out_BTNH), OUT_AXES), 'out_proj')
     return (out_BTD, (k_BTKH, v_BTKH)) if call.return_kv else out_BTD

@@ -19,6 +19,7 @@ from maxnnx.kernels.attention import AttentionKernel
 from maxnnx.kernels.masks import AttentionMask
 from maxnnx.kernels.options import AttentionOptions
 from maxnnx.kernels.ring_attention import ring_attention
+from maxnnx.layers.qk_clip import head_max_logits
 from maxnnx.sharding import context_parallel_strategy, mesh_axis_size
 
 CONTEXT_AXIS = 'context'
@@ -44,6 +45,22 @@ def attend(kernel: AttentionKernel, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH
                       'mesh.context_parallel_strategy=all_gather.')
   return _ring(q_BTNH, k_BSKH, v_BSKH, mask, options, shards)
 
+
+
+def attend_and_max_logits(kernel: AttentionKernel, q_BTNH: jax.Array, k_BSKH: jax.Array,
+                          v_BSKH: jax.Array, mask: AttentionMask, options: AttentionOptions
+                          ) -> tuple[jax.Array, jax.Array]:
+  """:func:`attend`'s output and each head's largest visible logit ``[heads]`` (QK-clip's
+  record): from the kernel's own blocks where it tracks them (``xla_flash``, no dense mask or
+  scores), else :func:`~maxnnx.layers.qk_clip.head_max_logits` over the dense mask."""
+  max_N = None
+  if context_parallel_strategy() != 'ring' or mesh_axis_size(CONTEXT_AXIS) == 1:
+    out, max_N = kernel.attend_and_max_logits(q_BTNH, k_BSKH, v_BSKH, mask, options)
+  else:
+    out = attend(kernel, q_BTNH, k_BSKH, v_BSKH, mask, options)
+  if max_N is None:
+    max_N = head_max_logits(q_BTNH, k_BSKH, options.visible(mask), options.scale)
+  return out, max_N
 
 def _ring(q_BTNH, k_BSKH, v_BSKH, mask, options, shards):
   """``ring_attention`` under ``shard_map`` over ``context``; array-valued options

@@ -38,7 +38,7 @@ from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.options import AttentionOptions
 from maxnnx.kernels.paged_attention import PagedBatch
 from maxnnx.layers.attention import KV_AXES, OUT_AXES, Q_AXES
-from maxnnx.layers.context_parallel import attend
+from maxnnx.layers.context_parallel import attend, attend_and_max_logits
 from maxnnx.layers.indexer import (
   IndexerLoss,
   LightningIndexer,
@@ -48,7 +48,7 @@ from maxnnx.layers.indexer import (
 from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.norms import RMSNorm
-from maxnnx.layers.qk_clip import MaxLogits, head_max_logits
+from maxnnx.layers.qk_clip import MaxLogits
 from maxnnx.layers.rope import apply_rope, deinterleave
 from maxnnx.sharding import constrain
 
@@ -248,13 +248,15 @@ class MLA(nnx.Module):
     v_BSNQ = checkpoint_name(constrain(v_BSNQ, KV_AXES), 'value_proj')
     options = AttentionOptions(scale=self.scale, softcap=self.softcap,
                                sliding_window=sliding_window, key_mask_BTS=key_mask_BTS)
-    if record and self.max_logits is not None:
-      self.max_logits[...] = head_max_logits(q_BTNQ, k_BSNQ, options.visible(mask), self.scale)
     if index_BTS is not None:
       over_BTS = options.visible(mask)
       self.indexer_loss[...] = indexer_kl_loss(
           index_BTS, attention_target(q_BTNQ, k_BSNQ, over_BTS, self.scale), over_BTS)
-    out = attend(self.kernel, q_BTNQ, k_BSNQ, v_BSNQ, mask, options)
+    if record and self.max_logits is not None:
+      out, self.max_logits[...] = attend_and_max_logits(self.kernel, q_BTNQ, k_BSNQ, v_BSNQ,
+                                                        mask, options)
+    else:
+      out = attend(self.kernel, q_BTNQ, k_BSNQ, v_BSNQ, mask, options)
     return checkpoint_name(constrain(out[..., :self.v_dim], Q_AXES), 'attention_out')
 
   def _paged(self, q_1TNQ, latent_1TL, k_rot_1T1R, paged: PagedBatch, sliding_window,

@@ -4,7 +4,9 @@ rescaling the query and key projections after each optimizer step.
 A model built with ``ModelConfig.runtime.record_max_logits`` gives each attention layer a
 :class:`MaxLogits` variable, which every training forward pass overwrites with each head's
 largest pre-softmax logit ``scale * q . k`` over the keys it may see (float32, outside the
-gradient; it costs one more ``[B, heads, T, S]`` score pass per layer). After the update,
+gradient). ``xla_flash`` takes it from the blocks of scores it forms anyway (no dense mask or
+scores); other strategies cost one more ``[B, heads, T, S]`` score pass per layer
+(:func:`head_max_logits`; see ``layers.context_parallel.attend_and_max_logits``). After the update,
 :func:`clip_query_key` multiplies head ``h`` by ``gamma_h = min(1, threshold / max_logit_h)``,
 which scales that head's logits on the same input by exactly ``gamma_h``:
 
