@@ -17,9 +17,9 @@ from numpy_reference import attention, visible
 
 from maxnnx.checkpoint.run_lock import LOCK_NAME
 from maxnnx.config import ConfigError, MeshConfig
-from maxnnx.kernels import AttentionMask, AttentionOptions, XlaAttention
+from maxnnx.kernels import AttentionMask, AttentionOptions, BlockwiseAttention, XlaAttention
 from maxnnx.layers.attention import Q_AXES
-from maxnnx.layers.context_parallel import attend
+from maxnnx.layers.context_parallel import attend, attend_and_max_logits
 from maxnnx.sharding import logical_rules, make_mesh, spec_for, use_mesh
 from maxnnx.train.batches import context_permutation
 
@@ -45,15 +45,17 @@ def _inputs(balanced: bool, packed: bool, seed=0):
   return q[:, order], k[:, order], v[:, order], segments[:, order], positions[:, order]
 
 
-def _ring(q, k, v, segments, positions, options, mesh_config):
-  """The output of ``attend`` under ``mesh_config`` and its compiled HLO text."""
+def _ring(q, k, v, segments, positions, options, mesh_config, run=attend,
+          kernel=None):
+  """The output of ``run`` (``attend``) under ``mesh_config`` and its compiled HLO text."""
   mesh = make_mesh(mesh_config)
   mask = AttentionMask.causal(jnp.asarray(segments), jnp.asarray(positions))
   seq = NamedSharding(mesh, spec_for(Q_AXES, logical_rules(mesh_config), mesh, q.shape))
   q, k, v = (jax.device_put(a, seq) for a in (q, k, v))
   with use_mesh(mesh, logical_rules(mesh_config),
                 context_parallel_strategy=mesh_config.context_parallel_strategy):
-    step = jax.jit(lambda q, k, v, m: attend(XlaAttention(), q, k, v, m, options))
+    kernel = kernel or XlaAttention()
+    step = jax.jit(lambda q, k, v, m: run(kernel, q, k, v, m, options))
     compiled = step.lower(q, k, v, mask).compile()
     return compiled(q, k, v, mask), compiled.as_text()
 
@@ -81,6 +83,24 @@ def test_ring_equals_float64_reference(case):
   expected = attention(q, k, v, allowed, options.scale, options.softcap, options.sinks_N)
   real = allowed.any(-1) | (options.sinks_N is not None)  # rows that see something
   np.testing.assert_allclose(np.asarray(out)[real], expected[real], rtol=2e-5, atol=2e-6)
+
+
+def test_ring_keeps_the_ring_and_records_max_logits_densely():
+  """QK-clip's recording under ``ring``: the output is the ring's (the kernel, ``xla_flash``,
+  whose own max logits cover one shard's keys, is not called) and the max logits come from
+  the dense pass, equal to float64 NumPy's over the visible keys."""
+  q, k, v, segments, positions = _inputs(balanced=True, packed=True)
+  options = AttentionOptions(scale=HEAD_DIM ** -0.5)
+  (out, max_N), hlo = _ring(q, k, v, segments, positions, options, RING,
+                            run=attend_and_max_logits, kernel=BlockwiseAttention())
+  assert 'collective-permute' in hlo
+  allowed = visible(segments, positions, segments, positions, None)
+  expected = attention(q, k, v, allowed, options.scale, None, None)
+  real = allowed.any(-1)
+  np.testing.assert_allclose(np.asarray(out)[real], expected[real], rtol=2e-5, atol=2e-6)
+  scores = np.einsum('btnh,bsnh->bnts', np.float64(q), np.repeat(np.float64(k), 2, axis=2))
+  top = np.where(allowed[:, None], scores * options.scale, -np.inf).max(axis=(0, 2, 3))
+  np.testing.assert_allclose(max_N, top, rtol=1e-5)
 
 
 def test_ring_gradients_equal_all_gather():
