@@ -46,7 +46,6 @@ def attend(kernel: AttentionKernel, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH
   return _ring(q_BTNH, k_BSKH, v_BSKH, mask, options, shards)
 
 
-
 def attend_and_max_logits(kernel: AttentionKernel, q_BTNH: jax.Array, k_BSKH: jax.Array,
                           v_BSKH: jax.Array, mask: AttentionMask, options: AttentionOptions
                           ) -> tuple[jax.Array, jax.Array]:
@@ -61,6 +60,7 @@ def attend_and_max_logits(kernel: AttentionKernel, q_BTNH: jax.Array, k_BSKH: ja
   if max_N is None:
     max_N = head_max_logits(q_BTNH, k_BSKH, options.visible(mask), options.scale)
   return out, max_N
+
 
 def _ring(q_BTNH, k_BSKH, v_BSKH, mask, options, shards):
   """``ring_attention`` under ``shard_map`` over ``context``; array-valued options
