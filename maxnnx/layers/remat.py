@@ -8,11 +8,18 @@ Everything not saved is recomputed in the backward pass. The ``custom`` policy
 chooses per tagged tensor: kept in device memory, offloaded to host memory
 (``pinned_host``: the forward pass copies it out, the backward pass copies it
 back), or recomputed, as MaxText's ``remat_policy: custom`` does.
+
+A block whose parameters arrive in host memory (a scanned layer stack streamed from the host,
+``TrainConfig.parameter_streaming``) is wrapped with ``stream=True``: the wrapped function
+copies them to the device itself (:func:`to_device`), tagged ``streamed_parameters``, which no
+policy but ``none`` saves, so the backward pass copies the layer in again rather than keeping
+the copy.
 """
 
 from collections.abc import Callable, Sequence
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 _CP = jax.checkpoint_policies
 
@@ -35,10 +42,38 @@ def custom_policy(save: Sequence[str] = (), offload: Sequence[str] = ()):
       offload_src='device', offload_dst='pinned_host')
 
 
+STREAMED = 'streamed_parameters'
+
+
+def in_host_memory(x) -> bool:
+  """Whether ``x`` (an array or a tracer) is in host memory."""
+  return hasattr(x, 'shape') and jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def to_device(x):
+  """``x`` copied to device memory when it is in host memory (inside a jitted step); anything
+  else as it is."""
+  return jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x
+
+
 def remat(fn: Callable, policy: str, *, save: Sequence[str] = (),
-          offload: Sequence[str] = ()) -> Callable:
+          offload: Sequence[str] = (), stream: bool = False) -> Callable:
   """``fn`` wrapped in ``jax.checkpoint`` with the named policy (``none``: unchanged;
-  ``custom``: :func:`custom_policy` of ``save`` and ``offload``)."""
+  ``custom``: :func:`custom_policy` of ``save`` and ``offload``).
+
+  ``stream``: ``fn``'s first argument is a tree of parameters in host memory that the
+  wrapped function copies to the device (tagged :data:`STREAMED`, which no policy but
+  ``none`` saves; ``none`` would keep every layer's copy, so streaming refuses it)."""
+  if stream:
+    if policy == 'none':
+      raise ValueError("Streamed parameters need a remat policy other than 'none'.")
+    inner = fn
+
+    def fn(tree, *args):
+      copied = jax.tree.map(lambda x: checkpoint_name(to_device(x), STREAMED)
+                            if in_host_memory(x) else x, tree)
+      return inner(copied, *args)
+
   if policy == 'none':
     return fn
   if policy == 'custom':

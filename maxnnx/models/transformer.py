@@ -30,7 +30,7 @@ from maxnnx.layers.norm_factory import make_norm
 from maxnnx.layers.params import ForwardStat
 from maxnnx.layers.parts import BlockParts, build_part
 from maxnnx.layers.per_layer_inputs import PerLayerInputs
-from maxnnx.layers.remat import remat
+from maxnnx.layers.remat import in_host_memory, remat
 from maxnnx.layers.rope import RotaryEmbedding
 from maxnnx.layers.vision import VisionEncoder, make_projector
 from maxnnx.models.kv_caches import KVCaches
@@ -42,6 +42,9 @@ _NO_WINDOW = np.iinfo(np.int32).max  # also "no chunk": every position is in chu
 _LAYER_KINDS = ('full', 'sliding', 'chunked', 'linear')  # layer type -> code in traced stacks
 
 
+STACK_NAMES = ('dense_layers', 'layers')  # the attributes a scanned stack can have
+
+
 def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
   """``(attribute, first layer, num layers, use_moe)`` of each scanned stack.
 
@@ -50,8 +53,8 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
   """
   n, k = cfg.num_layers, cfg.moe.first_k_dense_layers if cfg.moe.num_experts else 0
   if k:
-    return (('dense_layers', 0, k, False), ('layers', k, n - k, True))
-  return (('layers', 0, n, cfg.moe.num_experts > 0),)
+    return ((STACK_NAMES[0], 0, k, False), (STACK_NAMES[1], k, n - k, True))
+  return ((STACK_NAMES[1], 0, n, cfg.moe.num_experts > 0),)
 
 
 def layer_rngs(stack_key: jax.Array, index: int | jax.Array) -> nnx.Rngs:
@@ -434,9 +437,11 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
                      chunk_size=attention.chunk_size if layer_type == 'chunked' else None,
                      **fields)
 
-  def _apply_block(self, block, x_BTD, call: LayerCall):
+  def _apply_block(self, block, x_BTD, call: LayerCall, stream: bool = False):
     """``block(x_BTD, call)``, rematerialised per ``config.runtime.remat_policy`` when
-    training (not when decoding or paged)."""
+    training (not when decoding or paged). ``stream``: the block's state is a layer's slice
+    of a stack in host memory, copied to the device inside the remat (forward and backward;
+    :func:`~maxnnx.layers.remat.remat`)."""
     if (call.paged is not None or call.cache_index is not None
         or self.config.runtime.remat_policy == 'none'):
       return block(x_BTD, call)
@@ -448,7 +453,7 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
 
     runtime = self.config.runtime
     out, aux = remat(run, runtime.remat_policy, save=runtime.remat_save,
-                     offload=runtime.remat_offload)(state, x_BTD, call)
+                     offload=runtime.remat_offload, stream=stream)(state, x_BTD, call)
     nnx.update(block, aux)  # forward statistics (ForwardStat) computed inside the remat
     return out
 
@@ -464,7 +469,9 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
     """Run stacked ``layers`` (leading axis = layers) over ``x`` with ``lax.scan``.
 
     ``kinds_L`` (see :func:`_layer_kinds`) may be traced (a pipeline stage's share
-    of the layers); ``layer_types`` are the types the stack holds (static).
+    of the layers); ``layer_types`` are the types the stack holds (static). A stack whose
+    arrays are in host memory inside a jitted step (``TrainConfig.parameter_streaming``) is
+    streamed: each iteration copies only its own layer to the device.
     """
     cfg = self.config
     mixed = len(set(layer_types)) > 1
@@ -477,6 +484,7 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
     static_window = cfg.attention.sliding_window if static == 'sliding' else None
     static_chunk = cfg.attention.chunk_size if static == 'chunked' else None
     graphdef, state = nnx.split(layers)
+    stream = any(in_host_memory(v) for v in jax.tree.leaves(state))
 
     def body(x, xs):
       layer_state, kind = xs
@@ -496,7 +504,7 @@ class Transformer(KVCaches, VisionInputs, nnx.Module):
         window, chunk, layer_cos_sin = static_window, static_chunk, cos_sin[static]
       call = LayerCall(cos_sin=layer_cos_sin, mask=mask, sliding_window=window,
                        chunk_size=chunk, nope=nope, cache_index=cache_index, paged=paged)
-      x = self._apply_block(block, x, call)
+      x = self._apply_block(block, x, call, stream)
       return x, nnx.state(block, (nnx.Cache, ForwardStat))
 
     x_BTD, carried_state = jax.lax.scan(body, x_BTD, (state, kinds_L))

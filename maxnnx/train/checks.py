@@ -47,6 +47,22 @@ def check_qk_clip(config: TrainConfig, model_config: ModelConfig, model) -> None
                       'covers multi-head, grouped-query and MLA attention).')
 
 
+def check_parameter_streaming(config: TrainConfig, model_config: ModelConfig) -> None:
+  """``parameter_streaming`` streams a scanned layer stack into rematerialised blocks: refuse
+  an unscanned stack, and ``remat_policy=none`` (the backward pass would keep every layer's
+  device copy)."""
+  if not config.parameter_streaming:
+    return
+  if not model_config.runtime.scan_layers:
+    raise ConfigError('TrainConfig.parameter_streaming=True streams a scanned layer stack one '
+                      'layer at a time, but the model has scan_layers=False: set '
+                      'scan_layers=True, or use parameter_memory_host_offload alone.')
+  if model_config.runtime.remat_policy == 'none':
+    raise ConfigError('TrainConfig.parameter_streaming=True needs a remat policy: with '
+                      'remat_policy=none the backward pass keeps every layer\'s device copy of '
+                      'its parameters; set remat_policy=full (or another policy).')
+
+
 def check_mtp_context(model_config: ModelConfig, mesh_config: MeshConfig, mesh: Mesh) -> None:
   """Refuse multi-token prediction under the context load-balancing permutation."""
   if (model_config.mtp.num_layers and mesh_config.context_load_balance

@@ -109,7 +109,8 @@ class Compilation:
       eval_step = functools.partial(
           step_lib.eval_step, self._graphdef, frozen_graphdef=self._frozen_graphdef,
           objective=self.objective,
-          parameters_on_host=self.config.parameter_memory_host_offload)
+          parameters_on_host=self.config.parameter_memory_host_offload,
+          streaming=self.config.parameter_streaming)
       with self._context():
         self._eval_compiled = jax.jit(eval_step).lower(
             self._abstract_state, self._abstract_batch(), self._frozen_state).compile()

@@ -56,6 +56,16 @@ class TrainConfig(ValidatedConfig):
       steps (copied to the devices for each update; :mod:`maxnnx.train.optimizer_placement`).
     parameter_memory_host_offload: keep the model's parameters in host memory between steps
       (copied to the devices at the start of each train and eval step).
+    parameter_streaming: with ``parameter_memory_host_offload``, leave the scanned layer
+      stacks in host memory inside the step too: each iteration of the layers' scan copies
+      its own layer to the device (forward, and again in the backward pass's recomputation),
+      so the forward and backward passes hold about one layer's parameters on the device, not
+      all of them (torchtitan's FSDP CPU offload behaves this way); the update copies the
+      stacks and their gradients in. A bool of its own rather than a third value of
+      MaxText's ``parameter_memory_host_offload``, so that key keeps its boolean type and
+      meaning (where the parameters live between steps) and this one says how a step brings
+      them in. Needs ``scan_layers=True``, a ``remat_policy`` other than ``none`` and no
+      pipeline stages (:mod:`maxnnx.train.optimizer_placement`).
     momentum: SGD momentum (0 = plain SGD).
     clip_norm: clip gradients to this global norm (``None``: no clipping).
     z_loss: weight of ``logsumexp(logits)^2`` added to the loss (PaLM).
@@ -156,6 +166,7 @@ class TrainConfig(ValidatedConfig):
   shard_optimizer_over_data: bool = False
   optimizer_memory_host_offload: bool = False
   parameter_memory_host_offload: bool = False
+  parameter_streaming: bool = False
   momentum: float = 0.9
   clip_norm: float | None = 1.0
   z_loss: float = 0.0
@@ -222,6 +233,14 @@ class TrainConfig(ValidatedConfig):
       except re.error as e:
         raise ConfigError(f'TrainConfig.weight_decay_exclude: {pattern!r} is not a regular '
                           f'expression ({e}).') from None
+    if self.parameter_streaming and not self.parameter_memory_host_offload:
+      raise ConfigError('TrainConfig.parameter_streaming=True streams the layers from host '
+                        'memory: set parameter_memory_host_offload=True too.')
+    if self.parameter_streaming and (self.mesh.stage, self.mesh.dcn_stage) != (1, 1):
+      raise ConfigError(f'TrainConfig.parameter_streaming=True does not run with pipeline stages '
+                        f'(mesh.stage={self.mesh.stage}, mesh.dcn_stage={self.mesh.dcn_stage}): '
+                        'the stages scan their layers inside a vmap; use '
+                        'parameter_memory_host_offload alone.')
     if not 0 <= self.decay_fraction <= 1:
       raise ConfigError('TrainConfig.decay_fraction must be in [0, 1].')
     if self.checkpoint_every < 0 or self.keep_checkpoints < 1:

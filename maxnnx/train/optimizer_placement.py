@@ -20,12 +20,22 @@ state (its parameters and the statistics a forward pass records): in host memory
 steps, copied to the devices at the start of each train and eval step, written back by the
 step's output sharding. With both offloads the devices hold the training state only while a
 step runs.
+
+``TrainConfig.parameter_streaming`` (with ``parameter_memory_host_offload``) leaves the scanned
+layer stacks in host memory inside the step too: each iteration of the layers' scan copies
+its own layer's slice to the device, in the forward pass and again in the backward pass's
+recomputation (:meth:`~maxnnx.models.transformer.Transformer._scan_stack`), so the forward
+and backward passes hold one or two layers' parameters on the device rather than all of them.
+The stacks' gradients come out in host memory; they and the parameters are copied in for the
+update (:func:`model_to_device`), when the activations are gone.
 """
 
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from maxnnx.layers.remat import to_device
 
 HOST = 'pinned_host'
 
@@ -78,7 +88,7 @@ def optimizer_state_on_host(shardings):
 def optimizer_state_to_device(state):
   """Inside the train step: the ``(model, optimizer)`` state with ``opt_state`` copied to the
   device for the update."""
-  state[1]['opt_state'] = jax.tree.map(_to_device, state[1]['opt_state'])
+  state[1]['opt_state'] = jax.tree.map(to_device, state[1]['opt_state'])
   return state
 
 
@@ -108,17 +118,24 @@ def parameters_on_device(shardings):
   return _model_part_in(shardings, 'device')
 
 
-def parameters_to_device(state):
+def parameters_to_device(state, keep_on_host: tuple[str, ...] = ()):
   """Inside a step: the ``(model, optimizer)`` state with the model's part copied to the
-  device."""
-  state[0] = jax.tree.map(_to_device, state[0])
+  device, but for the model's attributes named in ``keep_on_host`` (the scanned layer stacks
+  that :func:`~maxnnx.models.transformer.layer_stacks` names, when streamed)."""
+  def one(path, x):
+    return x if getattr(path[0], 'key', None) in keep_on_host else to_device(x)
+
+  state[0] = jax.tree_util.tree_map_with_path(one, state[0])
   return state
 
 
-def _to_device(x):
-  """``x`` copied to device memory (inside a step)."""
-  return jax.device_put(x, jax.memory.Space.Device) if hasattr(x, 'shape') else x
+def model_to_device(model) -> None:
+  """Inside a step: copy the arrays of ``model`` that are in host memory to the device, in
+  place (the streamed layer stacks, before the update)."""
+  nnx.update(model, jax.tree.map(to_device, nnx.state(model)))
 
 
-__all__ = ['optimizer_state_on_host', 'optimizer_state_over_data', 'optimizer_state_to_device',
-           'parameters_on_device', 'parameters_on_host', 'parameters_to_device']
+
+__all__ = ['model_to_device', 'optimizer_state_on_host', 'optimizer_state_over_data',
+           'optimizer_state_to_device', 'parameters_on_device', 'parameters_on_host',
+           'parameters_to_device']

@@ -36,10 +36,16 @@ from maxnnx.layers.moe import (
   load_spread,
 )
 from maxnnx.layers.qk_clip import attention_max_logits, clip_query_key, qk_clip_metrics
+from maxnnx.layers.remat import to_device
+from maxnnx.models.transformer import STACK_NAMES
 from maxnnx.train.config import TrainConfig
 from maxnnx.train.lora.dropout import adapter_dropout
 from maxnnx.train.objectives import Objective
-from maxnnx.train.optimizer_placement import optimizer_state_to_device, parameters_to_device
+from maxnnx.train.optimizer_placement import (
+  model_to_device,
+  optimizer_state_to_device,
+  parameters_to_device,
+)
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -78,6 +84,7 @@ def accumulate_gradients(loss_fn: Callable, params, batch: Batch, steps: int, *,
     grads_acc, sums = carry
     micro, index = xs
     (_, metrics), g = grad_fn(params, micro, index)
+    g = jax.tree.map(to_device, g)  # streamed stacks' gradients come out in host memory
     return (jax.tree.map(jnp.add, grads_acc, g), combine(sums, metrics)), None
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -166,7 +173,7 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
   if config.optimizer_memory_host_offload:
     state = optimizer_state_to_device(state)
   if config.parameter_memory_host_offload:
-    state = parameters_to_device(state)
+    state = parameters_to_device(state, streamed_stacks(config.parameter_streaming))
   model, optimizer = nnx.merge(graphdef, state)
   step = optimizer.step[...]
   model_graphdef, params, rest = nnx.split(model, trainable, ...)
@@ -191,6 +198,9 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
   metrics.update(dropped_fraction(loads, dropped))
   if config.qk_clip_threshold:
     metrics.update(qk_clip_metrics(max_logits, config.qk_clip_threshold))
+  if config.parameter_streaming:  # the stacks and their gradients, from host memory
+    grads = jax.tree.map(to_device, grads)
+    model_to_device(model)
   grad_norm = optax.tree.norm(grads)
   ok, extra = guard(extra, step, metrics['loss'], grad_norm, config.skip_spike_factor)
   new_state = apply_update(model, optimizer, grads, ok, loads, max_logits,
@@ -199,15 +209,22 @@ def train_step(graphdef, state, extra: dict[str, jax.Array], batch: Batch, froze
 
 
 def eval_step(graphdef, state, batch: Batch, frozen_state=None, *, frozen_graphdef=None,
-              objective: Objective, parameters_on_host: bool = False
+              objective: Objective, parameters_on_host: bool = False, streaming: bool = False
               ) -> tuple[jax.Array, jax.Array]:
   """``objective.eval_loss`` of the model in ``state`` on a held-out batch: ``(total, weight)``
-  (``parameters_on_host``: the model's state is copied to the device first)."""
+  (``parameters_on_host``: the model's state is copied to the device first; with
+  ``streaming`` but for the scanned layer stacks, which the scan copies in layer by layer)."""
   if parameters_on_host:
-    state = parameters_to_device(state)
+    state = parameters_to_device(state, streamed_stacks(streaming))
   model, _ = nnx.merge(graphdef, state)
   frozen = _merge_frozen(frozen_graphdef, frozen_state)
   return objective.eval_loss(model, batch, frozen=frozen)
+
+
+def streamed_stacks(streaming: bool) -> tuple[str, ...]:
+  """The model attributes left in host memory inside a step: the scanned layer stacks
+  (:func:`~maxnnx.models.transformer.layer_stacks`) with ``parameter_streaming``, else none."""
+  return STACK_NAMES if streaming else ()
 
 
 def _merge_frozen(graphdef, state) -> dict[str, nnx.Module]:
@@ -215,4 +232,4 @@ def _merge_frozen(graphdef, state) -> dict[str, nnx.Module]:
 
 
 __all__ = ['accumulate_gradients', 'apply_update', 'eval_step', 'guard', 'initial_guard_state',
-           'step_metrics', 'train_step']
+           'step_metrics', 'streamed_stacks', 'train_step']

@@ -220,6 +220,7 @@ class Trainer(FitLoop, Checkpointing, Compilation):
         abstract_model = nnx.eval_shape(lambda: apply_lora(_new_model(model, config.seed),
                                                            config.lora, seed=config.seed))
     checks.check_qk_clip(config, self.model_config, abstract_model)
+    checks.check_parameter_streaming(config, self.model_config)
     return concrete, abstract_model
 
   def _model_config_for(self, model_config: ModelConfig, stages: int) -> ModelConfig:
