@@ -52,6 +52,15 @@ def test_streamed_layers_train_and_evaluate_like_one_device():
   assert trainer.evaluate(2) == pytest.approx(reference.evaluate(2), rel=1e-5)
 
 
+def test_streamed_layers_accumulate_gradients_like_one_device():
+  """With micro-batches the host-memory gradients of each are copied in and summed."""
+  expected = [m['loss'] for m in _trainer(MeshConfig(data=1), steps=2,
+                                          grad_accum_steps=2).fit(log=lambda line: None)]
+  trainer = _trainer(MeshConfig(data=1, fsdp=8), steps=2, grad_accum_steps=2, **STREAMED)
+  losses = [m['loss'] for m in trainer.fit(log=lambda line: None)]
+  np.testing.assert_allclose(losses, expected, rtol=1e-4)
+
+
 def _device_copies(streaming: bool) -> tuple[set[str], set[str]]:
   """The tensor types the train step, lowered for TPU, copies to the device, and those of
   its host-memory arguments."""
