@@ -98,9 +98,10 @@ def test_sharded_grouped_gradients_equal_one_device(mesh):
                grads(MESHES[mesh]), grads(None))
 
 
-def _dispatch_collectives(hlo: str) -> list[str]:
-  """Collectives of the compiled layer that move routing (any integer array) or tokens
-  (``[.., d_model]`` floats with a dimension that counts tokens: a multiple of ``LENGTH``)."""
+def dispatch_collectives(hlo: str, d_model: int = 16, length: int = LENGTH) -> list[str]:
+  """Collectives of the compiled ``hlo`` that move routing (any integer array) or tokens
+  (``[.., d_model]`` floats with a dimension that counts tokens: a multiple of ``length``),
+  each as ``'<collective> <result shape>'``."""
   found = []
   for line in hlo.splitlines():
     match = re.search(r' (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)'
@@ -108,8 +109,8 @@ def _dispatch_collectives(hlo: str) -> list[str]:
     if not match:
       continue
     result = line.split(match.group(0))[0]
-    tokens = [s for s in re.findall(r'f32\[([\d,]*),16\]', result)
-              if any(int(n) % LENGTH == 0 for n in s.split(',') if n)]
+    tokens = [s for s in re.findall(rf'f32\[([\d,]*),{d_model}\]', result)
+              if any(int(n) % length == 0 for n in s.split(',') if n)]
     if re.search(r'[su]32\[', result) or tokens:
       found.append(f'{match.group(1)} {result.split("=")[-1].strip()}')
   return found
@@ -119,9 +120,9 @@ def _dispatch_collectives(hlo: str) -> list[str]:
 def test_sharded_grouped_dispatch_exchanges_no_routing_or_tokens(mesh):
   """Forward and backward: the per-sequence layer's only collectives gather weights and sum
   their gradients; the one global group gathers the routing (the check can fail)."""
-  grouped = _dispatch_collectives(_compiled(_cfg(), MESHES[mesh], grad=True)[0].as_text())
+  grouped = dispatch_collectives(_compiled(_cfg(), MESHES[mesh], grad=True)[0].as_text())
   assert not grouped, grouped
-  whole = _dispatch_collectives(_compiled(_cfg('batch'), MESHES[mesh], grad=True)[0].as_text())
+  whole = dispatch_collectives(_compiled(_cfg('batch'), MESHES[mesh], grad=True)[0].as_text())
   assert any(line.startswith('all-gather s32[') for line in whole), whole
 
 

@@ -8,8 +8,10 @@ left to it whole. Here the
 dispatch runs under ``jax.shard_map`` over ``expert`` and the axes that split the batch ahead
 of it (``data``, ``fsdp``), so each device holds only its own tokens (the FSDP shards of the
 expert weights are gathered on entry, as GSPMD does per layer); the other axes (``tensor``,
-``context``) stay with GSPMD. Each device holds ``num_experts / expert`` experts and its own
-tokens, already routed, and exchanges with the devices that differ from it in ``expert`` alone:
+``context``) stay with GSPMD. Under pipeline stages this ``shard_map`` nests in the
+pipeline's own (see :func:`dispatch_per_batch_shard`). Each device holds
+``num_experts / expert`` experts and its own tokens, already routed, and exchanges with the
+devices that differ from it in ``expert`` alone:
 
 1. it packs its assignments per destination shard into a buffer of fixed size:
    ``dropless`` the worst case (every local assignment, so none is dropped) or, with
@@ -103,8 +105,12 @@ def dispatch_per_batch_shard(dispatch, batch: int, x_ND: jax.Array, weights_NK: 
   only its own; the expert weights' FSDP shards are gathered on entry, as GSPMD does per layer,
   and their gradients summed over the shards on the way out. Dropless routing keeps no state
   across tokens, so the result is the global dispatch's. Under pipeline stages (``stage`` > 1)
-  the layers run vmapped over stages, where this ``shard_map`` does not lower: there the
-  dispatch stays global.
+  it runs the same way on each stage's micro-batch: the pipeline
+  (:func:`maxnnx.parallel.pipeline.pipeline_stack`) runs its stages under a ``shard_map`` with
+  ``stage`` manual, and this one nests inside it. (Under ``vmap(spmd_axis_name='stage')``, as
+  the stages ran before, ``vmap``'s batching rule adds ``stage`` to this ``shard_map``'s specs
+  without making it manual, and the lowering refuses the result: "operand shape,
+  corresponding sharding, and region operand shape ... must match".)
   """
   axes = _batch_shard_axes(batch)
   if not axes:
@@ -120,11 +126,31 @@ def dispatch_per_batch_shard(dispatch, batch: int, x_ND: jax.Array, weights_NK: 
   return per_shard(x_ND, weights_NK, experts_NK, input_weights_NK, expert_weights)
 
 
+def count_per_batch_shard(experts_NK: jax.Array, num_experts: int, batch: int) -> jax.Array:
+  """Assignments per expert ``[num_experts]`` (int32) in ``experts_NK``: each batch shard
+  counts its own (over the axes of :func:`dispatch_per_batch_shard`) and the counts are summed
+  over the shards. Left to the partitioner inside the pipeline's stages, the count gathered the
+  micro-batch's routing onto every device."""
+  def count(e):
+    return jnp.bincount(e.reshape(-1), length=num_experts).astype(jnp.int32)
+
+  axes = _batch_shard_axes(batch)
+  if not axes:
+    return count(experts_NK)
+
+  @functools.partial(jax.shard_map, in_specs=P(axes), out_specs=P(), axis_names=set(axes),
+                     check_vma=False)
+  def per_shard(experts):
+    return jax.lax.psum(count(experts), axes)
+
+  return per_shard(experts_NK)
+
+
 def _batch_shard_axes(batch: int) -> tuple[str, ...]:
   """The mesh axes that split a batch of ``batch`` rows, ``expert`` (left to GSPMD) and
   axes already manual excepted."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1 or mesh_axis_size('stage') > 1:
+  if mesh.empty or mesh.size == 1:
     return ()
   spec = spec_for(('activation_batch',), mesh=mesh, shape=(batch,))[0]
   axes = (spec,) if isinstance(spec, str) else tuple(spec or ())

@@ -52,7 +52,11 @@ from jax.ad_checkpoint import checkpoint_name
 from maxnnx.config import ModelConfig, MoEConfig, RuntimeConfig
 from maxnnx.kernels.lookup import kernel_for
 from maxnnx.kernels.options import RaggedDotOptions
-from maxnnx.layers.expert_parallel import dispatch_all_to_all, dispatch_per_batch_shard
+from maxnnx.layers.expert_parallel import (
+  count_per_batch_shard,
+  dispatch_all_to_all,
+  dispatch_per_batch_shard,
+)
 from maxnnx.layers.layer_call import LayerCall
 from maxnnx.layers.linear import DenseGeneral
 from maxnnx.layers.mlp import ACTIVATIONS, MLP
@@ -394,7 +398,7 @@ class MoE(nnx.Module):
     else:  # one group of the global batch
       y_ND = self._capacity(x_ND, weights_NK, experts_NK, input_weights_NK,
                             self.expert_weights(), group_size=x_ND.shape[0])
-    counts_E = jnp.bincount(experts_NK.reshape(-1), length=cfg.num_experts)
+    counts_E = count_per_batch_shard(experts_NK, cfg.num_experts, batch)
     y_BTD = checkpoint_name(y_ND.astype(self.dtype).reshape(batch, length, d), 'mlp_out')
     if self.shared_experts is not None:
       shared_BTD = self.shared_experts(x_BTD)

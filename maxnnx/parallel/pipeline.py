@@ -31,12 +31,14 @@ re-sharding of ``(R-1)/R`` of every stage's layers).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from maxnnx.layers.block import RESIDUAL_AXES
 from maxnnx.layers.params import ForwardStat
@@ -75,7 +77,10 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
     run_stage: ``run_stage(chunk_layers, per_layer_L, x_bTD, per_row_b) -> x_bTD``
       runs one chunk of the stack on one micro-batch (``chunk_layers`` is a module
       of the same type as ``layers`` with ``num_layers / (stages * repeats)``
-      layers). It is vmapped over stages with ``spmd_axis_name='stage'``.
+      layers). All stages run it at once: under ``jax.shard_map`` with ``stage`` manual, each
+      on its own stage's devices, when the mesh's ``stage`` axis is ``stages`` long (so a
+      ``shard_map`` inside it, such as the MoE dispatch per batch shard, nests in this one);
+      else vmapped over stages with ``spmd_axis_name='stage'``.
     stages: pipeline stages; default the ``stage`` mesh axis size.
     microbatches: micro-batches per batch; default
       :func:`maxnnx.sharding.pipeline_microbatches` (one per stage unless the
@@ -109,7 +114,7 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
     out = run_stage(chunk, chunk_per_layer, x, per_row)
     return out, jax.tree.leaves(nnx.state(chunk, ForwardStat))
 
-  run_stages = jax.vmap(one_stage, spmd_axis_name='stage')
+  run_stages = _per_stage(one_stage, stages)
   buffer_axes = STAGE_AXES + RESIDUAL_AXES
 
   def iteration(carry, i):
@@ -133,6 +138,27 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
       jnp.arange(items + stages - 1))
   stats.write_back(layers, totals, micro)
   return outputs.reshape(batch, length, width)
+
+
+def _per_stage(one_stage: Callable, stages: int) -> Callable:
+  """``one_stage`` run for every stage at once (every argument and result with a leading
+  stage axis). On a mesh whose ``stage`` axis is ``stages`` long: under ``jax.shard_map``
+  with ``stage`` manual, each stage's devices running their own, so what the layers call
+  inside sees ``stage`` as manual (a ``shard_map`` of their own, e.g. the MoE dispatch per
+  batch shard, lowers there; under ``vmap(spmd_axis_name='stage')`` its batching rule puts
+  ``stage`` in the inner specs without making it manual, which the lowering refuses).
+  Otherwise ``vmap`` over stages."""
+  if mesh_axis_size('stage') != stages:
+    return jax.vmap(one_stage, spmd_axis_name='stage')
+
+  # check_vma=False: every argument and result is split over stage; nothing varies otherwise.
+  @functools.partial(jax.shard_map, in_specs=P('stage'), out_specs=P('stage'),
+                     axis_names={'stage'}, check_vma=False)
+  def on_stage(*args):
+    out = one_stage(*jax.tree.map(lambda a: a[0], args))
+    return jax.tree.map(lambda a: a[None], out)
+
+  return on_stage
 
 
 def _by_stage(tree, stages: int, repeats: int, per_chunk: int):
