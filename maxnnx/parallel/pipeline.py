@@ -77,10 +77,8 @@ def pipeline_stack(layers: nnx.Module, x_BTD: jax.Array, per_layer_L: Any, per_r
     run_stage: ``run_stage(chunk_layers, per_layer_L, x_bTD, per_row_b) -> x_bTD``
       runs one chunk of the stack on one micro-batch (``chunk_layers`` is a module
       of the same type as ``layers`` with ``num_layers / (stages * repeats)``
-      layers). All stages run it at once: under ``jax.shard_map`` with ``stage`` manual, each
-      on its own stage's devices, when the mesh's ``stage`` axis is ``stages`` long (so a
-      ``shard_map`` inside it, such as the MoE dispatch per batch shard, nests in this one);
-      else vmapped over stages with ``spmd_axis_name='stage'``.
+      layers). All stages run it at once, under ``jax.shard_map`` with ``stage`` manual when
+      the mesh's ``stage`` axis is ``stages`` long, else vmapped (see :func:`_per_stage`).
     stages: pipeline stages; default the ``stage`` mesh axis size.
     microbatches: micro-batches per batch; default
       :func:`maxnnx.sharding.pipeline_microbatches` (one per stage unless the
