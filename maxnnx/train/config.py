@@ -239,7 +239,7 @@ class TrainConfig(ValidatedConfig):
     if self.parameter_streaming and (self.mesh.stage, self.mesh.dcn_stage) != (1, 1):
       raise ConfigError(f'TrainConfig.parameter_streaming=True does not run with pipeline stages '
                         f'(mesh.stage={self.mesh.stage}, mesh.dcn_stage={self.mesh.dcn_stage}): '
-                        'the stages scan their layers inside a vmap; use '
+                        'the pipeline splits the layer stacks over the stages; use '
                         'parameter_memory_host_offload alone.')
     if not 0 <= self.decay_fraction <= 1:
       raise ConfigError('TrainConfig.decay_fraction must be in [0, 1].')

@@ -135,7 +135,6 @@ def model_to_device(model) -> None:
   nnx.update(model, jax.tree.map(to_device, nnx.state(model)))
 
 
-
 __all__ = ['model_to_device', 'optimizer_state_on_host', 'optimizer_state_over_data',
            'optimizer_state_to_device', 'parameters_on_device', 'parameters_on_host',
            'parameters_to_device']
